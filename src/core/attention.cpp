@@ -1,0 +1,217 @@
+// Public entry points of the executors: validate, fill the params struct, dispatch
+// to one backend (the one dispatch place, STYLE.md 8).
+#include "sparsa/attention.h"
+
+#include <cmath>
+#include <limits>
+
+#include "core/backends.h"
+#include "core/validate.h"
+
+namespace sparsa {
+
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::cpu_ref: return "cpu_ref";
+    case Backend::cpu: return "cpu";
+    case Backend::cuda: return "cuda";
+  }
+  return "?";
+}
+
+Result<Backend> parse_backend(const std::string& name) {
+  if (name == "cpu_ref") return Backend::cpu_ref;
+  if (name == "cpu") return Backend::cpu;
+  if (name == "cuda") return Backend::cuda;
+  return invalid_argument("backend: expected cpu_ref, cpu or cuda, got '" + name + "'");
+}
+
+bool backend_available(Backend backend) {
+  if (backend == Backend::cuda) return false;  // no CUDA attention kernels yet
+  return true;
+}
+
+namespace {
+
+using detail::AttentionParams;
+using detail::check_attention_tensor;
+using detail::check_dtype;
+using detail::check_shape;
+
+Status check_backend(Backend backend) {
+  if (!backend_available(backend)) {
+    return {StatusCode::unsupported, std::string("backend: '") + backend_name(backend) +
+                                         "' is not available in this build"};
+  }
+  return {};
+}
+
+Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                    const Tensor& lse, const AttentionOptions& options, AttentionParams* p) {
+  SPARSA_RETURN_IF_ERROR(check_backend(options.backend));
+  const Device host{};
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, host));
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("k", k, host));
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("v", v, host));
+  if (k.dtype != q.dtype) {
+    return unsupported_dtype(std::string("k: dtype ") + dtype_name(k.dtype) + " differs from q's " +
+                             dtype_name(q.dtype));
+  }
+  if (v.dtype != q.dtype) {
+    return unsupported_dtype(std::string("v: dtype ") + dtype_name(v.dtype) + " differs from q's " +
+                             dtype_name(q.dtype));
+  }
+  const int64_t batch = q.shape[0], heads_q = q.shape[1], len_q = q.shape[2], head_dim = q.shape[3];
+  const int64_t heads_kv = k.shape[1], len_kv = k.shape[2];
+  if (k.shape[0] != batch) {
+    return invalid_argument("k: batch " + std::to_string(k.shape[0]) + " differs from q's batch " +
+                            std::to_string(batch));
+  }
+  if (k.shape[3] != head_dim) {
+    return invalid_argument("k: head_dim " + std::to_string(k.shape[3]) + " differs from q's head_dim " +
+                            std::to_string(head_dim));
+  }
+  if (heads_q % heads_kv != 0) {
+    return invalid_argument("k: heads_q (" + std::to_string(heads_q) + ") must be a multiple of heads_kv (" +
+                            std::to_string(heads_kv) + ") for grouped-query attention");
+  }
+  if (v.shape[0] != batch || v.shape[1] != heads_kv || v.shape[2] != len_kv || v.shape[3] != head_dim) {
+    return invalid_argument("v: expected shape " +
+                            detail::shape_string({batch, heads_kv, len_kv, head_dim}) + " (as k), got " +
+                            v.shape_string());
+  }
+  SPARSA_RETURN_IF_ERROR(check_shape("out", out, {batch, heads_q, len_q, head_dim}));
+  SPARSA_RETURN_IF_ERROR(check_dtype("out", out, q.dtype));
+  if (out.strides[3] != 1) return invalid_argument("out: the last dimension must be contiguous (stride 1)");
+  SPARSA_RETURN_IF_ERROR(check_shape("lse", lse, {batch, heads_q, len_q}));
+  SPARSA_RETURN_IF_ERROR(check_dtype("lse", lse, DType::f32));
+  if (!(out.device == host) || !(lse.device == host)) {
+    return invalid_argument("out: outputs must be on " + device_name(host));
+  }
+  const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
+  if (!std::isfinite(scale) || scale <= 0.0f) {
+    return invalid_argument("scale: expected a finite positive number, got " + std::to_string(scale));
+  }
+  if (options.num_threads < 0) {
+    return invalid_argument("num_threads: expected >= 0, got " + std::to_string(options.num_threads));
+  }
+  if (options.check_finite) {
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("v", v));
+  }
+  p->q = q.data;
+  p->k = k.data;
+  p->v = v.data;
+  p->dtype = q.dtype;
+  for (int d = 0; d < 3; ++d) {
+    p->q_stride[d] = q.strides[d];
+    p->k_stride[d] = k.strides[d];
+    p->v_stride[d] = v.strides[d];
+    p->out_stride[d] = out.strides[d];
+  }
+  p->out = out.data;
+  p->lse = static_cast<float*>(lse.data);
+  p->lse_stride[0] = lse.strides[0];
+  p->lse_stride[1] = lse.strides[1];
+  p->lse_seq_stride = lse.strides[2];
+  p->batch = batch;
+  p->heads_q = heads_q;
+  p->heads_kv = heads_kv;
+  p->len_q = len_q;
+  p->len_kv = len_kv;
+  p->head_dim = head_dim;
+  p->scale = scale;
+  p->num_threads = options.num_threads;
+  return {};
+}
+
+Status run(const AttentionParams& p, Backend backend) {
+  switch (backend) {
+    case Backend::cpu_ref: return cpu_ref::attention(p);
+    case Backend::cpu: return cpu::attention(p);
+    case Backend::cuda: break;
+  }
+  return check_backend(backend);
+}
+
+AttentionOutput allocate_outputs(const Tensor& q) {
+  AttentionOutput o;
+  if (q.ndim == 4) {
+    o.out = HostArray(q.dtype, {q.shape[0], q.shape[1], q.shape[2], q.shape[3]});
+    o.lse = HostArray(DType::f32, {q.shape[0], q.shape[1], q.shape[2]});
+  }
+  return o;
+}
+
+}  // namespace
+
+Status dense(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+             const AttentionOptions& options) {
+  AttentionParams p;
+  SPARSA_RETURN_IF_ERROR(build_params(q, k, v, out, lse, options, &p));
+  return run(p, options.backend);
+}
+
+Status block_sparse(const Tensor& q, const Tensor& k, const Tensor& v, const BlockIndex& index,
+                    const Tensor& out, const Tensor& lse, const AttentionOptions& options) {
+  AttentionParams p;
+  SPARSA_RETURN_IF_ERROR(build_params(q, k, v, out, lse, options, &p));
+  SPARSA_RETURN_IF_ERROR(validate_block_index(index, p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_kv));
+  p.index = &index;
+  return run(p, options.backend);
+}
+
+Result<AttentionOutput> dense(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const AttentionOptions& options) {
+  if (q.ndim != 4) SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, Device{}));
+  AttentionOutput o = allocate_outputs(q);
+  SPARSA_RETURN_IF_ERROR(dense(q, k, v, o.out.view(), o.lse.view(), options));
+  return o;
+}
+
+Result<AttentionOutput> block_sparse(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const BlockIndex& index, const AttentionOptions& options) {
+  if (q.ndim != 4) SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, Device{}));
+  AttentionOutput o = allocate_outputs(q);
+  SPARSA_RETURN_IF_ERROR(block_sparse(q, k, v, index, o.out.view(), o.lse.view(), options));
+  return o;
+}
+
+Status merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor& lse2,
+             const Tensor& out, const Tensor& lse, Backend backend) {
+  SPARSA_RETURN_IF_ERROR(check_backend(backend));
+  const Device host{};
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("o1", o1, host));
+  const int64_t b = o1.shape[0], h = o1.shape[1], l = o1.shape[2], d = o1.shape[3];
+  SPARSA_RETURN_IF_ERROR(check_shape("o2", o2, {b, h, l, d}));
+  SPARSA_RETURN_IF_ERROR(check_dtype("o2", o2, o1.dtype));
+  SPARSA_RETURN_IF_ERROR(check_shape("out", out, {b, h, l, d}));
+  SPARSA_RETURN_IF_ERROR(check_dtype("out", out, o1.dtype));
+  for (auto [name, t] : {std::pair{"o2", &o2}, std::pair{"out", &out}}) {
+    if (t->strides[3] != 1) return invalid_argument(std::string(name) + ": the last dimension must be contiguous");
+    if (!(t->device == host)) return invalid_argument(std::string(name) + ": expected a tensor on cpu");
+  }
+  for (auto [name, t] : {std::pair{"lse1", &lse1}, std::pair{"lse2", &lse2}, std::pair{"lse", &lse}}) {
+    SPARSA_RETURN_IF_ERROR(check_shape(name, *t, {b, h, l}));
+    SPARSA_RETURN_IF_ERROR(check_dtype(name, *t, DType::f32));
+    if (!(t->device == host)) return invalid_argument(std::string(name) + ": expected a tensor on cpu");
+  }
+  detail::MergeParams p{o1, lse1, o2, lse2, out, lse};
+  switch (backend) {
+    case Backend::cpu_ref: return cpu_ref::merge(p);
+    case Backend::cpu: return cpu::merge(p);
+    case Backend::cuda: break;
+  }
+  return check_backend(backend);
+}
+
+Result<AttentionOutput> merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor& lse2,
+                              Backend backend) {
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("o1", o1, Device{}));
+  AttentionOutput o = allocate_outputs(o1);
+  SPARSA_RETURN_IF_ERROR(merge(o1, lse1, o2, lse2, o.out.view(), o.lse.view(), backend));
+  return o;
+}
+
+}  // namespace sparsa

@@ -1,0 +1,96 @@
+// Internal: the plain params struct every attention backend takes (STYLE.md 3).
+// Built once by the validated public entry points; backends trust it.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsa/index.h"
+#include "sparsa/tensor.h"
+
+namespace sparsa::detail {
+
+struct AttentionParams {
+  // Inputs [batch, heads, seq, head_dim]; strides in elements for (batch, head, seq).
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DType dtype = DType::f32;  // of q, k, v and out
+  int64_t q_stride[3] = {};
+  int64_t k_stride[3] = {};
+  int64_t v_stride[3] = {};
+  // Outputs.
+  void* out = nullptr;
+  float* lse = nullptr;
+  int64_t out_stride[3] = {};
+  int64_t lse_stride[2] = {};  // (batch, head); seq stride in lse_seq_stride
+  int64_t lse_seq_stride = 1;
+
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_kv = 0, head_dim = 0;
+  float scale = 1.0f;
+  int num_threads = 0;
+
+  // Block-sparse plan (nullptr for dense).
+  const BlockIndex* index = nullptr;
+
+  int64_t group() const { return heads_q / heads_kv; }
+  int64_t q_off(int64_t b, int64_t h, int64_t i) const {
+    return b * q_stride[0] + h * q_stride[1] + i * q_stride[2];
+  }
+  int64_t k_off(int64_t b, int64_t h, int64_t j) const {
+    return b * k_stride[0] + h * k_stride[1] + j * k_stride[2];
+  }
+  int64_t v_off(int64_t b, int64_t h, int64_t j) const {
+    return b * v_stride[0] + h * v_stride[1] + j * v_stride[2];
+  }
+  int64_t out_off(int64_t b, int64_t h, int64_t i) const {
+    return b * out_stride[0] + h * out_stride[1] + i * out_stride[2];
+  }
+  float& lse_at(int64_t b, int64_t h, int64_t i) const {
+    return lse[b * lse_stride[0] + h * lse_stride[1] + i * lse_seq_stride];
+  }
+};
+
+// Read helpers for BlockIndex tensors (i32, any strides).
+inline int32_t index_count(const BlockIndex& ix, int64_t b, int64_t h, int64_t qb) {
+  return ix.counts.ptr<const int32_t>()[ix.counts.offset({b, h, qb})];
+}
+inline int32_t index_block(const BlockIndex& ix, int64_t b, int64_t h, int64_t qb, int64_t slot) {
+  return ix.indices.ptr<const int32_t>()[ix.indices.offset({b, h, qb, slot})];
+}
+// Original token of permuted position p (identity without a permutation).
+inline int64_t perm_q_at(const BlockIndex& ix, int64_t b, int64_t h, int64_t p) {
+  return ix.perm_q.defined() ? ix.perm_q.ptr<const int32_t>()[ix.perm_q.offset({b, h, p})] : p;
+}
+inline int64_t perm_kv_at(const BlockIndex& ix, int64_t b, int64_t h_kv, int64_t p) {
+  return ix.perm_kv.defined() ? ix.perm_kv.ptr<const int32_t>()[ix.perm_kv.offset({b, h_kv, p})] : p;
+}
+
+// Element loads/stores of the attention dtypes.
+inline float load_element(const void* base, DType dtype, int64_t offset) {
+  switch (dtype) {
+    case DType::f32: return static_cast<const float*>(base)[offset];
+    case DType::f16: return half_to_float(static_cast<const uint16_t*>(base)[offset]);
+    case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(base)[offset]);
+    case DType::i32: return static_cast<float>(static_cast<const int32_t*>(base)[offset]);
+  }
+  return 0.0f;
+}
+inline void store_element(void* base, DType dtype, int64_t offset, float x) {
+  switch (dtype) {
+    case DType::f32: static_cast<float*>(base)[offset] = x; break;
+    case DType::f16: static_cast<uint16_t*>(base)[offset] = float_to_half(x); break;
+    case DType::bf16: static_cast<uint16_t*>(base)[offset] = float_to_bf16(x); break;
+    case DType::i32: static_cast<int32_t*>(base)[offset] = static_cast<int32_t>(x); break;
+  }
+}
+// n contiguous elements into f32.
+inline void load_row(const void* base, DType dtype, int64_t offset, int64_t n, float* dst) {
+  if (dtype == DType::f32) {
+    const float* src = static_cast<const float*>(base) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_element(base, dtype, offset + i);
+}
+
+}  // namespace sparsa::detail

@@ -1,0 +1,32 @@
+// Internal: what each backend implements. The public entry points in src/core/
+// validate, fill the params struct and call exactly one of these.
+#pragma once
+
+#include "core/attention_params.h"
+#include "sparsa/status.h"
+
+namespace sparsa::detail {
+
+struct MergeParams {
+  Tensor o1, lse1, o2, lse2, out, lse;  // validated: same shapes, f32 lse
+};
+
+}  // namespace sparsa::detail
+
+namespace sparsa::cpu_ref {
+// params.index == nullptr: dense over all keys; else the block-sparse plan.
+Status attention(const detail::AttentionParams& params);
+Status merge(const detail::MergeParams& params);
+}  // namespace sparsa::cpu_ref
+
+namespace sparsa::cpu {
+Status attention(const detail::AttentionParams& params);
+Status merge(const detail::MergeParams& params);
+}  // namespace sparsa::cpu
+
+namespace sparsa::cuda {
+bool compiled_in();
+// Number of visible CUDA devices (0 when none or not compiled in), and a description.
+int device_count();
+std::string device_description(int device);
+}  // namespace sparsa::cuda

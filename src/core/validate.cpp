@@ -1,0 +1,104 @@
+#include "core/validate.h"
+
+#include <cmath>
+
+namespace sparsa::detail {
+
+std::string shape_string(std::initializer_list<int64_t> shape) {
+  std::string s = "[";
+  bool first = true;
+  for (int64_t x : shape) {
+    if (!first) s += ", ";
+    s += std::to_string(x);
+    first = false;
+  }
+  return s + "]";
+}
+
+Status check_attention_tensor(const char* name, const Tensor& t, Device device) {
+  static const char* kDimNames[] = {"batch", "heads", "seq", "head_dim"};
+  const std::string n = name;
+  if (t.data == nullptr) return invalid_argument(n + ": is missing (null data)");
+  if (t.ndim != 4) {
+    return invalid_argument(n + ": expected 4 dimensions [batch, heads, seq, head_dim], got " +
+                            std::to_string(t.ndim) + " " + t.shape_string());
+  }
+  if (t.dtype != DType::f32 && t.dtype != DType::f16 && t.dtype != DType::bf16) {
+    return unsupported_dtype(n + ": expected dtype f32, f16 or bf16, got " + dtype_name(t.dtype));
+  }
+  if (!(t.device == device)) {
+    return invalid_argument(n + ": expected a tensor on " + device_name(device) + ", got " +
+                            device_name(t.device));
+  }
+  for (int d = 0; d < 4; ++d) {
+    if (t.shape[d] <= 0) {
+      return invalid_argument(n + ": " + kDimNames[d] + " (dim " + std::to_string(d) + ") is " +
+                              std::to_string(t.shape[d]) + "; empty " + kDimNames[d] +
+                              " is not accepted, shape " + t.shape_string());
+    }
+    if (t.strides[d] < 0) {
+      return invalid_argument(n + ": negative stride " + std::to_string(t.strides[d]) + " in dim " +
+                              std::to_string(d) + " is not supported");
+    }
+  }
+  if (t.strides[3] != 1 && t.shape[3] != 1) {
+    return invalid_argument(n + ": the last dimension (head_dim) must be contiguous (stride 1), got stride " +
+                            std::to_string(t.strides[3]));
+  }
+  if (t.shape[3] > 1024) {
+    return invalid_argument(n + ": head_dim " + std::to_string(t.shape[3]) + " exceeds the maximum 1024");
+  }
+  return {};
+}
+
+Status check_shape(const char* name, const Tensor& t, std::initializer_list<int64_t> shape) {
+  bool same = t.ndim == static_cast<int>(shape.size());
+  int d = 0;
+  for (int64_t s : shape) {
+    if (!same) break;
+    same = t.shape[d++] == s;
+  }
+  if (t.data == nullptr) return invalid_argument(std::string(name) + ": is missing (null data)");
+  if (!same) {
+    return invalid_argument(std::string(name) + ": expected shape " + shape_string(shape) + ", got " +
+                            t.shape_string());
+  }
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.strides[i] < 0) {
+      return invalid_argument(std::string(name) + ": negative stride in dim " + std::to_string(i) +
+                              " is not supported");
+    }
+  }
+  return {};
+}
+
+Status check_dtype(const char* name, const Tensor& t, DType dtype) {
+  if (t.dtype != dtype) {
+    return unsupported_dtype(std::string(name) + ": expected dtype " + dtype_name(dtype) + ", got " +
+                             dtype_name(t.dtype));
+  }
+  return {};
+}
+
+Status check_finite(const char* name, const Tensor& t) {
+  if (t.dtype == DType::i32) return {};
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = load_as_double(t, i);
+    if (!std::isfinite(x)) {
+      std::string where;
+      int64_t rem = i;
+      std::vector<int64_t> idx(t.ndim);
+      for (int d = t.ndim - 1; d >= 0; --d) {
+        idx[d] = rem % t.shape[d];
+        rem /= t.shape[d];
+      }
+      for (int d = 0; d < t.ndim; ++d) where += (d ? ", " : "") + std::to_string(idx[d]);
+      return {StatusCode::non_finite, std::string(name) + ": contains " + (std::isnan(x) ? "NaN" : "Inf") +
+                                          " at [" + where + "] (check_finite)"};
+    }
+  }
+  return {};
+}
+
+}  // namespace sparsa::detail

@@ -1,0 +1,22 @@
+// Internal: argument checks shared by every public entry point. Each returns a
+// Status whose message names the argument, what was expected and what was given.
+#pragma once
+
+#include <string>
+
+#include "sparsa/tensor.h"
+
+namespace sparsa::detail {
+
+// A 4-d [batch, heads, seq, head_dim] float tensor on `device`, non-empty,
+// contiguous last dimension, non-negative strides.
+Status check_attention_tensor(const char* name, const Tensor& t, Device device);
+// A tensor of exactly `shape` and `dtype` (for outputs and side inputs).
+Status check_shape(const char* name, const Tensor& t, std::initializer_list<int64_t> shape);
+Status check_dtype(const char* name, const Tensor& t, DType dtype);
+// NaN/Inf scan (CPU tensors); the message names the first bad element.
+Status check_finite(const char* name, const Tensor& t);
+
+std::string shape_string(std::initializer_list<int64_t> shape);
+
+}  // namespace sparsa::detail

@@ -1,0 +1,114 @@
+// cpu_ref attention: the specification of dense and block-sparse attention.
+//
+// Plain loops, f64 accumulation, no tiling, no online softmax. For one query row:
+//   s_j   = scale * <q, k_j>                 for every visible key j
+//   lse   = log(sum_j exp(s_j))              (-inf when no key is visible)
+//   o     = sum_j exp(s_j - lse) * v_j       (0 when no key is visible)
+// Block-sparse: the visible keys of query (permuted) position p in block qb are the
+// tokens of key blocks indices[b, h, qb, 0..counts), read through perm_kv; the row is
+// written at original position perm_q[p].
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/backends.h"
+
+namespace sparsa::cpu_ref {
+
+using detail::AttentionParams;
+
+namespace {
+
+// One query row against a list of key positions (original token indices).
+// q_row: [head_dim]; keys: positions into K/V of kv head h_kv; writes out row and lse.
+void attend_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i_q, const std::vector<int64_t>& keys) {
+  const int64_t d = p.head_dim;
+  const int64_t h_kv = h / p.group();
+  std::vector<double> q(d), logits(keys.size()), o(d, 0.0);
+  for (int64_t t = 0; t < d; ++t) q[t] = detail::load_element(p.q, p.dtype, p.q_off(b, h, i_q) + t);
+
+  double max_logit = -std::numeric_limits<double>::infinity();
+  for (size_t n = 0; n < keys.size(); ++n) {
+    double dot = 0.0;
+    for (int64_t t = 0; t < d; ++t) dot += q[t] * detail::load_element(p.k, p.dtype, p.k_off(b, h_kv, keys[n]) + t);
+    logits[n] = static_cast<double>(p.scale) * dot;
+    max_logit = std::max(max_logit, logits[n]);
+  }
+  double lse = -std::numeric_limits<double>::infinity();
+  if (!keys.empty()) {
+    double sum = 0.0;
+    for (double s : logits) sum += std::exp(s - max_logit);
+    lse = max_logit + std::log(sum);
+    for (size_t n = 0; n < keys.size(); ++n) {
+      const double w = std::exp(logits[n] - lse);
+      for (int64_t t = 0; t < d; ++t) o[t] += w * detail::load_element(p.v, p.dtype, p.v_off(b, h_kv, keys[n]) + t);
+    }
+  }
+  for (int64_t t = 0; t < d; ++t) detail::store_element(p.out, p.dtype, p.out_off(b, h, i_q) + t, static_cast<float>(o[t]));
+  p.lse_at(b, h, i_q) = static_cast<float>(lse);
+}
+
+}  // namespace
+
+Status attention(const AttentionParams& p) {
+  std::vector<int64_t> keys;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      if (p.index == nullptr) {  // dense: every key is visible
+        keys.resize(p.len_kv);
+        for (int64_t j = 0; j < p.len_kv; ++j) keys[j] = j;
+        for (int64_t i = 0; i < p.len_q; ++i) attend_row(p, b, h, i, keys);
+        continue;
+      }
+      const BlockIndex& ix = *p.index;
+      const int64_t h_kv = h / p.group();
+      for (int64_t qb = 0; qb < ix.num_q_blocks; ++qb) {
+        keys.clear();
+        const int32_t count = detail::index_count(ix, b, h, qb);
+        for (int32_t s = 0; s < count; ++s) {
+          const int64_t kb = detail::index_block(ix, b, h, qb, s);
+          for (int64_t pk = kb * ix.block_kv; pk < std::min<int64_t>((kb + 1) * ix.block_kv, p.len_kv); ++pk) {
+            keys.push_back(detail::perm_kv_at(ix, b, h_kv, pk));
+          }
+        }
+        for (int64_t pq = qb * ix.block_q; pq < std::min<int64_t>((qb + 1) * ix.block_q, p.len_q); ++pq) {
+          attend_row(p, b, h, detail::perm_q_at(ix, b, h, pq), keys);
+        }
+      }
+    }
+  }
+  return {};
+}
+
+Status merge(const detail::MergeParams& p) {
+  const Tensor& o1 = p.o1;
+  const int64_t B = o1.shape[0], H = o1.shape[1], L = o1.shape[2], D = o1.shape[3];
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = 0; i < L; ++i) {
+        const double l1 = p.lse1.ptr<const float>()[p.lse1.offset({b, h, i})];
+        const double l2 = p.lse2.ptr<const float>()[p.lse2.offset({b, h, i})];
+        const double m = std::max(l1, l2);
+        double w1 = 0.0, w2 = 0.0, l = neg_inf;
+        if (m != neg_inf) {
+          w1 = std::exp(l1 - m);
+          w2 = std::exp(l2 - m);
+          l = m + std::log(w1 + w2);
+        }
+        for (int64_t t = 0; t < D; ++t) {
+          double o = 0.0;
+          if (m != neg_inf) {
+            o = (w1 * detail::load_element(o1.data, o1.dtype, o1.offset({b, h, i, t})) +
+                 w2 * detail::load_element(p.o2.data, p.o2.dtype, p.o2.offset({b, h, i, t}))) / (w1 + w2);
+          }
+          detail::store_element(p.out.data, p.out.dtype, p.out.offset({b, h, i, t}), static_cast<float>(o));
+        }
+        p.lse.ptr<float>()[p.lse.offset({b, h, i})] = static_cast<float>(l);
+      }
+    }
+  }
+  return {};
+}
+
+}  // namespace sparsa::cpu_ref

@@ -1,0 +1,8 @@
+// Built instead of the CUDA sources when SPARSA_CUDA is off.
+#include "core/backends.h"
+
+namespace sparsa::cuda {
+bool compiled_in() { return false; }
+int device_count() { return 0; }
+std::string device_description(int) { return "CUDA not compiled in"; }
+}  // namespace sparsa::cuda

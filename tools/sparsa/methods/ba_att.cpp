@@ -4,6 +4,7 @@
 
 #include "methods.h"
 #include "params.h"
+#include "methods/selectors.h"
 #include "sparsa/ba_att.h"
 #include "util.h"
 
@@ -46,9 +47,16 @@ Result<std::pair<int, int>> block_params(const Params& p, int fallback) {
   return std::pair<int, int>{static_cast<int>(*block_q), static_cast<int>(*block_kv)};
 }
 
-Result<BaAttOptions> ba_att_options(const MethodInputs& in) {
-  const Params& p = in.params;
-  SPARSA_RETURN_IF_ERROR(check_known_params("ba_att", p,
+}  // namespace
+
+Result<BaAttOptions> ba_att_options_from(const std::string& method, const MethodInputs& in) {
+  Params p = in.params;
+  if (method == "mean_pool") {
+    SPARSA_RETURN_IF_ERROR(check_known_params(method, p, {"block", "block_q", "block_kv", "density", "kappa", "tau"}));
+    p["sort"] = false;
+    p["compensate"] = false;
+  }
+  SPARSA_RETURN_IF_ERROR(check_known_params(method, p,
                                             {"block", "block_q", "block_kv", "density", "kappa", "tau", "sort",
                                              "sort_q", "sort_k", "window", "compensate", "compensation", "beta"}));
   BaAttOptions o;
@@ -56,7 +64,7 @@ Result<BaAttOptions> ba_att_options(const MethodInputs& in) {
   if (!blocks.ok()) return blocks.status();
   o.block_q = blocks->first;
   o.block_kv = blocks->second;
-  auto budget = budget_param("ba_att", p, 0.1);
+  auto budget = budget_param(method, p, 0.1);
   if (!budget.ok()) return budget.status();
   o.budget = *budget;
   if (p.contains("sort") && (p.contains("sort_q") || p.contains("sort_k"))) {
@@ -91,6 +99,8 @@ Result<BaAttOptions> ba_att_options(const MethodInputs& in) {
   return o;
 }
 
+namespace {
+
 nlohmann::json plan_summary(const BlockIndexBuffer& plan, double density) {
   nlohmann::json s;
   s["block_q"] = plan.block_q;
@@ -104,8 +114,8 @@ nlohmann::json plan_summary(const BlockIndexBuffer& plan, double density) {
   return s;
 }
 
-Result<MethodOutput> run_ba_att(const MethodInputs& in) {
-  auto options = ba_att_options(in);
+Result<MethodOutput> run_selector(const std::string& method, const MethodInputs& in) {
+  auto options = ba_att_options_from(method, in);
   if (!options.ok()) return options.status();
   const double t0 = now_seconds();
   auto plan = ba_att_plan(in.q, in.k, *options);
@@ -124,6 +134,9 @@ Result<MethodOutput> run_ba_att(const MethodInputs& in) {
   out.plan["sort_window"] = options->sort_window;
   return out;
 }
+
+Result<MethodOutput> run_ba_att(const MethodInputs& in) { return run_selector("ba_att", in); }
+Result<MethodOutput> run_mean_pool(const MethodInputs& in) { return run_selector("mean_pool", in); }
 
 }  // namespace
 
@@ -144,4 +157,16 @@ SPARSA_REGISTER_METHOD(Method{
     .demo_params = Params{{"block", 64}, {"density", 0.1}},
 });
 
+}  // namespace sparsa::cli
+
+namespace sparsa::cli {
+SPARSA_REGISTER_METHOD(Method{
+    .name = "mean_pool",
+    .summary = "plain mean-pool top-k (ba_att without sorting or compensation), the baseline of the sorting ablation",
+    .param_help = {"block=64       tokens per block (sets block_q and block_kv)",
+                   "density=0.1    fraction of key blocks kept per query block (or kappa=K, or tau=T)"},
+    .run = run_mean_pool,
+    .in_demo = false,
+    .demo_params = Params{{"block", 64}, {"density", 0.1}},
+});
 }  // namespace sparsa::cli

@@ -4,6 +4,7 @@
 
 #include "methods.h"
 #include "params.h"
+#include "methods/selectors.h"
 #include "sparsa/xattention.h"
 #include "util.h"
 
@@ -12,7 +13,9 @@ namespace {
 
 constexpr int64_t kMaxBlock = 1 << 20;
 
-Result<XAttentionOptions> xattention_options(const MethodInputs& in) {
+}  // namespace
+
+Result<XAttentionOptions> xattention_options_from(const MethodInputs& in) {
   const Params& p = in.params;
   SPARSA_RETURN_IF_ERROR(check_known_params(
       "xattention", p, {"block", "stride", "tau", "density", "kappa", "force_first", "force_diagonal"}));
@@ -51,8 +54,10 @@ Result<XAttentionOptions> xattention_options(const MethodInputs& in) {
   return o;
 }
 
+namespace {
+
 Result<MethodOutput> run_xattention(const MethodInputs& in) {
-  auto options = xattention_options(in);
+  auto options = xattention_options_from(in);
   if (!options.ok()) return options.status();
   const double t0 = now_seconds();
   auto plan = xattention_plan(in.q, in.k, *options);

@@ -245,7 +245,8 @@ std::string describe(const PyValue& v) {
 Result<DType> npy_dtype(const std::string& path, const PyValue& descr) {
   if (descr.kind == PyValue::Kind::list) {
     return detail::file_error(StatusCode::unsupported_dtype, path,
-                              "structured dtypes (a list as 'descr') are not supported; expected '<f4', '<f2' or '<i4'");
+                              "structured dtypes (a list as 'descr') are not supported; "
+                              "expected '<f4', '<f2' or '<i4'");
   }
   if (descr.kind != PyValue::Kind::string) {
     return malformed(path, "header 'descr': expected a dtype string such as '<f4', got " + describe(descr));

@@ -126,7 +126,8 @@ Result<EntryInfo> parse_entry(const std::string& path, const std::string& name, 
   }
   int64_t numel = 0, nbytes = 0;
   if (!detail::checked_nbytes(e.shape, dtype_size(e.dtype), &numel, &nbytes)) {
-    return malformed(path, where + ": shape " + shape.dump() + " of " + d + " overflows: its element count or byte size exceeds int64");
+    return malformed(path, where + ": shape " + shape.dump() + " of " + d +
+                               " overflows: its element count or byte size exceeds int64");
   }
 
   const Json& offsets = info["data_offsets"];
@@ -173,7 +174,9 @@ Result<Header> read_header(detail::InputFile& file) {
     return malformed(path, "header length " + std::to_string(header_len) + " exceeds the limit of " +
                                std::to_string(kMaxHeaderBytes) + " bytes");
   }
-  if (header_len < 2) return malformed(path, "header length " + std::to_string(header_len) + " is too small for a JSON object");
+  if (header_len < 2) {
+    return malformed(path, "header length " + std::to_string(header_len) + " is too small for a JSON object");
+  }
   std::string text(static_cast<size_t>(header_len), '\0');
   SPARSA_RETURN_IF_ERROR(file.read_at(8, text.data(), header_len, "header"));
   if (text[0] != '{') {
@@ -209,7 +212,9 @@ Result<Header> read_header(detail::InputFile& file) {
     return malformed(path, "bad JSON header: " + what);
   }
   if (!duplicate.empty()) return malformed(path, "duplicate key " + entry_label(duplicate) + " in the JSON header");
-  if (!header.is_object()) return malformed(path, std::string("header is not a JSON object, got ") + header.type_name());
+  if (!header.is_object()) {
+    return malformed(path, std::string("header is not a JSON object, got ") + header.type_name());
+  }
 
   Header h;
   h.data_start = 8 + header_len;
@@ -324,12 +329,13 @@ Status write_safetensors(const std::string& path, const std::vector<std::pair<st
   std::string text;
   try {
     text = header.dump();  // strict: throws on names that are not UTF-8
-  } catch (const nlohmann::json::type_error& e) {
+  } catch (const nlohmann::json::type_error&) {
     return invalid_argument("tensors: every name must be valid UTF-8");
   }
   text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
   unsigned char length_bytes[8];
-  for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  const uint64_t header_len = text.size();
+  for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>(header_len >> (8 * i));
 
   auto out = detail::OutputFile::create(path);
   if (!out.ok()) return out.status();
@@ -360,8 +366,8 @@ Result<HostArray> read_tensor(const std::string& path_and_name) {
   for (const EntryInfo& e : entries) {
     if (e.name == p->name) return read_entry(*opened, *header, e);
   }
-  return invalid_argument("path: " + p->file + " has no entry " + entry_label(p->name) +
-                          (entries.empty() ? std::string(" (it holds no tensors)") : " (entries: " + entry_list(*header) + ")"));
+  const std::string holds = entries.empty() ? " (it holds no tensors)" : " (entries: " + entry_list(*header) + ")";
+  return invalid_argument("path: " + p->file + " has no entry " + entry_label(p->name) + holds);
 }
 
 Status write_tensor(const std::string& path, const Tensor& tensor) {

@@ -599,7 +599,6 @@ Result<Workload> generate_workload(const WorkloadConfig& config) {
     workload.k = HostArray(config.dtype, {config.batch, config.heads_kv, config.len_kv, d});
     workload.v = HostArray(config.dtype, {config.batch, config.heads_kv, config.len_kv, d});
   } catch (const std::exception&) {  // bad_alloc, or length_error beyond max_size
-
     return Status(StatusCode::out_of_memory, "workload: cannot allocate q, k and v for " + describe(config));
   }
 

@@ -194,7 +194,7 @@ TEST(Workload, GoldenFingerprint) {
     const auto* bytes = static_cast<const unsigned char*>(a->data());
     for (size_t i = 0; i < a->nbytes(); ++i) hash = (hash ^ bytes[i]) * 0x100000001B3ull;
   }
-  EXPECT_EQ(hash, 0xF9FEF60FF4C24E77ull) << std::hex << "fingerprint 0x" << hash;
+  EXPECT_EQ(hash, 0x971F5BA8CA88C405ull) << std::hex << "fingerprint 0x" << hash;
 }
 
 TEST(Workload, HalfDtypesAreTheRoundedF32Workload) {
@@ -272,8 +272,12 @@ TEST(Workload, SinksDrawFarMoreThanUniformMass) {
   EXPECT_GT(std::accumulate(mass.begin(), mass.end(), 0.0) / mass.size(), 10 * uniform);
   // Control: the same positions as ordinary tokens get about uniform mass (at most a few
   // times it: the local band favours the first keys for the first queries).
+  // (Without sinks, retrieval spans and the tail: a key span may start at token 0, and a
+  // heavy-tailed ordinary key alone can draw ten times uniform mass.)
   WorkloadConfig control = config;
   control.sink_tokens = 0;
+  control.retrieval_pairs = 0;
+  control.norm_sigma = 0;
   const std::vector<double> control_mass = sink_mass_per_head(make(control), config.sink_tokens);
   print_values("control (no sinks)", control_mass);
   for (double m : control_mass) EXPECT_LT(m, 3 * uniform);
@@ -283,15 +287,17 @@ TEST(Workload, HeadsDifferAndVariationIsAKnob) {
   WorkloadConfig config = small_config();
   config.heads_q = config.heads_kv = 8;
   config.len_q = config.len_kv = 512;
-  config.norm_sigma = 0;  // the heavy tail alone makes sink mass vary between heads
+  config.norm_sigma = 0;     // the heavy tail alone makes sink mass vary between heads
+  config.sink_strength = 4;  // below saturation, where mass follows the strength
   auto spread = [&](float variation) {
     config.head_variation = variation;
     const std::vector<double> mass = sink_mass_per_head(make(config), config.sink_tokens);
     print_values("sink mass per head, head_variation " + std::to_string(variation), mass);
     return *std::max_element(mass.begin(), mass.end()) / *std::min_element(mass.begin(), mass.end());
   };
+  // Over seeds 0-15: 3.2-28 with variation, 1.2-2.2 without.
   EXPECT_GT(spread(1.0f), 2.5);  // sink strength alone varies by up to 4x between heads
-  EXPECT_LT(spread(0.0f), 1.6);  // only directions and noise differ
+  EXPECT_LT(spread(0.0f), 2.5);  // only directions and noise differ
 }
 
 TEST(Workload, LocalBandRaisesNearLogits) {
@@ -302,9 +308,10 @@ TEST(Workload, LocalBandRaisesNearLogits) {
   for (int64_t h = 0; h < config.heads_q; ++h) diffs.push_back(near_minus_far(w, h, near, far));
   print_values("near - far mean logit per head", diffs);
   for (int64_t h = 0; h < config.heads_q; ++h)
-    // Head strengths vary down to local_strength / 2 and widths down to local_width / 2,
-    // where the band at distance local_width / 4 is still above exp(-1/2) of its peak.
-    EXPECT_GT(diffs[h], 0.3 * config.local_strength) << "head " << h;
+    // The weakest head: strength x1/2, width x1/2 (band at distance < width/4 averages
+    // ~0.8 of its peak), query jitter down to x0.84, and the far mean lifted ~0.1 by the
+    // retrieval spans: about 0.25 x local_strength.
+    EXPECT_GT(diffs[h], 0.2 * config.local_strength) << "head " << h;
   // Control: no band (and no retrieval, whose distant spans lift the far mean by ~0.1).
   WorkloadConfig control = config;
   control.local_strength = 0;
@@ -315,30 +322,55 @@ TEST(Workload, LocalBandRaisesNearLogits) {
   for (double diff : control_diffs) EXPECT_LT(std::abs(diff), 0.05);
 }
 
+// Ranks of every (planted pair, query head of its group).
+std::vector<double> planted_ranks(const Workload& w) {
+  const int64_t group = w.config.heads_q / w.config.heads_kv;
+  std::vector<double> ranks;
+  for (const PlantedRetrieval& p : w.planted)
+    for (int64_t h = p.kv_head * group; h < (p.kv_head + 1) * group; ++h) ranks.push_back(planted_rank(w, h, p));
+  return ranks;
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// At the configured strengths (no head variation) retrieval (3) out-weighs the band (1.5)
+// and the sink block (4 sinks of 64 keys at 8), so the planted key block is among the top
+// three key blocks for its query span, for every pair and every query head of its group.
 TEST(Workload, PlantedKeySpanIsATopBlockForItsQuerySpan) {
   WorkloadConfig config = small_config();
-  const Workload w = make(config);
-  const int64_t group = config.heads_q / config.heads_kv;
-  std::vector<double> planted_ranks;
-  for (const PlantedRetrieval& p : w.planted)
-    for (int64_t h = p.kv_head * group; h < (p.kv_head + 1) * group; ++h) {  // every query head of the group
-      planted_ranks.push_back(planted_rank(w, h, p));
-      EXPECT_LE(planted_ranks.back(), 2) << "head " << h << " q " << p.q_start << " kv " << p.kv_start;
-    }
-  print_values("rank of the planted key block (0 = top)", planted_ranks);
+  config.head_variation = 0;
+  const std::vector<double> ranks = planted_ranks(make(config));
+  print_values("rank of the planted key block (0 = top)", ranks);
+  for (double rank : ranks) EXPECT_LE(rank, 2);
   // Control: without the planted directions the same block is an ordinary one.
   WorkloadConfig control = config;
   control.retrieval_strength = 0;
-  const Workload c = make(control);
-  std::vector<double> ranks;
-  for (const PlantedRetrieval& p : c.planted) ranks.push_back(planted_rank(c, p.kv_head * group, p));
-  print_values("control ranks (retrieval_strength 0)", ranks);
-  std::sort(ranks.begin(), ranks.end());
-  EXPECT_GT(ranks[ranks.size() / 2], 2);
+  const std::vector<double> control_ranks = planted_ranks(make(control));
+  print_values("control ranks (retrieval_strength 0)", control_ranks);
+  EXPECT_GT(median(control_ranks), 4);
 }
 
+// With head variation (the default) a head may be a strong, wide local head with weak
+// retrieval, where the blocks around the diagonal out-rank the planted one, as in real
+// models where heads specialise; most (pair, head) cases still rank it in the top three.
+TEST(Workload, PlantedKeySpanWithHeadVariation) {
+  WorkloadConfig config = small_config();
+  config.heads_q = config.heads_kv = 8;  // a sample of head types
+  const std::vector<double> ranks = planted_ranks(make(config));
+  print_values("rank of the planted key block (0 = top)", ranks);
+  const double top3 = std::count_if(ranks.begin(), ranks.end(), [](double r) { return r <= 2; });
+  EXPECT_GE(top3 / ranks.size(), 0.6);
+}
+
+// At the configured sigma (no head variation) a log-normal multiplier of sigma 0.35 gives
+// norms with excess kurtosis ~2 and max/median ~3 over 2K tokens; Gaussian rows give chi-like
+// norms: excess kurtosis 0 +- 0.11 (the standard error at n = 2044) and max/median ~1.3.
 TEST(Workload, TokenNormsAreHeavyTailed) {
   WorkloadConfig config = small_config();
+  config.head_variation = 0;
   const Workload w = make(config);
   // Control: no multipliers and no retrieval spans (whose keys are longer, a second mode).
   WorkloadConfig control = config;
@@ -352,10 +384,18 @@ TEST(Workload, TokenNormsAreHeavyTailed) {
                                                                         flat.excess_kurtosis, flat.max_over_median});
     EXPECT_GT(tail.excess_kurtosis, 1.0);
     EXPECT_GT(tail.max_over_median, 2.5);
-    EXPECT_LT(std::abs(flat.excess_kurtosis), 0.5);  // chi-like norms of Gaussian rows
+    EXPECT_LT(std::abs(flat.excess_kurtosis), 0.6);  // > 5 standard errors
     EXPECT_LT(flat.max_over_median, 1.6);
   }
-  for (int64_t h = 0; h < config.heads_q; ++h) EXPECT_GT(norm_tail(w.q, h, 0).excess_kurtosis, 1.0);
+  for (int64_t h = 0; h < config.heads_q; ++h) {
+    const TailStats tail = norm_tail(w.q, h, 0);
+    EXPECT_GT(tail.excess_kurtosis, 1.0);
+    EXPECT_GT(tail.max_over_median, 2.5);
+  }
+  // With head variation (the default) every head keeps a tail: sigma_g >= 0.25.
+  WorkloadConfig varied = small_config();
+  const Workload v = make(varied);
+  for (int64_t g = 0; g < varied.heads_kv; ++g) EXPECT_GT(norm_tail(v.k, g, varied.sink_tokens).max_over_median, 2.0);
 }
 
 // ---- validation and description -------------------------------------------------------
@@ -423,7 +463,7 @@ TEST(Workload, DescribeIsOneLineWithTheKnobs) {
   config.dtype = DType::bf16;
   const std::string line = describe(config);
   EXPECT_EQ(line.find('\n'), std::string::npos);
-  for (const char* part : {"seed=7", "heads=8/2", "len=4096x4096", "d=64", "bf16", "norm_sigma=0.5", "sinks=4@8", "sink_key_norm=2",
+  for (const char* part : {"seed=7", "heads=8/2", "len=4096x4096", "d=64", "bf16", "norm_sigma=0.35", "sinks=4@8", "sink_key_norm=2",
                            "local=1.5/256", "retrieval=8x64@3", "noise=1", "head_variation=1"})
     EXPECT_NE(line.find(part), std::string::npos) << part << " in " << line;
 }

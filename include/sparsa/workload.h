@@ -34,7 +34,7 @@ struct WorkloadConfig {
   int64_t head_dim = 64;
   DType dtype = DType::f32;       // f32, f16 or bf16 (generated in f32, then rounded)
 
-  float norm_sigma = 0.5f;        // log-normal sigma of per-token norm multipliers (heavy tail)
+  float norm_sigma = 0.35f;       // log-normal sigma of per-token norm multipliers (heavy tail)
   int sink_tokens = 4;            // leading keys with large norms that attract attention
   float sink_strength = 8.0f;     // mean logit a sharing query gives a sink key
   float sink_key_norm = 2.0f;     // norm of a sink key, in units of sqrt(head_dim)

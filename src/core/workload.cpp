@@ -467,8 +467,10 @@ void generate_chunk(const Context& ctx, Which which, int64_t batch, int64_t head
   token_rng.uniforms(span_draws.data(), count);
 
   const QueryHeadJitter jitter = is_query ? ctx.jitters[static_cast<size_t>(head)] : QueryHeadJitter{};
-  const float local_amplitude = std::sqrt(profile.local_strength * jitter.local) * fourth_root_d;
-  const float retrieval_amplitude = std::sqrt(profile.retrieval_strength * jitter.retrieval) * fourth_root_d;
+  // Key and query sides carry sqrt(strength) d^(1/4) each, so their logit is the strength;
+  // a query head's jitter multiplies its side (and so the logit) once.
+  const float local_amplitude = std::sqrt(profile.local_strength) * fourth_root_d * jitter.local;
+  const float retrieval_amplitude = std::sqrt(profile.retrieval_strength) * fourth_root_d * jitter.retrieval;
   const float sink_key_amplitude = config.sink_key_norm * root_d;
   // A query component beta along sink_dir gives logit beta * sink_key_norm: beta = S / sink_key_norm.
   const float sink_query_amplitude = profile.sink_strength * jitter.sink / config.sink_key_norm;

@@ -1,6 +1,6 @@
 // ba_att_evidence — the evidence tables of docs/ba_att.md, on the generated workload.
 //
-//   ba_att_evidence --experiment sort|bound|compare|beta|cost [--lens 4096,16384]
+//   ba_att_evidence --experiment sort|bound|compare|beta|planted|cost [--lens 4096,16384]
 //                   [--seeds 0,1,2] [--heads 8/2] [--block 64] [--stride 8] [--threads N]
 //
 // sort:    Table 7 analogue: mass recall and output error at 50/70/90% sparsity for
@@ -9,6 +9,7 @@
 //          logit deviation, before and after sorting, per head and pooled.
 // compare: ba_att against mean-pool top-k, xattention and the oracle top-k at equal density.
 // beta:    compensation weight beta in {0, 0.5, 1, 2} (and the exact term).
+// planted: share of the planted retrieval keys (workload.h) that each planted query sees.
 // cost:    selector time against dense attention, 4K-32K.
 // Every number is a mean over seeds (and over heads inside one run). Output: markdown.
 #include <chrono>
@@ -365,6 +366,87 @@ void experiment_beta(const Args& a) {
 }
 
 // One untimed warm-up run (page faults, thread start), then the median of `repeats`.
+// For each planted (query span, key span) pair and each query head of its kv head: the
+// share of the span's keys visible to each span query under the plan, averaged.
+double planted_recall(const Workload& w, const BlockIndexBuffer& plan) {
+  const int64_t heads_q = w.q.shape()[1], heads_kv = w.k.shape()[1], len_q = w.q.shape()[2],
+                len_kv = w.k.shape()[2], group = heads_q / heads_kv;
+  const int64_t nq = plan.num_q_blocks, nk = plan.num_kv_blocks, cap = plan.indices.shape()[3];
+  double total = 0;
+  int64_t count = 0;
+  std::vector<int64_t> pos_q(len_q), pos_k(len_kv);
+  std::vector<char> kept(nk);
+  for (const PlantedRetrieval& p : w.planted) {
+    for (int64_t h = p.kv_head * group; h < (p.kv_head + 1) * group; ++h) {
+      for (int64_t i = 0; i < len_q; ++i) {  // permuted position of each token
+        const int64_t t = plan.perm_q.empty() ? i : plan.perm_q.ptr<int32_t>()[(p.batch * heads_q + h) * len_q + i];
+        pos_q[t] = i;
+      }
+      for (int64_t j = 0; j < len_kv; ++j) {
+        const int64_t t =
+            plan.perm_kv.empty() ? j : plan.perm_kv.ptr<int32_t>()[(p.batch * heads_kv + p.kv_head) * len_kv + j];
+        pos_k[t] = j;
+      }
+      for (int64_t i = p.q_start; i < p.q_start + p.length; ++i) {
+        const int64_t row = (p.batch * heads_q + h) * nq + pos_q[i] / plan.block_q;
+        std::fill(kept.begin(), kept.end(), 0);
+        for (int32_t s = 0; s < plan.counts.ptr<int32_t>()[row]; ++s) kept[plan.indices.ptr<int32_t>()[row * cap + s]] = 1;
+        int64_t visible = 0;
+        for (int64_t j = p.kv_start; j < p.kv_start + p.length; ++j) visible += kept[pos_k[j] / plan.block_kv];
+        total += static_cast<double>(visible) / static_cast<double>(p.length);
+        ++count;
+      }
+    }
+  }
+  return count ? total / static_cast<double>(count) : 0.0;
+}
+
+void experiment_planted(const Args& a) {
+  const std::vector<double> densities = {0.05, 0.1, 0.2};
+  const std::vector<std::string> methods = {"mean-pool top-k", "xattention S=" + std::to_string(a.stride),
+                                            "ba_att sort, no comp", "ba_att sort + Eq.14 beta=1",
+                                            "ba_att no sort + exact beta=1"};
+  for (int64_t len : a.lens) {
+    std::map<std::string, double> sum;
+    for (uint64_t seed : a.seeds) {
+      const Workload w = make_workload(a, len, seed);
+      for (double density : densities) {
+        auto add = [&](const std::string& m, const BlockIndexBuffer& plan) {
+          sum[m + "|" + std::to_string(density)] += planted_recall(w, plan) / a.seeds.size();
+        };
+        BaAttOptions o = ba_options(a);
+        o.budget = Budget::density(density);
+        o.sort_q = o.sort_k = o.compensate = false;
+        add(methods[0], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
+        XAttentionOptions xo;
+        xo.block_q = xo.block_kv = a.block;
+        xo.stride = a.stride;
+        xo.budget = Budget::density(density);
+        xo.num_threads = a.threads;
+        add(methods[1], check(xattention_plan(w.q.view(), w.k.view(), xo), "xattention"));
+        o.sort_q = o.sort_k = true;
+        add(methods[2], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
+        o.compensate = true;
+        add(methods[3], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
+        o.sort_q = o.sort_k = false;
+        o.compensation = Compensation::exact;
+        add(methods[4], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
+      }
+    }
+    std::printf("\n#### Planted retrieval keys seen by their queries (%s)\n\n| method |", header(a, len).c_str());
+    for (double d : densities) std::printf(" density %.2f |", d);
+    std::printf("\n|---|");
+    for (size_t i = 0; i < densities.size(); ++i) std::printf("---|");
+    std::printf("\n");
+    for (const std::string& m : methods) {
+      std::printf("| %s |", m.c_str());
+      for (double d : densities) std::printf(" %.4f |", sum[m + "|" + std::to_string(d)]);
+      std::printf("\n");
+    }
+    std::fflush(stdout);
+  }
+}
+
 double median_seconds(int repeats, const std::function<void()>& f, bool warmup = true) {
   if (warmup) f();
   std::vector<double> t;
@@ -424,7 +506,8 @@ int main(int argc, char** argv) {
   else if (a.experiment == "bound") experiment_bound(a);
   else if (a.experiment == "compare") experiment_compare(a);
   else if (a.experiment == "beta") experiment_beta(a);
+  else if (a.experiment == "planted") experiment_planted(a);
   else if (a.experiment == "cost") experiment_cost(a);
-  else die("unknown experiment '" + a.experiment + "' (sort|bound|compare|beta|cost)");
+  else die("unknown experiment '" + a.experiment + "' (sort|bound|compare|beta|planted|cost)");
   return 0;
 }

@@ -154,9 +154,11 @@ std::string header(const Args& a, int64_t len) {
 
 void experiment_sort(const Args& a) {
   const std::vector<double> sparsities = {0.5, 0.7, 0.9};
-  struct Config { const char* name; bool sort_q, sort_k; };
-  const std::vector<Config> configs = {{"no sort", false, false}, {"SortQ", true, false}, {"SortK", false, true},
-                                       {"SortQ+SortK", true, true}};
+  struct Config { const char* name; bool sort_q, sort_k; int64_t window; };
+  const std::vector<Config> configs = {{"no sort", false, false, 0},         {"SortQ", true, false, 0},
+                                       {"SortK", false, true, 0},            {"SortQ+SortK", true, true, 0},
+                                       {"SortQ+SortK, window 1024", true, true, 1024},
+                                       {"SortQ+SortK, window 256", true, true, 256}};
   for (int64_t len : a.lens) {
     Accumulator acc;
     for (uint64_t seed : a.seeds) {
@@ -169,6 +171,7 @@ void experiment_sort(const Args& a) {
           BaAttOptions o = ba_options(a);
           o.sort_q = c.sort_q;
           o.sort_k = c.sort_k;
+          o.sort_window = c.window;
           o.compensate = false;
           o.budget = Budget::density(1.0 - s);
           const BlockIndexBuffer plan = check(ba_att_plan(w.q.view(), w.k.view(), o), "ba_att_plan");
@@ -405,7 +408,8 @@ void experiment_planted(const Args& a) {
   const std::vector<double> densities = {0.05, 0.1, 0.2};
   const std::vector<std::string> methods = {"mean-pool top-k", "xattention S=" + std::to_string(a.stride),
                                             "ba_att sort, no comp", "ba_att sort + Eq.14 beta=1",
-                                            "ba_att no sort + exact beta=1"};
+                                            "ba_att sort window 1024 + Eq.14 beta=1",
+                                            "ba_att sort window 256 + Eq.14 beta=1", "ba_att no sort + exact beta=1"};
   for (int64_t len : a.lens) {
     std::map<std::string, double> sum;
     for (uint64_t seed : a.seeds) {
@@ -428,9 +432,14 @@ void experiment_planted(const Args& a) {
         add(methods[2], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
         o.compensate = true;
         add(methods[3], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
+        o.sort_window = 1024;
+        add(methods[4], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
+        o.sort_window = 256;
+        add(methods[5], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
+        o.sort_window = 0;
         o.sort_q = o.sort_k = false;
         o.compensation = Compensation::exact;
-        add(methods[4], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
+        add(methods[6], check(ba_att_plan(w.q.view(), w.k.view(), o), "plan"));
       }
     }
     std::printf("\n#### Planted retrieval keys seen by their queries (%s)\n\n| method |", header(a, len).c_str());

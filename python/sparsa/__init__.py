@@ -43,13 +43,13 @@ def backends() -> list:
 
 # ---- allocation by array type -------------------------------------------------------
 
-def _framework(x: Any) -> str:
+def _framework(x: Any, name: str = "array") -> str:
     module = type(x).__module__.split(".")[0]
     if module in ("numpy", "torch", "cupy", "jax", "jaxlib"):
         return "jax" if module == "jaxlib" else module
     if hasattr(x, "__dlpack__"):
         return "dlpack"
-    raise TypeError(f"expected a numpy, torch, cupy or jax array, got {type(x).__name__}")
+    raise TypeError(f"{name}: expected a numpy, torch, cupy or jax array, got {type(x).__name__}")
 
 
 def _empty(like: Any, shape: Tuple[int, ...], float32: bool) -> Any:
@@ -84,7 +84,8 @@ def _shape(x: Any) -> Tuple[int, ...]:
     return tuple(int(s) for s in x.shape)
 
 
-def _outputs(q: Any, out: Any, lse: Any) -> Tuple[Any, Any]:
+def _outputs(q: Any, out: Any, lse: Any, name: str = "q") -> Tuple[Any, Any]:
+    _framework(q, name)
     shape = _shape(q)
     if out is None:
         out = _empty(q, shape, float32=False)
@@ -159,7 +160,7 @@ def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, b
 def merge(o1, lse1, o2, lse2, *, backend: str = "cpu", out=None, lse=None):
     """Merge two partial attention results over disjoint key sets by log-sum-exp.
     ``out``/``lse`` may alias ``o1``/``lse1``."""
-    out, lse = _outputs(o1, out, lse)
+    out, lse = _outputs(o1, out, lse, "o1")
     _core.merge(o1, lse1, o2, lse2, out, lse, backend)
     return _finish(o1, out), _finish(o1, lse)
 

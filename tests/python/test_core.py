@@ -251,5 +251,5 @@ def test_missing_file(tmp_path):
 
 
 def test_not_an_array():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"q: expected a numpy, torch, cupy or jax array, got list"):
         sparsa.dense([[1.0]], [[1.0]], [[1.0]])

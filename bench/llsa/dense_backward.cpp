@@ -65,6 +65,38 @@ void tile_scores(const float* x, int R, int64_t d, const float* cols, float* s) 
   }
 }
 
+// acc[i, :] += sum_{r < n_in} w[i, r] * x[r, :] for i < rows_out (w has leading dimension
+// ldw): four output rows and 32 columns at a time stay in registers.
+void accumulate_rows(const float* w, int64_t ldw, int rows_out, int n_in, const float* x, int64_t d, float* acc) {
+  constexpr int kChunk = 32;
+  int64_t c0 = 0;
+  for (; c0 + kChunk <= d; c0 += kChunk) {
+    int i = 0;
+    for (; i + 4 <= rows_out; i += 4) {
+      float o[4][kChunk];
+      for (int a = 0; a < 4; ++a) std::memcpy(o[a], acc + (i + a) * d + c0, sizeof o[a]);
+      for (int r = 0; r < n_in; ++r) {
+        const float* xr = x + r * d + c0;
+        const float w0 = w[(i + 0) * ldw + r], w1 = w[(i + 1) * ldw + r], w2 = w[(i + 2) * ldw + r],
+                    w3 = w[(i + 3) * ldw + r];
+        for (int c = 0; c < kChunk; ++c) {
+          o[0][c] += w0 * xr[c];
+          o[1][c] += w1 * xr[c];
+          o[2][c] += w2 * xr[c];
+          o[3][c] += w3 * xr[c];
+        }
+      }
+      for (int a = 0; a < 4; ++a) std::memcpy(acc + (i + a) * d + c0, o[a], sizeof o[a]);
+    }
+    for (; i < rows_out; ++i)
+      for (int r = 0; r < n_in; ++r)
+        for (int c = 0; c < kChunk; ++c) acc[i * d + c0 + c] += w[i * ldw + r] * x[r * d + c0 + c];
+  }
+  for (int i = 0; i < rows_out; ++i)
+    for (int r = 0; r < n_in; ++r)
+      for (int64_t c = c0; c < d; ++c) acc[i * d + c] += w[i * ldw + r] * x[r * d + c];
+}
+
 }  // namespace
 
 void dense_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
@@ -80,7 +112,8 @@ void dense_backward(const float* q, const float* k, const float* v, const float*
     float* dQ = dq + item * n * d;
     float* dK = dk + item * n * d;
     float* dV = dv + item * n * d;
-    std::vector<float> delta(n), kt(d * kTile), vt(d * kTile), p(kTile * kTile), ds(kTile * kTile);
+    std::vector<float> delta(n), kt(d * kTile), vt(d * kTile), p(kTile * kTile), ds(kTile * kTile),
+        pt(kTile * kTile), dst(kTile * kTile);
     for (int64_t i = 0; i < n; ++i) {
       float s = 0.0f;
       for (int64_t t = 0; t < d; ++t) s += dO[i * d + t] * O[i * d + t];
@@ -112,27 +145,16 @@ void dense_backward(const float* q, const float* k, const float* v, const float*
             ds[r * kTile + j] = e * (ds[r * kTile + j] - dl);
           }
         }
-        for (int j = 0; j < keys; ++j) {
-          float* dkj = dk_c + j * d;
-          float* dvj = dv_c + j * d;
-          for (int r = 0; r < rows; ++r) {
-            const float pj = p[r * kTile + j], dsj = scale * ds[r * kTile + j];
-            const float* qr = Q + (q0 + r) * d;
-            const float* dor = dO + (q0 + r) * d;
-            for (int64_t t = 0; t < d; ++t) {
-              dvj[t] += pj * dor[t];
-              dkj[t] += dsj * qr[t];
-            }
+        // P^T and scale * dS^T ([key, row]) for dV and dK; scale * dS for dQ.
+        for (int r = 0; r < rows; ++r)
+          for (int j = 0; j < kTile; ++j) {
+            ds[r * kTile + j] *= scale;
+            pt[j * kTile + r] = p[r * kTile + j];
+            dst[j * kTile + r] = ds[r * kTile + j];
           }
-        }
-        for (int r = 0; r < rows; ++r) {
-          float* dqr = dQ + (q0 + r) * d;
-          for (int j = 0; j < keys; ++j) {
-            const float dsj = scale * ds[r * kTile + j];
-            const float* kj = K + (k0 + j) * d;
-            for (int64_t t = 0; t < d; ++t) dqr[t] += dsj * kj[t];
-          }
-        }
+        accumulate_rows(pt.data(), kTile, keys, rows, dO + q0 * d, d, dv_c);
+        accumulate_rows(dst.data(), kTile, keys, rows, Q + q0 * d, d, dk_c);
+        accumulate_rows(ds.data(), kTile, rows, keys, K + k0 * d, d, dQ + q0 * d);
       }
     }
   });

@@ -1,9 +1,9 @@
 // bench_llsa — LLSA against dense attention on the CPU.
 //
-//   bench_llsa [--sizes 1024,2048,...] [--heads 4] [--dim 64] [--threads 0] [--reps 5]
+//   bench_llsa [--sizes 128,256,...,32768] [--heads 4] [--dim 64] [--threads 0] [--reps 5]
 //     Timing table in the seed's shape: N, keys per query, dense fwd, LLSA fwd, dense
-//     fwd+bwd, LLSA fwd+bwd (milliseconds, median of reps; at N >= 16384 dense runs
-//     once without warm-up). LLSA times include the plan (pooling + selection). Dense
+//     fwd+bwd, LLSA fwd+bwd (milliseconds, median of reps, wall clock and process CPU
+//     time; at N >= 16384 dense runs once without warm-up). LLSA times include the plan (pooling + selection). Dense
 //     forward is sparsa::dense (cpu backend); dense backward is bench/llsa/
 //     dense_backward.cpp (FlashAttention-2 style, f32, same thread count).
 //   bench_llsa --quality [--sizes 4096,16384]
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <functional>
 #include <random>
 #include <string>
@@ -29,7 +30,7 @@ using namespace sparsa;
 namespace {
 
 struct Args {
-  std::vector<int64_t> sizes = {1024, 2048, 4096, 8192, 16384, 32768};
+  std::vector<int64_t> sizes = {128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
   int64_t heads = 4, dim = 64;
   int threads = 0, reps = 5;
   bool quality = false;
@@ -82,18 +83,46 @@ void check(const Status& s) {
   }
 }
 
-double seconds(const std::function<void()>& f) {
-  const auto t0 = std::chrono::steady_clock::now();
-  f();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+double cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-double median_ms(const std::function<void()>& f, int reps, bool warm_up) {
+// Wall-clock and process CPU time (all threads) of one call, in milliseconds. On a
+// shared machine the CPU time is the steadier measure of the work done.
+struct Time {
+  double wall = 0, cpu = 0;
+};
+
+Time measure_once(const std::function<void()>& f) {
+  const double c0 = cpu_seconds();
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {wall * 1e3, (cpu_seconds() - c0) * 1e3};
+}
+
+Time median_ms(const std::function<void()>& f, int reps, bool warm_up) {
   if (warm_up) f();
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) t.push_back(seconds(f) * 1e3);
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  std::vector<double> wall, cpu;
+  for (int r = 0; r < reps; ++r) {
+    const Time t = measure_once(f);
+    wall.push_back(t.wall);
+    cpu.push_back(t.cpu);
+  }
+  std::sort(wall.begin(), wall.end());
+  std::sort(cpu.begin(), cpu.end());
+  return {wall[wall.size() / 2], cpu[cpu.size() / 2]};
+}
+
+double load_average() {
+  double load = -1;
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &load) != 1) load = -1;
+    std::fclose(f);
+  }
+  return load;
 }
 
 double rel_error(const HostArray& a, const HostArray& ref) {
@@ -137,8 +166,9 @@ void self_check(int threads) {
 
 void timing(const Args& args) {
   self_check(args.threads);
-  std::printf("| N | keys per query | dense fwd | LLSA fwd | dense fwd+bwd | LLSA fwd+bwd | fwd ratio | fwd+bwd ratio |\n");
-  std::printf("|---|---|---|---|---|---|---|---|\n");
+  std::printf("wall ms (CPU ms, both threads) | ratios of wall (of CPU) | 1-min load average at the end of the row\n\n");
+  std::printf("| N | keys per query | dense fwd | LLSA fwd | dense fwd+bwd | LLSA fwd+bwd | fwd ratio | fwd+bwd ratio | load |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t n : args.sizes) {
     const int64_t h = args.heads, d = args.dim;
     auto q = randn({1, h, n, d}, 11), k = randn({1, h, n, d}, 12), v = randn({1, h, n, d}, 13), g = randn({1, h, n, d}, 14);
@@ -173,12 +203,14 @@ void timing(const Args& args) {
     auto plan = llsa_plan(q.view(), k.view(), llsa_opt);
     check(plan.status());
     const double keys = plan->mean_keys_per_query();
-    const double t_dense = median_ms(dense_fwd, dense_reps, !big);
-    const double t_dense_all = median_ms([&] { dense_fwd(); dense_bwd(); }, dense_reps, !big);
-    const double t_llsa = median_ms(llsa_fwd, args.reps, true);
-    const double t_llsa_all = median_ms(llsa_fwd_bwd, args.reps, true);
-    std::printf("| %lld | %.0f | %.1f | %.1f | %.1f | %.1f | %.2fx | %.2fx |\n", (long long)n, keys, t_dense, t_llsa,
-                t_dense_all, t_llsa_all, t_dense / t_llsa, t_dense_all / t_llsa_all);
+    const Time t_dense = median_ms(dense_fwd, dense_reps, !big);
+    const Time t_llsa = median_ms(llsa_fwd, args.reps, true);
+    const Time t_dense_all = median_ms([&] { dense_fwd(); dense_bwd(); }, dense_reps, !big);
+    const Time t_llsa_all = median_ms(llsa_fwd_bwd, args.reps, true);
+    std::printf("| %lld | %.0f | %.1f (%.1f) | %.1f (%.1f) | %.1f (%.1f) | %.1f (%.1f) | %.2fx (%.2fx) | %.2fx (%.2fx) | %.1f |\n",
+                (long long)n, keys, t_dense.wall, t_dense.cpu, t_llsa.wall, t_llsa.cpu, t_dense_all.wall,
+                t_dense_all.cpu, t_llsa_all.wall, t_llsa_all.cpu, t_dense.wall / t_llsa.wall, t_dense.cpu / t_llsa.cpu,
+                t_dense_all.wall / t_llsa_all.wall, t_dense_all.cpu / t_llsa_all.cpu, load_average());
     std::fflush(stdout);
   }
 }

@@ -186,6 +186,7 @@ void store_row(const Tensor& t, int64_t offset, int64_t n, const float* src) {
 struct BlockScratch {
   std::vector<Segment> segs;
   std::vector<float> s, dp, bias;          // [R, M], [R, M], [M]
+  std::vector<float> pt, dst;              // [W, R]: one segment of P and scale*dS, transposed
   std::vector<float> q, qs, o, d_o, acc;   // [B, d]
   std::vector<float> lse2, delta;          // [B]
 };
@@ -341,23 +342,24 @@ Status cpu_backward(const CpuArgs& a, const LlsaPlan& plan) {
           for (int64_t t = 0; t < d; ++t) sc.acc[r * d + t] *= a.scale;
           store_row(a.dq, a.dq.offset({b, h, qb * B + r, 0}), d, sc.acc.data() + r * d);
         }
-        // dK += scale * dS^T · Q, dV += P^T · dO, into this thread's pyramid gradients.
+        // dK += scale * dS^T · Q, dV += P^T · dO, into this thread's pyramid gradients:
+        // the segment's columns transposed to [key, row] so accumulate() keeps four key
+        // rows in registers while it walks the block's query rows.
+        sc.pt.resize(sl.W * R);
+        sc.dst.resize(sl.W * R);
         for (size_t g = 0; g < sc.segs.size(); ++g) {
           const Segment& seg = sc.segs[g];
-          for (int j = seg.lo; j < seg.hi; ++j) {
-            const int64_t col = static_cast<int64_t>(g) * sl.W + j;
-            float* dk_row = dk_acc[thread][seg.level].data() + (seg.group * B + j) * d;
-            float* dv_row = dv_acc[thread][seg.level].data() + (seg.group * B + j) * d;
+          for (int j = seg.lo; j < seg.hi; ++j)
             for (int r = 0; r < R; ++r) {
-              const float ds = a.scale * sc.dp[r * M + col], p = sc.s[r * M + col];
-              const float* qr = sc.q.data() + r * d;
-              const float* dor = sc.d_o.data() + r * d;
-              for (int64_t t = 0; t < d; ++t) {
-                dk_row[t] += ds * qr[t];
-                dv_row[t] += p * dor[t];
-              }
+              const int64_t col = r * M + static_cast<int64_t>(g) * sl.W + j;
+              sc.pt[j * R + r] = sc.s[col];
+              sc.dst[j * R + r] = a.scale * sc.dp[col];
             }
-          }
+          const int64_t first_row = (seg.group * B + seg.lo) * d;
+          accumulate(sc.dst.data() + seg.lo * R, R, seg.hi - seg.lo, 0, R, sc.q.data(), d,
+                     dk_acc[thread][seg.level].data() + first_row);
+          accumulate(sc.pt.data() + seg.lo * R, R, seg.hi - seg.lo, 0, R, sc.d_o.data(), d,
+                     dv_acc[thread][seg.level].data() + first_row);
         }
       });
       // Sum the threads' gradients, pool them down to the tokens, store.

@@ -231,6 +231,35 @@ TEST(LlsaPlan, TiesGoToTheSmallerIndexAndPrint) {
   EXPECT_NE(text.find("  q 17: 0 1 2\n"), std::string::npos) << text;
 }
 
+TEST(LlsaPlan, HugeTopkIsClippedNotAllocated) {
+  auto q = randn({1, 1, 100, 4}, 1), k = randn({1, 1, 100, 4}, 2), v = randn({1, 1, 100, 4}, 3);
+  auto plan = llsa_plan(q.view(), k.view(), opts(4, 1 << 30, 2, false, false));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->topk, 25);  // ceil(100 / 4) level-1 tokens
+  const auto out = run(q, k, v, opts(4, 1 << 30, 2, false, false));
+  EXPECT_LT(max_abs_diff(out.out, dense_ref(q, k, v).out), 1e-5);  // everything selected
+}
+
+TEST(LlsaForward, HalfPrecisionInputs) {
+  // bf16 and f16 inputs are read into f32 (cpu) or f64 (cpu_ref) and the output is
+  // rounded back: the two agree to a few units of the output's last place (bf16: 2^-8
+  // relative, so 2e-2 absolute on O(1) values; f16: 2^-11, 4e-3).
+  auto q = randn({1, 2, 150, 32}, 1), k = randn({1, 2, 150, 32}, 2), v = randn({1, 2, 150, 32}, 3);
+  for (auto [dtype, tol] : {std::pair{DType::bf16, 2e-2}, std::pair{DType::f16, 4e-3}}) {
+    auto qh = convert(q.view(), dtype), kh = convert(k.view(), dtype), vh = convert(v.view(), dtype);
+    ASSERT_TRUE(qh.ok() && kh.ok() && vh.ok());
+    auto fast = llsa_forward(qh->view(), kh->view(), vh->view(), opts(8, 4, 2, true, false));
+    auto ref = llsa_forward(qh->view(), kh->view(), vh->view(), opts(8, 4, 2, true, false, Backend::cpu_ref));
+    ASSERT_TRUE(fast.ok() && ref.ok()) << fast.status().to_string();
+    ASSERT_EQ(fast->out.dtype(), dtype);
+    double err = 0;
+    for (int64_t i = 0; i < fast->out.numel(); ++i)
+      err = std::max(err, std::abs(load_as_double(fast->out.view(), i) - load_as_double(ref->out.view(), i)));
+    EXPECT_LT(err, tol) << dtype_name(dtype);
+    EXPECT_LT(max_abs_diff(fast->lse, ref->lse), 1e-4);
+  }
+}
+
 // ---- partial blocks ------------------------------------------------------------------
 
 namespace {

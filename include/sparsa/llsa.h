@@ -50,7 +50,8 @@ namespace sparsa {
 
 struct LlsaOptions {
   int block = 16;                // B: tokens pooled per coarse token, fine block size
-  int topk = 8;                  // K: picks per query token at every level
+  int topk = 8;                  // K: picks per query token at every level (clipped to
+                                 // the number of level-1 tokens)
   int levels = -1;               // L >= 1; -1: automatic (llsa_auto_levels)
   bool enrich = true;            // KV enrichment with the coarse levels
   bool dedupe = false;           // leave out coarse tokens already attended finer

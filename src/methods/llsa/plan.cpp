@@ -141,7 +141,6 @@ void top_k(std::vector<std::pair<float, int32_t>>& cand, int keep, int32_t* out)
 LlsaPlan build_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int levels) {
   LlsaPlan plan;
   plan.block = options.block;
-  plan.topk = options.topk;
   plan.levels = levels;
   plan.enrich = options.enrich;
   plan.dedupe = options.dedupe;
@@ -150,6 +149,9 @@ LlsaPlan build_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options
   plan.heads_kv = k.shape[1];
   plan.len = q.shape[2];
   plan.level_len = level_lengths(plan.len, plan.block, levels);
+  // No level has more candidates than level 1 has tokens: a larger topk only widens the
+  // plan's arrays, so it is clipped there.
+  plan.topk = static_cast<int>(std::min<int64_t>(options.topk, plan.level_len[1]));
   for (int l = 1; l <= levels; ++l) {
     plan.picks.emplace_back(DType::i32, std::vector<int64_t>{plan.batch, plan.heads_q, plan.level_len[l], plan.topk});
     plan.pick_counts.emplace_back(DType::i32, std::vector<int64_t>{plan.batch, plan.heads_q, plan.level_len[l]});

@@ -8,7 +8,8 @@
 //     dense_backward.cpp (FlashAttention-2 style, f32, same thread count).
 //   bench_llsa --quality [--sizes 4096,16384]
 //     Relative output error ||O - O_dense|| / ||O_dense|| of LLSA with and without
-//     dedupe, on random inputs and on smooth image-like inputs in Z-order.
+//     dedupe, on random inputs and on smooth image-like inputs in Z-order and row-major
+//     order (the same grid).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -216,9 +217,10 @@ void timing(const Args& args) {
 }
 
 // Smooth image-like tokens: a sum of random 2-d plane waves per feature on an
-// side x side grid, plus a little noise, put into Z-order; q and k are two noisy
+// side x side grid, plus a little noise, in the given token order; q and k are two noisy
 // copies (so attention is local and peaked), v an independent smooth field.
-void smooth_inputs(int64_t side, int64_t heads, int64_t d, uint32_t seed, HostArray& q, HostArray& k, HostArray& v) {
+void smooth_inputs(int64_t side, int64_t heads, int64_t d, uint32_t seed, TokenLayout layout, HostArray& q, HostArray& k,
+                   HostArray& v) {
   const int64_t n = side * side;
   q = HostArray(DType::f32, {1, heads, n, d});
   k = HostArray(DType::f32, {1, heads, n, d});
@@ -226,7 +228,7 @@ void smooth_inputs(int64_t side, int64_t heads, int64_t d, uint32_t seed, HostAr
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   std::uniform_real_distribution<float> phase(0.0f, 6.2831853f);
-  const auto perm = layout_permutation(side, side, TokenLayout::z_order).value();
+  const auto perm = layout_permutation(side, side, layout).value();
   const int kWaves = 4;
   for (int64_t h = 0; h < heads; ++h) {
     for (HostArray* x : {&q, &v}) {
@@ -261,12 +263,13 @@ void quality(const Args& args) {
   std::printf("|---|---|---|---|---|\n");
   for (int64_t n : args.sizes) {
     const int64_t side = static_cast<int64_t>(std::lround(std::sqrt(double(n))));
-    for (const char* kind : {"random", "smooth z-order"}) {
+    for (const char* kind : {"random", "smooth z-order", "smooth row-major"}) {
       HostArray q, k, v;
       const bool smooth = std::string(kind) != "random";
       if (smooth && side * side != n) continue;
       if (smooth) {
-        smooth_inputs(side, args.heads, args.dim, 5, q, k, v);
+        const bool z = std::string(kind) == "smooth z-order";
+        smooth_inputs(side, args.heads, args.dim, 5, z ? TokenLayout::z_order : TokenLayout::row_major, q, k, v);
       } else {
         q = randn({1, args.heads, n, args.dim}, 21);
         k = randn({1, args.heads, n, args.dim}, 22);

@@ -171,3 +171,28 @@ TEST(LlsaGrad, AllocatingFormRebuildsThePlan) {
                             b[1].view(), b[2].view(), o).ok());
   for (int i = 0; i < 3; ++i) EXPECT_EQ(llsa_test::max_abs_diff(a[i], b[i]), 0.0);
 }
+
+TEST(LlsaGrad, DeterministicForAThreadCountAndCloseAcrossThreadCounts) {
+  auto q = randn({1, 3, 777, 16}, 71), k = randn({1, 3, 777, 16}, 72), v = randn({1, 3, 777, 16}, 73);
+  auto g = randn({1, 3, 777, 16}, 74);
+  LlsaOptions o;
+  o.block = 8;
+  o.topk = 4;
+  auto fwd = llsa_forward(q.view(), k.view(), v.view(), o);
+  ASSERT_TRUE(fwd.ok());
+  auto grads = [&](int threads) {
+    o.num_threads = threads;
+    std::vector<HostArray> gr;
+    for (int i = 0; i < 3; ++i) gr.emplace_back(DType::f32, q.shape());
+    EXPECT_TRUE(llsa_backward(q.view(), k.view(), v.view(), fwd->out.view(), fwd->lse.view(), g.view(), gr[0].view(),
+                              gr[1].view(), gr[2].view(), o)
+                    .ok());
+    return gr;
+  };
+  const auto a = grads(3), b = grads(3), c = grads(1);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(llsa_test::max_abs_diff(a[i], b[i]), 0.0);
+    // Other thread counts sum the same terms in another order: f32 rounding only.
+    EXPECT_LT(llsa_test::max_abs_diff(a[i], c[i]) / llsa_test::max_abs(c[i]), 1e-5);
+  }
+}

@@ -5,10 +5,11 @@
 // dS·K) and group-transposed ([groups, d, W], W = B rounded up to 16: for Q·K^T and
 // dO·V^T with 16-wide vectors). A visited run of keys never crosses a group
 // (for_each_key_run), so each run is one pyramid group plus a [lo, hi) mask folded
-// into the logit bias (log2 of the token count, -inf outside). Threads take (query
-// head, query block) items dynamically; a block's scores live in a per-thread
-// [B, keys-per-query] buffer (never N x N). The backward accumulates dK/dV of the
-// pyramid per thread (O(threads * N * d)), sums them, then pools them down to level 0.
+// into the logit bias (log2 of the token count, -inf outside). The forward's threads
+// take (query head, query block) items dynamically; a block's scores live in a
+// per-thread [B, keys-per-query] buffer (never N x N). The backward cuts the items into
+// one contiguous chunk per thread, accumulates dK/dV of the pyramid per chunk
+// (O(threads * N * d)), sums the chunks in order, then pools them down to level 0.
 // Logits are kept in base 2 (q pre-scaled by scale*log2(e)); f32 throughout.
 #include <bit>
 #include <cmath>
@@ -298,8 +299,11 @@ Status cpu_backward(const CpuArgs& a, const LlsaPlan& plan) {
           std::fill(dk_acc[t][l].begin(), dk_acc[t][l].end(), 0.0f);
           std::fill(dv_acc[t][l].begin(), dv_acc[t][l].end(), 0.0f);
         }
-      cpu::parallel_for(group * blocks, threads, [&](int64_t item, int thread) {
-        BlockScratch& sc = scratch[thread];
+      // Items (query head, query block) are cut into `threads` contiguous chunks, each with
+      // its own gradient pyramid, so the sums do not depend on scheduling: for a given
+      // num_threads the backward is deterministic.
+      auto process = [&](int64_t item, BlockScratch& sc, std::vector<std::vector<float>>& dk_pyr,
+                         std::vector<std::vector<float>>& dv_pyr) {
         const int64_t h = h_kv * group + item / blocks, qb = item % blocks;
         const int R = static_cast<int>(std::min<int64_t>(B, N - qb * B));
         for (int r = 0; r < R; ++r) {
@@ -357,12 +361,17 @@ Status cpu_backward(const CpuArgs& a, const LlsaPlan& plan) {
             }
           const int64_t first_row = (seg.group * B + seg.lo) * d;
           accumulate(sc.dst.data() + seg.lo * R, R, seg.hi - seg.lo, 0, R, sc.q.data(), d,
-                     dk_acc[thread][seg.level].data() + first_row);
+                     dk_pyr[seg.level].data() + first_row);
           accumulate(sc.pt.data() + seg.lo * R, R, seg.hi - seg.lo, 0, R, sc.d_o.data(), d,
-                     dv_acc[thread][seg.level].data() + first_row);
+                     dv_pyr[seg.level].data() + first_row);
         }
+      };
+      const int64_t items = group * blocks;
+      cpu::parallel_for(threads, threads, [&](int64_t chunk, int thread) {
+        for (int64_t item = chunk * items / threads; item < (chunk + 1) * items / threads; ++item)
+          process(item, scratch[thread], dk_acc[chunk], dv_acc[chunk]);
       });
-      // Sum the threads' gradients, pool them down to the tokens, store.
+      // Sum the chunks' gradients in chunk order, pool them down to the tokens, store.
       for (int t = 1; t < threads; ++t)
         for (int l = 0; l <= L; ++l)
           for (size_t x = 0; x < dk_acc[0][l].size(); ++x) {

@@ -1,7 +1,9 @@
 // LLSA forward, plan and errors: the seed's test list (adapted) plus partial blocks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 #include <string>
 
 #include "llsa_test_util.h"
@@ -229,6 +231,61 @@ TEST(LlsaPlan, TiesGoToTheSmallerIndexAndPrint) {
   const std::string text = plan->to_string(0, 0);
   EXPECT_NE(text.find("level 2 (5 query tokens"), std::string::npos) << text;
   EXPECT_NE(text.find("  q 17: 0 1 2\n"), std::string::npos) << text;
+}
+
+TEST(LlsaPlan, MatchesABruteForceSelection) {
+  // Small integer inputs, N = 4^3 + 2 with B = 4: every pooled value is a multiple of
+  // 1/32 and every score exact in f32, so an independent f64 selection written here must
+  // agree pick for pick (ties to the smaller index on both sides).
+  const int64_t n = 66, d = 3;
+  const int B = 4, K = 2, L = 2;
+  HostArray q(DType::f32, {1, 2, n, d}), k(DType::f32, {1, 1, n, d});  // GQA 2:1
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int> u(-3, 3);
+  for (auto* a : {&q, &k})
+    for (int64_t i = 0; i < a->numel(); ++i) a->ptr<float>()[i] = float(u(rng));
+  auto plan = llsa_plan(q.view(), k.view(), opts(B, K, L, true, false));
+  ASSERT_TRUE(plan.ok());
+  auto pool = [&](const HostArray& x, int64_t h) {  // [level][token][d], mean of children
+    std::vector<std::vector<std::vector<double>>> lv(L + 1);
+    for (int64_t i = 0; i < n; ++i) lv[0].push_back({x.ptr<float>() + (h * n + i) * d, x.ptr<float>() + (h * n + i + 1) * d});
+    for (int l = 1; l <= L; ++l)
+      for (size_t t = 0; t * B < lv[l - 1].size(); ++t) {
+        std::vector<double> m(d, 0.0);
+        const size_t kids = std::min<size_t>(B, lv[l - 1].size() - t * B);
+        for (size_t c = 0; c < kids; ++c)
+          for (int e = 0; e < d; ++e) m[e] += lv[l - 1][t * B + c][e] / double(kids);
+        lv[l].push_back(m);
+      }
+    return lv;
+  };
+  const auto pk = pool(k, 0);
+  for (int64_t h = 0; h < 2; ++h) {
+    const auto pq = pool(q, h);
+    std::vector<std::vector<std::vector<int>>> picks(L + 1);  // [level][query token] -> picks
+    for (int l = L; l >= 1; --l) {
+      for (size_t i = 0; i < pq[l].size(); ++i) {
+        std::vector<int> cand;
+        if (l == L) {
+          for (size_t j = 0; j < pk[l].size(); ++j) cand.push_back(int(j));
+        } else {
+          for (int p : picks[l + 1][i / B])
+            for (size_t j = size_t(p) * B; j < std::min(pk[l].size(), size_t(p + 1) * B); ++j) cand.push_back(int(j));
+        }
+        auto score = [&](int j) {
+          double s = 0;
+          for (int e = 0; e < d; ++e) s += pq[l][i][e] * pk[l][j][e];
+          return s;
+        };
+        std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return score(a) > score(b); });
+        cand.resize(std::min<size_t>(K, cand.size()));
+        std::sort(cand.begin(), cand.end());
+        picks[l].push_back(cand);
+        ASSERT_EQ(plan->pick_count(l, 0, h, int64_t(i)), int(cand.size()));
+        for (size_t s = 0; s < cand.size(); ++s) EXPECT_EQ(plan->pick(l, 0, h, int64_t(i), int(s)), cand[s]) << l << " " << i;
+      }
+    }
+  }
 }
 
 TEST(LlsaPlan, HugeTopkIsClippedNotAllocated) {

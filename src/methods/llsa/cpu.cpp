@@ -217,7 +217,9 @@ int64_t block_logits(const Slice& sl, BlockScratch& sc, int R) {
 Status cpu_forward(const CpuArgs& a, const LlsaPlan& plan) {
   const int64_t d = a.q.shape[3], N = plan.len, group = plan.heads_q / plan.heads_kv;
   const int B = plan.block;
-  const int threads = cpu::resolve_threads(a.num_threads);
+  // No more threads (and per-thread buffers) than there are query-block items.
+  const int threads = static_cast<int>(
+      std::min<int64_t>(cpu::resolve_threads(a.num_threads), std::max<int64_t>(1, group * plan.level_len[1])));
   const float qscale = a.scale * kLog2e;
   Slice sl(plan, d, /*with_v_cols=*/false);
   std::vector<BlockScratch> scratch(threads);
@@ -271,7 +273,9 @@ Status cpu_forward(const CpuArgs& a, const LlsaPlan& plan) {
 Status cpu_backward(const CpuArgs& a, const LlsaPlan& plan) {
   const int64_t d = a.q.shape[3], N = plan.len, group = plan.heads_q / plan.heads_kv;
   const int B = plan.block, L = plan.levels;
-  const int threads = cpu::resolve_threads(a.num_threads);
+  // No more threads (and per-thread buffers) than there are query-block items.
+  const int threads = static_cast<int>(
+      std::min<int64_t>(cpu::resolve_threads(a.num_threads), std::max<int64_t>(1, group * plan.level_len[1])));
   const float qscale = a.scale * kLog2e;
   Slice sl(plan, d, /*with_v_cols=*/true);
   std::vector<BlockScratch> scratch(threads);

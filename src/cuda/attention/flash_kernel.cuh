@@ -1,0 +1,297 @@
+// Internal: the flash executor (rung 1 of bench/cuda/flash_ladder.cu): one mainloop for dense
+// and block-sparse attention, FlashAttention-2 style (Dao 2023, arXiv 2307.08691) on the
+// warp-level tensor cores.
+//
+// A CTA owns BM = 16 * WARPS query rows of one (batch, query head); each warp owns 16 rows and
+// keeps its Q fragments, its O accumulator (f32) and its online-softmax state (running max m,
+// running sum l, per row) in registers. The CTA walks a list of key tiles of BN tokens:
+//   S = Q K^T (mma.sync m16n8k16, f32)  ->  m' = max(m, rowmax S);  P = exp2(S*c - m'*c)
+//   l = l * exp2((m - m')c) + rowsum P;  O = O * exp2((m - m')c) + P V     (c = scale * log2 e)
+// and ends with O / l and LSE = (m c + log2 l) ln 2 (O = 0, LSE = -inf for a row that saw no key).
+// K and V tiles are double-buffered in shared memory with cp.async (the load of tile t+1 is in
+// flight while tile t is computed); fragments come from shared memory through ldmatrix (.trans
+// for V). Shared rows are XOR-swizzled in 16-byte chunks so ldmatrix is free of bank conflicts.
+//
+// Hooks, not forks (STYLE.md 5): the only difference between dense and block-sparse is the key
+// tile iterator (tile t -> key block indices[t / chunks], chunk t % chunks; dense: tile t) and the
+// token gathers (rows read through perm_q / perm_kv when present; O and LSE written back at the
+// original positions). Columns past the end of a partial key block are masked to -inf.
+//
+// Index contents are guarded, not trusted: counts are clamped to [0, capacity], key blocks
+// outside [0, num_kv_blocks) and permutation entries outside [0, len) are skipped, so a bad plan
+// can give wrong numbers but never reads or writes out of bounds.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common/mma.cuh"
+
+namespace sparsa::cuda::detail {
+
+struct FlashParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  int64_t q_stride[3] = {}, k_stride[3] = {}, v_stride[3] = {}, out_stride[3] = {}, lse_stride[3] = {};
+  int batch = 0, heads_q = 0, heads_kv = 0, group = 1, len_q = 0, len_kv = 0;
+  float scale_log2 = 0.0f;  // softmax scale * log2(e)
+
+  // The plan. Dense: counts == nullptr, block_q = BM, block_kv = BN, every key tile visited.
+  int block_q = 0, block_kv = 0, num_q_blocks = 0, num_kv_blocks = 0;
+  int tiles_per_q_block = 1;   // ceil(block_q / BM)
+  int chunks_per_kv_block = 1; // ceil(block_kv / BN)
+  const int32_t* counts = nullptr;   // [batch, heads_q, num_q_blocks]
+  const int32_t* indices = nullptr;  // [batch, heads_q, num_q_blocks, capacity]
+  const int32_t* perm_q = nullptr;   // [batch, heads_q, len_q] or nullptr
+  const int32_t* perm_kv = nullptr;  // [batch, heads_kv, len_kv] or nullptr
+  int64_t counts_stride[3] = {}, indices_stride[4] = {}, perm_q_stride[3] = {}, perm_kv_stride[3] = {};
+  int capacity = 0;
+
+  bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
+  bool aligned_out = true;    // out base and strides allow 4-byte pair stores
+};
+
+template <int D, int WARPS, int BN>
+struct FlashShape {
+  static constexpr int kBM = 16 * WARPS;
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr int kSmemBytes = (kBM + 4 * BN) * D * 2;  // Q + 2 stages of (K, V)
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] b16 tile.
+template <int D>
+__device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
+  return static_cast<uint32_t>(row * D * 2 + ((chunk ^ (row & 7)) << 4));
+}
+
+// Copies `rows` rows of D b16 values into a swizzled shared tile. Row r is token token_of(r)
+// (negative: out of range, filled with zeros) of the tensor at `base` with row stride `stride`.
+template <int D, int ROWS, int THREADS, class TokenOf>
+__device__ __forceinline__ void load_tile(uint32_t dst, const uint16_t* base, int64_t stride, bool aligned,
+                                          TokenOf token_of) {
+  constexpr int kChunks = D / 8;
+  static_assert((ROWS * kChunks) % THREADS == 0, "tile copy must divide evenly");
+#pragma unroll
+  for (int it = 0; it < ROWS * kChunks / THREADS; ++it) {
+    const int idx = it * THREADS + threadIdx.x;
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    const int64_t token = token_of(row);
+    const uint16_t* src = token >= 0 ? base + token * stride + chunk * 8 : base;
+    const uint32_t at = dst + swizzle<D>(row, chunk);
+    if (aligned) {
+      cp_async_16(at, src, token >= 0 ? 16 : 0);
+    } else {
+      uint32_t w[4] = {0, 0, 0, 0};
+      if (token >= 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[e] = uint32_t(src[2 * e]) | (uint32_t(src[2 * e + 1]) << 16);
+      }
+      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(at), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
+    }
+  }
+}
+
+template <class T, int D, int WARPS, int BN>
+__global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashParams p) {
+  using Shape = FlashShape<D, WARPS, BN>;
+  constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
+  constexpr int kDT = D / 8;    // 8-wide accumulator tiles along head_dim
+  constexpr int kNT = BN / 8;   // 8-wide score tiles along the key tile
+  constexpr float kLn2 = 0.69314718055994531f;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t q_smem = smem_addr(smem);
+  const uint32_t k_smem = q_smem + BM * D * 2;             // 2 stages of BN x D
+  const uint32_t v_smem = k_smem + 2 * BN * D * 2;         // 2 stages of BN x D
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  const int qb = blockIdx.x / p.tiles_per_q_block;
+  const int q_begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * BM;  // permuted positions
+  const int q_end = min(min((qb + 1) * p.block_q, p.len_q), q_begin + BM);
+  if (q_begin >= q_end) return;  // a tile past the end of a partial query block
+
+  // ---- the key-tile iterator (the sparsity hook) ----
+  const bool dense = p.counts == nullptr;
+  int count = p.num_kv_blocks;
+  const int32_t* block_list = nullptr;
+  if (!dense) {
+    count = p.counts[b * p.counts_stride[0] + h * p.counts_stride[1] + qb * p.counts_stride[2]];
+    count = max(0, min(count, p.capacity));
+    block_list = p.indices + b * p.indices_stride[0] + h * p.indices_stride[1] + qb * p.indices_stride[2];
+  }
+  const int num_tiles = count * p.chunks_per_kv_block;
+  // Key positions [begin, end) of tile t (end <= begin: nothing to do).
+  auto tile_range = [&](int t, int& begin, int& end) {
+    const int slot = t / p.chunks_per_kv_block, chunk = t % p.chunks_per_kv_block;
+    const int kb = dense ? slot : block_list[slot * p.indices_stride[3]];
+    if (kb < 0 || kb >= p.num_kv_blocks) { begin = end = 0; return; }
+    begin = kb * p.block_kv + chunk * BN;
+    end = min(min((kb + 1) * p.block_kv, p.len_kv), begin + BN);
+  };
+
+  // ---- token gathers (the permutation hook) ----
+  const int32_t* perm_q =
+      p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
+  const int32_t* perm_kv =
+      p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
+  auto q_token = [&](int pos) -> int64_t {  // original query token of permuted position pos, or -1
+    if (pos >= q_end) return -1;
+    const int64_t t = perm_q ? perm_q[pos * p.perm_q_stride[2]] : pos;
+    return t >= 0 && t < p.len_q ? t : -1;
+  };
+  auto kv_token = [&](int pos, int end) -> int64_t {
+    if (pos >= end) return -1;
+    const int64_t t = perm_kv ? perm_kv[pos * p.perm_kv_stride[2]] : pos;
+    return t >= 0 && t < p.len_kv ? t : -1;
+  };
+
+  const uint16_t* q_base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const uint16_t* k_base = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
+  const uint16_t* v_base = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+
+  auto load_kv = [&](int t, int stage) {
+    int begin, end;
+    tile_range(t, begin, end);
+    auto token = [&](int row) { return kv_token(begin + row, end); };
+    load_tile<D, BN, THREADS>(k_smem + stage * BN * D * 2, k_base, p.k_stride[2], p.aligned_loads, token);
+    load_tile<D, BN, THREADS>(v_smem + stage * BN * D * 2, v_base, p.v_stride[2], p.aligned_loads, token);
+  };
+
+  // Prologue: Q and the first key tile in one copy group.
+  load_tile<D, BM, THREADS>(q_smem, q_base, p.q_stride[2], p.aligned_loads,
+                            [&](int row) { return q_token(q_begin + row); });
+  if (num_tiles > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  float o[kDT][4];
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // rows g and g+8 of this warp, in raw logits
+  float row_sum[2] = {0.0f, 0.0f};            // this thread's partial sums (reduced at the end)
+  uint32_t q_frag[D / 16][4];
+
+  const int g = lane / 4, c = lane % 4;
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t & 1;
+    if (t + 1 < num_tiles) load_kv(t + 1, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the newest group (tile t+1) has landed
+    __syncthreads();
+    if (t == 0) {
+      // Matrix i = lane/8 of A: rows (i%2)*8.., k (i/2)*8.. of this warp's 16 rows.
+      const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_smem + swizzle<D>(row, kk * 2 + lane / 16));
+    }
+    int begin, end;
+    tile_range(t, begin, end);
+    const int valid = end - begin;
+    if (valid > 0) {
+      const uint32_t ks = k_smem + stage * BN * D * 2, vs = v_smem + stage * BN * D * 2;
+      // S = Q K^T. B matrices from K rows: i = lane/8 -> keys (i/2)*8.., d (i%2)*8..
+      float s[kNT][4];
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+          uint32_t bk[4];
+          const int key = np * 16 + (lane / 16) * 8 + lane % 8;
+          ldmatrix_x4(bk, ks + swizzle<D>(key, kk * 2 + (lane / 8) % 2));
+          mma_16816<T>(s[2 * np], q_frag[kk], bk[0], bk[1]);
+          mma_16816<T>(s[2 * np + 1], q_frag[kk], bk[2], bk[3]);
+        }
+      }
+      if (valid < BN) {  // the mask hook: columns past the tile's end see nothing
+#pragma unroll
+        for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (n * 8 + 2 * c + (e & 1) >= valid) s[n][e] = -INFINITY;
+          }
+        }
+      }
+      // Online softmax, rows g (elements 0,1) and g+8 (elements 2,3).
+      float alpha[2], base[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[r];
+#pragma unroll
+        for (int n = 0; n < kNT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        base[r] = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
+        alpha[r] = exp2f(row_max[r] * p.scale_log2 - base[r]);  // 0 on the first tile
+        row_max[r] = mx;
+      }
+      uint32_t p_frag[kNT / 2][4];
+      row_sum[0] *= alpha[0];
+      row_sum[1] *= alpha[1];
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = exp2f(fmaf(s[n][e], p.scale_log2, -base[e / 2]));
+        row_sum[0] += s[n][0] + s[n][1];
+        row_sum[1] += s[n][2] + s[n][3];
+        // Accumulator tiles 2j, 2j+1 of S are exactly the A fragment j of P (no shuffles).
+        p_frag[n / 2][(n % 2) * 2 + 0] = Pair<T>::pack(s[n][0], s[n][1]);
+        p_frag[n / 2][(n % 2) * 2 + 1] = Pair<T>::pack(s[n][2], s[n][3]);
+      }
+#pragma unroll
+      for (int i = 0; i < kDT; ++i) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1];
+        o[i][3] *= alpha[1];
+      }
+      // O += P V. B matrices from V rows, transposed: i = lane/8 -> keys (i%2)*8.., d (i/2)*8..
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+        for (int dp = 0; dp < kDT / 2; ++dp) {
+          uint32_t bv[4];
+          const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+          ldmatrix_x4_trans(bv, vs + swizzle<D>(key, dp * 2 + lane / 16));
+          mma_16816<T>(o[2 * dp], p_frag[kk], bv[0], bv[1]);
+          mma_16816<T>(o[2 * dp + 1], p_frag[kk], bv[2], bv[3]);
+        }
+      }
+    }
+    __syncthreads();  // stage t is overwritten by the prefetch of the next iteration
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: O / l, LSE, written at the original query positions ----
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t token = q_token(q_begin + warp * 16 + g + 8 * r);
+    if (token < 0) continue;
+    T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
+#pragma unroll
+    for (int i = 0; i < kDT; ++i) {
+      const float x0 = o[i][2 * r] * inv, x1 = o[i][2 * r + 1] * inv;
+      const int col = i * 8 + 2 * c;
+      const uint32_t packed = Pair<T>::pack(x0, x1);
+      if (p.aligned_out) {
+        *reinterpret_cast<uint32_t*>(out + col) = packed;
+      } else {
+        reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
+        reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
+      }
+    }
+    if (c == 0) {
+      const float lse = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2]] = lse;
+    }
+  }
+}
+
+}  // namespace sparsa::cuda::detail

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cuda/attention/flash_kernel.cuh"
@@ -92,11 +93,12 @@ FlashParams dense_params(const void* q, const void* k, const void* v, void* out,
   return p;
 }
 
-template <int WARPS, int BN>
+template <int WARPS, int BN, int MT>
 void launch_rung1(const FlashParams& p) {
-  using Shape = FlashShape<128, WARPS, BN>;
-  auto kernel = flash_forward_kernel<__nv_bfloat16, 128, WARPS, BN>;
+  using Shape = FlashShape<128, WARPS, BN, MT>;
+  auto kernel = flash_forward_kernel<__nv_bfloat16, 128, WARPS, BN, MT>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   kernel<<<dim3(p.num_q_blocks, p.heads_q, 1), Shape::kThreads, Shape::kSmemBytes>>>(p);
   CHECK(cudaGetLastError());
 }
@@ -128,15 +130,18 @@ struct Variant {
   void (*launch)(const FlashParams&);
 };
 
-int main() {
+int main(int argc, char** argv) {
   constexpr int D = 128;
+  const bool profile = argc > 1 && std::string(argv[1]) == "--profile";  // one launch per variant at 8K
   const Variant variants[] = {
-      {"rung1 4 warps, BN 64", 64, 64, launch_rung1<4, 64>},
-      {"rung1 8 warps, BN 64", 128, 64, launch_rung1<8, 64>},
-      {"rung1 4 warps, BN 32", 64, 32, launch_rung1<4, 32>},
+      {"rung1 4w x16 rows, BN 64", 64, 64, launch_rung1<4, 64, 1>},
+      {"rung1 8w x16 rows, BN 64", 128, 64, launch_rung1<8, 64, 1>},
+      {"rung1 4w x32 rows, BN 64", 128, 64, launch_rung1<4, 64, 2>},
+      {"rung1 4w x32 rows, BN 32", 128, 32, launch_rung1<4, 32, 2>},
+      {"rung1 8w x32 rows, BN 64", 256, 64, launch_rung1<8, 64, 2>},
   };
   // Check every variant against rung 0 (4 heads, N = 1000: partial tiles on both sides).
-  {
+  if (!profile) {
     const int H = 4, N = 1000;
     const int64_t n = int64_t(H) * N * D;
     __nv_bfloat16 *q, *k, *v, *o;
@@ -173,6 +178,7 @@ int main() {
   }
   std::printf("\n%-26s %8s %10s %10s\n", "kernel", "N", "ms", "TFLOP/s");
   for (int N : {8192, 32768}) {
+    if (profile && N != 8192) break;
     const int H = 32;
     const int64_t n = int64_t(H) * N * D;
     __nv_bfloat16 *q, *k, *v, *o;
@@ -188,10 +194,15 @@ int main() {
     const double flops = 4.0 * H * double(N) * N * D;
     for (const Variant& var : variants) {
       const FlashParams p = dense_params(q, k, v, o, lse, H, N, D, var.bm, var.bn);
+      if (profile) {
+        var.launch(p);
+        CHECK(cudaDeviceSynchronize());
+        continue;
+      }
       const float ms = median_ms([&] { var.launch(p); }, N > 8192 ? 10 : 30);
       std::printf("%-26s %8d %10.3f %10.1f\n", var.name, N, ms, flops / ms / 1e9);
     }
-    if (N == 8192) {  // rung 0 once, at 8K only (it is ~100x slower)
+    if (N == 8192 && !profile) {  // rung 0 once, at 8K only (it is ~100x slower)
       float* ref;
       CHECK(cudaMalloc(&ref, n * 4));
       const float ms = median_ms(

@@ -15,8 +15,10 @@ namespace {
 
 using detail::FlashParams;
 
-// The promoted rung of bench/cuda/flash_ladder.cu: 4 warps x 16 query rows, 64-key tiles.
-constexpr int kWarps = 4;
+// The promoted rung of bench/cuda/flash_ladder.cu: warps per CTA, m-tiles (16 query rows) per
+// warp, key-tile width.
+constexpr int kWarps = 8;
+constexpr int kMTiles = 1;
 constexpr int kKeyTile = 64;
 
 Status check_pointer(const char* name, const void* ptr, int device) {
@@ -39,9 +41,12 @@ Status check_pointer(const char* name, const void* ptr, int device) {
 
 template <class T, int D>
 Status launch(const FlashParams& p, cudaStream_t stream) {
-  using Shape = detail::FlashShape<D, kWarps, kKeyTile>;
-  auto kernel = detail::flash_forward_kernel<T, D, kWarps, kKeyTile>;
+  using Shape = detail::FlashShape<D, kWarps, kKeyTile, kMTiles>;
+  auto kernel = detail::flash_forward_kernel<T, D, kWarps, kKeyTile, kMTiles>;
   SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
+  // All of the unified L1 as shared memory, so that two CTAs fit on a multiprocessor.
+  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   SPARSA_CUDA_CHECK_LAUNCH();
@@ -123,7 +128,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
     p.aligned_out = p.aligned_out && a.out_stride[d] % 2 == 0;
   }
 
-  const int bm = 16 * kWarps;
+  const int bm = 16 * kMTiles * kWarps;
   auto ceil_div = [](int64_t x, int64_t y) { return static_cast<int>((x + y - 1) / y); };
   if (a.index == nullptr) {  // dense: the same mainloop over every key tile
     p.block_q = bm;

@@ -53,9 +53,9 @@ struct FlashParams {
   bool aligned_out = true;    // out base and strides allow 4-byte pair stores
 };
 
-template <int D, int WARPS, int BN>
+template <int D, int WARPS, int BN, int MT>
 struct FlashShape {
-  static constexpr int kBM = 16 * WARPS;
+  static constexpr int kBM = 16 * MT * WARPS;
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row
   static constexpr int kSmemBytes = (kBM + 4 * BN) * D * 2;  // Q + 2 stages of (K, V)
@@ -94,9 +94,11 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const uint16_t* base, in
   }
 }
 
-template <class T, int D, int WARPS, int BN>
+// MT: 16-row m-tiles per warp. MT = 1 keeps Q's fragments in registers; MT = 2 reloads them from
+// shared memory per k-step but reuses every K / V fragment twice (half the ldmatrix traffic per mma).
+template <class T, int D, int WARPS, int BN, int MT>
 __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashParams p) {
-  using Shape = FlashShape<D, WARPS, BN>;
+  using Shape = FlashShape<D, WARPS, BN, MT>;
   constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
   constexpr int kDT = D / 8;    // 8-wide accumulator tiles along head_dim
   constexpr int kNT = BN / 8;   // 8-wide score tiles along the key tile
@@ -166,12 +168,19 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
   if (num_tiles > 0) load_kv(0, 0);
   cp_async_commit();
 
-  float o[kDT][4];
+  constexpr bool kQInRegs = MT == 1;
+  float o[MT][kDT][4];
+  float row_max[MT][2], row_sum[MT][2];  // rows g and g+8 of each m-tile; max in raw logits,
+#pragma unroll                           // sums per thread (reduced over the quad at the end)
+  for (int m = 0; m < MT; ++m) {
+    row_max[m][0] = row_max[m][1] = -INFINITY;
+    row_sum[m][0] = row_sum[m][1] = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY};  // rows g and g+8 of this warp, in raw logits
-  float row_sum[2] = {0.0f, 0.0f};            // this thread's partial sums (reduced at the end)
-  uint32_t q_frag[D / 16][4];
+    for (int i = 0; i < kDT; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.0f;
+  }
+  uint32_t q_frag[kQInRegs ? D / 16 : 1][4];
+  // A-fragment row address of m-tile m: matrix i = lane/8 covers rows (i%2)*8.., k (i/2)*8..
+  auto q_row = [&](int m) { return warp * 16 * MT + m * 16 + (lane / 8 % 2) * 8 + lane % 8; };
 
   const int g = lane / 4, c = lane % 4;
   for (int t = 0; t < num_tiles; ++t) {
@@ -180,11 +189,9 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
     cp_async_commit();
     cp_async_wait<1>();  // everything but the newest group (tile t+1) has landed
     __syncthreads();
-    if (t == 0) {
-      // Matrix i = lane/8 of A: rows (i%2)*8.., k (i/2)*8.. of this warp's 16 rows.
-      const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
+    if (kQInRegs && t == 0) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_smem + swizzle<D>(row, kk * 2 + lane / 16));
+      for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_smem + swizzle<D>(q_row(0), kk * 2 + lane / 16));
     }
     int begin, end;
     tile_range(t, begin, end);
@@ -192,61 +199,78 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
     if (valid > 0) {
       const uint32_t ks = k_smem + stage * BN * D * 2, vs = v_smem + stage * BN * D * 2;
       // S = Q K^T. B matrices from K rows: i = lane/8 -> keys (i/2)*8.., d (i%2)*8..
-      float s[kNT][4];
+      float s[MT][kNT][4];
 #pragma unroll
-      for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < kNT; ++n) s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t qa[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qa[m][e] = q_frag[kk][e];
+          } else {
+            ldmatrix_x4(qa[m], q_smem + swizzle<D>(q_row(m), kk * 2 + lane / 16));
+          }
+        }
 #pragma unroll
         for (int np = 0; np < kNT / 2; ++np) {
           uint32_t bk[4];
           const int key = np * 16 + (lane / 16) * 8 + lane % 8;
           ldmatrix_x4(bk, ks + swizzle<D>(key, kk * 2 + (lane / 8) % 2));
-          mma_16816<T>(s[2 * np], q_frag[kk], bk[0], bk[1]);
-          mma_16816<T>(s[2 * np + 1], q_frag[kk], bk[2], bk[3]);
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            mma_16816<T>(s[m][2 * np], qa[m], bk[0], bk[1]);
+            mma_16816<T>(s[m][2 * np + 1], qa[m], bk[2], bk[3]);
+          }
         }
       }
       if (valid < BN) {  // the mask hook: columns past the tile's end see nothing
 #pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int n = 0; n < kNT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (n * 8 + 2 * c + (e & 1) >= valid) s[m][n][e] = -INFINITY;
+      }
+      // Online softmax, rows g (elements 0,1) and g+8 (elements 2,3) of each m-tile.
+      uint32_t p_frag[MT][kNT / 2][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        float alpha[2], base[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = row_max[m][r];
+#pragma unroll
+          for (int n = 0; n < kNT; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * r], s[m][n][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          base[r] = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
+          alpha[r] = exp2f(row_max[m][r] * p.scale_log2 - base[r]);  // 0 on the first tile
+          row_max[m][r] = mx;
+          row_sum[m][r] *= alpha[r];
+        }
+#pragma unroll
         for (int n = 0; n < kNT; ++n) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (n * 8 + 2 * c + (e & 1) >= valid) s[n][e] = -INFINITY;
-          }
+          for (int e = 0; e < 4; ++e) s[m][n][e] = exp2f(fmaf(s[m][n][e], p.scale_log2, -base[e / 2]));
+          row_sum[m][0] += s[m][n][0] + s[m][n][1];
+          row_sum[m][1] += s[m][n][2] + s[m][n][3];
+          // Accumulator tiles 2j, 2j+1 of S are exactly the A fragment j of P (no shuffles).
+          p_frag[m][n / 2][(n % 2) * 2 + 0] = Pair<T>::pack(s[m][n][0], s[m][n][1]);
+          p_frag[m][n / 2][(n % 2) * 2 + 1] = Pair<T>::pack(s[m][n][2], s[m][n][3]);
         }
-      }
-      // Online softmax, rows g (elements 0,1) and g+8 (elements 2,3).
-      float alpha[2], base[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[r];
-#pragma unroll
-        for (int n = 0; n < kNT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        base[r] = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-        alpha[r] = exp2f(row_max[r] * p.scale_log2 - base[r]);  // 0 on the first tile
-        row_max[r] = mx;
-      }
-      uint32_t p_frag[kNT / 2][4];
-      row_sum[0] *= alpha[0];
-      row_sum[1] *= alpha[1];
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = exp2f(fmaf(s[n][e], p.scale_log2, -base[e / 2]));
-        row_sum[0] += s[n][0] + s[n][1];
-        row_sum[1] += s[n][2] + s[n][3];
-        // Accumulator tiles 2j, 2j+1 of S are exactly the A fragment j of P (no shuffles).
-        p_frag[n / 2][(n % 2) * 2 + 0] = Pair<T>::pack(s[n][0], s[n][1]);
-        p_frag[n / 2][(n % 2) * 2 + 1] = Pair<T>::pack(s[n][2], s[n][3]);
-      }
-#pragma unroll
-      for (int i = 0; i < kDT; ++i) {
-        o[i][0] *= alpha[0];
-        o[i][1] *= alpha[0];
-        o[i][2] *= alpha[1];
-        o[i][3] *= alpha[1];
+        for (int i = 0; i < kDT; ++i) {
+          o[m][i][0] *= alpha[0];
+          o[m][i][1] *= alpha[0];
+          o[m][i][2] *= alpha[1];
+          o[m][i][3] *= alpha[1];
+        }
       }
       // O += P V. B matrices from V rows, transposed: i = lane/8 -> keys (i%2)*8.., d (i/2)*8..
 #pragma unroll
@@ -256,8 +280,11 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
           uint32_t bv[4];
           const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
           ldmatrix_x4_trans(bv, vs + swizzle<D>(key, dp * 2 + lane / 16));
-          mma_16816<T>(o[2 * dp], p_frag[kk], bv[0], bv[1]);
-          mma_16816<T>(o[2 * dp + 1], p_frag[kk], bv[2], bv[3]);
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            mma_16816<T>(o[m][2 * dp], p_frag[m][kk], bv[0], bv[1]);
+            mma_16816<T>(o[m][2 * dp + 1], p_frag[m][kk], bv[2], bv[3]);
+          }
         }
       }
     }
@@ -267,29 +294,31 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
 
   // ---- epilogue: O / l, LSE, written at the original query positions ----
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int64_t token = q_token(q_begin + warp * 16 + g + 8 * r);
-    if (token < 0) continue;
-    T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
-    for (int i = 0; i < kDT; ++i) {
-      const float x0 = o[i][2 * r] * inv, x1 = o[i][2 * r + 1] * inv;
-      const int col = i * 8 + 2 * c;
-      const uint32_t packed = Pair<T>::pack(x0, x1);
-      if (p.aligned_out) {
-        *reinterpret_cast<uint32_t*>(out + col) = packed;
-      } else {
-        reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
-        reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[m][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int64_t token = q_token(q_begin + warp * 16 * MT + m * 16 + g + 8 * r);
+      if (token < 0) continue;
+      T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
+#pragma unroll
+      for (int i = 0; i < kDT; ++i) {
+        const int col = i * 8 + 2 * c;
+        const uint32_t packed = Pair<T>::pack(o[m][i][2 * r] * inv, o[m][i][2 * r + 1] * inv);
+        if (p.aligned_out) {
+          *reinterpret_cast<uint32_t*>(out + col) = packed;
+        } else {
+          reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
+          reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
+        }
       }
-    }
-    if (c == 0) {
-      const float lse = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2]] = lse;
+      if (c == 0) {
+        const float lse = l > 0.0f ? (row_max[m][r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2]] = lse;
+      }
     }
   }
 }

@@ -93,10 +93,10 @@ FlashParams dense_params(const void* q, const void* k, const void* v, void* out,
   return p;
 }
 
-template <int WARPS, int BN, int MT>
+template <int WARPS, int BN, int MT, bool QREGS, int MINB>
 void launch_rung1(const FlashParams& p) {
   using Shape = FlashShape<128, WARPS, BN, MT>;
-  auto kernel = flash_forward_kernel<__nv_bfloat16, 128, WARPS, BN, MT>;
+  auto kernel = flash_forward_kernel<__nv_bfloat16, 128, WARPS, BN, MT, QREGS, MINB>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   kernel<<<dim3(p.num_q_blocks, p.heads_q, 1), Shape::kThreads, Shape::kSmemBytes>>>(p);
@@ -134,11 +134,14 @@ int main(int argc, char** argv) {
   constexpr int D = 128;
   const bool profile = argc > 1 && std::string(argv[1]) == "--profile";  // one launch per variant at 8K
   const Variant variants[] = {
-      {"rung1 4w x16 rows, BN 64", 64, 64, launch_rung1<4, 64, 1>},
-      {"rung1 8w x16 rows, BN 64", 128, 64, launch_rung1<8, 64, 1>},
-      {"rung1 4w x32 rows, BN 64", 128, 64, launch_rung1<4, 64, 2>},
-      {"rung1 4w x32 rows, BN 32", 128, 32, launch_rung1<4, 32, 2>},
-      {"rung1 8w x32 rows, BN 64", 256, 64, launch_rung1<8, 64, 2>},
+      {"1a 4w x16r BN64 Qreg", 64, 64, launch_rung1<4, 64, 1, true, 1>},
+      {"1b 8w x16r BN64 Qreg", 128, 64, launch_rung1<8, 64, 1, true, 1>},
+      {"1c 8w x16r BN64 Qsmem 2cta", 128, 64, launch_rung1<8, 64, 1, false, 2>},
+      {"1d 4w x16r BN32 Qreg 3cta", 64, 32, launch_rung1<4, 32, 1, true, 3>},
+      {"1e 4w x32r BN32", 128, 32, launch_rung1<4, 32, 2, false, 1>},
+      {"1f 4w x32r BN64", 128, 64, launch_rung1<4, 64, 2, false, 1>},
+      {"1g 8w x32r BN64", 256, 64, launch_rung1<8, 64, 2, false, 1>},
+      {"1h 8w x32r BN32", 256, 32, launch_rung1<8, 32, 2, false, 1>},
   };
   // Check every variant against rung 0 (4 heads, N = 1000: partial tiles on both sides).
   if (!profile) {
@@ -171,12 +174,12 @@ int main(int argc, char** argv) {
         s += double(r[i]) * r[i];
       }
       const double rel = std::sqrt(e / s);
-      std::printf("check %-24s rel L2 vs rung 0: %.2e %s\n", var.name, rel, rel < 1e-2 ? "ok" : "FAIL");
+      std::printf("check %-28s rel L2 vs rung 0: %.2e %s\n", var.name, rel, rel < 1e-2 ? "ok" : "FAIL");
       if (!(rel < 1e-2)) return 1;
     }
     for (void* p : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)ref, (void*)lse}) CHECK(cudaFree(p));
   }
-  std::printf("\n%-26s %8s %10s %10s\n", "kernel", "N", "ms", "TFLOP/s");
+  std::printf("\n%-28s %8s %10s %10s\n", "kernel", "N", "ms", "TFLOP/s");
   for (int N : {8192, 32768}) {
     if (profile && N != 8192) break;
     const int H = 32;
@@ -200,14 +203,14 @@ int main(int argc, char** argv) {
         continue;
       }
       const float ms = median_ms([&] { var.launch(p); }, N > 8192 ? 10 : 30);
-      std::printf("%-26s %8d %10.3f %10.1f\n", var.name, N, ms, flops / ms / 1e9);
+      std::printf("%-28s %8d %10.3f %10.1f\n", var.name, N, ms, flops / ms / 1e9);
     }
     if (N == 8192 && !profile) {  // rung 0 once, at 8K only (it is ~100x slower)
       float* ref;
       CHECK(cudaMalloc(&ref, n * 4));
       const float ms = median_ms(
           [&] { rung0_kernel<D><<<(H * N + 127) / 128, 128>>>(q, k, v, ref, H, N, 0.088388f); }, 1);
-      std::printf("%-26s %8d %10.3f %10.1f\n", "rung0 scalar f32", N, ms, flops / ms / 1e9);
+      std::printf("%-28s %8d %10.3f %10.1f\n", "rung0 scalar f32", N, ms, flops / ms / 1e9);
       CHECK(cudaFree(ref));
     }
     for (void* p : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse}) CHECK(cudaFree(p));

@@ -20,6 +20,8 @@ using detail::FlashParams;
 constexpr int kWarps = 8;
 constexpr int kMTiles = 1;
 constexpr int kKeyTile = 64;
+constexpr bool kQInRegisters = true;
+constexpr int kMinBlocks = 1;
 
 Status check_pointer(const char* name, const void* ptr, int device) {
   cudaPointerAttributes attr{};
@@ -42,7 +44,7 @@ Status check_pointer(const char* name, const void* ptr, int device) {
 template <class T, int D>
 Status launch(const FlashParams& p, cudaStream_t stream) {
   using Shape = detail::FlashShape<D, kWarps, kKeyTile, kMTiles>;
-  auto kernel = detail::flash_forward_kernel<T, D, kWarps, kKeyTile, kMTiles>;
+  auto kernel = detail::flash_forward_kernel<T, D, kWarps, kKeyTile, kMTiles, kQInRegisters, kMinBlocks>;
   SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
   // All of the unified L1 as shared memory, so that two CTAs fit on a multiprocessor.
   SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,

@@ -67,37 +67,73 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return static_cast<uint32_t>(row * D * 2 + ((chunk ^ (row & 7)) << 4));
 }
 
-// Copies `rows` rows of D b16 values into a swizzled shared tile. Row r is token token_of(r)
-// (negative: out of range, filled with zeros) of the tensor at `base` with row stride `stride`.
-template <int D, int ROWS, int THREADS, class TokenOf>
-__device__ __forceinline__ void load_tile(uint32_t dst, const uint16_t* base, int64_t stride, bool aligned,
-                                          TokenOf token_of) {
-  constexpr int kChunks = D / 8;
-  static_assert((ROWS * kChunks) % THREADS == 0, "tile copy must divide evenly");
-#pragma unroll
-  for (int it = 0; it < ROWS * kChunks / THREADS; ++it) {
-    const int idx = it * THREADS + threadIdx.x;
-    const int row = idx / kChunks, chunk = idx % kChunks;
-    const int64_t token = token_of(row);
-    const uint16_t* src = token >= 0 ? base + token * stride + chunk * 8 : base;
-    const uint32_t at = dst + swizzle<D>(row, chunk);
+// Thread threadIdx.x copies 16-byte chunk threadIdx.x % (D/8) of rows threadIdx.x / (D/8) + i * step
+// (step = THREADS / (D/8)) of a [ROWS][D] tile; token[i] is the source row (negative: zeros).
+template <int D, int ROWS, int THREADS>
+struct TileCopy {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kStep = THREADS / kChunks;
+  static constexpr int kRows = ROWS / kStep;  // rows per thread
+  static_assert(THREADS % kChunks == 0 && ROWS % kStep == 0, "tile copy must divide evenly");
+
+  static __device__ __forceinline__ int row(int i) { return threadIdx.x / kChunks + i * kStep; }
+
+  // One uniform branch per tile, none per chunk.
+  static __device__ __forceinline__ void copy(uint32_t dst, const uint16_t* base, int64_t stride, bool aligned,
+                                              const int64_t (&token)[kRows]) {
+    const int chunk = threadIdx.x % kChunks;
     if (aligned) {
-      cp_async_16(at, src, token >= 0 ? 16 : 0);
-    } else {
-      uint32_t w[4] = {0, 0, 0, 0};
-      if (token >= 0) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) w[e] = uint32_t(src[2 * e]) | (uint32_t(src[2 * e + 1]) << 16);
+      for (int i = 0; i < kRows; ++i) {
+        const uint16_t* src = base + (token[i] >= 0 ? token[i] : 0) * stride + chunk * 8;
+        cp_async_16(dst + swizzle<D>(row(i), chunk), src, token[i] >= 0 ? 16 : 0);
       }
-      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(at), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        uint32_t w[4] = {0, 0, 0, 0};
+        if (token[i] >= 0) {
+          const uint16_t* src = base + token[i] * stride + chunk * 8;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) w[e] = uint32_t(src[2 * e]) | (uint32_t(src[2 * e + 1]) << 16);
+        }
+        asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + swizzle<D>(row(i), chunk)), "r"(w[0]),
+                     "r"(w[1]), "r"(w[2]), "r"(w[3]));
+      }
     }
+  }
+};
+
+// Source tokens of rows [begin, begin + ROWS) of a permuted sequence: position pos < end is
+// token perm[pos] (pos itself without a permutation); anything else, or a permutation entry
+// outside [0, len), reads as zeros.
+template <class Copy>
+__device__ __forceinline__ void gather_tokens(int64_t (&token)[Copy::kRows], int begin, int end, const int32_t* perm,
+                                              int64_t perm_stride, int len) {
+#pragma unroll
+  for (int i = 0; i < Copy::kRows; ++i) {
+    const int pos = begin + Copy::row(i);
+    int64_t t = pos < end ? pos : -1;
+    if (perm != nullptr && t >= 0) {
+      t = perm[pos * perm_stride];
+      t = t < len ? t : -1;
+    }
+    token[i] = t;
   }
 }
 
-// MT: 16-row m-tiles per warp. MT = 1 keeps Q's fragments in registers; MT = 2 reloads them from
-// shared memory per k-step but reuses every K / V fragment twice (half the ldmatrix traffic per mma).
-template <class T, int D, int WARPS, int BN, int MT>
-__global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashParams p) {
+__device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; -inf -> 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// MT: 16-row m-tiles per warp; QREGS: Q's fragments stay in registers (MT = 1 only) instead of
+// being reloaded from shared memory per k-step; MINB: CTAs per multiprocessor the register
+// allocation must allow (__launch_bounds__).
+template <class T, int D, int WARPS, int BN, int MT, bool QREGS, int MINB>
+__global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const FlashParams p) {
+  static_assert(!QREGS || MT == 1, "Q fragments in registers only with one m-tile per warp");
   using Shape = FlashShape<D, WARPS, BN, MT>;
   constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
   constexpr int kDT = D / 8;    // 8-wide accumulator tiles along head_dim
@@ -125,50 +161,56 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
     block_list = p.indices + b * p.indices_stride[0] + h * p.indices_stride[1] + qb * p.indices_stride[2];
   }
   const int num_tiles = count * p.chunks_per_kv_block;
-  // Key positions [begin, end) of tile t (end <= begin: nothing to do).
-  auto tile_range = [&](int t, int& begin, int& end) {
-    const int slot = t / p.chunks_per_kv_block, chunk = t % p.chunks_per_kv_block;
-    const int kb = dense ? slot : block_list[slot * p.indices_stride[3]];
-    if (kb < 0 || kb >= p.num_kv_blocks) { begin = end = 0; return; }
-    begin = kb * p.block_kv + chunk * BN;
-    end = min(min((kb + 1) * p.block_kv, p.len_kv), begin + BN);
+  // Key positions [begin, end) of the next tile to load (end <= begin: nothing to do); walked
+  // incrementally (slot, chunk) to keep divisions out of the loop.
+  int next_slot = 0, next_chunk = 0;
+  auto next_range = [&](int& begin, int& end) {
+    const int kb = dense ? next_slot : block_list[next_slot * p.indices_stride[3]];
+    if (kb < 0 || kb >= p.num_kv_blocks) {
+      begin = end = 0;
+    } else {
+      begin = kb * p.block_kv + next_chunk * BN;
+      end = min(min((kb + 1) * p.block_kv, p.len_kv), begin + BN);
+    }
+    if (++next_chunk == p.chunks_per_kv_block) next_chunk = 0, ++next_slot;
   };
 
   // ---- token gathers (the permutation hook) ----
-  const int32_t* perm_q =
-      p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
-  const int32_t* perm_kv =
-      p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
+  const int32_t* perm_q = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
+  const int32_t* perm_kv = p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
   auto q_token = [&](int pos) -> int64_t {  // original query token of permuted position pos, or -1
     if (pos >= q_end) return -1;
     const int64_t t = perm_q ? perm_q[pos * p.perm_q_stride[2]] : pos;
     return t >= 0 && t < p.len_q ? t : -1;
-  };
-  auto kv_token = [&](int pos, int end) -> int64_t {
-    if (pos >= end) return -1;
-    const int64_t t = perm_kv ? perm_kv[pos * p.perm_kv_stride[2]] : pos;
-    return t >= 0 && t < p.len_kv ? t : -1;
   };
 
   const uint16_t* q_base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
   const uint16_t* k_base = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
   const uint16_t* v_base = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
 
-  auto load_kv = [&](int t, int stage) {
-    int begin, end;
-    tile_range(t, begin, end);
-    auto token = [&](int row) { return kv_token(begin + row, end); };
-    load_tile<D, BN, THREADS>(k_smem + stage * BN * D * 2, k_base, p.k_stride[2], p.aligned_loads, token);
-    load_tile<D, BN, THREADS>(v_smem + stage * BN * D * 2, v_base, p.v_stride[2], p.aligned_loads, token);
+  using KVCopy = TileCopy<D, BN, THREADS>;
+  using QCopy = TileCopy<D, BM, THREADS>;
+  auto load_kv = [&](int begin, int end, int stage) {
+    int64_t token[KVCopy::kRows];
+    gather_tokens<KVCopy>(token, begin, end, perm_kv, p.perm_kv_stride[2], p.len_kv);
+    KVCopy::copy(k_smem + stage * BN * D * 2, k_base, p.k_stride[2], p.aligned_loads, token);
+    KVCopy::copy(v_smem + stage * BN * D * 2, v_base, p.v_stride[2], p.aligned_loads, token);
   };
 
   // Prologue: Q and the first key tile in one copy group.
-  load_tile<D, BM, THREADS>(q_smem, q_base, p.q_stride[2], p.aligned_loads,
-                            [&](int row) { return q_token(q_begin + row); });
-  if (num_tiles > 0) load_kv(0, 0);
+  {
+    int64_t token[QCopy::kRows];
+    gather_tokens<QCopy>(token, q_begin, q_end, perm_q, p.perm_q_stride[2], p.len_q);
+    QCopy::copy(q_smem, q_base, p.q_stride[2], p.aligned_loads, token);
+  }
+  int load_begin = 0, load_end = 0;
+  if (num_tiles > 0) {
+    next_range(load_begin, load_end);
+    load_kv(load_begin, load_end, 0);
+  }
   cp_async_commit();
 
-  constexpr bool kQInRegs = MT == 1;
+  constexpr bool kQInRegs = QREGS;
   float o[MT][kDT][4];
   float row_max[MT][2], row_sum[MT][2];  // rows g and g+8 of each m-tile; max in raw logits,
 #pragma unroll                           // sums per thread (reduced over the quad at the end)
@@ -185,7 +227,11 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
   const int g = lane / 4, c = lane % 4;
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t & 1;
-    if (t + 1 < num_tiles) load_kv(t + 1, stage ^ 1);
+    const int begin = load_begin, end = load_end;  // of tile t
+    if (t + 1 < num_tiles) {
+      next_range(load_begin, load_end);
+      load_kv(load_begin, load_end, stage ^ 1);
+    }
     cp_async_commit();
     cp_async_wait<1>();  // everything but the newest group (tile t+1) has landed
     __syncthreads();
@@ -193,8 +239,6 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_smem + swizzle<D>(q_row(0), kk * 2 + lane / 16));
     }
-    int begin, end;
-    tile_range(t, begin, end);
     const int valid = end - begin;
     if (valid > 0) {
       const uint32_t ks = k_smem + stage * BN * D * 2, vs = v_smem + stage * BN * D * 2;
@@ -250,14 +294,14 @@ __global__ void __launch_bounds__(32 * WARPS) flash_forward_kernel(const FlashPa
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           base[r] = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-          alpha[r] = exp2f(row_max[m][r] * p.scale_log2 - base[r]);  // 0 on the first tile
+          alpha[r] = fast_exp2(row_max[m][r] * p.scale_log2 - base[r]);  // 0 on the first tile
           row_max[m][r] = mx;
           row_sum[m][r] *= alpha[r];
         }
 #pragma unroll
         for (int n = 0; n < kNT; ++n) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[m][n][e] = exp2f(fmaf(s[m][n][e], p.scale_log2, -base[e / 2]));
+          for (int e = 0; e < 4; ++e) s[m][n][e] = fast_exp2(fmaf(s[m][n][e], p.scale_log2, -base[e / 2]));
           row_sum[m][0] += s[m][n][0] + s[m][n][1];
           row_sum[m][1] += s[m][n][2] + s[m][n][3];
           // Accumulator tiles 2j, 2j+1 of S are exactly the A fragment j of P (no shuffles).

@@ -7,12 +7,27 @@
 // this H200 kind), and 648 TFLOP/s for mma.sync m16n8k16 (../../shared research notes).
 //
 // Rung 0: one thread per query row, f32 online softmax, no tensor cores. The checker's oracle.
-// Rung 1: FA2-style: mma.sync m16n8k16 (bf16 in, f32 accumulate), Q fragments in registers,
-//         K/V tiles double-buffered with cp.async, ldmatrix (.trans for V), XOR-swizzled rows;
-//         16 query rows per warp; variants by warps per CTA and key-tile width.
+// Rung 1: FA2-style: mma.sync m16n8k16 (bf16 in, f32 accumulate), K/V tiles double-buffered with
+//         cp.async, ldmatrix (.trans for V), XOR-swizzled rows, online softmax in registers.
+//         Variants: warps per CTA (w), query rows per warp (r = 16 x m-tiles), key-tile width (BN),
+//         Q fragments kept in registers (Qreg) or reloaded from shared memory, min CTAs per SM.
 //
-// Measured on one H200 (nvidia-h200 kind), scripts/gpu-check, TFLOP/s at N = 8K / 32K:
-//   (filled in from the run's output; see bench/RESULTS.md "## CUDA (H200)")
+// Measured on one H200 (nvidia-h200 kind, clocks not locked), scripts/gpu-check, dense, TFLOP/s at
+// N = 8K / 32K (run order; each line is one run of this file):
+//   rung 0 scalar f32 ........................................ 4.3 (8K)
+//   rung 1, first cut (per-chunk branchy copies, exp2f):
+//     4w x16r BN64 133 / 138   8w x16r BN64 171 / 179   4w x32r BN64 135 / 142
+//     4w x32r BN32 181 / 187   8w x32r BN64 207 / 214
+//     ncu (8w x16r): 9.2 issued instructions per mma, IPC 1.64, 2 warps per scheduler, 59% of
+//     cycles with no eligible warp; the cp.async address/branch code per 16-byte chunk dominated.
+//   rung 1, copies with one uniform branch per tile, incremental key-tile walk, ex2.approx.ftz:
+//     1a 4w x16r BN64 Qreg 241 / 254        1b 8w x16r BN64 Qreg 258 / 268
+//     1c 8w x16r BN64 Qsmem 2 CTAs 262 / 273   1d 4w x16r BN32 Qreg 3 CTAs 225 / 235
+//     1e 4w x32r BN32 279 / 287              1f 4w x32r BN64 296 / 305
+//     1g 8w x32r BN64 310 / 315              1h 8w x32r BN32 274 / 279
+//     ncu: 1b 6.2 instructions per mma, IPC 1.68; 1c (16 warps/SM) IPC 1.97 but more instructions.
+//   rung 1, + O rescaled only when a row max moved: see bench/RESULTS.md "## CUDA (H200)".
+// Promoted: 1g for dense (256-row tiles), 1f for block-sparse (128-row tiles = one 128-token block).
 //
 // Next rung (2): wgmma (m64nNk16, SS for Q K^T, RS for P V) with TMA loads into a multi-stage
 // mbarrier ring and a producer warp (warp specialisation), two consumer warpgroups.

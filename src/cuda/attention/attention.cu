@@ -15,13 +15,18 @@ namespace {
 
 using detail::FlashParams;
 
-// The promoted rung of bench/cuda/flash_ladder.cu: warps per CTA, m-tiles (16 query rows) per
-// warp, key-tile width.
-constexpr int kWarps = 8;
-constexpr int kMTiles = 1;
-constexpr int kKeyTile = 64;
-constexpr bool kQInRegisters = true;
-constexpr int kMinBlocks = 1;
+// The promoted rung of bench/cuda/flash_ladder.cu, one mainloop in two tile configurations:
+// warps per CTA, 16-row m-tiles per warp, key-tile width, Q fragments in registers, min CTAs/SM.
+// Dense uses 256-row query tiles (8 warps x 32 rows); block-sparse plans use 128-row tiles
+// (4 warps x 32 rows) so that a 128-token query block is exactly one CTA.
+template <int WARPS, int MT, int BN, bool QREGS, int MINB>
+struct Config {
+  static constexpr int kWarps = WARPS, kMTiles = MT, kKeyTile = BN, kMinBlocks = MINB;
+  static constexpr bool kQInRegisters = QREGS;
+  static constexpr int kRows = 16 * MT * WARPS;
+};
+using DenseConfig = Config<8, 2, 64, false, 1>;
+using SparseConfig = Config<4, 2, 64, false, 1>;
 
 Status check_pointer(const char* name, const void* ptr, int device) {
   cudaPointerAttributes attr{};
@@ -41,12 +46,12 @@ Status check_pointer(const char* name, const void* ptr, int device) {
   return {};
 }
 
-template <class T, int D>
+template <class C, class T, int D>
 Status launch(const FlashParams& p, cudaStream_t stream) {
-  using Shape = detail::FlashShape<D, kWarps, kKeyTile, kMTiles>;
-  auto kernel = detail::flash_forward_kernel<T, D, kWarps, kKeyTile, kMTiles, kQInRegisters, kMinBlocks>;
+  using Shape = detail::FlashShape<D, C::kWarps, C::kKeyTile, C::kMTiles>;
+  auto kernel = detail::flash_forward_kernel<T, D, C::kWarps, C::kKeyTile, C::kMTiles, C::kQInRegisters, C::kMinBlocks>;
   SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
-  // All of the unified L1 as shared memory, so that two CTAs fit on a multiprocessor.
+  // All of the unified L1 as shared memory, so that as many CTAs fit as registers allow.
   SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          cudaSharedmemCarveoutMaxShared));
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
@@ -55,14 +60,24 @@ Status launch(const FlashParams& p, cudaStream_t stream) {
   return {};
 }
 
-template <class T>
-Status launch_head_dim(const FlashParams& p, int head_dim, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return launch<T, 64>(p, stream);
-    case 128: return launch<T, 128>(p, stream);
+template <class C>
+Status launch_config(FlashParams p, DType dtype, int head_dim, const BlockIndex* index, cudaStream_t stream) {
+  auto ceil_div = [](int64_t x, int64_t y) { return static_cast<int>((x + y - 1) / y); };
+  if (index == nullptr) {  // dense: the same mainloop over every key tile
+    p.block_q = C::kRows;
+    p.block_kv = C::kKeyTile;
+    p.num_q_blocks = ceil_div(p.len_q, C::kRows);
+    p.num_kv_blocks = ceil_div(p.len_kv, C::kKeyTile);
+  } else {
+    p.tiles_per_q_block = ceil_div(p.block_q, C::kRows);
+    p.chunks_per_kv_block = ceil_div(p.block_kv, C::kKeyTile);
   }
-  return {StatusCode::unsupported,
-          "q: head_dim " + std::to_string(head_dim) + " is not supported by the cuda backend (64 or 128)"};
+  if (static_cast<int64_t>(p.num_q_blocks) * p.tiles_per_q_block > 0x7fffffff) {
+    return invalid_argument("index.block_q: too many query tiles for one launch");
+  }
+  const bool bf16 = dtype == DType::bf16;
+  if (head_dim == 64) return bf16 ? launch<C, __nv_bfloat16, 64>(p, stream) : launch<C, __half, 64>(p, stream);
+  return bf16 ? launch<C, __nv_bfloat16, 128>(p, stream) : launch<C, __half, 128>(p, stream);
 }
 
 bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
@@ -130,14 +145,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
     p.aligned_out = p.aligned_out && a.out_stride[d] % 2 == 0;
   }
 
-  const int bm = 16 * kMTiles * kWarps;
-  auto ceil_div = [](int64_t x, int64_t y) { return static_cast<int>((x + y - 1) / y); };
-  if (a.index == nullptr) {  // dense: the same mainloop over every key tile
-    p.block_q = bm;
-    p.block_kv = kKeyTile;
-    p.num_q_blocks = ceil_div(a.len_q, bm);
-    p.num_kv_blocks = ceil_div(a.len_kv, kKeyTile);
-  } else {
+  if (a.index != nullptr) {
     const BlockIndex& ix = *a.index;
     SPARSA_RETURN_IF_ERROR(check_pointer("index.counts", ix.counts.data, device));
     if (ix.indices.numel() > 0) SPARSA_RETURN_IF_ERROR(check_pointer("index.indices", ix.indices.data, device));
@@ -145,8 +153,6 @@ Status attention(const sparsa::detail::AttentionParams& a) {
     p.block_kv = ix.block_kv;
     p.num_q_blocks = static_cast<int>(ix.num_q_blocks);
     p.num_kv_blocks = static_cast<int>(ix.num_kv_blocks);
-    p.tiles_per_q_block = ceil_div(ix.block_q, bm);
-    p.chunks_per_kv_block = ceil_div(ix.block_kv, kKeyTile);
     p.counts = static_cast<const int32_t*>(ix.counts.data);
     p.indices = static_cast<const int32_t*>(ix.indices.data);
     p.capacity = static_cast<int>(ix.capacity());
@@ -164,12 +170,10 @@ Status attention(const sparsa::detail::AttentionParams& a) {
       for (int d = 0; d < 3; ++d) p.perm_kv_stride[d] = ix.perm_kv.strides[d];
     }
   }
-  if (static_cast<int64_t>(p.num_q_blocks) * p.tiles_per_q_block > kIntMax) {
-    return invalid_argument("index.block_q: too many query tiles for one launch");
-  }
   const cudaStream_t stream = nullptr;  // the default stream: callers synchronise as with any CUDA op
-  if (a.dtype == DType::bf16) return launch_head_dim<__nv_bfloat16>(p, static_cast<int>(a.head_dim), stream);
-  return launch_head_dim<__half>(p, static_cast<int>(a.head_dim), stream);
+  const int head_dim = static_cast<int>(a.head_dim);
+  if (a.index == nullptr) return launch_config<DenseConfig>(p, a.dtype, head_dim, nullptr, stream);
+  return launch_config<SparseConfig>(p, a.dtype, head_dim, a.index, stream);
 }
 
 }  // namespace sparsa::cuda

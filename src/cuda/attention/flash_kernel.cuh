@@ -308,12 +308,16 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
           p_frag[m][n / 2][(n % 2) * 2 + 0] = Pair<T>::pack(s[m][n][0], s[m][n][1]);
           p_frag[m][n / 2][(n % 2) * 2 + 1] = Pair<T>::pack(s[m][n][2], s[m][n][3]);
         }
+        // Rescale O only when some row's max moved (alpha is exactly 1 otherwise): after the first
+        // tiles the running max rarely changes, and the warp skips 2 * kDT multiplies per row.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-        for (int i = 0; i < kDT; ++i) {
-          o[m][i][0] *= alpha[0];
-          o[m][i][1] *= alpha[0];
-          o[m][i][2] *= alpha[1];
-          o[m][i][3] *= alpha[1];
+          for (int i = 0; i < kDT; ++i) {
+            o[m][i][0] *= alpha[0];
+            o[m][i][1] *= alpha[0];
+            o[m][i][2] *= alpha[1];
+            o[m][i][3] *= alpha[1];
+          }
         }
       }
       // O += P V. B matrices from V rows, transposed: i = lane/8 -> keys (i%2)*8.., d (i/2)*8..

@@ -147,7 +147,7 @@ def main():
 
     tf = lambda flops, ms: flops / ms / 1e9
     print()
-    print(f"{'N':>6} {'kernel':<22} {'ms':>9} {'TFLOP/s':>8} {'of 790':>7}  ratio")
+    print(f"{'N':>6} {'kernel':<22} {'ms':>9} {'TFLOP/s':>8} {'of 790':>7}")
     for r in rows:
         N = r["N"]
         for name, key, flops in [("sparsa dense", "sparsa_dense", r["dense_flops"]),

@@ -26,7 +26,10 @@
 //     1e 4w x32r BN32 279 / 287              1f 4w x32r BN64 296 / 305
 //     1g 8w x32r BN64 310 / 315              1h 8w x32r BN32 274 / 279
 //     ncu: 1b 6.2 instructions per mma, IPC 1.68; 1c (16 warps/SM) IPC 1.97 but more instructions.
-//   rung 1, + O rescaled only when a row max moved: see bench/RESULTS.md "## CUDA (H200)".
+//   rung 1, + O rescaled only when a row max moved (no change beyond run-to-run noise):
+//     1a 241 / 254   1b 255 / 264   1c 260 / 271   1d 221 / 231
+//     1e 276 / 286   1f 302 / 310   1g 309 / 316   1h 261 / 266
+//   The same run's side-by-side numbers (cuDNN, FA2, Flex) are in bench/RESULTS.md.
 // Promoted: 1g for dense (256-row tiles), 1f for block-sparse (128-row tiles = one 128-token block).
 //
 // Next rung (2): wgmma (m64nNk16, SS for Q K^T, RS for P V) with TMA loads into a multi-stage

@@ -2,9 +2,9 @@
 // and block-sparse attention, FlashAttention-2 style (Dao 2023, arXiv 2307.08691) on the
 // warp-level tensor cores.
 //
-// A CTA owns BM = 16 * WARPS query rows of one (batch, query head); each warp owns 16 rows and
-// keeps its Q fragments, its O accumulator (f32) and its online-softmax state (running max m,
-// running sum l, per row) in registers. The CTA walks a list of key tiles of BN tokens:
+// A CTA owns BM = 16 * MT * WARPS query rows of one (batch, query head); each warp owns 16 * MT
+// rows and keeps its O accumulator (f32) and its online-softmax state (running max m, running
+// sum l, per row) in registers (Q fragments too when QREGS). The CTA walks a list of key tiles of BN tokens:
 //   S = Q K^T (mma.sync m16n8k16, f32)  ->  m' = max(m, rowmax S);  P = exp2(S*c - m'*c)
 //   l = l * exp2((m - m')c) + rowsum P;  O = O * exp2((m - m')c) + P V     (c = scale * log2 e)
 // and ends with O / l and LSE = (m c + log2 l) ln 2 (O = 0, LSE = -inf for a row that saw no key).

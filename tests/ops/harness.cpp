@@ -202,7 +202,13 @@ std::string GuardedOutput::check(const char* what) const {
   for (int64_t i = 0; i < numel(shape_); ++i) {
     uint32_t got = 0;
     std::memcpy(&got, bytes_.data() + guard_ + static_cast<size_t>(flat_offset(view_, i)) * esize, esize);
-    if (got == bits) return std::string(what) + ": element " + std::to_string(i) + " (row-major) was never written";
+    if (got == bits) {
+      std::string index;
+      for (int64_t d = static_cast<int64_t>(shape_.size()) - 1, rest = i; d >= 0; rest /= shape_[d], --d) {
+        index = std::to_string(rest % shape_[d]) + (index.empty() ? "" : ",") + index;
+      }
+      return std::string(what) + ": element [" + index + "] was never written";
+    }
   }
   return "";
 }

@@ -1,16 +1,19 @@
 // test-ops: checks every backend against cpu_ref and cpu_ref against the harness's
 // own f64 oracles (mode `test`, the default), or times the backends (mode `perf`).
 //
-//   test-ops [test|perf] [-o OP] [-p REGEX] [-b BACKEND] [--seed N] [--full] [--list]
+//   test-ops [test|perf] [-o OP] [-p REGEX] [-b BACKEND] [--seed N] [--full] [--list] [-j N]
 //
 // A failure prints its reason and the command that reruns that one case.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "harness.h"
@@ -24,11 +27,12 @@ struct Args {
   std::string op, pattern, backend;
   uint64_t seed = 1;
   bool seed_given = false, full = false, list = false;
+  int jobs = 0;  // test mode: cases run on this many threads (0: hardware concurrency)
 };
 
 void usage() {
   std::printf(
-      "usage: test-ops [test|perf] [-o OP] [-p REGEX] [-b BACKEND] [--seed N] [--full] [--list]\n"
+      "usage: test-ops [test|perf] [-o OP] [-p REGEX] [-b BACKEND] [--seed N] [--full] [--list] [-j N]\n"
       "  test     (default) each backend against cpu_ref, and cpu_ref against the f64 oracles\n"
       "  perf     time each backend (median of repeated runs), GFLOP/s and GB/s\n"
       "  -o OP    only cases of this op (dense, block_sparse, block_sparse_full, dense_split_merge, merge)\n"
@@ -36,7 +40,8 @@ void usage() {
       "  -b NAME  only this backend (cpu_ref: the oracle checks; cpu, cuda: against cpu_ref)\n"
       "  --seed N seed of the fuzzed cases (default 1)\n"
       "  --full   more and larger fuzzed cases\n"
-      "  --list   print the selected cases and exit\n");
+      "  --list   print the selected cases and exit\n"
+      "  -j N     test mode: run cases on N threads (default: hardware concurrency)\n");
 }
 
 bool parse(int argc, char** argv, Args* a) {
@@ -51,12 +56,21 @@ bool parse(int argc, char** argv, Args* a) {
     };
     if (arg == "test" || arg == "perf") {
       a->mode = arg;
-    } else if (arg == "-o" || arg == "-p" || arg == "-b" || arg == "--seed") {
+    } else if (arg == "-o" || arg == "-p" || arg == "-b" || arg == "--seed" || arg == "-j") {
       const char* v = value(arg.c_str());
       if (!v) return false;
       if (arg == "-o") a->op = v;
       if (arg == "-p") a->pattern = v;
       if (arg == "-b") a->backend = v;
+      if (arg == "-j") {
+        char* end = nullptr;
+        const long jobs = std::strtol(v, &end, 10);
+        if (*v == '\0' || *end != '\0' || jobs < 1 || jobs > 256) {
+          std::fprintf(stderr, "test-ops: -j: expected a number of threads in [1, 256], got '%s'\n", v);
+          return false;
+        }
+        a->jobs = static_cast<int>(jobs);
+      }
       if (arg == "--seed") {
         char* end = nullptr;
         a->seed = std::strtoull(v, &end, 10);
@@ -129,19 +143,27 @@ Run run_guarded(const Prepared& p, Backend backend) {
 
 struct Tally {
   int passed = 0, failed = 0;
+  std::string log;  // this case's lines (cases run on several threads, print in order)
 };
+
+template <class... T>
+void append(std::string* log, const char* format, T... args) {
+  char buf[4096];
+  std::snprintf(buf, sizeof buf, format, args...);
+  *log += buf;
+}
 
 void report(Tally* t, const Args& a, const Case& c, Backend backend, const char* against, const std::string& error,
             double o_err, double lse_err, const Bound& b) {
   if (error.empty()) {
     ++t->passed;
-    std::printf("  OK    %-7s %s  (vs %s: O err %s <= %s, LSE err %s <= %s)\n", sparsa::backend_name(backend),
+    append(&t->log, "  OK    %-7s %s  (vs %s: O err %s <= %s, LSE err %s <= %s)\n", sparsa::backend_name(backend),
                 c.params.c_str(), against, num(o_err).c_str(), num(b.o).c_str(), num(lse_err).c_str(),
                 num(b.lse).c_str());
     return;
   }
   ++t->failed;
-  std::printf("  FAIL  %-7s %s\n        vs %s: %s\n        rerun: %s\n", sparsa::backend_name(backend), c.params.c_str(),
+  append(&t->log, "  FAIL  %-7s %s\n        vs %s: %s\n        rerun: %s\n", sparsa::backend_name(backend), c.params.c_str(),
               against, error.c_str(), rerun_command(a, c, backend).c_str());
 }
 
@@ -250,10 +272,39 @@ int main(int argc, char** argv) {
 
   const auto start = std::chrono::steady_clock::now();
   Tally tally;
-  for (const Case& c : cases) {
-    if (perf) perf_case(c, backends, &tally);
-    else test_case(a, c, backends, &tally);
-    std::fflush(stdout);
+  if (perf) {  // one at a time: timings must not share the machine
+    for (const Case& c : cases) {
+      perf_case(c, backends, &tally);
+      std::fflush(stdout);
+    }
+  } else {
+    // Cases are independent; cpu_ref and the oracles are single-threaded f64 loops, so
+    // running cases side by side is what keeps the default run short.
+    const size_t n = cases.size();
+    std::vector<Tally> results(n);
+    std::vector<char> done(n, 0);
+    std::atomic<size_t> next{0};
+    std::mutex mutex;
+    size_t printed = 0;
+    auto worker = [&] {
+      for (size_t i = next++; i < n; i = next++) {
+        test_case(a, cases[i], backends, &results[i]);
+        const std::lock_guard<std::mutex> lock(mutex);
+        done[i] = 1;
+        for (; printed < n && done[printed]; ++printed) {
+          std::fputs(results[printed].log.c_str(), stdout);
+          tally.passed += results[printed].passed;
+          tally.failed += results[printed].failed;
+        }
+        std::fflush(stdout);
+      }
+    };
+    const unsigned hw = std::thread::hardware_concurrency();
+    const size_t jobs = std::min<size_t>(n, a.jobs > 0 ? a.jobs : (hw == 0 ? 1 : hw));
+    std::vector<std::thread> pool;
+    for (size_t t = 1; t < jobs; ++t) pool.emplace_back(worker);
+    worker();
+    for (auto& th : pool) th.join();
   }
   std::printf("%zu cases, %.1f s\n", cases.size(), seconds_since(start));
   std::printf("%d passed, %d failed\n", tally.passed, tally.failed);

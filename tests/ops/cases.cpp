@@ -34,12 +34,14 @@ struct AttnSpec {
   Layout out = Layout::bhsd;     // of O and LSE
   double scale = 0;              // 0: the default 1/sqrt(d)
   uint64_t seed = 1;
+  int threads = 0;               // AttentionOptions::num_threads (0: the library's default)
 
   std::string params() const {
     return "b=" + std::to_string(b) + ",hq=" + std::to_string(hq) + ",hkv=" + std::to_string(hkv) +
            ",lq=" + std::to_string(lq) + ",lk=" + std::to_string(lk) + ",d=" + std::to_string(d) +
            ",dtype=" + sparsa::dtype_name(dtype) + ",layout=" + layout_name(layout) + ",out=" + layout_name(out) +
-           ",scale=" + (scale > 0 ? fmt(scale) : std::string("def"));
+           ",scale=" + (scale > 0 ? fmt(scale) : std::string("def")) +
+           (threads > 0 ? ",threads=" + std::to_string(threads) : std::string());
   }
   double effective_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(d)); }
   double io_bytes() const {
@@ -55,6 +57,7 @@ struct AttnInputs {
     AttentionOptions o;
     o.backend = backend;
     if (s.scale > 0) o.scale = static_cast<float>(s.scale);
+    o.num_threads = s.threads;
     return o;
   }
 };
@@ -109,12 +112,14 @@ struct SparseSpec {
   double empty = 0;      // probability that a query block lists nothing
   bool perm = false;     // random perm_q / perm_kv
   bool full = false;     // every key block listed (must equal dense)
+  bool strided = false;  // counts, indices, perm_q, perm_kv as strided views (padded, stride 2 inside)
 };
 
 struct IndexData {
   BlockIndexBuffer buffer;
   BlockIndex view;
   std::vector<int32_t> perm_q, perm_kv;  // [b, hq, lq], [b, hkv, lk] (empty: identity)
+  std::vector<std::vector<int32_t>> strided_storage;  // backs the views when SparseSpec::strided
   double pairs = 0;           // visible (query, key) pairs
 };
 
@@ -123,6 +128,27 @@ std::vector<int32_t> random_permutation(Rng& rng, int64_t n) {
   std::iota(p.begin(), p.end(), 0);
   for (int64_t i = n - 1; i > 0; --i) std::swap(p[i], p[rng.below(i + 1)]);
   return p;
+}
+
+// A copy of a contiguous i32 tensor as a strided view: element stride 2 in the last
+// dimension and one spare element per outer row. Gaps hold 0, an in-range value, so a
+// backend that ignores the strides computes a wrong result rather than crashing.
+Tensor strided_copy(const Tensor& t, std::vector<int32_t>* storage) {
+  Tensor v = t;
+  v.strides[t.ndim - 1] = 2;
+  for (int d = t.ndim - 2; d >= 0; --d) v.strides[d] = v.strides[d + 1] * t.shape[d + 1] + 1;
+  storage->assign(static_cast<size_t>(v.strides[0] * t.shape[0]), 0);
+  v.data = storage->data();
+  const int64_t n = t.numel();
+  for (int64_t flat = 0; flat < n; ++flat) {
+    int64_t src = 0, dst = 0;
+    for (int64_t d = t.ndim - 1, rest = flat; d >= 0; rest /= t.shape[d], --d) {
+      src += (rest % t.shape[d]) * t.strides[d];
+      dst += (rest % t.shape[d]) * v.strides[d];
+    }
+    (*storage)[dst] = t.ptr<const int32_t>()[src];
+  }
+  return v;
 }
 
 // A seeded plan: each query block lists each key block with probability `density`
@@ -166,6 +192,11 @@ std::shared_ptr<IndexData> make_index(const AttnSpec& s, const SparseSpec& sp) {
     std::copy(perm_kv.begin(), perm_kv.end(), buf.perm_kv.ptr<int32_t>());
   }
   ix->view = buf.view();
+  if (sp.strided) {
+    for (Tensor* t : {&ix->view.counts, &ix->view.indices, &ix->view.perm_q, &ix->view.perm_kv}) {
+      if (t->defined()) *t = strided_copy(*t, &ix->strided_storage.emplace_back());
+    }
+  }
   ix->perm_q = std::move(perm_q);
   ix->perm_kv = std::move(perm_kv);
   for (int64_t row = 0; row < s.b * s.hq * nq; ++row) {
@@ -211,7 +242,8 @@ Case block_sparse_case(const AttnSpec& s, const SparseSpec& sp) {
   c.op = sp.full ? "block_sparse_full" : "block_sparse";
   c.params = c.op + "(" + s.params() + ",bq=" + std::to_string(sp.bq) + ",bkv=" + std::to_string(sp.bkv);
   if (!sp.full) c.params += ",density=" + fmt(sp.density) + ",empty=" + fmt(sp.empty);
-  c.params += ",perm=" + std::to_string(sp.perm ? 1 : 0) + ",seed=" + std::to_string(s.seed) + ")";
+  c.params += ",perm=" + std::to_string(sp.perm ? 1 : 0) + (sp.strided ? ",ix=strided" : "") +
+              ",seed=" + std::to_string(s.seed) + ")";
   c.prepare = [s, sp] {
     auto in = make_inputs(s);
     auto ix = make_index(s, sp);
@@ -420,6 +452,7 @@ SparseSpec fuzz_sparse(Rng& rng) {
   sp.density = rng.pick({0.1, 0.3, 0.5, 0.9});
   sp.empty = rng.pick({0.0, 0.0, 0.2, 0.5});
   sp.perm = rng.uniform() < 0.5;
+  sp.strided = rng.uniform() < 0.3;
   return sp;
 }
 
@@ -448,6 +481,8 @@ std::vector<Case> make_cases(uint64_t seed, bool full, bool perf) {
                                     .layout = in, .out = out, .seed = next_seed++}));
   for (double scale : {0.01, 0.3, 1.0, 4.0})
     cases.push_back(dense_case({.b = 1, .hq = 2, .hkv = 1, .lq = 17, .lk = 113, .d = 64, .scale = scale, .seed = next_seed++}));
+  for (int threads : {1, 3, 7})  // more threads than work items, and fewer
+    cases.push_back(dense_case({.b = 1, .hq = 2, .hkv = 1, .lq = 200, .lk = 90, .d = 64, .seed = next_seed++, .threads = threads}));
   cases.push_back(dense_case({.b = 2, .hq = 8, .hkv = 2, .lq = 113, .lk = 1023, .d = 64, .dtype = DType::f16,
                               .layout = Layout::bshd, .out = Layout::pad, .seed = 7}));
 
@@ -455,7 +490,7 @@ std::vector<Case> make_cases(uint64_t seed, bool full, bool perf) {
   for (auto [bq, bkv] : {std::pair{16, 16}, {64, 64}, {128, 128}, {48, 16}, {7, 200}, {1, 1}, {200, 3}})
     for (bool perm : {false, true}) {
       AttnSpec s{.b = 1, .hq = 4, .hkv = 2, .lq = 113, .lk = 131, .d = 64, .layout = Layout::bshd, .seed = next_seed++};
-      cases.push_back(block_sparse_case(s, {.bq = bq, .bkv = bkv, .perm = perm, .full = true}));
+      cases.push_back(block_sparse_case(s, {.bq = bq, .bkv = bkv, .perm = perm, .full = true, .strided = perm}));
     }
   cases.push_back(block_sparse_case({.b = 1, .hq = 2, .hkv = 1, .lq = 300, .lk = 1023, .d = 128, .dtype = DType::bf16,
                                      .out = Layout::pad, .seed = next_seed++},
@@ -467,8 +502,13 @@ std::vector<Case> make_cases(uint64_t seed, bool full, bool perf) {
       for (DType dt : {DType::f32, DType::bf16}) {
         AttnSpec s{.b = 2, .hq = 4, .hkv = 1, .lq = 150, .lk = 211, .d = 64, .dtype = dt, .layout = Layout::pad,
                    .out = Layout::bshd, .seed = next_seed++};
-        cases.push_back(block_sparse_case(s, {.bq = bq, .bkv = bkv, .density = 0.4, .empty = 0.2, .perm = perm}));
+        cases.push_back(block_sparse_case(
+            s, {.bq = bq, .bkv = bkv, .density = 0.4, .empty = 0.2, .perm = perm, .strided = dt == DType::bf16}));
       }
+  for (int threads : {1, 5})
+    cases.push_back(block_sparse_case({.b = 1, .hq = 2, .hkv = 1, .lq = 130, .lk = 130, .d = 40, .seed = next_seed++,
+                                       .threads = threads},
+                                      {.bq = 32, .bkv = 16, .density = 0.3, .empty = 0.3, .perm = true}));
   for (double empty : {0.5, 1.0})
     for (bool perm : {false, true})
       cases.push_back(block_sparse_case({.b = 1, .hq = 2, .hkv = 2, .lq = 100, .lk = 77, .d = 16, .seed = next_seed++},

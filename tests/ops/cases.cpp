@@ -323,13 +323,14 @@ Case split_merge_case(const AttnSpec& s, bool random_split) {
 }
 
 // ---- merge ----
-enum class LsePattern { finite, far, one_inf, both_inf, mixed };
+enum class LsePattern { finite, far, one_inf, both_inf, inf_nan, mixed };
 const char* pattern_name(LsePattern p) {
   switch (p) {
     case LsePattern::finite: return "finite";
     case LsePattern::far: return "far";
     case LsePattern::one_inf: return "one_inf";
     case LsePattern::both_inf: return "both_inf";
+    case LsePattern::inf_nan: return "inf_nan";
     case LsePattern::mixed: return "mixed";
   }
   return "?";
@@ -361,7 +362,7 @@ Case merge_case(const MergeSpec& m) {
     auto in = std::make_shared<MergeInputs>();
     const int64_t rows = m.b * m.h * m.l;
     in->o1_values = normal_values(rng, rows * m.d, 1.0);
-    const std::vector<float> o2_values = normal_values(rng, rows * m.d, 1.0);
+    std::vector<float> o2_values = normal_values(rng, rows * m.d, 1.0);
     std::vector<float> lse2_values(static_cast<size_t>(rows));
     in->lse1_values.resize(static_cast<size_t>(rows));
     const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -369,11 +370,24 @@ Case merge_case(const MergeSpec& m) {
       float l1 = static_cast<float>(-20 + 60 * rng.uniform());
       float l2 = static_cast<float>(l1 + 4 * rng.normal());
       LsePattern pattern = m.lse;
-      if (pattern == LsePattern::mixed) pattern = rng.pick({LsePattern::finite, LsePattern::far, LsePattern::one_inf, LsePattern::both_inf});
+      if (pattern == LsePattern::mixed) {
+        pattern = rng.pick({LsePattern::finite, LsePattern::far, LsePattern::one_inf, LsePattern::both_inf, LsePattern::inf_nan});
+      }
       if (pattern == LsePattern::far) l2 = l1 + static_cast<float>(rng.pick({-1, 1}) * (80 + 40 * rng.uniform()));  // one weight underflows
       // A -inf side keeps its (finite) O values: the contract is that it contributes nothing.
       if (pattern == LsePattern::one_inf) (rng.uniform() < 0.5 ? l1 : l2) = neg_inf;
       if (pattern == LsePattern::both_inf) l1 = l2 = neg_inf;
+      // A -inf side whose O is NaN (a partial result that saw no key and left O unwritten):
+      // it still contributes nothing.
+      if (pattern == LsePattern::inf_nan) {
+        const int64_t sides = rng.range(1, 3);  // 1: o1, 2: o2, 3: both
+        for (int64_t t = 0; t < m.d; ++t) {
+          if (sides & 1) in->o1_values[r * m.d + t] = std::numeric_limits<float>::quiet_NaN();
+          if (sides & 2) o2_values[r * m.d + t] = std::numeric_limits<float>::quiet_NaN();
+        }
+        if (sides & 1) l1 = neg_inf;
+        if (sides & 2) l2 = neg_inf;
+      }
       in->lse1_values[r] = l1;
       lse2_values[r] = l2;
     }
@@ -479,7 +493,7 @@ std::vector<Case> make_cases(uint64_t seed, bool full, bool perf) {
       for (DType dt : kDTypes)
         cases.push_back(dense_case({.b = 2, .hq = 4, .hkv = 2, .lq = 37, .lk = 45, .d = 40, .dtype = dt,
                                     .layout = in, .out = out, .seed = next_seed++}));
-  for (double scale : {0.01, 0.3, 1.0, 4.0})
+  for (double scale : {1e-4, 0.01, 0.3, 1.0, 4.0, 50.0})
     cases.push_back(dense_case({.b = 1, .hq = 2, .hkv = 1, .lq = 17, .lk = 113, .d = 64, .scale = scale, .seed = next_seed++}));
   for (int threads : {1, 3, 7})  // more threads than work items, and fewer
     cases.push_back(dense_case({.b = 1, .hq = 2, .hkv = 1, .lq = 200, .lk = 90, .d = 64, .seed = next_seed++, .threads = threads}));
@@ -528,7 +542,8 @@ std::vector<Case> make_cases(uint64_t seed, bool full, bool perf) {
     }
 
   // (5) merge: finite, far apart (a weight underflows), one side -inf, both -inf, mixed; aliasing.
-  for (LsePattern pattern : {LsePattern::finite, LsePattern::far, LsePattern::one_inf, LsePattern::both_inf, LsePattern::mixed})
+  for (LsePattern pattern :
+       {LsePattern::finite, LsePattern::far, LsePattern::one_inf, LsePattern::both_inf, LsePattern::inf_nan, LsePattern::mixed})
     for (DType dt : kDTypes)
       for (bool alias : {false, true})
         cases.push_back(merge_case({.b = 2, .h = 3, .l = 37, .d = 72, .dtype = dt, .layout = Layout::pad,

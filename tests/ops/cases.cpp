@@ -76,8 +76,20 @@ std::shared_ptr<AttnInputs> make_inputs(const AttnSpec& s) {
   return in;
 }
 
-Prepared attention_prepared(const AttnSpec& s) {
+// Largest Euclidean norm of the rows of a logical [..., d] array.
+double max_row_norm(const std::vector<float>& values, int64_t d) {
+  double best = 0;
+  for (size_t row = 0; row < values.size() / d; ++row) {
+    double sum = 0;
+    for (int64_t t = 0; t < d; ++t) sum += double{values[row * d + t]} * values[row * d + t];
+    best = std::max(best, std::sqrt(sum));
+  }
+  return best;
+}
+
+Prepared attention_prepared(const AttnSpec& s, const AttnInputs& in) {
   Prepared p;
+  p.logit_bound = s.effective_scale() * max_row_norm(in.q_values, s.d) * max_row_norm(in.k_values, s.d);
   p.shape = {s.b, s.hq, s.lq, s.d};
   p.out_dtype = s.dtype;
   p.out_layout = s.out;
@@ -92,7 +104,7 @@ Case dense_case(const AttnSpec& s) {
   c.params = "dense(" + s.params() + ",seed=" + std::to_string(s.seed) + ")";
   c.prepare = [s] {
     auto in = make_inputs(s);
-    Prepared p = attention_prepared(s);
+    Prepared p = attention_prepared(s, *in);
     p.run = [in, s](Backend backend, const Tensor& out, const Tensor& lse) {
       return sparsa::dense(in->q.view, in->k.view, in->v.view, out, lse, in->options(backend, s));
     };
@@ -247,7 +259,7 @@ Case block_sparse_case(const AttnSpec& s, const SparseSpec& sp) {
   c.prepare = [s, sp] {
     auto in = make_inputs(s);
     auto ix = make_index(s, sp);
-    Prepared p = attention_prepared(s);
+    Prepared p = attention_prepared(s, *in);
     p.run = [in, ix, s](Backend backend, const Tensor& out, const Tensor& lse) {
       return sparsa::block_sparse(in->q.view, in->k.view, in->v.view, ix->view, out, lse, in->options(backend, s));
     };
@@ -301,7 +313,7 @@ Case split_merge_case(const AttnSpec& s, bool random_split) {
     sp->v1 = gather(sp->in->v_values, keys1);
     sp->k2 = gather(sp->in->k_values, keys2);
     sp->v2 = gather(sp->in->v_values, keys2);
-    Prepared p = attention_prepared(s);
+    Prepared p = attention_prepared(s, *sp->in);
     p.roundings = 2;  // O1, O2 are stored in the input dtype, then the merged O again
     p.run = [sp, s](Backend backend, const Tensor& out, const Tensor& lse) -> Status {
       const auto opt = sp->in->options(backend, s);

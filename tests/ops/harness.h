@@ -100,7 +100,8 @@ struct Bound {
 // sides: 1 when one result is an unrounded f64 oracle, 2 when both are rounded outputs.
 // roundings: how many times the op rounds O to its storage dtype on the way (1; 2 for
 // attention-then-merge pipelines).
-Bound bound(DType out_dtype, int roundings, int sides);
+// logit_bound: an upper bound on |scale * <q, k>| over the case (0 for merge).
+Bound bound(DType out_dtype, int roundings, int sides, double logit_bound);
 
 struct Shape {
   int64_t batch = 0, heads = 0, len = 0, head_dim = 0;
@@ -118,6 +119,7 @@ struct Prepared {
   DType out_dtype = DType::f32;
   Layout out_layout = Layout::bhsd;
   int roundings = 1;
+  double logit_bound = 0;  // scale * max|q_i| * max|k_j| (Cauchy-Schwarz bound on every logit)
   // Run the op on a backend into out [b, h, l, d] (dtype out_dtype) and lse f32 [b, h, l].
   std::function<Status(Backend backend, const Tensor& out, const Tensor& lse)> run;
   std::function<Results()> oracle;  // the independent f64 oracle (may be empty)

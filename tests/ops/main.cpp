@@ -182,11 +182,11 @@ void test_case(const Args& a, const Case& c, const std::vector<Backend>& backend
     std::string error;
     Bound b;
     if (is_ref) {
-      b = bound(p.out_dtype, p.roundings, 1);
+      b = bound(p.out_dtype, p.roundings, 1, p.logit_bound);
       error = compare(p.shape, p.oracle(), ref.results, b, &o_err, &lse_err);
     } else {
       const Run got = run_guarded(p, backend);
-      b = bound(p.out_dtype, p.roundings, 2);
+      b = bound(p.out_dtype, p.roundings, 2, p.logit_bound);
       error = got.error.empty() ? compare(p.shape, ref.results, got.results, b, &o_err, &lse_err) : got.error;
     }
     report(t, a, c, backend, against, error, o_err, lse_err, b);

@@ -143,14 +143,17 @@ Run run_guarded(const Prepared& p, Backend backend) {
 
 struct Tally {
   int passed = 0, failed = 0;
-  std::string log;  // this case's lines (cases run on several threads, print in order)
+  std::string log;       // this case's lines (cases run on several threads, print in order)
+  std::string failures;  // the FAIL blocks again, repeated at the end of the run
 };
 
 template <class... T>
 void append(std::string* log, const char* format, T... args) {
-  char buf[4096];
-  std::snprintf(buf, sizeof buf, format, args...);
-  *log += buf;
+  const int n = std::snprintf(nullptr, 0, format, args...);
+  std::string line(static_cast<size_t>(n) + 1, '\0');
+  std::snprintf(line.data(), line.size(), format, args...);
+  line.pop_back();
+  *log += line;
 }
 
 void report(Tally* t, const Args& a, const Case& c, Backend backend, const char* against, const std::string& error,
@@ -158,13 +161,15 @@ void report(Tally* t, const Args& a, const Case& c, Backend backend, const char*
   if (error.empty()) {
     ++t->passed;
     append(&t->log, "  OK    %-7s %s  (vs %s: O err %s <= %s, LSE err %s <= %s)\n", sparsa::backend_name(backend),
-                c.params.c_str(), against, num(o_err).c_str(), num(b.o).c_str(), num(lse_err).c_str(),
-                num(b.lse).c_str());
+           c.params.c_str(), against, num(o_err).c_str(), num(b.o).c_str(), num(lse_err).c_str(), num(b.lse).c_str());
     return;
   }
   ++t->failed;
-  append(&t->log, "  FAIL  %-7s %s\n        vs %s: %s\n        rerun: %s\n", sparsa::backend_name(backend), c.params.c_str(),
-              against, error.c_str(), rerun_command(a, c, backend).c_str());
+  std::string block;
+  append(&block, "  FAIL  %-7s %s\n        vs %s: %s\n        rerun: %s\n", sparsa::backend_name(backend),
+         c.params.c_str(), against, error.c_str(), rerun_command(a, c, backend).c_str());
+  t->log += block;
+  t->failures += block;
 }
 
 void test_case(const Args& a, const Case& c, const std::vector<Backend>& backends, Tally* t) {
@@ -295,6 +300,7 @@ int main(int argc, char** argv) {
           std::fputs(results[printed].log.c_str(), stdout);
           tally.passed += results[printed].passed;
           tally.failed += results[printed].failed;
+          tally.failures += results[printed].failures;
         }
         std::fflush(stdout);
       }
@@ -306,6 +312,7 @@ int main(int argc, char** argv) {
     worker();
     for (auto& th : pool) th.join();
   }
+  if (!tally.failures.empty()) std::printf("failures:\n%s", tally.failures.c_str());
   std::printf("%zu cases, %.1f s\n", cases.size(), seconds_since(start));
   std::printf("%d passed, %d failed\n", tally.passed, tally.failed);
   return tally.failed == 0 ? 0 : 1;

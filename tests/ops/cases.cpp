@@ -3,10 +3,11 @@
 // required and hand-picked cases plus fuzzed shapes drawn from a seed.
 #include <algorithm>
 #include <cmath>
-#include <memory>
-#include <numeric>
+#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <numeric>
 #include <set>
 
 #include "harness.h"

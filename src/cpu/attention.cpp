@@ -281,7 +281,8 @@ Status merge(const detail::MergeParams& p) {
         }
         detail::load_row(o1.data, o1.dtype, o1.offset({b, h, i, 0}), D, a.data());
         detail::load_row(p.o2.data, p.o2.dtype, p.o2.offset({b, h, i, 0}), D, c.data());
-        for (int64_t t = 0; t < D; ++t) a[t] = w1 * a[t] + w2 * c[t];
+        // A side of weight 0 (L = -inf) contributes nothing, even if its O is not finite.
+        for (int64_t t = 0; t < D; ++t) a[t] = (w1 > 0.0f ? w1 * a[t] : 0.0f) + (w2 > 0.0f ? w2 * c[t] : 0.0f);
         for (int64_t t = 0; t < D; ++t) detail::store_element(p.out.data, p.out.dtype, p.out.offset({b, h, i, t}), a[t]);
         p.lse.ptr<float>()[p.lse.offset({b, h, i})] = l;
       }

@@ -9,7 +9,10 @@
 // the density in percent.
 #include <benchmark/benchmark.h>
 
+#include <time.h>
+
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -59,23 +62,36 @@ BlockIndexBuffer make_plan(int64_t n, int64_t heads_q, double density) {
   return plan;
 }
 
-void report(benchmark::State& state, double flops_per_iter) {
-  state.counters["GFLOP"] =
-      benchmark::Counter(flops_per_iter * 1e-9 * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-void BM_dense(benchmark::State& state, Backend backend, DType dtype) {
+// GFLOP: per wall-clock second (the all-core rate, shown as "GFLOP=x/s").
+// GF_core: per CPU-second of the process, i.e. the rate of one busy core; on a shared
+// machine this stays near the uncontended value when the wall-clock rate does not
+// (compare with the 1-core fma_peak).
+void report(benchmark::State& state, double flops_per_iter, double cpu_seconds) {
+  const double flops = flops_per_iter * static_cast<double>(state.iterations());
+  state.counters["GFLOP"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsRate);
+  state.counters["GF_core"] = flops * 1e-9 / cpu_seconds;
+}
+
+void BM_dense(benchmark::State& state, Backend backend, DType dtype, int threads) {
   const int64_t n = state.range(0), d = state.range(1), heads_q = state.range(2), heads_kv = state.range(3);
   const Inputs in = make_inputs(n, d, heads_q, heads_kv, dtype);
   HostArray out(dtype, {1, heads_q, n, d}), lse(DType::f32, {1, heads_q, n});
   AttentionOptions options;
   options.backend = backend;
+  options.num_threads = threads;
+  const double cpu0 = process_cpu_seconds();
   for (auto _ : state) {
     const Status s = dense(in.q.view(), in.k.view(), in.v.view(), out.view(), lse.view(), options);
     if (!s.ok()) state.SkipWithError(s.to_string().c_str());
     benchmark::DoNotOptimize(out.data());
   }
-  report(state, attention_flops(static_cast<double>(n) * n * heads_q, d));
+  report(state, attention_flops(static_cast<double>(n) * n * heads_q, d), process_cpu_seconds() - cpu0);
 }
 
 void BM_block_sparse(benchmark::State& state, DType dtype) {
@@ -85,6 +101,7 @@ void BM_block_sparse(benchmark::State& state, DType dtype) {
   const BlockIndexBuffer plan = make_plan(n, heads_q, density);
   const BlockIndex index = plan.view();
   HostArray out(dtype, {1, heads_q, n, d}), lse(DType::f32, {1, heads_q, n});
+  const double cpu0 = process_cpu_seconds();
   for (auto _ : state) {
     const Status s = block_sparse(in.q.view(), in.k.view(), in.v.view(), index, out.view(), lse.view());
     if (!s.ok()) state.SkipWithError(s.to_string().c_str());
@@ -92,7 +109,7 @@ void BM_block_sparse(benchmark::State& state, DType dtype) {
   }
   const double visited = block_index_density(index, n, n) * static_cast<double>(n) * n * heads_q;
   state.counters["density"] = block_index_density(index, n, n);
-  report(state, attention_flops(visited, d));
+  report(state, attention_flops(visited, d), process_cpu_seconds() - cpu0);
 }
 
 // Dense shapes: N in {1024, 2048, 4096} x d in {64, 128}, 4 query heads (2 cores: enough
@@ -113,10 +130,13 @@ void sparse_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"N", "d", "Hq", "Hkv", "pct"})->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 
-BENCHMARK_CAPTURE(BM_dense, cpu_f32, Backend::cpu, DType::f32)->Apply(dense_args);
-BENCHMARK_CAPTURE(BM_dense, cpu_bf16, Backend::cpu, DType::bf16)->Apply(dense_args);
-BENCHMARK_CAPTURE(BM_dense, cpu_ref_f32, Backend::cpu_ref, DType::f32)->Apply(ref_args);
-BENCHMARK_CAPTURE(BM_dense, cpu_ref_bf16, Backend::cpu_ref, DType::bf16)->Apply(ref_args);
+// threads = 0: every hardware thread; 1: the one-core rate (compare with the 1-core peak).
+BENCHMARK_CAPTURE(BM_dense, cpu_f32, Backend::cpu, DType::f32, 0)->Apply(dense_args);
+BENCHMARK_CAPTURE(BM_dense, cpu_bf16, Backend::cpu, DType::bf16, 0)->Apply(dense_args);
+BENCHMARK_CAPTURE(BM_dense, cpu_f32_1thread, Backend::cpu, DType::f32, 1)->Args({4096, 128, 2, 2})
+    ->ArgNames({"N", "d", "Hq", "Hkv"})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_dense, cpu_ref_f32, Backend::cpu_ref, DType::f32, 1)->Apply(ref_args);
+BENCHMARK_CAPTURE(BM_dense, cpu_ref_bf16, Backend::cpu_ref, DType::bf16, 1)->Apply(ref_args);
 BENCHMARK_CAPTURE(BM_block_sparse, cpu_f32, DType::f32)->Apply(sparse_args);
 BENCHMARK_CAPTURE(BM_block_sparse, cpu_bf16, DType::bf16)->Apply(sparse_args);
 

@@ -8,132 +8,157 @@
 //   - which key chunks a tile visits (dense: all keys; block-sparse: the tokens of the
 //     listed key blocks, read through perm_kv).
 // Work items (batch x head x query tile) are spread over threads dynamically.
-// Inner loops have compile-time trip counts over the key chunk so the compiler
-// vectorises them (AVX2/AVX-512 with -march=native).
+//
+// Per chunk: K and V rows are converted to f32 once (any dtype, stride or permutation),
+// scores S^T = K * Q^T come from a register-blocked micro-kernel with query rows in
+// vector lanes, the softmax statistics of kLanes rows are vector operations, and
+// O = alpha * O + P V comes from a second micro-kernel (src/cpu/simd.h). The ladder of
+// versions and what each measured is in bench/RESULTS.md.
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "core/backends.h"
 #include "cpu/parallel.h"
+#include "cpu/simd.h"
 
 namespace sparsa::cpu {
 
 using detail::AttentionParams;
+using simd::kLanes;
+using simd::Vec;
 
 namespace {
 
-constexpr int kTileQ = 64;  // query rows per tile
+constexpr int kTileQ = 64;  // query rows per tile (a multiple of every kernel's row block)
 constexpr int kTileK = 64;  // keys per chunk
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+static_assert(kTileQ % (simd::kScoreRowVecs * kLanes) == 0 && kLanes % simd::kPvRows == 0);
 
-// 2^x for x <= 0 (arguments below -126 give 0). Rounds x to the nearest integer n
-// (1.5*2^23 trick, vectorisable) and evaluates 2^f, f in [-0.5, 0.5], by its Taylor
-// series to degree 7: truncation error (0.5 ln 2)^8 / 8! < 1e-8, below f32 rounding.
-inline float exp2_nonpositive(float x) {
-  x = std::clamp(x, -126.0f, 0.0f);
-  constexpr float kRound = 12582912.0f;
-  const float n = (x + kRound) - kRound;
-  const float f = x - n;
-  constexpr float c1 = 0.6931471805599453f, c2 = 0.2402265069591007f, c3 = 0.05550410866482158f,
-                  c4 = 0.009618129107628477f, c5 = 0.0013333558146428443f, c6 = 1.5403530393381608e-4f,
-                  c7 = 1.525273380405984e-5f;
-  const float poly = 1.0f + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * (c6 + f * c7))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return std::bit_cast<float>(bits) * poly;
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// n contiguous elements of a row into f32 (inline conversions; the generic path is the
+// out-of-line per-element one).
+void load_row_f32(const void* base, DType dtype, int64_t offset, int64_t n, float* dst) {
+  if (dtype == DType::f32) {
+    std::memcpy(dst, static_cast<const float*>(base) + offset, n * sizeof(float));
+  } else if (dtype == DType::bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
+  } else if (dtype == DType::f16) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+  } else {
+    detail::load_row(base, dtype, offset, n, dst);
+  }
 }
 
-// Per-thread scratch for one tile.
-struct TileScratch {
-  std::vector<float> q;    // [kTileQ, d], pre-scaled by scale*log2(e)
-  std::vector<float> kt;   // [d, kTileK], the key chunk transposed
-  std::vector<float> v;    // [kTileK, d]
-  std::vector<float> s;    // [kTileQ, kTileK] logits, then probabilities
-  std::vector<float> acc;  // [kTileQ, d]
-  float m[kTileQ], l[kTileQ], alpha[kTileQ];
-  int64_t key_pos[kTileK];
-
-  explicit TileScratch(int64_t d)
-      : q(kTileQ * d), kt(d * kTileK), v(kTileK * d), s(kTileQ * kTileK), acc(kTileQ * d) {}
+// A zero-initialised f32 buffer aligned to a cache line.
+struct AlignedFloats {
+  std::unique_ptr<float[]> owner;
+  float* data = nullptr;
+  explicit AlignedFloats(int64_t n) : owner(new float[n + 16]()) {
+    data = owner.get() + (16 - reinterpret_cast<uintptr_t>(owner.get()) / sizeof(float) % 16) % 16;
+  }
 };
 
-// S[r, j] = sum_t Q[r, t] * Kt[t, j] for the tile's rows; four rows at a time so each
-// loaded key vector feeds four FMAs.
-void scores(const float* q, const float* kt, float* s, int rows, int64_t d) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    float a0[kTileK] = {}, a1[kTileK] = {}, a2[kTileK] = {}, a3[kTileK] = {};
-    const float *q0 = q + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
-    for (int64_t t = 0; t < d; ++t) {
-      const float* kr = kt + t * kTileK;
-      const float x0 = q0[t], x1 = q1[t], x2 = q2[t], x3 = q3[t];
-      for (int j = 0; j < kTileK; ++j) {
-        a0[j] += x0 * kr[j];
-        a1[j] += x1 * kr[j];
-        a2[j] += x2 * kr[j];
-        a3[j] += x3 * kr[j];
-      }
+// Per-thread scratch for one tile; allocated once per call, reused by every tile.
+struct TileScratch {
+  int64_t d, dp;      // head_dim, and head_dim padded to whole vectors
+  AlignedFloats qt;   // [d, kTileQ] queries transposed, pre-scaled by scale*log2(e); pad rows 0
+  AlignedFloats k;    // [kTileK, d] key chunk
+  AlignedFloats v;    // [kTileK, dp] value chunk, columns >= d stay 0
+  AlignedFloats st;   // [kTileK, kTileQ] scores, then probabilities
+  AlignedFloats acc;  // [kTileQ, dp]
+  AlignedFloats row;  // [d] one query row being loaded
+  alignas(64) float m[kTileQ], l[kTileQ], alpha[kTileQ];
+  int64_t key_pos[kTileK];
+
+  explicit TileScratch(int64_t head_dim)
+      : d(head_dim), dp(round_up(head_dim, kLanes)), qt(d * kTileQ), k(kTileK * d), v(kTileK * dp),
+        st(kTileK * kTileQ), acc(kTileQ * dp), row(d) {}
+};
+
+// Tables of micro-kernel instantiations, indexed by (block size - 1), for the tails.
+using ScoresFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+using PvFn = void (*)(const float*, int64_t, const float*, int64_t, int, const float*, float*, int64_t);
+
+template <int J, int... I>
+constexpr std::array<ScoresFn, sizeof...(I)> scores_row(std::integer_sequence<int, I...>) {
+  return {&simd::scores_kernel<J, I + 1>...};
+}
+template <int... J>
+constexpr auto scores_table(std::integer_sequence<int, J...>) {
+  return std::array{scores_row<J + 1>(std::make_integer_sequence<int, simd::kScoreRowVecs>())...};
+}
+constexpr auto kScoresKernels = scores_table(std::make_integer_sequence<int, simd::kScoreKeys>());
+
+template <int... C>
+constexpr std::array<PvFn, sizeof...(C)> pv_table(std::integer_sequence<int, C...>) {
+  return {&simd::pv_kernel<simd::kPvRows, C + 1>...};
+}
+constexpr auto kPvKernels = pv_table(std::make_integer_sequence<int, simd::kPvColVecs>());
+
+// S^T[j, r] = <k_j, q_r> (already in base-2 logits) for j < keys, r < rows.
+void scores(const TileScratch& ts, int rows, int keys) {
+  const int row_vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
+  for (int i0 = 0; i0 < row_vecs; i0 += simd::kScoreRowVecs) {
+    const int in = std::min(simd::kScoreRowVecs, row_vecs - i0);
+    for (int j0 = 0; j0 < keys; j0 += simd::kScoreKeys) {
+      const int jn = std::min(simd::kScoreKeys, keys - j0);
+      kScoresKernels[jn - 1][in - 1](ts.qt.data + i0 * kLanes, kTileQ, ts.k.data + j0 * ts.d, ts.d, ts.d,
+                                     ts.st.data + j0 * kTileQ + i0 * kLanes);
     }
-    std::memcpy(s + (r + 0) * kTileK, a0, sizeof a0);
-    std::memcpy(s + (r + 1) * kTileK, a1, sizeof a1);
-    std::memcpy(s + (r + 2) * kTileK, a2, sizeof a2);
-    std::memcpy(s + (r + 3) * kTileK, a3, sizeof a3);
-  }
-  for (; r < rows; ++r) {
-    float a[kTileK] = {};
-    const float* qr = q + r * d;
-    for (int64_t t = 0; t < d; ++t) {
-      const float* kr = kt + t * kTileK;
-      for (int j = 0; j < kTileK; ++j) a[j] += qr[t] * kr[j];
-    }
-    std::memcpy(s + r * kTileK, a, sizeof a);
   }
 }
 
-// acc[r, :] = alpha[r] * acc[r, :] + sum_j P[r, j] * V[j, :], in column chunks of 32
-// and four rows at a time (16 vector accumulators with AVX-512).
-void accumulate_pv(const float* p, const float* v, const float* alpha, float* acc, int rows, int keys, int64_t d) {
-  constexpr int kChunk = 32;
-  int64_t c0 = 0;
-  for (; c0 + kChunk <= d; c0 += kChunk) {
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      float o[4][kChunk];
-      for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < kChunk; ++c) o[i][c] = acc[(r + i) * d + c0 + c] * alpha[r + i];
-      for (int j = 0; j < keys; ++j) {
-        const float* vr = v + j * d + c0;
-        const float p0 = p[(r + 0) * kTileK + j], p1 = p[(r + 1) * kTileK + j], p2 = p[(r + 2) * kTileK + j],
-                    p3 = p[(r + 3) * kTileK + j];
-        for (int c = 0; c < kChunk; ++c) {
-          o[0][c] += p0 * vr[c];
-          o[1][c] += p1 * vr[c];
-          o[2][c] += p2 * vr[c];
-          o[3][c] += p3 * vr[c];
-        }
-      }
-      for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < kChunk; ++c) acc[(r + i) * d + c0 + c] = o[i][c];
+// Online softmax over one chunk, kLanes rows at a time: new running max m', P = 2^(S - m'),
+// alpha = 2^(m - m'), l = alpha * l + sum_j P.
+void softmax_update(TileScratch& ts, int rows, int keys) {
+  for (int i = 0; i < rows; i += kLanes) {
+    const Vec m_old = simd::load(ts.m + i);
+    Vec m_new = m_old;
+    for (int j = 0; j < keys; ++j) m_new = simd::max(m_new, simd::load(ts.st.data + j * kTileQ + i));
+    Vec sum = simd::splat(0.0f);
+    for (int j = 0; j < keys; ++j) {
+      float* s = ts.st.data + j * kTileQ + i;
+      const Vec p = simd::exp2_nonpositive(simd::load(s) - m_new);
+      simd::store(s, p);
+      sum += p;
     }
-    for (; r < rows; ++r) {
-      float o[kChunk];
-      for (int c = 0; c < kChunk; ++c) o[c] = acc[r * d + c0 + c] * alpha[r];
-      for (int j = 0; j < keys; ++j) {
-        const float pj = p[r * kTileK + j];
-        for (int c = 0; c < kChunk; ++c) o[c] += pj * v[j * d + c0 + c];
-      }
-      for (int c = 0; c < kChunk; ++c) acc[r * d + c0 + c] = o[c];
-    }
+    const Vec alpha = simd::exp2_nonpositive(m_old - m_new);  // ~0 on the first chunk (m = -inf)
+    simd::store(ts.alpha + i, alpha);
+    simd::store(ts.l + i, simd::load(ts.l + i) * alpha + sum);
+    simd::store(ts.m + i, m_new);
   }
-  for (int r = 0; r < rows; ++r) {  // remaining columns (head_dim not a multiple of 32)
-    for (int64_t c = c0; c < d; ++c) {
-      float o = acc[r * d + c] * alpha[r];
-      for (int j = 0; j < keys; ++j) o += p[r * kTileK + j] * v[j * d + c];
-      acc[r * d + c] = o;
+}
+
+// acc[r, :] = alpha[r] * acc[r, :] + sum_j P[r, j] * V[j, :].
+void accumulate_pv(TileScratch& ts, int rows, int keys) {
+  const int rows_pad = static_cast<int>(round_up(rows, simd::kPvRows));
+  const int col_vecs = static_cast<int>(ts.dp / kLanes);
+  for (int r0 = 0; r0 < rows_pad; r0 += simd::kPvRows) {
+    for (int c0 = 0; c0 < col_vecs; c0 += simd::kPvColVecs) {
+      const int cn = std::min(simd::kPvColVecs, col_vecs - c0);
+      kPvKernels[cn - 1](ts.st.data + r0, kTileQ, ts.v.data + c0 * kLanes, ts.dp, keys, ts.alpha + r0,
+                         ts.acc.data + r0 * ts.dp + c0 * kLanes, ts.dp);
     }
   }
 }
@@ -144,59 +169,42 @@ void accumulate_pv(const float* p, const float* v, const float* alpha, float* ac
 template <class NextChunk>
 void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h, const int64_t* row_pos, int rows,
                  NextChunk&& next_chunk) {
-  const int64_t d = p.head_dim;
+  const int64_t d = ts.d, dp = ts.dp;
   const int64_t h_kv = h / p.group();
   const float qscale = p.scale * kLog2e;  // logits in base 2
-  for (int r = 0; r < rows; ++r) {
-    float* qr = ts.q.data() + r * d;
-    detail::load_row(p.q, p.dtype, p.q_off(b, h, row_pos[r]), d, qr);
-    for (int64_t t = 0; t < d; ++t) qr[t] *= qscale;
+  const int rows_v = static_cast<int>(round_up(rows, kLanes));
+  for (int r = 0; r < rows_v; ++r) {
+    if (r < rows) {
+      load_row_f32(p.q, p.dtype, p.q_off(b, h, row_pos[r]), d, ts.row.data);
+      for (int64_t t = 0; t < d; ++t) ts.qt.data[t * kTileQ + r] = ts.row.data[t] * qscale;
+    } else {
+      for (int64_t t = 0; t < d; ++t) ts.qt.data[t * kTileQ + r] = 0.0f;  // pad rows: finite scores
+    }
     ts.m[r] = -std::numeric_limits<float>::infinity();
     ts.l[r] = 0.0f;
   }
-  std::fill(ts.acc.begin(), ts.acc.begin() + rows * d, 0.0f);
+  std::fill(ts.acc.data, ts.acc.data + rows_v * dp, 0.0f);
 
-  std::vector<float> row(d);
   for (int keys = next_chunk(ts.key_pos); keys > 0; keys = next_chunk(ts.key_pos)) {
-    // Load the chunk: K transposed (padding columns zero), V row-major.
     for (int j = 0; j < keys; ++j) {
-      detail::load_row(p.k, p.dtype, p.k_off(b, h_kv, ts.key_pos[j]), d, row.data());
-      for (int64_t t = 0; t < d; ++t) ts.kt[t * kTileK + j] = row[t];
-      detail::load_row(p.v, p.dtype, p.v_off(b, h_kv, ts.key_pos[j]), d, ts.v.data() + j * d);
+      load_row_f32(p.k, p.dtype, p.k_off(b, h_kv, ts.key_pos[j]), d, ts.k.data + j * d);
+      load_row_f32(p.v, p.dtype, p.v_off(b, h_kv, ts.key_pos[j]), d, ts.v.data + j * dp);
     }
-    for (int j = keys; j < kTileK; ++j)
-      for (int64_t t = 0; t < d; ++t) ts.kt[t * kTileK + j] = 0.0f;
-
-    scores(ts.q.data(), ts.kt.data(), ts.s.data(), rows, d);
-
-    // Online softmax update (base 2).
-    for (int r = 0; r < rows; ++r) {
-      float* sr = ts.s.data() + r * kTileK;
-      float chunk_max = -std::numeric_limits<float>::infinity();
-      for (int j = 0; j < keys; ++j) chunk_max = std::max(chunk_max, sr[j]);
-      const float m_new = std::max(ts.m[r], chunk_max);
-      float sum = 0.0f;
-      for (int j = 0; j < kTileK; ++j) {
-        const float e = exp2_nonpositive(sr[j] - m_new);
-        sr[j] = j < keys ? e : 0.0f;
-        sum += sr[j];
-      }
-      ts.alpha[r] = exp2_nonpositive(ts.m[r] - m_new);  // 0 on the first chunk (m = -inf)
-      ts.l[r] = ts.l[r] * ts.alpha[r] + sum;
-      ts.m[r] = m_new;
-    }
-    accumulate_pv(ts.s.data(), ts.v.data(), ts.alpha, ts.acc.data(), rows, keys, d);
+    scores(ts, rows, keys);
+    softmax_update(ts, rows, keys);
+    accumulate_pv(ts, rows, keys);
   }
 
   for (int r = 0; r < rows; ++r) {
     const int64_t i = row_pos[r];
     const bool empty = ts.l[r] == 0.0f;
     const float inv_l = empty ? 0.0f : 1.0f / ts.l[r];
+    const float* a = ts.acc.data + r * dp;
     if (p.dtype == DType::f32) {
       float* o = static_cast<float*>(p.out) + p.out_off(b, h, i);
-      for (int64_t t = 0; t < d; ++t) o[t] = ts.acc[r * d + t] * inv_l;
+      for (int64_t t = 0; t < d; ++t) o[t] = a[t] * inv_l;
     } else {
-      for (int64_t t = 0; t < d; ++t) detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, ts.acc[r * d + t] * inv_l);
+      for (int64_t t = 0; t < d; ++t) detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, a[t] * inv_l);
     }
     p.lse_at(b, h, i) = empty ? -std::numeric_limits<float>::infinity() : (ts.m[r] + std::log2(ts.l[r])) * kLn2;
   }

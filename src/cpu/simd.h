@@ -1,0 +1,117 @@
+// Internal: the register-blocked micro-kernels of the CPU attention mainloop, written with
+// GCC/Clang vector extensions so one source compiles to AVX-512 (16 lanes), AVX/AVX2
+// (8 lanes) or SSE (4 lanes) from the -march the library is built for.
+//
+// Layouts (rows = query rows of a tile, in vector lanes; keys = one key chunk):
+//   qt  [head_dim][ldq]   the tile's queries transposed, pre-scaled
+//   k   [keys][ldk]       key rows
+//   st  [keys][ldq]       scores, then probabilities (transposed: rows in lanes)
+//   v   [keys][ldv]       value rows, zero-padded to a whole number of vectors
+//   acc [rows][lda]       output accumulator
+// Scores hold rows in lanes so the online-softmax statistics (max, sum, rescale) of
+// kLanes rows are element-wise vector operations with no horizontal reductions.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+
+namespace sparsa::cpu::simd {
+
+#if defined(__AVX512F__)
+inline constexpr int kLanes = 16;
+inline constexpr int kScoreKeys = 6, kScoreRowVecs = 4;  // 24 accumulators of 32 registers
+inline constexpr int kPvRows = 8, kPvColVecs = 3;        // 24 accumulators
+#elif defined(__AVX__)
+inline constexpr int kLanes = 8;
+inline constexpr int kScoreKeys = 6, kScoreRowVecs = 2;  // 12 accumulators of 16 registers
+inline constexpr int kPvRows = 4, kPvColVecs = 2;        // 8 accumulators
+#else
+inline constexpr int kLanes = 4;
+inline constexpr int kScoreKeys = 6, kScoreRowVecs = 2;
+inline constexpr int kPvRows = 4, kPvColVecs = 2;
+#endif
+
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using IVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline Vec splat(float x) { return Vec{} + x; }
+inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
+
+// 2^x for x <= 0 (arguments below -126 give 2^-126, effectively 0 against any real
+// term). Rounds x to the nearest integer n (1.5*2^23 trick) and evaluates 2^f,
+// f in [-0.5, 0.5], by its Taylor series to degree 7: truncation error
+// (0.5 ln 2)^8 / 8! < 1e-8, below f32 rounding.
+inline Vec exp2_nonpositive(Vec x) {
+  const Vec lo = splat(-126.0f), hi = splat(0.0f), round = splat(12582912.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const Vec n = (x + round) - round;
+  const Vec f = x - n;
+  Vec poly = splat(1.525273380405984e-5f);
+  poly = poly * f + 1.5403530393381608e-4f;
+  poly = poly * f + 0.0013333558146428443f;
+  poly = poly * f + 0.009618129107628477f;
+  poly = poly * f + 0.05550410866482158f;
+  poly = poly * f + 0.2402265069591007f;
+  poly = poly * f + 0.6931471805599453f;
+  poly = poly * f + 1.0f;
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
+  return std::bit_cast<Vec>(bits) * poly;
+}
+
+// st[j][r] = sum_t k[j][t] * qt[t][r] for J keys and RV * kLanes rows.
+template <int J, int RV>
+inline void scores_kernel(const float* qt, int64_t ldq, const float* k, int64_t ldk, int64_t head_dim, float* st) {
+  Vec acc[J][RV] = {};
+  for (int64_t t = 0; t < head_dim; ++t) {
+    Vec q[RV];
+#pragma GCC unroll 8
+    for (int i = 0; i < RV; ++i) q[i] = load(qt + t * ldq + i * kLanes);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) {
+      const Vec kj = splat(k[j * ldk + t]);
+#pragma GCC unroll 8
+      for (int i = 0; i < RV; ++i) acc[j][i] += kj * q[i];
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < J; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < RV; ++i) store(st + j * ldq + i * kLanes, acc[j][i]);
+}
+
+// acc[r][c] = alpha[r] * acc[r][c] + sum_{j < keys} pt[j][r] * v[j][c] for R rows and
+// C vectors of columns.
+template <int R, int C>
+inline void pv_kernel(const float* pt, int64_t ldp, const float* v, int64_t ldv, int keys, const float* alpha,
+                      float* acc, int64_t lda) {
+  Vec o[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) o[r][c] = load(acc + r * lda + c * kLanes) * alpha[r];
+  for (int j = 0; j < keys; ++j) {
+    Vec vj[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) vj[c] = load(v + j * ldv + c * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const Vec p = splat(pt[j * ldp + r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) o[r][c] += p * vj[c];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) store(acc + r * lda + c * kLanes, o[r][c]);
+}
+
+}  // namespace sparsa::cpu::simd

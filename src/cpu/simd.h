@@ -41,7 +41,9 @@ inline Vec load(const float* p) {
   return v;
 }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-inline Vec splat(float x) { return Vec{} + x; }
+// x - (+0) is x for every x (unlike x + 0, which turns -0 into +0), so this folds to a
+// plain broadcast.
+inline Vec splat(float x) { return x - Vec{}; }
 inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
 
 // 2^x for x <= 0 (arguments below -126 give 2^-126, effectively 0 against any real

@@ -45,7 +45,7 @@ constexpr int kTileQ = 64;  // query rows per tile (a multiple of every kernel's
 constexpr int kTileK = 64;  // keys per chunk
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-static_assert(kTileQ % (simd::kScoreRowVecs * kLanes) == 0 && kLanes % simd::kPvRows == 0);
+static_assert(kTileQ % (simd::kRowVecs * kLanes) == 0);
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -81,19 +81,23 @@ struct AlignedFloats {
 
 // Per-thread scratch for one tile; allocated once per call, reused by every tile.
 struct TileScratch {
-  int64_t d, dp;      // head_dim, and head_dim padded to whole vectors
-  AlignedFloats qt;   // [d, kTileQ] queries transposed, pre-scaled by scale*log2(e); pad rows 0
-  AlignedFloats k;    // [kTileK, d] key chunk
-  AlignedFloats v;    // [kTileK, dp] value chunk, columns >= d stay 0
-  AlignedFloats st;   // [kTileK, kTileQ] scores, then probabilities
-  AlignedFloats acc;  // [kTileQ, dp]
-  AlignedFloats row;  // [d] one query row being loaded
+  int64_t d;             // head_dim
+  AlignedFloats qt;      // [d, kTileQ] queries transposed, pre-scaled by scale*log2(e); pad rows 0
+  AlignedFloats k_copy;  // [kTileK, d] key chunk, when it cannot be read in place
+  AlignedFloats v_copy;  // [kTileK, d]
+  AlignedFloats st;      // [kTileK, kTileQ] scores, then probabilities
+  AlignedFloats acc_t;   // [d, kTileQ] output accumulator
+  AlignedFloats row;     // [d] one query row being loaded
   alignas(64) float m[kTileQ], l[kTileQ], alpha[kTileQ];
   int64_t key_pos[kTileK];
+  // The current chunk: rows j of K and V at k + j * ldk, v + j * ldv.
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t ldk = 0, ldv = 0;
 
   explicit TileScratch(int64_t head_dim)
-      : d(head_dim), dp(round_up(head_dim, kLanes)), qt(d * kTileQ), k(kTileK * d), v(kTileK * dp),
-        st(kTileK * kTileQ), acc(kTileQ * dp), row(d) {}
+      : d(head_dim), qt(d * kTileQ), k_copy(kTileK * d), v_copy(kTileK * d), st(kTileK * kTileQ),
+        acc_t(d * kTileQ), row(d) {}
 };
 
 // Tables of micro-kernel instantiations, indexed by (block size - 1), for the tails.
@@ -106,24 +110,28 @@ constexpr std::array<ScoresFn, sizeof...(I)> scores_row(std::integer_sequence<in
 }
 template <int... J>
 constexpr auto scores_table(std::integer_sequence<int, J...>) {
-  return std::array{scores_row<J + 1>(std::make_integer_sequence<int, simd::kScoreRowVecs>())...};
+  return std::array{scores_row<J + 1>(std::make_integer_sequence<int, simd::kRowVecs>())...};
 }
-constexpr auto kScoresKernels = scores_table(std::make_integer_sequence<int, simd::kScoreKeys>());
+constexpr auto kScoresKernels = scores_table(std::make_integer_sequence<int, simd::kCols>());
 
-template <int... C>
-constexpr std::array<PvFn, sizeof...(C)> pv_table(std::integer_sequence<int, C...>) {
-  return {&simd::pv_kernel<simd::kPvRows, C + 1>...};
+template <int C, int... I>
+constexpr std::array<PvFn, sizeof...(I)> pv_row(std::integer_sequence<int, I...>) {
+  return {&simd::pv_kernel<C, I + 1>...};
 }
-constexpr auto kPvKernels = pv_table(std::make_integer_sequence<int, simd::kPvColVecs>());
+template <int... C>
+constexpr auto pv_table(std::integer_sequence<int, C...>) {
+  return std::array{pv_row<C + 1>(std::make_integer_sequence<int, simd::kRowVecs>())...};
+}
+constexpr auto kPvKernels = pv_table(std::make_integer_sequence<int, simd::kCols>());
 
 // S^T[j, r] = <k_j, q_r> (already in base-2 logits) for j < keys, r < rows.
-void scores(const TileScratch& ts, int rows, int keys) {
+void scores(TileScratch& ts, int rows, int keys) {
   const int row_vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
-  for (int i0 = 0; i0 < row_vecs; i0 += simd::kScoreRowVecs) {
-    const int in = std::min(simd::kScoreRowVecs, row_vecs - i0);
-    for (int j0 = 0; j0 < keys; j0 += simd::kScoreKeys) {
-      const int jn = std::min(simd::kScoreKeys, keys - j0);
-      kScoresKernels[jn - 1][in - 1](ts.qt.data + i0 * kLanes, kTileQ, ts.k.data + j0 * ts.d, ts.d, ts.d,
+  for (int i0 = 0; i0 < row_vecs; i0 += simd::kRowVecs) {
+    const int in = std::min(simd::kRowVecs, row_vecs - i0);
+    for (int j0 = 0; j0 < keys; j0 += simd::kCols) {
+      const int jn = std::min(simd::kCols, keys - j0);
+      kScoresKernels[jn - 1][in - 1](ts.qt.data + i0 * kLanes, kTileQ, ts.k + j0 * ts.ldk, ts.ldk, ts.d,
                                      ts.st.data + j0 * kTileQ + i0 * kLanes);
     }
   }
@@ -150,17 +158,38 @@ void softmax_update(TileScratch& ts, int rows, int keys) {
   }
 }
 
-// acc[r, :] = alpha[r] * acc[r, :] + sum_j P[r, j] * V[j, :].
+// acc_t[:, r] = alpha[r] * acc_t[:, r] + sum_j P[r, j] * V[j, :].
 void accumulate_pv(TileScratch& ts, int rows, int keys) {
-  const int rows_pad = static_cast<int>(round_up(rows, simd::kPvRows));
-  const int col_vecs = static_cast<int>(ts.dp / kLanes);
-  for (int r0 = 0; r0 < rows_pad; r0 += simd::kPvRows) {
-    for (int c0 = 0; c0 < col_vecs; c0 += simd::kPvColVecs) {
-      const int cn = std::min(simd::kPvColVecs, col_vecs - c0);
-      kPvKernels[cn - 1](ts.st.data + r0, kTileQ, ts.v.data + c0 * kLanes, ts.dp, keys, ts.alpha + r0,
-                         ts.acc.data + r0 * ts.dp + c0 * kLanes, ts.dp);
+  const int row_vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
+  for (int i0 = 0; i0 < row_vecs; i0 += simd::kRowVecs) {
+    const int in = std::min(simd::kRowVecs, row_vecs - i0);
+    for (int64_t c0 = 0; c0 < ts.d; c0 += simd::kCols) {
+      const int cn = static_cast<int>(std::min<int64_t>(simd::kCols, ts.d - c0));
+      kPvKernels[cn - 1][in - 1](ts.st.data + i0 * kLanes, kTileQ, ts.v + c0, ts.ldv, keys, ts.alpha + i0 * kLanes,
+                                 ts.acc_t.data + c0 * kTileQ + i0 * kLanes, kTileQ);
     }
   }
+}
+
+// Points ts.k / ts.v at the chunk: in place when the keys are consecutive f32 rows,
+// else converted (any dtype, stride or permutation) into the chunk buffers.
+void load_chunk(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h_kv, int keys) {
+  bool consecutive = p.dtype == DType::f32;
+  for (int j = 1; j < keys && consecutive; ++j) consecutive = ts.key_pos[j] == ts.key_pos[0] + j;
+  if (consecutive) {
+    ts.k = static_cast<const float*>(p.k) + p.k_off(b, h_kv, ts.key_pos[0]);
+    ts.v = static_cast<const float*>(p.v) + p.v_off(b, h_kv, ts.key_pos[0]);
+    ts.ldk = p.k_stride[2];
+    ts.ldv = p.v_stride[2];
+    return;
+  }
+  for (int j = 0; j < keys; ++j) {
+    load_row_f32(p.k, p.dtype, p.k_off(b, h_kv, ts.key_pos[j]), ts.d, ts.k_copy.data + j * ts.d);
+    load_row_f32(p.v, p.dtype, p.v_off(b, h_kv, ts.key_pos[j]), ts.d, ts.v_copy.data + j * ts.d);
+  }
+  ts.k = ts.k_copy.data;
+  ts.v = ts.v_copy.data;
+  ts.ldk = ts.ldv = ts.d;
 }
 
 // The mainloop for one tile: rows at original positions row_pos[0..rows) of (b, h);
@@ -169,7 +198,7 @@ void accumulate_pv(TileScratch& ts, int rows, int keys) {
 template <class NextChunk>
 void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h, const int64_t* row_pos, int rows,
                  NextChunk&& next_chunk) {
-  const int64_t d = ts.d, dp = ts.dp;
+  const int64_t d = ts.d;
   const int64_t h_kv = h / p.group();
   const float qscale = p.scale * kLog2e;  // logits in base 2
   const int rows_v = static_cast<int>(round_up(rows, kLanes));
@@ -183,13 +212,10 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
     ts.m[r] = -std::numeric_limits<float>::infinity();
     ts.l[r] = 0.0f;
   }
-  std::fill(ts.acc.data, ts.acc.data + rows_v * dp, 0.0f);
+  std::fill(ts.acc_t.data, ts.acc_t.data + d * kTileQ, 0.0f);
 
   for (int keys = next_chunk(ts.key_pos); keys > 0; keys = next_chunk(ts.key_pos)) {
-    for (int j = 0; j < keys; ++j) {
-      load_row_f32(p.k, p.dtype, p.k_off(b, h_kv, ts.key_pos[j]), d, ts.k.data + j * d);
-      load_row_f32(p.v, p.dtype, p.v_off(b, h_kv, ts.key_pos[j]), d, ts.v.data + j * dp);
-    }
+    load_chunk(p, ts, b, h_kv, keys);
     scores(ts, rows, keys);
     softmax_update(ts, rows, keys);
     accumulate_pv(ts, rows, keys);
@@ -199,12 +225,13 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
     const int64_t i = row_pos[r];
     const bool empty = ts.l[r] == 0.0f;
     const float inv_l = empty ? 0.0f : 1.0f / ts.l[r];
-    const float* a = ts.acc.data + r * dp;
+    const float* a = ts.acc_t.data + r;  // column r of [d, kTileQ]
     if (p.dtype == DType::f32) {
       float* o = static_cast<float*>(p.out) + p.out_off(b, h, i);
-      for (int64_t t = 0; t < d; ++t) o[t] = a[t] * inv_l;
+      for (int64_t t = 0; t < d; ++t) o[t] = a[t * kTileQ] * inv_l;
     } else {
-      for (int64_t t = 0; t < d; ++t) detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, a[t] * inv_l);
+      for (int64_t t = 0; t < d; ++t)
+        detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, a[t * kTileQ] * inv_l);
     }
     p.lse_at(b, h, i) = empty ? -std::numeric_limits<float>::infinity() : (ts.m[r] + std::log2(ts.l[r])) * kLn2;
   }

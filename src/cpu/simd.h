@@ -6,10 +6,14 @@
 //   qt  [head_dim][ldq]   the tile's queries transposed, pre-scaled
 //   k   [keys][ldk]       key rows
 //   st  [keys][ldq]       scores, then probabilities (transposed: rows in lanes)
-//   v   [keys][ldv]       value rows, zero-padded to a whole number of vectors
-//   acc [rows][lda]       output accumulator
-// Scores hold rows in lanes so the online-softmax statistics (max, sum, rescale) of
-// kLanes rows are element-wise vector operations with no horizontal reductions.
+//   v   [keys][ldv]       value rows
+//   acc [head_dim][lda]   output accumulator, transposed
+// Everything holds rows in lanes: the online-softmax statistics (max, sum, rescale) of
+// kLanes rows are element-wise vector operations with no horizontal reductions, and K
+// and V are only ever broadcast one element at a time, so they are read in place
+// (any row stride) with no transposition. Both kernels keep a kCols x kRowVecs block
+// of accumulators in registers; per step they load kRowVecs vectors and broadcast
+// kCols scalars for kCols * kRowVecs FMAs.
 #pragma once
 
 #include <bit>
@@ -20,16 +24,13 @@ namespace sparsa::cpu::simd {
 
 #if defined(__AVX512F__)
 inline constexpr int kLanes = 16;
-inline constexpr int kScoreKeys = 6, kScoreRowVecs = 4;  // 24 accumulators of 32 registers
-inline constexpr int kPvRows = 8, kPvColVecs = 3;        // 24 accumulators
+inline constexpr int kCols = 6, kRowVecs = 4;  // 24 accumulators of 32 registers
 #elif defined(__AVX__)
 inline constexpr int kLanes = 8;
-inline constexpr int kScoreKeys = 6, kScoreRowVecs = 2;  // 12 accumulators of 16 registers
-inline constexpr int kPvRows = 4, kPvColVecs = 2;        // 8 accumulators
+inline constexpr int kCols = 6, kRowVecs = 2;  // 12 accumulators of 16 registers
 #else
 inline constexpr int kLanes = 4;
-inline constexpr int kScoreKeys = 6, kScoreRowVecs = 2;
-inline constexpr int kPvRows = 4, kPvColVecs = 2;
+inline constexpr int kCols = 6, kRowVecs = 2;
 #endif
 
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
@@ -89,31 +90,33 @@ inline void scores_kernel(const float* qt, int64_t ldq, const float* k, int64_t 
     for (int i = 0; i < RV; ++i) store(st + j * ldq + i * kLanes, acc[j][i]);
 }
 
-// acc[r][c] = alpha[r] * acc[r][c] + sum_{j < keys} pt[j][r] * v[j][c] for R rows and
-// C vectors of columns.
-template <int R, int C>
+// acc_t[c][r] = alpha[r] * acc_t[c][r] + sum_{j < keys} v[j][c] * pt[j][r] for C columns
+// and RV * kLanes rows (the accumulator is transposed too: rows in lanes).
+template <int C, int RV>
 inline void pv_kernel(const float* pt, int64_t ldp, const float* v, int64_t ldv, int keys, const float* alpha,
-                      float* acc, int64_t lda) {
-  Vec o[R][C];
+                      float* acc_t, int64_t lda) {
+  Vec o[C][RV];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+  for (int i = 0; i < RV; ++i) {
+    const Vec a = load(alpha + i * kLanes);
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) o[r][c] = load(acc + r * lda + c * kLanes) * alpha[r];
+    for (int c = 0; c < C; ++c) o[c][i] = load(acc_t + c * lda + i * kLanes) * a;
+  }
   for (int j = 0; j < keys; ++j) {
-    Vec vj[C];
+    Vec p[RV];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) vj[c] = load(v + j * ldv + c * kLanes);
+    for (int i = 0; i < RV; ++i) p[i] = load(pt + j * ldp + i * kLanes);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const Vec p = splat(pt[j * ldp + r]);
+    for (int c = 0; c < C; ++c) {
+      const Vec vc = splat(v[j * ldv + c]);
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) o[r][c] += p * vj[c];
+      for (int i = 0; i < RV; ++i) o[c][i] += vc * p[i];
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+  for (int c = 0; c < C; ++c)
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) store(acc + r * lda + c * kLanes, o[r][c]);
+    for (int i = 0; i < RV; ++i) store(acc_t + c * lda + i * kLanes, o[c][i]);
 }
 
 }  // namespace sparsa::cpu::simd

@@ -128,6 +128,7 @@ std::vector<Case> dense_cases() {
   cases.push_back({1, 1, 1, 1023, 1023, 128});
   cases.push_back({2, 6, 2, 113, 200, 40});  // GQA 3:1, batch 2
   cases.push_back({1, 8, 1, 65, 129, 64});   // GQA 8:1 (multi-query)
+  cases.push_back({2, 12, 2, 70, 90, 16});   // GQA 6:1: heads shared in sets of 4 + 2
   cases.push_back({2, 4, 2, 77, 131, 64, DType::f32, true});
   for (DType dt : {DType::f16, DType::bf16}) {
     cases.push_back({1, 4, 2, 113, 130, 64, dt});

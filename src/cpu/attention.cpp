@@ -79,25 +79,35 @@ struct AlignedFloats {
   }
 };
 
-// Per-thread scratch for one tile; allocated once per call, reused by every tile.
+constexpr int kMaxHeads = 4;  // query heads of one GQA group that share a key chunk
+
+// The online-softmax state of one query head over a tile.
+struct HeadState {
+  AlignedFloats qt;     // [d, kTileQ] queries transposed, pre-scaled by scale*log2(e); pad rows 0
+  AlignedFloats acc_t;  // [d, kTileQ] output accumulator
+  alignas(64) float m[kTileQ], l[kTileQ], alpha[kTileQ];
+  explicit HeadState(int64_t d) : qt(d * kTileQ), acc_t(d * kTileQ) {}
+};
+
+// Per-thread scratch; allocated once per call, reused by every tile.
 struct TileScratch {
   int64_t d;             // head_dim
-  AlignedFloats qt;      // [d, kTileQ] queries transposed, pre-scaled by scale*log2(e); pad rows 0
+  std::vector<HeadState> heads;
   AlignedFloats k_copy;  // [kTileK, d] key chunk, when it cannot be read in place
   AlignedFloats v_copy;  // [kTileK, d]
-  AlignedFloats st;      // [kTileK, kTileQ] scores, then probabilities
-  AlignedFloats acc_t;   // [d, kTileQ] output accumulator
+  AlignedFloats st;      // [kTileK, kTileQ] scores, then probabilities (one head at a time)
   AlignedFloats row;     // [d] one query row being loaded
-  alignas(64) float m[kTileQ], l[kTileQ], alpha[kTileQ];
   int64_t key_pos[kTileK];
   // The current chunk: rows j of K and V at k + j * ldk, v + j * ldv.
   const float* k = nullptr;
   const float* v = nullptr;
   int64_t ldk = 0, ldv = 0;
 
-  explicit TileScratch(int64_t head_dim)
-      : d(head_dim), qt(d * kTileQ), k_copy(kTileK * d), v_copy(kTileK * d), st(kTileK * kTileQ),
-        acc_t(d * kTileQ), row(d) {}
+  TileScratch(int64_t head_dim, int max_heads)
+      : d(head_dim), k_copy(kTileK * d), v_copy(kTileK * d), st(kTileK * kTileQ), row(d) {
+    heads.reserve(max_heads);
+    for (int g = 0; g < max_heads; ++g) heads.emplace_back(d);
+  }
 };
 
 // Tables of micro-kernel instantiations, indexed by (block size - 1), for the tails.
@@ -125,13 +135,13 @@ constexpr auto pv_table(std::integer_sequence<int, C...>) {
 constexpr auto kPvKernels = pv_table(std::make_integer_sequence<int, simd::kCols>());
 
 // S^T[j, r] = <k_j, q_r> (already in base-2 logits) for j < keys, r < rows.
-void scores(TileScratch& ts, int rows, int keys) {
+void scores(TileScratch& ts, const HeadState& hs, int rows, int keys) {
   const int row_vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
   for (int i0 = 0; i0 < row_vecs; i0 += simd::kRowVecs) {
     const int in = std::min(simd::kRowVecs, row_vecs - i0);
     for (int j0 = 0; j0 < keys; j0 += simd::kCols) {
       const int jn = std::min(simd::kCols, keys - j0);
-      kScoresKernels[jn - 1][in - 1](ts.qt.data + i0 * kLanes, kTileQ, ts.k + j0 * ts.ldk, ts.ldk, ts.d,
+      kScoresKernels[jn - 1][in - 1](hs.qt.data + i0 * kLanes, kTileQ, ts.k + j0 * ts.ldk, ts.ldk, ts.d,
                                      ts.st.data + j0 * kTileQ + i0 * kLanes);
     }
   }
@@ -139,9 +149,9 @@ void scores(TileScratch& ts, int rows, int keys) {
 
 // Online softmax over one chunk, kLanes rows at a time: new running max m', P = 2^(S - m'),
 // alpha = 2^(m - m'), l = alpha * l + sum_j P.
-void softmax_update(TileScratch& ts, int rows, int keys) {
+void softmax_update(TileScratch& ts, HeadState& hs, int rows, int keys) {
   for (int i = 0; i < rows; i += kLanes) {
-    const Vec m_old = simd::load(ts.m + i);
+    const Vec m_old = simd::load(hs.m + i);
     Vec m_new = m_old;
     for (int j = 0; j < keys; ++j) m_new = simd::max(m_new, simd::load(ts.st.data + j * kTileQ + i));
     Vec sum = simd::splat(0.0f);
@@ -152,21 +162,21 @@ void softmax_update(TileScratch& ts, int rows, int keys) {
       sum += p;
     }
     const Vec alpha = simd::exp2_nonpositive(m_old - m_new);  // ~0 on the first chunk (m = -inf)
-    simd::store(ts.alpha + i, alpha);
-    simd::store(ts.l + i, simd::load(ts.l + i) * alpha + sum);
-    simd::store(ts.m + i, m_new);
+    simd::store(hs.alpha + i, alpha);
+    simd::store(hs.l + i, simd::load(hs.l + i) * alpha + sum);
+    simd::store(hs.m + i, m_new);
   }
 }
 
 // acc_t[:, r] = alpha[r] * acc_t[:, r] + sum_j P[r, j] * V[j, :].
-void accumulate_pv(TileScratch& ts, int rows, int keys) {
+void accumulate_pv(const TileScratch& ts, HeadState& hs, int rows, int keys) {
   const int row_vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
   for (int i0 = 0; i0 < row_vecs; i0 += simd::kRowVecs) {
     const int in = std::min(simd::kRowVecs, row_vecs - i0);
     for (int64_t c0 = 0; c0 < ts.d; c0 += simd::kCols) {
       const int cn = static_cast<int>(std::min<int64_t>(simd::kCols, ts.d - c0));
-      kPvKernels[cn - 1][in - 1](ts.st.data + i0 * kLanes, kTileQ, ts.v + c0, ts.ldv, keys, ts.alpha + i0 * kLanes,
-                                 ts.acc_t.data + c0 * kTileQ + i0 * kLanes, kTileQ);
+      kPvKernels[cn - 1][in - 1](ts.st.data + i0 * kLanes, kTileQ, ts.v + c0, ts.ldv, keys, hs.alpha + i0 * kLanes,
+                                 hs.acc_t.data + c0 * kTileQ + i0 * kLanes, kTileQ);
     }
   }
 }
@@ -192,48 +202,57 @@ void load_chunk(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h_
   ts.ldk = ts.ldv = ts.d;
 }
 
-// The mainloop for one tile: rows at original positions row_pos[0..rows) of (b, h);
-// next_chunk(key_pos) fills up to kTileK original key positions and returns how many
-// (0 ends the walk).
+// The mainloop for one tile: rows at original positions row_pos[0..rows) of query heads
+// h0 .. h0 + heads (one GQA group, sharing every key chunk); next_chunk(key_pos) fills
+// up to kTileK original key positions and returns how many (0 ends the walk).
 template <class NextChunk>
-void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h, const int64_t* row_pos, int rows,
-                 NextChunk&& next_chunk) {
+void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h0, int heads, const int64_t* row_pos,
+                 int rows, NextChunk&& next_chunk) {
   const int64_t d = ts.d;
-  const int64_t h_kv = h / p.group();
+  const int64_t h_kv = h0 / p.group();
   const float qscale = p.scale * kLog2e;  // logits in base 2
   const int rows_v = static_cast<int>(round_up(rows, kLanes));
-  for (int r = 0; r < rows_v; ++r) {
-    if (r < rows) {
-      load_row_f32(p.q, p.dtype, p.q_off(b, h, row_pos[r]), d, ts.row.data);
-      for (int64_t t = 0; t < d; ++t) ts.qt.data[t * kTileQ + r] = ts.row.data[t] * qscale;
-    } else {
-      for (int64_t t = 0; t < d; ++t) ts.qt.data[t * kTileQ + r] = 0.0f;  // pad rows: finite scores
+  for (int g = 0; g < heads; ++g) {
+    HeadState& hs = ts.heads[g];
+    for (int r = 0; r < rows_v; ++r) {
+      if (r < rows) {
+        load_row_f32(p.q, p.dtype, p.q_off(b, h0 + g, row_pos[r]), d, ts.row.data);
+        for (int64_t t = 0; t < d; ++t) hs.qt.data[t * kTileQ + r] = ts.row.data[t] * qscale;
+      } else {
+        for (int64_t t = 0; t < d; ++t) hs.qt.data[t * kTileQ + r] = 0.0f;  // pad rows: finite scores
+      }
+      hs.m[r] = -std::numeric_limits<float>::infinity();
+      hs.l[r] = 0.0f;
     }
-    ts.m[r] = -std::numeric_limits<float>::infinity();
-    ts.l[r] = 0.0f;
+    std::fill(hs.acc_t.data, hs.acc_t.data + d * kTileQ, 0.0f);
   }
-  std::fill(ts.acc_t.data, ts.acc_t.data + d * kTileQ, 0.0f);
 
   for (int keys = next_chunk(ts.key_pos); keys > 0; keys = next_chunk(ts.key_pos)) {
     load_chunk(p, ts, b, h_kv, keys);
-    scores(ts, rows, keys);
-    softmax_update(ts, rows, keys);
-    accumulate_pv(ts, rows, keys);
+    for (int g = 0; g < heads; ++g) {
+      scores(ts, ts.heads[g], rows, keys);
+      softmax_update(ts, ts.heads[g], rows, keys);
+      accumulate_pv(ts, ts.heads[g], rows, keys);
+    }
   }
 
-  for (int r = 0; r < rows; ++r) {
-    const int64_t i = row_pos[r];
-    const bool empty = ts.l[r] == 0.0f;
-    const float inv_l = empty ? 0.0f : 1.0f / ts.l[r];
-    const float* a = ts.acc_t.data + r;  // column r of [d, kTileQ]
-    if (p.dtype == DType::f32) {
-      float* o = static_cast<float*>(p.out) + p.out_off(b, h, i);
-      for (int64_t t = 0; t < d; ++t) o[t] = a[t * kTileQ] * inv_l;
-    } else {
-      for (int64_t t = 0; t < d; ++t)
-        detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, a[t * kTileQ] * inv_l);
+  for (int g = 0; g < heads; ++g) {
+    const HeadState& hs = ts.heads[g];
+    const int64_t h = h0 + g;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = row_pos[r];
+      const bool empty = hs.l[r] == 0.0f;
+      const float inv_l = empty ? 0.0f : 1.0f / hs.l[r];
+      const float* a = hs.acc_t.data + r;  // column r of [d, kTileQ]
+      if (p.dtype == DType::f32) {
+        float* o = static_cast<float*>(p.out) + p.out_off(b, h, i);
+        for (int64_t t = 0; t < d; ++t) o[t] = a[t * kTileQ] * inv_l;
+      } else {
+        for (int64_t t = 0; t < d; ++t)
+          detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, a[t * kTileQ] * inv_l);
+      }
+      p.lse_at(b, h, i) = empty ? -std::numeric_limits<float>::infinity() : (hs.m[r] + std::log2(hs.l[r])) * kLn2;
     }
-    p.lse_at(b, h, i) = empty ? -std::numeric_limits<float>::infinity() : (ts.m[r] + std::log2(ts.l[r])) * kLn2;
   }
 }
 
@@ -241,20 +260,28 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
 
 Status attention(const AttentionParams& p) {
   const int threads = resolve_threads(p.num_threads);
+  // Dense tiles take up to kMaxHeads query heads of a GQA group at once (the same
+  // rows and keys); block-sparse plans differ per query head, so they take one.
+  const int group_heads = p.index == nullptr ? static_cast<int>(std::min<int64_t>(kMaxHeads, p.group())) : 1;
   std::vector<TileScratch> scratch;
   scratch.reserve(threads);
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(p.head_dim);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(p.head_dim, group_heads);
 
   if (p.index == nullptr) {
-    // Dense: tiles of kTileQ consecutive rows, all keys in consecutive chunks.
+    // Dense: tiles of kTileQ consecutive rows x up to kMaxHeads heads of one group, all
+    // keys in consecutive chunks.
     const int64_t tiles = (p.len_q + kTileQ - 1) / kTileQ;
-    parallel_for(p.batch * p.heads_q * tiles, threads, [&](int64_t item, int thread) {
-      const int64_t tile = item % tiles, h = (item / tiles) % p.heads_q, b = item / (tiles * p.heads_q);
+    const int64_t head_sets = p.heads_kv * ((p.group() + group_heads - 1) / group_heads);
+    parallel_for(p.batch * head_sets * tiles, threads, [&](int64_t item, int thread) {
+      const int64_t tile = item % tiles, set = (item / tiles) % head_sets, b = item / (tiles * head_sets);
+      const int64_t sets_per_kv = head_sets / p.heads_kv, h_kv = set / sets_per_kv;
+      const int64_t h0 = h_kv * p.group() + (set % sets_per_kv) * group_heads;
+      const int heads = static_cast<int>(std::min<int64_t>(group_heads, (h_kv + 1) * p.group() - h0));
       int64_t row_pos[kTileQ];
       const int rows = static_cast<int>(std::min<int64_t>(kTileQ, p.len_q - tile * kTileQ));
       for (int r = 0; r < rows; ++r) row_pos[r] = tile * kTileQ + r;
       int64_t next = 0;
-      attend_tile(p, scratch[thread], b, h, row_pos, rows, [&](int64_t* key_pos) {
+      attend_tile(p, scratch[thread], b, h0, heads, row_pos, rows, [&](int64_t* key_pos) {
         const int n = static_cast<int>(std::min<int64_t>(kTileK, p.len_kv - next));
         for (int j = 0; j < n; ++j) key_pos[j] = next + j;
         next += n;
@@ -279,7 +306,7 @@ Status attention(const AttentionParams& p) {
       for (int r = 0; r < rows; ++r) row_pos[r] = detail::perm_q_at(ix, b, h, t0 + r);
       int32_t slot = 0;
       int64_t pos = count > 0 ? detail::index_block(ix, b, h, qb, 0) * int64_t{ix.block_kv} : 0;
-      attend_tile(p, scratch[thread], b, h, row_pos, rows, [&](int64_t* key_pos) {
+      attend_tile(p, scratch[thread], b, h, 1, row_pos, rows, [&](int64_t* key_pos) {
         int n = 0;
         while (n < kTileK && slot < count) {
           const int64_t kb = detail::index_block(ix, b, h, qb, slot);

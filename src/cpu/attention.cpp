@@ -7,13 +7,21 @@
 //     of one query block, read through perm_q), and
 //   - which key chunks a tile visits (dense: all keys; block-sparse: the tokens of the
 //     listed key blocks, read through perm_kv).
-// Work items (batch x head x query tile) are spread over threads dynamically.
+// Work items (batch x head(s) x query tile) are spread over threads dynamically.
 //
-// Per chunk: K and V rows are converted to f32 once (any dtype, stride or permutation),
-// scores S^T = K * Q^T come from a register-blocked micro-kernel with query rows in
-// vector lanes, the softmax statistics of kLanes rows are vector operations, and
-// O = alpha * O + P V comes from a second micro-kernel (src/cpu/simd.h). The ladder of
-// versions and what each measured is in bench/RESULTS.md.
+// Per chunk: K and V rows are read in place (f32, consecutive keys) or converted to f32
+// once (any dtype, stride or permutation); scores S^T = K Q^T come from a register-blocked
+// micro-kernel with query rows in vector lanes; the softmax statistics of kLanes rows are
+// vector operations; O^T = alpha * O^T + V^T P^T comes from a second micro-kernel
+// (src/cpu/simd.h). Dense tiles serve up to kMaxHeads query heads of a GQA group per chunk.
+//
+// Ladder (dense f32, N = 4096, d = 128, GFLOP per CPU-second on a 116.9 peak core; details
+// and the rungs that lost in bench/RESULTS.md):
+//   0  auto-vectorised 4-row kernels, K transposed per chunk          42
+//   1  register-blocked micro-kernels (scores: rows in lanes), vector softmax  86-88
+//   2  transposed accumulator: K/V only broadcast, read in place       87-94
+//   3  key chunks of 128                                               92-94
+//   4  K/V chunk shared by the query heads of a GQA group              93-97
 #include <algorithm>
 #include <array>
 #include <bit>

@@ -78,6 +78,10 @@ Outcome cmd_bench(const BenchOptions& o) {
   options.num_threads = o.threads;
   const MachineInfo machine = machine_info();
 
+  if (Status s = preflight(*selected, *params, config.heads_q, config.heads_kv, config.head_dim, options); !s.ok()) {
+    return method_error(s);
+  }
+
   std::vector<Row> rows;
   const size_t total = lengths->size() * selected->size();
   size_t done = 0;

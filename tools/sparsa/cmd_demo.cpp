@@ -30,7 +30,7 @@ nlohmann::json finite_or_null(double v) { return std::isfinite(v) ? nlohmann::js
 }  // namespace
 
 Outcome cmd_demo(const DemoOptions& o) {
-  const long long length = o.length == 0 ? kDemoDefaultLength : o.length;
+  const long long length = o.length;
   if (length < 1 || length > (1 << 22)) {
     return usage_error(invalid_argument("--length: expected an integer in [1, " + std::to_string(1 << 22) + "], got " +
                                         std::to_string(length)));
@@ -59,13 +59,15 @@ Outcome cmd_demo(const DemoOptions& o) {
 
   WorkloadConfig config;  // the embedded default workload, seed 0
   config.len_q = config.len_kv = length;
-  std::cerr << "demo: generating workload (" << describe(config) << ")\n";
-  Result<Workload> workload = generate_workload(config);
-  if (!workload.ok()) return runtime_error(Status{workload.status().code(), "workload: " + workload.status().message()});
   AttentionOptions options;
   options.backend = *backend;
   options.num_threads = o.threads;
-
+  if (Status s = preflight(*selected, *params, config.heads_q, config.heads_kv, config.head_dim, options); !s.ok()) {
+    return method_error(s);
+  }
+  std::cerr << "demo: generating workload (" << describe(config) << ")\n";
+  Result<Workload> workload = generate_workload(config);
+  if (!workload.ok()) return runtime_error(Status{workload.status().code(), "workload: " + workload.status().message()});
   std::vector<DemoRow> rows;
   for (size_t i = 0; i < selected->size(); ++i) {
     const Method* method = (*selected)[i];

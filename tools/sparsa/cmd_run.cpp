@@ -48,6 +48,15 @@ Outcome cmd_run(const RunOptions& options) {
   Result<HostArray> v = load_input("--v", options.v);
   if (!v.ok()) return runtime_error(v.status());
 
+  // A file may hold an empty array; its view has no data, which the library would
+  // report as "missing", so name the real problem here.
+  for (auto [name, array] : {std::pair{"q", &*q}, std::pair{"k", &*k}, std::pair{"v", &*v}}) {
+    if (array->numel() == 0) {
+      return runtime_error(invalid_argument(std::string(name) + ": empty tensor of shape " +
+                                            array->view().shape_string() + "; every dimension must be > 0"));
+    }
+  }
+
   MethodInputs inputs;
   inputs.q = q->view();
   inputs.k = k->view();

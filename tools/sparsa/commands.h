@@ -49,8 +49,12 @@ struct BenchOptions {
   std::string json_path, plot_path;
 };
 
+// The demo's default length: measured so the whole demo takes about a minute on a
+// 2-core machine (docs/cli.md records the measurement).
+inline constexpr long long kDemoDefaultLength = 8192;
+
 struct DemoOptions {
-  long long length = 0;  // 0 = kDemoDefaultLength
+  long long length = kDemoDefaultLength;
   std::string methods;   // comma-separated; empty = every method with in_demo
   int threads = 0, repeats = 1;
   std::string backend = "cpu";
@@ -58,10 +62,6 @@ struct DemoOptions {
   std::string plot_path = "demo.svg";
   bool json = false;
 };
-
-// The demo's default length: measured so the whole demo takes about a minute on a
-// 2-core machine (docs/cli.md records the measurement).
-inline constexpr long long kDemoDefaultLength = 8192;
 
 Outcome cmd_info(const InfoOptions& options);
 Outcome cmd_run(const RunOptions& options);

@@ -188,6 +188,7 @@ std::string params_text(const Params& params) {
 
 }  // namespace sparsa::cli
 
+#include "sparsa/workload.h"
 #include "util.h"
 
 namespace sparsa::cli {
@@ -210,6 +211,24 @@ Result<Measurement> measure(const Method& method, const Tensor& q, const Tensor&
     }
   }
   return m;
+}
+
+Status preflight(const std::vector<const Method*>& selected, const std::map<std::string, Params>& params,
+                 int64_t heads_q, int64_t heads_kv, int64_t head_dim, const AttentionOptions& options) {
+  WorkloadConfig config;
+  config.heads_q = heads_q;
+  config.heads_kv = heads_kv;
+  config.head_dim = head_dim;
+  config.len_q = config.len_kv = 128;
+  Result<Workload> small = generate_workload(config);
+  if (!small.ok()) return Status{small.status().code(), "workload: " + small.status().message()};
+  for (const Method* method : selected) {
+    const auto it = params.find(method->name);
+    Result<Measurement> m = measure(*method, small->q.view(), small->k.view(), small->v.view(),
+                                    it == params.end() ? Params::object() : it->second, options, 0, 1);
+    if (!m.ok()) return m.status();
+  }
+  return {};
 }
 
 }  // namespace sparsa::cli

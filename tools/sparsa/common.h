@@ -67,4 +67,10 @@ struct Measurement {
 Result<Measurement> measure(const Method& method, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Params& params, const AttentionOptions& options, int warmup, int repeats);
 
+
+// Runs every method once on a small input of the same heads and head_dim (len 128),
+// so a bad -P value fails before minutes of timing, not after.
+Status preflight(const std::vector<const Method*>& selected, const std::map<std::string, Params>& params,
+                 int64_t heads_q, int64_t heads_kv, int64_t head_dim, const AttentionOptions& options);
+
 }  // namespace sparsa::cli

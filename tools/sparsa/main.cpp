@@ -93,8 +93,8 @@ int run_main(int argc, char** argv) {
 
   DemoOptions demo;
   CLI::App* demo_cmd = app.add_subcommand("demo", "every demo method on the default workload, against dense");
-  demo_cmd->add_option("--length", demo.length,
-                       "sequence length (default " + std::to_string(kDemoDefaultLength) + ", about a minute on 2 cores)");
+  demo_cmd->add_option("--length", demo.length, "sequence length (the default takes about a minute on 2 cores)")
+      ->capture_default_str();
   demo_cmd->add_option("--methods", demo.methods, "comma-separated methods (default: all demo methods)");
   demo_cmd->add_option("--repeats", demo.repeats, "timed runs per method (the median is reported)")
       ->capture_default_str();
@@ -104,6 +104,17 @@ int run_main(int argc, char** argv) {
   demo_cmd->add_option("--plot", demo.plot_path, "SVG bar chart of time and error ('' for none)")->capture_default_str();
   demo_cmd->add_flag("--json", demo.json, "print JSON on stdout instead of the table");
   demo_cmd->footer(methods_help());
+
+  // CLI11 reads an unknown first word as a stray argument ("A subcommand is required");
+  // name it instead.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string word = argv[1];
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == word;
+    if (!known) {
+      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench or demo)"), kExitUsage);
+    }
+  }
 
   try {
     app.parse(argc, argv);

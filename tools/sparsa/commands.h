@@ -51,7 +51,7 @@ struct BenchOptions {
 
 // The demo's default length: measured so the whole demo takes about a minute on a
 // 2-core machine (docs/cli.md records the measurement).
-inline constexpr long long kDemoDefaultLength = 8192;
+inline constexpr long long kDemoDefaultLength = 16384;
 
 struct DemoOptions {
   long long length = kDemoDefaultLength;

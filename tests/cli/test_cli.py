@@ -316,6 +316,7 @@ BAD_INPUTS = [
     ("npy lying shape", lambda c: c.run_args(q=c.raw("ql.npy", lying_shape_npy(c.q))), "--q", 1),
     ("npy empty file", lambda c: c.run_args(q=c.raw("qe.npy", b"")), "--q", 1),
     ("missing file", lambda c: c.run_args(v=c.tmp / "does_not_exist.npy"), "--v", 1),
+    ("file name with a newline", lambda c: c.run_args(k=c.tmp / "no\nsuch.npy"), "--k", 1),
     ("unwritable --out (no such directory)", lambda c: c.run_args(out=c.tmp / "no_dir" / "o.npy"), "--out", 1),
     ("--out is a directory", lambda c: c.run_args(out=c.tmp), "--out", 2),
     ("--out with unknown extension", lambda c: c.run_args(out=c.tmp / "o.txt"), "--out", 2),
@@ -441,3 +442,55 @@ def test_bench_json_and_plot(sparsa_bin, tmp_path):
     texts = "".join(e.text or "" for e in root.iter() if e.tag.endswith("text"))
     assert "dense" in texts and "block_sparse" in texts and "sequence length" in texts
     assert "bench: [1/" in r.stderr
+
+
+# ---- no crash on any input -----------------------------------------------------------------
+
+def test_fuzzed_files_and_flags_never_crash(sparsa_bin, tmp_path):
+    """Seeded mutations of valid files and command lines: every outcome is exit 0, or exit
+    1/2 with exactly one error line; never a signal, a hang or a second line."""
+    rng = np.random.default_rng(2024)
+    q, k, v = random_qkv(rng, batch=1, heads_q=2, heads_kv=1, len_q=8, len_kv=8, head_dim=8)
+    good = {name: npy_bytes(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    counts, indices = full_index(1, 2, 2, 2)
+    write_safetensors(tmp_path / "index_good.safetensors", {"counts": counts, "indices": indices},
+                      metadata={"block_q": "4", "block_kv": "4"})
+    index_good = (tmp_path / "index_good.safetensors").read_bytes()
+    flags = [["--scale", "1e-40"], ["--scale", "-0"], ["--threads", "3"], ["--backend", "cpu_ref"],
+             ["--check-finite"], ["-P", "block=3"], ["-P", "density=1e-9"], ["-P", "seed=99999999999999999999"],
+             ["-P", "block=99999999999"], ["-P", "=1"], ["-P", "block_q=4"], ["-P", "block_kv=1"], ["--lse", "l.npy"]]
+
+    def mutate(data):
+        data = bytearray(data)
+        kind = rng.integers(0, 4)
+        if kind == 0 and len(data) > 1:  # truncate
+            return bytes(data[:rng.integers(0, len(data))])
+        if kind == 1:  # flip bytes, often in the header
+            for _ in range(rng.integers(1, 6)):
+                pos = rng.integers(0, min(len(data), 140) if rng.random() < 0.7 else len(data))
+                data[pos] = rng.integers(0, 256)
+            return bytes(data)
+        if kind == 2:  # append garbage
+            return bytes(data) + rng.bytes(int(rng.integers(1, 64)))
+        return bytes(data)
+
+    for case in range(120):
+        files = {}
+        for name in ("q", "k", "v"):
+            blob = mutate(good[name]) if rng.random() < 0.4 else good[name]
+            files[name] = tmp_path / f"{name}{case}.npy"
+            files[name].write_bytes(blob)
+        method = "block_sparse" if rng.random() < 0.5 else "dense"
+        args = ["run", "--method", method, "--q", files["q"], "--k", files["k"], "--v", files["v"],
+                "--out", tmp_path / f"o{case}.npy"]
+        if method == "block_sparse" and rng.random() < 0.5:
+            idx = tmp_path / f"index{case}.safetensors"
+            idx.write_bytes(mutate(index_good))
+            args += ["--index", idx]
+        for _ in range(rng.integers(0, 3)):
+            args += flags[rng.integers(0, len(flags))]
+        r = run_cli(sparsa_bin, *args, cwd=tmp_path, timeout=60)
+        assert r.returncode in (0, 1, 2), f"case {case}: exit {r.returncode} for {args}: {r.stderr!r}"
+        if r.returncode != 0:
+            lines = r.stderr.splitlines()
+            assert len(lines) == 1 and lines[0].startswith("sparsa: error: "), f"case {case}: {args}: {r.stderr!r}"

@@ -44,7 +44,10 @@ Status check_bench_options(const BenchOptions& o) {
   if (o.warmup < 0 || o.warmup > 100) {
     return invalid_argument("--warmup: expected an integer in [0, 100], got " + std::to_string(o.warmup));
   }
-  if (o.threads < 0) return invalid_argument("--threads: expected >= 0 (0 = all cores), got " + std::to_string(o.threads));
+  if (o.threads < 0 || o.threads > kMaxThreads) {
+    return invalid_argument("--threads: expected an integer in [0, " + std::to_string(kMaxThreads) +
+                                        "] (0 = all cores), got " + std::to_string(o.threads));
+  }
   return {};
 }
 

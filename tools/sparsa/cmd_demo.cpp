@@ -38,8 +38,9 @@ Outcome cmd_demo(const DemoOptions& o) {
   if (o.repeats < 1 || o.repeats > 1000) {
     return usage_error(invalid_argument("--repeats: expected an integer in [1, 1000], got " + std::to_string(o.repeats)));
   }
-  if (o.threads < 0) {
-    return usage_error(invalid_argument("--threads: expected >= 0 (0 = all cores), got " + std::to_string(o.threads)));
+  if (o.threads < 0 || o.threads > kMaxThreads) {
+    return usage_error(invalid_argument("--threads: expected an integer in [0, " + std::to_string(kMaxThreads) +
+                                        "] (0 = all cores), got " + std::to_string(o.threads)));
   }
   auto selected = select_methods(o.methods, /*demo_only=*/true);
   if (!selected.ok()) return usage_error(selected.status());

@@ -25,11 +25,14 @@ Outcome cmd_run(const RunOptions& options) {
   }
   Result<Backend> backend = parse_backend_flag(options.backend);
   if (!backend.ok()) return usage_error(backend.status());
-  if (options.scale_given && !(std::isfinite(options.scale) && options.scale > 0)) {
+  // The scale is used as an f32: 1e39 would become inf and 1e-50 zero.
+  const float scale_f32 = static_cast<float>(options.scale);
+  if (options.scale_given && !(std::isfinite(scale_f32) && scale_f32 > 0)) {
     return usage_error(invalid_argument("--scale: expected a finite positive number, got " + format("%g", options.scale)));
   }
-  if (options.threads < 0) {
-    return usage_error(invalid_argument("--threads: expected >= 0 (0 = all cores), got " + std::to_string(options.threads)));
+  if (options.threads < 0 || options.threads > kMaxThreads) {
+    return usage_error(invalid_argument("--threads: expected an integer in [0, " + std::to_string(kMaxThreads) +
+                                        "] (0 = all cores), got " + std::to_string(options.threads)));
   }
   for (auto [flag, path] : {std::pair<const char*, const std::string*>{"--out", &options.out},
                             std::pair<const char*, const std::string*>{"--lse", &options.lse}}) {

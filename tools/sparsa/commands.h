@@ -15,6 +15,10 @@ namespace sparsa::cli {
 inline constexpr int kExitRuntime = 1;
 inline constexpr int kExitUsage = 2;
 
+// --threads above this is refused: the CPU backend starts one thread per unit of
+// work up to the request, and thread creation failing mid-way is not recoverable.
+inline constexpr int kMaxThreads = 256;
+
 struct Outcome {
   Status status;
   int exit_code = 0;

@@ -3,6 +3,7 @@
 // Every failure prints exactly one line "sparsa: error: <message>" on stderr and exits
 // 2 for a usage error (the command line is wrong) or 1 for a runtime error (files,
 // data, the computation). No exception leaves main.
+#include <cstdio>
 #include <exception>
 #include <iostream>
 #include <new>
@@ -26,12 +27,40 @@ Block sizes come from -P block=N (or -P block_q=N -P block_kv=N), else from the
 header's __metadata__ {"block_q": "64", "block_kv": "64"}. num_q_blocks must be
 ceil(len_q / block_q); indices must lie in [0, ceil(len_kv / block_kv)).)";
 
-int fail(const Status& status, int exit_code) {
-  std::string message = status.message();
-  for (char& c : message) {
-    if (c == '\n' || c == '\r') c = ' ';
+// Length of the valid UTF-8 sequence starting at s[i], or 0.
+size_t utf8_length(const std::string& s, size_t i) {
+  const auto byte = [&](size_t j) { return static_cast<unsigned char>(s[j]); };
+  const unsigned char c = byte(i);
+  size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  for (size_t j = 1; j < n; ++j) {
+    if ((byte(i + j) & 0xC0) != 0x80) return 0;
   }
-  std::cerr << "sparsa: error: " << message << std::endl;
+  return n;
+}
+
+// The message as one printable line: a file name or header text may carry newlines,
+// control bytes or invalid UTF-8; those are written as \xNN.
+std::string one_line(const std::string& message) {
+  std::string out;
+  for (size_t i = 0; i < message.size();) {
+    const unsigned char c = static_cast<unsigned char>(message[i]);
+    const size_t n = utf8_length(message, i);
+    if (n == 0 || c < 0x20 || c == 0x7F) {
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "\\x%02X", c);
+      out += hex;
+      ++i;
+    } else {
+      out.append(message, i, n);
+      i += n;
+    }
+  }
+  return out;
+}
+
+int fail(const Status& status, int exit_code) {
+  std::cerr << "sparsa: error: " << one_line(status.message()) << std::endl;
   return exit_code;
 }
 

@@ -43,7 +43,13 @@ Status expected(const std::string& key, const std::string& what, const nlohmann:
 }  // namespace
 
 std::string param_text(const nlohmann::json& value) {
-  if (value.is_string()) return "'" + value.get<std::string>() + "'";
+  if (value.is_string()) {
+    // Appended piecewise: GCC 12 warns falsely (-Wrestrict) on "'" + s + "'".
+    std::string quoted(1, '\'');
+    quoted += value.get_ref<const std::string&>();
+    quoted += '\'';
+    return quoted;
+  }
   return value.dump();
 }
 

@@ -154,6 +154,51 @@ def test_block_sparse_index_file_matches_masked_numpy(sparsa_bin, tmp_path):
     assert_close(got_lse[~empty], lse_ref[~empty], 1e-5, "LSE")
 
 
+def test_index_block_sizes_from_flags(sparsa_bin, tmp_path):
+    # No __metadata__: -P block_q / block_kv give the sizes; a full plan equals dense.
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, batch=1, heads_q=2, heads_kv=1, len_q=33, len_kv=20)
+    qp, kp, vp = save_qkv(tmp_path, q, k, v)
+    counts, indices = full_index(1, 2, math.ceil(33 / 8), math.ceil(20 / 16))
+    index = tmp_path / "full.safetensors"
+    write_safetensors(index, {"counts": counts, "indices": indices})
+    out = tmp_path / "o.npy"
+    r = run_cli(sparsa_bin, "run", "--method", "block_sparse", "--index", index, "-P", "block_q=8", "-P", "block_kv=16",
+                "--q", qp, "--k", kp, "--v", vp, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert_close(np.load(out), reference_attention(q, k, v)[0], 1e-5, "O")
+
+
+def read_safetensors(path):
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    dtypes = {"F32": np.float32, "F16": np.float16, "I32": np.int32}
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = e["data_offsets"]
+        out[name] = np.frombuffer(data[8 + n + a:8 + n + b], dtype=dtypes[e["dtype"]]).reshape(e["shape"])
+    return out
+
+
+def test_safetensors_inputs_and_outputs(sparsa_bin, tmp_path):
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, batch=1, heads_q=4, heads_kv=2, len_q=19, len_kv=23)
+    qkv = tmp_path / "qkv.safetensors"
+    write_safetensors(qkv, {"q": q, "k": k, "v": v})
+    out, lse = tmp_path / "o.safetensors", tmp_path / "lse.safetensors"
+    r = run_cli(sparsa_bin, "run", "--method", "dense", "--q", f"{qkv}:q", "--k", f"{qkv}:k", "--v", f"{qkv}:v",
+                "--out", out, "--lse", lse)
+    assert r.returncode == 0, r.stderr
+    o_ref, lse_ref = reference_attention(q, k, v)
+    (o,) = read_safetensors(out).values()
+    (l,) = read_safetensors(lse).values()
+    assert_close(o, o_ref, 1e-5, "O")
+    assert_close(l, lse_ref, 1e-5, "LSE")
+
+
 def test_block_sparse_full_density_equals_dense(sparsa_bin, tmp_path):
     rng = np.random.default_rng(4)
     q, k, v = random_qkv(rng, batch=1, heads_q=2, heads_kv=1, len_q=70, len_kv=45)

@@ -190,10 +190,10 @@ def test_safetensors_inputs_and_outputs(sparsa_bin, tmp_path):
     write_safetensors(qkv, {"q": q, "k": k, "v": v})
     out, lse = tmp_path / "o.safetensors", tmp_path / "lse.safetensors"
     r = run_cli(sparsa_bin, "run", "--method", "dense", "--q", f"{qkv}:q", "--k", f"{qkv}:k", "--v", f"{qkv}:v",
-                "--out", out, "--lse", lse)
+                "--out", f"{out}:O", "--lse", lse)
     assert r.returncode == 0, r.stderr
     o_ref, lse_ref = reference_attention(q, k, v)
-    (o,) = read_safetensors(out).values()
+    o = read_safetensors(out)["O"]
     (l,) = read_safetensors(lse).values()
     assert_close(o, o_ref, 1e-5, "O")
     assert_close(l, lse_ref, 1e-5, "LSE")
@@ -353,6 +353,8 @@ BAD_INPUTS = [
      "params: unknown key 'index'", 2),
     ("index file missing", lambda c: c.run_args(method="block_sparse", extra=["--index", c.tmp / "none.safetensors"]),
      "index", 1),
+    ("index file not .safetensors", lambda c: c.run_args(method="block_sparse", extra=["--index", c.tmp / "q.npy"]),
+     "params: index: expected a .safetensors", 2),
     ("index file garbage", lambda c: c.run_args(method="block_sparse",
                                                 extra=["--index", c.raw("bad.safetensors", b"\xff" * 20)]),
      "index", 1),

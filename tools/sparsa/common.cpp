@@ -33,8 +33,16 @@ static bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-Status check_output_path(const std::string& flag, const std::string& path, const std::vector<std::string>& extensions) {
-  if (path.empty()) return invalid_argument(flag + ": expected a file name, got an empty string");
+Status check_output_path(const std::string& flag, const std::string& path_and_name,
+                         const std::vector<std::string>& extensions) {
+  if (path_and_name.empty()) return invalid_argument(flag + ": expected a file name, got an empty string");
+  // "x.safetensors:name" names the entry (write_tensor); the file is "x.safetensors".
+  std::string path = path_and_name;
+  const size_t entry = path.rfind(".safetensors:");
+  if (entry != std::string::npos &&
+      std::find(extensions.begin(), extensions.end(), ".safetensors") != extensions.end()) {
+    path.resize(entry + std::string(".safetensors").size());
+  }
   bool known = false;
   std::string list;
   for (const std::string& ext : extensions) {

@@ -88,6 +88,11 @@ Result<MethodOutput> run_block_sparse(const MethodInputs& in) {
   auto index_path = param_string(p, "index", "");
   if (!index_path.ok()) return index_path.status();
   const bool from_file = !index_path->empty();
+  const std::string kExtension = ".safetensors";
+  if (from_file && (index_path->size() < kExtension.size() ||
+                    index_path->compare(index_path->size() - kExtension.size(), kExtension.size(), kExtension) != 0)) {
+    return invalid_argument("params: index: expected a .safetensors index file, got '" + *index_path + "'");
+  }
   if (from_file && (p.contains("density") || p.contains("seed"))) {
     return invalid_argument("params: density and seed choose a random plan; they cannot be combined with an index file");
   }

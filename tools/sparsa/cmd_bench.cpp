@@ -118,7 +118,7 @@ Outcome cmd_bench(const BenchOptions& o) {
   auto speedup = [&](const Row& r) { return dense_time.count(r.length) ? dense_time[r.length] / r.median_s : nan; };
   auto gflops = [&](const Row& r, double pairs) { return attention_flops(pairs, o.head_dim) / r.median_s / 1e9; };
 
-  std::cout << "workload: " << describe(config) << " (len = each length)\n"
+  std::cout << "workload: " << describe(config) << " (shown at the last length)\n"
             << "machine:  " << machine.cpu_model << ", " << machine.logical_cores << " logical cores, backend "
             << backend_name(*backend) << (o.threads ? ", " + std::to_string(o.threads) + " threads" : "") << "\n"
             << "time: median of " << o.repeats << " runs after " << o.warmup

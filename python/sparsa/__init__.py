@@ -21,6 +21,9 @@ __all__ = [
     "dense",
     "block_sparse",
     "merge",
+    "llsa",
+    "llsa_backward",
+    "llsa_plan",
     "read_tensor",
     "write_tensor",
     "generate_workload",
@@ -96,7 +99,7 @@ def _outputs(q: Any, out: Any, lse: Any, name: str = "q") -> Tuple[Any, Any]:
 
 # ---- executors ------------------------------------------------------------------------
 
-def dense(q, k, v, *, scale: Optional[float] = None, backend: str = "cpu", check_finite: bool = False,
+def dense(q, k, v, *, scale: Optional[float] = None, backend: str = "auto", check_finite: bool = False,
           num_threads: int = 0, out=None, lse=None):
     """Dense softmax attention. Returns ``(out, lse)``: out has q's dtype and shape,
     lse is float32 ``[batch, heads_q, len_q]`` (natural log). GQA when k/v have fewer
@@ -145,7 +148,7 @@ class BlockIndex:
         return BlockIndex(block_q, block_kv, counts, indices)
 
 
-def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, backend: str = "cpu",
+def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, backend: str = "auto",
                  check_finite: bool = False, num_threads: int = 0, out=None, lse=None):
     """Attention over the key blocks a BlockIndex lists. Returns ``(out, lse)``; a
     query whose block lists no key block gets out = 0 and lse = -inf."""
@@ -157,12 +160,48 @@ def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, b
     return _finish(q, out), _finish(q, lse)
 
 
-def merge(o1, lse1, o2, lse2, *, backend: str = "cpu", out=None, lse=None):
+def merge(o1, lse1, o2, lse2, *, backend: str = "auto", out=None, lse=None):
     """Merge two partial attention results over disjoint key sets by log-sum-exp.
     ``out``/``lse`` may alias ``o1``/``lse1``."""
     out, lse = _outputs(o1, out, lse, "o1")
     _core.merge(o1, lse1, o2, lse2, out, lse, backend)
     return _finish(o1, out), _finish(o1, lse)
+
+
+# ---- LLSA (log-linear sparse attention) ---------------------------------------------------
+
+def llsa(q, k, v, *, block: int = 16, topk: int = 8, levels: int = -1, enrich: bool = True, dedupe: bool = False,
+         scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0, check_finite: bool = False,
+         out=None, lse=None):
+    """Log-linear sparse attention (docs/llsa.md): coarse-to-fine top-k selection over
+    mean-pooled levels and KV enrichment. Self-attention ``[batch, heads, N, d]``.
+    Returns ``(out, lse)``."""
+    out, lse = _outputs(q, out, lse)
+    _core.llsa_forward(q, k, v, out, lse, block, topk, levels, enrich, dedupe, scale, backend, num_threads,
+                       check_finite)
+    return _finish(q, out), _finish(q, lse)
+
+
+def llsa_backward(q, k, v, out, lse, d_out, *, block: int = 16, topk: int = 8, levels: int = -1,
+                  enrich: bool = True, dedupe: bool = False, scale: Optional[float] = None, backend: str = "auto",
+                  num_threads: int = 0):
+    """Gradients ``(dq, dk, dv)`` of LLSA given the forward's ``out``, ``lse`` and the
+    output gradient. Selection is not differentiated."""
+    dq = _empty(q, _shape(q), float32=False)
+    dk = _empty(k, _shape(k), float32=False)
+    dv = _empty(v, _shape(v), float32=False)
+    _core.llsa_backward(q, k, v, out, lse, d_out, dq, dk, dv, block, topk, levels, enrich, dedupe, scale, backend,
+                        num_threads)
+    return _finish(q, dq), _finish(q, dk), _finish(q, dv)
+
+
+def llsa_plan(q, k, *, block: int = 16, topk: int = 8, levels: int = -1, enrich: bool = True,
+              dedupe: bool = False, max_rows: int = 8) -> dict:
+    """The LLSA selection plan: ``levels``, ``level_len``, ``keys_per_query``, a printable
+    ``text`` of (batch 0, head 0) and ``index``, the fine-level BlockIndex."""
+    plan = _core.llsa_plan(q, k, block, topk, levels, enrich, dedupe, max_rows)
+    plan["index"] = BlockIndex(plan["block"], plan["block"], plan.pop("counts"), plan.pop("indices"))
+    return plan
 
 
 # ---- files and workloads -----------------------------------------------------------------

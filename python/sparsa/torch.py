@@ -8,9 +8,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+import sparsa
 from . import BlockIndex
 
-__all__ = ["to_block_mask", "from_block_mask"]
+__all__ = ["to_block_mask", "from_block_mask", "llsa_attention"]
 
 
 def _pair(block: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
@@ -56,3 +57,33 @@ def from_block_mask(block_mask) -> BlockIndex:
     indices, _ = torch.sort(indices, dim=-1)
     indices = torch.where(indices == torch.iinfo(torch.int32).max, 0, indices).to(torch.int32).contiguous()
     return BlockIndex(block_q, block_kv, counts.contiguous(), indices)
+
+
+class _LlsaFunction(torch.autograd.Function):
+    """LLSA forward and backward from sparsa's kernels (selection not differentiated)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options):
+        q, k, v = (t.detach() for t in (q, k, v))
+        out, lse = sparsa.llsa(q, k, v, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        options = {key: val for key, val in ctx.options.items() if key != "check_finite"}
+        dq, dk, dv = sparsa.llsa_backward(q, k, v, out, lse, grad_out, **options)
+        return dq, dk, dv, None
+
+
+def llsa_attention(q, k, v, *, block: int = 16, topk: int = 8, levels: int = -1, enrich: bool = True,
+                   dedupe: bool = False, scale: Optional[float] = None, num_threads: int = 0,
+                   check_finite: bool = False):
+    """Log-linear sparse attention as a differentiable torch op: ``[batch, heads, N, d]``
+    in, the attention output out; gradients reach q, k and v through sparsa's backward."""
+    options = dict(block=block, topk=topk, levels=levels, enrich=enrich, dedupe=dedupe, scale=scale,
+                   num_threads=num_threads, check_finite=check_finite)
+    return _LlsaFunction.apply(q, k, v, options)

@@ -14,6 +14,7 @@
 #include "sparsa/attention.h"
 #include "sparsa/index.h"
 #include "sparsa/io.h"
+#include "sparsa/llsa.h"
 #include "sparsa/workload.h"
 
 namespace nb = nanobind;
@@ -96,11 +97,17 @@ std::optional<Tensor> to_optional(const std::optional<InArray>& a, const char* n
   return to_tensor(*a, name);
 }
 
+// "auto": the cuda backend for arrays on a CUDA device, else cpu.
+Backend resolve_backend(const std::string& backend, const Tensor& q) {
+  if (backend == "auto") return q.device.type == DeviceType::cuda ? Backend::cuda : Backend::cpu;
+  return take(parse_backend(backend));
+}
+
 AttentionOptions make_options(std::optional<float> scale, const std::string& backend, bool check_finite,
-                              int num_threads) {
+                              int num_threads, const Tensor& q) {
   AttentionOptions o;
   o.scale = scale;
-  o.backend = take(parse_backend(backend));
+  o.backend = resolve_backend(backend, q);
   o.check_finite = check_finite;
   o.num_threads = num_threads;
   return o;
@@ -149,11 +156,11 @@ NB_MODULE(_sparsa, m) {
          const std::string& backend, bool check_finite, int num_threads) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
-        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads);
+        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq);
         nb::gil_scoped_release release;
         check(dense(tq, tk, tv, to, tl, o));
       },
-      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "cpu",
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto",
       "check_finite"_a = false, "num_threads"_a = 0,
       "Dense attention into caller-provided out [b, hq, lq, d] and lse f32 [b, hq, lq].");
 
@@ -166,12 +173,12 @@ NB_MODULE(_sparsa, m) {
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         BlockIndex ix = make_index(counts, indices, perm_q, perm_kv, block_q, block_kv);
         if (tk.ndim == 4) ix.num_kv_blocks = (tk.shape[2] + block_kv - 1) / std::max(block_kv, 1);
-        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads);
+        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq);
         nb::gil_scoped_release release;
         check(block_sparse(tq, tk, tv, ix, to, tl, o));
       },
       "q"_a, "k"_a, "v"_a, "counts"_a, "indices"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "block_q"_a,
-      "block_kv"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "cpu", "check_finite"_a = false,
+      "block_kv"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto", "check_finite"_a = false,
       "num_threads"_a = 0, "Block-sparse attention over a BlockIndex into caller-provided out and lse.");
 
   m.def(
@@ -179,12 +186,81 @@ NB_MODULE(_sparsa, m) {
       [](InArray o1, InArray lse1, InArray o2, InArray lse2, OutArray out, OutArray lse, const std::string& backend) {
         const Tensor a = to_tensor(o1, "o1"), la = to_tensor(lse1, "lse1"), b = to_tensor(o2, "o2"),
                      lb = to_tensor(lse2, "lse2"), to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
-        const Backend be = take(parse_backend(backend));
+        const Backend be = resolve_backend(backend, a);
         nb::gil_scoped_release release;
         check(merge(a, la, b, lb, to, tl, be));
       },
-      "o1"_a, "lse1"_a, "o2"_a, "lse2"_a, "out"_a, "lse"_a, "backend"_a = "cpu",
+      "o1"_a, "lse1"_a, "o2"_a, "lse2"_a, "out"_a, "lse"_a, "backend"_a = "auto",
       "Merge two partial results over disjoint key sets by log-sum-exp.");
+
+  // ---- LLSA ----
+  auto llsa_options = [](int block, int topk, int levels, bool enrich, bool dedupe, std::optional<float> scale,
+                         const std::string& backend, int num_threads, bool check_finite, const Tensor& q) {
+    LlsaOptions o;
+    o.block = block;
+    o.topk = topk;
+    o.levels = levels;
+    o.enrich = enrich;
+    o.dedupe = dedupe;
+    o.scale = scale;
+    o.backend = resolve_backend(backend, q);
+    o.num_threads = num_threads;
+    o.check_finite = check_finite;
+    return o;
+  };
+  m.def(
+      "llsa_forward",
+      [llsa_options](InArray q, InArray k, InArray v, OutArray out, OutArray lse, int block, int topk, int levels,
+                     bool enrich, bool dedupe, std::optional<float> scale, const std::string& backend,
+                     int num_threads, bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        const LlsaOptions o = llsa_options(block, topk, levels, enrich, dedupe, scale, backend, num_threads,
+                                           check_finite, tq);
+        nb::gil_scoped_release release;
+        const LlsaPlan plan = take(llsa_plan(tq, tk, o));
+        check(llsa_forward(tq, tk, tv, plan, to, tl, o));
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true,
+      "dedupe"_a = false, "scale"_a = nb::none(), "backend"_a = "auto", "num_threads"_a = 0,
+      "check_finite"_a = false, "LLSA forward (O and LSE) into caller-provided outputs.");
+  m.def(
+      "llsa_backward",
+      [llsa_options](InArray q, InArray k, InArray v, InArray out, InArray lse, InArray d_o, OutArray dq,
+                     OutArray dk, OutArray dv, int block, int topk, int levels, bool enrich, bool dedupe,
+                     std::optional<float> scale, const std::string& backend, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse"), tdo = to_tensor(d_o, "d_o");
+        const Tensor tdq = to_tensor(dq, "dq"), tdk = to_tensor(dk, "dk"), tdv = to_tensor(dv, "dv");
+        const LlsaOptions o =
+            llsa_options(block, topk, levels, enrich, dedupe, scale, backend, num_threads, false, tq);
+        nb::gil_scoped_release release;
+        check(llsa_backward(tq, tk, tv, to, tl, tdo, tdq, tdk, tdv, o));
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a, "block"_a = 16, "topk"_a = 8,
+      "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false, "scale"_a = nb::none(), "backend"_a = "auto",
+      "num_threads"_a = 0, "LLSA backward: dq, dk, dv given the forward's out, lse and d_o.");
+  m.def(
+      "llsa_plan",
+      [llsa_options](InArray q, InArray k, int block, int topk, int levels, bool enrich, bool dedupe,
+                     int64_t max_rows) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const LlsaOptions o = llsa_options(block, topk, levels, enrich, dedupe, std::nullopt, "auto", 0, false, tq);
+        LlsaPlan plan = take(llsa_plan(tq, tk, o));
+        BlockIndexBuffer fine = plan.fine_index();
+        nb::dict d;
+        d["block"] = plan.block;
+        d["topk"] = plan.topk;
+        d["levels"] = plan.levels;
+        d["level_len"] = plan.level_len;
+        d["keys_per_query"] = plan.mean_keys_per_query();
+        d["text"] = plan.to_string(0, 0, max_rows);
+        d["counts"] = to_numpy(std::move(fine.counts));
+        d["indices"] = to_numpy(std::move(fine.indices));
+        return d;
+      },
+      "q"_a, "k"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false,
+      "max_rows"_a = 8, "The LLSA selection plan: levels, keys per query, the fine BlockIndex, a printout.");
 
   m.def(
       "block_index_density",

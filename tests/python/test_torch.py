@@ -49,3 +49,40 @@ def test_cuda_tensor_with_cpu_backend_is_refused_cleanly():
     q = torch.randn(1, 2, 16, 64, device="cuda")
     with pytest.raises(ValueError, match=r"q: expected a tensor on cpu, got cuda:0"):
         sparsa.dense(q, q, q, backend="cpu")
+
+
+def test_llsa_attention_autograd_matches_sparsa_backward():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=g, requires_grad=True) for _ in range(3))
+    out = st.llsa_attention(q, k, v, block=4, topk=2)
+    w = torch.randn(out.shape, generator=g)
+    (out * w).sum().backward()
+    ref_o, ref_lse = sparsa.llsa(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), block=4, topk=2)
+    assert np.allclose(out.detach().numpy(), ref_o)
+    dq, dk, dv = sparsa.llsa_backward(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), ref_o, ref_lse,
+                                      w.numpy(), block=4, topk=2)
+    assert np.allclose(q.grad.numpy(), dq) and np.allclose(k.grad.numpy(), dk) and np.allclose(v.grad.numpy(), dv)
+    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_dense_on_cuda_tensors_stays_on_the_device():
+    if "cuda" not in sparsa.backends():
+        pytest.skip("sparsa built without the cuda backend")
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 300, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    sparsa.dense(q, k, v)  # warm up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out, lse = sparsa.dense(q, k, v)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "memcpy" in e.name.lower() and ("HtoD" in e.name or "DtoH" in e.name)]
+    assert copies == [], copies  # no host round trip
+    assert out.is_cuda and out.dtype == torch.bfloat16 and lse.is_cuda and lse.dtype == torch.float32
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(4, 1),
+                                                           v.double().repeat_interleave(4, 1))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2

@@ -17,7 +17,6 @@
 namespace sparsa::cli {
 namespace {
 
-constexpr int kThreadLimit = 1024;  // --threads sanity bound
 
 struct EvalOptions {
   std::string methods = "ba_att,mean_pool,xattention,block_sparse", densities = "0.05,0.1,0.2,0.3";
@@ -54,7 +53,7 @@ Outcome run_eval(const EvalOptions& o) {
   if (!scoped.ok()) return usage_error(scoped.status());
   Result<Backend> backend = parse_backend_flag(o.backend);
   if (!backend.ok()) return usage_error(backend.status());
-  if (o.threads < 0 || o.threads > kThreadLimit) return usage_error(invalid_argument("--threads: expected 0.." + std::to_string(kThreadLimit)));
+  if (o.threads < 0 || o.threads > kMaxThreads) return usage_error(invalid_argument("--threads: expected 0.." + std::to_string(kMaxThreads)));
   const int given = !o.q.empty() + !o.k.empty() + !o.v.empty();
   if (given != 0 && given != 3) return usage_error(invalid_argument("--q, --k, --v: give all three or none (none: the generated workload)"));
   for (const Method* m : *selected) {

@@ -15,7 +15,6 @@
 namespace sparsa::cli {
 namespace {
 
-constexpr int kThreadLimit = 1024;  // --threads sanity bound
 
 struct PlanOptions {
   std::string method = "ba_att", q, k, json_path, svg_path, backend = "cpu";
@@ -98,7 +97,7 @@ Outcome run_plan(const PlanOptions& o) {
   if (!params.ok()) return usage_error(params.status());
   Result<Backend> backend = parse_backend_flag(o.backend);
   if (!backend.ok()) return usage_error(backend.status());
-  if (o.threads < 0 || o.threads > kThreadLimit) return usage_error(invalid_argument("--threads: expected 0.." + std::to_string(kThreadLimit)));
+  if (o.threads < 0 || o.threads > kMaxThreads) return usage_error(invalid_argument("--threads: expected 0.." + std::to_string(kMaxThreads)));
   if (o.q.empty() != o.k.empty()) return usage_error(invalid_argument("--q and --k: give both or neither (neither: the generated workload)"));
   if (!o.svg_path.empty()) {
     Status s = check_output_path("--svg", o.svg_path, {".svg"});

@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cmd_selectors.h"
 #include "commands.h"
 #include "methods.h"
 
@@ -134,6 +135,9 @@ int run_main(int argc, char** argv) {
   demo_cmd->add_flag("--json", demo.json, "print JSON on stdout instead of the table");
   demo_cmd->footer(methods_help());
 
+  const Subcommand plan_cmd = add_plan_command(app);
+  const Subcommand eval_cmd = add_eval_command(app);
+
   // CLI11 reads an unknown first word as a stray argument ("A subcommand is required");
   // name it instead.
   if (argc > 1 && argv[1][0] != '-') {
@@ -141,7 +145,7 @@ int run_main(int argc, char** argv) {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == word;
     if (!known) {
-      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench or demo)"), kExitUsage);
+      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo, plan or eval)"), kExitUsage);
     }
   }
 
@@ -163,6 +167,8 @@ int run_main(int argc, char** argv) {
   if (run_cmd->parsed()) outcome = cmd_run(run);
   if (bench_cmd->parsed()) outcome = cmd_bench(bench);
   if (demo_cmd->parsed()) outcome = cmd_demo(demo);
+  if (plan_cmd.app->parsed()) outcome = plan_cmd.run();
+  if (eval_cmd.app->parsed()) outcome = eval_cmd.run();
   if (!outcome.status.ok()) return fail(outcome.status, outcome.exit_code ? outcome.exit_code : kExitRuntime);
   return 0;
 }

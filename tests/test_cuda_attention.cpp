@@ -338,6 +338,23 @@ std::vector<Case> cases() {
        .seq_pad = 3, .seed = 5});
   add({.name = "Small_dense_bf16_d64_strided", .heads_q = 2, .heads_kv = 1, .len_q = 70, .len_kv = 129,
        .seq_pad = 8, .amplitude = 4.0f, .seed = 6});
+  // Split-KV prefix executor: dense calls with len_q <= 64 and len_kv >= 512 take it. Partial
+  // last splits and a partial last key tile (len_kv not a multiple of 64), GQA stacking across
+  // m-tiles (group * len_q > 64), one split (written directly, no merge), unaligned strides.
+  add({.name = "Small_splitkv_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16, .len_kv = 1100,
+       .head_dim = 128, .seed = 21});
+  add({.name = "Small_splitkv_f16_d64_one_split_17x520", .dtype = DType::f16, .heads_q = 4, .heads_kv = 2,
+       .len_q = 17, .len_kv = 520, .seed = 22});
+  add({.name = "SplitKv_bf16_d128_block_diffusion_16x4099", .heads_q = 32, .heads_kv = 8, .len_q = 16,
+       .len_kv = 4099, .head_dim = 128, .seed = 23});
+  add({.name = "SplitKv_f16_d64_mha_1x2000", .dtype = DType::f16, .batch = 2, .heads_q = 3, .heads_kv = 3,
+       .len_q = 1, .len_kv = 2000, .seed = 24});
+  add({.name = "SplitKv_bf16_d128_gqa8_64x1500", .heads_q = 8, .heads_kv = 1, .len_q = 64, .len_kv = 1500,
+       .head_dim = 128, .seed = 25});
+  add({.name = "SplitKv_f16_d128_unaligned_peaky_5x777", .dtype = DType::f16, .batch = 2, .heads_q = 6,
+       .heads_kv = 2, .len_q = 5, .len_kv = 777, .head_dim = 128, .seq_pad = 3, .amplitude = 4.0f, .seed = 26});
+  add({.name = "SplitKv_bf16_d64_gqa2_33x9000", .heads_q = 4, .heads_kv = 2, .len_q = 33, .len_kv = 9000,
+       .seq_pad = 8, .seed = 27});
   // Medium.
   add({.name = "Medium_dense_bf16_d128_gqa4x1_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
        .len_kv = 1500, .head_dim = 128, .seed = 7});

@@ -148,7 +148,8 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
   kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   SPARSA_CUDA_CHECK_LAUNCH();
   if (p.num_splits > 1) {
-    detail::split_kv_merge_kernel<T, D><<<static_cast<unsigned>(ceil_div(out_rows, 8)), 256, 0, stream>>>(p);
+    constexpr int kRows = detail::kMergeRowsPerCta;
+    detail::split_kv_merge_kernel<T, D><<<static_cast<unsigned>(ceil_div(out_rows, kRows)), 32 * kRows, 0, stream>>>(p);
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   return {};

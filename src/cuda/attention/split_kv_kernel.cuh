@@ -10,7 +10,7 @@
 //    each (grid: m-tile, split, batch * heads_kv; m-tiles of a split run side by side and share
 //    K/V through L2). Each CTA runs the same online softmax as the flash executor and writes a
 //    partial (O normalised by its own sum, f32) and its LSE.
-//  - Merge: one warp per output row combines the splits,
+//  - Merge: one warp per output row combines the splits (a second launch),
 //      LSE = m + log sum_s exp(LSE_s - m),  O = sum_s exp(LSE_s - LSE) O_s     (m = max_s LSE_s)
 //    and writes O in the input dtype and LSE. With one split the CTA writes O and LSE directly.
 // K/V tiles stream through a STAGES-deep cp.async ring (STAGES - 1 tiles in flight while one is
@@ -239,12 +239,16 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   }
 }
 
-// One warp per output row (batch, head, query): the LSE merge of the splits' partials.
+// One warp per output row (batch, head, query): the LSE merge of the splits' partials. Lane l
+// holds the weight of split s0 + l of each chunk of 32 and broadcasts it by shuffle, so the
+// partial-O loads of a chunk do not wait on each other (8 in flight per lane); two rows per CTA
+// spread the merge over the whole chip. The partials were just written and mostly sit in L2.
+constexpr int kMergeRowsPerCta = 2;
 template <class T, int D>
-__global__ void __launch_bounds__(256) split_kv_merge_kernel(const SplitKvParams p) {
+__global__ void __launch_bounds__(32 * kMergeRowsPerCta) split_kv_merge_kernel(const SplitKvParams p) {
   constexpr int kPerLane = D / 32;  // 4 (D = 128) or 2 (D = 64) contiguous floats per lane
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeRowsPerCta + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
   const int i = static_cast<int>(row % p.len_q);
@@ -256,21 +260,29 @@ __global__ void __launch_bounds__(256) split_kv_merge_kernel(const SplitKvParams
 #pragma unroll
   for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
   float acc[kPerLane] = {};
-  float sum = 0.0f;
+  float sum = 0.0f;  // per lane: the weights of its splits
   if (m != -INFINITY) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float w = expf(p.part_lse[s * rows + row] - m);  // 0 for a split that saw no key
-      sum += w;
-      const float* po = p.part_o + (s * rows + row) * D + lane * kPerLane;
-      if constexpr (kPerLane == 4) {
-        const float4 x = *reinterpret_cast<const float4*>(po);
-        acc[0] += w * x.x, acc[1] += w * x.y, acc[2] += w * x.z, acc[3] += w * x.w;
-      } else {
-        const float2 x = *reinterpret_cast<const float2*>(po);
-        acc[0] += w * x.x, acc[1] += w * x.y;
+    for (int s0 = 0; s0 < p.num_splits; s0 += 32) {
+      const int n = min(32, p.num_splits - s0);
+      const float w_lane = lane < n ? expf(p.part_lse[(s0 + lane) * rows + row] - m) : 0.0f;  // 0: no key
+      sum += w_lane;
+      const float* po = p.part_o + ((s0 * rows) + row) * D + lane * kPerLane;
+#pragma unroll 8
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffffu, w_lane, j);
+        const float* x = po + j * rows * D;
+        if constexpr (kPerLane == 4) {
+          const float4 v = *reinterpret_cast<const float4*>(x);
+          acc[0] += w * v.x, acc[1] += w * v.y, acc[2] += w * v.z, acc[3] += w * v.w;
+        } else {
+          const float2 v = *reinterpret_cast<const float2*>(x);
+          acc[0] += w * v.x, acc[1] += w * v.y;
+        }
       }
     }
   }
+#pragma unroll
+  for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
 #pragma unroll

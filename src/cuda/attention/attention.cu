@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
 
@@ -105,6 +106,8 @@ struct DeviceState {
 std::mutex g_state_mutex;
 DeviceState g_state[64];
 
+std::atomic<bool> g_split_kv_cluster_merge{true};
+
 template <class T, int D>
 Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
   using Shape = detail::SplitKvShape<D, kSplitKvKeyTile, kSplitKvStages>;
@@ -128,11 +131,21 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
   int64_t splits = static_cast<int64_t>(state.sms) * ctas_per_sm / base;
   splits = std::min<int64_t>({splits, p.num_kv_tiles / kSplitKvMinTilesPerSplit, kSplitKvMaxSplits});
   splits = std::max<int64_t>(splits, 1);
+  // Clusters of C = 2, 4 or 8 consecutive splits (the largest that fits), the split count rounded
+  // down to a multiple of C so the grid stays within one wave; trailing splits may get no tile.
+  int cluster = 1;
+  if (g_split_kv_cluster_merge.load() && splits >= 2) {
+    cluster = splits >= 8 ? 8 : splits >= 4 ? 4 : 2;
+    splits = splits / cluster * cluster;
+  }
   p.tiles_per_split = static_cast<int>(ceil_div(p.num_kv_tiles, splits));
-  p.num_splits = static_cast<int>(ceil_div(p.num_kv_tiles, p.tiles_per_split));  // no empty split
+  p.num_splits = cluster > 1 ? static_cast<int>(splits)
+                             : static_cast<int>(ceil_div(p.num_kv_tiles, p.tiles_per_split));  // no empty split
+  p.cluster = cluster;
+  p.num_partials = p.num_splits / cluster;
   const int64_t out_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-  if (p.num_splits > 1) {
-    const size_t bytes = static_cast<size_t>(p.num_splits) * out_rows * (D + 1) * sizeof(float);
+  if (p.num_partials > 1) {
+    const size_t bytes = static_cast<size_t>(p.num_partials) * out_rows * (D + 1) * sizeof(float);
     if (bytes > state.workspace_bytes) {
       if (state.workspace != nullptr) SPARSA_CUDA_CHECK(cudaFree(state.workspace));
       state.workspace = nullptr;
@@ -141,13 +154,29 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
       state.workspace_bytes = bytes;
     }
     p.part_o = static_cast<float*>(state.workspace);
-    p.part_lse = p.part_o + static_cast<size_t>(p.num_splits) * out_rows * D;
+    p.part_lse = p.part_o + static_cast<size_t>(p.num_partials) * out_rows * D;
   }
   const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(p.num_splits),
                   static_cast<unsigned>(p.batch * p.heads_kv));
-  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  if (cluster > 1) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(Shape::kThreads);
+    config.dynamicSmemBytes = Shape::kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = static_cast<unsigned>(cluster);
+    attr[0].val.clusterDim.z = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    SPARSA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  } else {
+    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  }
   SPARSA_CUDA_CHECK_LAUNCH();
-  if (p.num_splits > 1) {
+  if (p.num_partials > 1) {
     constexpr int kRows = detail::kMergeRowsPerCta;
     detail::split_kv_merge_kernel<T, D><<<static_cast<unsigned>(ceil_div(out_rows, kRows)), 32 * kRows, 0, stream>>>(p);
     SPARSA_CUDA_CHECK_LAUNCH();
@@ -193,6 +222,8 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
 }
 
 }  // namespace
+
+void set_split_kv_cluster_merge(bool on) { g_split_kv_cluster_merge.store(on); }
 
 Status attention(const sparsa::detail::AttentionParams& a) {
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {

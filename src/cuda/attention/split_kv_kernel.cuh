@@ -10,12 +10,19 @@
 //    each (grid: m-tile, split, batch * heads_kv; m-tiles of a split run side by side and share
 //    K/V through L2). Each CTA runs the same online softmax as the flash executor and writes a
 //    partial (O normalised by its own sum, f32) and its LSE.
-//  - Merge: one warp per output row combines the splits (a second launch),
+//  - Merge of partials (O_s normalised by its own sum, LSE_s):
 //      LSE = m + log sum_s exp(LSE_s - m),  O = sum_s exp(LSE_s - LSE) O_s     (m = max_s LSE_s)
-//    and writes O in the input dtype and LSE. With one split the CTA writes O and LSE directly.
+//    First inside a thread-block cluster (Hopper): the `cluster` CTAs of consecutive splits put
+//    their partials in shared memory and each reduces 1/cluster of the rows over distributed
+//    shared memory, so only one partial per cluster reaches global memory (the partials' write and
+//    read were the largest fixed cost per call). Then, when more than one cluster partial is left,
+//    a second launch: one warp per output row merges them and writes O in the input dtype and LSE.
+//    With nothing left to merge, the CTA (or cluster) writes O and LSE directly.
 // K/V tiles stream through a STAGES-deep cp.async ring (STAGES - 1 tiles in flight while one is
 // computed); Q's fragments stay in registers for the whole key range.
 #pragma once
+
+#include <cooperative_groups.h>
 
 #include <cstdint>
 
@@ -37,8 +44,10 @@ struct SplitKvParams {
   int rows = 0;             // group * len_q: stacked query rows per kv head
   int num_kv_tiles = 0;     // ceil(len_kv / BN)
   int num_splits = 1;       // CTAs per (m-tile, batch, kv head) along the keys
-  int tiles_per_split = 0;  // key tiles per split (the last split may have fewer)
-  // Partials, [num_splits][batch][heads_q][len_q] rows (O rows of head_dim floats); unused with one split.
+  int tiles_per_split = 0;  // key tiles per split (the last splits may have fewer, or none)
+  int cluster = 1;          // CTAs of consecutive splits merged in one cluster (1, 2, 4 or 8)
+  int num_partials = 1;     // num_splits / cluster: partials left for the merge kernel
+  // Partials, [num_partials][batch][heads_q][len_q] rows (O rows of head_dim floats); unused with one.
   float* part_o = nullptr;
   float* part_lse = nullptr;
 
@@ -201,6 +210,81 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
     }
   }
   cp_async_wait<0>();
+
+  if (p.cluster > 1) {  // ---- merge inside the cluster, over distributed shared memory ----
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    constexpr int kStride = D + 4;  // floats per row of the partial O (padding against bank conflicts)
+    float* red_o = reinterpret_cast<float*>(smem + BM * D * 2);  // over the K/V stages: [BM][kStride]
+    float* red_lse = red_o + BM * kStride;                         // [BM]
+    static_assert(BM * (kStride + 1) * 4 <= STAGES * 2 * BN * D * 2, "the partial fits in the K/V stages");
+    __syncthreads();  // every warp is done with the stages
+    if (warp_active) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float l = row_sum[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int rl = warp * 16 + g + 8 * r;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+        for (int n = 0; n < kDT; ++n)
+          *reinterpret_cast<float2*>(red_o + rl * kStride + n * 8 + 2 * c) =
+              make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        if (c == 0) red_lse[rl] = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      }
+    }
+    cluster.sync();  // every CTA's partial is visible to the cluster
+    const int C = p.cluster, rank = static_cast<int>(cluster.block_rank());
+    const int rows_per_rank = BM / C;
+    for (int idx = threadIdx.x; idx < rows_per_rank * (D / 4); idx += THREADS) {
+      const int rl = rank * rows_per_rank + idx / (D / 4), col = (idx % (D / 4)) * 4, row = row0 + rl;
+      if (row >= p.rows) continue;
+      float lse_c[8], m = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        lse_c[k] = k < C ? *cluster.map_shared_rank(red_lse + rl, k) : -INFINITY;
+        m = fmaxf(m, lse_c[k]);
+      }
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum = 0.0f;
+      if (m != -INFINITY) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          if (k >= C) break;
+          const float w = expf(lse_c[k] - m);  // 0 for a split that saw no key
+          sum += w;
+          const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red_o + rl * kStride + col, k));
+          acc[0] += w * x.x, acc[1] += w * x.y, acc[2] += w * x.z, acc[3] += w * x.w;
+        }
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float lse = sum > 0.0f ? m + logf(sum) : -INFINITY;
+      const int h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
+      if (p.num_partials == 1) {
+        T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const uint32_t packed = Pair<T>::pack(acc[e] * inv, acc[e + 1] * inv);
+          if (p.aligned_out) {
+            *reinterpret_cast<uint32_t*>(out + col + e) = packed;
+          } else {
+            reinterpret_cast<uint16_t*>(out)[col + e] = static_cast<uint16_t>(packed & 0xffffu);
+            reinterpret_cast<uint16_t*>(out)[col + e + 1] = static_cast<uint16_t>(packed >> 16);
+          }
+        }
+        if (col == 0) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = lse;
+      } else {
+        const int64_t prow = (static_cast<int64_t>(split / C) * p.batch + b) * p.heads_q * p.len_q +
+                             static_cast<int64_t>(h) * p.len_q + i;
+        *reinterpret_cast<float4*>(p.part_o + prow * D + col) =
+            make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+        if (col == 0) p.part_lse[prow] = lse;
+      }
+    }
+    cluster.sync();  // no CTA leaves while another still reads its shared memory
+    return;
+  }
+
   if (!warp_active) return;
 
   // ---- epilogue: O / l and LSE, final (one split) or partial ----
@@ -214,7 +298,7 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
     const int h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const float lse = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-    if (p.num_splits == 1) {
+    if (p.num_partials == 1) {
       T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
 #pragma unroll
       for (int n = 0; n < kDT; ++n) {
@@ -256,14 +340,14 @@ __global__ void __launch_bounds__(32 * kMergeRowsPerCta) split_kv_merge_kernel(c
   const int b = static_cast<int>(row / p.len_q / p.heads_q);
 
   float m = -INFINITY;
-  for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, p.part_lse[s * rows + row]);
+  for (int s = lane; s < p.num_partials; s += 32) m = fmaxf(m, p.part_lse[s * rows + row]);
 #pragma unroll
   for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
   float acc[kPerLane] = {};
   float sum = 0.0f;  // per lane: the weights of its splits
   if (m != -INFINITY) {
-    for (int s0 = 0; s0 < p.num_splits; s0 += 32) {
-      const int n = min(32, p.num_splits - s0);
+    for (int s0 = 0; s0 < p.num_partials; s0 += 32) {
+      const int n = min(32, p.num_partials - s0);
       const float w_lane = lane < n ? expf(p.part_lse[(s0 + lane) * rows + row] - m) : 0.0f;  // 0: no key
       sum += w_lane;
       const float* po = p.part_o + ((s0 * rows) + row) * D + lane * kPerLane;

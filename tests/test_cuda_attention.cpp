@@ -78,7 +78,7 @@ struct Case {
   bool empty_rows = false;  // some query blocks get count 0
   int64_t seq_pad = 0;      // extra elements between rows of q, k, v and out (strided views)
   float amplitude = 1.0f;   // q scale: larger gives peakier softmax
-  bool global_merge = false;  // split-KV: every split's partial through global memory (no clusters)
+  bool global_merge = false;  // split-KV: the global merge (the library default); false: cluster merge
   uint32_t seed = 1;
 };
 
@@ -279,7 +279,7 @@ TEST_P(Ops, MatchesReference) {
   opt.backend = Backend::cuda;
   cuda::set_split_kv_cluster_merge(!c.global_merge);
   const Status st = plan ? block_sparse(qd, kd, vd, ixd, out, lse, opt) : dense(qd, kd, vd, out, lse, opt);
-  cuda::set_split_kv_cluster_merge(true);
+  cuda::set_split_kv_cluster_merge(false);  // back to the default
   ASSERT_TRUE(st.ok()) << st.to_string();
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<uint16_t> out_h(out_buf.bytes / 2);
@@ -346,8 +346,9 @@ std::vector<Case> cases() {
   // Split-KV prefix executor: dense calls with len_q <= 64 and len_kv >= 512 take it. Partial
   // last splits and a partial last key tile (len_kv not a multiple of 64), GQA stacking across
   // m-tiles (group * len_q > 64), one split (written directly, no merge), unaligned strides;
-  // clusters of 2, 4 and 8 splits (merged in distributed shared memory; 33x9000 leaves two cluster
-  // partials for the merge kernel), and the global merge of every split's partial (GlobalMerge).
+  // both merges: clusters of 2, 4 and 8 splits in distributed shared memory (the cases without
+  // GlobalMerge in the name; 33x9000 leaves two cluster partials for the merge kernel), and every
+  // split's partial through global memory (GlobalMerge, the library default).
   add({.name = "Small_splitkv_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16, .len_kv = 1100,
        .head_dim = 128, .seed = 21});
   add({.name = "Small_splitkv_f16_d64_one_split_17x520", .dtype = DType::f16, .heads_q = 4, .heads_kv = 2,

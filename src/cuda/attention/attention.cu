@@ -106,7 +106,7 @@ struct DeviceState {
 std::mutex g_state_mutex;
 DeviceState g_state[64];
 
-std::atomic<bool> g_split_kv_cluster_merge{true};
+std::atomic<bool> g_split_kv_cluster_merge{false};  // opt-in: measured slower (split_kv_kernel.cuh)
 
 template <class T, int D>
 Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {

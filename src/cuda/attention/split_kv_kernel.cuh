@@ -12,12 +12,15 @@
 //    partial (O normalised by its own sum, f32) and its LSE.
 //  - Merge of partials (O_s normalised by its own sum, LSE_s):
 //      LSE = m + log sum_s exp(LSE_s - m),  O = sum_s exp(LSE_s - LSE) O_s     (m = max_s LSE_s)
-//    First inside a thread-block cluster (Hopper): the `cluster` CTAs of consecutive splits put
-//    their partials in shared memory and each reduces 1/cluster of the rows over distributed
-//    shared memory, so only one partial per cluster reaches global memory (the partials' write and
-//    read were the largest fixed cost per call). Then, when more than one cluster partial is left,
-//    a second launch: one warp per output row merges them and writes O in the input dtype and LSE.
-//    With nothing left to merge, the CTA (or cluster) writes O and LSE directly.
+//    The default: every split writes its partial to global memory and a second launch (one warp
+//    per output row) merges them and writes O in the input dtype and LSE; with one split the CTA
+//    writes O and LSE directly.
+//    Opt-in (set_split_kv_cluster_merge(true)): the `cluster` CTAs of consecutive splits form a
+//    thread-block cluster, put their partials in shared memory and each reduces 1/cluster of the
+//    rows over distributed shared memory, so one partial per cluster reaches global memory. It is
+//    correct (tested) but measured 1.6x slower on the H200 at 32K-128K (bench/RESULTS.md), so it
+//    is off; the cause (cluster placement limiting residency, or the cluster-wide barrier) is not
+//    yet measured.
 // K/V tiles stream through a STAGES-deep cp.async ring (STAGES - 1 tiles in flight while one is
 // computed); Q's fragments stay in registers for the whole key range.
 #pragma once

@@ -455,3 +455,158 @@ TEST(Losa, BadBudgetsKAndBlockSizesGiveClearErrors) {
   EXPECT_FALSE(uncreated.step(t.cache, t.q.view(), t.k.view(), t.v.view(), a.o.view(), a.l.view()).ok());
   EXPECT_TRUE(has(parse_prefix_method("sparse").status(), "method: expected dense, quest, losa or reuse"));
 }
+
+// ---- the decode-trace driver ---------------------------------------------------------
+
+#include "sparsa/decode_trace.h"
+
+namespace {
+
+struct Clean {
+  HostArray q, k, v;
+  Clean(int64_t hq, int64_t hkv, int64_t rows, int64_t len, int64_t d)
+      : q(randn({1, hq, rows, d}, 91)), k(randn({1, hkv, len, d}, 92)), v(randn({1, hkv, len, d}, 93)) {}
+};
+
+double row_mse(const Tensor& a, const Tensor& b, int64_t i) {
+  double s = 0;
+  const int64_t H = a.shape[1], D = a.shape[3];
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < D; ++t) {
+      const double x = double{a.ptr<float>()[a.offset({0, h, i, t})]} - b.ptr<float>()[b.offset({0, h, i, t})];
+      s += x * x;
+    }
+  return s / (H * D);
+}
+
+}  // namespace
+
+TEST(DecodeTrace, UnmasksEveryTokenOnceAndMovesItToItsCleanRow) {
+  DecodeTraceConfig c;
+  c.prefix_len = 40;
+  c.block_size = 8;
+  c.num_blocks = 2;
+  c.tokens_per_step = 3;  // steps: 3 (3 + 3 + 2)
+  c.drift = 0.0f;
+  c.neighbour_move = 0.0f;
+  Clean cl(4, 2, 20, 40 + 16, 32);
+  auto tr = DecodeTrace::from_tensors(c, cl.q.view(), cl.k.view(), cl.v.view());
+  ASSERT_TRUE(tr.ok()) << tr.status().to_string();
+  ASSERT_EQ(tr->steps_per_block(), 3);
+  EXPECT_EQ(tr->prefix_k().shape_vector(), (std::vector<int64_t>{1, 2, 40, 32}));
+  for (int64_t b = 0; b < 2; ++b) {
+    std::set<int64_t> seen;
+    for (int64_t s = 0; s < 3; ++s) {
+      for (int64_t i : tr->unmasked_after(b, s)) EXPECT_TRUE(seen.insert(i).second);
+      EXPECT_EQ(tr->unmasked_after(b, s).size(), s < 2 ? 3u : 2u);
+    }
+    EXPECT_EQ(seen.size(), 8u);
+    // Clean queries are the last 16 rows of q; block b's are rows 4 + 8b ...
+    Tensor clean_q = cl.q.view();
+    clean_q.data = cl.q.ptr<float>() + (4 + 8 * b) * 32;
+    clean_q.shape[2] = 8;
+    std::set<int64_t> done;
+    for (int64_t s = 0; s < 3; ++s) {
+      const Tensor q = tr->q(b, s);
+      for (int64_t i = 0; i < 8; ++i) {
+        const double m = row_mse(q, clean_q, i);
+        if (done.count(i)) EXPECT_EQ(m, 0.0) << "unmasked token " << i << " at step " << s;
+        else EXPECT_GT(m, 0.2) << "masked token " << i << " is off its clean row by ~unmask_move^2";
+      }
+      for (int64_t i : tr->unmasked_after(b, s)) done.insert(i);
+    }
+    // The committed K/V are the clean rows of the block.
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t i = 0; i < 8; ++i)
+        EXPECT_EQ(tr->final_k(b).ptr<float>()[tr->final_k(b).offset({0, h, i, 0})],
+                  cl.k.ptr<float>()[(h * 56 + 40 + 8 * b + i) * 32]);
+  }
+}
+
+TEST(DecodeTrace, QueryChangesAreLocal) {
+  DecodeTraceConfig c;
+  c.prefix_len = 16;
+  c.block_size = 16;
+  c.unmask_move = 1.0f;
+  c.neighbour_move = 0.1f;
+  c.drift = 0.01f;
+  Clean cl(8, 2, 16, 32, 64);
+  auto tr = DecodeTrace::from_tensors(c, cl.q.view(), cl.k.view(), cl.v.view());
+  ASSERT_TRUE(tr.ok());
+  ASSERT_EQ(tr->steps_per_block(), 16);
+  for (int64_t s = 1; s < 16; ++s) {
+    const int64_t u = tr->unmasked_after(0, s - 1)[0];
+    for (int64_t i = 0; i < 16; ++i) {
+      // rms^2 ~ 1 here: expected MSE ~ 2 (jump onto the clean row from rms-1 noise),
+      // ~0.01 for neighbours, ~1e-4 for the rest; bounds are generous for 512 samples.
+      const double m = row_mse(tr->q(0, s), tr->q(0, s - 1), i);
+      if (i == u) EXPECT_GT(m, 0.5);
+      else if (i == u - 1 || i == u + 1) EXPECT_LT(m, 0.03);
+      else EXPECT_LT(m, 3e-4);
+    }
+  }
+  // Same config and seed: the same trace.
+  auto again = DecodeTrace::from_tensors(c, cl.q.view(), cl.k.view(), cl.v.view());
+  EXPECT_EQ(std::memcmp(again->q(0, 7).data, tr->q(0, 7).data, 8 * 16 * 64 * 4), 0);
+}
+
+TEST(DecodeTrace, BadConfigsGiveClearErrors) {
+  Clean cl(4, 2, 16, 48, 8);
+  auto err = [&](DecodeTraceConfig c, const char* what) {
+    auto tr = DecodeTrace::from_tensors(c, cl.q.view(), cl.k.view(), cl.v.view());
+    ASSERT_FALSE(tr.ok()) << what;
+    EXPECT_NE(tr.status().message().find(what), std::string::npos) << tr.status().message();
+  };
+  DecodeTraceConfig c;
+  c.prefix_len = 32;
+  c.block_size = 3;
+  err(c, "block_size: expected 4 to 32 tokens, got 3");
+  c.block_size = 33;
+  err(c, "block_size: expected 4 to 32 tokens, got 33");
+  c.block_size = 16;
+  c.tokens_per_step = 0;
+  err(c, "tokens_per_step");
+  c.tokens_per_step = 2;
+  c.steps_per_block = 7;
+  err(c, "steps_per_block: unmasking 2 token(s) per step needs 8");
+  c.steps_per_block = 0;
+  c.drift = -1;
+  err(c, "drift");
+  c.drift = 0.01f;
+  c.prefix_len = 40;
+  err(c, "k: expected [1, heads, 56, head_dim]");
+  c.prefix_len = 32;
+  EXPECT_TRUE(DecodeTrace::from_tensors(c, cl.q.view(), cl.k.view(), cl.v.view()).ok());
+}
+
+// On a trace, LoSA with every token active and a full budget is dense at every step.
+TEST(DecodeTrace, LosaOnATraceFollowsDenseWithFullBudget) {
+  DecodeTraceConfig c;
+  c.prefix_len = 16 * 6 + 5;
+  c.block_size = 8;
+  c.num_blocks = 2;
+  c.tokens_per_step = 2;
+  Clean cl(4, 2, 16, c.prefix_len + 16, 16);
+  auto tr = DecodeTrace::from_tensors(c, cl.q.view(), cl.k.view(), cl.v.view());
+  ASSERT_TRUE(tr.ok());
+  auto cache = PagedKVCache::create({2, 16, 16});
+  ASSERT_TRUE(cache->append(tr->prefix_k(), tr->prefix_v()).ok());
+  LosaOptions lo;
+  lo.active_k = 8;
+  lo.select.budget = 16 * 8;
+  LosaOptions dn;
+  dn.method = PrefixMethod::dense;
+  auto losa = PrefixAttention::create({4, 2, 16, 8}, lo);
+  auto ref = PrefixAttention::create({4, 2, 16, 8}, dn);
+  HostArray o1(DType::f32, {1, 4, 8, 16}), l1(DType::f32, {1, 4, 8}), o2 = o1, l2 = l1;
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t s = 0; s < tr->steps_per_block(); ++s) {
+      ASSERT_TRUE(losa->step(*cache, tr->q(b, s), tr->k(b, s), tr->v(b, s), o1.view(), l1.view()).ok());
+      ASSERT_TRUE(ref->step(*cache, tr->q(b, s), tr->k(b, s), tr->v(b, s), o2.view(), l2.view()).ok());
+      EXPECT_LT(max_abs_diff(o1, o2), 1e-5);
+    }
+    ASSERT_TRUE(losa->commit(*cache, tr->final_k(b), tr->final_v(b)).ok());
+    ref->begin_block();
+  }
+  EXPECT_EQ(cache->length(), c.prefix_len + 16);
+}

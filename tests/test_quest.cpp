@@ -273,3 +273,37 @@ TEST(Quest, BadBudgetsAndShapesGiveClearErrors) {
   HostArray q1 = randn({1, 4, 1, 8}, 6);
   EXPECT_TRUE(has(paged_attention(q1.view(), cache, *plan, out.view(), lse.view()), "out: expected shape"));
 }
+
+TEST(Quest, SharedGroupPolicyPicksByTheGroupMaximum) {
+  const int64_t Hq = 6, Hkv = 2, rows = 3, d = 16, len = 16 * 30;
+  PagedKVCache cache = filled_cache(Hkv, len, d, 41);
+  HostArray q = randn({1, Hq, rows, d}, 42);
+  PageSelectOptions o;
+  o.group = GroupPolicy::shared;
+  o.budget = 64;
+  o.force_last = false;
+  auto plan = select_pages(q.view(), cache, o);
+  ASSERT_TRUE(plan.ok());
+  for (int64_t h_kv = 0; h_kv < Hkv; ++h_kv) {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<std::pair<float, int32_t>> scored;
+      for (int32_t p = 0; p < cache.num_pages(); ++p) {
+        float best = -INFINITY;
+        for (int64_t h = h_kv * 3; h < h_kv * 3 + 3; ++h)
+          best = std::max(best, quest_page_score(q.ptr<float>() + (h * rows + r) * d, cache.page_min(h_kv, p),
+                                                 cache.page_max(h_kv, p), d));
+        scored.push_back({-best, p});
+      }
+      std::sort(scored.begin(), scored.end());
+      std::vector<int32_t> expect;
+      for (int i = 0; i < 4; ++i) expect.push_back(scored[i].second);
+      std::sort(expect.begin(), expect.end());
+      for (int64_t h = h_kv * 3; h < h_kv * 3 + 3; ++h) {
+        ASSERT_EQ(plan->count(h, r), 4);
+        EXPECT_EQ(std::vector<int32_t>(plan->row_pages(h, r), plan->row_pages(h, r) + 4), expect);
+      }
+    }
+  }
+  // The union per kv head is at most rows x pages per query.
+  for (const auto& u : page_union(*plan, Hkv)) EXPECT_LE(u.size(), 3u * 4u);
+}

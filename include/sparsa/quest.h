@@ -32,8 +32,14 @@ enum class PageSelector : uint8_t {
 const char* page_selector_name(PageSelector selector);
 Result<PageSelector> parse_page_selector(const std::string& name);
 
+// How the query heads of a GQA group choose: each its own pages (the kv head loads the
+// union), or one shared list per (kv head, row) by the group's maximum score (the
+// maximum of upper bounds still bounds every head's logits).
+enum class GroupPolicy : uint8_t { per_head, shared };
+
 struct PageSelectOptions {
   PageSelector selector = PageSelector::quest;
+  GroupPolicy group = GroupPolicy::per_head;
   int64_t budget = 256;      // tokens per query; a positive multiple of the page size
   bool force_first = false;  // always keep page 0 (attention sinks)
   bool force_last = true;    // always keep the last (newest, possibly partial) page

@@ -38,6 +38,9 @@ Status validate(const PageSelectOptions& options, int page_size) {
                             std::to_string(options.budget / page_size) + " page(s), fewer than the " +
                             std::to_string(forced) + " forced (first/last) pages");
   }
+  if (options.group != GroupPolicy::per_head && options.group != GroupPolicy::shared) {
+    return invalid_argument("group: expected per_head or shared, got " + std::to_string(static_cast<int>(options.group)));
+  }
   if (options.selector != PageSelector::quest && options.selector != PageSelector::pooled) {
     return invalid_argument("selector: expected quest or pooled, got " +
                             std::to_string(static_cast<int>(options.selector)));
@@ -110,23 +113,24 @@ Result<PagePlan> select_pages(const Tensor& q, const PagedKVCache& cache, const 
   if (keep == 0) return plan;
 
   const int threads = cpu::resolve_threads(num_threads);
-  std::vector<std::vector<float>> scores(threads, std::vector<float>(num_pages));
+  std::vector<std::vector<float>> scores(threads, std::vector<float>(num_pages)), tmp(threads, std::vector<float>(num_pages));
   std::vector<std::vector<int32_t>> order(threads);
   std::vector<std::vector<float>> qrow(threads, std::vector<float>(d));
-  cpu::parallel_for(heads_q * rows, threads, [&](int64_t item, int thread) {
-    const int64_t h = item / rows, r = item % rows, h_kv = h / group;
-    int32_t* out = plan.pages.data() + item * keep;
-    if (keep == num_pages) {  // the budget covers the whole prefix
-      for (int64_t p = 0; p < num_pages; ++p) out[p] = static_cast<int32_t>(p);
-      return;
-    }
+  auto score_row = [&](int64_t h, int64_t r, int thread, float* sc) {
+    const int64_t h_kv = h / group;
     float* qr = qrow[thread].data();
     detail::load_row(q.data, DType::f32, q.offset({0, h, r, 0}), d, qr);
-    float* sc = scores[thread].data();
     for (int64_t p = 0; p < num_pages; ++p) {
       sc[p] = options.selector == PageSelector::quest
                   ? quest_page_score(qr, cache.page_min(h_kv, p), cache.page_max(h_kv, p), d)
                   : pooled_page_score(qr, cache.page_key_sum(h_kv, p), cache.page_length(p), d);
+    }
+  };
+  // Forced pages, then the best of the rest by score; ascending. Returns the count.
+  auto choose = [&](const float* sc, int thread, int32_t* out) -> int64_t {
+    if (keep == num_pages) {  // the budget covers the whole prefix
+      for (int64_t p = 0; p < num_pages; ++p) out[p] = static_cast<int32_t>(p);
+      return keep;
     }
     int64_t n = 0;
     if (options.force_first) out[n++] = 0;
@@ -141,7 +145,35 @@ Result<PagePlan> select_pages(const Tensor& q, const PagedKVCache& cache, const 
     std::partial_sort(cand.begin(), cand.begin() + take, cand.end(), ScoreOrder{sc});
     for (int64_t i = 0; i < take; ++i) out[n++] = cand[i];
     std::sort(out, out + n);
-    plan.counts[item] = static_cast<int32_t>(n);
+    return n;
+  };
+  if (options.group == GroupPolicy::per_head) {
+    cpu::parallel_for(heads_q * rows, threads, [&](int64_t item, int thread) {
+      const int64_t h = item / rows, r = item % rows;
+      float* sc = scores[thread].data();
+      if (keep < num_pages) score_row(h, r, thread, sc);
+      plan.counts[item] = static_cast<int32_t>(choose(sc, thread, plan.pages.data() + item * keep));
+    });
+    return plan;
+  }
+  // Shared per GQA group: the group's maximum score, one list copied to every head.
+  cpu::parallel_for(cache.heads_kv() * rows, threads, [&](int64_t item, int thread) {
+    const int64_t h_kv = item / rows, r = item % rows, h0 = h_kv * group;
+    float* sc = scores[thread].data();
+    float* one = tmp[thread].data();
+    if (keep < num_pages) {
+      score_row(h0, r, thread, sc);
+      for (int64_t g = 1; g < group; ++g) {
+        score_row(h0 + g, r, thread, one);
+        for (int64_t p = 0; p < num_pages; ++p) sc[p] = std::max(sc[p], one[p]);
+      }
+    }
+    int32_t* first = plan.pages.data() + (h0 * rows + r) * keep;
+    const int64_t n = choose(sc, thread, first);
+    for (int64_t g = 0; g < group; ++g) {
+      plan.counts[(h0 + g) * rows + r] = static_cast<int32_t>(n);
+      if (g > 0) std::copy_n(first, keep, plan.pages.data() + ((h0 + g) * rows + r) * keep);
+    }
   });
   return plan;
 }

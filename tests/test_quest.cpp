@@ -5,6 +5,7 @@
 #include <cmath>
 #include <random>
 #include <set>
+#include <cstring>
 
 #include "sparsa/quest.h"
 
@@ -306,4 +307,40 @@ TEST(Quest, SharedGroupPolicyPicksByTheGroupMaximum) {
   }
   // The union per kv head is at most rows x pages per query.
   for (const auto& u : page_union(*plan, Hkv)) EXPECT_LE(u.size(), 3u * 4u);
+}
+
+TEST(Quest, OneCallFormMatchesDenseAtFullBudgetAndTheStepsOtherwise) {
+  const int64_t batch = 2, Hq = 4, Hkv = 2, Lq = 5, Lk = 16 * 6 + 3, d = 16;
+  HostArray q = randn({batch, Hq, Lq, d}, 61), k = randn({batch, Hkv, Lk, d}, 62), v = randn({batch, Hkv, Lk, d}, 63);
+  PageSelectOptions full;
+  full.budget = 16 * 7;
+  auto r = quest_attention(q.view(), k.view(), v.view(), full);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_DOUBLE_EQ(r->density, 1.0);
+  auto d0 = dense(q.view(), k.view(), v.view());
+  ASSERT_TRUE(d0.ok());
+  for (int64_t i = 0; i < d0->out.numel(); ++i) EXPECT_NEAR(r->attention.out.ptr<float>()[i], d0->out.ptr<float>()[i], 1e-5);
+  // A small budget: batch element 1 equals select_pages + paged_attention on its own cache.
+  PageSelectOptions small;
+  small.budget = 32;
+  auto s = quest_attention(q.view(), k.view(), v.view(), small);
+  ASSERT_TRUE(s.ok());
+  EXPECT_LT(s->density, 0.5);
+  auto cache = PagedKVCache::create({Hkv, d, 16});
+  Tensor k1 = k.view(), v1 = v.view(), q1 = q.view();
+  for (Tensor* t : {&k1, &v1, &q1}) {
+    t->data = t->ptr<float>() + t->strides[0];
+    t->shape[0] = 1;
+  }
+  ASSERT_TRUE(cache->append(k1, v1).ok());
+  auto plan = select_pages(q1, *cache, small);
+  HostArray o(DType::f32, {1, Hq, Lq, d}), l(DType::f32, {1, Hq, Lq});
+  ASSERT_TRUE(paged_attention(q1, *cache, *plan, o.view(), l.view()).ok());
+  EXPECT_EQ(std::memcmp(o.data(), s->attention.out.ptr<float>() + Hq * Lq * d, o.nbytes()), 0);
+  // Errors name the argument.
+  HostArray k3 = randn({batch, 3, Lk, d}, 64);
+  EXPECT_TRUE(has(quest_attention(q.view(), k3.view(), k3.view(), small).status(), "heads_q (4) must be a multiple"));
+  PageSelectOptions bad;
+  bad.budget = 20;
+  EXPECT_TRUE(has(quest_attention(q.view(), k.view(), v.view(), bad).status(), "budget"));
 }

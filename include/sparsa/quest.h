@@ -92,4 +92,17 @@ Status paged_attention(const Tensor& q, const PagedKVCache& cache, const PagePla
                        const Tensor& lse, const PagedAttentionOptions& options = {},
                        PagedAttentionStats* stats = nullptr);
 
+// The one-call form: QUEST-style attention of q over k, v (no mask; every key is prefix).
+// Per batch element, k and v are paged into a cache (pages of page_size), every (head,
+// query row) selects its pages and attends over them. Any float dtype; computed in f32,
+// O returned in q's dtype. density: attended (query, key) pairs / all pairs.
+struct QuestOutput {
+  AttentionOutput attention;
+  double density = 0;
+  int64_t pages_loaded = 0;  // sum over batch and kv heads of the union
+};
+Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const PageSelectOptions& select, const PagedAttentionOptions& options = {},
+                                    int page_size = 16);
+
 }  // namespace sparsa

@@ -326,4 +326,81 @@ Status paged_attention(const Tensor& q, const PagedKVCache& cache, const PagePla
   return {};
 }
 
+Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const PageSelectOptions& select, const PagedAttentionOptions& options,
+                                    int page_size) {
+  for (auto [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
+    SPARSA_RETURN_IF_ERROR(detail::check_attention_tensor(name, *t, Device{}));
+  }
+  SPARSA_RETURN_IF_ERROR(validate(select, page_size));
+  const int64_t batch = q.shape[0], heads_q = q.shape[1], len_q = q.shape[2], d = q.shape[3];
+  const int64_t heads_kv = k.shape[1], len_kv = k.shape[2];
+  if (k.shape[0] != batch || k.shape[3] != d) {
+    return invalid_argument("k: expected [" + std::to_string(batch) + ", heads_kv, len_kv, " + std::to_string(d) +
+                            "] (batch and head_dim of q), got " + k.shape_string());
+  }
+  if (v.shape[0] != batch || v.shape[1] != heads_kv || v.shape[2] != len_kv || v.shape[3] != d) {
+    return invalid_argument("v: expected the shape of k " + k.shape_string() + ", got " + v.shape_string());
+  }
+  if (heads_q % heads_kv != 0) {
+    return invalid_argument("k: heads_q (" + std::to_string(heads_q) + ") must be a multiple of heads_kv (" +
+                            std::to_string(heads_kv) + ") for grouped-query attention");
+  }
+  if (k.dtype != q.dtype || v.dtype != q.dtype) {
+    return unsupported_dtype(std::string("k, v: dtypes must match q's ") + dtype_name(q.dtype));
+  }
+  if (options.attention.check_finite) {
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("v", v));
+  }
+  auto as_f32 = [](const Tensor& t) -> Result<HostArray> {
+    return t.dtype == DType::f32 ? Result<HostArray>(HostArray::copy_of(t)) : convert(t, DType::f32);
+  };
+  auto q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v);
+  if (!q32.ok()) return q32.status();
+  if (!k32.ok()) return k32.status();
+  if (!v32.ok()) return v32.status();
+
+  HostArray out(DType::f32, {batch, heads_q, len_q, d}), lse(DType::f32, {batch, heads_q, len_q});
+  QuestOutput result;
+  double pairs = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    auto slice = [b](const HostArray& a) {
+      Tensor t = a.view();
+      t.data = const_cast<float*>(a.ptr<float>()) + b * t.strides[0];
+      t.shape[0] = 1;
+      return t;
+    };
+    auto cache = PagedKVCache::create({heads_kv, d, page_size});
+    if (!cache.ok()) return cache.status();
+    SPARSA_RETURN_IF_ERROR(cache->append(slice(*k32), slice(*v32)));
+    auto plan = select_pages(slice(*q32), *cache, select, options.attention.num_threads);
+    if (!plan.ok()) return plan.status();
+    PagedAttentionStats stats;
+    SPARSA_RETURN_IF_ERROR(paged_attention(slice(*q32), *cache, *plan, slice(out), slice(lse), options, &stats));
+    result.pages_loaded += stats.pages_loaded;
+    const int64_t group = heads_q / heads_kv;
+    for (int64_t h = 0; h < heads_q; ++h) {
+      for (int64_t r = 0; r < len_q; ++r) {
+        if (options.attend_union) {
+          for (int32_t page : stats.loaded[h / group]) pairs += static_cast<double>(cache->page_length(page));
+        } else {
+          for (int32_t s = 0; s < plan->count(h, r); ++s) pairs += static_cast<double>(cache->page_length(plan->row_pages(h, r)[s]));
+        }
+      }
+    }
+  }
+  result.density = pairs / (static_cast<double>(batch) * heads_q * len_q * len_kv);
+  if (q.dtype == DType::f32) {
+    result.attention.out = std::move(out);
+  } else {
+    auto o = convert(out.view(), q.dtype);
+    if (!o.ok()) return o.status();
+    result.attention.out = std::move(o).value();
+  }
+  result.attention.lse = std::move(lse);
+  return result;
+}
+
 }  // namespace sparsa

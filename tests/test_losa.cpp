@@ -610,3 +610,43 @@ TEST(DecodeTrace, LosaOnATraceFollowsDenseWithFullBudget) {
   }
   EXPECT_EQ(cache->length(), c.prefix_len + 16);
 }
+
+TEST(DecodeTrace, RunTraceMeasuresEveryMethodAgainstDense) {
+  DecodeTraceConfig c;
+  c.prefix_len = 16 * 10;
+  c.block_size = 8;
+  c.num_blocks = 2;
+  c.tokens_per_step = 2;
+  Clean cl(4, 2, 16, c.prefix_len + 16, 16);
+  auto tr = DecodeTrace::from_tensors(c, cl.q.view(), cl.k.view(), cl.v.view());
+  ASSERT_TRUE(tr.ok());
+  LosaOptions dn, full, sparse;
+  dn.method = PrefixMethod::dense;
+  full.active_k = 8;
+  full.select.budget = 16 * 11;
+  sparse.active_k = 2;
+  sparse.select.budget = 16;
+  TraceRunOptions ro;
+  ro.repeats = 2;
+  auto runs = run_trace(*tr, {dn, full, sparse}, ro);
+  ASSERT_TRUE(runs.ok()) << runs.status().to_string();
+  ASSERT_EQ(runs->size(), 3u);
+  for (const auto& steps : *runs) ASSERT_EQ(steps.size(), 2u * 4u);
+  for (const TraceStep& s : (*runs)[0]) EXPECT_EQ(s.err, 0.0);  // dense is its own reference
+  for (const TraceStep& s : (*runs)[1]) EXPECT_LT(s.err, 1e-5);
+  bool some_error = false;
+  for (const TraceStep& s : (*runs)[2]) {
+    if (s.stats.step == 0) EXPECT_EQ(s.err, 0.0);  // the first step is dense
+    some_error = some_error || s.err > 1e-3;
+    EXPECT_GT(s.recall, 0.0);
+    EXPECT_LE(s.recall, 1.0 + 1e-6);
+  }
+  EXPECT_TRUE(some_error);
+  EXPECT_EQ((*runs)[2][5].stats.block, 1);  // block 1, step 1 (the cache grew by block 0)
+  EXPECT_EQ((*runs)[2][5].stats.prefix_pages, 11);
+  const TraceSummary s = summarise((*runs)[2], 2);
+  EXPECT_EQ(s.recomputed, 2.0);
+  EXPECT_GT(s.pages, 0.0);
+  EXPECT_EQ(s.pages, 1.0);  // a one-page budget is the forced last page, shared by every row
+  EXPECT_FALSE(run_trace(*tr, {}).ok());
+}

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "sparsa/losa.h"
 #include "sparsa/status.h"
 #include "sparsa/tensor.h"
 #include "sparsa/workload.h"
@@ -92,5 +93,39 @@ class DecodeTrace {
   std::vector<HostArray> q_steps_, k_steps_, v_steps_;  // [block * steps + step]
   std::vector<std::vector<int64_t>> unmasked_;          // [block * steps + step]
 };
+
+// ---- running methods over a trace ---------------------------------------------------
+
+// One step of one method, measured against dense prefix attention on the same inputs.
+struct TraceStep {
+  StepStats stats;        // plan and loaded lists dropped (keep_plans = false)
+  double err = 0;         // ||O - O_dense||_F / ||O_dense||_F of the block output (prefix + block)
+  double err_prefix = 0;  // the same for the prefix part O_p
+  double recall = 1;      // mean over (head, recomputed row) of exp(L_p - L_p_dense): dense mass kept
+  double cpu_ms = 0;      // process CPU time of step() (all threads), median over repeats
+};
+
+struct TraceRunOptions {
+  int repeats = 1;          // passes; times are the median per step, the rest from the first
+  bool keep_plans = false;  // keep StepStats::plan and ::loaded (memory grows with steps)
+};
+
+// Runs every method through the trace in lockstep: at each step dense prefix attention
+// (with methods[0]'s attention options) and then every method on the same inputs, so a
+// busy machine slows all alike. All share one prefix cache, committed after each block.
+// Result: [method][block * steps + step].
+Result<std::vector<std::vector<TraceStep>>> run_trace(const DecodeTrace& trace, const std::vector<LosaOptions>& methods,
+                                                      const TraceRunOptions& options = {});
+
+// Means over the steps after the first of each block (the sparse steps), and the
+// block means over all steps.
+struct TraceSummary {
+  double pages = 0;        // pages loaded per step per kv head
+  double pages_frac = 0;   // ... as a share of the prefix pages
+  double err = 0, err_max = 0, err_prefix = 0, recall = 0;
+  double cpu_ms = 0, wall_ms = 0, recomputed = 0;
+  double block_cpu_ms = 0, block_pages = 0;  // over every step, first steps included
+};
+TraceSummary summarise(const std::vector<TraceStep>& steps, int64_t heads_kv);
 
 }  // namespace sparsa

@@ -1,12 +1,23 @@
 // sparsa/io.h — tensor files: NumPy .npy and .safetensors.
 //
-// .npy: f32 ('<f4'), f16 ('<f2'), i32 ('<i4'), C order, versions 1.0-3.0.
-// .safetensors: F32, F16, BF16, I32.
-// Every malformed file (truncated data, a header that is not what it claims, shapes
-// whose product overflows or disagrees with the bytes present, unknown dtypes,
-// Fortran order, overlapping or out-of-range offsets) is refused with a Status of
-// code malformed_file whose message names the file and the problem. Nothing is
-// allocated from an unchecked size.
+// .npy: f32 ('<f4'), f16 ('<f2'), i32 ('<i4'), C order, versions 1.0-3.0 read,
+// 1.0 written (byte for byte what np.save writes). '=' and '|' byte orders read as
+// little-endian.
+// .safetensors: F32, F16, BF16, I32; "__metadata__" is accepted and ignored.
+//
+// Errors (docs/io.md lists them):
+//  - io_error: the file is missing, a directory, or cannot be read or written.
+//  - malformed_file: the file lies about itself or is broken — truncated header or
+//    data, bad magic, a header length beyond the file, a header that is not a dict
+//    or not valid JSON, missing or duplicate keys, unknown dtypes, negative or
+//    non-integer dimensions, shapes whose size overflows int64 or disagrees with the
+//    bytes present, out-of-range or overlapping data offsets.
+//  - unsupported_dtype: a well-formed file of a dtype sparsa does not take ('<f8',
+//    big-endian, F64, ...); the message suggests the conversion.
+//  - unsupported: Fortran order (with more than one dimension above 1), more than
+//    kMaxDims dimensions.
+// Every message starts with the file's path. Nothing is allocated from a size that
+// has not been checked against the file's real size.
 #pragma once
 
 #include <string>
@@ -27,12 +38,16 @@ struct NamedArray {
   std::string name;
   HostArray array;
 };
-// Entries in file order.
+// Entries in the order of the file's header.
 Result<std::vector<NamedArray>> read_safetensors(const std::string& path);
+// Entries are written in the given order, back to back after a header padded to 8
+// bytes. Names must be non-empty, unique, valid UTF-8 and not "__metadata__".
 Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors);
 
-// By extension: "x.npy", "x.safetensors" (the single entry) or "x.safetensors:name".
+// By extension: "x.npy", "x.safetensors" (the single entry; a file of several entries
+// is refused with invalid_argument naming them) or "x.safetensors:name".
 Result<HostArray> read_tensor(const std::string& path_and_name);
+// "x.npy", "x.safetensors:name", or "x.safetensors" (one entry named "tensor").
 Status write_tensor(const std::string& path, const Tensor& tensor);
 
 }  // namespace sparsa

@@ -84,7 +84,7 @@ class HostArray {
   const std::vector<int64_t>& shape() const { return shape_; }
   int64_t numel() const;
   size_t nbytes() const { return bytes_.size(); }
-  bool empty() const { return shape_.empty(); }
+  bool empty() const { return shape_.empty() && bytes_.empty(); }  // default-constructed (absent); a 0-d array is not empty
 
   void* data() { return bytes_.data(); }
   const void* data() const { return bytes_.data(); }

@@ -183,10 +183,8 @@ HostArray gather_rows(const Tensor& q, const std::vector<int64_t>& rows) {
   return sub;
 }
 
-}  // namespace
-
 // Writes the recomputed rows' O_p, L_p and Q_ref from sub-results over `rows`.
-static void scatter_rows(const HostArray& o_sub, const HostArray& l_sub, const Tensor& q,
+void scatter_rows(const HostArray& o_sub, const HostArray& l_sub, const Tensor& q,
                          const std::vector<int64_t>& rows, HostArray& o_p, HostArray& l_p, HostArray& q_ref) {
   const int64_t H = o_p.shape()[1], B = o_p.shape()[2], D = o_p.shape()[3], n = static_cast<int64_t>(rows.size());
   for (int64_t h = 0; h < H; ++h) {
@@ -198,6 +196,8 @@ static void scatter_rows(const HostArray& o_sub, const HostArray& l_sub, const T
     }
   }
 }
+
+}  // namespace
 
 Status PrefixAttention::prefix_dense(const PagedKVCache& cache, const Tensor& q, const std::vector<int64_t>& rows,
                                      StepStats* s) {

@@ -650,3 +650,45 @@ TEST(DecodeTrace, RunTraceMeasuresEveryMethodAgainstDense) {
   EXPECT_EQ(s.pages, 1.0);  // a one-page budget is the forced last page, shared by every row
   EXPECT_FALSE(run_trace(*tr, {}).ok());
 }
+
+TEST(DecodeTrace, GeneratesOnTheWorkloadGenerator) {
+  DecodeTraceConfig c;
+  c.workload.heads_q = 4;
+  c.workload.heads_kv = 2;
+  c.workload.head_dim = 32;
+  c.prefix_len = 200;
+  c.block_size = 8;
+  c.num_blocks = 2;
+  auto tr = DecodeTrace::generate(c);
+  ASSERT_TRUE(tr.ok()) << tr.status().to_string();
+  EXPECT_EQ(tr->steps_per_block(), 8);
+  // The trace is the generator's clean tensors: prefix K/V and the blocks' final K/V
+  // are its first and last rows, and the last step's unmasked rows are its queries.
+  WorkloadConfig w = c.workload;
+  w.len_q = 16;
+  w.len_kv = 216;
+  auto clean = generate_workload(w);
+  ASSERT_TRUE(clean.ok());
+  const Tensor pk = tr->prefix_k();
+  EXPECT_EQ(pk.shape_vector(), (std::vector<int64_t>{1, 2, 200, 32}));
+  EXPECT_EQ(pk.ptr<float>()[pk.offset({0, 1, 199, 31})], clean->k.ptr<float>()[(216 + 199) * 32 + 31]);
+  const Tensor fk = tr->final_k(1);
+  EXPECT_EQ(fk.ptr<float>()[fk.offset({0, 0, 7, 0})], clean->k.ptr<float>()[(208 + 7) * 32]);
+  const auto& last = tr->unmasked_after(1, 7);
+  std::set<int64_t> masked_at_last_step(last.begin(), last.end());
+  const Tensor q = tr->q(1, 7);
+  for (int64_t i = 0; i < 8; ++i) {
+    if (masked_at_last_step.count(i)) continue;
+    // Unmasked earlier: its clean query plus drift since (small against its norm).
+    double diff = 0, norm = 0;
+    for (int64_t t = 0; t < 32; ++t) {
+      const double x = q.ptr<float>()[q.offset({0, 0, i, t})], y = clean->q.ptr<float>()[(8 + i) * 32 + t];
+      diff += (x - y) * (x - y);
+      norm += y * y;
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 0.5) << "row " << i;
+  }
+  DecodeTraceConfig bad = c;
+  bad.workload.retrieval_span = 64;  // longer than the 16 decoded queries
+  EXPECT_FALSE(DecodeTrace::generate(bad).ok());
+}

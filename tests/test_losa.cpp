@@ -649,6 +649,17 @@ TEST(DecodeTrace, RunTraceMeasuresEveryMethodAgainstDense) {
   EXPECT_GT(s.pages, 0.0);
   EXPECT_EQ(s.pages, 1.0);  // a one-page budget is the forced last page, shared by every row
   EXPECT_FALSE(run_trace(*tr, {}).ok());
+  // Masked-row error: at a block's first step every row is masked, so it is the whole error.
+  LosaOptions quest;
+  quest.method = PrefixMethod::quest;
+  quest.select.budget = 16;
+  auto q = run_trace(*tr, {quest});
+  ASSERT_TRUE(q.ok());
+  EXPECT_GT((*q)[0][0].err, 1e-3);
+  EXPECT_EQ((*q)[0][0].err_masked, (*q)[0][0].err);
+  EXPECT_EQ((*q)[0][4].err_masked, (*q)[0][4].err);  // block 1, step 0
+  EXPECT_NE((*q)[0][3].err_masked, (*q)[0][3].err);  // 6 of 8 rows unmasked by step 3
+  for (const TraceStep& st : (*runs)[1]) EXPECT_LT(st.err_masked, 1e-5);
 }
 
 TEST(DecodeTrace, GeneratesOnTheWorkloadGenerator) {

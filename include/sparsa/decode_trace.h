@@ -101,6 +101,8 @@ struct TraceStep {
   StepStats stats;        // plan and loaded lists dropped (keep_plans = false)
   double err = 0;         // ||O - O_dense||_F / ||O_dense||_F of the block output (prefix + block)
   double err_prefix = 0;  // the same for the prefix part O_p
+  double err_masked = 0;  // the block-output error over the rows still masked at this step
+                          // (the ones whose predictions decide what is unmasked next; 0 if none)
   double recall = 1;      // mean over (head, recomputed row) of exp(L_p - L_p_dense): dense mass kept
   double cpu_ms = 0;      // process CPU time of step() (all threads), median over repeats
 };
@@ -122,7 +124,7 @@ Result<std::vector<std::vector<TraceStep>>> run_trace(const DecodeTrace& trace, 
 struct TraceSummary {
   double pages = 0;        // pages loaded per step per kv head
   double pages_frac = 0;   // ... as a share of the prefix pages
-  double err = 0, err_max = 0, err_prefix = 0, recall = 0;
+  double err = 0, err_max = 0, err_prefix = 0, err_masked = 0, recall = 0;
   double cpu_ms = 0, wall_ms = 0, recomputed = 0;
   double block_cpu_ms = 0, block_pages = 0;  // over every step, first steps included
 };

@@ -26,6 +26,22 @@ double rel_err(const HostArray& a, const HostArray& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// The same over the rows `rows` of [1, H, B, D] arrays.
+double rel_err_rows(const HostArray& a, const HostArray& ref, const std::vector<int64_t>& rows) {
+  const int64_t H = a.shape()[1], B = a.shape()[2], D = a.shape()[3];
+  double num = 0, den = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t r : rows) {
+      for (int64_t t = 0; t < D; ++t) {
+        const double x = a.ptr<float>()[(h * B + r) * D + t], y = ref.ptr<float>()[(h * B + r) * D + t];
+        num += (x - y) * (x - y);
+        den += y * y;
+      }
+    }
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -66,6 +82,12 @@ Result<std::vector<std::vector<TraceStep>>> run_trace(const DecodeTrace& trace, 
     for (int64_t b = 0; b < blocks; ++b) {
       for (int64_t s = 0; s < steps; ++s) {
         const int64_t index = b * steps + s;
+        std::vector<char> unmasked(B, 0);  // before this step
+        for (int64_t e = 0; e < s; ++e)
+          for (int64_t i : trace.unmasked_after(b, e)) unmasked[i] = 1;
+        std::vector<int64_t> masked;
+        for (int64_t i = 0; i < B; ++i)
+          if (!unmasked[i]) masked.push_back(i);
         SPARSA_RETURN_IF_ERROR(ref->step(*cache, trace.q(b, s), trace.k(b, s), trace.v(b, s), ref_out.view(), lse.view()));
         for (size_t c = 0; c < n; ++c) {
           TraceStep r;
@@ -77,6 +99,7 @@ Result<std::vector<std::vector<TraceStep>>> run_trace(const DecodeTrace& trace, 
           if (pass > 0) continue;
           r.err = rel_err(out, ref_out);
           r.err_prefix = rel_err(layers[c].o_p(), ref->o_p());
+          r.err_masked = masked.empty() ? 0.0 : rel_err_rows(out, ref_out, masked);
           if (!r.stats.recomputed.empty()) {
             double sum = 0;
             for (int64_t h = 0; h < Hq; ++h) {
@@ -123,13 +146,14 @@ TraceSummary summarise(const std::vector<TraceStep>& steps, int64_t heads_kv) {
     s.err += r.err;
     s.err_max = std::max(s.err_max, r.err);
     s.err_prefix += r.err_prefix;
+    s.err_masked += r.err_masked;
     s.recall += r.recall;
     s.cpu_ms += r.cpu_ms;
     s.wall_ms += r.stats.total_ms;
     s.recomputed += static_cast<double>(r.stats.recomputed.size());
   }
   if (later > 0) {
-    for (double* x : {&s.pages, &s.pages_frac, &s.err, &s.err_prefix, &s.recall, &s.cpu_ms, &s.wall_ms, &s.recomputed})
+    for (double* x : {&s.pages, &s.pages_frac, &s.err, &s.err_prefix, &s.err_masked, &s.recall, &s.cpu_ms, &s.wall_ms, &s.recomputed})
       *x /= static_cast<double>(later);
   }
   if (!steps.empty()) {

@@ -27,7 +27,7 @@ Result<Backend> parse_backend(const std::string& name) {
 }
 
 bool backend_available(Backend backend) {
-  if (backend == Backend::cuda) return false;  // no CUDA attention kernels yet
+  if (backend == Backend::cuda) return cuda::compiled_in() && cuda::device_count() > 0;
   return true;
 }
 
@@ -49,7 +49,12 @@ Status check_backend(Backend backend) {
 Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                     const Tensor& lse, const AttentionOptions& options, AttentionParams* p) {
   SPARSA_RETURN_IF_ERROR(check_backend(options.backend));
-  const Device host{};
+  // cpu backends: every tensor on the host; cuda: every tensor on q's CUDA device.
+  const bool on_gpu = options.backend == Backend::cuda;
+  const Device host = on_gpu ? q.device : Device{};
+  if (on_gpu && q.device.type != DeviceType::cuda && q.data != nullptr) {
+    return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
+  }
   SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, host));
   SPARSA_RETURN_IF_ERROR(check_attention_tensor("k", k, host));
   SPARSA_RETURN_IF_ERROR(check_attention_tensor("v", v, host));
@@ -85,8 +90,11 @@ Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (out.strides[3] != 1) return invalid_argument("out: the last dimension must be contiguous (stride 1)");
   SPARSA_RETURN_IF_ERROR(check_shape("lse", lse, {batch, heads_q, len_q}));
   SPARSA_RETURN_IF_ERROR(check_dtype("lse", lse, DType::f32));
-  if (!(out.device == host) || !(lse.device == host)) {
-    return invalid_argument("out: outputs must be on " + device_name(host));
+  if (!(out.device == host)) {
+    return invalid_argument("out: expected a tensor on " + device_name(host) + ", got " + device_name(out.device));
+  }
+  if (!(lse.device == host)) {
+    return invalid_argument("lse: expected a tensor on " + device_name(host) + ", got " + device_name(lse.device));
   }
   const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
   if (!std::isfinite(scale) || scale <= 0.0f) {
@@ -94,6 +102,9 @@ Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   }
   if (options.num_threads < 0) {
     return invalid_argument("num_threads: expected >= 0, got " + std::to_string(options.num_threads));
+  }
+  if (options.check_finite && on_gpu) {
+    return {StatusCode::unsupported, "check_finite: not available on the cuda backend (scan on the host first)"};
   }
   if (options.check_finite) {
     SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
@@ -123,6 +134,7 @@ Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   p->head_dim = head_dim;
   p->scale = scale;
   p->num_threads = options.num_threads;
+  p->device_id = host.id;
   return {};
 }
 
@@ -130,9 +142,61 @@ Status run(const AttentionParams& p, Backend backend) {
   switch (backend) {
     case Backend::cpu_ref: return cpu_ref::attention(p);
     case Backend::cpu: return cpu::attention(p);
-    case Backend::cuda: break;
+    case Backend::cuda: return cuda::attention(p);
   }
   return check_backend(backend);
+}
+
+// The cuda backend's plan check: shapes, dtypes and devices on the host. The index contents
+// stay on the device; the kernel guards them (counts clamped, out-of-range blocks and
+// permutation entries skipped), so a malformed plan cannot read or write out of bounds.
+Status check_device_index(const BlockIndex& ix, const AttentionParams& p, Device device) {
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  if (ix.block_q <= 0) return invalid_argument("index.block_q: expected > 0, got " + std::to_string(ix.block_q));
+  if (ix.block_kv <= 0) return invalid_argument("index.block_kv: expected > 0, got " + std::to_string(ix.block_kv));
+  const int64_t nq = ceil_div(p.len_q, ix.block_q), nkv = ceil_div(p.len_kv, ix.block_kv);
+  if (ix.num_q_blocks != nq) {
+    return invalid_argument("index.num_q_blocks: expected ceil(len_q / block_q) = " + std::to_string(nq) +
+                            ", got " + std::to_string(ix.num_q_blocks));
+  }
+  if (ix.num_kv_blocks != nkv) {
+    return invalid_argument("index.num_kv_blocks: expected ceil(len_kv / block_kv) = " + std::to_string(nkv) +
+                            ", got " + std::to_string(ix.num_kv_blocks));
+  }
+  SPARSA_RETURN_IF_ERROR(check_shape("index.counts", ix.counts, {p.batch, p.heads_q, nq}));
+  SPARSA_RETURN_IF_ERROR(check_dtype("index.counts", ix.counts, DType::i32));
+  if (ix.indices.ndim != 4 || ix.indices.shape[0] != p.batch || ix.indices.shape[1] != p.heads_q ||
+      ix.indices.shape[2] != nq || ix.indices.shape[3] < 0) {
+    return invalid_argument("index.indices: expected shape [" + std::to_string(p.batch) + ", " +
+                            std::to_string(p.heads_q) + ", " + std::to_string(nq) + ", capacity], got " +
+                            ix.indices.shape_string());
+  }
+  SPARSA_RETURN_IF_ERROR(check_dtype("index.indices", ix.indices, DType::i32));
+  std::pair<const char*, const Tensor*> parts[] = {{"index.counts", &ix.counts}, {"index.indices", &ix.indices},
+                                                   {"index.perm_q", &ix.perm_q}, {"index.perm_kv", &ix.perm_kv}};
+  for (auto [name, t] : parts) {
+    if (!t->defined()) continue;
+    if (t->data == nullptr && t->numel() > 0) return invalid_argument(std::string(name) + ": is missing (null data)");
+    if (!(t->device == device)) {
+      return invalid_argument(std::string(name) + ": expected a tensor on " + device_name(device) + ", got " +
+                              device_name(t->device));
+    }
+    for (int d = 0; d < t->ndim; ++d) {
+      if (t->strides[d] < 0) {
+        return invalid_argument(std::string(name) + ": negative stride " + std::to_string(t->strides[d]) +
+                                " in dim " + std::to_string(d) + " is not supported");
+      }
+    }
+  }
+  if (ix.perm_q.defined()) {
+    SPARSA_RETURN_IF_ERROR(check_shape("index.perm_q", ix.perm_q, {p.batch, p.heads_q, p.len_q}));
+    SPARSA_RETURN_IF_ERROR(check_dtype("index.perm_q", ix.perm_q, DType::i32));
+  }
+  if (ix.perm_kv.defined()) {
+    SPARSA_RETURN_IF_ERROR(check_shape("index.perm_kv", ix.perm_kv, {p.batch, p.heads_kv, p.len_kv}));
+    SPARSA_RETURN_IF_ERROR(check_dtype("index.perm_kv", ix.perm_kv, DType::i32));
+  }
+  return {};
 }
 
 AttentionOutput allocate_outputs(const Tensor& q) {
@@ -157,7 +221,11 @@ Status block_sparse(const Tensor& q, const Tensor& k, const Tensor& v, const Blo
                     const Tensor& out, const Tensor& lse, const AttentionOptions& options) {
   AttentionParams p;
   SPARSA_RETURN_IF_ERROR(build_params(q, k, v, out, lse, options, &p));
-  SPARSA_RETURN_IF_ERROR(validate_block_index(index, p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_kv));
+  if (options.backend == Backend::cuda) {
+    SPARSA_RETURN_IF_ERROR(check_device_index(index, p, q.device));
+  } else {
+    SPARSA_RETURN_IF_ERROR(validate_block_index(index, p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_kv));
+  }
   p.index = &index;
   return run(p, options.backend);
 }
@@ -181,6 +249,9 @@ Result<AttentionOutput> block_sparse(const Tensor& q, const Tensor& k, const Ten
 Status merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor& lse2,
              const Tensor& out, const Tensor& lse, Backend backend) {
   SPARSA_RETURN_IF_ERROR(check_backend(backend));
+  if (backend == Backend::cuda) {
+    return {StatusCode::unsupported, "backend: 'cuda' has no merge kernel yet (use cpu or cpu_ref)"};
+  }
   const Device host{};
   SPARSA_RETURN_IF_ERROR(check_attention_tensor("o1", o1, host));
   const int64_t b = o1.shape[0], h = o1.shape[1], l = o1.shape[2], d = o1.shape[3];

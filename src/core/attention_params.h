@@ -28,6 +28,7 @@ struct AttentionParams {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_kv = 0, head_dim = 0;
   float scale = 1.0f;
   int num_threads = 0;
+  int device_id = 0;  // cuda backend: the device every tensor lives on
 
   // Block-sparse plan (nullptr for dense).
   const BlockIndex* index = nullptr;

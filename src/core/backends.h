@@ -26,6 +26,9 @@ Status merge(const detail::MergeParams& params);
 
 namespace sparsa::cuda {
 bool compiled_in();
+// params.index == nullptr: dense; else the block-sparse plan. Every pointer (q, k, v, out, lse
+// and the index tensors) is device memory of params.device_id; runs on the default stream.
+Status attention(const detail::AttentionParams& params);
 // Number of visible CUDA devices (0 when none or not compiled in), and a description.
 int device_count();
 std::string device_description(int device);

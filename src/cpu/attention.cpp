@@ -7,198 +7,260 @@
 //     of one query block, read through perm_q), and
 //   - which key chunks a tile visits (dense: all keys; block-sparse: the tokens of the
 //     listed key blocks, read through perm_kv).
-// Work items (batch x head x query tile) are spread over threads dynamically.
-// Inner loops have compile-time trip counts over the key chunk so the compiler
-// vectorises them (AVX2/AVX-512 with -march=native).
+// Work items (batch x head(s) x query tile) are spread over threads dynamically.
+//
+// Per chunk: K and V rows are read in place (f32, consecutive keys) or converted to f32
+// once (any dtype, stride or permutation); scores S^T = K Q^T come from a register-blocked
+// micro-kernel with query rows in vector lanes; the softmax statistics of kLanes rows are
+// vector operations; O^T = alpha * O^T + V^T P^T comes from a second micro-kernel
+// (src/cpu/simd.h). Dense tiles serve up to kMaxHeads query heads of a GQA group per chunk.
+//
+// Ladder (dense f32, N = 4096, d = 128, GFLOP per CPU-second on a 116.9 peak core; details
+// and the rungs that lost in bench/RESULTS.md):
+//   0  auto-vectorised 4-row kernels, K transposed per chunk          42
+//   1  register-blocked micro-kernels (scores: rows in lanes), vector softmax  86-88
+//   2  transposed accumulator: K/V only broadcast, read in place       87-94
+//   3  key chunks of 128                                               92-94
+//   4  K/V chunk shared by the query heads of a GQA group              93-97
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "core/backends.h"
 #include "cpu/parallel.h"
+#include "cpu/simd.h"
 
 namespace sparsa::cpu {
 
 using detail::AttentionParams;
+using simd::kLanes;
+using simd::Vec;
 
 namespace {
 
-constexpr int kTileQ = 64;  // query rows per tile
-constexpr int kTileK = 64;  // keys per chunk
+constexpr int kTileQ = 64;  // query rows per tile (a multiple of every kernel's row block)
+constexpr int kTileK = 128;  // keys per chunk (96 and 128 measured best; 128 = two 64-key blocks)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+static_assert(kTileQ % (simd::kRowVecs * kLanes) == 0);
 
-// 2^x for x <= 0 (arguments below -126 give 0). Rounds x to the nearest integer n
-// (1.5*2^23 trick, vectorisable) and evaluates 2^f, f in [-0.5, 0.5], by its Taylor
-// series to degree 7: truncation error (0.5 ln 2)^8 / 8! < 1e-8, below f32 rounding.
-inline float exp2_nonpositive(float x) {
-  x = std::clamp(x, -126.0f, 0.0f);
-  constexpr float kRound = 12582912.0f;
-  const float n = (x + kRound) - kRound;
-  const float f = x - n;
-  constexpr float c1 = 0.6931471805599453f, c2 = 0.2402265069591007f, c3 = 0.05550410866482158f,
-                  c4 = 0.009618129107628477f, c5 = 0.0013333558146428443f, c6 = 1.5403530393381608e-4f,
-                  c7 = 1.525273380405984e-5f;
-  const float poly = 1.0f + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * (c6 + f * c7))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return std::bit_cast<float>(bits) * poly;
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// n contiguous elements of a row into f32 (inline conversions; the generic path is the
+// out-of-line per-element one).
+void load_row_f32(const void* base, DType dtype, int64_t offset, int64_t n, float* dst) {
+  if (dtype == DType::f32) {
+    std::memcpy(dst, static_cast<const float*>(base) + offset, n * sizeof(float));
+  } else if (dtype == DType::bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
+  } else if (dtype == DType::f16) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+  } else {
+    detail::load_row(base, dtype, offset, n, dst);
+  }
 }
 
-// Per-thread scratch for one tile.
-struct TileScratch {
-  std::vector<float> q;    // [kTileQ, d], pre-scaled by scale*log2(e)
-  std::vector<float> kt;   // [d, kTileK], the key chunk transposed
-  std::vector<float> v;    // [kTileK, d]
-  std::vector<float> s;    // [kTileQ, kTileK] logits, then probabilities
-  std::vector<float> acc;  // [kTileQ, d]
-  float m[kTileQ], l[kTileQ], alpha[kTileQ];
-  int64_t key_pos[kTileK];
-
-  explicit TileScratch(int64_t d)
-      : q(kTileQ * d), kt(d * kTileK), v(kTileK * d), s(kTileQ * kTileK), acc(kTileQ * d) {}
+// A zero-initialised f32 buffer aligned to a cache line.
+struct AlignedFloats {
+  std::unique_ptr<float[]> owner;
+  float* data = nullptr;
+  explicit AlignedFloats(int64_t n) : owner(new float[n + 16]()) {
+    data = owner.get() + (16 - reinterpret_cast<uintptr_t>(owner.get()) / sizeof(float) % 16) % 16;
+  }
 };
 
-// S[r, j] = sum_t Q[r, t] * Kt[t, j] for the tile's rows; four rows at a time so each
-// loaded key vector feeds four FMAs.
-void scores(const float* q, const float* kt, float* s, int rows, int64_t d) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    float a0[kTileK] = {}, a1[kTileK] = {}, a2[kTileK] = {}, a3[kTileK] = {};
-    const float *q0 = q + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
-    for (int64_t t = 0; t < d; ++t) {
-      const float* kr = kt + t * kTileK;
-      const float x0 = q0[t], x1 = q1[t], x2 = q2[t], x3 = q3[t];
-      for (int j = 0; j < kTileK; ++j) {
-        a0[j] += x0 * kr[j];
-        a1[j] += x1 * kr[j];
-        a2[j] += x2 * kr[j];
-        a3[j] += x3 * kr[j];
-      }
-    }
-    std::memcpy(s + (r + 0) * kTileK, a0, sizeof a0);
-    std::memcpy(s + (r + 1) * kTileK, a1, sizeof a1);
-    std::memcpy(s + (r + 2) * kTileK, a2, sizeof a2);
-    std::memcpy(s + (r + 3) * kTileK, a3, sizeof a3);
-  }
-  for (; r < rows; ++r) {
-    float a[kTileK] = {};
-    const float* qr = q + r * d;
-    for (int64_t t = 0; t < d; ++t) {
-      const float* kr = kt + t * kTileK;
-      for (int j = 0; j < kTileK; ++j) a[j] += qr[t] * kr[j];
-    }
-    std::memcpy(s + r * kTileK, a, sizeof a);
-  }
-}
+constexpr int kMaxHeads = 4;  // query heads of one GQA group that share a key chunk
 
-// acc[r, :] = alpha[r] * acc[r, :] + sum_j P[r, j] * V[j, :], in column chunks of 32
-// and four rows at a time (16 vector accumulators with AVX-512).
-void accumulate_pv(const float* p, const float* v, const float* alpha, float* acc, int rows, int keys, int64_t d) {
-  constexpr int kChunk = 32;
-  int64_t c0 = 0;
-  for (; c0 + kChunk <= d; c0 += kChunk) {
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      float o[4][kChunk];
-      for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < kChunk; ++c) o[i][c] = acc[(r + i) * d + c0 + c] * alpha[r + i];
-      for (int j = 0; j < keys; ++j) {
-        const float* vr = v + j * d + c0;
-        const float p0 = p[(r + 0) * kTileK + j], p1 = p[(r + 1) * kTileK + j], p2 = p[(r + 2) * kTileK + j],
-                    p3 = p[(r + 3) * kTileK + j];
-        for (int c = 0; c < kChunk; ++c) {
-          o[0][c] += p0 * vr[c];
-          o[1][c] += p1 * vr[c];
-          o[2][c] += p2 * vr[c];
-          o[3][c] += p3 * vr[c];
-        }
-      }
-      for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < kChunk; ++c) acc[(r + i) * d + c0 + c] = o[i][c];
-    }
-    for (; r < rows; ++r) {
-      float o[kChunk];
-      for (int c = 0; c < kChunk; ++c) o[c] = acc[r * d + c0 + c] * alpha[r];
-      for (int j = 0; j < keys; ++j) {
-        const float pj = p[r * kTileK + j];
-        for (int c = 0; c < kChunk; ++c) o[c] += pj * v[j * d + c0 + c];
-      }
-      for (int c = 0; c < kChunk; ++c) acc[r * d + c0 + c] = o[c];
-    }
+// The online-softmax state of one query head over a tile.
+struct HeadState {
+  AlignedFloats qt;     // [d, kTileQ] queries transposed, pre-scaled by scale*log2(e); pad rows 0
+  AlignedFloats acc_t;  // [d, kTileQ] output accumulator
+  alignas(64) float m[kTileQ], l[kTileQ], alpha[kTileQ];
+  explicit HeadState(int64_t d) : qt(d * kTileQ), acc_t(d * kTileQ) {}
+};
+
+// Per-thread scratch; allocated once per call, reused by every tile.
+struct TileScratch {
+  int64_t d;             // head_dim
+  std::vector<HeadState> heads;
+  AlignedFloats k_copy;  // [kTileK, d] key chunk, when it cannot be read in place
+  AlignedFloats v_copy;  // [kTileK, d]
+  AlignedFloats st;      // [kTileK, kTileQ] scores, then probabilities (one head at a time)
+  AlignedFloats row;     // [d] one query row being loaded
+  int64_t key_pos[kTileK];
+  // The current chunk: rows j of K and V at k + j * ldk, v + j * ldv.
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t ldk = 0, ldv = 0;
+
+  TileScratch(int64_t head_dim, int max_heads)
+      : d(head_dim), k_copy(kTileK * d), v_copy(kTileK * d), st(kTileK * kTileQ), row(d) {
+    heads.reserve(max_heads);
+    for (int g = 0; g < max_heads; ++g) heads.emplace_back(d);
   }
-  for (int r = 0; r < rows; ++r) {  // remaining columns (head_dim not a multiple of 32)
-    for (int64_t c = c0; c < d; ++c) {
-      float o = acc[r * d + c] * alpha[r];
-      for (int j = 0; j < keys; ++j) o += p[r * kTileK + j] * v[j * d + c];
-      acc[r * d + c] = o;
+};
+
+// Tables of micro-kernel instantiations, indexed by (block size - 1), for the tails.
+using ScoresFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+using PvFn = void (*)(const float*, int64_t, const float*, int64_t, int, const float*, float*, int64_t);
+
+template <int J, int... I>
+constexpr std::array<ScoresFn, sizeof...(I)> scores_row(std::integer_sequence<int, I...>) {
+  return {&simd::scores_kernel<J, I + 1>...};
+}
+template <int... J>
+constexpr auto scores_table(std::integer_sequence<int, J...>) {
+  return std::array{scores_row<J + 1>(std::make_integer_sequence<int, simd::kRowVecs>())...};
+}
+constexpr auto kScoresKernels = scores_table(std::make_integer_sequence<int, simd::kCols>());
+
+template <int C, int... I>
+constexpr std::array<PvFn, sizeof...(I)> pv_row(std::integer_sequence<int, I...>) {
+  return {&simd::pv_kernel<C, I + 1>...};
+}
+template <int... C>
+constexpr auto pv_table(std::integer_sequence<int, C...>) {
+  return std::array{pv_row<C + 1>(std::make_integer_sequence<int, simd::kRowVecs>())...};
+}
+constexpr auto kPvKernels = pv_table(std::make_integer_sequence<int, simd::kCols>());
+
+// S^T[j, r] = <k_j, q_r> (already in base-2 logits) for j < keys, r < rows.
+void scores(TileScratch& ts, const HeadState& hs, int rows, int keys) {
+  const int row_vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
+  for (int i0 = 0; i0 < row_vecs; i0 += simd::kRowVecs) {
+    const int in = std::min(simd::kRowVecs, row_vecs - i0);
+    for (int j0 = 0; j0 < keys; j0 += simd::kCols) {
+      const int jn = std::min(simd::kCols, keys - j0);
+      kScoresKernels[jn - 1][in - 1](hs.qt.data + i0 * kLanes, kTileQ, ts.k + j0 * ts.ldk, ts.ldk, ts.d,
+                                     ts.st.data + j0 * kTileQ + i0 * kLanes);
     }
   }
 }
 
-// The mainloop for one tile: rows at original positions row_pos[0..rows) of (b, h);
-// next_chunk(key_pos) fills up to kTileK original key positions and returns how many
-// (0 ends the walk).
-template <class NextChunk>
-void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h, const int64_t* row_pos, int rows,
-                 NextChunk&& next_chunk) {
-  const int64_t d = p.head_dim;
-  const int64_t h_kv = h / p.group();
-  const float qscale = p.scale * kLog2e;  // logits in base 2
-  for (int r = 0; r < rows; ++r) {
-    float* qr = ts.q.data() + r * d;
-    detail::load_row(p.q, p.dtype, p.q_off(b, h, row_pos[r]), d, qr);
-    for (int64_t t = 0; t < d; ++t) qr[t] *= qscale;
-    ts.m[r] = -std::numeric_limits<float>::infinity();
-    ts.l[r] = 0.0f;
-  }
-  std::fill(ts.acc.begin(), ts.acc.begin() + rows * d, 0.0f);
-
-  std::vector<float> row(d);
-  for (int keys = next_chunk(ts.key_pos); keys > 0; keys = next_chunk(ts.key_pos)) {
-    // Load the chunk: K transposed (padding columns zero), V row-major.
+// Online softmax over one chunk, kLanes rows at a time: new running max m', P = 2^(S - m'),
+// alpha = 2^(m - m'), l = alpha * l + sum_j P.
+void softmax_update(TileScratch& ts, HeadState& hs, int rows, int keys) {
+  for (int i = 0; i < rows; i += kLanes) {
+    const Vec m_old = simd::load(hs.m + i);
+    Vec m_new = m_old;
+    for (int j = 0; j < keys; ++j) m_new = simd::max(m_new, simd::load(ts.st.data + j * kTileQ + i));
+    Vec sum = simd::splat(0.0f);
     for (int j = 0; j < keys; ++j) {
-      detail::load_row(p.k, p.dtype, p.k_off(b, h_kv, ts.key_pos[j]), d, row.data());
-      for (int64_t t = 0; t < d; ++t) ts.kt[t * kTileK + j] = row[t];
-      detail::load_row(p.v, p.dtype, p.v_off(b, h_kv, ts.key_pos[j]), d, ts.v.data() + j * d);
+      float* s = ts.st.data + j * kTileQ + i;
+      const Vec p = simd::exp2_nonpositive(simd::load(s) - m_new);
+      simd::store(s, p);
+      sum += p;
     }
-    for (int j = keys; j < kTileK; ++j)
-      for (int64_t t = 0; t < d; ++t) ts.kt[t * kTileK + j] = 0.0f;
+    const Vec alpha = simd::exp2_nonpositive(m_old - m_new);  // ~0 on the first chunk (m = -inf)
+    simd::store(hs.alpha + i, alpha);
+    simd::store(hs.l + i, simd::load(hs.l + i) * alpha + sum);
+    simd::store(hs.m + i, m_new);
+  }
+}
 
-    scores(ts.q.data(), ts.kt.data(), ts.s.data(), rows, d);
+// acc_t[:, r] = alpha[r] * acc_t[:, r] + sum_j P[r, j] * V[j, :].
+void accumulate_pv(const TileScratch& ts, HeadState& hs, int rows, int keys) {
+  const int row_vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
+  for (int i0 = 0; i0 < row_vecs; i0 += simd::kRowVecs) {
+    const int in = std::min(simd::kRowVecs, row_vecs - i0);
+    for (int64_t c0 = 0; c0 < ts.d; c0 += simd::kCols) {
+      const int cn = static_cast<int>(std::min<int64_t>(simd::kCols, ts.d - c0));
+      kPvKernels[cn - 1][in - 1](ts.st.data + i0 * kLanes, kTileQ, ts.v + c0, ts.ldv, keys, hs.alpha + i0 * kLanes,
+                                 hs.acc_t.data + c0 * kTileQ + i0 * kLanes, kTileQ);
+    }
+  }
+}
 
-    // Online softmax update (base 2).
-    for (int r = 0; r < rows; ++r) {
-      float* sr = ts.s.data() + r * kTileK;
-      float chunk_max = -std::numeric_limits<float>::infinity();
-      for (int j = 0; j < keys; ++j) chunk_max = std::max(chunk_max, sr[j]);
-      const float m_new = std::max(ts.m[r], chunk_max);
-      float sum = 0.0f;
-      for (int j = 0; j < kTileK; ++j) {
-        const float e = exp2_nonpositive(sr[j] - m_new);
-        sr[j] = j < keys ? e : 0.0f;
-        sum += sr[j];
+// Points ts.k / ts.v at the chunk: in place when the keys are consecutive f32 rows,
+// else converted (any dtype, stride or permutation) into the chunk buffers.
+void load_chunk(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h_kv, int keys) {
+  bool consecutive = p.dtype == DType::f32;
+  for (int j = 1; j < keys && consecutive; ++j) consecutive = ts.key_pos[j] == ts.key_pos[0] + j;
+  if (consecutive) {
+    ts.k = static_cast<const float*>(p.k) + p.k_off(b, h_kv, ts.key_pos[0]);
+    ts.v = static_cast<const float*>(p.v) + p.v_off(b, h_kv, ts.key_pos[0]);
+    ts.ldk = p.k_stride[2];
+    ts.ldv = p.v_stride[2];
+    return;
+  }
+  for (int j = 0; j < keys; ++j) {
+    load_row_f32(p.k, p.dtype, p.k_off(b, h_kv, ts.key_pos[j]), ts.d, ts.k_copy.data + j * ts.d);
+    load_row_f32(p.v, p.dtype, p.v_off(b, h_kv, ts.key_pos[j]), ts.d, ts.v_copy.data + j * ts.d);
+  }
+  ts.k = ts.k_copy.data;
+  ts.v = ts.v_copy.data;
+  ts.ldk = ts.ldv = ts.d;
+}
+
+// The mainloop for one tile: rows at original positions row_pos[0..rows) of query heads
+// h0 .. h0 + heads (one GQA group, sharing every key chunk); next_chunk(key_pos) fills
+// up to kTileK original key positions and returns how many (0 ends the walk).
+template <class NextChunk>
+void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h0, int heads, const int64_t* row_pos,
+                 int rows, NextChunk&& next_chunk) {
+  const int64_t d = ts.d;
+  const int64_t h_kv = h0 / p.group();
+  const float qscale = p.scale * kLog2e;  // logits in base 2
+  const int rows_v = static_cast<int>(round_up(rows, kLanes));
+  for (int g = 0; g < heads; ++g) {
+    HeadState& hs = ts.heads[g];
+    for (int r = 0; r < rows_v; ++r) {
+      if (r < rows) {
+        load_row_f32(p.q, p.dtype, p.q_off(b, h0 + g, row_pos[r]), d, ts.row.data);
+        for (int64_t t = 0; t < d; ++t) hs.qt.data[t * kTileQ + r] = ts.row.data[t] * qscale;
+      } else {
+        for (int64_t t = 0; t < d; ++t) hs.qt.data[t * kTileQ + r] = 0.0f;  // pad rows: finite scores
       }
-      ts.alpha[r] = exp2_nonpositive(ts.m[r] - m_new);  // 0 on the first chunk (m = -inf)
-      ts.l[r] = ts.l[r] * ts.alpha[r] + sum;
-      ts.m[r] = m_new;
+      hs.m[r] = -std::numeric_limits<float>::infinity();
+      hs.l[r] = 0.0f;
     }
-    accumulate_pv(ts.s.data(), ts.v.data(), ts.alpha, ts.acc.data(), rows, keys, d);
+    std::fill(hs.acc_t.data, hs.acc_t.data + d * kTileQ, 0.0f);
   }
 
-  for (int r = 0; r < rows; ++r) {
-    const int64_t i = row_pos[r];
-    const bool empty = ts.l[r] == 0.0f;
-    const float inv_l = empty ? 0.0f : 1.0f / ts.l[r];
-    if (p.dtype == DType::f32) {
-      float* o = static_cast<float*>(p.out) + p.out_off(b, h, i);
-      for (int64_t t = 0; t < d; ++t) o[t] = ts.acc[r * d + t] * inv_l;
-    } else {
-      for (int64_t t = 0; t < d; ++t) detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, ts.acc[r * d + t] * inv_l);
+  for (int keys = next_chunk(ts.key_pos); keys > 0; keys = next_chunk(ts.key_pos)) {
+    load_chunk(p, ts, b, h_kv, keys);
+    for (int g = 0; g < heads; ++g) {
+      scores(ts, ts.heads[g], rows, keys);
+      softmax_update(ts, ts.heads[g], rows, keys);
+      accumulate_pv(ts, ts.heads[g], rows, keys);
     }
-    p.lse_at(b, h, i) = empty ? -std::numeric_limits<float>::infinity() : (ts.m[r] + std::log2(ts.l[r])) * kLn2;
+  }
+
+  for (int g = 0; g < heads; ++g) {
+    const HeadState& hs = ts.heads[g];
+    const int64_t h = h0 + g;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = row_pos[r];
+      const bool empty = hs.l[r] == 0.0f;
+      const float inv_l = empty ? 0.0f : 1.0f / hs.l[r];
+      const float* a = hs.acc_t.data + r;  // column r of [d, kTileQ]
+      if (p.dtype == DType::f32) {
+        float* o = static_cast<float*>(p.out) + p.out_off(b, h, i);
+        for (int64_t t = 0; t < d; ++t) o[t] = a[t * kTileQ] * inv_l;
+      } else {
+        for (int64_t t = 0; t < d; ++t)
+          detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, a[t * kTileQ] * inv_l);
+      }
+      p.lse_at(b, h, i) = empty ? -std::numeric_limits<float>::infinity() : (hs.m[r] + std::log2(hs.l[r])) * kLn2;
+    }
   }
 }
 
@@ -206,20 +268,28 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
 
 Status attention(const AttentionParams& p) {
   const int threads = resolve_threads(p.num_threads);
+  // Dense tiles take up to kMaxHeads query heads of a GQA group at once (the same
+  // rows and keys); block-sparse plans differ per query head, so they take one.
+  const int group_heads = p.index == nullptr ? static_cast<int>(std::min<int64_t>(kMaxHeads, p.group())) : 1;
   std::vector<TileScratch> scratch;
   scratch.reserve(threads);
-  for (int t = 0; t < threads; ++t) scratch.emplace_back(p.head_dim);
+  for (int t = 0; t < threads; ++t) scratch.emplace_back(p.head_dim, group_heads);
 
   if (p.index == nullptr) {
-    // Dense: tiles of kTileQ consecutive rows, all keys in consecutive chunks.
+    // Dense: tiles of kTileQ consecutive rows x up to kMaxHeads heads of one group, all
+    // keys in consecutive chunks.
     const int64_t tiles = (p.len_q + kTileQ - 1) / kTileQ;
-    parallel_for(p.batch * p.heads_q * tiles, threads, [&](int64_t item, int thread) {
-      const int64_t tile = item % tiles, h = (item / tiles) % p.heads_q, b = item / (tiles * p.heads_q);
+    const int64_t head_sets = p.heads_kv * ((p.group() + group_heads - 1) / group_heads);
+    parallel_for(p.batch * head_sets * tiles, threads, [&](int64_t item, int thread) {
+      const int64_t tile = item % tiles, set = (item / tiles) % head_sets, b = item / (tiles * head_sets);
+      const int64_t sets_per_kv = head_sets / p.heads_kv, h_kv = set / sets_per_kv;
+      const int64_t h0 = h_kv * p.group() + (set % sets_per_kv) * group_heads;
+      const int heads = static_cast<int>(std::min<int64_t>(group_heads, (h_kv + 1) * p.group() - h0));
       int64_t row_pos[kTileQ];
       const int rows = static_cast<int>(std::min<int64_t>(kTileQ, p.len_q - tile * kTileQ));
       for (int r = 0; r < rows; ++r) row_pos[r] = tile * kTileQ + r;
       int64_t next = 0;
-      attend_tile(p, scratch[thread], b, h, row_pos, rows, [&](int64_t* key_pos) {
+      attend_tile(p, scratch[thread], b, h0, heads, row_pos, rows, [&](int64_t* key_pos) {
         const int n = static_cast<int>(std::min<int64_t>(kTileK, p.len_kv - next));
         for (int j = 0; j < n; ++j) key_pos[j] = next + j;
         next += n;
@@ -244,7 +314,7 @@ Status attention(const AttentionParams& p) {
       for (int r = 0; r < rows; ++r) row_pos[r] = detail::perm_q_at(ix, b, h, t0 + r);
       int32_t slot = 0;
       int64_t pos = count > 0 ? detail::index_block(ix, b, h, qb, 0) * int64_t{ix.block_kv} : 0;
-      attend_tile(p, scratch[thread], b, h, row_pos, rows, [&](int64_t* key_pos) {
+      attend_tile(p, scratch[thread], b, h, 1, row_pos, rows, [&](int64_t* key_pos) {
         int n = 0;
         while (n < kTileK && slot < count) {
           const int64_t kb = detail::index_block(ix, b, h, qb, slot);
@@ -281,7 +351,8 @@ Status merge(const detail::MergeParams& p) {
         }
         detail::load_row(o1.data, o1.dtype, o1.offset({b, h, i, 0}), D, a.data());
         detail::load_row(p.o2.data, p.o2.dtype, p.o2.offset({b, h, i, 0}), D, c.data());
-        for (int64_t t = 0; t < D; ++t) a[t] = w1 * a[t] + w2 * c[t];
+        // A side of weight 0 (L = -inf) contributes nothing, even if its O is not finite.
+        for (int64_t t = 0; t < D; ++t) a[t] = (w1 > 0.0f ? w1 * a[t] : 0.0f) + (w2 > 0.0f ? w2 * c[t] : 0.0f);
         for (int64_t t = 0; t < D; ++t) detail::store_element(p.out.data, p.out.dtype, p.out.offset({b, h, i, t}), a[t]);
         p.lse.ptr<float>()[p.lse.offset({b, h, i})] = l;
       }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -30,7 +31,13 @@ void parallel_for(int64_t n, int num_threads, Body&& body) {
   };
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+  for (int t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(worker, t);
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had: the ones running (and this one) take every item
+    }
+  }
   worker(0);
   for (auto& th : pool) th.join();
 }

@@ -42,7 +42,7 @@ struct Method {
 };
 
 void register_method(Method method);
-const std::vector<Method>& methods();          // in registration order, dense first
+const std::vector<Method>& methods();          // dense first, then by name (stable across link orders)
 const Method* find_method(const std::string& name);
 std::string method_names();                    // "dense|block_sparse|..."
 

@@ -99,8 +99,10 @@ Status merge(const detail::MergeParams& p) {
         for (int64_t t = 0; t < D; ++t) {
           double o = 0.0;
           if (m != neg_inf) {
-            o = (w1 * detail::load_element(o1.data, o1.dtype, o1.offset({b, h, i, t})) +
-                 w2 * detail::load_element(p.o2.data, p.o2.dtype, p.o2.offset({b, h, i, t}))) / (w1 + w2);
+            // A side of weight 0 (L = -inf) contributes nothing, even if its O is not finite.
+            const double a = w1 > 0 ? w1 * detail::load_element(o1.data, o1.dtype, o1.offset({b, h, i, t})) : 0.0;
+            const double c = w2 > 0 ? w2 * detail::load_element(p.o2.data, p.o2.dtype, p.o2.offset({b, h, i, t})) : 0.0;
+            o = (a + c) / (w1 + w2);
           }
           detail::store_element(p.out.data, p.out.dtype, p.out.offset({b, h, i, t}), static_cast<float>(o));
         }

@@ -1,0 +1,89 @@
+// A C ABI over the executors for benchmark scripts (ctypes): contiguous [B, H, L, D] device
+// tensors, an optional device BlockIndex (counts == nullptr: dense), timed with CUDA events.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "sparsa/attention.h"
+
+using namespace sparsa;
+
+namespace {
+
+struct Call {
+  Tensor q, k, v, out, lse;
+  BlockIndex index;
+  bool sparse = false;
+};
+
+Status run(const Call& c) {
+  AttentionOptions opt;
+  opt.backend = Backend::cuda;
+  return c.sparse ? block_sparse(c.q, c.k, c.v, c.index, c.out, c.lse, opt) : dense(c.q, c.k, c.v, c.out, c.lse, opt);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs the executor `warmup + iters` times; *median_ms receives the median of the timed runs
+// (iters = 0: one untimed run). Returns 0, or 1 with the Status message in err.
+int sparsa_bench_attention(void* q, void* k, void* v, void* out, void* lse, int is_f16, int64_t batch,
+                           int64_t heads_q, int64_t heads_kv, int64_t len_q, int64_t len_kv, int64_t head_dim,
+                           const int32_t* counts, const int32_t* indices, int64_t capacity, int block_q,
+                           int block_kv, int warmup, int iters, float* median_ms, char* err, int err_len) {
+  const Device gpu{DeviceType::cuda, 0};
+  const DType dt = is_f16 ? DType::f16 : DType::bf16;
+  Call c;
+  c.q = Tensor::contiguous(q, dt, {batch, heads_q, len_q, head_dim}, gpu);
+  c.k = Tensor::contiguous(k, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
+  c.v = Tensor::contiguous(v, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
+  c.out = Tensor::contiguous(out, dt, {batch, heads_q, len_q, head_dim}, gpu);
+  c.lse = Tensor::contiguous(lse, DType::f32, {batch, heads_q, len_q}, gpu);
+  if (counts != nullptr) {
+    c.sparse = true;
+    const int64_t nq = (len_q + block_q - 1) / block_q, nkv = (len_kv + block_kv - 1) / block_kv;
+    c.index.block_q = block_q;
+    c.index.block_kv = block_kv;
+    c.index.num_q_blocks = nq;
+    c.index.num_kv_blocks = nkv;
+    c.index.counts = Tensor::contiguous(const_cast<int32_t*>(counts), DType::i32, {batch, heads_q, nq}, gpu);
+    c.index.indices =
+        Tensor::contiguous(const_cast<int32_t*>(indices), DType::i32, {batch, heads_q, nq, capacity}, gpu);
+  }
+  auto fail = [&](const std::string& msg) {
+    std::snprintf(err, err_len, "%s", msg.c_str());
+    return 1;
+  };
+  for (int i = 0; i < std::max(warmup, 1); ++i) {
+    const Status st = run(c);
+    if (!st.ok()) return fail(st.to_string());
+  }
+  if (cudaDeviceSynchronize() != cudaSuccess) return fail(cudaGetErrorString(cudaGetLastError()));
+  std::vector<float> times;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (int i = 0; i < iters; ++i) {
+    cudaEventRecord(start);
+    const Status st = run(c);
+    cudaEventRecord(stop);
+    if (!st.ok()) return fail(st.to_string());
+    if (cudaEventSynchronize(stop) != cudaSuccess) return fail(cudaGetErrorString(cudaGetLastError()));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (!times.empty()) {
+    std::sort(times.begin(), times.end());
+    *median_ms = times[times.size() / 2];
+  }
+  return 0;
+}
+
+}  // extern "C"

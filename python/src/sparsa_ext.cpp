@@ -1,0 +1,314 @@
+// The one binding file (STYLE.md 3): turns DLPack arrays (numpy, torch, cupy, jax)
+// into the core's Tensor views without copying, and the core's Status into Python
+// exceptions carrying its message. Output allocation by array type lives in the
+// Python package (sparsa/__init__.py); this file only sees views.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+
+#include "core/backends.h"
+#include "sparsa/attention.h"
+#include "sparsa/index.h"
+#include "sparsa/io.h"
+#include "sparsa/llsa.h"
+#include "sparsa/workload.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace sparsa {
+namespace {
+
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+
+[[noreturn]] void raise(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::unsupported_dtype: throw nb::type_error(s.message().c_str());
+    case StatusCode::io_error: throw std::runtime_error(s.message());  // RuntimeError
+    case StatusCode::unsupported: throw nb::builtin_exception(nb::exception_type::runtime_error, s.message().c_str());
+    default: throw nb::value_error(s.message().c_str());
+  }
+}
+void check(const Status& s) {
+  if (!s.ok()) raise(s);
+}
+template <class T>
+T take(Result<T> r) {
+  if (!r.ok()) raise(r.status());
+  return std::move(r).value();
+}
+
+std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
+  const char* kind = dt.code == uint8_t(nb::dlpack::dtype_code::Float)    ? "float"
+                     : dt.code == uint8_t(nb::dlpack::dtype_code::Int)    ? "int"
+                     : dt.code == uint8_t(nb::dlpack::dtype_code::UInt)   ? "uint"
+                     : dt.code == uint8_t(nb::dlpack::dtype_code::Bfloat) ? "bfloat"
+                     : dt.code == uint8_t(nb::dlpack::dtype_code::Bool)   ? "bool"
+                                                                          : "complex";
+  return std::string(kind) + std::to_string(dt.bits);
+}
+
+template <class A>
+Tensor to_tensor(const A& a, const char* name) {
+  Tensor t;
+  const nb::dlpack::dtype dt = a.dtype();
+  if (dt.lanes != 1) throw nb::type_error((std::string(name) + ": vector dtypes are not supported").c_str());
+  if (dt == nb::dtype<float>()) {
+    t.dtype = DType::f32;
+  } else if (dt.code == uint8_t(nb::dlpack::dtype_code::Float) && dt.bits == 16) {
+    t.dtype = DType::f16;
+  } else if (dt.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16) {
+    t.dtype = DType::bf16;
+  } else if (dt == nb::dtype<int32_t>()) {
+    t.dtype = DType::i32;
+  } else {
+    throw nb::type_error((std::string(name) + ": unsupported dtype " + dlpack_dtype_name(dt) +
+                          " (expected float32, float16, bfloat16 or int32)")
+                             .c_str());
+  }
+  if (a.ndim() > static_cast<size_t>(kMaxDims)) {
+    throw nb::value_error((std::string(name) + ": more than " + std::to_string(kMaxDims) + " dimensions").c_str());
+  }
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  t.ndim = static_cast<int>(a.ndim());
+  for (int d = 0; d < t.ndim; ++d) {
+    t.shape[d] = static_cast<int64_t>(a.shape(d));
+    t.strides[d] = static_cast<int64_t>(a.stride(d));
+  }
+  if (a.device_type() == nb::device::cpu::value) {
+    t.device = Device{DeviceType::cpu, 0};
+  } else if (a.device_type() == nb::device::cuda::value) {
+    t.device = Device{DeviceType::cuda, a.device_id()};
+  } else {
+    throw nb::value_error((std::string(name) + ": arrays on device type " + std::to_string(a.device_type()) +
+                           " are not supported (cpu or cuda)")
+                              .c_str());
+  }
+  return t;
+}
+
+std::optional<Tensor> to_optional(const std::optional<InArray>& a, const char* name) {
+  if (!a) return std::nullopt;
+  return to_tensor(*a, name);
+}
+
+// "auto": the cuda backend for arrays on a CUDA device, else cpu.
+Backend resolve_backend(const std::string& backend, const Tensor& q) {
+  if (backend == "auto") return q.device.type == DeviceType::cuda ? Backend::cuda : Backend::cpu;
+  return take(parse_backend(backend));
+}
+
+AttentionOptions make_options(std::optional<float> scale, const std::string& backend, bool check_finite,
+                              int num_threads, const Tensor& q) {
+  AttentionOptions o;
+  o.scale = scale;
+  o.backend = resolve_backend(backend, q);
+  o.check_finite = check_finite;
+  o.num_threads = num_threads;
+  return o;
+}
+
+// A numpy array that owns a HostArray.
+nb::ndarray<nb::numpy> to_numpy(HostArray&& array) {
+  auto* owned = new HostArray(std::move(array));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<HostArray*>(p); });
+  std::vector<size_t> shape(owned->shape().begin(), owned->shape().end());
+  nb::dlpack::dtype dt;
+  switch (owned->dtype()) {
+    case DType::f32: dt = nb::dtype<float>(); break;
+    case DType::i32: dt = nb::dtype<int32_t>(); break;
+    case DType::f16: dt = {uint8_t(nb::dlpack::dtype_code::Float), 16, 1}; break;
+    case DType::bf16: dt = {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1}; break;
+  }
+  return nb::ndarray<nb::numpy>(owned->data(), shape.size(), shape.data(), owner, nullptr, dt);
+}
+
+BlockIndex make_index(const InArray& counts, const InArray& indices, const std::optional<InArray>& perm_q,
+                      const std::optional<InArray>& perm_kv, int block_q, int block_kv) {
+  BlockIndex ix;
+  ix.block_q = block_q;
+  ix.block_kv = block_kv;
+  ix.counts = to_tensor(counts, "index.counts");
+  ix.indices = to_tensor(indices, "index.indices");
+  if (ix.counts.ndim != 3) {
+    throw nb::value_error(("index.counts: expected 3 dimensions [batch, heads_q, num_q_blocks], got " +
+                           ix.counts.shape_string()).c_str());
+  }
+  ix.num_q_blocks = ix.counts.shape[2];
+  if (auto t = to_optional(perm_q, "index.perm_q")) ix.perm_q = *t;
+  if (auto t = to_optional(perm_kv, "index.perm_kv")) ix.perm_kv = *t;
+  return ix;
+}
+
+}  // namespace
+
+NB_MODULE(_sparsa, m) {
+  m.doc() = "sparsa core (C++): attention executors on DLPack arrays, zero copy";
+
+  m.def(
+      "dense",
+      [](InArray q, InArray k, InArray v, OutArray out, OutArray lse, std::optional<float> scale,
+         const std::string& backend, bool check_finite, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq);
+        nb::gil_scoped_release release;
+        check(dense(tq, tk, tv, to, tl, o));
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto",
+      "check_finite"_a = false, "num_threads"_a = 0,
+      "Dense attention into caller-provided out [b, hq, lq, d] and lse f32 [b, hq, lq].");
+
+  m.def(
+      "block_sparse",
+      [](InArray q, InArray k, InArray v, InArray counts, InArray indices, std::optional<InArray> perm_q,
+         std::optional<InArray> perm_kv, int block_q, int block_kv, OutArray out, OutArray lse,
+         std::optional<float> scale, const std::string& backend, bool check_finite, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        BlockIndex ix = make_index(counts, indices, perm_q, perm_kv, block_q, block_kv);
+        if (tk.ndim == 4) ix.num_kv_blocks = (tk.shape[2] + block_kv - 1) / std::max(block_kv, 1);
+        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq);
+        nb::gil_scoped_release release;
+        check(block_sparse(tq, tk, tv, ix, to, tl, o));
+      },
+      "q"_a, "k"_a, "v"_a, "counts"_a, "indices"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "block_q"_a,
+      "block_kv"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto", "check_finite"_a = false,
+      "num_threads"_a = 0, "Block-sparse attention over a BlockIndex into caller-provided out and lse.");
+
+  m.def(
+      "merge",
+      [](InArray o1, InArray lse1, InArray o2, InArray lse2, OutArray out, OutArray lse, const std::string& backend) {
+        const Tensor a = to_tensor(o1, "o1"), la = to_tensor(lse1, "lse1"), b = to_tensor(o2, "o2"),
+                     lb = to_tensor(lse2, "lse2"), to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        const Backend be = resolve_backend(backend, a);
+        nb::gil_scoped_release release;
+        check(merge(a, la, b, lb, to, tl, be));
+      },
+      "o1"_a, "lse1"_a, "o2"_a, "lse2"_a, "out"_a, "lse"_a, "backend"_a = "auto",
+      "Merge two partial results over disjoint key sets by log-sum-exp.");
+
+  // ---- LLSA ----
+  auto llsa_options = [](int block, int topk, int levels, bool enrich, bool dedupe, std::optional<float> scale,
+                         const std::string& backend, int num_threads, bool check_finite, const Tensor& q) {
+    LlsaOptions o;
+    o.block = block;
+    o.topk = topk;
+    o.levels = levels;
+    o.enrich = enrich;
+    o.dedupe = dedupe;
+    o.scale = scale;
+    o.backend = resolve_backend(backend, q);
+    o.num_threads = num_threads;
+    o.check_finite = check_finite;
+    return o;
+  };
+  m.def(
+      "llsa_forward",
+      [llsa_options](InArray q, InArray k, InArray v, OutArray out, OutArray lse, int block, int topk, int levels,
+                     bool enrich, bool dedupe, std::optional<float> scale, const std::string& backend,
+                     int num_threads, bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        const LlsaOptions o = llsa_options(block, topk, levels, enrich, dedupe, scale, backend, num_threads,
+                                           check_finite, tq);
+        nb::gil_scoped_release release;
+        const LlsaPlan plan = take(llsa_plan(tq, tk, o));
+        check(llsa_forward(tq, tk, tv, plan, to, tl, o));
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true,
+      "dedupe"_a = false, "scale"_a = nb::none(), "backend"_a = "auto", "num_threads"_a = 0,
+      "check_finite"_a = false, "LLSA forward (O and LSE) into caller-provided outputs.");
+  m.def(
+      "llsa_backward",
+      [llsa_options](InArray q, InArray k, InArray v, InArray out, InArray lse, InArray d_o, OutArray dq,
+                     OutArray dk, OutArray dv, int block, int topk, int levels, bool enrich, bool dedupe,
+                     std::optional<float> scale, const std::string& backend, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse"), tdo = to_tensor(d_o, "d_o");
+        const Tensor tdq = to_tensor(dq, "dq"), tdk = to_tensor(dk, "dk"), tdv = to_tensor(dv, "dv");
+        const LlsaOptions o =
+            llsa_options(block, topk, levels, enrich, dedupe, scale, backend, num_threads, false, tq);
+        nb::gil_scoped_release release;
+        check(llsa_backward(tq, tk, tv, to, tl, tdo, tdq, tdk, tdv, o));
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a, "block"_a = 16, "topk"_a = 8,
+      "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false, "scale"_a = nb::none(), "backend"_a = "auto",
+      "num_threads"_a = 0, "LLSA backward: dq, dk, dv given the forward's out, lse and d_o.");
+  m.def(
+      "llsa_plan",
+      [llsa_options](InArray q, InArray k, int block, int topk, int levels, bool enrich, bool dedupe,
+                     int64_t max_rows) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const LlsaOptions o = llsa_options(block, topk, levels, enrich, dedupe, std::nullopt, "auto", 0, false, tq);
+        LlsaPlan plan = take(llsa_plan(tq, tk, o));
+        BlockIndexBuffer fine = plan.fine_index();
+        nb::dict d;
+        d["block"] = plan.block;
+        d["topk"] = plan.topk;
+        d["levels"] = plan.levels;
+        d["level_len"] = plan.level_len;
+        d["keys_per_query"] = plan.mean_keys_per_query();
+        d["text"] = plan.to_string(0, 0, max_rows);
+        d["counts"] = to_numpy(std::move(fine.counts));
+        d["indices"] = to_numpy(std::move(fine.indices));
+        return d;
+      },
+      "q"_a, "k"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false,
+      "max_rows"_a = 8, "The LLSA selection plan: levels, keys per query, the fine BlockIndex, a printout.");
+
+  m.def(
+      "block_index_density",
+      [](InArray counts, InArray indices, int block_q, int block_kv, int64_t len_q, int64_t len_kv) {
+        BlockIndex ix = make_index(counts, indices, std::nullopt, std::nullopt, block_q, block_kv);
+        ix.num_kv_blocks = (len_kv + block_kv - 1) / std::max(block_kv, 1);
+        const int64_t b = ix.counts.shape[0], h = ix.counts.shape[1];
+        check(validate_block_index(ix, b, h, h, len_q, len_kv));
+        return block_index_density(ix, len_q, len_kv);
+      },
+      "counts"_a, "indices"_a, "block_q"_a, "block_kv"_a, "len_q"_a, "len_kv"_a,
+      "Fraction of (query, key) token pairs a BlockIndex visits.");
+
+  m.def(
+      "read_tensor", [](const std::string& path) { return to_numpy(take(read_tensor(path))); }, "path"_a,
+      "Read a .npy or .safetensors[:name] file into a numpy array.");
+  m.def(
+      "write_tensor",
+      [](const std::string& path, InArray a) { check(write_tensor(path, to_tensor(a, "array"))); }, "path"_a,
+      "array"_a, "Write a CPU array to .npy or .safetensors.");
+
+  m.def(
+      "generate_workload",
+      [](uint64_t seed, int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t len_q, int64_t len_kv,
+         int64_t head_dim, const std::string& dtype) {
+        WorkloadConfig c;
+        c.seed = seed;
+        c.batch = batch;
+        c.heads_q = heads_q;
+        c.heads_kv = heads_kv;
+        c.len_q = len_q;
+        c.len_kv = len_kv;
+        c.head_dim = head_dim;
+        c.dtype = take(parse_dtype(dtype));
+        Workload w = take(generate_workload(c));
+        return nb::make_tuple(to_numpy(std::move(w.q)), to_numpy(std::move(w.k)), to_numpy(std::move(w.v)));
+      },
+      "seed"_a = 0, "batch"_a = 1, "heads_q"_a = 8, "heads_kv"_a = 2, "len_q"_a = 4096, "len_kv"_a = 4096,
+      "head_dim"_a = 64, "dtype"_a = "f32", "The seeded default workload (q, k, v) as numpy arrays.");
+
+  m.def("version", [] { return std::string(SPARSA_VERSION); });
+  m.def("backends", [] {
+    std::vector<std::string> names;
+    for (Backend b : {Backend::cpu_ref, Backend::cpu, Backend::cuda})
+      if (backend_available(b)) names.push_back(backend_name(b));
+    return names;
+  });
+  m.def("cuda_device_count", [] { return cuda::device_count(); });
+}
+
+}  // namespace sparsa

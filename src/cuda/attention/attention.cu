@@ -1,0 +1,179 @@
+// The cuda backend of dense and block-sparse attention: checks that every pointer lives on
+// the device the tensors name, fills FlashParams and launches the flash executor (the one
+// dispatch place for dtype and head_dim, STYLE.md 8).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "core/backends.h"
+#include "cuda/attention/flash_kernel.cuh"
+#include "cuda/common/check.h"
+
+namespace sparsa::cuda {
+
+namespace {
+
+using detail::FlashParams;
+
+// The promoted rung of bench/cuda/flash_ladder.cu, one mainloop in two tile configurations:
+// warps per CTA, 16-row m-tiles per warp, key-tile width, Q fragments in registers, min CTAs/SM.
+// Dense uses 256-row query tiles (8 warps x 32 rows); block-sparse plans use 128-row tiles
+// (4 warps x 32 rows) so that a 128-token query block is exactly one CTA.
+template <int WARPS, int MT, int BN, bool QREGS, int MINB>
+struct Config {
+  static constexpr int kWarps = WARPS, kMTiles = MT, kKeyTile = BN, kMinBlocks = MINB;
+  static constexpr bool kQInRegisters = QREGS;
+  static constexpr int kRows = 16 * MT * WARPS;
+};
+using DenseConfig = Config<8, 2, 64, false, 1>;
+using SparseConfig = Config<4, 2, 64, false, 1>;
+
+Status check_pointer(const char* name, const void* ptr, int device) {
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) +
+                            ", the pointer is unknown to CUDA (" + cudaGetErrorName(err) + ")");
+  }
+  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != device) {
+    const std::string got = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged
+                                ? "cuda:" + std::to_string(attr.device)
+                                : std::string("host memory");
+    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) +
+                            ", got " + got);
+  }
+  return {};
+}
+
+template <class C, class T, int D>
+Status launch(const FlashParams& p, cudaStream_t stream) {
+  using Shape = detail::FlashShape<D, C::kWarps, C::kKeyTile, C::kMTiles>;
+  auto kernel = detail::flash_forward_kernel<T, D, C::kWarps, C::kKeyTile, C::kMTiles, C::kQInRegisters, C::kMinBlocks>;
+  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
+  // All of the unified L1 as shared memory, so that as many CTAs fit as registers allow.
+  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
+  const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
+  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return {};
+}
+
+template <class C>
+Status launch_config(FlashParams p, DType dtype, int head_dim, const BlockIndex* index, cudaStream_t stream) {
+  auto ceil_div = [](int64_t x, int64_t y) { return static_cast<int>((x + y - 1) / y); };
+  if (index == nullptr) {  // dense: the same mainloop over every key tile
+    p.block_q = C::kRows;
+    p.block_kv = C::kKeyTile;
+    p.num_q_blocks = ceil_div(p.len_q, C::kRows);
+    p.num_kv_blocks = ceil_div(p.len_kv, C::kKeyTile);
+  } else {
+    p.tiles_per_q_block = ceil_div(p.block_q, C::kRows);
+    p.chunks_per_kv_block = ceil_div(p.block_kv, C::kKeyTile);
+  }
+  if (static_cast<int64_t>(p.num_q_blocks) * p.tiles_per_q_block > 0x7fffffff) {
+    return invalid_argument("index.block_q: too many query tiles for one launch");
+  }
+  const bool bf16 = dtype == DType::bf16;
+  if (head_dim == 64) return bf16 ? launch<C, __nv_bfloat16, 64>(p, stream) : launch<C, __half, 64>(p, stream);
+  return bf16 ? launch<C, __nv_bfloat16, 128>(p, stream) : launch<C, __half, 128>(p, stream);
+}
+
+bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+}  // namespace
+
+Status attention(const sparsa::detail::AttentionParams& a) {
+  if (a.dtype != DType::bf16 && a.dtype != DType::f16) {
+    return unsupported_dtype(std::string("q: the cuda backend takes bf16 or f16, got ") + dtype_name(a.dtype));
+  }
+  if (a.head_dim != 64 && a.head_dim != 128) {
+    return {StatusCode::unsupported,
+            "q: head_dim " + std::to_string(a.head_dim) + " is not supported by the cuda backend (64 or 128)"};
+  }
+  constexpr int64_t kIntMax = 0x7fffffff;
+  if (a.len_q > kIntMax / 2 || a.len_kv > kIntMax / 2) {
+    return invalid_argument("q: sequence lengths up to 2^30 are supported by the cuda backend, got len_q " +
+                            std::to_string(a.len_q) + ", len_kv " + std::to_string(a.len_kv));
+  }
+  if (a.heads_q > 65535 || a.batch > 65535) {
+    return invalid_argument("q: the cuda backend takes at most 65535 heads and 65535 batch entries, got " +
+                            std::to_string(a.heads_q) + " heads, batch " + std::to_string(a.batch));
+  }
+  const int device = a.device_id;
+  int current = 0;
+  SPARSA_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device) SPARSA_CUDA_CHECK(cudaSetDevice(device));
+  struct Restore {
+    int device;
+    ~Restore() { cudaSetDevice(device); }
+  } restore{current};
+  SPARSA_RETURN_IF_ERROR(check_pointer("q", a.q, device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("k", a.k, device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("v", a.v, device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("out", a.out, device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("lse", a.lse, device));
+
+  FlashParams p;
+  p.q = a.q;
+  p.k = a.k;
+  p.v = a.v;
+  p.out = a.out;
+  p.lse = a.lse;
+  for (int d = 0; d < 3; ++d) {
+    p.q_stride[d] = a.q_stride[d];
+    p.k_stride[d] = a.k_stride[d];
+    p.v_stride[d] = a.v_stride[d];
+    p.out_stride[d] = a.out_stride[d];
+  }
+  p.lse_stride[0] = a.lse_stride[0];
+  p.lse_stride[1] = a.lse_stride[1];
+  p.lse_stride[2] = a.lse_seq_stride;
+  p.batch = static_cast<int>(a.batch);
+  p.heads_q = static_cast<int>(a.heads_q);
+  p.heads_kv = static_cast<int>(a.heads_kv);
+  p.group = static_cast<int>(a.group());
+  p.len_q = static_cast<int>(a.len_q);
+  p.len_kv = static_cast<int>(a.len_kv);
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+
+  p.aligned_loads = aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16);
+  p.aligned_out = aligned(a.out, 4);
+  for (int d = 0; d < 3; ++d) {
+    p.aligned_loads = p.aligned_loads && a.q_stride[d] % 8 == 0 && a.k_stride[d] % 8 == 0 && a.v_stride[d] % 8 == 0;
+    p.aligned_out = p.aligned_out && a.out_stride[d] % 2 == 0;
+  }
+
+  if (a.index != nullptr) {
+    const BlockIndex& ix = *a.index;
+    SPARSA_RETURN_IF_ERROR(check_pointer("index.counts", ix.counts.data, device));
+    if (ix.indices.numel() > 0) SPARSA_RETURN_IF_ERROR(check_pointer("index.indices", ix.indices.data, device));
+    p.block_q = ix.block_q;
+    p.block_kv = ix.block_kv;
+    p.num_q_blocks = static_cast<int>(ix.num_q_blocks);
+    p.num_kv_blocks = static_cast<int>(ix.num_kv_blocks);
+    p.counts = static_cast<const int32_t*>(ix.counts.data);
+    p.indices = static_cast<const int32_t*>(ix.indices.data);
+    p.capacity = static_cast<int>(ix.capacity());
+    for (int d = 0; d < 3; ++d) p.counts_stride[d] = ix.counts.strides[d];
+    for (int d = 0; d < 4; ++d) p.indices_stride[d] = ix.indices.strides[d];
+    if (p.capacity == 0) p.counts = nullptr, p.num_kv_blocks = 0;  // nothing to visit: dense over 0 tiles
+    if (ix.perm_q.defined()) {
+      SPARSA_RETURN_IF_ERROR(check_pointer("index.perm_q", ix.perm_q.data, device));
+      p.perm_q = static_cast<const int32_t*>(ix.perm_q.data);
+      for (int d = 0; d < 3; ++d) p.perm_q_stride[d] = ix.perm_q.strides[d];
+    }
+    if (ix.perm_kv.defined()) {
+      SPARSA_RETURN_IF_ERROR(check_pointer("index.perm_kv", ix.perm_kv.data, device));
+      p.perm_kv = static_cast<const int32_t*>(ix.perm_kv.data);
+      for (int d = 0; d < 3; ++d) p.perm_kv_stride[d] = ix.perm_kv.strides[d];
+    }
+  }
+  const cudaStream_t stream = nullptr;  // the default stream: callers synchronise as with any CUDA op
+  const int head_dim = static_cast<int>(a.head_dim);
+  if (a.index == nullptr) return launch_config<DenseConfig>(p, a.dtype, head_dim, nullptr, stream);
+  return launch_config<SparseConfig>(p, a.dtype, head_dim, a.index, stream);
+}
+
+}  // namespace sparsa::cuda

@@ -1,0 +1,374 @@
+// Internal: the flash executor (rung 1 of bench/cuda/flash_ladder.cu): one mainloop for dense
+// and block-sparse attention, FlashAttention-2 style (Dao 2023, arXiv 2307.08691) on the
+// warp-level tensor cores.
+//
+// A CTA owns BM = 16 * MT * WARPS query rows of one (batch, query head); each warp owns 16 * MT
+// rows and keeps its O accumulator (f32) and its online-softmax state (running max m, running
+// sum l, per row) in registers (Q fragments too when QREGS). The CTA walks a list of key tiles of BN tokens:
+//   S = Q K^T (mma.sync m16n8k16, f32)  ->  m' = max(m, rowmax S);  P = exp2(S*c - m'*c)
+//   l = l * exp2((m - m')c) + rowsum P;  O = O * exp2((m - m')c) + P V     (c = scale * log2 e)
+// and ends with O / l and LSE = (m c + log2 l) ln 2 (O = 0, LSE = -inf for a row that saw no key).
+// K and V tiles are double-buffered in shared memory with cp.async (the load of tile t+1 is in
+// flight while tile t is computed); fragments come from shared memory through ldmatrix (.trans
+// for V). Shared rows are XOR-swizzled in 16-byte chunks so ldmatrix is free of bank conflicts.
+//
+// Hooks, not forks (STYLE.md 5): the only difference between dense and block-sparse is the key
+// tile iterator (tile t -> key block indices[t / chunks], chunk t % chunks; dense: tile t) and the
+// token gathers (rows read through perm_q / perm_kv when present; O and LSE written back at the
+// original positions). Columns past the end of a partial key block are masked to -inf.
+//
+// Index contents are guarded, not trusted: counts are clamped to [0, capacity], key blocks
+// outside [0, num_kv_blocks) and permutation entries outside [0, len) are skipped, so a bad plan
+// can give wrong numbers but never reads or writes out of bounds.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common/mma.cuh"
+
+namespace sparsa::cuda::detail {
+
+struct FlashParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  int64_t q_stride[3] = {}, k_stride[3] = {}, v_stride[3] = {}, out_stride[3] = {}, lse_stride[3] = {};
+  int batch = 0, heads_q = 0, heads_kv = 0, group = 1, len_q = 0, len_kv = 0;
+  float scale_log2 = 0.0f;  // softmax scale * log2(e)
+
+  // The plan. Dense: counts == nullptr, block_q = BM, block_kv = BN, every key tile visited.
+  int block_q = 0, block_kv = 0, num_q_blocks = 0, num_kv_blocks = 0;
+  int tiles_per_q_block = 1;   // ceil(block_q / BM)
+  int chunks_per_kv_block = 1; // ceil(block_kv / BN)
+  const int32_t* counts = nullptr;   // [batch, heads_q, num_q_blocks]
+  const int32_t* indices = nullptr;  // [batch, heads_q, num_q_blocks, capacity]
+  const int32_t* perm_q = nullptr;   // [batch, heads_q, len_q] or nullptr
+  const int32_t* perm_kv = nullptr;  // [batch, heads_kv, len_kv] or nullptr
+  int64_t counts_stride[3] = {}, indices_stride[4] = {}, perm_q_stride[3] = {}, perm_kv_stride[3] = {};
+  int capacity = 0;
+
+  bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
+  bool aligned_out = true;    // out base and strides allow 4-byte pair stores
+};
+
+template <int D, int WARPS, int BN, int MT>
+struct FlashShape {
+  static constexpr int kBM = 16 * MT * WARPS;
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr int kSmemBytes = (kBM + 4 * BN) * D * 2;  // Q + 2 stages of (K, V)
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] b16 tile.
+template <int D>
+__device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
+  return static_cast<uint32_t>(row * D * 2 + ((chunk ^ (row & 7)) << 4));
+}
+
+// Thread threadIdx.x copies 16-byte chunk threadIdx.x % (D/8) of rows threadIdx.x / (D/8) + i * step
+// (step = THREADS / (D/8)) of a [ROWS][D] tile; token[i] is the source row (negative: zeros).
+template <int D, int ROWS, int THREADS>
+struct TileCopy {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kStep = THREADS / kChunks;
+  static constexpr int kRows = ROWS / kStep;  // rows per thread
+  static_assert(THREADS % kChunks == 0 && ROWS % kStep == 0, "tile copy must divide evenly");
+
+  static __device__ __forceinline__ int row(int i) { return threadIdx.x / kChunks + i * kStep; }
+
+  // One uniform branch per tile, none per chunk.
+  static __device__ __forceinline__ void copy(uint32_t dst, const uint16_t* base, int64_t stride, bool aligned,
+                                              const int64_t (&token)[kRows]) {
+    const int chunk = threadIdx.x % kChunks;
+    if (aligned) {
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const uint16_t* src = base + (token[i] >= 0 ? token[i] : 0) * stride + chunk * 8;
+        cp_async_16(dst + swizzle<D>(row(i), chunk), src, token[i] >= 0 ? 16 : 0);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        uint32_t w[4] = {0, 0, 0, 0};
+        if (token[i] >= 0) {
+          const uint16_t* src = base + token[i] * stride + chunk * 8;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) w[e] = uint32_t(src[2 * e]) | (uint32_t(src[2 * e + 1]) << 16);
+        }
+        asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + swizzle<D>(row(i), chunk)), "r"(w[0]),
+                     "r"(w[1]), "r"(w[2]), "r"(w[3]));
+      }
+    }
+  }
+};
+
+// Source tokens of rows [begin, begin + ROWS) of a permuted sequence: position pos < end is
+// token perm[pos] (pos itself without a permutation); anything else, or a permutation entry
+// outside [0, len), reads as zeros.
+template <class Copy>
+__device__ __forceinline__ void gather_tokens(int64_t (&token)[Copy::kRows], int begin, int end, const int32_t* perm,
+                                              int64_t perm_stride, int len) {
+#pragma unroll
+  for (int i = 0; i < Copy::kRows; ++i) {
+    const int pos = begin + Copy::row(i);
+    int64_t t = pos < end ? pos : -1;
+    if (perm != nullptr && t >= 0) {
+      t = perm[pos * perm_stride];
+      t = t < len ? t : -1;
+    }
+    token[i] = t;
+  }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; -inf -> 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// MT: 16-row m-tiles per warp; QREGS: Q's fragments stay in registers (MT = 1 only) instead of
+// being reloaded from shared memory per k-step; MINB: CTAs per multiprocessor the register
+// allocation must allow (__launch_bounds__).
+template <class T, int D, int WARPS, int BN, int MT, bool QREGS, int MINB>
+__global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const FlashParams p) {
+  static_assert(!QREGS || MT == 1, "Q fragments in registers only with one m-tile per warp");
+  using Shape = FlashShape<D, WARPS, BN, MT>;
+  constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
+  constexpr int kDT = D / 8;    // 8-wide accumulator tiles along head_dim
+  constexpr int kNT = BN / 8;   // 8-wide score tiles along the key tile
+  constexpr float kLn2 = 0.69314718055994531f;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t q_smem = smem_addr(smem);
+  const uint32_t k_smem = q_smem + BM * D * 2;             // 2 stages of BN x D
+  const uint32_t v_smem = k_smem + 2 * BN * D * 2;         // 2 stages of BN x D
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  const int qb = blockIdx.x / p.tiles_per_q_block;
+  const int q_begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * BM;  // permuted positions
+  const int q_end = min(min((qb + 1) * p.block_q, p.len_q), q_begin + BM);
+  if (q_begin >= q_end) return;  // a tile past the end of a partial query block
+
+  // ---- the key-tile iterator (the sparsity hook) ----
+  const bool dense = p.counts == nullptr;
+  int count = p.num_kv_blocks;
+  const int32_t* block_list = nullptr;
+  if (!dense) {
+    count = p.counts[b * p.counts_stride[0] + h * p.counts_stride[1] + qb * p.counts_stride[2]];
+    count = max(0, min(count, p.capacity));
+    block_list = p.indices + b * p.indices_stride[0] + h * p.indices_stride[1] + qb * p.indices_stride[2];
+  }
+  const int num_tiles = count * p.chunks_per_kv_block;
+  // Key positions [begin, end) of the next tile to load (end <= begin: nothing to do); walked
+  // incrementally (slot, chunk) to keep divisions out of the loop.
+  int next_slot = 0, next_chunk = 0;
+  auto next_range = [&](int& begin, int& end) {
+    const int kb = dense ? next_slot : block_list[next_slot * p.indices_stride[3]];
+    if (kb < 0 || kb >= p.num_kv_blocks) {
+      begin = end = 0;
+    } else {
+      begin = kb * p.block_kv + next_chunk * BN;
+      end = min(min((kb + 1) * p.block_kv, p.len_kv), begin + BN);
+    }
+    if (++next_chunk == p.chunks_per_kv_block) next_chunk = 0, ++next_slot;
+  };
+
+  // ---- token gathers (the permutation hook) ----
+  const int32_t* perm_q = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
+  const int32_t* perm_kv = p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
+  auto q_token = [&](int pos) -> int64_t {  // original query token of permuted position pos, or -1
+    if (pos >= q_end) return -1;
+    const int64_t t = perm_q ? perm_q[pos * p.perm_q_stride[2]] : pos;
+    return t >= 0 && t < p.len_q ? t : -1;
+  };
+
+  const uint16_t* q_base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const uint16_t* k_base = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
+  const uint16_t* v_base = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+
+  using KVCopy = TileCopy<D, BN, THREADS>;
+  using QCopy = TileCopy<D, BM, THREADS>;
+  auto load_kv = [&](int begin, int end, int stage) {
+    int64_t token[KVCopy::kRows];
+    gather_tokens<KVCopy>(token, begin, end, perm_kv, p.perm_kv_stride[2], p.len_kv);
+    KVCopy::copy(k_smem + stage * BN * D * 2, k_base, p.k_stride[2], p.aligned_loads, token);
+    KVCopy::copy(v_smem + stage * BN * D * 2, v_base, p.v_stride[2], p.aligned_loads, token);
+  };
+
+  // Prologue: Q and the first key tile in one copy group.
+  {
+    int64_t token[QCopy::kRows];
+    gather_tokens<QCopy>(token, q_begin, q_end, perm_q, p.perm_q_stride[2], p.len_q);
+    QCopy::copy(q_smem, q_base, p.q_stride[2], p.aligned_loads, token);
+  }
+  int load_begin = 0, load_end = 0;
+  if (num_tiles > 0) {
+    next_range(load_begin, load_end);
+    load_kv(load_begin, load_end, 0);
+  }
+  cp_async_commit();
+
+  constexpr bool kQInRegs = QREGS;
+  float o[MT][kDT][4];
+  float row_max[MT][2], row_sum[MT][2];  // rows g and g+8 of each m-tile; max in raw logits,
+#pragma unroll                           // sums per thread (reduced over the quad at the end)
+  for (int m = 0; m < MT; ++m) {
+    row_max[m][0] = row_max[m][1] = -INFINITY;
+    row_sum[m][0] = row_sum[m][1] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kDT; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.0f;
+  }
+  uint32_t q_frag[kQInRegs ? D / 16 : 1][4];
+  // A-fragment row address of m-tile m: matrix i = lane/8 covers rows (i%2)*8.., k (i/2)*8..
+  auto q_row = [&](int m) { return warp * 16 * MT + m * 16 + (lane / 8 % 2) * 8 + lane % 8; };
+
+  const int g = lane / 4, c = lane % 4;
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t & 1;
+    const int begin = load_begin, end = load_end;  // of tile t
+    if (t + 1 < num_tiles) {
+      next_range(load_begin, load_end);
+      load_kv(load_begin, load_end, stage ^ 1);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the newest group (tile t+1) has landed
+    __syncthreads();
+    if (kQInRegs && t == 0) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], q_smem + swizzle<D>(q_row(0), kk * 2 + lane / 16));
+    }
+    const int valid = end - begin;
+    if (valid > 0) {
+      const uint32_t ks = k_smem + stage * BN * D * 2, vs = v_smem + stage * BN * D * 2;
+      // S = Q K^T. B matrices from K rows: i = lane/8 -> keys (i/2)*8.., d (i%2)*8..
+      float s[MT][kNT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < kNT; ++n) s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t qa[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qa[m][e] = q_frag[kk][e];
+          } else {
+            ldmatrix_x4(qa[m], q_smem + swizzle<D>(q_row(m), kk * 2 + lane / 16));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+          uint32_t bk[4];
+          const int key = np * 16 + (lane / 16) * 8 + lane % 8;
+          ldmatrix_x4(bk, ks + swizzle<D>(key, kk * 2 + (lane / 8) % 2));
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            mma_16816<T>(s[m][2 * np], qa[m], bk[0], bk[1]);
+            mma_16816<T>(s[m][2 * np + 1], qa[m], bk[2], bk[3]);
+          }
+        }
+      }
+      if (valid < BN) {  // the mask hook: columns past the tile's end see nothing
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int n = 0; n < kNT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (n * 8 + 2 * c + (e & 1) >= valid) s[m][n][e] = -INFINITY;
+      }
+      // Online softmax, rows g (elements 0,1) and g+8 (elements 2,3) of each m-tile.
+      uint32_t p_frag[MT][kNT / 2][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        float alpha[2], base[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = row_max[m][r];
+#pragma unroll
+          for (int n = 0; n < kNT; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * r], s[m][n][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          base[r] = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
+          alpha[r] = fast_exp2(row_max[m][r] * p.scale_log2 - base[r]);  // 0 on the first tile
+          row_max[m][r] = mx;
+          row_sum[m][r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[m][n][e] = fast_exp2(fmaf(s[m][n][e], p.scale_log2, -base[e / 2]));
+          row_sum[m][0] += s[m][n][0] + s[m][n][1];
+          row_sum[m][1] += s[m][n][2] + s[m][n][3];
+          // Accumulator tiles 2j, 2j+1 of S are exactly the A fragment j of P (no shuffles).
+          p_frag[m][n / 2][(n % 2) * 2 + 0] = Pair<T>::pack(s[m][n][0], s[m][n][1]);
+          p_frag[m][n / 2][(n % 2) * 2 + 1] = Pair<T>::pack(s[m][n][2], s[m][n][3]);
+        }
+        // Rescale O only when some row's max moved (alpha is exactly 1 otherwise): after the first
+        // tiles the running max rarely changes, and the warp skips 2 * kDT multiplies per row.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+          for (int i = 0; i < kDT; ++i) {
+            o[m][i][0] *= alpha[0];
+            o[m][i][1] *= alpha[0];
+            o[m][i][2] *= alpha[1];
+            o[m][i][3] *= alpha[1];
+          }
+        }
+      }
+      // O += P V. B matrices from V rows, transposed: i = lane/8 -> keys (i%2)*8.., d (i/2)*8..
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+        for (int dp = 0; dp < kDT / 2; ++dp) {
+          uint32_t bv[4];
+          const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+          ldmatrix_x4_trans(bv, vs + swizzle<D>(key, dp * 2 + lane / 16));
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            mma_16816<T>(o[m][2 * dp], p_frag[m][kk], bv[0], bv[1]);
+            mma_16816<T>(o[m][2 * dp + 1], p_frag[m][kk], bv[2], bv[3]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // stage t is overwritten by the prefetch of the next iteration
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: O / l, LSE, written at the original query positions ----
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[m][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int64_t token = q_token(q_begin + warp * 16 * MT + m * 16 + g + 8 * r);
+      if (token < 0) continue;
+      T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
+#pragma unroll
+      for (int i = 0; i < kDT; ++i) {
+        const int col = i * 8 + 2 * c;
+        const uint32_t packed = Pair<T>::pack(o[m][i][2 * r] * inv, o[m][i][2 * r + 1] * inv);
+        if (p.aligned_out) {
+          *reinterpret_cast<uint32_t*>(out + col) = packed;
+        } else {
+          reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
+          reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
+        }
+      }
+      if (c == 0) {
+        const float lse = l > 0.0f ? (row_max[m][r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2]] = lse;
+      }
+    }
+  }
+}
+
+}  // namespace sparsa::cuda::detail

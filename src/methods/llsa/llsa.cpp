@@ -1,0 +1,281 @@
+// Public entry points of LLSA: validate, build or check the plan, dispatch to cpu_ref
+// (f64, the specification) or cpu (the fast path).
+#include "sparsa/llsa.h"
+
+#include <cmath>
+
+#include "core/attention_params.h"
+#include "core/validate.h"
+#include "methods/llsa/internal.h"
+
+namespace sparsa {
+
+namespace {
+
+using detail::check_attention_tensor;
+
+constexpr int kMaxLevels = 16;
+
+Status check_options(const LlsaOptions& o) {
+  if (o.block < 2) return invalid_argument("block: expected >= 2, got " + std::to_string(o.block));
+  if (o.block > 4096) return invalid_argument("block: expected <= 4096, got " + std::to_string(o.block));
+  if (o.topk < 1) return invalid_argument("topk: expected >= 1, got " + std::to_string(o.topk));
+  if (o.levels != -1 && (o.levels < 1 || o.levels > kMaxLevels)) {
+    return invalid_argument("levels: expected -1 (automatic) or 1.." + std::to_string(kMaxLevels) + ", got " +
+                            std::to_string(o.levels));
+  }
+  if (o.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.num_threads));
+  if (o.scale && (!std::isfinite(*o.scale) || *o.scale <= 0.0f)) {
+    return invalid_argument("scale: expected a finite positive number, got " + std::to_string(*o.scale));
+  }
+  if (o.backend == Backend::cuda) {
+    return {StatusCode::unsupported, "backend: llsa has no cuda kernels yet; use cpu or cpu_ref"};
+  }
+  return {};
+}
+
+// q [batch, heads_q, len, d]; k (and v when given) [batch, heads_kv, len, d].
+Status check_inputs(const Tensor& q, const Tensor& k, const Tensor* v, const LlsaOptions& o) {
+  SPARSA_RETURN_IF_ERROR(check_options(o));
+  const Device host{};
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, host));
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("k", k, host));
+  if (v) SPARSA_RETURN_IF_ERROR(check_attention_tensor("v", *v, host));
+  if (k.dtype != q.dtype) {
+    return unsupported_dtype(std::string("k: dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
+  }
+  if (k.shape[0] != q.shape[0]) {
+    return invalid_argument("k: batch " + std::to_string(k.shape[0]) + " differs from q's batch " + std::to_string(q.shape[0]));
+  }
+  if (k.shape[2] != q.shape[2]) {
+    return invalid_argument("k: llsa is self-attention, expected len " + std::to_string(q.shape[2]) +
+                            " (as q), got " + std::to_string(k.shape[2]));
+  }
+  if (k.shape[3] != q.shape[3]) {
+    return invalid_argument("k: head_dim " + std::to_string(k.shape[3]) + " differs from q's head_dim " +
+                            std::to_string(q.shape[3]));
+  }
+  if (q.shape[1] % k.shape[1] != 0) {
+    return invalid_argument("k: heads_q (" + std::to_string(q.shape[1]) + ") must be a multiple of heads_kv (" +
+                            std::to_string(k.shape[1]) + ") for grouped-query attention");
+  }
+  if (q.shape[2] > (int64_t{1} << 31) - 1) return invalid_argument("q: len above 2^31 - 1 is not supported");
+  if (v) {
+    if (v->dtype != q.dtype) {
+      return unsupported_dtype(std::string("v: dtype ") + dtype_name(v->dtype) + " differs from q's " + dtype_name(q.dtype));
+    }
+    for (int d = 0; d < 4; ++d) {
+      if (v->shape[d] != k.shape[d]) {
+        return invalid_argument("v: expected shape " + k.shape_string() + " (as k), got " + v->shape_string());
+      }
+    }
+  }
+  if (o.check_finite) {
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
+    if (v) SPARSA_RETURN_IF_ERROR(detail::check_finite("v", *v));
+  }
+  return {};
+}
+
+// An output or side tensor of exactly `like`'s shape, a float dtype, on the host, with
+// a contiguous last dimension.
+Status check_like(const char* name, const Tensor& t, const Tensor& like) {
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor(name, t, Device{}));
+  for (int d = 0; d < 4; ++d) {
+    if (t.shape[d] != like.shape[d]) {
+      return invalid_argument(std::string(name) + ": expected shape " + like.shape_string() + ", got " + t.shape_string());
+    }
+  }
+  return {};
+}
+
+Status check_lse(const Tensor& lse, const Tensor& q) {
+  SPARSA_RETURN_IF_ERROR(detail::check_shape("lse", lse, {q.shape[0], q.shape[1], q.shape[2]}));
+  SPARSA_RETURN_IF_ERROR(detail::check_dtype("lse", lse, DType::f32));
+  if (lse.data == nullptr) return invalid_argument("lse: is missing (null data)");
+  if (!(lse.device == Device{})) return invalid_argument("lse: expected a tensor on cpu, got " + device_name(lse.device));
+  return {};
+}
+
+// The plan drives every index the executors compute: check it fully.
+Status check_plan(const LlsaPlan& plan, const Tensor& q, const Tensor& k) {
+  const std::string what = "plan: ";
+  if (plan.block < 2 || plan.topk < 1 || plan.levels < 1 || plan.levels > kMaxLevels) {
+    return invalid_argument(what + "block/topk/levels out of range (" + std::to_string(plan.block) + "/" +
+                            std::to_string(plan.topk) + "/" + std::to_string(plan.levels) + ")");
+  }
+  if (plan.batch != q.shape[0] || plan.heads_q != q.shape[1] || plan.heads_kv != k.shape[1] || plan.len != q.shape[2]) {
+    return invalid_argument(what + "built for batch " + std::to_string(plan.batch) + ", heads " +
+                            std::to_string(plan.heads_q) + "/" + std::to_string(plan.heads_kv) + ", len " +
+                            std::to_string(plan.len) + "; q is " + q.shape_string() + ", k is " + k.shape_string());
+  }
+  if (plan.level_len != llsa_detail::level_lengths(plan.len, plan.block, plan.levels)) {
+    return invalid_argument(what + "level lengths do not match len, block and levels");
+  }
+  if (static_cast<int>(plan.picks.size()) != plan.levels || static_cast<int>(plan.pick_counts.size()) != plan.levels) {
+    return invalid_argument(what + "expected " + std::to_string(plan.levels) + " levels of picks");
+  }
+  for (int l = 1; l <= plan.levels; ++l) {
+    const int64_t n = plan.level_len[l];
+    const HostArray& picks = plan.picks[l - 1];
+    const HostArray& counts = plan.pick_counts[l - 1];
+    if (picks.dtype() != DType::i32 || picks.shape() != std::vector<int64_t>{plan.batch, plan.heads_q, n, plan.topk} ||
+        counts.dtype() != DType::i32 || counts.shape() != std::vector<int64_t>{plan.batch, plan.heads_q, n}) {
+      return invalid_argument(what + "level " + std::to_string(l) + " picks have the wrong shape or dtype");
+    }
+    for (int64_t r = 0; r < counts.numel(); ++r) {
+      const int32_t c = counts.ptr<int32_t>()[r];
+      if (c < 0 || c > plan.topk) {
+        return invalid_argument(what + "level " + std::to_string(l) + " count " + std::to_string(c) +
+                                " outside [0, topk]");
+      }
+      const int32_t* row = picks.ptr<int32_t>() + r * plan.topk;
+      for (int s = 0; s < c; ++s) {
+        if (row[s] < 0 || row[s] >= n || (s > 0 && row[s] <= row[s - 1])) {
+          return invalid_argument(what + "level " + std::to_string(l) + " picks must be ascending in [0, " +
+                                  std::to_string(n) + "), got " + std::to_string(row[s]));
+        }
+      }
+    }
+  }
+  return {};
+}
+
+int resolve_levels(int64_t len, const LlsaOptions& o) {
+  return o.levels > 0 ? o.levels : llsa_auto_levels(len, o.block);
+}
+
+float resolve_scale(const Tensor& q, const LlsaOptions& o) {
+  return o.scale.value_or(1.0f / std::sqrt(static_cast<float>(q.shape[3])));
+}
+
+// Contiguous f64 copy of a 4-d tensor (cpu_ref).
+std::vector<double> to_double(const Tensor& t) {
+  std::vector<double> out(t.numel());
+  const int64_t d = t.shape[3];
+  std::vector<float> row(d);
+  int64_t n = 0;
+  for (int64_t a = 0; a < t.shape[0]; ++a)
+    for (int64_t b = 0; b < t.shape[1]; ++b)
+      for (int64_t i = 0; i < t.shape[2]; ++i) {
+        detail::load_row(t.data, t.dtype, t.offset({a, b, i, 0}), d, row.data());
+        for (int64_t c = 0; c < d; ++c) out[n++] = row[c];
+      }
+  return out;
+}
+
+void from_double(const std::vector<double>& src, const Tensor& t) {
+  const int64_t d = t.shape[3];
+  int64_t n = 0;
+  for (int64_t a = 0; a < t.shape[0]; ++a)
+    for (int64_t b = 0; b < t.shape[1]; ++b)
+      for (int64_t i = 0; i < t.shape[2]; ++i)
+        for (int64_t c = 0; c < d; ++c)
+          detail::store_element(t.data, t.dtype, t.offset({a, b, i, c}), static_cast<float>(src[n++]));
+}
+
+void lse_from_double(const std::vector<double>& src, const Tensor& lse) {
+  int64_t n = 0;
+  for (int64_t a = 0; a < lse.shape[0]; ++a)
+    for (int64_t b = 0; b < lse.shape[1]; ++b)
+      for (int64_t i = 0; i < lse.shape[2]; ++i) lse.ptr<float>()[lse.offset({a, b, i})] = static_cast<float>(src[n++]);
+}
+
+std::vector<double> lse_to_double(const Tensor& lse) {
+  std::vector<double> out(lse.numel());
+  int64_t n = 0;
+  for (int64_t a = 0; a < lse.shape[0]; ++a)
+    for (int64_t b = 0; b < lse.shape[1]; ++b)
+      for (int64_t i = 0; i < lse.shape[2]; ++i) out[n++] = lse.ptr<const float>()[lse.offset({a, b, i})];
+  return out;
+}
+
+llsa_detail::RefShape ref_shape(const Tensor& q, const Tensor& k, float scale) {
+  return {q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], static_cast<double>(scale)};
+}
+
+}  // namespace
+
+Result<LlsaPlan> llsa_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options) {
+  SPARSA_RETURN_IF_ERROR(check_inputs(q, k, nullptr, options));
+  return llsa_detail::build_plan(q, k, options, resolve_levels(q.shape[2], options));
+}
+
+Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaPlan& plan, const Tensor& out,
+                    const Tensor& lse, const LlsaOptions& options) {
+  SPARSA_RETURN_IF_ERROR(check_inputs(q, k, &v, options));
+  SPARSA_RETURN_IF_ERROR(check_plan(plan, q, k));
+  SPARSA_RETURN_IF_ERROR(check_like("out", out, q));
+  if (out.dtype != q.dtype) return unsupported_dtype(std::string("out: expected dtype ") + dtype_name(q.dtype) + ", got " + dtype_name(out.dtype));
+  SPARSA_RETURN_IF_ERROR(check_lse(lse, q));
+  const float scale = resolve_scale(q, options);
+  if (options.backend == Backend::cpu_ref) {
+    const auto qd = to_double(q), kd = to_double(k), vd = to_double(v);
+    std::vector<double> od(q.numel()), ld(q.numel() / q.shape[3]);
+    llsa_detail::ref_forward(ref_shape(q, k, scale), plan, qd.data(), kd.data(), vd.data(), od.data(), ld.data());
+    from_double(od, out);
+    lse_from_double(ld, lse);
+    return {};
+  }
+  llsa_detail::CpuArgs args;
+  args.q = q, args.k = k, args.v = v, args.out = out, args.lse = lse;
+  args.scale = scale;
+  args.num_threads = options.num_threads;
+  return llsa_detail::cpu_forward(args, plan);
+}
+
+Result<AttentionOutput> llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaOptions& options) {
+  Result<LlsaPlan> plan = llsa_plan(q, k, options);
+  if (!plan.ok()) return plan.status();
+  AttentionOutput o;
+  o.out = HostArray(q.dtype, {q.shape[0], q.shape[1], q.shape[2], q.shape[3]});
+  o.lse = HostArray(DType::f32, {q.shape[0], q.shape[1], q.shape[2]});
+  SPARSA_RETURN_IF_ERROR(llsa_forward(q, k, v, *plan, o.out.view(), o.lse.view(), options));
+  return o;
+}
+
+Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaPlan& plan, const Tensor& out,
+                     const Tensor& lse, const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                     const LlsaOptions& options) {
+  SPARSA_RETURN_IF_ERROR(check_inputs(q, k, &v, options));
+  SPARSA_RETURN_IF_ERROR(check_plan(plan, q, k));
+  SPARSA_RETURN_IF_ERROR(check_like("out", out, q));
+  SPARSA_RETURN_IF_ERROR(check_lse(lse, q));
+  SPARSA_RETURN_IF_ERROR(check_like("d_o", d_o, q));
+  SPARSA_RETURN_IF_ERROR(check_like("dq", dq, q));
+  SPARSA_RETURN_IF_ERROR(check_like("dk", dk, k));
+  SPARSA_RETURN_IF_ERROR(check_like("dv", dv, k));
+  if (options.check_finite) {
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("d_o", d_o));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("out", out));
+  }
+  const float scale = resolve_scale(q, options);
+  if (options.backend == Backend::cpu_ref) {
+    const auto qd = to_double(q), kd = to_double(k), vd = to_double(v), od = to_double(out), dod = to_double(d_o);
+    const auto ld = lse_to_double(lse);
+    std::vector<double> dqd(q.numel()), dkd(k.numel()), dvd(k.numel());
+    llsa_detail::ref_backward(ref_shape(q, k, scale), plan, qd.data(), kd.data(), vd.data(), od.data(), ld.data(),
+                              dod.data(), dqd.data(), dkd.data(), dvd.data());
+    from_double(dqd, dq);
+    from_double(dkd, dk);
+    from_double(dvd, dv);
+    return {};
+  }
+  llsa_detail::CpuArgs args;
+  args.q = q, args.k = k, args.v = v, args.out = out, args.lse = lse, args.d_o = d_o;
+  args.dq = dq, args.dk = dk, args.dv = dv;
+  args.scale = scale;
+  args.num_threads = options.num_threads;
+  return llsa_detail::cpu_backward(args, plan);
+}
+
+Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                     const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                     const LlsaOptions& options) {
+  Result<LlsaPlan> plan = llsa_plan(q, k, options);
+  if (!plan.ok()) return plan.status();
+  return llsa_backward(q, k, v, *plan, out, lse, d_o, dq, dk, dv, options);
+}
+
+}  // namespace sparsa

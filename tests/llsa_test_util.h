@@ -1,0 +1,40 @@
+// Helpers shared by the LLSA tests.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "sparsa/tensor.h"
+
+namespace llsa_test {
+
+inline sparsa::HostArray randn(std::vector<int64_t> shape, uint32_t seed, float sigma = 1.0f) {
+  sparsa::HostArray a(sparsa::DType::f32, std::move(shape));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, sigma);
+  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = nd(rng);
+  return a;
+}
+
+inline double max_abs_diff(const sparsa::HostArray& a, const sparsa::HostArray& b) {
+  double m = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) m = std::max(m, (double)std::abs(a.ptr<float>()[i] - b.ptr<float>()[i]));
+  return m;
+}
+
+inline double max_abs(const sparsa::HostArray& a) {
+  double m = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) m = std::max(m, (double)std::abs(a.ptr<float>()[i]));
+  return m;
+}
+
+inline bool all_finite(const sparsa::HostArray& a) {
+  for (int64_t i = 0; i < a.numel(); ++i)
+    if (!std::isfinite(a.ptr<float>()[i])) return false;
+  return true;
+}
+
+}  // namespace llsa_test

@@ -1,0 +1,88 @@
+"""sparsa on torch tensors (skipped where torch is absent; the GPU check runs them)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sparsa  # noqa: E402
+import sparsa.torch as st  # noqa: E402
+
+
+def test_dense_returns_torch_on_cpu():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 33, 64, generator=g)
+    k = torch.randn(1, 2, 47, 64, generator=g)
+    v = torch.randn(1, 2, 47, 64, generator=g)
+    out, lse = sparsa.dense(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.device == q.device and out.dtype == q.dtype
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(2, 1),
+                                                           v.double().repeat_interleave(2, 1))
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_bf16_inputs():
+    q = torch.randn(1, 2, 16, 64).bfloat16()
+    out, _ = sparsa.dense(q, q, q)
+    assert out.dtype == torch.bfloat16
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    # bf16 output rounding: half an ulp (2^-8) relative.
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 2.0**-8 + 1e-5
+
+
+def test_block_mask_round_trip():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    index = sparsa.BlockIndex.full(1, 2, 256, 384, 128, 128)
+    index.counts[0, 1, 0] = 1
+    index.indices[0, 1, 0, :] = [2, 0, 0]
+    bm = st.to_block_mask(index, 256, 384)
+    assert isinstance(bm, flex.BlockMask)
+    back = st.from_block_mask(bm)
+    assert back.block_q == 128 and back.block_kv == 128
+    assert np.array_equal(back.counts.numpy(), index.counts)
+    for i in np.ndindex(index.counts.shape):
+        c = index.counts[i]
+        assert np.array_equal(back.indices.numpy()[i][:c], index.indices[i][:c])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensor_with_cpu_backend_is_refused_cleanly():
+    q = torch.randn(1, 2, 16, 64, device="cuda")
+    with pytest.raises(ValueError, match=r"q: expected a tensor on cpu, got cuda:0"):
+        sparsa.dense(q, q, q, backend="cpu")
+
+
+def test_llsa_attention_autograd_matches_sparsa_backward():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=g, requires_grad=True) for _ in range(3))
+    out = st.llsa_attention(q, k, v, block=4, topk=2)
+    w = torch.randn(out.shape, generator=g)
+    (out * w).sum().backward()
+    ref_o, ref_lse = sparsa.llsa(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), block=4, topk=2)
+    assert np.allclose(out.detach().numpy(), ref_o)
+    dq, dk, dv = sparsa.llsa_backward(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), ref_o, ref_lse,
+                                      w.numpy(), block=4, topk=2)
+    assert np.allclose(q.grad.numpy(), dq) and np.allclose(k.grad.numpy(), dk) and np.allclose(v.grad.numpy(), dv)
+    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_dense_on_cuda_tensors_stays_on_the_device():
+    if "cuda" not in sparsa.backends():
+        pytest.skip("sparsa built without the cuda backend")
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 300, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    sparsa.dense(q, k, v)  # warm up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out, lse = sparsa.dense(q, k, v)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "memcpy" in e.name.lower() and ("HtoD" in e.name or "DtoH" in e.name)]
+    assert copies == [], copies  # no host round trip
+    assert out.is_cuda and out.dtype == torch.bfloat16 and lse.is_cuda and lse.dtype == torch.float32
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(4, 1),
+                                                           v.double().repeat_interleave(4, 1))
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2

@@ -1,0 +1,413 @@
+// The cuda backend of dense and block-sparse attention against cpu_ref (DESIGN.md §3).
+//
+// Runs where a CUDA device is visible (scripts/gpu-check); elsewhere the device cases skip and
+// only the "not available" contract is checked.
+//
+// Error bound (DESIGN.md §3): the reference is cpu_ref on the exact f32 values of the bf16/f16
+// inputs (f64 accumulation). A "naive" half-precision implementation rounds the logits, the
+// normalised probabilities and the output to the input dtype (f32 accumulation in between); the
+// cuda output's relative L2 error must be at most twice the naive one. LSE is computed from f32
+// logits of exact products and f32 sums of exponentials: its error is a few f32 ulps of the
+// logits times the accumulation length, far under 2e-4 * (1 + |lse|), the bound used.
+// Every output element must be written and finite; poisoned bytes around and between the
+// output rows must stay untouched; rows that see no key must be exactly O = 0, LSE = -inf.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <ostream>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sparsa/attention.h"
+
+#if defined(SPARSA_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+using namespace sparsa;
+
+TEST(CudaAttention, ReportsAvailabilityHonestly) {
+  HostArray q(DType::bf16, {1, 1, 4, 64}), out(DType::bf16, {1, 1, 4, 64}), lse(DType::f32, {1, 1, 4});
+  AttentionOptions opt;
+  opt.backend = Backend::cuda;
+  const Status st = dense(q.view(), q.view(), q.view(), out.view(), lse.view(), opt);
+  ASSERT_FALSE(st.ok());  // host tensors are never accepted by the cuda backend
+  if (!backend_available(Backend::cuda)) {
+    EXPECT_EQ(st.code(), StatusCode::unsupported) << st.to_string();
+  } else {
+    EXPECT_NE(st.message().find("q:"), std::string::npos) << st.to_string();
+  }
+}
+
+#if defined(SPARSA_WITH_CUDA)
+
+namespace {
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) { reset(n); }
+  void reset(size_t n) {
+    cudaFree(ptr);
+    bytes = n;
+    if (cudaMalloc(&ptr, std::max<size_t>(n, 16)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+};
+
+struct Case {
+  std::string name;
+  DType dtype = DType::bf16;
+  int64_t batch = 1, heads_q = 2, heads_kv = 2, len_q = 17, len_kv = 33, head_dim = 64;
+  bool sparse = false;
+  int block_q = 64, block_kv = 64;
+  double keep = 1.0;        // fraction of key blocks kept (diagonal forced)
+  bool perms = false;       // random perm_q / perm_kv
+  bool empty_rows = false;  // some query blocks get count 0
+  int64_t seq_pad = 0;      // extra elements between rows of q, k, v and out (strided views)
+  float amplitude = 1.0f;   // q scale: larger gives peakier softmax
+  uint32_t seed = 1;
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+float round_to(DType dtype, float x) {
+  return dtype == DType::bf16 ? bf16_to_float(float_to_bf16(x)) : half_to_float(float_to_half(x));
+}
+uint16_t encode(DType dtype, float x) { return dtype == DType::bf16 ? float_to_bf16(x) : float_to_half(x); }
+float decode(DType dtype, uint16_t x) { return dtype == DType::bf16 ? bf16_to_float(x) : half_to_float(x); }
+
+// Visible keys and rows of the plan, in original token order (the semantics of cpu_ref).
+struct Group {
+  std::vector<int64_t> rows, keys;
+};
+std::vector<Group> groups_of(const Case& c, const BlockIndexBuffer* plan, int64_t b, int64_t h) {
+  std::vector<Group> out;
+  if (plan == nullptr) {
+    Group g;
+    for (int64_t i = 0; i < c.len_q; ++i) g.rows.push_back(i);
+    for (int64_t j = 0; j < c.len_kv; ++j) g.keys.push_back(j);
+    out.push_back(g);
+    return out;
+  }
+  const int64_t h_kv = h / (c.heads_q / c.heads_kv);
+  const BlockIndex ix = plan->view();
+  for (int64_t qb = 0; qb < plan->num_q_blocks; ++qb) {
+    Group g;
+    const int32_t count = ix.counts.ptr<int32_t>()[ix.counts.offset({b, h, qb})];
+    for (int32_t s = 0; s < count; ++s) {
+      const int64_t kb = ix.indices.ptr<int32_t>()[ix.indices.offset({b, h, qb, s})];
+      for (int64_t p = kb * c.block_kv; p < std::min<int64_t>((kb + 1) * c.block_kv, c.len_kv); ++p)
+        g.keys.push_back(ix.perm_kv.defined() ? ix.perm_kv.ptr<int32_t>()[ix.perm_kv.offset({b, h_kv, p})] : p);
+    }
+    for (int64_t p = qb * c.block_q; p < std::min<int64_t>((qb + 1) * c.block_q, c.len_q); ++p)
+      g.rows.push_back(ix.perm_q.defined() ? ix.perm_q.ptr<int32_t>()[ix.perm_q.offset({b, h, p})] : p);
+    out.push_back(g);
+  }
+  return out;
+}
+
+BlockIndexBuffer make_plan(const Case& c, std::mt19937& rng) {
+  const int64_t nq = (c.len_q + c.block_q - 1) / c.block_q, nkv = (c.len_kv + c.block_kv - 1) / c.block_kv;
+  BlockIndexBuffer plan = BlockIndexBuffer::empty(c.batch, c.heads_q, c.len_q, c.len_kv, c.block_q, c.block_kv, nkv);
+  std::uniform_real_distribution<double> u(0, 1);
+  int32_t* counts = plan.counts.ptr<int32_t>();
+  int32_t* indices = plan.indices.ptr<int32_t>();
+  for (int64_t r = 0; r < c.batch * c.heads_q * nq; ++r) {
+    const int64_t qb = r % nq;
+    int32_t n = 0;
+    if (!(c.empty_rows && qb % 3 == 1)) {
+      for (int64_t kb = 0; kb < nkv; ++kb)
+        if (kb == qb || u(rng) < c.keep) indices[r * nkv + n++] = static_cast<int32_t>(kb);
+    }
+    counts[r] = n;
+    for (int64_t s = n; s < nkv; ++s) indices[r * nkv + s] = -7;  // padding is never read as a block
+  }
+  if (c.perms) {
+    auto perm = [&](int64_t heads, int64_t len) {
+      HostArray a(DType::i32, {c.batch, heads, len});
+      for (int64_t r = 0; r < c.batch * heads; ++r) {
+        std::vector<int32_t> p(len);
+        std::iota(p.begin(), p.end(), 0);
+        std::shuffle(p.begin(), p.end(), rng);
+        std::copy(p.begin(), p.end(), a.ptr<int32_t>() + r * len);
+      }
+      return a;
+    };
+    plan.perm_q = perm(c.heads_q, c.len_q);
+    plan.perm_kv = perm(c.heads_kv, c.len_kv);
+  }
+  return plan;
+}
+
+// Naive half-precision attention (see the header comment): relative L2 error vs the reference.
+double naive_error(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
+                   const std::vector<float>& v, const BlockIndexBuffer* plan, const std::vector<float>& ref) {
+  const int64_t D = c.head_dim, group = c.heads_q / c.heads_kv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  double err = 0, norm = 0;
+  std::vector<float> s;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t h = 0; h < c.heads_q; ++h) {
+      const int64_t h_kv = h / group;
+      for (const Group& g : groups_of(c, plan, b, h)) {
+        for (int64_t i : g.rows) {
+          const float* qi = &q[((b * c.heads_q + h) * c.len_q + i) * D];
+          s.assign(g.keys.size(), 0.0f);
+          float m = -INFINITY;
+          for (size_t n = 0; n < g.keys.size(); ++n) {
+            const float* kj = &k[((b * c.heads_kv + h_kv) * c.len_kv + g.keys[n]) * D];
+            float dot = 0;
+            for (int64_t t = 0; t < D; ++t) dot += qi[t] * kj[t];
+            s[n] = round_to(c.dtype, dot * scale);
+            m = std::max(m, s[n]);
+          }
+          float sum = 0;
+          for (float& x : s) sum += (x = std::exp(x - m));
+          for (int64_t t = 0; t < D; ++t) {
+            float o = 0;
+            for (size_t n = 0; n < g.keys.size(); ++n)
+              o += round_to(c.dtype, s[n] / sum) * v[((b * c.heads_kv + h_kv) * c.len_kv + g.keys[n]) * D + t];
+            const double r = ref[((b * c.heads_q + h) * c.len_q + i) * D + t];
+            const double d = round_to(c.dtype, o) - r;
+            err += d * d;
+            norm += r * r;
+          }
+        }
+      }
+    }
+  }
+  return norm > 0 ? std::sqrt(err / norm) : 0.0;
+}
+
+// Uploads host values (dense [B, H, L, D]) into a strided device view with seq_pad.
+Tensor upload(const Case& c, const std::vector<float>& x, int64_t heads, int64_t len, DeviceBuffer& buf) {
+  const int64_t D = c.head_dim, row = D + c.seq_pad;
+  std::vector<uint16_t> h(static_cast<size_t>(c.batch * heads * len * row), 0);
+  for (int64_t r = 0; r < c.batch * heads * len; ++r)
+    for (int64_t t = 0; t < D; ++t) h[r * row + t] = encode(c.dtype, x[r * D + t]);
+  buf.reset(h.size() * 2);
+  cudaMemcpy(buf.ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice);
+  Tensor t;
+  t.data = buf.ptr;
+  t.dtype = c.dtype;
+  t.device = Device{DeviceType::cuda, 0};
+  t.ndim = 4;
+  const int64_t shape[4] = {c.batch, heads, len, D}, strides[4] = {heads * len * row, len * row, row, 1};
+  std::copy(shape, shape + 4, t.shape);
+  std::copy(strides, strides + 4, t.strides);
+  return t;
+}
+
+Tensor upload_i32(const HostArray& a, DeviceBuffer& buf) {
+  buf.reset(a.nbytes());
+  cudaMemcpy(buf.ptr, a.data(), a.nbytes(), cudaMemcpyHostToDevice);
+  Tensor t = a.view();
+  t.data = buf.ptr;
+  t.device = Device{DeviceType::cuda, 0};
+  return t;
+}
+
+class Ops : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Ops, MatchesReference) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  const Case c = GetParam();
+  std::mt19937 rng(c.seed);
+  std::normal_distribution<float> nd;
+  const int64_t D = c.head_dim;
+  auto random = [&](int64_t n, float amp) {
+    std::vector<float> x(n);
+    for (float& e : x) e = round_to(c.dtype, amp * nd(rng));
+    return x;
+  };
+  const std::vector<float> q = random(c.batch * c.heads_q * c.len_q * D, c.amplitude);
+  const std::vector<float> k = random(c.batch * c.heads_kv * c.len_kv * D, 1.0f);
+  const std::vector<float> v = random(c.batch * c.heads_kv * c.len_kv * D, 1.0f);
+  std::optional<BlockIndexBuffer> plan;
+  if (c.sparse) plan = make_plan(c, rng);
+
+  // Reference: cpu_ref on the exact f32 values of the half inputs.
+  AttentionOptions ref_opt;
+  ref_opt.backend = Backend::cpu_ref;
+  auto host = [&](const std::vector<float>& x, int64_t heads, int64_t len) {
+    HostArray a(DType::f32, {c.batch, heads, len, D});
+    std::copy(x.begin(), x.end(), a.ptr<float>());
+    return a;
+  };
+  HostArray qh = host(q, c.heads_q, c.len_q), kh = host(k, c.heads_kv, c.len_kv), vh = host(v, c.heads_kv, c.len_kv);
+  auto ref = plan ? block_sparse(qh.view(), kh.view(), vh.view(), plan->view(), ref_opt)
+                  : dense(qh.view(), kh.view(), vh.view(), ref_opt);
+  ASSERT_TRUE(ref.ok()) << ref.status().to_string();
+  const std::vector<float> ref_out(ref->out.ptr<float>(), ref->out.ptr<float>() + ref->out.numel());
+  const double bound = 2.0 * naive_error(c, q, k, v, plan ? &*plan : nullptr, ref_out);
+
+  // Device inputs, plan and poisoned outputs.
+  DeviceBuffer qb(0), kb(0), vb(0), cb(0), ib(0), pqb(0), pkb(0);
+  const Tensor qd = upload(c, q, c.heads_q, c.len_q, qb), kd = upload(c, k, c.heads_kv, c.len_kv, kb),
+               vd = upload(c, v, c.heads_kv, c.len_kv, vb);
+  BlockIndex ixd;
+  if (plan) {
+    ixd = plan->view();
+    ixd.counts = upload_i32(plan->counts, cb);
+    ixd.indices = upload_i32(plan->indices, ib);
+    if (!plan->perm_q.empty()) ixd.perm_q = upload_i32(plan->perm_q, pqb);
+    if (!plan->perm_kv.empty()) ixd.perm_kv = upload_i32(plan->perm_kv, pkb);
+  }
+  const int64_t row = D + c.seq_pad, rows = c.batch * c.heads_q * c.len_q, guard = 256;
+  DeviceBuffer out_buf((rows * row + 2 * guard) * 2), lse_buf((rows + 2 * guard) * 4);
+  CUDA_OK(cudaMemset(out_buf.ptr, 0xff, out_buf.bytes));
+  CUDA_OK(cudaMemset(lse_buf.ptr, 0xff, lse_buf.bytes));
+  Tensor out = qd;
+  out.data = static_cast<uint16_t*>(out_buf.ptr) + guard;
+  Tensor lse = Tensor::contiguous(static_cast<float*>(lse_buf.ptr) + guard, DType::f32,
+                                  {c.batch, c.heads_q, c.len_q}, Device{DeviceType::cuda, 0});
+  AttentionOptions opt;
+  opt.backend = Backend::cuda;
+  const Status st = plan ? block_sparse(qd, kd, vd, ixd, out, lse, opt) : dense(qd, kd, vd, out, lse, opt);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint16_t> out_h(out_buf.bytes / 2);
+  std::vector<float> lse_h(lse_buf.bytes / 4);
+  CUDA_OK(cudaMemcpy(out_h.data(), out_buf.ptr, out_buf.bytes, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(lse_h.data(), lse_buf.ptr, lse_buf.bytes, cudaMemcpyDeviceToHost));
+
+  // Guards and padding untouched.
+  for (int64_t i = 0; i < guard; ++i) {
+    ASSERT_EQ(out_h[i], 0xffff) << "out: wrote before the buffer";
+    ASSERT_EQ(out_h[guard + rows * row + i], 0xffff) << "out: wrote past the buffer";
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = D; t < row; ++t) ASSERT_EQ(out_h[guard + r * row + t], 0xffff) << "out: wrote into row padding";
+  uint32_t lse_poison;
+  std::memset(&lse_poison, 0xff, 4);
+  for (int64_t i = 0; i < guard; ++i) {
+    ASSERT_EQ(std::memcmp(&lse_h[i], &lse_poison, 4), 0) << "lse: wrote before the buffer";
+    ASSERT_EQ(std::memcmp(&lse_h[guard + rows + i], &lse_poison, 4), 0) << "lse: wrote past the buffer";
+  }
+
+  double err = 0, norm = 0;
+  int64_t lse_bad = 0, empty_bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = lse_h[guard + r], lr = ref->lse.ptr<float>()[r];
+    if (std::isinf(lr)) {  // a row that sees no key
+      bool zero = l == -INFINITY;
+      for (int64_t t = 0; t < D; ++t) zero = zero && decode(c.dtype, out_h[guard + r * row + t]) == 0.0f;
+      empty_bad += !zero;
+      continue;
+    }
+    if (!(std::abs(l - lr) <= 2e-4 * (1.0 + std::abs(lr)))) ++lse_bad;
+    for (int64_t t = 0; t < D; ++t) {
+      const double o = decode(c.dtype, out_h[guard + r * row + t]), rf = ref_out[r * D + t];
+      if (!std::isfinite(o)) {
+        FAIL() << "out: element " << r << "," << t << " is not finite (unwritten or NaN): " << o;
+      }
+      err += (o - rf) * (o - rf);
+      norm += rf * rf;
+    }
+  }
+  const double rel = norm > 0 ? std::sqrt(err / norm) : 0.0;
+  EXPECT_EQ(empty_bad, 0) << "rows that see no key must be O = 0, LSE = -inf";
+  EXPECT_EQ(lse_bad, 0) << "lse outside 2e-4 * (1 + |lse|)";
+  EXPECT_LE(rel, bound + 1e-7) << "relative L2 error " << rel << " vs bound " << bound << " (twice naive)";
+  std::printf("  %-40s rel_err %.3e  bound %.3e\n", c.name.c_str(), rel, bound);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  auto add = [&](Case c) { v.push_back(c); };
+  // Small (also run under compute-sanitizer).
+  add({.name = "Small_dense_bf16_d64_17x33", .len_q = 17, .len_kv = 33});
+  add({.name = "Small_dense_f16_d128_gqa4x2_113x77", .dtype = DType::f16, .heads_q = 4, .heads_kv = 2,
+       .len_q = 113, .len_kv = 77, .head_dim = 128, .seed = 2});
+  add({.name = "Small_dense_bf16_d128_1x1", .len_q = 1, .len_kv = 1, .head_dim = 128, .seed = 3});
+  add({.name = "Small_sparse_bf16_d128_perm_empty", .batch = 2, .heads_q = 2, .heads_kv = 1, .len_q = 200,
+       .len_kv = 190, .head_dim = 128, .sparse = true, .keep = 0.4, .perms = true, .empty_rows = true, .seed = 4});
+  add({.name = "Small_sparse_f16_d64_odd_blocks_unaligned", .dtype = DType::f16, .heads_q = 3, .heads_kv = 1,
+       .len_q = 131, .len_kv = 150, .sparse = true, .block_q = 17, .block_kv = 23, .keep = 0.5, .perms = true,
+       .seq_pad = 3, .seed = 5});
+  add({.name = "Small_dense_bf16_d64_strided", .heads_q = 2, .heads_kv = 1, .len_q = 70, .len_kv = 129,
+       .seq_pad = 8, .amplitude = 4.0f, .seed = 6});
+  // Medium.
+  add({.name = "Medium_dense_bf16_d128_gqa4x1_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
+       .len_kv = 1500, .head_dim = 128, .seed = 7});
+  add({.name = "Medium_dense_f16_d64_peaky_1000x1000", .dtype = DType::f16, .heads_q = 2, .heads_kv = 2,
+       .len_q = 1000, .len_kv = 1000, .amplitude = 4.0f, .seed = 8});
+  add({.name = "Medium_sparse_bf16_d128_b128_perm", .heads_q = 4, .heads_kv = 2, .len_q = 1000, .len_kv = 1100,
+       .head_dim = 128, .sparse = true, .block_q = 128, .block_kv = 128, .keep = 0.3, .perms = true,
+       .empty_rows = true, .seed = 9});
+  add({.name = "Medium_sparse_f16_d128_bq200_bkv96", .dtype = DType::f16, .heads_q = 2, .heads_kv = 2,
+       .len_q = 777, .len_kv = 1023, .head_dim = 128, .sparse = true, .block_q = 200, .block_kv = 96,
+       .keep = 0.5, .seq_pad = 8, .seed = 10});
+  add({.name = "Medium_sparse_bf16_d64_b128_dense_plan", .heads_q = 2, .heads_kv = 1, .len_q = 1024,
+       .len_kv = 1024, .sparse = true, .block_q = 128, .block_kv = 128, .keep = 1.0, .seed = 11});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(CudaAttention, Ops, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(CudaAttentionErrors, NameTheArgument) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  DeviceBuffer buf(1 << 20);
+  const Device gpu{DeviceType::cuda, 0};
+  auto view = [&](DType dt, int64_t d, size_t offset = 0) {
+    return Tensor::contiguous(static_cast<char*>(buf.ptr) + offset, dt, {1, 2, 8, d}, gpu);
+  };
+  Tensor q = view(DType::bf16, 64), k = view(DType::bf16, 64, 4096), v = view(DType::bf16, 64, 8192),
+         out = view(DType::bf16, 64, 16384);
+  Tensor lse = Tensor::contiguous(static_cast<char*>(buf.ptr) + 32768, DType::f32, {1, 2, 8}, gpu);
+  AttentionOptions opt;
+  opt.backend = Backend::cuda;
+  ASSERT_TRUE(dense(q, k, v, out, lse, opt).ok());
+
+  HostArray host_k(DType::bf16, {1, 2, 8, 64});
+  Status st = dense(q, host_k.view(), v, out, lse, opt);
+  EXPECT_NE(st.message().find("k: expected a tensor on cuda:0"), std::string::npos) << st.to_string();
+
+  Tensor lying = q;  // a host pointer that claims to be on the device
+  lying.data = host_k.data();
+  st = dense(lying, k, v, out, lse, opt);
+  EXPECT_NE(st.message().find("q: expected memory of cuda:0"), std::string::npos) << st.to_string();
+
+  Tensor q32 = view(DType::f32, 64), k32 = view(DType::f32, 64, 4096), v32 = view(DType::f32, 64, 8192),
+         o32 = view(DType::f32, 64, 16384);
+  st = dense(q32, k32, v32, o32, lse, opt);
+  EXPECT_EQ(st.code(), StatusCode::unsupported_dtype) << st.to_string();
+
+  Tensor q96 = view(DType::bf16, 96), k96 = view(DType::bf16, 96, 4096), v96 = view(DType::bf16, 96, 8192),
+         o96 = view(DType::bf16, 96, 16384);
+  st = dense(q96, k96, v96, o96, lse, opt);
+  EXPECT_NE(st.message().find("head_dim 96"), std::string::npos) << st.to_string();
+
+  // A plan on the host is refused by name.
+  BlockIndexBuffer plan = BlockIndexBuffer::full(1, 2, 8, 8, 4, 4);
+  st = block_sparse(q, k, v, plan.view(), out, lse, opt);
+  EXPECT_NE(st.message().find("index.counts: expected a tensor on cuda:0"), std::string::npos) << st.to_string();
+
+  // Garbage index contents on the device are guarded: no fault, nothing out of bounds.
+  BlockIndex bad = plan.view();
+  HostArray counts(DType::i32, {1, 2, 2}), indices(DType::i32, {1, 2, 2, 2});
+  for (int i = 0; i < 4; ++i) counts.ptr<int32_t>()[i] = 1000 * (i % 2 ? -1 : 1);
+  for (int i = 0; i < 8; ++i) indices.ptr<int32_t>()[i] = i % 2 ? -5 : 99;
+  DeviceBuffer cb(0), ib(0);
+  bad.counts = upload_i32(counts, cb);
+  bad.indices = upload_i32(indices, ib);
+  st = block_sparse(q, k, v, bad, out, lse, opt);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+}  // namespace
+
+#endif  // SPARSA_WITH_CUDA

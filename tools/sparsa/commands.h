@@ -1,0 +1,75 @@
+// The subcommands of `sparsa`. main.cpp parses the command line with CLI11 into these
+// option structs; each command returns an Outcome, and main prints a failure as the
+// single line "sparsa: error: <message>".
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "sparsa/status.h"
+
+namespace sparsa::cli {
+
+// Exit codes: 0 success, 1 runtime failure (files, data, the computation), 2 usage
+// (the command line itself is wrong: flags, values, -P parameters).
+inline constexpr int kExitRuntime = 1;
+inline constexpr int kExitUsage = 2;
+
+// --threads above this is refused: the CPU backend starts one thread per unit of
+// work up to the request, and thread creation failing mid-way is not recoverable.
+inline constexpr int kMaxThreads = 256;
+
+struct Outcome {
+  Status status;
+  int exit_code = 0;
+};
+inline Outcome success() { return {}; }
+inline Outcome usage_error(Status status) { return {std::move(status), kExitUsage}; }
+inline Outcome runtime_error(Status status) { return {std::move(status), kExitRuntime}; }
+// A method's failure: its parameter errors ("params: ...") are usage errors.
+Outcome method_error(Status status);
+
+struct InfoOptions {
+  bool json = false;
+};
+
+struct RunOptions {
+  std::string method, q, k, v, index, out, lse, backend = "cpu";
+  std::vector<std::string> params;
+  double scale = 0;
+  bool scale_given = false;
+  bool check_finite = false;
+  int threads = 0;
+  bool quiet = false;
+};
+
+struct BenchOptions {
+  std::string methods;  // comma-separated; empty = every registered method
+  std::string lengths = "1024,2048,4096";
+  int heads = 8, kv_heads = 0, head_dim = 64, repeats = 3, warmup = 1, threads = 0;
+  std::uint64_t seed = 0;
+  std::string backend = "cpu";
+  std::vector<std::string> params;  // method.key=value
+  std::string json_path, plot_path;
+};
+
+// The demo's default length: measured so the whole demo takes about a minute on a
+// 2-core machine (docs/cli.md records the measurement).
+inline constexpr long long kDemoDefaultLength = 16384;
+
+struct DemoOptions {
+  long long length = kDemoDefaultLength;
+  std::string methods;   // comma-separated; empty = every method with in_demo
+  int threads = 0, repeats = 1;
+  std::string backend = "cpu";
+  std::vector<std::string> params;  // method.key=value
+  std::string plot_path = "demo.svg";
+  bool json = false;
+};
+
+Outcome cmd_info(const InfoOptions& options);
+Outcome cmd_run(const RunOptions& options);
+Outcome cmd_bench(const BenchOptions& options);
+Outcome cmd_demo(const DemoOptions& options);
+
+}  // namespace sparsa::cli

@@ -1,0 +1,242 @@
+#include "common.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+#include <sstream>
+#include <unistd.h>
+
+#include "commands.h"
+#include "params.h"
+#include "sparsa/io.h"
+
+namespace sparsa::cli {
+
+Outcome method_error(Status status) {
+  const std::string& m = status.message();
+  // "params: ..." or, from bench/demo, "<method>: params: ...".
+  const bool usage = m.rfind("params:", 0) == 0 || m.rfind("-P", 0) == 0 || m.find(": params:") != std::string::npos;
+  return {std::move(status), usage ? kExitUsage : kExitRuntime};
+}
+
+Result<HostArray> load_input(const std::string& flag, const std::string& path) {
+  if (path.empty()) return invalid_argument(flag + ": expected a file name, got an empty string");
+  Result<HostArray> array = read_tensor(path);
+  if (!array.ok()) return Status{array.status().code(), flag + ": " + array.status().message()};
+  return array;
+}
+
+static bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+Status check_output_path(const std::string& flag, const std::string& path_and_name,
+                         const std::vector<std::string>& extensions) {
+  if (path_and_name.empty()) return invalid_argument(flag + ": expected a file name, got an empty string");
+  // "x.safetensors:name" names the entry (write_tensor); the file is "x.safetensors".
+  std::string path = path_and_name;
+  const size_t entry = path.rfind(".safetensors:");
+  if (entry != std::string::npos &&
+      std::find(extensions.begin(), extensions.end(), ".safetensors") != extensions.end()) {
+    path.resize(entry + std::string(".safetensors").size());
+  }
+  bool known = false;
+  std::string list;
+  for (const std::string& ext : extensions) {
+    known = known || ends_with(path, ext);
+    list += (list.empty() ? "" : " or ") + ext;
+  }
+  if (!known) return invalid_argument(flag + ": expected a file name ending in " + list + ", got '" + path + "'");
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(path);
+  if (fs::is_directory(p, ec)) {
+    return {StatusCode::io_error, flag + ": '" + path + "' is a directory"};
+  }
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) {
+    return {StatusCode::io_error, flag + ": directory '" + dir.string() + "' of '" + path + "' does not exist"};
+  }
+  if (::access(dir.c_str(), W_OK) != 0 || (fs::exists(p, ec) && ::access(p.c_str(), W_OK) != 0)) {
+    return {StatusCode::io_error, flag + ": '" + path + "' is not writable"};
+  }
+  return {};
+}
+
+Result<Params> parse_params(const std::vector<std::string>& texts) {
+  Params params = Params::object();
+  for (const std::string& t : texts) SPARSA_RETURN_IF_ERROR(parse_param(t, &params));
+  return params;
+}
+
+Result<std::map<std::string, Params>> parse_scoped_params(const std::vector<std::string>& texts,
+                                                          const std::vector<const Method*>& selected) {
+  std::map<std::string, Params> per_method;
+  std::map<std::string, Params> given;
+  for (const Method* m : selected) {
+    per_method[m->name] = m->demo_params.is_object() ? m->demo_params : Params::object();
+    given[m->name] = Params::object();
+  }
+  for (const std::string& t : texts) {
+    const size_t dot = t.find('.'), eq = t.find('=');
+    if (dot == std::string::npos || (eq != std::string::npos && dot > eq)) {
+      return invalid_argument("-P: expected method.key=value (e.g. block_sparse.density=0.2), got '" + t + "'");
+    }
+    const std::string name = t.substr(0, dot);
+    if (!per_method.count(name)) {
+      return invalid_argument("-P: '" + t + "' names method '" + name + "', which is not among the methods run");
+    }
+    SPARSA_RETURN_IF_ERROR(parse_param(t.substr(dot + 1), &given[name]));
+  }
+  for (auto& [name, params] : given) {
+    for (auto& [key, value] : params.items()) per_method[name][key] = value;
+  }
+  return per_method;
+}
+
+Result<std::vector<const Method*>> select_methods(const std::string& csv, bool demo_only) {
+  std::vector<const Method*> chosen;
+  if (csv.empty()) {
+    for (const Method& m : methods()) {
+      if (!demo_only || m.in_demo) chosen.push_back(&m);
+    }
+    return chosen;
+  }
+  std::stringstream ss(csv);
+  std::string name;
+  while (std::getline(ss, name, ',')) {
+    const Method* m = find_method(name);
+    if (m == nullptr) {
+      return invalid_argument("--methods: unknown method '" + name + "' (known: " + method_names() + ")");
+    }
+    if (std::find(chosen.begin(), chosen.end(), m) != chosen.end()) {
+      return invalid_argument("--methods: method '" + name + "' is listed twice");
+    }
+    chosen.push_back(m);
+  }
+  if (chosen.empty()) return invalid_argument("--methods: expected at least one method name");
+  return chosen;
+}
+
+Result<std::vector<int64_t>> parse_lengths(const std::string& flag, const std::string& csv) {
+  std::vector<int64_t> lengths;
+  std::stringstream ss(csv);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || errno != 0 || end != item.c_str() + item.size() || v <= 0 || v > (int64_t{1} << 24)) {
+      return invalid_argument(flag + ": expected positive integers up to " + std::to_string(1 << 24) +
+                              " separated by commas, got '" + item + "'");
+    }
+    lengths.push_back(v);
+  }
+  if (lengths.empty()) return invalid_argument(flag + ": expected at least one length");
+  return lengths;
+}
+
+Result<Backend> parse_backend_flag(const std::string& text) {
+  Result<Backend> backend = parse_backend(text);
+  if (!backend.ok()) return invalid_argument("--backend: expected cpu, cpu_ref or cuda, got '" + text + "'");
+  return backend;
+}
+
+Comparison compare_outputs(const AttentionOutput& output, const AttentionOutput& reference) {
+  Comparison c;
+  const Tensor o = output.out.view(), r = reference.out.view();
+  double diff2 = 0, ref2 = 0;
+  const int64_t n = std::min(o.numel(), r.numel());
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = load_as_double(o, i), b = load_as_double(r, i);
+    diff2 += (a - b) * (a - b);
+    ref2 += b * b;
+  }
+  c.rel_frobenius = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+  const float* lse = output.lse.ptr<float>();
+  const float* lse_ref = reference.lse.ptr<float>();
+  const int64_t m = std::min(output.lse.numel(), reference.lse.numel());
+  for (int64_t i = 0; i < m; ++i) {
+    const double a = lse[i], b = lse_ref[i];
+    double d;
+    if (std::isinf(a) && std::isinf(b) && a == b) {
+      d = 0;
+    } else {
+      d = std::fabs(a - b);
+      if (std::isnan(d)) d = std::numeric_limits<double>::infinity();
+    }
+    c.max_lse_diff = std::max(c.max_lse_diff, d);
+  }
+  return c;
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) return std::numeric_limits<double>::quiet_NaN();
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+std::string json_text(const nlohmann::json& value, int indent) {
+  return value.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string params_text(const Params& params) {
+  if (!params.is_object() || params.empty()) return "-";
+  std::string s;
+  for (const auto& [key, value] : params.items()) {
+    if (!s.empty()) s += " ";
+    s += key + "=" + (value.is_string() ? value.get<std::string>() : json_text(value, -1));
+  }
+  return s;
+}
+
+}  // namespace sparsa::cli
+
+#include "sparsa/workload.h"
+#include "util.h"
+
+namespace sparsa::cli {
+
+Result<Measurement> measure(const Method& method, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Params& params, const AttentionOptions& options, int warmup, int repeats) {
+  MethodInputs inputs{q, k, v, options, params};
+  Measurement m;
+  for (int r = 0; r < warmup + repeats; ++r) {
+    const double t0 = now_seconds();
+    Result<MethodOutput> out = method.run(inputs);
+    const double t1 = now_seconds();
+    if (!out.ok()) return Status{out.status().code(), method.name + ": " + out.status().message()};
+    if (r >= warmup) m.seconds.push_back(t1 - t0);
+    if (r == warmup + repeats - 1) {
+      m.select_seconds = out->select_seconds;
+      m.density = out->density;
+      m.output = std::move(out->attention);
+      m.plan = std::move(out->plan);
+    }
+  }
+  return m;
+}
+
+Status preflight(const std::vector<const Method*>& selected, const std::map<std::string, Params>& params,
+                 int64_t heads_q, int64_t heads_kv, int64_t head_dim, const AttentionOptions& options) {
+  WorkloadConfig config;
+  config.heads_q = heads_q;
+  config.heads_kv = heads_kv;
+  config.head_dim = head_dim;
+  config.len_q = config.len_kv = 128;
+  Result<Workload> small = generate_workload(config);
+  if (!small.ok()) return Status{small.status().code(), "workload: " + small.status().message()};
+  for (const Method* method : selected) {
+    const auto it = params.find(method->name);
+    Result<Measurement> m = measure(*method, small->q.view(), small->k.view(), small->v.view(),
+                                    it == params.end() ? Params::object() : it->second, options, 0, 1);
+    if (!m.ok()) return m.status();
+  }
+  return {};
+}
+
+}  // namespace sparsa::cli

@@ -1,0 +1,76 @@
+// Helpers shared by the commands: reading inputs, checking output paths, -P parsing,
+// method selection, and comparison of an output with the dense reference.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "methods.h"
+#include "sparsa/attention.h"
+#include "sparsa/tensor.h"
+
+namespace sparsa::cli {
+
+// A tensor file named by a flag; failures are prefixed by the flag ("--q: ...").
+Result<HostArray> load_input(const std::string& flag, const std::string& path);
+
+// The output file can be created: a known extension (".npy", ".safetensors" for
+// tensors; `extensions` for others), an existing writable directory, not a directory.
+Status check_output_path(const std::string& flag, const std::string& path,
+                         const std::vector<std::string>& extensions);
+
+// `-P key=value` list to a params object.
+Result<Params> parse_params(const std::vector<std::string>& texts);
+// `-P method.key=value` list (bench, demo) to params per method, starting from each
+// method's demo_params; the methods must be among `selected`.
+Result<std::map<std::string, Params>> parse_scoped_params(const std::vector<std::string>& texts,
+                                                          const std::vector<const Method*>& selected);
+
+// "a,b,c" to registered methods (in the order given); empty = every method that
+// is part of the demo (demo_only) or every registered method.
+Result<std::vector<const Method*>> select_methods(const std::string& csv, bool demo_only);
+// "1024,2048" to positive integers.
+Result<std::vector<int64_t>> parse_lengths(const std::string& flag, const std::string& csv);
+
+Result<Backend> parse_backend_flag(const std::string& text);
+
+struct Comparison {
+  double rel_frobenius = 0;  // ||O - O_ref||_F / ||O_ref||_F
+  double max_lse_diff = 0;   // max |LSE - LSE_ref| (inf where exactly one side is -inf)
+};
+Comparison compare_outputs(const AttentionOutput& output, const AttentionOutput& reference);
+
+double median(std::vector<double> values);
+
+// JSON text that never throws (invalid UTF-8 in file names is replaced).
+std::string json_text(const nlohmann::json& value, int indent = 2);
+
+// "block=64 density=0.1" (or "-" when empty).
+std::string params_text(const Params& params);
+
+}  // namespace sparsa::cli
+
+namespace sparsa::cli {
+
+// `warmup` untimed runs, then `repeats` timed runs of a method; the output and plan of
+// the last run are kept (for error metrics against dense).
+struct Measurement {
+  std::vector<double> seconds;  // wall time of each timed run (selection + attention)
+  double select_seconds = 0;    // of the last run
+  double density = 1;
+  AttentionOutput output;
+  nlohmann::json plan;
+};
+Result<Measurement> measure(const Method& method, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Params& params, const AttentionOptions& options, int warmup, int repeats);
+
+
+// Runs every method once on a small input of the same heads and head_dim (len 128),
+// so a bad -P value fails before minutes of timing, not after.
+Status preflight(const std::vector<const Method*>& selected, const std::map<std::string, Params>& params,
+                 int64_t heads_q, int64_t heads_kv, int64_t head_dim, const AttentionOptions& options);
+
+}  // namespace sparsa::cli

@@ -100,6 +100,7 @@ struct QuestOutput {
   AttentionOutput attention;
   double density = 0;
   int64_t pages_loaded = 0;  // sum over batch and kv heads of the union
+  double select_seconds = 0; // wall time of select_pages (the plan), all batch elements
 };
 Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const PageSelectOptions& select, const PagedAttentionOptions& options = {},

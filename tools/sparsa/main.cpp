@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.h"
+#include "cmd_trace.h"
 #include "methods.h"
 
 namespace sparsa::cli {
@@ -134,6 +135,9 @@ int run_main(int argc, char** argv) {
   demo_cmd->add_flag("--json", demo.json, "print JSON on stdout instead of the table");
   demo_cmd->footer(methods_help());
 
+  TraceOptions trace;
+  CLI::App* trace_cmd = add_trace_command(app, "trace", trace);
+
   // CLI11 reads an unknown first word as a stray argument ("A subcommand is required");
   // name it instead.
   if (argc > 1 && argv[1][0] != '-') {
@@ -141,7 +145,7 @@ int run_main(int argc, char** argv) {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == word;
     if (!known) {
-      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench or demo)"), kExitUsage);
+      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo or trace)"), kExitUsage);
     }
   }
 
@@ -163,6 +167,7 @@ int run_main(int argc, char** argv) {
   if (run_cmd->parsed()) outcome = cmd_run(run);
   if (bench_cmd->parsed()) outcome = cmd_bench(bench);
   if (demo_cmd->parsed()) outcome = cmd_demo(demo);
+  if (trace_cmd->parsed()) outcome = cmd_trace(trace);
   if (!outcome.status.ok()) return fail(outcome.status, outcome.exit_code ? outcome.exit_code : kExitRuntime);
   return 0;
 }

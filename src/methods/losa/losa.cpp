@@ -67,6 +67,10 @@ Status validate(const LosaConfig& c, const LosaOptions& o, int page_size) {
   if (o.method == PrefixMethod::losa || o.method == PrefixMethod::quest) {
     SPARSA_RETURN_IF_ERROR(validate(o.select, page_size));
   }
+  if (o.attention.backend != Backend::cpu_ref && o.attention.backend != Backend::cpu) {
+    return Status(StatusCode::unsupported, std::string("backend: prefix attention state runs on cpu_ref or cpu, got ") +
+                                               backend_name(o.attention.backend));
+  }
   if (o.attention.num_threads < 0) {
     return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.attention.num_threads));
   }

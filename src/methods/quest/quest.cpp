@@ -2,6 +2,7 @@
 #include "sparsa/quest.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -375,7 +376,9 @@ Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tens
     auto cache = PagedKVCache::create({heads_kv, d, page_size});
     if (!cache.ok()) return cache.status();
     SPARSA_RETURN_IF_ERROR(cache->append(slice(*k32), slice(*v32)));
+    const auto t0 = std::chrono::steady_clock::now();
     auto plan = select_pages(slice(*q32), *cache, select, options.attention.num_threads);
+    result.select_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!plan.ok()) return plan.status();
     PagedAttentionStats stats;
     SPARSA_RETURN_IF_ERROR(paged_attention(slice(*q32), *cache, *plan, slice(out), slice(lse), options, &stats));

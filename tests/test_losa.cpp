@@ -494,6 +494,10 @@ TEST(DecodeTrace, UnmasksEveryTokenOnceAndMovesItToItsCleanRow) {
   ASSERT_TRUE(tr.ok()) << tr.status().to_string();
   ASSERT_EQ(tr->steps_per_block(), 3);
   EXPECT_EQ(tr->prefix_k().shape_vector(), (std::vector<int64_t>{1, 2, 40, 32}));
+  EXPECT_FALSE(tr->q(2, 0).defined());  // out of range: undefined, not a crash
+  EXPECT_FALSE(tr->k(0, 3).defined());
+  EXPECT_FALSE(tr->final_v(-1).defined());
+  EXPECT_TRUE(tr->unmasked_after(0, 9).empty());
   for (int64_t b = 0; b < 2; ++b) {
     std::set<int64_t> seen;
     for (int64_t s = 0; s < 3; ++s) {

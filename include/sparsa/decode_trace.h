@@ -78,11 +78,16 @@ class DecodeTrace {
   Tensor final_k(int64_t block) const { return block_view(k_clean_, block); }
   Tensor final_v(int64_t block) const { return block_view(v_clean_, block); }
   // Tokens unmasked after step s of block b (ascending).
+  // Out-of-range block or step: an undefined tensor / an empty list.
   const std::vector<int64_t>& unmasked_after(int64_t block, int64_t step) const {
-    return unmasked_[block * steps_ + step];
+    static const std::vector<int64_t> kNone;
+    return in_range(block, step) ? unmasked_[block * steps_ + step] : kNone;
   }
 
  private:
+  bool in_range(int64_t block, int64_t step) const {
+    return block >= 0 && block < config_.num_blocks && step >= 0 && step < steps_;
+  }
   Tensor prefix_view(const HostArray& a) const;
   Tensor block_view(const HostArray& a, int64_t block) const;
   Tensor step_view(const std::vector<HostArray>& steps, int64_t heads, int64_t block, int64_t step) const;

@@ -191,6 +191,7 @@ Tensor DecodeTrace::prefix_view(const HostArray& a) const {
 }
 
 Tensor DecodeTrace::block_view(const HostArray& a, int64_t block) const {
+  if (!in_range(block, 0)) return {};
   Tensor t = a.view();
   t.data = const_cast<float*>(a.ptr<float>()) + (config_.prefix_len + block * config_.block_size) * head_dim_;
   t.shape[2] = config_.block_size;
@@ -198,6 +199,7 @@ Tensor DecodeTrace::block_view(const HostArray& a, int64_t block) const {
 }
 
 Tensor DecodeTrace::step_view(const std::vector<HostArray>& steps, int64_t, int64_t block, int64_t step) const {
+  if (!in_range(block, step)) return {};
   return steps[block * steps_ + step].view();
 }
 

@@ -61,7 +61,8 @@ struct PagePlan {
   const int32_t* row_pages(int64_t h, int64_t r) const { return pages.data() + (h * rows + r) * capacity; }
 };
 
-// Score of one page for one query (f32 accumulation, the order every backend uses).
+// Score of one page for one query (f32 accumulation in 16 interleaved partial sums, the
+// one order every backend uses).
 float quest_page_score(const float* q, const float* page_min, const float* page_max, int64_t head_dim);
 float pooled_page_score(const float* q, const float* page_key_sum, int64_t page_length, int64_t head_dim);
 

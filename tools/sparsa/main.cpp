@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cmd_selectors.h"
 #include "commands.h"
 #include "cmd_trace.h"
 #include "methods.h"
@@ -135,6 +136,8 @@ int run_main(int argc, char** argv) {
   demo_cmd->add_flag("--json", demo.json, "print JSON on stdout instead of the table");
   demo_cmd->footer(methods_help());
 
+  const Subcommand plan_cmd = add_plan_command(app);
+  const Subcommand eval_cmd = add_eval_command(app);
   TraceOptions trace;
   CLI::App* trace_cmd = add_trace_command(app, "trace", trace);
 
@@ -145,7 +148,8 @@ int run_main(int argc, char** argv) {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == word;
     if (!known) {
-      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo or trace)"), kExitUsage);
+      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo, plan, eval or trace)"),
+                  kExitUsage);
     }
   }
 
@@ -167,6 +171,8 @@ int run_main(int argc, char** argv) {
   if (run_cmd->parsed()) outcome = cmd_run(run);
   if (bench_cmd->parsed()) outcome = cmd_bench(bench);
   if (demo_cmd->parsed()) outcome = cmd_demo(demo);
+  if (plan_cmd.app->parsed()) outcome = plan_cmd.run();
+  if (eval_cmd.app->parsed()) outcome = eval_cmd.run();
   if (trace_cmd->parsed()) outcome = cmd_trace(trace);
   if (!outcome.status.ok()) return fail(outcome.status, outcome.exit_code ? outcome.exit_code : kExitRuntime);
   return 0;

@@ -1,0 +1,107 @@
+// The two shared pieces of every block selector: the budget applied to one row of
+// block scores, and the norm sort of BA-Att's step 1 (Eq. 9-10). Both backends of
+// ba_att (and xattention) call these, so plans agree wherever the scores agree.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "sparsa/ba_att.h"
+
+namespace sparsa {
+
+const char* budget_kind_name(BudgetKind kind) {
+  switch (kind) {
+    case BudgetKind::top_kappa: return "top_kappa";
+    case BudgetKind::density: return "density";
+    case BudgetKind::mass: return "mass";
+  }
+  return "?";
+}
+
+std::string describe(const Budget& budget) {
+  std::string value = budget.kind == BudgetKind::top_kappa ? std::to_string(static_cast<int64_t>(budget.value))
+                                                           : std::to_string(budget.value);
+  if (budget.kind != BudgetKind::top_kappa) {  // trim trailing zeros: 0.300000 -> 0.3
+    while (value.size() > 1 && value.back() == '0') value.pop_back();
+    if (value.back() == '.') value.pop_back();
+  }
+  return std::string(budget_kind_name(budget.kind)) + "=" + value;
+}
+
+Status validate(const Budget& budget) {
+  const double v = budget.value;
+  switch (budget.kind) {
+    case BudgetKind::top_kappa:
+      if (!(v >= 1.0) || v != std::floor(v) || v > 2147483647.0) {
+        return invalid_argument("budget: top_kappa expects an integer kappa >= 1 key blocks per query block, got " +
+                                std::to_string(v));
+      }
+      return {};
+    case BudgetKind::density:
+      if (!(v > 0.0 && v <= 1.0)) {
+        return invalid_argument("budget: density expects a fraction of key blocks in (0, 1], got " + std::to_string(v));
+      }
+      return {};
+    case BudgetKind::mass:
+      if (!(v > 0.0 && v <= 1.0)) {
+        return invalid_argument("budget: mass expects a cumulative-mass threshold tau in (0, 1], got " +
+                                std::to_string(v));
+      }
+      return {};
+  }
+  return invalid_argument("budget: unknown kind " + std::to_string(static_cast<int>(budget.kind)));
+}
+
+int64_t select_blocks(const double* key, const double* weight, const bool* forced, int64_t n, const Budget& budget,
+                      int32_t* out) {
+  // Visit order: forced blocks (ascending index), then the rest by descending key,
+  // ties to the lower index.
+  std::vector<int32_t> order;
+  order.reserve(n);
+  int64_t num_forced = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (forced != nullptr && forced[j]) {
+      order.push_back(static_cast<int32_t>(j));
+      ++num_forced;
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (forced == nullptr || !forced[j]) order.push_back(static_cast<int32_t>(j));
+  }
+  std::stable_sort(order.begin() + num_forced, order.end(),
+                   [key](int32_t a, int32_t b) { return key[a] > key[b]; });
+
+  int64_t keep = 0;  // length of the kept prefix of `order`
+  if (budget.kind == BudgetKind::mass) {
+    // Smallest prefix with cumulative mass >= tau * total, where total is the sum in the
+    // same order (so tau = 1 is always reached, at the latest by the full row).
+    std::vector<double> cumulative(n + 1, 0.0);
+    for (int64_t p = 0; p < n; ++p) cumulative[p + 1] = cumulative[p] + weight[order[p]];
+    const double required = budget.value * cumulative[n];
+    while (keep < n && cumulative[keep] < required) ++keep;
+  } else {
+    int64_t kappa = 0;
+    if (budget.kind == BudgetKind::top_kappa) {
+      kappa = static_cast<int64_t>(budget.value);
+    } else {
+      kappa = static_cast<int64_t>(std::ceil(budget.value * static_cast<double>(n) - 1e-9));
+    }
+    keep = std::clamp<int64_t>(kappa, 1, n);
+  }
+  keep = std::max(keep, num_forced);
+  std::copy(order.begin(), order.begin() + keep, out);
+  std::sort(out, out + keep);
+  return keep;
+}
+
+void norm_sort(const double* norms, int64_t len, int64_t window, int32_t* perm) {
+  std::iota(perm, perm + len, 0);
+  const int64_t w = window > 0 ? window : std::max<int64_t>(len, 1);
+  for (int64_t begin = 0; begin < len; begin += w) {
+    const int64_t end = std::min(begin + w, len);
+    std::stable_sort(perm + begin, perm + end, [norms](int32_t a, int32_t b) { return norms[a] < norms[b]; });
+  }
+}
+
+}  // namespace sparsa

@@ -1,0 +1,221 @@
+// XAttention selector (sparsa/xattention.h has the semantics).
+//
+// cpu_ref scores each (query group, key group) tile by its antidiagonal directly, f64.
+// cpu uses the equivalent reshaped product: Qr[g] = concat_s Q[gS+S-1-s], Kr[c] =
+// concat_s K[cS+s] (zero rows past the end), a[g, c] = scale/S * Qr[g] . Kr[c], an f32
+// [Lq/S, S d] x [S d, Lk/S] product threaded over (batch, head, query block).
+#include "sparsa/xattention.h"
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "core/attention_params.h"
+#include "core/validate.h"
+#include "cpu/parallel.h"
+
+namespace sparsa {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct XProblem {
+  Tensor q, k;
+  int64_t batch, heads_q, heads_kv, len_q, len_kv, d;
+  int block_q, block_kv, stride;
+  int64_t nq, nk, q_groups, k_groups;
+  float scale;
+  int num_threads;
+  int64_t group() const { return heads_q / heads_kv; }
+};
+
+Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o, XProblem* p) {
+  const Device host{};
+  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, host));
+  if (o.stride <= 0) return invalid_argument("stride: expected >= 1, got " + std::to_string(o.stride));
+  if (o.block_q <= 0) return invalid_argument("block_q: expected a block size > 0 tokens, got " + std::to_string(o.block_q));
+  if (o.block_kv <= 0) {
+    return invalid_argument("block_kv: expected a block size > 0 tokens, got " + std::to_string(o.block_kv));
+  }
+  if (o.block_q % o.stride != 0 || o.block_kv % o.stride != 0) {
+    return invalid_argument("stride: expected a divisor of block_q (" + std::to_string(o.block_q) + ") and block_kv (" +
+                            std::to_string(o.block_kv) + "), got " + std::to_string(o.stride));
+  }
+  SPARSA_RETURN_IF_ERROR(validate(o.budget));
+  if (o.backend != Backend::cpu && o.backend != Backend::cpu_ref) {
+    return {StatusCode::unsupported, std::string("backend: xattention has no ") + backend_name(o.backend) +
+                                         " selector yet; use cpu or cpu_ref"};
+  }
+  if (o.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.num_threads));
+  p->scale = o.scale.value_or(1.0f / std::sqrt(static_cast<float>(q.shape[3])));
+  if (!std::isfinite(p->scale) || p->scale <= 0) return invalid_argument("scale: expected a finite positive number");
+  if (o.check_finite) {
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
+  }
+  p->q = q;
+  p->k = k;
+  p->batch = q.shape[0];
+  p->heads_q = q.shape[1];
+  p->len_q = q.shape[2];
+  p->d = q.shape[3];
+  p->heads_kv = k.shape[1];
+  p->len_kv = k.shape[2];
+  p->block_q = o.block_q;
+  p->block_kv = o.block_kv;
+  p->stride = o.stride;
+  p->nq = ceil_div(p->len_q, o.block_q);
+  p->nk = ceil_div(p->len_kv, o.block_kv);
+  p->q_groups = ceil_div(p->len_q, o.stride);
+  p->k_groups = ceil_div(p->len_kv, o.stride);
+  p->num_threads = o.backend == Backend::cpu_ref ? 1 : o.num_threads;
+  return {};
+}
+
+// Softmax of one row of antidiagonal scores, added into the block masses of its query block.
+void add_row_masses(const XProblem& p, const double* a, double* block_mass) {
+  double max_a = -std::numeric_limits<double>::infinity();
+  for (int64_t c = 0; c < p.k_groups; ++c) max_a = std::max(max_a, a[c]);
+  double sum = 0;
+  for (int64_t c = 0; c < p.k_groups; ++c) sum += std::exp(a[c] - max_a);
+  const int64_t groups_per_block = p.block_kv / p.stride;
+  for (int64_t c = 0; c < p.k_groups; ++c) block_mass[c / groups_per_block] += std::exp(a[c] - max_a) / sum;
+}
+
+void scores_ref(const XProblem& p, float* out) {
+  const int64_t S = p.stride, d = p.d, groups_per_qblock = p.block_q / S;
+  std::vector<double> a(p.k_groups), mass(p.nk);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      const int64_t h_kv = h / p.group();
+      for (int64_t qb = 0; qb < p.nq; ++qb) {
+        std::fill(mass.begin(), mass.end(), 0.0);
+        for (int64_t g = qb * groups_per_qblock; g < std::min(p.q_groups, (qb + 1) * groups_per_qblock); ++g) {
+          for (int64_t c = 0; c < p.k_groups; ++c) {
+            double sum = 0;
+            for (int64_t s = 0; s < S; ++s) {  // the antidiagonal of tile (g, c)
+              const int64_t i = g * S + S - 1 - s, j = c * S + s;
+              if (i >= p.len_q || j >= p.len_kv) continue;
+              for (int64_t t = 0; t < d; ++t) {
+                sum += static_cast<double>(detail::load_element(p.q.data, p.q.dtype, p.q.offset({b, h, i, t}))) *
+                       detail::load_element(p.k.data, p.k.dtype, p.k.offset({b, h_kv, j, t}));
+              }
+            }
+            a[c] = sum * p.scale / static_cast<double>(S);
+          }
+          add_row_masses(p, a.data(), mass.data());
+        }
+        float* row = out + ((b * p.heads_q + h) * p.nq + qb) * p.nk;
+        for (int64_t kb = 0; kb < p.nk; ++kb) row[kb] = static_cast<float>(mass[kb]);
+      }
+    }
+  }
+}
+
+void scores_fast(const XProblem& p, float* out) {
+  const int64_t S = p.stride, d = p.d, F = S * d, nkg = p.k_groups, groups_per_qblock = p.block_q / S;
+  // Kr transposed per kv head: [batch, heads_kv, F, k_groups].
+  std::vector<float> krt(static_cast<size_t>(p.batch * p.heads_kv * F * nkg), 0.0f);
+  cpu::parallel_for(p.batch * p.heads_kv, p.num_threads, [&](int64_t item, int) {
+    const int64_t b = item / p.heads_kv, h_kv = item % p.heads_kv;
+    float* base = krt.data() + item * F * nkg;
+    std::vector<float> row(d);
+    for (int64_t j = 0; j < p.len_kv; ++j) {
+      detail::load_row(p.k.data, p.k.dtype, p.k.offset({b, h_kv, j, 0}), d, row.data());
+      const int64_t c = j / S, s = j % S;
+      for (int64_t t = 0; t < d; ++t) base[(s * d + t) * nkg + c] = row[t];
+    }
+  });
+  cpu::parallel_for(p.batch * p.heads_q * p.nq, p.num_threads, [&](int64_t item, int) {
+    const int64_t qb = item % p.nq, h = (item / p.nq) % p.heads_q, b = item / (p.nq * p.heads_q);
+    const float* kr = krt.data() + (b * p.heads_kv + h / p.group()) * F * nkg;
+    std::vector<float> qr(F), acc(nkg);
+    std::vector<double> a(nkg), mass(p.nk, 0.0);
+    const float a_scale = p.scale / static_cast<float>(S);
+    for (int64_t g = qb * groups_per_qblock; g < std::min(p.q_groups, (qb + 1) * groups_per_qblock); ++g) {
+      for (int64_t s = 0; s < S; ++s) {  // Qr[g] = concat_s Q[gS + S-1-s]
+        const int64_t i = g * S + S - 1 - s;
+        if (i < p.len_q) {
+          detail::load_row(p.q.data, p.q.dtype, p.q.offset({b, h, i, 0}), d, qr.data() + s * d);
+        } else {
+          std::fill(qr.begin() + s * d, qr.begin() + (s + 1) * d, 0.0f);
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t f = 0; f < F; ++f) {
+        const float x = qr[f];
+        const float* kf = kr + f * nkg;
+        for (int64_t c = 0; c < nkg; ++c) acc[c] += x * kf[c];
+      }
+      for (int64_t c = 0; c < nkg; ++c) a[c] = acc[c] * a_scale;
+      add_row_masses(p, a.data(), mass.data());
+    }
+    float* row = out + ((b * p.heads_q + h) * p.nq + qb) * p.nk;
+    for (int64_t kb = 0; kb < p.nk; ++kb) row[kb] = static_cast<float>(mass[kb]);
+  });
+}
+
+}  // namespace
+
+Result<HostArray> xattention_scores(const Tensor& q, const Tensor& k, const XAttentionOptions& options) {
+  XProblem p;
+  SPARSA_RETURN_IF_ERROR(make_problem(q, k, options, &p));
+  HostArray out(DType::f32, {p.batch, p.heads_q, p.nq, p.nk});
+  if (options.backend == Backend::cpu_ref) {
+    scores_ref(p, out.ptr<float>());
+  } else {
+    scores_fast(p, out.ptr<float>());
+  }
+  const float* x = out.ptr<float>();
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    if (!std::isfinite(x[i])) {
+      return Status(StatusCode::non_finite, "xattention: block mass " + std::to_string(i) +
+                                                " is not finite (NaN/Inf or overflow in q or k)");
+    }
+  }
+  return out;
+}
+
+Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const XAttentionOptions& options) {
+  auto scores = xattention_scores(q, k, options);
+  if (!scores.ok()) return scores.status();
+  const int64_t batch = q.shape[0], heads_q = q.shape[1];
+  const int64_t nq = ceil_div(q.shape[2], options.block_q), nk = ceil_div(k.shape[2], options.block_kv);
+  const int64_t rows = batch * heads_q * nq;
+  std::vector<int32_t> kept(rows * nk), counts(rows);
+  cpu::parallel_for(rows, options.backend == Backend::cpu_ref ? 1 : options.num_threads, [&](int64_t r, int) {
+    const int64_t qb = r % nq;
+    const float* x = scores->ptr<float>() + r * nk;
+    std::vector<double> mass(x, x + nk);
+    std::unique_ptr<bool[]> forced(new bool[nk]());
+    if (options.force_first) forced[0] = true;
+    const int64_t diagonal = qb + nk - nq;  // XAttention aligns the diagonal to the end of the keys
+    if (options.force_diagonal && diagonal >= 0 && diagonal < nk) forced[diagonal] = true;
+    counts[r] = static_cast<int32_t>(
+        select_blocks(mass.data(), mass.data(), forced.get(), nk, options.budget, kept.data() + r * nk));
+  });
+  int64_t capacity = 0;
+  for (int32_t c : counts) capacity = std::max<int64_t>(capacity, c);
+  BlockIndexBuffer plan =
+      BlockIndexBuffer::empty(batch, heads_q, q.shape[2], k.shape[2], options.block_q, options.block_kv, capacity);
+  for (int64_t r = 0; r < rows; ++r) {
+    plan.counts.ptr<int32_t>()[r] = counts[r];
+    std::copy(kept.data() + r * nk, kept.data() + r * nk + counts[r], plan.indices.ptr<int32_t>() + r * capacity);
+  }
+  return plan;
+}
+
+Result<AttentionOutput> xattention(const Tensor& q, const Tensor& k, const Tensor& v, const XAttentionOptions& options) {
+  auto plan = xattention_plan(q, k, options);
+  if (!plan.ok()) return plan.status();
+  AttentionOptions attention;
+  attention.scale = options.scale;
+  attention.backend = options.backend;
+  attention.num_threads = options.num_threads;
+  attention.check_finite = options.check_finite;
+  return block_sparse(q, k, v, plan->view(), attention);
+}
+
+}  // namespace sparsa

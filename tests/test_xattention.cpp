@@ -1,0 +1,144 @@
+// XAttention selector: the antidiagonal scores, forced blocks, budgets, errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "sparsa/attention.h"
+#include "sparsa/xattention.h"
+
+using namespace sparsa;
+
+namespace {
+
+HostArray randn(std::vector<int64_t> shape, uint32_t seed, float sigma = 1.0f) {
+  HostArray a(DType::f32, std::move(shape));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, sigma);
+  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = nd(rng);
+  return a;
+}
+
+std::vector<int32_t> row_of(const BlockIndexBuffer& plan, int64_t row) {
+  const int64_t cap = plan.indices.shape()[3];
+  const int32_t* ix = plan.indices.ptr<int32_t>() + row * cap;
+  return {ix, ix + plan.counts.ptr<int32_t>()[row]};
+}
+
+}  // namespace
+
+// Independent brute force of the definition on a tiny case (S = 2, blocks of 4 tokens).
+TEST(XAttention, ScoresMatchTheDefinition) {
+  const int64_t Lq = 8, Lk = 12, d = 4, S = 2, B = 4;
+  HostArray q = randn({1, 1, Lq, d}, 1), k = randn({1, 1, Lk, d}, 2);
+  XAttentionOptions o;
+  o.block_q = o.block_kv = B;
+  o.stride = S;
+  auto x = xattention_scores(q.view(), k.view(), o);
+  ASSERT_TRUE(x.ok());
+  auto dot = [&](int64_t i, int64_t j) {
+    double s = 0;
+    for (int64_t t = 0; t < d; ++t) s += (double)q.ptr<float>()[i * d + t] * k.ptr<float>()[j * d + t];
+    return s;
+  };
+  const double scale = 1.0 / std::sqrt(double(d)) / S;
+  for (int64_t qb = 0; qb < Lq / B; ++qb) {
+    std::vector<double> mass(Lk / B, 0.0);
+    for (int64_t g = qb * B / S; g < (qb + 1) * B / S; ++g) {
+      std::vector<double> a(Lk / S);
+      for (int64_t c = 0; c < Lk / S; ++c) a[c] = scale * (dot(g * S + 1, c * S) + dot(g * S, c * S + 1));  // antidiagonal
+      double z = 0;
+      for (double v : a) z += std::exp(v);
+      for (int64_t c = 0; c < Lk / S; ++c) mass[c * S / B] += std::exp(a[c]) / z;
+    }
+    for (int64_t kb = 0; kb < Lk / B; ++kb) EXPECT_NEAR(x->ptr<float>()[qb * (Lk / B) + kb], mass[kb], 1e-6);
+  }
+}
+
+// Fast path against the reference: lengths not multiples of the stride or the block, GQA.
+TEST(XAttention, CpuMatchesCpuRef) {
+  HostArray q = randn({2, 4, 203, 32}, 3), k = randn({2, 2, 117, 32}, 4);
+  XAttentionOptions o;
+  o.block_q = 32;
+  o.block_kv = 16;
+  o.stride = 8;
+  o.backend = Backend::cpu_ref;
+  auto ref = xattention_scores(q.view(), k.view(), o);
+  o.backend = Backend::cpu;
+  auto fast = xattention_scores(q.view(), k.view(), o);
+  ASSERT_TRUE(ref.ok() && fast.ok());
+  // f32 products of length S*d = 256 against f64, then the same f64 softmax: 1e-5.
+  for (int64_t i = 0; i < ref->numel(); ++i) ASSERT_NEAR(ref->ptr<float>()[i], fast->ptr<float>()[i], 1e-5) << i;
+  // A block's masses sum to its number of query groups (4 for full blocks, ceil(11/8) = 2 for the last).
+  const int64_t nk = ref->shape()[3], nq = ref->shape()[2];
+  for (int64_t r = 0; r < ref->numel() / nk; ++r) {
+    const float* m = ref->ptr<float>() + r * nk;
+    EXPECT_NEAR(std::accumulate(m, m + nk, 0.0), (r % nq == nq - 1) ? 2.0 : 4.0, 1e-5);
+  }
+}
+
+// First and diagonal key blocks are always kept, and count against the budget.
+TEST(XAttention, ForcedBlocksAndBudgets) {
+  HostArray q = randn({1, 1, 128, 16}, 5), k = randn({1, 1, 256, 16}, 6);  // nq = 8, nk = 16
+  XAttentionOptions o;
+  o.block_q = o.block_kv = 16;
+  o.stride = 4;
+  o.budget = Budget::mass(1e-6);
+  auto plan = xattention_plan(q.view(), k.view(), o);
+  ASSERT_TRUE(plan.ok());
+  for (int64_t qb = 0; qb < 8; ++qb) {
+    EXPECT_EQ(row_of(*plan, qb), (std::vector<int32_t>{0, (int32_t)(qb + 8)})) << qb;  // diagonal aligned to the end
+  }
+  o.budget = Budget::top_kappa(5);
+  plan = xattention_plan(q.view(), k.view(), o);
+  auto x = xattention_scores(q.view(), k.view(), o);
+  ASSERT_TRUE(plan.ok() && x.ok());
+  for (int64_t qb = 0; qb < 8; ++qb) {
+    const auto row = row_of(*plan, qb);
+    ASSERT_EQ(row.size(), 5u);
+    EXPECT_TRUE(std::count(row.begin(), row.end(), 0) && std::count(row.begin(), row.end(), qb + 8));
+    // The other three are the top three of the rest.
+    std::vector<std::pair<float, int32_t>> rest;
+    for (int32_t kb = 0; kb < 16; ++kb)
+      if (kb != 0 && kb != qb + 8) rest.push_back({-x->ptr<float>()[qb * 16 + kb], kb});
+    std::sort(rest.begin(), rest.end());
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::count(row.begin(), row.end(), rest[i].second));
+  }
+  o.force_first = o.force_diagonal = false;
+  o.budget = Budget::top_kappa(1);
+  plan = xattention_plan(q.view(), k.view(), o);
+  ASSERT_TRUE(plan.ok());
+  for (int64_t qb = 0; qb < 8; ++qb) EXPECT_EQ(plan->counts.ptr<int32_t>()[qb], 1);
+}
+
+// Every block kept: dense attention.
+TEST(XAttention, EveryBlockKeptEqualsDense) {
+  HostArray q = randn({1, 2, 100, 16}, 7), k = randn({1, 1, 90, 16}, 8), v = randn({1, 1, 90, 16}, 9);
+  XAttentionOptions o;
+  o.block_q = o.block_kv = 16;
+  o.stride = 4;
+  o.budget = Budget::density(1.0);
+  auto out = xattention(q.view(), k.view(), v.view(), o);
+  auto ref = dense(q.view(), k.view(), v.view());
+  ASSERT_TRUE(out.ok() && ref.ok());
+  for (int64_t i = 0; i < ref->out.numel(); ++i) EXPECT_NEAR(out->out.ptr<float>()[i], ref->out.ptr<float>()[i], 1e-5);
+}
+
+TEST(XAttention, BadArgumentsGiveClearErrors) {
+  HostArray q = randn({1, 1, 64, 8}, 10), k = randn({1, 1, 64, 8}, 11);
+  XAttentionOptions o;
+  o.stride = 3;
+  auto r = xattention_plan(q.view(), k.view(), o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("stride: expected a divisor of block_q"), std::string::npos);
+  o = {};
+  o.stride = 0;
+  EXPECT_NE(xattention_plan(q.view(), k.view(), o).status().message().find("stride: expected >= 1"), std::string::npos);
+  o = {};
+  o.budget = Budget::mass(2.0);
+  EXPECT_NE(xattention_plan(q.view(), k.view(), o).status().message().find("budget:"), std::string::npos);
+  o = {};
+  o.block_kv = 0;
+  EXPECT_NE(xattention_plan(q.view(), k.view(), o).status().message().find("block_kv:"), std::string::npos);
+}

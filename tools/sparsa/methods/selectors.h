@@ -1,0 +1,16 @@
+// Options of the block selectors from `-P` parameters, shared by their registry
+// entries (methods/ba_att.cpp, methods/xattention.cpp) and by `sparsa plan`, which
+// needs the plan itself rather than the attention output.
+#pragma once
+
+#include "methods.h"
+#include "sparsa/ba_att.h"
+#include "sparsa/xattention.h"
+
+namespace sparsa::cli {
+
+// `ba_att` parameters (and `mean_pool`, which is ba_att with sort=false compensate=false).
+Result<BaAttOptions> ba_att_options_from(const std::string& method, const MethodInputs& in);
+Result<XAttentionOptions> xattention_options_from(const MethodInputs& in);
+
+}  // namespace sparsa::cli

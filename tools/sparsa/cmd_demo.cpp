@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cmd_trace.h"
 #include "commands.h"
 #include "common.h"
 #include "machine.h"
@@ -143,6 +144,19 @@ Outcome cmd_demo(const DemoOptions& o) {
     Status s = write_text_file("--plot", o.plot_path, render_svg(chart));
     if (!s.ok()) return runtime_error(s);
     if (!o.json) std::cout << "\nplot: " << o.plot_path << "\n";
+  }
+
+  // Block diffusion: LoSA keeps state across denoising steps, so it is shown on a decode
+  // trace (the `trace` command's defaults) rather than as a row of the table above.
+  if (o.trace && !o.json) {
+    std::cout << "\nblock-diffusion decode: prefix attention of one block over a 16K-token prefix "
+                 "(sparsa trace)\n";
+    std::cout.flush();
+    TraceOptions trace;
+    trace.threads = o.threads;
+    trace.backend = o.backend == "cuda" ? "cpu" : o.backend;
+    const Outcome t = cmd_trace(trace);
+    if (t.exit_code != 0) return t;
   }
   return success();
 }

@@ -65,6 +65,7 @@ struct DemoOptions {
   std::vector<std::string> params;  // method.key=value
   std::string plot_path = "demo.svg";
   bool json = false;
+  bool trace = true;  // also run the default decode trace (LoSA vs QUEST vs dense prefix attention)
 };
 
 Outcome cmd_info(const InfoOptions& options);

@@ -134,6 +134,8 @@ int run_main(int argc, char** argv) {
   demo_cmd->add_option("-P,--param", demo.params, "method.key=value (repeatable)")->allow_extra_args(false);
   demo_cmd->add_option("--plot", demo.plot_path, "SVG bar chart of time and error ('' for none)")->capture_default_str();
   demo_cmd->add_flag("--json", demo.json, "print JSON on stdout instead of the table");
+  demo_cmd->add_flag("!--no-trace", demo.trace,
+                     "skip the block-diffusion decode section (LoSA, QUEST, dense prefix attention; see `trace`)");
   demo_cmd->footer(methods_help());
 
   const Subcommand plan_cmd = add_plan_command(app);

@@ -1,0 +1,55 @@
+"""`sparsa trace` (LoSA / QUEST / dense prefix attention over a decode trace) and the
+decode section of `sparsa demo`."""
+import json
+import subprocess
+
+import pytest
+
+
+def run(sparsa_bin, *args):
+    return subprocess.run([sparsa_bin, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_trace_json_counts_pages_rows_and_error(sparsa_bin):
+    r = run(sparsa_bin, "trace", "--prefix", "1024", "-P", "k=2", "-P", "budget=128", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    by = {m["method"]: m for m in d["methods"]}
+    assert set(by) == {"dense", "quest", "losa"}
+    steps = len(by["dense"]["steps"])
+    assert steps == 16  # block 16, one token unmasked per step
+    # Dense loads every page of the 1024-token prefix (64 pages of 16) and is the reference.
+    assert by["dense"]["pages_per_kv_head"] == 64 and by["dense"]["err"] == 0
+    # LoSA: the first step of the block is dense (all 16 rows), later steps recompute only K = 2 rows.
+    losa_rows = [s["recomputed"] for s in by["losa"]["steps"]]
+    assert losa_rows[0] == 16 and all(n == 2 for n in losa_rows[1:])
+    # QUEST recomputes every row every step; its per-token pages inflate the union beyond LoSA's.
+    assert all(s["recomputed"] == 16 for s in by["quest"]["steps"])
+    assert by["losa"]["pages_per_kv_head"] < by["quest"]["pages_per_kv_head"] < 64
+    assert 0 < by["losa"]["err"] < 1 and 0 < by["quest"]["err"] < 1.5
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-P", "budget=0"], "budget: expected an integer"),
+        (["-P", "k=-1"], "k: expected an integer"),
+        (["--block", "3"], "block_size: expected 4 to 32 tokens, got 3"),
+        (["--block", "40"], "block_size: expected 4 to 32 tokens, got 40"),
+        (["-P", "selector=foo"], "selector: expected quest or pooled, got 'foo'"),
+        (["--methods", "losa,bogus"], "method: expected dense, quest, losa or reuse, got 'bogus'"),
+    ],
+)
+def test_trace_bad_arguments(sparsa_bin, args, message):
+    r = run(sparsa_bin, "trace", "--prefix", "1024", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("sparsa: error: ") and message in lines[-1], r.stderr
+
+
+def test_demo_includes_the_decode_trace(sparsa_bin, tmp_path):
+    r = subprocess.run([sparsa_bin, "demo", "--length", "512", "--plot", str(tmp_path / "d.svg")],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "block-diffusion decode" in r.stdout
+    assert "\nlosa " in r.stdout and "\nquest " in r.stdout

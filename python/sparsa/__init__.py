@@ -24,6 +24,19 @@ __all__ = [
     "llsa",
     "llsa_backward",
     "llsa_plan",
+    "ba_att",
+    "ba_att_plan",
+    "ba_att_scores",
+    "BaAttScores",
+    "xattention",
+    "xattention_plan",
+    "xattention_scores",
+    "BlockPartition",
+    "OracleBlocks",
+    "oracle_blocks",
+    "mass_recall",
+    "mass_recall_from_lse",
+    "relative_error",
     "read_tensor",
     "write_tensor",
     "generate_workload",
@@ -202,6 +215,217 @@ def llsa_plan(q, k, *, block: int = 16, topk: int = 8, levels: int = -1, enrich:
     plan = _core.llsa_plan(q, k, block, topk, levels, enrich, dedupe, max_rows)
     plan["index"] = BlockIndex(plan["block"], plan["block"], plan.pop("counts"), plan.pop("indices"))
     return plan
+
+
+# ---- block selectors: BA-Att and XAttention ----------------------------------------------
+#
+# Selectors run on the CPU and return a BlockIndex of numpy arrays, which block_sparse
+# accepts beside any CPU array. The budget is one of three keywords (default as in the core):
+#   top_kappa=K   the K highest-scoring key blocks per query block;
+#   density=F     ceil(F * num_kv_blocks) key blocks per query block, F in (0, 1];
+#   tau=T         the fewest key blocks whose softmax mass reaches T of the row, T in (0, 1].
+
+def _budget(top_kappa, density, tau, default: Tuple[str, float]) -> Tuple[str, float]:
+    given = [(name, value) for name, value in (("top_kappa", top_kappa), ("density", density), ("mass", tau))
+             if value is not None]
+    if len(given) > 1:
+        names = ", ".join(f"{'tau' if n == 'mass' else n}={v}" for n, v in given)
+        raise ValueError(f"budget: expected at most one of top_kappa, density or tau, got {names}")
+    if not given:
+        return default
+    name, value = given[0]
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        keyword = "tau" if name == "mass" else name
+        raise TypeError(f"budget: {keyword} expects a number, got {type(value).__name__}")
+    return name, float(value)
+
+
+def _plan(d: dict) -> BlockIndex:
+    return BlockIndex(d["block_q"], d["block_kv"], d["counts"], d["indices"], d["perm_q"], d["perm_kv"])
+
+
+def ba_att_plan(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
+                sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
+                top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
+                scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
+                check_finite: bool = False) -> BlockIndex:
+    """The BA-Att plan (Block Approximate Sparse Attention, Algorithm 1; docs/ba_att.md).
+
+    Per (batch, head): optional stable norm sort of q (per query head) and k (per kv
+    head), globally or within windows of ``sort_window`` tokens (a multiple of both
+    block sizes); block means (and variances); block logits ``scale * Qbar . Kbar``
+    plus, when ``compensate``, ``beta * Delta`` with ``compensation`` one of
+    ``"diagonal"`` (Eq. 14), ``"exact"`` or ``"trace"`` (Eq. 13); then the budget per
+    query block: ``top_kappa``, ``density`` or ``tau`` (at most one; default density=0.5).
+
+    Returns a BlockIndex whose ``perm_q`` / ``perm_kv`` (int32, or None without sort_q /
+    sort_k) say which original token sits at each permuted position; block_sparse reads
+    q[perm_q], k[perm_kv] and writes the output back in the original order."""
+    kind, value = _budget(top_kappa, density, tau, ("density", 0.5))
+    return _plan(_core.ba_att_plan(q, k, block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
+                                   beta, kind, value, scale, backend, num_threads, check_finite))
+
+
+@dataclass
+class BaAttScores:
+    """BA-Att's intermediate results (steps 1-3, no budget).
+
+    logits  float32 [batch, heads_q, num_q_blocks, num_kv_blocks]: the (compensated) block logits
+    perm_q  int32 [batch, heads_q, len_q] or None (sort_q=False)
+    perm_kv int32 [batch, heads_kv, len_kv] or None (sort_k=False)
+    """
+
+    block_q: int
+    block_kv: int
+    logits: np.ndarray
+    perm_q: Optional[np.ndarray]
+    perm_kv: Optional[np.ndarray]
+
+
+def ba_att_scores(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
+                  sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
+                  scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
+                  check_finite: bool = False) -> BaAttScores:
+    """BA-Att's block logits and permutations before the budget (for inspection and
+    evaluation); the arguments are those of :func:`ba_att_plan`."""
+    d = _core.ba_att_scores(q, k, block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation, beta,
+                            scale, backend, num_threads, check_finite)
+    return BaAttScores(d["block_q"], d["block_kv"], d["logits"], d["perm_q"], d["perm_kv"])
+
+
+def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
+           sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
+           top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
+           scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0, check_finite: bool = False,
+           out=None, lse=None):
+    """BA-Att attention: :func:`ba_att_plan` then :func:`block_sparse` on the same
+    backend. Returns ``(out, lse)`` in the original token order of q."""
+    plan = ba_att_plan(q, k, block_q=block_q, block_kv=block_kv, sort_q=sort_q, sort_k=sort_k,
+                       sort_window=sort_window, compensate=compensate, compensation=compensation, beta=beta,
+                       top_kappa=top_kappa, density=density, tau=tau, scale=scale, backend=backend,
+                       num_threads=num_threads, check_finite=check_finite)
+    return block_sparse(q, k, v, plan, scale=scale, backend=backend, check_finite=check_finite,
+                        num_threads=num_threads, out=out, lse=lse)
+
+
+def xattention_plan(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
+                    top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
+                    force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
+                    backend: str = "auto", num_threads: int = 0, check_finite: bool = False) -> BlockIndex:
+    """The XAttention plan (Xu et al., ICML 2025; docs/ba_att.md): antidiagonal scores
+    over ``stride``-token groups (stride divides both block sizes), block masses, then
+    per query block the forced blocks (key block 0 when ``force_first``; the diagonal
+    block ``qb + num_kv_blocks - num_q_blocks`` when ``force_diagonal``) and blocks in
+    descending mass until the budget is met (default tau=0.9). No permutations."""
+    kind, value = _budget(top_kappa, density, tau, ("mass", 0.9))
+    return _plan(_core.xattention_plan(q, k, block_q, block_kv, stride, kind, value, force_first, force_diagonal,
+                                       scale, backend, num_threads, check_finite))
+
+
+def xattention_scores(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
+                      scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
+                      check_finite: bool = False) -> np.ndarray:
+    """XAttention's block masses X, float32 ``[batch, heads_q, num_q_blocks,
+    num_kv_blocks]``; each row sums to the number of ``stride`` groups in the query block."""
+    return _core.xattention_scores(q, k, block_q, block_kv, stride, scale, backend, num_threads, check_finite)
+
+
+def xattention(q, k, v, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
+               top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
+               force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
+               backend: str = "auto", num_threads: int = 0, check_finite: bool = False, out=None, lse=None):
+    """XAttention attention: :func:`xattention_plan` then :func:`block_sparse`.
+    Returns ``(out, lse)``."""
+    plan = xattention_plan(q, k, block_q=block_q, block_kv=block_kv, stride=stride, top_kappa=top_kappa,
+                           density=density, tau=tau, force_first=force_first, force_diagonal=force_diagonal,
+                           scale=scale, backend=backend, num_threads=num_threads, check_finite=check_finite)
+    return block_sparse(q, k, v, plan, scale=scale, backend=backend, check_finite=check_finite,
+                        num_threads=num_threads, out=out, lse=lse)
+
+
+# ---- oracle metrics (evaluation only: a dense O(L^2 d) pass per head) -------------------
+
+@dataclass
+class BlockPartition:
+    """Blocks of ``block_q`` / ``block_kv`` consecutive permuted tokens; ``perm_q`` int32
+    ``[batch, heads_q, len_q]`` and ``perm_kv`` int32 ``[batch, heads_kv, len_kv]`` are
+    optional (None: identity). ``BlockPartition.of(plan)`` is a plan's own partition."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    perm_q: Any = None
+    perm_kv: Any = None
+
+    @staticmethod
+    def of(plan: BlockIndex) -> "BlockPartition":
+        return BlockPartition(plan.block_q, plan.block_kv, plan.perm_q, plan.perm_kv)
+
+
+@dataclass
+class OracleBlocks:
+    """Per (batch, head_q, query block, key block) of a partition, float32
+    ``[batch, heads_q, num_q_blocks, num_kv_blocks]``:
+
+    mass       (1/|I|) sum_{i in I, j in J} softmax(scale Q K')_ij  (BA-Att Eq. 3; rows sum to 1)
+    logit_max  max_{i in I, j in J} scale Q_i . K_j
+    logit_min  the min
+    """
+
+    block_q: int
+    block_kv: int
+    mass: np.ndarray
+    logit_max: np.ndarray
+    logit_min: np.ndarray
+
+    @property
+    def num_q_blocks(self) -> int:
+        return int(self.mass.shape[2])
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return int(self.mass.shape[3])
+
+
+def oracle_blocks(q, k, partition=None, *, scale: Optional[float] = None, backend: str = "auto",
+                  num_threads: int = 0) -> OracleBlocks:
+    """The exact block mass of attention over a partition: ``partition`` is a
+    BlockPartition, a BlockIndex (its own partition, permutations included) or None
+    (64 x 64 blocks in token order). CPU arrays only."""
+    if partition is None:
+        partition = BlockPartition()
+    elif isinstance(partition, BlockIndex):
+        partition = BlockPartition.of(partition)
+    elif not isinstance(partition, BlockPartition):
+        raise TypeError(f"partition: expected sparsa.BlockPartition or sparsa.BlockIndex, got "
+                        f"{type(partition).__name__}")
+    d = _core.oracle_blocks(q, k, partition.block_q, partition.block_kv, partition.perm_q, partition.perm_kv, scale,
+                            backend, num_threads)
+    return OracleBlocks(d["block_q"], d["block_kv"], d["mass"], d["logit_max"], d["logit_min"])
+
+
+def mass_recall(plan: BlockIndex, oracle: OracleBlocks) -> float:
+    """Mean over (batch, head, query block) of the oracle mass of the key blocks ``plan``
+    keeps: 1 for a plan that keeps every block. The oracle must be computed on the plan's
+    partition (``oracle_blocks(q, k, plan)``)."""
+    if not isinstance(plan, BlockIndex):
+        raise TypeError(f"plan: expected sparsa.BlockIndex, got {type(plan).__name__}")
+    if not isinstance(oracle, OracleBlocks):
+        raise TypeError(f"oracle: expected sparsa.OracleBlocks, got {type(oracle).__name__}")
+    return _core.mass_recall(plan.counts, plan.indices, plan.block_q, plan.block_kv, oracle.mass, oracle.block_q,
+                             oracle.block_kv)
+
+
+def mass_recall_from_lse(lse_plan, lse_dense) -> float:
+    """The same quantity per query token from executor outputs:
+    ``mean_i exp(lse_plan_i - lse_dense_i)``, the share of each row's softmax mass the
+    plan's visible keys hold (float32 ``[batch, heads, len_q]``, CPU)."""
+    return _core.mass_recall_from_lse(lse_plan, lse_dense)
+
+
+def relative_error(out, reference) -> float:
+    """``||out - reference||_F / ||reference||_F`` over the whole array (f64 sums; CPU
+    arrays of equal shape, any float dtype)."""
+    return _core.relative_error(out, reference)
 
 
 # ---- files and workloads -----------------------------------------------------------------

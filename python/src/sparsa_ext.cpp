@@ -12,10 +12,13 @@
 
 #include "core/backends.h"
 #include "sparsa/attention.h"
+#include "sparsa/ba_att.h"
 #include "sparsa/index.h"
 #include "sparsa/io.h"
 #include "sparsa/llsa.h"
+#include "sparsa/oracle.h"
 #include "sparsa/workload.h"
+#include "sparsa/xattention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -145,6 +148,36 @@ BlockIndex make_index(const InArray& counts, const InArray& indices, const std::
   return ix;
 }
 
+// A selector's plan as a dict of numpy arrays (perm_q / perm_kv None when absent).
+nb::dict plan_dict(BlockIndexBuffer&& plan) {
+  nb::dict d;
+  d["block_q"] = plan.block_q;
+  d["block_kv"] = plan.block_kv;
+  d["counts"] = to_numpy(std::move(plan.counts));
+  d["indices"] = to_numpy(std::move(plan.indices));
+  d["perm_q"] = plan.perm_q.empty() ? nb::none() : nb::object(nb::cast(to_numpy(std::move(plan.perm_q))));
+  d["perm_kv"] = plan.perm_kv.empty() ? nb::none() : nb::object(nb::cast(to_numpy(std::move(plan.perm_kv))));
+  return d;
+}
+
+// budget_kind: "top_kappa", "density" or "mass" (the Python keywords top_kappa, density, tau).
+Budget make_budget(const std::string& kind, double value) {
+  if (kind == "top_kappa") return {BudgetKind::top_kappa, value};
+  if (kind == "density") return Budget::density(value);
+  if (kind == "mass") return Budget::mass(value);
+  throw nb::value_error(("budget: expected top_kappa, density or mass, got '" + kind + "'").c_str());
+}
+
+// The metrics read host memory element by element: refuse device arrays before they do.
+Tensor host_tensor(const InArray& a, const char* name) {
+  Tensor t = to_tensor(a, name);
+  if (t.device.type != DeviceType::cpu) {
+    throw nb::value_error((std::string(name) + ": expected an array on cpu, got one on " +
+                           device_name(t.device)).c_str());
+  }
+  return t;
+}
+
 }  // namespace
 
 NB_MODULE(_sparsa, m) {
@@ -261,6 +294,202 @@ NB_MODULE(_sparsa, m) {
       },
       "q"_a, "k"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false,
       "max_rows"_a = 8, "The LLSA selection plan: levels, keys per query, the fine BlockIndex, a printout.");
+
+  // ---- block selectors: BA-Att and XAttention (plans on the CPU) ----
+  auto ba_att_options = [](int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
+                           bool compensate, const std::string& compensation, float beta,
+                           const std::string& budget_kind, double budget_value, std::optional<float> scale,
+                           const std::string& backend, int num_threads, bool check_finite, const Tensor& q) {
+    BaAttOptions o;
+    o.block_q = block_q;
+    o.block_kv = block_kv;
+    o.sort_q = sort_q;
+    o.sort_k = sort_k;
+    o.sort_window = sort_window;
+    o.compensate = compensate;
+    o.compensation = take(parse_compensation(compensation));
+    o.beta = beta;
+    o.budget = make_budget(budget_kind, budget_value);
+    o.scale = scale;
+    o.backend = resolve_backend(backend, q);
+    o.num_threads = num_threads;
+    o.check_finite = check_finite;
+    return o;
+  };
+  m.def(
+      "ba_att_plan",
+      [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
+                       bool compensate, const std::string& compensation, float beta, const std::string& budget_kind,
+                       double budget_value, std::optional<float> scale, const std::string& backend, int num_threads,
+                       bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const BaAttOptions o = ba_att_options(block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
+                                              beta, budget_kind, budget_value, scale, backend, num_threads,
+                                              check_finite, tq);
+        Result<BlockIndexBuffer> plan = [&] {
+          nb::gil_scoped_release release;
+          return ba_att_plan(tq, tk, o);
+        }();
+        return plan_dict(take(std::move(plan)));
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "sort_q"_a, "sort_k"_a, "sort_window"_a, "compensate"_a,
+      "compensation"_a, "beta"_a, "budget_kind"_a, "budget_value"_a, "scale"_a.none(), "backend"_a,
+      "num_threads"_a, "check_finite"_a, "The BA-Att plan (Algorithm 1) as a dict of numpy arrays.");
+  m.def(
+      "ba_att_scores",
+      [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
+                       bool compensate, const std::string& compensation, float beta, std::optional<float> scale,
+                       const std::string& backend, int num_threads, bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const BaAttOptions o = ba_att_options(block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
+                                              beta, "density", 1.0, scale, backend, num_threads, check_finite, tq);
+        Result<BaAttScores> r = [&] {
+          nb::gil_scoped_release release;
+          return ba_att_scores(tq, tk, o);
+        }();
+        BaAttScores s = take(std::move(r));
+        nb::dict d;
+        d["block_q"] = s.block_q;
+        d["block_kv"] = s.block_kv;
+        d["logits"] = to_numpy(std::move(s.logits));
+        d["perm_q"] = s.perm_q.empty() ? nb::none() : nb::object(nb::cast(to_numpy(std::move(s.perm_q))));
+        d["perm_kv"] = s.perm_kv.empty() ? nb::none() : nb::object(nb::cast(to_numpy(std::move(s.perm_kv))));
+        return d;
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "sort_q"_a, "sort_k"_a, "sort_window"_a, "compensate"_a,
+      "compensation"_a, "beta"_a, "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a,
+      "BA-Att steps 1-3: block logits (compensated) and the norm-sort permutations.");
+
+  auto xattention_options = [](int block_q, int block_kv, int stride, const std::string& budget_kind,
+                               double budget_value, bool force_first, bool force_diagonal,
+                               std::optional<float> scale, const std::string& backend, int num_threads,
+                               bool check_finite, const Tensor& q) {
+    XAttentionOptions o;
+    o.block_q = block_q;
+    o.block_kv = block_kv;
+    o.stride = stride;
+    o.budget = make_budget(budget_kind, budget_value);
+    o.force_first = force_first;
+    o.force_diagonal = force_diagonal;
+    o.scale = scale;
+    o.backend = resolve_backend(backend, q);
+    o.num_threads = num_threads;
+    o.check_finite = check_finite;
+    return o;
+  };
+  m.def(
+      "xattention_plan",
+      [xattention_options](InArray q, InArray k, int block_q, int block_kv, int stride, const std::string& budget_kind,
+                           double budget_value, bool force_first, bool force_diagonal, std::optional<float> scale,
+                           const std::string& backend, int num_threads, bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const XAttentionOptions o = xattention_options(block_q, block_kv, stride, budget_kind, budget_value,
+                                                       force_first, force_diagonal, scale, backend, num_threads,
+                                                       check_finite, tq);
+        Result<BlockIndexBuffer> plan = [&] {
+          nb::gil_scoped_release release;
+          return xattention_plan(tq, tk, o);
+        }();
+        return plan_dict(take(std::move(plan)));
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "stride"_a, "budget_kind"_a, "budget_value"_a, "force_first"_a,
+      "force_diagonal"_a, "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a,
+      "The XAttention plan as a dict of numpy arrays (no permutations).");
+  m.def(
+      "xattention_scores",
+      [xattention_options](InArray q, InArray k, int block_q, int block_kv, int stride, std::optional<float> scale,
+                           const std::string& backend, int num_threads, bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const XAttentionOptions o = xattention_options(block_q, block_kv, stride, "mass", 0.9, true, true, scale,
+                                                       backend, num_threads, check_finite, tq);
+        Result<HostArray> r = [&] {
+          nb::gil_scoped_release release;
+          return xattention_scores(tq, tk, o);
+        }();
+        return to_numpy(take(std::move(r)));
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "stride"_a, "scale"_a.none(), "backend"_a, "num_threads"_a,
+      "check_finite"_a, "XAttention block masses X f32 [batch, heads_q, num_q_blocks, num_kv_blocks].");
+
+  // ---- oracle metrics (evaluation: dense O(L^2 d) per head) ----
+  m.def(
+      "oracle_blocks",
+      [](InArray q, InArray k, int block_q, int block_kv, std::optional<InArray> perm_q,
+         std::optional<InArray> perm_kv, std::optional<float> scale, const std::string& backend, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        BlockPartition part;
+        part.block_q = block_q;
+        part.block_kv = block_kv;
+        if (auto t = to_optional(perm_q, "partition.perm_q")) part.perm_q = *t;
+        if (auto t = to_optional(perm_kv, "partition.perm_kv")) part.perm_kv = *t;
+        for (const Tensor* t : {&part.perm_q, &part.perm_kv}) {
+          if (t->defined() && t->device.type != DeviceType::cpu) {
+            throw nb::value_error((std::string(t == &part.perm_q ? "partition.perm_q" : "partition.perm_kv") +
+                                   ": expected an array on cpu, got one on " + device_name(t->device)).c_str());
+          }
+        }
+        OracleOptions o;
+        o.scale = scale;
+        o.backend = resolve_backend(backend, tq);
+        o.num_threads = num_threads;
+        Result<OracleBlocks> r = [&] {
+          nb::gil_scoped_release release;
+          return oracle_blocks(tq, tk, part, o);
+        }();
+        OracleBlocks ob = take(std::move(r));
+        nb::dict d;
+        d["block_q"] = ob.block_q;
+        d["block_kv"] = ob.block_kv;
+        d["mass"] = to_numpy(std::move(ob.mass));
+        d["logit_max"] = to_numpy(std::move(ob.logit_max));
+        d["logit_min"] = to_numpy(std::move(ob.logit_min));
+        return d;
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "scale"_a.none(),
+      "backend"_a, "num_threads"_a, "Dense block mass (Eq. 3) and logit range per block pair of a partition.");
+  m.def(
+      "mass_recall",
+      [](InArray counts, InArray indices, int block_q, int block_kv, InArray mass, int oracle_block_q,
+         int oracle_block_kv) {
+        const Tensor tm = host_tensor(mass, "oracle.mass");
+        if (tm.ndim != 4 || tm.dtype != DType::f32) {
+          throw nb::value_error(("oracle.mass: expected f32 [batch, heads_q, num_q_blocks, num_kv_blocks], got " +
+                                 std::string(dtype_name(tm.dtype)) + " " + tm.shape_string()).c_str());
+        }
+        if (block_q != oracle_block_q || block_kv != oracle_block_kv) {
+          throw nb::value_error(("plan: blocks " + std::to_string(block_q) + "x" + std::to_string(block_kv) +
+                                 " differ from the oracle's " + std::to_string(oracle_block_q) + "x" +
+                                 std::to_string(oracle_block_kv) + "; compute the oracle on the plan's partition")
+                                    .c_str());
+        }
+        BlockIndex ix = make_index(counts, indices, std::nullopt, std::nullopt, block_q, block_kv);
+        OracleBlocks ob;
+        ob.block_q = oracle_block_q;
+        ob.block_kv = oracle_block_kv;
+        ob.num_q_blocks = ix.num_q_blocks = tm.shape[2];
+        ob.num_kv_blocks = ix.num_kv_blocks = tm.shape[3];
+        // The core reads the plan's arrays unchecked: validate them against the oracle's grid.
+        if (block_q > 0 && block_kv > 0) {
+          check(validate_block_index(ix, tm.shape[0], tm.shape[1], tm.shape[1], ob.num_q_blocks * block_q,
+                                     ob.num_kv_blocks * block_kv));
+        }
+        ob.mass = HostArray::copy_of(tm);
+        return take(mass_recall(ix, ob));
+      },
+      "counts"_a, "indices"_a, "block_q"_a, "block_kv"_a, "mass"_a, "oracle_block_q"_a, "oracle_block_kv"_a,
+      "Mean over (batch, head, query block) of the oracle mass a plan keeps.");
+  m.def(
+      "mass_recall_from_lse",
+      [](InArray lse_plan, InArray lse_dense) {
+        return take(mass_recall_from_lse(host_tensor(lse_plan, "lse_plan"), host_tensor(lse_dense, "lse_dense")));
+      },
+      "lse_plan"_a, "lse_dense"_a, "mean_i exp(lse_plan_i - lse_dense_i): the softmax mass a plan's keys hold.");
+  m.def(
+      "relative_error",
+      [](InArray out, InArray reference) {
+        return take(relative_error(host_tensor(out, "out"), host_tensor(reference, "reference")));
+      },
+      "out"_a, "reference"_a, "||out - reference||_F / ||reference||_F (f64 sums).");
 
   m.def(
       "block_index_density",

@@ -35,6 +35,8 @@ __all__ = [
     "OracleBlocks",
     "oracle_blocks",
     "mass_recall",
+    "DeviationBound",
+    "deviation_bound",
     "mass_recall_from_lse",
     "relative_error",
     "read_tensor",
@@ -391,16 +393,56 @@ def oracle_blocks(q, k, partition=None, *, scale: Optional[float] = None, backen
     """The exact block mass of attention over a partition: ``partition`` is a
     BlockPartition, a BlockIndex (its own partition, permutations included) or None
     (64 x 64 blocks in token order). CPU arrays only."""
-    if partition is None:
-        partition = BlockPartition()
-    elif isinstance(partition, BlockIndex):
-        partition = BlockPartition.of(partition)
-    elif not isinstance(partition, BlockPartition):
-        raise TypeError(f"partition: expected sparsa.BlockPartition or sparsa.BlockIndex, got "
-                        f"{type(partition).__name__}")
+    partition = _partition(partition)
     d = _core.oracle_blocks(q, k, partition.block_q, partition.block_kv, partition.perm_q, partition.perm_kv, scale,
                             backend, num_threads)
     return OracleBlocks(d["block_q"], d["block_kv"], d["mass"], d["logit_max"], d["logit_min"])
+
+
+@dataclass
+class DeviationBound:
+    """BA-Att Eq. 8 against the observed deviation (Fig. 2), per block pair, float32
+    ``[batch, heads_q, num_q_blocks, num_kv_blocks]``:
+
+    bound      U = scale * (RQ MK + MQ RK + RQ RK), R the largest distance of a token to
+               its block mean, M the largest token norm (Eq. 7)
+    deviation  max_{i in I, j in J} |scale Q_i . K_j - scale Qbar . Kbar|
+    pearson_per_head  Pearson R of bound and deviation per (batch, head_q) (NaN where constant)
+    pearson_overall   the same over all block pairs
+    violations        block pairs where deviation > bound beyond f32 rounding (Eq. 8: none)
+    """
+
+    bound: np.ndarray
+    deviation: np.ndarray
+    pearson_per_head: list
+    pearson_overall: float
+    violations: int
+    mean_bound: float
+    mean_deviation: float
+
+
+def _partition(partition) -> BlockPartition:
+    if partition is None:
+        return BlockPartition()
+    if isinstance(partition, BlockIndex):
+        return BlockPartition.of(partition)
+    if isinstance(partition, BlockPartition):
+        return partition
+    raise TypeError(f"partition: expected sparsa.BlockPartition or sparsa.BlockIndex, got {type(partition).__name__}")
+
+
+def deviation_bound(q, k, partition, oracle: OracleBlocks, *, scale: Optional[float] = None, backend: str = "auto",
+                    num_threads: int = 0) -> DeviationBound:
+    """The bound of BA-Att Eq. 8 on how far a token logit strays from its block logit,
+    beside the observed deviation, on ``partition`` (as in :func:`oracle_blocks`);
+    ``oracle`` must be ``oracle_blocks(q, k, partition)``. CPU arrays only."""
+    partition = _partition(partition)
+    if not isinstance(oracle, OracleBlocks):
+        raise TypeError(f"oracle: expected sparsa.OracleBlocks, got {type(oracle).__name__}")
+    d = _core.deviation_bound(q, k, partition.block_q, partition.block_kv, partition.perm_q, partition.perm_kv,
+                              oracle.mass, oracle.logit_max, oracle.logit_min, oracle.block_q, oracle.block_kv,
+                              scale, backend, num_threads)
+    return DeviationBound(**d)
 
 
 def mass_recall(plan: BlockIndex, oracle: OracleBlocks) -> float:

@@ -420,14 +420,8 @@ NB_MODULE(_sparsa, m) {
         BlockPartition part;
         part.block_q = block_q;
         part.block_kv = block_kv;
-        if (auto t = to_optional(perm_q, "partition.perm_q")) part.perm_q = *t;
-        if (auto t = to_optional(perm_kv, "partition.perm_kv")) part.perm_kv = *t;
-        for (const Tensor* t : {&part.perm_q, &part.perm_kv}) {
-          if (t->defined() && t->device.type != DeviceType::cpu) {
-            throw nb::value_error((std::string(t == &part.perm_q ? "partition.perm_q" : "partition.perm_kv") +
-                                   ": expected an array on cpu, got one on " + device_name(t->device)).c_str());
-          }
-        }
+        if (perm_q) part.perm_q = host_tensor(*perm_q, "partition.perm_q");
+        if (perm_kv) part.perm_kv = host_tensor(*perm_kv, "partition.perm_kv");
         OracleOptions o;
         o.scale = scale;
         o.backend = resolve_backend(backend, tq);
@@ -447,6 +441,59 @@ NB_MODULE(_sparsa, m) {
       },
       "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "scale"_a.none(),
       "backend"_a, "num_threads"_a, "Dense block mass (Eq. 3) and logit range per block pair of a partition.");
+  m.def(
+      "deviation_bound",
+      [](InArray q, InArray k, int block_q, int block_kv, std::optional<InArray> perm_q,
+         std::optional<InArray> perm_kv, InArray mass, InArray logit_max, InArray logit_min, int oracle_block_q,
+         int oracle_block_kv, std::optional<float> scale, const std::string& backend, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        BlockPartition part;
+        part.block_q = block_q;
+        part.block_kv = block_kv;
+        if (perm_q) part.perm_q = host_tensor(*perm_q, "partition.perm_q");
+        if (perm_kv) part.perm_kv = host_tensor(*perm_kv, "partition.perm_kv");
+        // The core indexes the oracle's three arrays by the mass's shape: they must agree.
+        const Tensor tm = host_tensor(mass, "oracle.mass");
+        OracleBlocks ob;
+        ob.block_q = oracle_block_q;
+        ob.block_kv = oracle_block_kv;
+        const std::pair<const char*, const InArray*> arrays[] = {
+            {"oracle.mass", &mass}, {"oracle.logit_max", &logit_max}, {"oracle.logit_min", &logit_min}};
+        HostArray* owned[] = {&ob.mass, &ob.logit_max, &ob.logit_min};
+        for (int i = 0; i < 3; ++i) {
+          const Tensor t = host_tensor(*arrays[i].second, arrays[i].first);
+          if (t.ndim != 4 || t.dtype != DType::f32 || t.shape_vector() != tm.shape_vector()) {
+            throw nb::value_error((std::string(arrays[i].first) +
+                                   ": expected f32 [batch, heads_q, num_q_blocks, num_kv_blocks] equal in shape to "
+                                   "oracle.mass " + tm.shape_string() + ", got " + dtype_name(t.dtype) + " " +
+                                   t.shape_string()).c_str());
+          }
+          *owned[i] = HostArray::copy_of(t);
+        }
+        ob.num_q_blocks = tm.shape[2];
+        ob.num_kv_blocks = tm.shape[3];
+        OracleOptions o;
+        o.scale = scale;
+        o.backend = resolve_backend(backend, tq);
+        o.num_threads = num_threads;
+        Result<DeviationBound> r = [&] {
+          nb::gil_scoped_release release;
+          return deviation_bound(tq, tk, part, ob, o);
+        }();
+        DeviationBound db = take(std::move(r));
+        nb::dict d;
+        d["bound"] = to_numpy(std::move(db.bound));
+        d["deviation"] = to_numpy(std::move(db.deviation));
+        d["pearson_per_head"] = db.pearson_per_head;
+        d["pearson_overall"] = db.pearson_overall;
+        d["violations"] = db.violations;
+        d["mean_bound"] = db.mean_bound;
+        d["mean_deviation"] = db.mean_deviation;
+        return d;
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "mass"_a, "logit_max"_a,
+      "logit_min"_a, "oracle_block_q"_a, "oracle_block_kv"_a, "scale"_a.none(), "backend"_a, "num_threads"_a,
+      "BA-Att Eq. 8: the bound U on the token-logit deviation from the block logit, against the observed one.");
   m.def(
       "mass_recall",
       [](InArray counts, InArray indices, int block_q, int block_kv, InArray mass, int oracle_block_q,

@@ -407,7 +407,7 @@ def test_relative_error(rng):
     assert sparsa.relative_error(a.astype(np.float16), a) < 2.0**-11
 
 
-def test_ba_att_beats_its_uncompensated_self_or_not_but_stays_bounded(rng):
+def test_relative_error_of_ba_att_against_dense(rng):
     # The relative error of a sparse output against dense is in [0, 2] for outputs that are
     # convex combinations of the same v rows, and 0 with every block kept.
     q, k, v = rand(rng, 1, 2, 64, 16), rand(rng, 1, 2, 64, 16), rand(rng, 1, 2, 64, 16)
@@ -416,6 +416,44 @@ def test_ba_att_beats_its_uncompensated_self_or_not_but_stays_bounded(rng):
     sparse_o, _ = sparsa.ba_att(q, k, v, block_q=16, block_kv=16, density=0.25)
     assert sparsa.relative_error(full_o, dense_o) < F32_RTOL
     assert 0 < sparsa.relative_error(sparse_o, dense_o) < 2
+
+
+def test_deviation_bound_holds_and_matches_numpy(rng):
+    q, k = rand(rng, 1, 2, 48, 8), rand(rng, 1, 1, 40, 8)
+    plan = sparsa.ba_att_plan(q, k, block_q=16, block_kv=8, density=0.5)
+    oracle = sparsa.oracle_blocks(q, k, plan)
+    result = sparsa.deviation_bound(q, k, plan, oracle)
+    assert result.violations == 0  # Eq. 8 is a bound
+    assert result.bound.shape == result.deviation.shape == (1, 2, 3, 5)
+    assert (result.deviation <= result.bound * (1 + 1e-4) + 1e-4).all()
+    assert len(result.pearson_per_head) == 2 and -1 <= result.pearson_overall <= 1
+    # Independent numpy: Eq. 7 radii / norms and the observed deviation on the same partition.
+    scale = 1 / math.sqrt(8)
+    for hh in range(2):
+        qs = q[0, hh][plan.perm_q[0, hh]].astype(np.float64)
+        ks = k[0, 0][plan.perm_kv[0, 0]].astype(np.float64)
+        for i, j in np.ndindex(3, 5):
+            qi, kj = qs[16 * i:16 * (i + 1)], ks[8 * j:8 * (j + 1)]
+            qm, km = qi.mean(0), kj.mean(0)
+            rq, rk = np.linalg.norm(qi - qm, axis=1).max(), np.linalg.norm(kj - km, axis=1).max()
+            mq, mk = np.linalg.norm(qi, axis=1).max(), np.linalg.norm(kj, axis=1).max()
+            u = scale * (rq * mk + mq * rk + rq * rk)
+            dev = np.abs(scale * qi @ kj.T - scale * qm @ km).max()
+            assert result.bound[0, hh, i, j] == pytest.approx(u, rel=1e-5)
+            # the deviation comes from the oracle's f32 logits
+            assert result.deviation[0, hh, i, j] == pytest.approx(dev, rel=1e-4, abs=1e-5)
+    assert result.mean_bound == pytest.approx(float(result.bound.astype(np.float64).mean()), rel=1e-5)
+
+
+def test_deviation_bound_errors(qk):
+    q, k = qk
+    oracle = sparsa.oracle_blocks(q, k, sparsa.BlockPartition(8, 8))
+    with pytest.raises(ValueError, match=r"oracle: computed on a different partition or shape"):
+        sparsa.deviation_bound(q, k, sparsa.BlockPartition(16, 16), oracle)
+    broken = sparsa.OracleBlocks(8, 8, oracle.mass, oracle.logit_max[:, :1], oracle.logit_min)
+    with pytest.raises(ValueError, match=r"oracle.logit_max: expected f32 \[batch, heads_q, num_q_blocks, num_kv_blocks\] "
+                                         r"equal in shape to oracle.mass \[1, 2, 4, 4\], got f32 \[1, 1, 4, 4\]"):
+        sparsa.deviation_bound(q, k, sparsa.BlockPartition(8, 8), broken)
 
 
 # ---- errors: the argument is named, the type says what went wrong --------------------------

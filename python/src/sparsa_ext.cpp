@@ -169,7 +169,8 @@ Budget make_budget(const std::string& kind, double value) {
 }
 
 // The metrics read host memory element by element: refuse device arrays before they do.
-Tensor host_tensor(const InArray& a, const char* name) {
+template <class A>
+Tensor host_tensor(const A& a, const char* name) {
   Tensor t = to_tensor(a, name);
   if (t.device.type != DeviceType::cpu) {
     throw nb::value_error((std::string(name) + ": expected an array on cpu, got one on " +

@@ -581,3 +581,19 @@ def test_metric_errors(rng):
     lse = rand(rng, 1, 2, 8)
     with pytest.raises(ValueError, match=r"lse_plan: expected f32 \[batch, heads, len_q\] equal in shape to lse_dense"):
         sparsa.mass_recall_from_lse(lse[:, :1], lse)
+
+
+def test_selectors_read_strided_views_in_place(rng):
+    # [batch, seq, heads, dim] buffers viewed as [batch, heads, seq, dim]: no copy needed,
+    # and the plans equal those of contiguous copies.
+    qs, ks = rand(rng, 1, 40, 2, 16), rand(rng, 1, 56, 2, 16)
+    q, k = qs.transpose(0, 2, 1, 3), ks.transpose(0, 2, 1, 3)
+    assert not q.flags.c_contiguous
+    for plan_of in (lambda a, b: sparsa.ba_att_plan(a, b, block_q=8, block_kv=8, density=0.4),
+                    lambda a, b: sparsa.xattention_plan(a, b, block_q=8, block_kv=8, stride=4)):
+        strided, contiguous = plan_of(q, k), plan_of(np.ascontiguousarray(q), np.ascontiguousarray(k))
+        assert np.array_equal(strided.counts, contiguous.counts)
+        assert np.array_equal(strided.indices, contiguous.indices)
+    a = sparsa.oracle_blocks(q, k, sparsa.BlockPartition(8, 8)).mass
+    b = sparsa.oracle_blocks(np.ascontiguousarray(q), np.ascontiguousarray(k), sparsa.BlockPartition(8, 8)).mass
+    assert np.array_equal(a, b)

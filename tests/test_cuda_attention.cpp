@@ -29,6 +29,8 @@
 
 #if defined(SPARSA_WITH_CUDA)
 #include <cuda_runtime.h>
+
+#include "core/backends.h"
 #endif
 
 using namespace sparsa;
@@ -76,6 +78,7 @@ struct Case {
   bool empty_rows = false;  // some query blocks get count 0
   int64_t seq_pad = 0;      // extra elements between rows of q, k, v and out (strided views)
   float amplitude = 1.0f;   // q scale: larger gives peakier softmax
+  bool global_merge = false;  // split-KV: the global merge (the library default); false: cluster merge
   uint32_t seed = 1;
 };
 
@@ -274,7 +277,9 @@ TEST_P(Ops, MatchesReference) {
                                   {c.batch, c.heads_q, c.len_q}, Device{DeviceType::cuda, 0});
   AttentionOptions opt;
   opt.backend = Backend::cuda;
+  cuda::set_split_kv_cluster_merge(!c.global_merge);
   const Status st = plan ? block_sparse(qd, kd, vd, ixd, out, lse, opt) : dense(qd, kd, vd, out, lse, opt);
+  cuda::set_split_kv_cluster_merge(false);  // back to the default
   ASSERT_TRUE(st.ok()) << st.to_string();
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<uint16_t> out_h(out_buf.bytes / 2);
@@ -338,6 +343,32 @@ std::vector<Case> cases() {
        .seq_pad = 3, .seed = 5});
   add({.name = "Small_dense_bf16_d64_strided", .heads_q = 2, .heads_kv = 1, .len_q = 70, .len_kv = 129,
        .seq_pad = 8, .amplitude = 4.0f, .seed = 6});
+  // Split-KV prefix executor: dense calls with len_q <= 64 and len_kv >= 512 take it. Partial
+  // last splits and a partial last key tile (len_kv not a multiple of 64), GQA stacking across
+  // m-tiles (group * len_q > 64), one split (written directly, no merge), unaligned strides;
+  // both merges: clusters of 2, 4 and 8 splits in distributed shared memory (the cases without
+  // GlobalMerge in the name; 33x9000 leaves two cluster partials for the merge kernel), and every
+  // split's partial through global memory (GlobalMerge, the library default).
+  add({.name = "Small_splitkv_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16, .len_kv = 1100,
+       .head_dim = 128, .seed = 21});
+  add({.name = "Small_splitkv_f16_d64_one_split_17x520", .dtype = DType::f16, .heads_q = 4, .heads_kv = 2,
+       .len_q = 17, .len_kv = 520, .seed = 22});
+  add({.name = "SplitKv_bf16_d128_block_diffusion_16x4099", .heads_q = 32, .heads_kv = 8, .len_q = 16,
+       .len_kv = 4099, .head_dim = 128, .seed = 23});
+  add({.name = "SplitKv_f16_d64_mha_1x2000", .dtype = DType::f16, .batch = 2, .heads_q = 3, .heads_kv = 3,
+       .len_q = 1, .len_kv = 2000, .seed = 24});
+  add({.name = "SplitKv_bf16_d128_gqa8_64x1500", .heads_q = 8, .heads_kv = 1, .len_q = 64, .len_kv = 1500,
+       .head_dim = 128, .seed = 25});
+  add({.name = "SplitKv_f16_d128_unaligned_peaky_5x777", .dtype = DType::f16, .batch = 2, .heads_q = 6,
+       .heads_kv = 2, .len_q = 5, .len_kv = 777, .head_dim = 128, .seq_pad = 3, .amplitude = 4.0f, .seed = 26});
+  add({.name = "SplitKv_bf16_d64_gqa2_33x9000", .heads_q = 4, .heads_kv = 2, .len_q = 33, .len_kv = 9000,
+       .seq_pad = 8, .seed = 27});
+  add({.name = "Small_splitkv_GlobalMerge_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16,
+       .len_kv = 1100, .head_dim = 128, .global_merge = true, .seed = 28});
+  add({.name = "SplitKv_GlobalMerge_bf16_d128_block_diffusion_16x4099", .heads_q = 32, .heads_kv = 8,
+       .len_q = 16, .len_kv = 4099, .head_dim = 128, .global_merge = true, .seed = 29});
+  add({.name = "SplitKv_GlobalMerge_f16_d64_unaligned_33x9000", .dtype = DType::f16, .heads_q = 4, .heads_kv = 2,
+       .len_q = 33, .len_kv = 9000, .seq_pad = 3, .global_merge = true, .seed = 30});
   // Medium.
   add({.name = "Medium_dense_bf16_d128_gqa4x1_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
        .len_kv = 1500, .head_dim = 128, .seed = 7});

@@ -7,6 +7,15 @@ executor (random 128x128 blocks, a fraction `keep` per query block, diagonal for
 Every time is the median of many CUDA-event-timed calls after warm-ups; sparsa is called
 through a C ABI shim (bench_shim.cpp) and timed with CUDA events inside it.
 FLOPs: 4 * H * N^2 * D dense; sparse: 4 * D * (visited query-key pairs).
+
+Prefix rows (--prefix-sizes): the block-diffusion shape, 16 queries, 32 query heads over 8 kv heads
+(GQA), head_dim 128, bf16, against a KV of each length; sparsa's split-KV executor (taken by the
+cuda backend's dense call when len_q <= 64) vs SDPA flash and cuDNN on the same tensors (GQA
+through enable_gqa; a backend that refuses it gets K/V expanded to 32 heads, and the row says so).
+These kernels take tens of microseconds, so each time is the median over samples of a loop of
+back-to-back calls between two events, divided by the loop length. Effective bandwidth counts the
+K and V bytes of the 8 kv heads once (2 * 8 * L * 128 * 2 bytes) over that time; K+V is 134 MB at
+32K and 268 MB at 64K, beyond the 60 MB L2, so the loop does not run from cache.
 """
 import argparse
 import ctypes
@@ -61,6 +70,116 @@ class Sparsa:
         return ms.value
 
 
+class SparsaLoop:
+    def __init__(self, lib):
+        f = lib.sparsa_bench_dense_loop
+        i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        f.argtypes = [vp, vp, vp, vp, vp, i32, i64, i64, i64, i64, i64, i64, i32, i32, i32,
+                      ctypes.POINTER(ctypes.c_float), ctypes.c_char_p, i32]
+        f.restype = i32
+        self.f = f
+
+    def run(self, q, k, v, out, lse, warmup=3, reps=20, iters=15):
+        ms = ctypes.c_float(float("nan"))
+        err = ctypes.create_string_buffer(1024)
+        B, H, N, D = q.shape
+        rc = self.f(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    int(q.dtype == torch.float16), B, H, k.shape[1], N, k.shape[2], D, warmup, reps, iters,
+                    ctypes.byref(ms), err, len(err))
+        if rc != 0:
+            raise RuntimeError(err.value.decode())
+        return ms.value
+
+
+def time_torch_loop(fn, reps=20, iters=15, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return statistics.median(times)
+
+
+def peer_prefix(res, name, backend, q, k, v, ref, group):
+    """Times one SDPA backend on the prefix shape: GQA through enable_gqa, else K/V expanded."""
+    how = "enable_gqa"
+    try:
+        with sdpa_kernel([backend]):
+            o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    except Exception as e:  # the backend refuses GQA: expand K/V to the query heads
+        print(f"{name}: enable_gqa refused ({str(e).splitlines()[0][:120]}); expanding K/V", flush=True)
+        kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        how = "expanded K/V"
+        with sdpa_kernel([backend]):
+            o = F.scaled_dot_product_attention(q, kk, vv)
+        fn = lambda: F.scaled_dot_product_attention(q, kk, vv)
+    res["err_" + name] = rel_err(o, ref)
+    with sdpa_kernel([backend]):
+        res[name] = time_torch_loop(fn)
+    res["how_" + name] = how
+
+
+def bench_prefix(lib, sizes, Lq=16, Hq=32, Hkv=8, D=128):
+    loop = SparsaLoop(lib)
+    lib.sparsa_bench_set_split_kv_cluster_merge.argtypes = [ctypes.c_int]
+    rows = []
+    for L in sizes:
+        torch.manual_seed(L + 7)
+        q = torch.randn(1, Hq, Lq, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((1, Hq, Lq), float("nan"), device="cuda", dtype=torch.float32)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        # f32 reference on the same bf16 values (K/V expanded to the query heads).
+        kf, vf = (x.float().repeat_interleave(Hq // Hkv, dim=1) for x in (k, v))
+        s = (q.float() @ kf.transpose(-1, -2)) / math.sqrt(D)
+        ref_lse = torch.logsumexp(s, dim=-1)
+        ref = torch.softmax(s, dim=-1) @ vf
+        del kf, vf, s
+        res = {"L": L, "kv_bytes": kv_bytes}
+        # The default (every split's partial through global memory), then the opt-in merge inside
+        # thread-block clusters; the output is poisoned before each so both are checked.
+        for key, cluster in [("sparsa_cluster", 1), ("sparsa", 0)]:
+            lib.sparsa_bench_set_split_kv_cluster_merge(cluster)
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            res[key] = loop.run(q, k, v, out, lse)
+            torch.cuda.synchronize()
+            res["err_" + key] = rel_err(out, ref)
+            res["lse_err_" + key] = (lse - ref_lse).abs().max().item()
+        for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+            try:
+                peer_prefix(res, name, backend, q, k, v, ref, Hq // Hkv)
+            except Exception as e:  # a peer that runs in neither way: its row says so, the rest goes on
+                print(f"{name}: failed ({str(e).splitlines()[0][:160]})", flush=True)
+                res.update({name: float("nan"), "err_" + name: float("nan"), "how_" + name: "failed"})
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+        del q, k, v, out, lse, ref, ref_lse
+        torch.cuda.empty_cache()
+    print()
+    print(f"prefix attention: {Lq} queries, {Hq}/{Hkv} heads (GQA), D={D}, bf16; "
+          "times: median of 15 samples of 20 back-to-back calls")
+    print(f"{'KV':>6} {'kernel':<32} {'us':>9} {'TB/s K+V':>9} {'rel err':>9}")
+    for r in rows:
+        for name, key in [("sparsa split-KV", "sparsa"), ("sparsa split-KV, cluster merge", "sparsa_cluster"),
+                          (f"SDPA flash ({r['how_flash']})", "flash"),
+                          (f"SDPA cuDNN ({r['how_cudnn']})", "cudnn")]:
+            t = r[key]
+            print(f"{r['L']:>6} {name:<32} {t * 1e3:>9.1f} {r['kv_bytes'] / t / 1e9:>9.2f} {r['err_' + key]:>9.2e}")
+        print(f"{r['L']:>6} sparsa / flash speed {r['flash'] / r['sparsa']:.2f}x (target >= 3), "
+              f"/ cuDNN speed {r['cudnn'] / r['sparsa']:.2f}x; sparsa lse max abs err {r['lse_err_sparsa']:.2e}")
+    return rows
+
+
 def random_block_mask(H, nb, keep, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     mask = torch.rand(1, H, nb, nb, device="cuda", generator=g) < keep
@@ -83,7 +202,15 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--keep", type=float, default=0.1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefix-sizes", type=int, nargs="*", default=[32768, 65536],
+                    help="KV lengths of the prefix (split-KV) rows; none: skip them")
+    ap.add_argument("--prefix-only", action="store_true", help="only the prefix rows")
     args = ap.parse_args()
+    if args.prefix_only:
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"cudnn {torch.backends.cudnn.version()}")
+        bench_prefix(ctypes.CDLL(args.lib), args.prefix_sizes)
+        return 0
 
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     flex = torch.compile(flex_attention, dynamic=False)
@@ -164,6 +291,9 @@ def main():
         print(f"{N:>6} sparsa sparse / Flex sparse spd {r['flex_sparse'] / r['sparsa_sparse']:.3f}x   (target > 1)")
         print(f"{N:>6} sparsa sparse time / dense time {r['sparsa_sparse'] / r['sparsa_dense']:.3f}    (target <= 0.13 at 32K)")
         print(f"{N:>6} rel err: dense vs cuDNN {r['err_dense_vs_cudnn']:.2e}, sparse vs Flex {r['err_sparse_vs_flex']:.2e}")
+    if args.prefix_sizes:
+        print()
+        bench_prefix(sp.lib, args.prefix_sizes)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "core/backends.h"
 #include "sparsa/attention.h"
 
 using namespace sparsa;
@@ -85,5 +87,56 @@ int sparsa_bench_attention(void* q, void* k, void* v, void* out, void* lse, int 
   }
   return 0;
 }
+
+// Dense only, timed as loops: *median_ms receives the median over `iters` samples of (time of
+// `reps` back-to-back calls between two events) / reps. For kernels of tens of microseconds, where
+// one call's host-side work would otherwise sit inside its own timing.
+int sparsa_bench_dense_loop(void* q, void* k, void* v, void* out, void* lse, int is_f16, int64_t batch,
+                            int64_t heads_q, int64_t heads_kv, int64_t len_q, int64_t len_kv, int64_t head_dim,
+                            int warmup, int reps, int iters, float* median_ms, char* err, int err_len) {
+  const Device gpu{DeviceType::cuda, 0};
+  const DType dt = is_f16 ? DType::f16 : DType::bf16;
+  Call c;
+  c.q = Tensor::contiguous(q, dt, {batch, heads_q, len_q, head_dim}, gpu);
+  c.k = Tensor::contiguous(k, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
+  c.v = Tensor::contiguous(v, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
+  c.out = Tensor::contiguous(out, dt, {batch, heads_q, len_q, head_dim}, gpu);
+  c.lse = Tensor::contiguous(lse, DType::f32, {batch, heads_q, len_q}, gpu);
+  auto fail = [&](const std::string& msg) {
+    std::snprintf(err, err_len, "%s", msg.c_str());
+    return 1;
+  };
+  for (int i = 0; i < std::max(warmup, 1); ++i) {
+    const Status st = run(c);
+    if (!st.ok()) return fail(st.to_string());
+  }
+  if (cudaDeviceSynchronize() != cudaSuccess) return fail(cudaGetErrorString(cudaGetLastError()));
+  std::vector<float> times;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (int i = 0; i < iters; ++i) {
+    cudaEventRecord(start);
+    for (int r = 0; r < reps; ++r) {
+      const Status st = run(c);
+      if (!st.ok()) return fail(st.to_string());
+    }
+    cudaEventRecord(stop);
+    if (cudaEventSynchronize(stop) != cudaSuccess) return fail(cudaGetErrorString(cudaGetLastError()));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    times.push_back(ms / std::max(reps, 1));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (!times.empty()) {
+    std::sort(times.begin(), times.end());
+    *median_ms = times[times.size() / 2];
+  }
+  return 0;
+}
+
+// The split-KV executor's merge: 1 in clusters first (the default), 0 every split through global memory.
+void sparsa_bench_set_split_kv_cluster_merge(int on) { sparsa::cuda::set_split_kv_cluster_merge(on != 0); }
 
 }  // extern "C"

@@ -55,31 +55,14 @@ Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (on_gpu && q.device.type != DeviceType::cuda && q.data != nullptr) {
     return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
   }
-  SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, host));
-  SPARSA_RETURN_IF_ERROR(check_attention_tensor("k", k, host));
+  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, host));
   SPARSA_RETURN_IF_ERROR(check_attention_tensor("v", v, host));
-  if (k.dtype != q.dtype) {
-    return unsupported_dtype(std::string("k: dtype ") + dtype_name(k.dtype) + " differs from q's " +
-                             dtype_name(q.dtype));
-  }
   if (v.dtype != q.dtype) {
     return unsupported_dtype(std::string("v: dtype ") + dtype_name(v.dtype) + " differs from q's " +
                              dtype_name(q.dtype));
   }
   const int64_t batch = q.shape[0], heads_q = q.shape[1], len_q = q.shape[2], head_dim = q.shape[3];
   const int64_t heads_kv = k.shape[1], len_kv = k.shape[2];
-  if (k.shape[0] != batch) {
-    return invalid_argument("k: batch " + std::to_string(k.shape[0]) + " differs from q's batch " +
-                            std::to_string(batch));
-  }
-  if (k.shape[3] != head_dim) {
-    return invalid_argument("k: head_dim " + std::to_string(k.shape[3]) + " differs from q's head_dim " +
-                            std::to_string(head_dim));
-  }
-  if (heads_q % heads_kv != 0) {
-    return invalid_argument("k: heads_q (" + std::to_string(heads_q) + ") must be a multiple of heads_kv (" +
-                            std::to_string(heads_kv) + ") for grouped-query attention");
-  }
   if (v.shape[0] != batch || v.shape[1] != heads_kv || v.shape[2] != len_kv || v.shape[3] != head_dim) {
     return invalid_argument("v: expected shape " +
                             detail::shape_string({batch, heads_kv, len_kv, head_dim}) + " (as k), got " +

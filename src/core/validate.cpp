@@ -51,6 +51,27 @@ Status check_attention_tensor(const char* name, const Tensor& t, Device device) 
   return {};
 }
 
+Status check_query_key(const Tensor& q, const Tensor& k, Device device) {
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, device));
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor("k", k, device));
+  if (k.dtype != q.dtype) {
+    return unsupported_dtype(std::string("k: dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
+  }
+  if (k.shape[0] != q.shape[0]) {
+    return invalid_argument("k: batch " + std::to_string(k.shape[0]) + " differs from q's batch " +
+                            std::to_string(q.shape[0]));
+  }
+  if (k.shape[3] != q.shape[3]) {
+    return invalid_argument("k: head_dim " + std::to_string(k.shape[3]) + " differs from q's head_dim " +
+                            std::to_string(q.shape[3]));
+  }
+  if (q.shape[1] % k.shape[1] != 0) {
+    return invalid_argument("k: heads_q (" + std::to_string(q.shape[1]) + ") must be a multiple of heads_kv (" +
+                            std::to_string(k.shape[1]) + ") for grouped-query attention");
+  }
+  return {};
+}
+
 Status check_shape(const char* name, const Tensor& t, std::initializer_list<int64_t> shape) {
   bool same = t.ndim == static_cast<int>(shape.size());
   int d = 0;

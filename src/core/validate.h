@@ -11,6 +11,9 @@ namespace sparsa::detail {
 // A 4-d [batch, heads, seq, head_dim] float tensor on `device`, non-empty,
 // contiguous last dimension, non-negative strides.
 Status check_attention_tensor(const char* name, const Tensor& t, Device device);
+// q [batch, heads_q, len_q, d] and k [batch, heads_kv, len_kv, d] on `device`: both valid
+// attention tensors, same dtype, same batch and head_dim, heads_q a multiple of heads_kv.
+Status check_query_key(const Tensor& q, const Tensor& k, Device device);
 // A tensor of exactly `shape` and `dtype` (for outputs and side inputs).
 Status check_shape(const char* name, const Tensor& t, std::initializer_list<int64_t> shape);
 Status check_dtype(const char* name, const Tensor& t, DType dtype);

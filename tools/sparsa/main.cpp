@@ -13,6 +13,7 @@
 
 #include "cmd_selectors.h"
 #include "commands.h"
+#include "cmd_trace.h"
 #include "methods.h"
 
 namespace sparsa::cli {
@@ -137,6 +138,8 @@ int run_main(int argc, char** argv) {
 
   const Subcommand plan_cmd = add_plan_command(app);
   const Subcommand eval_cmd = add_eval_command(app);
+  TraceOptions trace;
+  CLI::App* trace_cmd = add_trace_command(app, "trace", trace);
 
   // CLI11 reads an unknown first word as a stray argument ("A subcommand is required");
   // name it instead.
@@ -145,7 +148,8 @@ int run_main(int argc, char** argv) {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == word;
     if (!known) {
-      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo, plan or eval)"), kExitUsage);
+      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo, plan, eval or trace)"),
+                  kExitUsage);
     }
   }
 
@@ -169,6 +173,7 @@ int run_main(int argc, char** argv) {
   if (demo_cmd->parsed()) outcome = cmd_demo(demo);
   if (plan_cmd.app->parsed()) outcome = plan_cmd.run();
   if (eval_cmd.app->parsed()) outcome = eval_cmd.run();
+  if (trace_cmd->parsed()) outcome = cmd_trace(trace);
   if (!outcome.status.ok()) return fail(outcome.status, outcome.exit_code ? outcome.exit_code : kExitRuntime);
   return 0;
 }

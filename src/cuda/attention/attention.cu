@@ -3,10 +3,14 @@
 // dispatch place for dtype and head_dim, STYLE.md 8).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <string>
 
 #include "core/backends.h"
 #include "cuda/attention/flash_kernel.cuh"
+#include "cuda/attention/split_kv_kernel.cuh"
 #include "cuda/common/check.h"
 
 namespace sparsa::cuda {
@@ -14,6 +18,7 @@ namespace sparsa::cuda {
 namespace {
 
 using detail::FlashParams;
+using detail::SplitKvParams;
 
 // The promoted rung of bench/cuda/flash_ladder.cu, one mainloop in two tile configurations:
 // warps per CTA, 16-row m-tiles per warp, key-tile width, Q fragments in registers, min CTAs/SM.
@@ -82,7 +87,143 @@ Status launch_config(FlashParams p, DType dtype, int head_dim, const BlockIndex*
 
 bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
+// ---- split-KV prefix executor (split_kv_kernel.cuh) ----
+// Dense calls with at most kSplitKvMaxQueries queries and at least kSplitKvMinKeys keys take it:
+// there the flash executor's grid is one CTA per query head and its 256-row tiles are mostly empty.
+constexpr int kSplitKvMaxQueries = 64, kSplitKvMinKeys = 512;
+constexpr int kSplitKvKeyTile = 64, kSplitKvStages = 3;
+constexpr int kSplitKvMinTilesPerSplit = 8;  // 512 keys: the Q load and the partial write amortised
+constexpr int kSplitKvMaxSplits = 128;
+
+// Per-device facts and a grow-only workspace for the partials. Every launch is on the default
+// stream, so one buffer per device is never used by two calls at once; growing frees the old one
+// (cudaFree waits for the device).
+struct DeviceState {
+  int sms = 0;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+std::mutex g_state_mutex;
+DeviceState g_state[64];
+
+std::atomic<bool> g_split_kv_cluster_merge{false};  // opt-in: measured slower (split_kv_kernel.cuh)
+
+template <class T, int D>
+Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
+  using Shape = detail::SplitKvShape<D, kSplitKvKeyTile, kSplitKvStages>;
+  auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages>;
+  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
+  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared));
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  DeviceState& state = g_state[device];
+  if (state.sms == 0) SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&state.sms, cudaDevAttrMultiProcessorCount, device));
+  static int ctas_per_sm = 0;  // of this instantiation (one GPU architecture per build)
+  if (ctas_per_sm == 0) {
+    SPARSA_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, Shape::kThreads, Shape::kSmemBytes));
+    ctas_per_sm = std::max(ctas_per_sm, 1);
+  }
+  auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  const int64_t m_tiles = ceil_div(p.rows, Shape::kBM);
+  const int64_t base = m_tiles * p.batch * p.heads_kv;  // CTAs of one split
+  // As many splits as fill one wave of resident CTAs, each at least kSplitKvMinTilesPerSplit tiles.
+  int64_t splits = static_cast<int64_t>(state.sms) * ctas_per_sm / base;
+  splits = std::min<int64_t>({splits, p.num_kv_tiles / kSplitKvMinTilesPerSplit, kSplitKvMaxSplits});
+  splits = std::max<int64_t>(splits, 1);
+  // Clusters of C = 2, 4 or 8 consecutive splits (the largest that fits), the split count rounded
+  // down to a multiple of C so the grid stays within one wave; trailing splits may get no tile.
+  int cluster = 1;
+  if (g_split_kv_cluster_merge.load() && splits >= 2) {
+    cluster = splits >= 8 ? 8 : splits >= 4 ? 4 : 2;
+    splits = splits / cluster * cluster;
+  }
+  p.tiles_per_split = static_cast<int>(ceil_div(p.num_kv_tiles, splits));
+  p.num_splits = cluster > 1 ? static_cast<int>(splits)
+                             : static_cast<int>(ceil_div(p.num_kv_tiles, p.tiles_per_split));  // no empty split
+  p.cluster = cluster;
+  p.num_partials = p.num_splits / cluster;
+  const int64_t out_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  if (p.num_partials > 1) {
+    const size_t bytes = static_cast<size_t>(p.num_partials) * out_rows * (D + 1) * sizeof(float);
+    if (bytes > state.workspace_bytes) {
+      if (state.workspace != nullptr) SPARSA_CUDA_CHECK(cudaFree(state.workspace));
+      state.workspace = nullptr;
+      state.workspace_bytes = 0;
+      SPARSA_CUDA_CHECK(cudaMalloc(&state.workspace, bytes));
+      state.workspace_bytes = bytes;
+    }
+    p.part_o = static_cast<float*>(state.workspace);
+    p.part_lse = p.part_o + static_cast<size_t>(p.num_partials) * out_rows * D;
+  }
+  const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(p.num_splits),
+                  static_cast<unsigned>(p.batch * p.heads_kv));
+  if (cluster > 1) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(Shape::kThreads);
+    config.dynamicSmemBytes = Shape::kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = static_cast<unsigned>(cluster);
+    attr[0].val.clusterDim.z = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    SPARSA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  } else {
+    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  }
+  SPARSA_CUDA_CHECK_LAUNCH();
+  if (p.num_partials > 1) {
+    constexpr int kRows = detail::kMergeRowsPerCta;
+    detail::split_kv_merge_kernel<T, D><<<static_cast<unsigned>(ceil_div(out_rows, kRows)), 32 * kRows, 0, stream>>>(p);
+    SPARSA_CUDA_CHECK_LAUNCH();
+  }
+  return {};
+}
+
+bool use_split_kv(const sparsa::detail::AttentionParams& a) {
+  return a.index == nullptr && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries && a.len_kv >= kSplitKvMinKeys &&
+         a.batch * a.heads_kv <= 65535 && a.device_id >= 0 && a.device_id < 64;
+}
+
+Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cudaStream_t stream) {
+  SplitKvParams p;
+  p.q = f.q;
+  p.k = f.k;
+  p.v = f.v;
+  p.out = f.out;
+  p.lse = f.lse;
+  for (int d = 0; d < 3; ++d) {
+    p.q_stride[d] = f.q_stride[d];
+    p.k_stride[d] = f.k_stride[d];
+    p.v_stride[d] = f.v_stride[d];
+    p.out_stride[d] = f.out_stride[d];
+    p.lse_stride[d] = f.lse_stride[d];
+  }
+  p.batch = f.batch;
+  p.heads_q = f.heads_q;
+  p.heads_kv = f.heads_kv;
+  p.group = f.group;
+  p.len_q = f.len_q;
+  p.len_kv = f.len_kv;
+  p.scale_log2 = f.scale_log2;
+  p.rows = f.group * f.len_q;
+  p.num_kv_tiles = (f.len_kv + kSplitKvKeyTile - 1) / kSplitKvKeyTile;
+  p.aligned_loads = f.aligned_loads;
+  p.aligned_out = f.aligned_out;
+  const bool bf16 = dtype == DType::bf16;
+  if (head_dim == 64) {
+    return bf16 ? launch_split_kv<__nv_bfloat16, 64>(p, device, stream) : launch_split_kv<__half, 64>(p, device, stream);
+  }
+  return bf16 ? launch_split_kv<__nv_bfloat16, 128>(p, device, stream) : launch_split_kv<__half, 128>(p, device, stream);
+}
+
 }  // namespace
+
+void set_split_kv_cluster_merge(bool on) { g_split_kv_cluster_merge.store(on); }
 
 Status attention(const sparsa::detail::AttentionParams& a) {
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {
@@ -172,6 +313,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   }
   const cudaStream_t stream = nullptr;  // the default stream: callers synchronise as with any CUDA op
   const int head_dim = static_cast<int>(a.head_dim);
+  if (use_split_kv(a)) return split_kv(p, a.dtype, head_dim, device, stream);
   if (a.index == nullptr) return launch_config<DenseConfig>(p, a.dtype, head_dim, nullptr, stream);
   return launch_config<SparseConfig>(p, a.dtype, head_dim, a.index, stream);
 }

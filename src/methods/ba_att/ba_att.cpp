@@ -33,27 +33,7 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-Status check_qk(const Tensor& q, const Tensor& k) {
-  const Device host{};
-  SPARSA_RETURN_IF_ERROR(detail::check_attention_tensor("q", q, host));
-  SPARSA_RETURN_IF_ERROR(detail::check_attention_tensor("k", k, host));
-  if (k.dtype != q.dtype) {
-    return unsupported_dtype(std::string("k: dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
-  }
-  if (k.shape[0] != q.shape[0]) {
-    return invalid_argument("k: batch " + std::to_string(k.shape[0]) + " differs from q's batch " +
-                            std::to_string(q.shape[0]));
-  }
-  if (k.shape[3] != q.shape[3]) {
-    return invalid_argument("k: head_dim " + std::to_string(k.shape[3]) + " differs from q's head_dim " +
-                            std::to_string(q.shape[3]));
-  }
-  if (q.shape[1] % k.shape[1] != 0) {
-    return invalid_argument("k: heads_q (" + std::to_string(q.shape[1]) + ") must be a multiple of heads_kv (" +
-                            std::to_string(k.shape[1]) + ") for grouped-query attention");
-  }
-  return {};
-}
+Status check_qk(const Tensor& q, const Tensor& k) { return detail::check_query_key(q, k, Device{}); }
 
 Status check_options(const BaAttOptions& o, int64_t head_dim) {
   if (o.block_q <= 0) return invalid_argument("block_q: expected a block size > 0 tokens, got " + std::to_string(o.block_q));

@@ -38,26 +38,11 @@ Status check_options(const LlsaOptions& o) {
 Status check_inputs(const Tensor& q, const Tensor& k, const Tensor* v, const LlsaOptions& o) {
   SPARSA_RETURN_IF_ERROR(check_options(o));
   const Device host{};
-  SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, host));
-  SPARSA_RETURN_IF_ERROR(check_attention_tensor("k", k, host));
+  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, host));
   if (v) SPARSA_RETURN_IF_ERROR(check_attention_tensor("v", *v, host));
-  if (k.dtype != q.dtype) {
-    return unsupported_dtype(std::string("k: dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
-  }
-  if (k.shape[0] != q.shape[0]) {
-    return invalid_argument("k: batch " + std::to_string(k.shape[0]) + " differs from q's batch " + std::to_string(q.shape[0]));
-  }
   if (k.shape[2] != q.shape[2]) {
     return invalid_argument("k: llsa is self-attention, expected len " + std::to_string(q.shape[2]) +
                             " (as q), got " + std::to_string(k.shape[2]));
-  }
-  if (k.shape[3] != q.shape[3]) {
-    return invalid_argument("k: head_dim " + std::to_string(k.shape[3]) + " differs from q's head_dim " +
-                            std::to_string(q.shape[3]));
-  }
-  if (q.shape[1] % k.shape[1] != 0) {
-    return invalid_argument("k: heads_q (" + std::to_string(q.shape[1]) + ") must be a multiple of heads_kv (" +
-                            std::to_string(k.shape[1]) + ") for grouped-query attention");
   }
   if (q.shape[2] > (int64_t{1} << 31) - 1) return invalid_argument("q: len above 2^31 - 1 is not supported");
   if (v) {

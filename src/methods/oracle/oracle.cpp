@@ -73,13 +73,7 @@ struct Problem {
 Status make_problem(const Tensor& q, const Tensor& k, const BlockPartition& part, const OracleOptions& o,
                     Problem* p) {
   const Device host{};
-  SPARSA_RETURN_IF_ERROR(detail::check_attention_tensor("q", q, host));
-  SPARSA_RETURN_IF_ERROR(detail::check_attention_tensor("k", k, host));
-  if (k.dtype != q.dtype) return unsupported_dtype("k: dtype differs from q's");
-  if (k.shape[0] != q.shape[0] || k.shape[3] != q.shape[3] || q.shape[1] % k.shape[1] != 0) {
-    return invalid_argument("k: expected [batch, heads_kv, len_kv, head_dim] matching q " + q.shape_string() +
-                            " (heads_q a multiple of heads_kv), got " + k.shape_string());
-  }
+  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, host));
   if (part.block_q <= 0) return invalid_argument("partition.block_q: expected > 0, got " + std::to_string(part.block_q));
   if (part.block_kv <= 0) {
     return invalid_argument("partition.block_kv: expected > 0, got " + std::to_string(part.block_kv));

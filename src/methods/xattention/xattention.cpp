@@ -33,13 +33,7 @@ struct XProblem {
 
 Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o, XProblem* p) {
   const Device host{};
-  SPARSA_RETURN_IF_ERROR(detail::check_attention_tensor("q", q, host));
-  SPARSA_RETURN_IF_ERROR(detail::check_attention_tensor("k", k, host));
-  if (k.dtype != q.dtype) return unsupported_dtype("k: dtype differs from q's");
-  if (k.shape[0] != q.shape[0] || k.shape[3] != q.shape[3] || q.shape[1] % k.shape[1] != 0) {
-    return invalid_argument("k: expected [batch, heads_kv, len_kv, head_dim] matching q " + q.shape_string() +
-                            " (heads_q a multiple of heads_kv), got " + k.shape_string());
-  }
+  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, host));
   if (o.stride <= 0) return invalid_argument("stride: expected >= 1, got " + std::to_string(o.stride));
   if (o.block_q <= 0) return invalid_argument("block_q: expected a block size > 0 tokens, got " + std::to_string(o.block_q));
   if (o.block_kv <= 0) {

@@ -1,0 +1,188 @@
+// `sparsa trace`: prefix-attention methods over a block-diffusion decode trace (docs/losa.md).
+#include "cmd_trace.h"
+
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "common.h"
+#include "params.h"
+#include "sparsa/decode_trace.h"
+#include "sparsa/losa.h"
+#include "table.h"
+#include "util.h"
+
+namespace sparsa::cli {
+
+CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions& o) {
+  CLI::App* cmd = app.add_subcommand(
+      name, "dense/quest/losa/reuse prefix attention over a block-diffusion decode trace, against dense");
+  cmd->add_option("--methods", o.methods, "comma-separated: dense, quest, losa, reuse")->capture_default_str();
+  cmd->add_option("--prefix", o.prefix, "committed tokens before the first block")->capture_default_str();
+  cmd->add_option("--block", o.block, "block size, 4 to 32")->capture_default_str();
+  cmd->add_option("--blocks", o.blocks, "blocks decoded (each committed after its last step)")->capture_default_str();
+  cmd->add_option("--tokens-per-step", o.tokens_per_step, "tokens unmasked after each step")->capture_default_str();
+  cmd->add_option("--steps", o.steps, "steps per block (0: block / tokens-per-step)")->capture_default_str();
+  cmd->add_option("--unmask", o.unmask, "an unmasked token's jump, relative to its rms")->capture_default_str();
+  cmd->add_option("--neighbour", o.neighbour, "its neighbours' move, relative to their rms")->capture_default_str();
+  cmd->add_option("--drift", o.drift, "per-step random walk of the other tokens, relative")->capture_default_str();
+  cmd->add_option("--heads", o.heads, "query heads")->capture_default_str();
+  cmd->add_option("--kv-heads", o.kv_heads, "key/value heads")->capture_default_str();
+  cmd->add_option("--head-dim", o.head_dim, "head dimension")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed of the workload and the trace")->capture_default_str();
+  cmd->add_option("-P,--param", o.params,
+                  "budget=256 (tokens per query), k=4 (active tokens), threshold=X (MSE, instead of k), "
+                  "selector=quest|pooled, group=per_head|shared, union=false, force_first=false, force_last=true")
+      ->allow_extra_args(false);
+  cmd->add_option("--backend", o.backend, "cpu or cpu_ref")->capture_default_str();
+  cmd->add_option("--threads", o.threads, "CPU threads (0 = all cores)");
+  cmd->add_option("--repeats", o.repeats, "passes; CPU time is the median per step")->capture_default_str();
+  cmd->add_flag("--json", o.json, "print JSON instead of the table");
+  return cmd;
+}
+
+namespace {
+
+Result<LosaOptions> method_options(const Params& p, Backend backend, int threads) {
+  SPARSA_RETURN_IF_ERROR(check_known_params(
+      "trace", p, {"budget", "k", "threshold", "selector", "group", "union", "force_first", "force_last"}));
+  LosaOptions o;
+  o.attention.backend = backend;
+  o.attention.num_threads = threads;
+  auto budget = param_int(p, "budget", 256, 1, int64_t{1} << 40);
+  if (!budget.ok()) return budget.status();
+  o.select.budget = *budget;
+  auto k = param_int(p, "k", 4, 0, 1024);
+  if (!k.ok()) return k.status();
+  o.active_k = static_cast<int>(*k);
+  if (p.contains("threshold")) {
+    auto t = param_real(p, "threshold", 0.0, 0.0, 1e30);
+    if (!t.ok()) return t.status();
+    o.mse_threshold = *t;
+  }
+  auto selector = param_string(p, "selector", "quest");
+  if (!selector.ok()) return selector.status();
+  auto sel = parse_page_selector(*selector);
+  if (!sel.ok()) return invalid_argument("params: " + sel.status().message());
+  o.select.selector = *sel;
+  auto group = param_string(p, "group", "per_head");
+  if (!group.ok()) return group.status();
+  if (*group != "per_head" && *group != "shared") {
+    return invalid_argument("params: group: expected per_head or shared, got '" + *group + "'");
+  }
+  o.select.group = *group == "shared" ? GroupPolicy::shared : GroupPolicy::per_head;
+  for (auto [key, field, fallback] : {std::tuple{"union", &o.attend_union, false},
+                                      std::tuple{"force_first", &o.select.force_first, false},
+                                      std::tuple{"force_last", &o.select.force_last, true}}) {
+    auto b = param_bool(p, key, fallback);
+    if (!b.ok()) return b.status();
+    *field = *b;
+  }
+  return o;
+}
+
+}  // namespace
+
+Outcome cmd_trace(const TraceOptions& o) {
+  auto backend = parse_backend_flag(o.backend);
+  if (!backend.ok()) return usage_error(backend.status());
+  if (o.threads < 0) return usage_error(invalid_argument("--threads: expected >= 0, got " + std::to_string(o.threads)));
+  if (o.repeats < 1 || o.repeats > 1000) {
+    return usage_error(invalid_argument("--repeats: expected 1 to 1000, got " + std::to_string(o.repeats)));
+  }
+  auto params = parse_params(o.params);
+  if (!params.ok()) return usage_error(params.status());
+  auto base = method_options(*params, *backend, o.threads);
+  if (!base.ok()) return usage_error(base.status());
+
+  DecodeTraceConfig tc;
+  tc.workload.heads_q = o.heads;
+  tc.workload.heads_kv = o.kv_heads;
+  tc.workload.head_dim = o.head_dim;
+  tc.workload.seed = tc.seed = o.seed;
+  tc.prefix_len = o.prefix;
+  tc.block_size = o.block;
+  tc.num_blocks = o.blocks;
+  tc.tokens_per_step = o.tokens_per_step;
+  tc.steps_per_block = o.steps;
+  tc.unmask_move = static_cast<float>(o.unmask);
+  tc.neighbour_move = static_cast<float>(o.neighbour);
+  tc.drift = static_cast<float>(o.drift);
+  if (Status s = validate(tc); !s.ok()) return usage_error(s);
+
+  std::vector<std::string> names;
+  std::vector<LosaOptions> configs;
+  for (size_t start = 0; start <= o.methods.size();) {
+    const size_t comma = std::min(o.methods.find(',', start), o.methods.size());
+    const std::string name = o.methods.substr(start, comma - start);
+    start = comma + 1;
+    auto m = parse_prefix_method(name);
+    if (!m.ok()) return usage_error(invalid_argument("--methods: " + m.status().message()));
+    LosaOptions c = *base;
+    c.method = *m;
+    if (Status s = validate(LosaConfig{o.heads, o.kv_heads, o.head_dim, o.block}, c); !s.ok()) {
+      return usage_error(invalid_argument("params: " + s.message()));
+    }
+    names.push_back(name);
+    configs.push_back(c);
+  }
+
+  if (!o.json) std::cerr << "generating the trace (prefix " << o.prefix << ") ..." << std::endl;
+  auto trace = DecodeTrace::generate(tc);
+  if (!trace.ok()) return runtime_error(trace.status());
+  if (!o.json) std::cerr << "running " << o.methods << " over " << o.blocks * trace->steps_per_block() << " steps ..." << std::endl;
+  TraceRunOptions ro;
+  ro.repeats = o.repeats;
+  auto runs = run_trace(*trace, configs, ro);
+  if (!runs.ok()) return runtime_error(runs.status());
+
+  const int64_t heads_kv = trace->heads_kv();
+  std::vector<TraceSummary> sums;
+  for (const auto& steps : *runs) sums.push_back(summarise(steps, heads_kv));
+  const double dense_cpu = [&] {
+    for (size_t i = 0; i < configs.size(); ++i)
+      if (configs[i].method == PrefixMethod::dense) return sums[i].cpu_ms;
+    return 0.0;
+  }();
+  if (o.json) {
+    nlohmann::json out;
+    out["trace"] = {{"prefix", o.prefix}, {"block", o.block}, {"blocks", o.blocks}, {"steps_per_block", trace->steps_per_block()},
+                    {"tokens_per_step", o.tokens_per_step}, {"unmask", o.unmask}, {"neighbour", o.neighbour},
+                    {"drift", o.drift}, {"heads", o.heads}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim},
+                    {"seed", o.seed}};
+    out["params"] = *params;
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const TraceSummary& s = sums[i];
+      nlohmann::json steps = nlohmann::json::array();
+      for (const TraceStep& r : (*runs)[i]) {
+        steps.push_back({{"block", r.stats.block}, {"step", r.stats.step}, {"recomputed", r.stats.recomputed.size()},
+                         {"pages_loaded", r.stats.pages_loaded}, {"err", r.err}, {"err_prefix", r.err_prefix}, {"err_masked", r.err_masked},
+                         {"mass_kept", r.recall}, {"cpu_ms", r.cpu_ms}});
+      }
+      out["methods"].push_back({{"method", names[i]}, {"pages_per_kv_head", s.pages}, {"err", s.err},
+                                {"err_masked", s.err_masked},
+                                {"err_max", s.err_max}, {"mass_kept", s.recall}, {"cpu_ms", s.cpu_ms},
+                                {"block_cpu_ms", s.block_cpu_ms}, {"steps", steps}});
+    }
+    std::cout << json_text(out) << std::endl;
+    return success();
+  }
+  std::cout << format("decode trace: prefix %lld (%lld pages of 16 per kv head), block %lld x %lld steps, %d/%d heads, d %d; ",
+                      o.prefix, (o.prefix + 15) / 16, o.block, static_cast<long long>(trace->steps_per_block()),
+                      o.heads, o.kv_heads, o.head_dim)
+            << "params " << params_text(*params) << "\n"
+            << "means over the steps after each block's first; err = ||O - O_dense|| / ||O_dense|| of the block "
+               "output (err masked: rows still masked); block CPU = mean over every step\n\n";
+  Table table({"method", "pages/step/kv head", "% prefix", "rows/step", "err vs dense", "max err", "err masked", "mass kept",
+               "CPU ms/step", "block CPU ms", "x dense"});
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const TraceSummary& s = sums[i];
+    table.add_row({names[i], format("%.1f", s.pages), format("%.2f", 100 * s.pages_frac), format("%.1f", s.recomputed),
+                   format("%.4f", s.err), format("%.4f", s.err_max), format("%.4f", s.err_masked), format("%.3f", s.recall), format("%.2f", s.cpu_ms),
+                   format("%.2f", s.block_cpu_ms), dense_cpu > 0 ? format("%.2f", dense_cpu / s.cpu_ms) : "-"});
+  }
+  std::cout << table.render();
+  return success();
+}
+
+}  // namespace sparsa::cli

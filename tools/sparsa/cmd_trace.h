@@ -1,0 +1,32 @@
+// `sparsa trace` (block-diffusion decode traces): dense / quest / losa / reuse prefix
+// attention run step by step over a synthetic decode trace (sparsa/decode_trace.h),
+// each measured against dense: pages loaded, output error, mass kept, CPU time.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "commands.h"
+
+namespace sparsa::cli {
+
+struct TraceOptions {
+  std::string methods = "dense,quest,losa";
+  long long prefix = 16384, block = 16, blocks = 1, tokens_per_step = 1, steps = 0;
+  double unmask = 1.0, neighbour = 0.1, drift = 0.02;
+  int heads = 14, kv_heads = 2, head_dim = 128;
+  std::uint64_t seed = 1;
+  std::vector<std::string> params;  // budget=, k=, threshold=, selector=, group=, union=, force_first=, force_last=
+  std::string backend = "cpu";
+  int threads = 0, repeats = 1;
+  bool json = false;
+};
+
+// Adds the subcommand `name` to app, bound to `options`.
+CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions& options);
+Outcome cmd_trace(const TraceOptions& options);
+
+}  // namespace sparsa::cli

@@ -39,6 +39,11 @@ __all__ = [
     "deviation_bound",
     "mass_recall_from_lse",
     "relative_error",
+    "PagedKVCache",
+    "PagePlan",
+    "quest_plan",
+    "quest",
+    "LosaState",
     "read_tensor",
     "write_tensor",
     "generate_workload",
@@ -468,6 +473,140 @@ def relative_error(out, reference) -> float:
     """``||out - reference||_F / ||reference||_F`` over the whole array (f64 sums; CPU
     arrays of equal shape, any float dtype)."""
     return _core.relative_error(out, reference)
+
+
+# ---- block-diffusion decoding: paged prefix cache, QUEST pages, LoSA -------------------
+#
+# Batch 1 (one sequence per cache), float32, CPU. PagedKVCache comes from the core:
+#   PagedKVCache(heads_kv, head_dim, page_size=16); .append(k, v) with f32
+#   [1, heads_kv, n, head_dim]; .length, .num_pages, .page_size; .keys() / .values()
+#   return numpy copies [1, heads_kv, length, head_dim].
+PagedKVCache = _core.PagedKVCache
+
+
+@dataclass
+class PagePlan:
+    """Pages each (query head, query row) attends: ``counts`` int32 ``[heads_q, rows]``,
+    ``pages`` int32 ``[heads_q, rows, capacity]`` (the first ``count`` entries, ascending).
+    Page ``p`` holds cache tokens ``[p * page_size, (p + 1) * page_size)``."""
+
+    page_size: int
+    counts: np.ndarray
+    pages: np.ndarray
+
+
+def quest_plan(q, cache: PagedKVCache, *, budget: int = 256, selector: str = "quest", group: str = "per_head",
+               force_first: bool = False, force_last: bool = True, num_threads: int = 0) -> PagePlan:
+    """QUEST page selection (Tang et al., ICML 2024; docs/losa.md) for q float32
+    ``[1, heads_q, rows, head_dim]`` over a PagedKVCache.
+
+    Page score: ``selector="quest"`` the upper bound ``sum_d max(q_d max_d, q_d min_d)``
+    of q.k over the page; ``"pooled"`` the page-mean logit. Each (head, row) keeps the
+    top ``budget / page_size`` pages (``budget`` tokens, a multiple of the page size);
+    forced pages (``force_first``: page 0, ``force_last``: the newest page) count against
+    it; ties go to the lower page. ``group="shared"`` gives the query heads of a GQA group
+    one list, by the group's maximum score."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected sparsa.PagedKVCache, got {type(cache).__name__}")
+    counts, pages = _core.quest_plan(q, cache, budget, selector, group, force_first, force_last, num_threads)
+    return PagePlan(cache.page_size, counts, pages)
+
+
+def quest(q, k, v, *, budget: int = 256, page_size: int = 16, selector: str = "quest", group: str = "per_head",
+          force_first: bool = False, force_last: bool = True, attend_union: bool = False,
+          scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0):
+    """QUEST attention in one call: per batch element, k and v are paged (``page_size``
+    tokens a page), every (head, query row) selects pages as :func:`quest_plan` does and
+    attends over them (``attend_union``: over the union its kv head loaded). Any float
+    dtype in, computed in f32. Returns ``(out, lse)`` (numpy, or torch for torch input)."""
+    out, lse, _, _ = _core.quest_attention(q, k, v, budget, page_size, selector, group, force_first, force_last,
+                                          attend_union, scale, backend, num_threads)
+    return _host_result(q, out), _host_result(q, lse)
+
+
+def _host_result(like: Any, result: np.ndarray) -> Any:
+    """A numpy result of a CPU-only method as the array type of ``like``."""
+    fw = _framework(like)
+    if fw == "torch":
+        import torch
+
+        return torch.from_numpy(result)
+    return _finish(like, result)
+
+
+class LosaState:
+    """Per-layer prefix-attention state of block-diffusion decoding: LoSA
+    (Locality-aware Sparse Attention; docs/losa.md) and its baselines.
+
+    A block of ``block_size`` tokens is denoised in several steps against a frozen prefix
+    cache. :meth:`step` returns attention over prefix + block for every block token:
+
+    - first step of a block: dense prefix attention for all rows; the state keeps each
+      row's prefix output ``o_p``, its log-sum-exp ``l_p`` and the query ``q_ref``;
+    - later steps (``method="losa"``): the ``active_k`` rows whose query moved most
+      (mean squared change over heads and dims vs ``q_ref``; or those above
+      ``mse_threshold``) recompute their prefix part over QUEST-selected pages
+      (``budget`` tokens); the other rows reuse theirs;
+    - every step: attention over the block's own keys, merged by log-sum-exp.
+
+    :meth:`commit` appends the finished block's keys and values to the cache and starts a
+    new block. ``method``: ``"losa"``, ``"dense"`` (dense prefix every step), ``"quest"``
+    (the selector for every row every step) or ``"reuse"`` (LoSA's split, active rows dense).
+    Arrays are float32 ``[1, heads, block_size, head_dim]`` on the CPU."""
+
+    def __init__(self, heads_q: int, heads_kv: int, head_dim: int, *, block_size: int = 16, method: str = "losa",
+                 budget: int = 256, selector: str = "quest", group: str = "per_head", force_first: bool = False,
+                 force_last: bool = True, active_k: int = 4, mse_threshold: Optional[float] = None,
+                 attend_union: bool = False, scale: Optional[float] = None, backend: str = "cpu",
+                 num_threads: int = 0, check_finite: bool = False):
+        self._state = _core.PrefixAttention(heads_q, heads_kv, head_dim, block_size, method, budget, selector, group,
+                                            force_first, force_last, active_k, mse_threshold, attend_union, scale,
+                                            backend, num_threads, check_finite)
+        self.stats: Optional[dict] = None  # what the last step did (rows recomputed, pages loaded, times)
+
+    def step(self, cache: PagedKVCache, q, k_block, v_block, *, out=None, lse=None):
+        """One denoising step of the current block: ``(out, lse)`` over prefix + block.
+        ``self.stats`` then holds ``recomputed`` (rows), ``mse``, ``dense_prefix``,
+        ``pages_loaded``, ``tokens_loaded``, ``loaded`` (per kv head) and timings."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected sparsa.PagedKVCache, got {type(cache).__name__}")
+        out, lse = _outputs(q, out, lse)
+        self.stats = self._state.step(cache, q, k_block, v_block, out, lse)
+        return _finish(q, out), _finish(q, lse)
+
+    def commit(self, cache: PagedKVCache, k_block, v_block) -> None:
+        """Append the finished block's keys and values to ``cache``; the next step is the
+        first (dense) step of a new block."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected sparsa.PagedKVCache, got {type(cache).__name__}")
+        self._state.commit(cache, k_block, v_block)
+
+    def begin_block(self) -> None:
+        """Drop the state: the next step is a first (dense) step."""
+        self._state.begin_block()
+
+    @property
+    def steps_in_block(self) -> int:
+        return self._state.steps_in_block
+
+    @property
+    def blocks_committed(self) -> int:
+        return self._state.blocks_committed
+
+    @property
+    def o_p(self) -> np.ndarray:
+        """Prefix output per row, float32 [1, heads_q, block_size, head_dim] (a copy)."""
+        return self._state.o_p
+
+    @property
+    def l_p(self) -> np.ndarray:
+        """Its log-sum-exp, float32 [1, heads_q, block_size] (a copy)."""
+        return self._state.l_p
+
+    @property
+    def q_ref(self) -> np.ndarray:
+        """The query each row's prefix part was computed with (a copy)."""
+        return self._state.q_ref
 
 
 # ---- files and workloads -----------------------------------------------------------------

@@ -15,6 +15,9 @@
 #include "sparsa/ba_att.h"
 #include "sparsa/index.h"
 #include "sparsa/io.h"
+#include "sparsa/kv_cache.h"
+#include "sparsa/losa.h"
+#include "sparsa/quest.h"
 #include "sparsa/llsa.h"
 #include "sparsa/oracle.h"
 #include "sparsa/workload.h"
@@ -538,6 +541,155 @@ NB_MODULE(_sparsa, m) {
         return take(relative_error(host_tensor(out, "out"), host_tensor(reference, "reference")));
       },
       "out"_a, "reference"_a, "||out - reference||_F / ||reference||_F (f64 sums).");
+
+  // ---- block-diffusion decoding: the paged prefix cache, QUEST pages, LoSA state ----
+  nb::class_<PagedKVCache>(m, "PagedKVCache")
+      .def(
+          "__init__",
+          [](PagedKVCache* self, int64_t heads_kv, int64_t head_dim, int page_size) {
+            KVCacheConfig c;
+            c.heads_kv = heads_kv;
+            c.head_dim = head_dim;
+            c.page_size = page_size;
+            PagedKVCache cache = take(PagedKVCache::create(c));
+            new (self) PagedKVCache(std::move(cache));
+          },
+          "heads_kv"_a, "head_dim"_a, "page_size"_a = 16)
+      .def(
+          "append", [](PagedKVCache& cache, InArray k, InArray v) { check(cache.append(to_tensor(k, "k"), to_tensor(v, "v"))); },
+          "k"_a, "v"_a, "Append f32 [1, heads_kv, n, head_dim] keys and values (copied into the cache).")
+      .def_prop_ro("heads_kv", &PagedKVCache::heads_kv)
+      .def_prop_ro("head_dim", &PagedKVCache::head_dim)
+      .def_prop_ro("page_size", &PagedKVCache::page_size)
+      .def_prop_ro("length", &PagedKVCache::length)
+      .def_prop_ro("num_pages", &PagedKVCache::num_pages)
+      .def("keys", [](const PagedKVCache& c) { return to_numpy(c.length() ? HostArray::copy_of(c.keys())
+                                                                          : HostArray(DType::f32, {1, c.heads_kv(), 0, c.head_dim()})); })
+      .def("values", [](const PagedKVCache& c) { return to_numpy(c.length() ? HostArray::copy_of(c.values())
+                                                                            : HostArray(DType::f32, {1, c.heads_kv(), 0, c.head_dim()})); });
+
+  auto page_options = [](int64_t budget, const std::string& selector, const std::string& group, bool force_first,
+                         bool force_last) {
+    PageSelectOptions o;
+    o.selector = take(parse_page_selector(selector));
+    if (group == "per_head") {
+      o.group = GroupPolicy::per_head;
+    } else if (group == "shared") {
+      o.group = GroupPolicy::shared;
+    } else {
+      throw nb::value_error(("group: expected per_head or shared, got '" + group + "'").c_str());
+    }
+    o.budget = budget;
+    o.force_first = force_first;
+    o.force_last = force_last;
+    return o;
+  };
+  m.def(
+      "quest_plan",
+      [page_options](InArray q, const PagedKVCache& cache, int64_t budget, const std::string& selector,
+                     const std::string& group, bool force_first, bool force_last, int num_threads) {
+        const Tensor tq = to_tensor(q, "q");
+        const PageSelectOptions o = page_options(budget, selector, group, force_first, force_last);
+        check(validate(o, cache.page_size()));
+        PagePlan plan = take(select_pages(tq, cache, o, num_threads));
+        HostArray counts(DType::i32, {plan.heads_q, plan.rows});
+        HostArray pages(DType::i32, {plan.heads_q, plan.rows, plan.capacity});
+        std::copy(plan.counts.begin(), plan.counts.end(), counts.ptr<int32_t>());
+        std::copy(plan.pages.begin(), plan.pages.end(), pages.ptr<int32_t>());
+        return nb::make_tuple(to_numpy(std::move(counts)), to_numpy(std::move(pages)));
+      },
+      "q"_a, "cache"_a, "budget"_a, "selector"_a, "group"_a, "force_first"_a, "force_last"_a, "num_threads"_a,
+      "Pages per (query head, row) of q f32 [1, heads_q, rows, d] over a PagedKVCache: (counts, pages).");
+
+  m.def(
+      "quest_attention",
+      [page_options](InArray q, InArray k, InArray v, int64_t budget, int page_size, const std::string& selector,
+                     const std::string& group, bool force_first, bool force_last, bool attend_union,
+                     std::optional<float> scale, const std::string& backend, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const PageSelectOptions s = page_options(budget, selector, group, force_first, force_last);
+        PagedAttentionOptions o;
+        o.attention = make_options(scale, backend, false, num_threads, tq);
+        o.attend_union = attend_union;
+        Result<QuestOutput> r = [&] {
+          nb::gil_scoped_release release;
+          return quest_attention(tq, tk, tv, s, o, page_size);
+        }();
+        QuestOutput out = take(std::move(r));
+        return nb::make_tuple(to_numpy(std::move(out.attention.out)), to_numpy(std::move(out.attention.lse)),
+                              out.density, out.pages_loaded);
+      },
+      "q"_a, "k"_a, "v"_a, "budget"_a, "page_size"_a, "selector"_a, "group"_a, "force_first"_a, "force_last"_a,
+      "attend_union"_a, "scale"_a.none(), "backend"_a, "num_threads"_a,
+      "QUEST attention of q over k, v paged per batch element: (out, lse, density, pages_loaded).");
+
+  nb::class_<PrefixAttention>(m, "PrefixAttention")
+      .def(
+          "__init__",
+          [page_options](PrefixAttention* self, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t block_size,
+                         const std::string& method, int64_t budget, const std::string& selector,
+                         const std::string& group, bool force_first, bool force_last, int active_k,
+                         std::optional<double> mse_threshold, bool attend_union, std::optional<float> scale,
+                         const std::string& backend, int num_threads, bool check_finite) {
+            LosaConfig c;
+            c.heads_q = heads_q;
+            c.heads_kv = heads_kv;
+            c.head_dim = head_dim;
+            c.block_size = block_size;
+            LosaOptions o;
+            o.method = take(parse_prefix_method(method));
+            o.select = page_options(budget, selector, group, force_first, force_last);
+            o.active_k = active_k;
+            o.mse_threshold = mse_threshold;
+            o.attend_union = attend_union;
+            o.attention.scale = scale;
+            o.attention.backend = backend == "auto" ? Backend::cpu : take(parse_backend(backend));
+            o.attention.num_threads = num_threads;
+            o.attention.check_finite = check_finite;
+            PrefixAttention state = take(PrefixAttention::create(c, o));
+            new (self) PrefixAttention(std::move(state));
+          },
+          "heads_q"_a, "heads_kv"_a, "head_dim"_a, "block_size"_a, "method"_a, "budget"_a, "selector"_a, "group"_a,
+          "force_first"_a, "force_last"_a, "active_k"_a, "mse_threshold"_a.none(), "attend_union"_a,
+          "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a)
+      .def(
+          "step",
+          [](PrefixAttention& state, const PagedKVCache& cache, InArray q, InArray k_block, InArray v_block,
+             OutArray out, OutArray lse) {
+            const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k_block, "k_block"), tv = to_tensor(v_block, "v_block");
+            const Tensor to = host_tensor(out, "out"), tl = host_tensor(lse, "lse");
+            StepStats s;
+            check(state.step(cache, tq, tk, tv, to, tl, &s));
+            nb::dict d;
+            d["block"] = s.block;
+            d["step"] = s.step;
+            d["dense_prefix"] = s.dense_prefix;
+            d["recomputed"] = s.recomputed;
+            d["mse"] = s.mse;
+            d["prefix_pages"] = s.prefix_pages;
+            d["pages_loaded"] = s.pages_loaded;
+            d["tokens_loaded"] = s.tokens_loaded;
+            d["pages_attended"] = s.pages_attended;
+            d["loaded"] = s.loaded;
+            d["select_ms"] = s.select_ms;
+            d["prefix_ms"] = s.prefix_ms;
+            d["block_ms"] = s.block_ms;
+            d["total_ms"] = s.total_ms;
+            return d;
+          },
+          "cache"_a, "q"_a, "k_block"_a, "v_block"_a, "out"_a, "lse"_a)
+      .def(
+          "commit",
+          [](PrefixAttention& state, PagedKVCache& cache, InArray k_block, InArray v_block) {
+            check(state.commit(cache, to_tensor(k_block, "k_block"), to_tensor(v_block, "v_block")));
+          },
+          "cache"_a, "k_block"_a, "v_block"_a)
+      .def("begin_block", &PrefixAttention::begin_block)
+      .def_prop_ro("steps_in_block", &PrefixAttention::steps_in_block)
+      .def_prop_ro("blocks_committed", &PrefixAttention::blocks_committed)
+      .def_prop_ro("o_p", [](const PrefixAttention& s) { return nb::cast(to_numpy(HostArray::copy_of(s.o_p().view()))); })
+      .def_prop_ro("l_p", [](const PrefixAttention& s) { return nb::cast(to_numpy(HostArray::copy_of(s.l_p().view()))); })
+      .def_prop_ro("q_ref", [](const PrefixAttention& s) { return nb::cast(to_numpy(HostArray::copy_of(s.q_ref().view()))); });
 
   m.def(
       "block_index_density",

@@ -567,7 +567,9 @@ class LosaState:
     def step(self, cache: PagedKVCache, q, k_block, v_block, *, out=None, lse=None):
         """One denoising step of the current block: ``(out, lse)`` over prefix + block.
         ``self.stats`` then holds ``recomputed`` (rows), ``mse``, ``dense_prefix``,
-        ``pages_loaded``, ``tokens_loaded``, ``loaded`` (per kv head) and timings."""
+        ``pages_loaded``, ``tokens_loaded``, ``loaded`` (per kv head), timings and, on
+        sparse steps, the selector's pages for the recomputed rows: ``plan_counts`` int32
+        ``[heads_q, len(recomputed)]`` and ``plan_pages`` int32 ``[heads_q, len(recomputed), capacity]``."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected sparsa.PagedKVCache, got {type(cache).__name__}")
         out, lse = _outputs(q, out, lse)

@@ -671,6 +671,13 @@ NB_MODULE(_sparsa, m) {
             d["tokens_loaded"] = s.tokens_loaded;
             d["pages_attended"] = s.pages_attended;
             d["loaded"] = s.loaded;
+            // The selector's pages for the recomputed rows (sparse steps): [heads_q, len(recomputed), capacity].
+            HostArray plan_counts(DType::i32, {s.plan.heads_q, s.plan.rows});
+            HostArray plan_pages(DType::i32, {s.plan.heads_q, s.plan.rows, s.plan.capacity});
+            std::copy(s.plan.counts.begin(), s.plan.counts.end(), plan_counts.ptr<int32_t>());
+            std::copy(s.plan.pages.begin(), s.plan.pages.end(), plan_pages.ptr<int32_t>());
+            d["plan_counts"] = to_numpy(std::move(plan_counts));
+            d["plan_pages"] = to_numpy(std::move(plan_pages));
             d["select_ms"] = s.select_ms;
             d["prefix_ms"] = s.prefix_ms;
             d["block_ms"] = s.block_ms;

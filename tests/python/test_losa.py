@@ -221,3 +221,38 @@ def test_quest_attention_is_attention_over_its_pages(rng):
     full_o, full_lse = sparsa.quest(q, k, v, budget=128)  # every page
     ref_o, ref_lse = attention(q, k, v)
     assert rel_err(full_o, ref_o) < F32_RTOL and rel_err(full_lse, ref_lse) < F32_RTOL
+
+
+@pytest.mark.parametrize("method", ["losa", "quest"])
+def test_sparse_step_is_attention_over_the_selected_pages(rng, method):
+    # A budget of 3 of 8 pages: the recomputed rows attend over their pages of the prefix
+    # plus the whole block; the rows LoSA leaves stable keep the first step's dense prefix.
+    cache, _, _ = filled_cache(rng, 2, 128, 16)
+    state = sparsa.LosaState(4, 2, 16, block_size=8, method=method, budget=48, active_k=3, force_last=False)
+    q, kb, vb = rand(rng, 1, 4, 8, 16), rand(rng, 1, 2, 8, 16), rand(rng, 1, 2, 8, 16)
+    state.step(cache, q, kb, vb)
+    q2 = q + 0.01 * rand(rng, 1, 4, 8, 16)
+    q2[:, :, [1, 4, 6]] += 1.0
+    out, lse = state.step(cache, q2, kb, vb)
+    stats = state.stats
+    rows = stats["recomputed"]
+    assert rows == ([1, 4, 6] if method == "losa" else list(range(8))) and not stats["dense_prefix"]
+    counts, pages = stats["plan_counts"], stats["plan_pages"]
+    assert counts.shape == (4, len(rows)) and (counts == 3).all()
+    keys = np.concatenate([cache.keys(), kb], axis=2)
+    values = np.concatenate([cache.values(), vb], axis=2)
+    mask = np.zeros((1, 4, 8, 128 + 8), bool)
+    mask[..., 128:] = True  # the block's own keys, every step
+    for h, i in np.ndindex(4, len(rows)):
+        for p in pages[h, i, : counts[h, i]]:
+            mask[0, h, rows[i], p * 16:(p + 1) * 16] = True
+    ref_o, ref_lse = attention(q2, keys, values, mask=mask)
+    stable = [r for r in range(8) if r not in rows]
+    dense_o, _ = attention(q2, keys, values)
+    assert rel_err(out[:, :, rows], ref_o[:, :, rows]) < F32_RTOL
+    assert rel_err(lse[:, :, rows], ref_lse[:, :, rows]) < F32_RTOL
+    if stable:  # their prefix part is the first step's, computed densely with q
+        prefix_o, prefix_lse = attention(q[:, :, stable], cache.keys(), cache.values())
+        assert np.allclose(state.o_p[:, :, stable], prefix_o, atol=1e-5)
+        assert np.allclose(state.l_p[:, :, stable], prefix_lse, atol=1e-5)
+    assert rel_err(out[:, :, rows], dense_o[:, :, rows]) > 1e-3  # 3 of 8 pages is not dense

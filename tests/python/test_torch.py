@@ -126,3 +126,21 @@ def test_selectors_refuse_cuda_tensors_cleanly():
         sparsa.xattention_plan(q, q, block_q=32, block_kv=32, backend="cpu")
     with pytest.raises(ValueError, match=r"out: expected an array on cpu, got one on cuda:0"):
         sparsa.relative_error(q, q)
+
+
+def test_losa_state_and_quest_on_cpu_torch_tensors():
+    g = torch.Generator().manual_seed(4)
+    cache = sparsa.PagedKVCache(2, 16)
+    cache.append(torch.randn(1, 2, 64, 16, generator=g), torch.randn(1, 2, 64, 16, generator=g))
+    state = sparsa.LosaState(4, 2, 16, block_size=8, budget=32, active_k=2)
+    q = torch.randn(1, 4, 8, 16, generator=g)
+    kb, vb = torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    out, lse = state.step(cache, q, kb, vb)
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    k = torch.cat([torch.from_numpy(cache.keys()), kb], 2).double().repeat_interleave(2, 1)
+    v = torch.cat([torch.from_numpy(cache.values()), vb], 2).double().repeat_interleave(2, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v)  # first step: dense
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 1e-5
+    out, lse = sparsa.quest(q, k[:, ::2].float(), v[:, ::2].float(), budget=16 * 5)  # every page
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v)
+    assert isinstance(out, torch.Tensor) and (out.double() - ref).abs().max() / ref.abs().max() < 1e-5

@@ -24,6 +24,26 @@ __all__ = [
     "llsa",
     "llsa_backward",
     "llsa_plan",
+    "ba_att",
+    "ba_att_plan",
+    "ba_att_scores",
+    "BaAttScores",
+    "xattention",
+    "xattention_plan",
+    "xattention_scores",
+    "BlockPartition",
+    "OracleBlocks",
+    "oracle_blocks",
+    "mass_recall",
+    "DeviationBound",
+    "deviation_bound",
+    "mass_recall_from_lse",
+    "relative_error",
+    "PagedKVCache",
+    "PagePlan",
+    "quest_plan",
+    "quest",
+    "LosaState",
     "read_tensor",
     "write_tensor",
     "generate_workload",
@@ -202,6 +222,393 @@ def llsa_plan(q, k, *, block: int = 16, topk: int = 8, levels: int = -1, enrich:
     plan = _core.llsa_plan(q, k, block, topk, levels, enrich, dedupe, max_rows)
     plan["index"] = BlockIndex(plan["block"], plan["block"], plan.pop("counts"), plan.pop("indices"))
     return plan
+
+
+# ---- block selectors: BA-Att and XAttention ----------------------------------------------
+#
+# Selectors run on the CPU and return a BlockIndex of numpy arrays, which block_sparse
+# accepts beside any CPU array. The budget is one of three keywords (default as in the core):
+#   top_kappa=K   the K highest-scoring key blocks per query block;
+#   density=F     ceil(F * num_kv_blocks) key blocks per query block, F in (0, 1];
+#   tau=T         the fewest key blocks whose softmax mass reaches T of the row, T in (0, 1].
+
+def _budget(top_kappa, density, tau, default: Tuple[str, float]) -> Tuple[str, float]:
+    given = [(name, value) for name, value in (("top_kappa", top_kappa), ("density", density), ("mass", tau))
+             if value is not None]
+    if len(given) > 1:
+        names = ", ".join(f"{'tau' if n == 'mass' else n}={v}" for n, v in given)
+        raise ValueError(f"budget: expected at most one of top_kappa, density or tau, got {names}")
+    if not given:
+        return default
+    name, value = given[0]
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        keyword = "tau" if name == "mass" else name
+        raise TypeError(f"budget: {keyword} expects a number, got {type(value).__name__}")
+    return name, float(value)
+
+
+def _plan(d: dict) -> BlockIndex:
+    return BlockIndex(d["block_q"], d["block_kv"], d["counts"], d["indices"], d["perm_q"], d["perm_kv"])
+
+
+def ba_att_plan(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
+                sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
+                top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
+                scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
+                check_finite: bool = False) -> BlockIndex:
+    """The BA-Att plan (Block Approximate Sparse Attention, Algorithm 1; docs/ba_att.md).
+
+    Per (batch, head): optional stable norm sort of q (per query head) and k (per kv
+    head), globally or within windows of ``sort_window`` tokens (a multiple of both
+    block sizes); block means (and variances); block logits ``scale * Qbar . Kbar``
+    plus, when ``compensate``, ``beta * Delta`` with ``compensation`` one of
+    ``"diagonal"`` (Eq. 14), ``"exact"`` or ``"trace"`` (Eq. 13); then the budget per
+    query block: ``top_kappa``, ``density`` or ``tau`` (at most one; default density=0.5).
+
+    Returns a BlockIndex whose ``perm_q`` / ``perm_kv`` (int32, or None without sort_q /
+    sort_k) say which original token sits at each permuted position; block_sparse reads
+    q[perm_q], k[perm_kv] and writes the output back in the original order."""
+    kind, value = _budget(top_kappa, density, tau, ("density", 0.5))
+    return _plan(_core.ba_att_plan(q, k, block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
+                                   beta, kind, value, scale, backend, num_threads, check_finite))
+
+
+@dataclass
+class BaAttScores:
+    """BA-Att's intermediate results (steps 1-3, no budget).
+
+    logits  float32 [batch, heads_q, num_q_blocks, num_kv_blocks]: the (compensated) block logits
+    perm_q  int32 [batch, heads_q, len_q] or None (sort_q=False)
+    perm_kv int32 [batch, heads_kv, len_kv] or None (sort_k=False)
+    """
+
+    block_q: int
+    block_kv: int
+    logits: np.ndarray
+    perm_q: Optional[np.ndarray]
+    perm_kv: Optional[np.ndarray]
+
+
+def ba_att_scores(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
+                  sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
+                  scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
+                  check_finite: bool = False) -> BaAttScores:
+    """BA-Att's block logits and permutations before the budget (for inspection and
+    evaluation); the arguments are those of :func:`ba_att_plan`."""
+    d = _core.ba_att_scores(q, k, block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation, beta,
+                            scale, backend, num_threads, check_finite)
+    return BaAttScores(d["block_q"], d["block_kv"], d["logits"], d["perm_q"], d["perm_kv"])
+
+
+def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
+           sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
+           top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
+           scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0, check_finite: bool = False,
+           out=None, lse=None):
+    """BA-Att attention: :func:`ba_att_plan` then :func:`block_sparse` on the same
+    backend. Returns ``(out, lse)`` in the original token order of q."""
+    plan = ba_att_plan(q, k, block_q=block_q, block_kv=block_kv, sort_q=sort_q, sort_k=sort_k,
+                       sort_window=sort_window, compensate=compensate, compensation=compensation, beta=beta,
+                       top_kappa=top_kappa, density=density, tau=tau, scale=scale, backend=backend,
+                       num_threads=num_threads, check_finite=check_finite)
+    return block_sparse(q, k, v, plan, scale=scale, backend=backend, check_finite=check_finite,
+                        num_threads=num_threads, out=out, lse=lse)
+
+
+def xattention_plan(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
+                    top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
+                    force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
+                    backend: str = "auto", num_threads: int = 0, check_finite: bool = False) -> BlockIndex:
+    """The XAttention plan (Xu et al., ICML 2025; docs/ba_att.md): antidiagonal scores
+    over ``stride``-token groups (stride divides both block sizes), block masses, then
+    per query block the forced blocks (key block 0 when ``force_first``; the diagonal
+    block ``qb + num_kv_blocks - num_q_blocks`` when ``force_diagonal``) and blocks in
+    descending mass until the budget is met (default tau=0.9). No permutations."""
+    kind, value = _budget(top_kappa, density, tau, ("mass", 0.9))
+    return _plan(_core.xattention_plan(q, k, block_q, block_kv, stride, kind, value, force_first, force_diagonal,
+                                       scale, backend, num_threads, check_finite))
+
+
+def xattention_scores(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
+                      scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
+                      check_finite: bool = False) -> np.ndarray:
+    """XAttention's block masses X, float32 ``[batch, heads_q, num_q_blocks,
+    num_kv_blocks]``; each row sums to the number of ``stride`` groups in the query block."""
+    return _core.xattention_scores(q, k, block_q, block_kv, stride, scale, backend, num_threads, check_finite)
+
+
+def xattention(q, k, v, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
+               top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
+               force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
+               backend: str = "auto", num_threads: int = 0, check_finite: bool = False, out=None, lse=None):
+    """XAttention attention: :func:`xattention_plan` then :func:`block_sparse`.
+    Returns ``(out, lse)``."""
+    plan = xattention_plan(q, k, block_q=block_q, block_kv=block_kv, stride=stride, top_kappa=top_kappa,
+                           density=density, tau=tau, force_first=force_first, force_diagonal=force_diagonal,
+                           scale=scale, backend=backend, num_threads=num_threads, check_finite=check_finite)
+    return block_sparse(q, k, v, plan, scale=scale, backend=backend, check_finite=check_finite,
+                        num_threads=num_threads, out=out, lse=lse)
+
+
+# ---- oracle metrics (evaluation only: a dense O(L^2 d) pass per head) -------------------
+
+@dataclass
+class BlockPartition:
+    """Blocks of ``block_q`` / ``block_kv`` consecutive permuted tokens; ``perm_q`` int32
+    ``[batch, heads_q, len_q]`` and ``perm_kv`` int32 ``[batch, heads_kv, len_kv]`` are
+    optional (None: identity). ``BlockPartition.of(plan)`` is a plan's own partition."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    perm_q: Any = None
+    perm_kv: Any = None
+
+    @staticmethod
+    def of(plan: BlockIndex) -> "BlockPartition":
+        return BlockPartition(plan.block_q, plan.block_kv, plan.perm_q, plan.perm_kv)
+
+
+@dataclass
+class OracleBlocks:
+    """Per (batch, head_q, query block, key block) of a partition, float32
+    ``[batch, heads_q, num_q_blocks, num_kv_blocks]``:
+
+    mass       (1/|I|) sum_{i in I, j in J} softmax(scale Q K')_ij  (BA-Att Eq. 3; rows sum to 1)
+    logit_max  max_{i in I, j in J} scale Q_i . K_j
+    logit_min  the min
+    """
+
+    block_q: int
+    block_kv: int
+    mass: np.ndarray
+    logit_max: np.ndarray
+    logit_min: np.ndarray
+
+    @property
+    def num_q_blocks(self) -> int:
+        return int(self.mass.shape[2])
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return int(self.mass.shape[3])
+
+
+def oracle_blocks(q, k, partition=None, *, scale: Optional[float] = None, backend: str = "auto",
+                  num_threads: int = 0) -> OracleBlocks:
+    """The exact block mass of attention over a partition: ``partition`` is a
+    BlockPartition, a BlockIndex (its own partition, permutations included) or None
+    (64 x 64 blocks in token order). CPU arrays only."""
+    partition = _partition(partition)
+    d = _core.oracle_blocks(q, k, partition.block_q, partition.block_kv, partition.perm_q, partition.perm_kv, scale,
+                            backend, num_threads)
+    return OracleBlocks(d["block_q"], d["block_kv"], d["mass"], d["logit_max"], d["logit_min"])
+
+
+@dataclass
+class DeviationBound:
+    """BA-Att Eq. 8 against the observed deviation (Fig. 2), per block pair, float32
+    ``[batch, heads_q, num_q_blocks, num_kv_blocks]``:
+
+    bound      U = scale * (RQ MK + MQ RK + RQ RK), R the largest distance of a token to
+               its block mean, M the largest token norm (Eq. 7)
+    deviation  max_{i in I, j in J} |scale Q_i . K_j - scale Qbar . Kbar|
+    pearson_per_head  Pearson R of bound and deviation per (batch, head_q) (NaN where constant)
+    pearson_overall   the same over all block pairs
+    violations        block pairs where deviation > bound beyond f32 rounding (Eq. 8: none)
+    """
+
+    bound: np.ndarray
+    deviation: np.ndarray
+    pearson_per_head: list
+    pearson_overall: float
+    violations: int
+    mean_bound: float
+    mean_deviation: float
+
+
+def _partition(partition) -> BlockPartition:
+    if partition is None:
+        return BlockPartition()
+    if isinstance(partition, BlockIndex):
+        return BlockPartition.of(partition)
+    if isinstance(partition, BlockPartition):
+        return partition
+    raise TypeError(f"partition: expected sparsa.BlockPartition or sparsa.BlockIndex, got {type(partition).__name__}")
+
+
+def deviation_bound(q, k, partition, oracle: OracleBlocks, *, scale: Optional[float] = None, backend: str = "auto",
+                    num_threads: int = 0) -> DeviationBound:
+    """The bound of BA-Att Eq. 8 on how far a token logit strays from its block logit,
+    beside the observed deviation, on ``partition`` (as in :func:`oracle_blocks`);
+    ``oracle`` must be ``oracle_blocks(q, k, partition)``. CPU arrays only."""
+    partition = _partition(partition)
+    if not isinstance(oracle, OracleBlocks):
+        raise TypeError(f"oracle: expected sparsa.OracleBlocks, got {type(oracle).__name__}")
+    d = _core.deviation_bound(q, k, partition.block_q, partition.block_kv, partition.perm_q, partition.perm_kv,
+                              oracle.mass, oracle.logit_max, oracle.logit_min, oracle.block_q, oracle.block_kv,
+                              scale, backend, num_threads)
+    return DeviationBound(**d)
+
+
+def mass_recall(plan: BlockIndex, oracle: OracleBlocks) -> float:
+    """Mean over (batch, head, query block) of the oracle mass of the key blocks ``plan``
+    keeps: 1 for a plan that keeps every block. The oracle must be computed on the plan's
+    partition (``oracle_blocks(q, k, plan)``)."""
+    if not isinstance(plan, BlockIndex):
+        raise TypeError(f"plan: expected sparsa.BlockIndex, got {type(plan).__name__}")
+    if not isinstance(oracle, OracleBlocks):
+        raise TypeError(f"oracle: expected sparsa.OracleBlocks, got {type(oracle).__name__}")
+    return _core.mass_recall(plan.counts, plan.indices, plan.block_q, plan.block_kv, oracle.mass, oracle.block_q,
+                             oracle.block_kv)
+
+
+def mass_recall_from_lse(lse_plan, lse_dense) -> float:
+    """The same quantity per query token from executor outputs:
+    ``mean_i exp(lse_plan_i - lse_dense_i)``, the share of each row's softmax mass the
+    plan's visible keys hold (float32 ``[batch, heads, len_q]``, CPU)."""
+    return _core.mass_recall_from_lse(lse_plan, lse_dense)
+
+
+def relative_error(out, reference) -> float:
+    """``||out - reference||_F / ||reference||_F`` over the whole array (f64 sums; CPU
+    arrays of equal shape, any float dtype)."""
+    return _core.relative_error(out, reference)
+
+
+# ---- block-diffusion decoding: paged prefix cache, QUEST pages, LoSA -------------------
+#
+# Batch 1 (one sequence per cache), float32, CPU. PagedKVCache comes from the core:
+#   PagedKVCache(heads_kv, head_dim, page_size=16); .append(k, v) with f32
+#   [1, heads_kv, n, head_dim]; .length, .num_pages, .page_size; .keys() / .values()
+#   return numpy copies [1, heads_kv, length, head_dim].
+PagedKVCache = _core.PagedKVCache
+
+
+@dataclass
+class PagePlan:
+    """Pages each (query head, query row) attends: ``counts`` int32 ``[heads_q, rows]``,
+    ``pages`` int32 ``[heads_q, rows, capacity]`` (the first ``count`` entries, ascending).
+    Page ``p`` holds cache tokens ``[p * page_size, (p + 1) * page_size)``."""
+
+    page_size: int
+    counts: np.ndarray
+    pages: np.ndarray
+
+
+def quest_plan(q, cache: PagedKVCache, *, budget: int = 256, selector: str = "quest", group: str = "per_head",
+               force_first: bool = False, force_last: bool = True, num_threads: int = 0) -> PagePlan:
+    """QUEST page selection (Tang et al., ICML 2024; docs/losa.md) for q float32
+    ``[1, heads_q, rows, head_dim]`` over a PagedKVCache.
+
+    Page score: ``selector="quest"`` the upper bound ``sum_d max(q_d max_d, q_d min_d)``
+    of q.k over the page; ``"pooled"`` the page-mean logit. Each (head, row) keeps the
+    top ``budget / page_size`` pages (``budget`` tokens, a multiple of the page size);
+    forced pages (``force_first``: page 0, ``force_last``: the newest page) count against
+    it; ties go to the lower page. ``group="shared"`` gives the query heads of a GQA group
+    one list, by the group's maximum score."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected sparsa.PagedKVCache, got {type(cache).__name__}")
+    counts, pages = _core.quest_plan(q, cache, budget, selector, group, force_first, force_last, num_threads)
+    return PagePlan(cache.page_size, counts, pages)
+
+
+def quest(q, k, v, *, budget: int = 256, page_size: int = 16, selector: str = "quest", group: str = "per_head",
+          force_first: bool = False, force_last: bool = True, attend_union: bool = False,
+          scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0):
+    """QUEST attention in one call: per batch element, k and v are paged (``page_size``
+    tokens a page), every (head, query row) selects pages as :func:`quest_plan` does and
+    attends over them (``attend_union``: over the union its kv head loaded). Any float
+    dtype in, computed in f32. Returns ``(out, lse)`` (numpy, or torch for torch input)."""
+    out, lse, _, _ = _core.quest_attention(q, k, v, budget, page_size, selector, group, force_first, force_last,
+                                          attend_union, scale, backend, num_threads)
+    return _host_result(q, out), _host_result(q, lse)
+
+
+def _host_result(like: Any, result: np.ndarray) -> Any:
+    """A numpy result of a CPU-only method as the array type of ``like``."""
+    fw = _framework(like)
+    if fw == "torch":
+        import torch
+
+        return torch.from_numpy(result)
+    return _finish(like, result)
+
+
+class LosaState:
+    """Per-layer prefix-attention state of block-diffusion decoding: LoSA
+    (Locality-aware Sparse Attention; docs/losa.md) and its baselines.
+
+    A block of ``block_size`` tokens is denoised in several steps against a frozen prefix
+    cache. :meth:`step` returns attention over prefix + block for every block token:
+
+    - first step of a block: dense prefix attention for all rows; the state keeps each
+      row's prefix output ``o_p``, its log-sum-exp ``l_p`` and the query ``q_ref``;
+    - later steps (``method="losa"``): the ``active_k`` rows whose query moved most
+      (mean squared change over heads and dims vs ``q_ref``; or those above
+      ``mse_threshold``) recompute their prefix part over QUEST-selected pages
+      (``budget`` tokens); the other rows reuse theirs;
+    - every step: attention over the block's own keys, merged by log-sum-exp.
+
+    :meth:`commit` appends the finished block's keys and values to the cache and starts a
+    new block. ``method``: ``"losa"``, ``"dense"`` (dense prefix every step), ``"quest"``
+    (the selector for every row every step) or ``"reuse"`` (LoSA's split, active rows dense).
+    Arrays are float32 ``[1, heads, block_size, head_dim]`` on the CPU."""
+
+    def __init__(self, heads_q: int, heads_kv: int, head_dim: int, *, block_size: int = 16, method: str = "losa",
+                 budget: int = 256, selector: str = "quest", group: str = "per_head", force_first: bool = False,
+                 force_last: bool = True, active_k: int = 4, mse_threshold: Optional[float] = None,
+                 attend_union: bool = False, scale: Optional[float] = None, backend: str = "cpu",
+                 num_threads: int = 0, check_finite: bool = False):
+        self._state = _core.PrefixAttention(heads_q, heads_kv, head_dim, block_size, method, budget, selector, group,
+                                            force_first, force_last, active_k, mse_threshold, attend_union, scale,
+                                            backend, num_threads, check_finite)
+        self.stats: Optional[dict] = None  # what the last step did (rows recomputed, pages loaded, times)
+
+    def step(self, cache: PagedKVCache, q, k_block, v_block, *, out=None, lse=None):
+        """One denoising step of the current block: ``(out, lse)`` over prefix + block.
+        ``self.stats`` then holds ``recomputed`` (rows), ``mse``, ``dense_prefix``,
+        ``pages_loaded``, ``tokens_loaded``, ``loaded`` (per kv head), timings and, on
+        sparse steps, the selector's pages for the recomputed rows: ``plan_counts`` int32
+        ``[heads_q, len(recomputed)]`` and ``plan_pages`` int32 ``[heads_q, len(recomputed), capacity]``."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected sparsa.PagedKVCache, got {type(cache).__name__}")
+        out, lse = _outputs(q, out, lse)
+        self.stats = self._state.step(cache, q, k_block, v_block, out, lse)
+        return _finish(q, out), _finish(q, lse)
+
+    def commit(self, cache: PagedKVCache, k_block, v_block) -> None:
+        """Append the finished block's keys and values to ``cache``; the next step is the
+        first (dense) step of a new block."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected sparsa.PagedKVCache, got {type(cache).__name__}")
+        self._state.commit(cache, k_block, v_block)
+
+    def begin_block(self) -> None:
+        """Drop the state: the next step is a first (dense) step."""
+        self._state.begin_block()
+
+    @property
+    def steps_in_block(self) -> int:
+        return self._state.steps_in_block
+
+    @property
+    def blocks_committed(self) -> int:
+        return self._state.blocks_committed
+
+    @property
+    def o_p(self) -> np.ndarray:
+        """Prefix output per row, float32 [1, heads_q, block_size, head_dim] (a copy)."""
+        return self._state.o_p
+
+    @property
+    def l_p(self) -> np.ndarray:
+        """Its log-sum-exp, float32 [1, heads_q, block_size] (a copy)."""
+        return self._state.l_p
+
+    @property
+    def q_ref(self) -> np.ndarray:
+        """The query each row's prefix part was computed with (a copy)."""
+        return self._state.q_ref
 
 
 # ---- files and workloads -----------------------------------------------------------------

@@ -12,10 +12,16 @@
 
 #include "core/backends.h"
 #include "sparsa/attention.h"
+#include "sparsa/ba_att.h"
 #include "sparsa/index.h"
 #include "sparsa/io.h"
+#include "sparsa/kv_cache.h"
+#include "sparsa/losa.h"
+#include "sparsa/quest.h"
 #include "sparsa/llsa.h"
+#include "sparsa/oracle.h"
 #include "sparsa/workload.h"
+#include "sparsa/xattention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -145,6 +151,37 @@ BlockIndex make_index(const InArray& counts, const InArray& indices, const std::
   return ix;
 }
 
+// A selector's plan as a dict of numpy arrays (perm_q / perm_kv None when absent).
+nb::dict plan_dict(BlockIndexBuffer&& plan) {
+  nb::dict d;
+  d["block_q"] = plan.block_q;
+  d["block_kv"] = plan.block_kv;
+  d["counts"] = to_numpy(std::move(plan.counts));
+  d["indices"] = to_numpy(std::move(plan.indices));
+  d["perm_q"] = plan.perm_q.empty() ? nb::none() : nb::object(nb::cast(to_numpy(std::move(plan.perm_q))));
+  d["perm_kv"] = plan.perm_kv.empty() ? nb::none() : nb::object(nb::cast(to_numpy(std::move(plan.perm_kv))));
+  return d;
+}
+
+// budget_kind: "top_kappa", "density" or "mass" (the Python keywords top_kappa, density, tau).
+Budget make_budget(const std::string& kind, double value) {
+  if (kind == "top_kappa") return {BudgetKind::top_kappa, value};
+  if (kind == "density") return Budget::density(value);
+  if (kind == "mass") return Budget::mass(value);
+  throw nb::value_error(("budget: expected top_kappa, density or mass, got '" + kind + "'").c_str());
+}
+
+// The metrics read host memory element by element: refuse device arrays before they do.
+template <class A>
+Tensor host_tensor(const A& a, const char* name) {
+  Tensor t = to_tensor(a, name);
+  if (t.device.type != DeviceType::cpu) {
+    throw nb::value_error((std::string(name) + ": expected an array on cpu, got one on " +
+                           device_name(t.device)).c_str());
+  }
+  return t;
+}
+
 }  // namespace
 
 NB_MODULE(_sparsa, m) {
@@ -261,6 +298,405 @@ NB_MODULE(_sparsa, m) {
       },
       "q"_a, "k"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false,
       "max_rows"_a = 8, "The LLSA selection plan: levels, keys per query, the fine BlockIndex, a printout.");
+
+  // ---- block selectors: BA-Att and XAttention (plans on the CPU) ----
+  auto ba_att_options = [](int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
+                           bool compensate, const std::string& compensation, float beta,
+                           const std::string& budget_kind, double budget_value, std::optional<float> scale,
+                           const std::string& backend, int num_threads, bool check_finite, const Tensor& q) {
+    BaAttOptions o;
+    o.block_q = block_q;
+    o.block_kv = block_kv;
+    o.sort_q = sort_q;
+    o.sort_k = sort_k;
+    o.sort_window = sort_window;
+    o.compensate = compensate;
+    o.compensation = take(parse_compensation(compensation));
+    o.beta = beta;
+    o.budget = make_budget(budget_kind, budget_value);
+    o.scale = scale;
+    o.backend = resolve_backend(backend, q);
+    o.num_threads = num_threads;
+    o.check_finite = check_finite;
+    return o;
+  };
+  m.def(
+      "ba_att_plan",
+      [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
+                       bool compensate, const std::string& compensation, float beta, const std::string& budget_kind,
+                       double budget_value, std::optional<float> scale, const std::string& backend, int num_threads,
+                       bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const BaAttOptions o = ba_att_options(block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
+                                              beta, budget_kind, budget_value, scale, backend, num_threads,
+                                              check_finite, tq);
+        Result<BlockIndexBuffer> plan = [&] {
+          nb::gil_scoped_release release;
+          return ba_att_plan(tq, tk, o);
+        }();
+        return plan_dict(take(std::move(plan)));
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "sort_q"_a, "sort_k"_a, "sort_window"_a, "compensate"_a,
+      "compensation"_a, "beta"_a, "budget_kind"_a, "budget_value"_a, "scale"_a.none(), "backend"_a,
+      "num_threads"_a, "check_finite"_a, "The BA-Att plan (Algorithm 1) as a dict of numpy arrays.");
+  m.def(
+      "ba_att_scores",
+      [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
+                       bool compensate, const std::string& compensation, float beta, std::optional<float> scale,
+                       const std::string& backend, int num_threads, bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const BaAttOptions o = ba_att_options(block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
+                                              beta, "density", 1.0, scale, backend, num_threads, check_finite, tq);
+        Result<BaAttScores> r = [&] {
+          nb::gil_scoped_release release;
+          return ba_att_scores(tq, tk, o);
+        }();
+        BaAttScores s = take(std::move(r));
+        nb::dict d;
+        d["block_q"] = s.block_q;
+        d["block_kv"] = s.block_kv;
+        d["logits"] = to_numpy(std::move(s.logits));
+        d["perm_q"] = s.perm_q.empty() ? nb::none() : nb::object(nb::cast(to_numpy(std::move(s.perm_q))));
+        d["perm_kv"] = s.perm_kv.empty() ? nb::none() : nb::object(nb::cast(to_numpy(std::move(s.perm_kv))));
+        return d;
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "sort_q"_a, "sort_k"_a, "sort_window"_a, "compensate"_a,
+      "compensation"_a, "beta"_a, "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a,
+      "BA-Att steps 1-3: block logits (compensated) and the norm-sort permutations.");
+
+  auto xattention_options = [](int block_q, int block_kv, int stride, const std::string& budget_kind,
+                               double budget_value, bool force_first, bool force_diagonal,
+                               std::optional<float> scale, const std::string& backend, int num_threads,
+                               bool check_finite, const Tensor& q) {
+    XAttentionOptions o;
+    o.block_q = block_q;
+    o.block_kv = block_kv;
+    o.stride = stride;
+    o.budget = make_budget(budget_kind, budget_value);
+    o.force_first = force_first;
+    o.force_diagonal = force_diagonal;
+    o.scale = scale;
+    o.backend = resolve_backend(backend, q);
+    o.num_threads = num_threads;
+    o.check_finite = check_finite;
+    return o;
+  };
+  m.def(
+      "xattention_plan",
+      [xattention_options](InArray q, InArray k, int block_q, int block_kv, int stride, const std::string& budget_kind,
+                           double budget_value, bool force_first, bool force_diagonal, std::optional<float> scale,
+                           const std::string& backend, int num_threads, bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const XAttentionOptions o = xattention_options(block_q, block_kv, stride, budget_kind, budget_value,
+                                                       force_first, force_diagonal, scale, backend, num_threads,
+                                                       check_finite, tq);
+        Result<BlockIndexBuffer> plan = [&] {
+          nb::gil_scoped_release release;
+          return xattention_plan(tq, tk, o);
+        }();
+        return plan_dict(take(std::move(plan)));
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "stride"_a, "budget_kind"_a, "budget_value"_a, "force_first"_a,
+      "force_diagonal"_a, "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a,
+      "The XAttention plan as a dict of numpy arrays (no permutations).");
+  m.def(
+      "xattention_scores",
+      [xattention_options](InArray q, InArray k, int block_q, int block_kv, int stride, std::optional<float> scale,
+                           const std::string& backend, int num_threads, bool check_finite) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        const XAttentionOptions o = xattention_options(block_q, block_kv, stride, "mass", 0.9, true, true, scale,
+                                                       backend, num_threads, check_finite, tq);
+        Result<HostArray> r = [&] {
+          nb::gil_scoped_release release;
+          return xattention_scores(tq, tk, o);
+        }();
+        return to_numpy(take(std::move(r)));
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "stride"_a, "scale"_a.none(), "backend"_a, "num_threads"_a,
+      "check_finite"_a, "XAttention block masses X f32 [batch, heads_q, num_q_blocks, num_kv_blocks].");
+
+  // ---- oracle metrics (evaluation: dense O(L^2 d) per head) ----
+  m.def(
+      "oracle_blocks",
+      [](InArray q, InArray k, int block_q, int block_kv, std::optional<InArray> perm_q,
+         std::optional<InArray> perm_kv, std::optional<float> scale, const std::string& backend, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        BlockPartition part;
+        part.block_q = block_q;
+        part.block_kv = block_kv;
+        if (perm_q) part.perm_q = host_tensor(*perm_q, "partition.perm_q");
+        if (perm_kv) part.perm_kv = host_tensor(*perm_kv, "partition.perm_kv");
+        OracleOptions o;
+        o.scale = scale;
+        o.backend = resolve_backend(backend, tq);
+        o.num_threads = num_threads;
+        Result<OracleBlocks> r = [&] {
+          nb::gil_scoped_release release;
+          return oracle_blocks(tq, tk, part, o);
+        }();
+        OracleBlocks ob = take(std::move(r));
+        nb::dict d;
+        d["block_q"] = ob.block_q;
+        d["block_kv"] = ob.block_kv;
+        d["mass"] = to_numpy(std::move(ob.mass));
+        d["logit_max"] = to_numpy(std::move(ob.logit_max));
+        d["logit_min"] = to_numpy(std::move(ob.logit_min));
+        return d;
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "scale"_a.none(),
+      "backend"_a, "num_threads"_a, "Dense block mass (Eq. 3) and logit range per block pair of a partition.");
+  m.def(
+      "deviation_bound",
+      [](InArray q, InArray k, int block_q, int block_kv, std::optional<InArray> perm_q,
+         std::optional<InArray> perm_kv, InArray mass, InArray logit_max, InArray logit_min, int oracle_block_q,
+         int oracle_block_kv, std::optional<float> scale, const std::string& backend, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
+        BlockPartition part;
+        part.block_q = block_q;
+        part.block_kv = block_kv;
+        if (perm_q) part.perm_q = host_tensor(*perm_q, "partition.perm_q");
+        if (perm_kv) part.perm_kv = host_tensor(*perm_kv, "partition.perm_kv");
+        // The core indexes the oracle's three arrays by the mass's shape: they must agree.
+        const Tensor tm = host_tensor(mass, "oracle.mass");
+        OracleBlocks ob;
+        ob.block_q = oracle_block_q;
+        ob.block_kv = oracle_block_kv;
+        const std::pair<const char*, const InArray*> arrays[] = {
+            {"oracle.mass", &mass}, {"oracle.logit_max", &logit_max}, {"oracle.logit_min", &logit_min}};
+        HostArray* owned[] = {&ob.mass, &ob.logit_max, &ob.logit_min};
+        for (int i = 0; i < 3; ++i) {
+          const Tensor t = host_tensor(*arrays[i].second, arrays[i].first);
+          if (t.ndim != 4 || t.dtype != DType::f32 || t.shape_vector() != tm.shape_vector()) {
+            throw nb::value_error((std::string(arrays[i].first) +
+                                   ": expected f32 [batch, heads_q, num_q_blocks, num_kv_blocks] equal in shape to "
+                                   "oracle.mass " + tm.shape_string() + ", got " + dtype_name(t.dtype) + " " +
+                                   t.shape_string()).c_str());
+          }
+          *owned[i] = HostArray::copy_of(t);
+        }
+        ob.num_q_blocks = tm.shape[2];
+        ob.num_kv_blocks = tm.shape[3];
+        OracleOptions o;
+        o.scale = scale;
+        o.backend = resolve_backend(backend, tq);
+        o.num_threads = num_threads;
+        Result<DeviationBound> r = [&] {
+          nb::gil_scoped_release release;
+          return deviation_bound(tq, tk, part, ob, o);
+        }();
+        DeviationBound db = take(std::move(r));
+        nb::dict d;
+        d["bound"] = to_numpy(std::move(db.bound));
+        d["deviation"] = to_numpy(std::move(db.deviation));
+        d["pearson_per_head"] = db.pearson_per_head;
+        d["pearson_overall"] = db.pearson_overall;
+        d["violations"] = db.violations;
+        d["mean_bound"] = db.mean_bound;
+        d["mean_deviation"] = db.mean_deviation;
+        return d;
+      },
+      "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "mass"_a, "logit_max"_a,
+      "logit_min"_a, "oracle_block_q"_a, "oracle_block_kv"_a, "scale"_a.none(), "backend"_a, "num_threads"_a,
+      "BA-Att Eq. 8: the bound U on the token-logit deviation from the block logit, against the observed one.");
+  m.def(
+      "mass_recall",
+      [](InArray counts, InArray indices, int block_q, int block_kv, InArray mass, int oracle_block_q,
+         int oracle_block_kv) {
+        const Tensor tm = host_tensor(mass, "oracle.mass");
+        if (tm.ndim != 4 || tm.dtype != DType::f32) {
+          throw nb::value_error(("oracle.mass: expected f32 [batch, heads_q, num_q_blocks, num_kv_blocks], got " +
+                                 std::string(dtype_name(tm.dtype)) + " " + tm.shape_string()).c_str());
+        }
+        if (block_q != oracle_block_q || block_kv != oracle_block_kv) {
+          throw nb::value_error(("plan: blocks " + std::to_string(block_q) + "x" + std::to_string(block_kv) +
+                                 " differ from the oracle's " + std::to_string(oracle_block_q) + "x" +
+                                 std::to_string(oracle_block_kv) + "; compute the oracle on the plan's partition")
+                                    .c_str());
+        }
+        BlockIndex ix = make_index(counts, indices, std::nullopt, std::nullopt, block_q, block_kv);
+        OracleBlocks ob;
+        ob.block_q = oracle_block_q;
+        ob.block_kv = oracle_block_kv;
+        ob.num_q_blocks = ix.num_q_blocks = tm.shape[2];
+        ob.num_kv_blocks = ix.num_kv_blocks = tm.shape[3];
+        // The core reads the plan's arrays unchecked: validate them against the oracle's grid.
+        if (block_q > 0 && block_kv > 0) {
+          check(validate_block_index(ix, tm.shape[0], tm.shape[1], tm.shape[1], ob.num_q_blocks * block_q,
+                                     ob.num_kv_blocks * block_kv));
+        }
+        ob.mass = HostArray::copy_of(tm);
+        return take(mass_recall(ix, ob));
+      },
+      "counts"_a, "indices"_a, "block_q"_a, "block_kv"_a, "mass"_a, "oracle_block_q"_a, "oracle_block_kv"_a,
+      "Mean over (batch, head, query block) of the oracle mass a plan keeps.");
+  m.def(
+      "mass_recall_from_lse",
+      [](InArray lse_plan, InArray lse_dense) {
+        return take(mass_recall_from_lse(host_tensor(lse_plan, "lse_plan"), host_tensor(lse_dense, "lse_dense")));
+      },
+      "lse_plan"_a, "lse_dense"_a, "mean_i exp(lse_plan_i - lse_dense_i): the softmax mass a plan's keys hold.");
+  m.def(
+      "relative_error",
+      [](InArray out, InArray reference) {
+        return take(relative_error(host_tensor(out, "out"), host_tensor(reference, "reference")));
+      },
+      "out"_a, "reference"_a, "||out - reference||_F / ||reference||_F (f64 sums).");
+
+  // ---- block-diffusion decoding: the paged prefix cache, QUEST pages, LoSA state ----
+  nb::class_<PagedKVCache>(m, "PagedKVCache")
+      .def(
+          "__init__",
+          [](PagedKVCache* self, int64_t heads_kv, int64_t head_dim, int page_size) {
+            KVCacheConfig c;
+            c.heads_kv = heads_kv;
+            c.head_dim = head_dim;
+            c.page_size = page_size;
+            PagedKVCache cache = take(PagedKVCache::create(c));
+            new (self) PagedKVCache(std::move(cache));
+          },
+          "heads_kv"_a, "head_dim"_a, "page_size"_a = 16)
+      .def(
+          "append", [](PagedKVCache& cache, InArray k, InArray v) { check(cache.append(to_tensor(k, "k"), to_tensor(v, "v"))); },
+          "k"_a, "v"_a, "Append f32 [1, heads_kv, n, head_dim] keys and values (copied into the cache).")
+      .def_prop_ro("heads_kv", &PagedKVCache::heads_kv)
+      .def_prop_ro("head_dim", &PagedKVCache::head_dim)
+      .def_prop_ro("page_size", &PagedKVCache::page_size)
+      .def_prop_ro("length", &PagedKVCache::length)
+      .def_prop_ro("num_pages", &PagedKVCache::num_pages)
+      .def("keys", [](const PagedKVCache& c) { return to_numpy(c.length() ? HostArray::copy_of(c.keys())
+                                                                          : HostArray(DType::f32, {1, c.heads_kv(), 0, c.head_dim()})); })
+      .def("values", [](const PagedKVCache& c) { return to_numpy(c.length() ? HostArray::copy_of(c.values())
+                                                                            : HostArray(DType::f32, {1, c.heads_kv(), 0, c.head_dim()})); });
+
+  auto page_options = [](int64_t budget, const std::string& selector, const std::string& group, bool force_first,
+                         bool force_last) {
+    PageSelectOptions o;
+    o.selector = take(parse_page_selector(selector));
+    if (group == "per_head") {
+      o.group = GroupPolicy::per_head;
+    } else if (group == "shared") {
+      o.group = GroupPolicy::shared;
+    } else {
+      throw nb::value_error(("group: expected per_head or shared, got '" + group + "'").c_str());
+    }
+    o.budget = budget;
+    o.force_first = force_first;
+    o.force_last = force_last;
+    return o;
+  };
+  m.def(
+      "quest_plan",
+      [page_options](InArray q, const PagedKVCache& cache, int64_t budget, const std::string& selector,
+                     const std::string& group, bool force_first, bool force_last, int num_threads) {
+        const Tensor tq = to_tensor(q, "q");
+        const PageSelectOptions o = page_options(budget, selector, group, force_first, force_last);
+        check(validate(o, cache.page_size()));
+        PagePlan plan = take(select_pages(tq, cache, o, num_threads));
+        HostArray counts(DType::i32, {plan.heads_q, plan.rows});
+        HostArray pages(DType::i32, {plan.heads_q, plan.rows, plan.capacity});
+        std::copy(plan.counts.begin(), plan.counts.end(), counts.ptr<int32_t>());
+        std::copy(plan.pages.begin(), plan.pages.end(), pages.ptr<int32_t>());
+        return nb::make_tuple(to_numpy(std::move(counts)), to_numpy(std::move(pages)));
+      },
+      "q"_a, "cache"_a, "budget"_a, "selector"_a, "group"_a, "force_first"_a, "force_last"_a, "num_threads"_a,
+      "Pages per (query head, row) of q f32 [1, heads_q, rows, d] over a PagedKVCache: (counts, pages).");
+
+  m.def(
+      "quest_attention",
+      [page_options](InArray q, InArray k, InArray v, int64_t budget, int page_size, const std::string& selector,
+                     const std::string& group, bool force_first, bool force_last, bool attend_union,
+                     std::optional<float> scale, const std::string& backend, int num_threads) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const PageSelectOptions s = page_options(budget, selector, group, force_first, force_last);
+        PagedAttentionOptions o;
+        o.attention = make_options(scale, backend, false, num_threads, tq);
+        o.attend_union = attend_union;
+        Result<QuestOutput> r = [&] {
+          nb::gil_scoped_release release;
+          return quest_attention(tq, tk, tv, s, o, page_size);
+        }();
+        QuestOutput out = take(std::move(r));
+        return nb::make_tuple(to_numpy(std::move(out.attention.out)), to_numpy(std::move(out.attention.lse)),
+                              out.density, out.pages_loaded);
+      },
+      "q"_a, "k"_a, "v"_a, "budget"_a, "page_size"_a, "selector"_a, "group"_a, "force_first"_a, "force_last"_a,
+      "attend_union"_a, "scale"_a.none(), "backend"_a, "num_threads"_a,
+      "QUEST attention of q over k, v paged per batch element: (out, lse, density, pages_loaded).");
+
+  nb::class_<PrefixAttention>(m, "PrefixAttention")
+      .def(
+          "__init__",
+          [page_options](PrefixAttention* self, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t block_size,
+                         const std::string& method, int64_t budget, const std::string& selector,
+                         const std::string& group, bool force_first, bool force_last, int active_k,
+                         std::optional<double> mse_threshold, bool attend_union, std::optional<float> scale,
+                         const std::string& backend, int num_threads, bool check_finite) {
+            LosaConfig c;
+            c.heads_q = heads_q;
+            c.heads_kv = heads_kv;
+            c.head_dim = head_dim;
+            c.block_size = block_size;
+            LosaOptions o;
+            o.method = take(parse_prefix_method(method));
+            o.select = page_options(budget, selector, group, force_first, force_last);
+            o.active_k = active_k;
+            o.mse_threshold = mse_threshold;
+            o.attend_union = attend_union;
+            o.attention.scale = scale;
+            o.attention.backend = backend == "auto" ? Backend::cpu : take(parse_backend(backend));
+            o.attention.num_threads = num_threads;
+            o.attention.check_finite = check_finite;
+            PrefixAttention state = take(PrefixAttention::create(c, o));
+            new (self) PrefixAttention(std::move(state));
+          },
+          "heads_q"_a, "heads_kv"_a, "head_dim"_a, "block_size"_a, "method"_a, "budget"_a, "selector"_a, "group"_a,
+          "force_first"_a, "force_last"_a, "active_k"_a, "mse_threshold"_a.none(), "attend_union"_a,
+          "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a)
+      .def(
+          "step",
+          [](PrefixAttention& state, const PagedKVCache& cache, InArray q, InArray k_block, InArray v_block,
+             OutArray out, OutArray lse) {
+            const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k_block, "k_block"), tv = to_tensor(v_block, "v_block");
+            const Tensor to = host_tensor(out, "out"), tl = host_tensor(lse, "lse");
+            StepStats s;
+            check(state.step(cache, tq, tk, tv, to, tl, &s));
+            nb::dict d;
+            d["block"] = s.block;
+            d["step"] = s.step;
+            d["dense_prefix"] = s.dense_prefix;
+            d["recomputed"] = s.recomputed;
+            d["mse"] = s.mse;
+            d["prefix_pages"] = s.prefix_pages;
+            d["pages_loaded"] = s.pages_loaded;
+            d["tokens_loaded"] = s.tokens_loaded;
+            d["pages_attended"] = s.pages_attended;
+            d["loaded"] = s.loaded;
+            // The selector's pages for the recomputed rows (sparse steps): [heads_q, len(recomputed), capacity].
+            HostArray plan_counts(DType::i32, {s.plan.heads_q, s.plan.rows});
+            HostArray plan_pages(DType::i32, {s.plan.heads_q, s.plan.rows, s.plan.capacity});
+            std::copy(s.plan.counts.begin(), s.plan.counts.end(), plan_counts.ptr<int32_t>());
+            std::copy(s.plan.pages.begin(), s.plan.pages.end(), plan_pages.ptr<int32_t>());
+            d["plan_counts"] = to_numpy(std::move(plan_counts));
+            d["plan_pages"] = to_numpy(std::move(plan_pages));
+            d["select_ms"] = s.select_ms;
+            d["prefix_ms"] = s.prefix_ms;
+            d["block_ms"] = s.block_ms;
+            d["total_ms"] = s.total_ms;
+            return d;
+          },
+          "cache"_a, "q"_a, "k_block"_a, "v_block"_a, "out"_a, "lse"_a)
+      .def(
+          "commit",
+          [](PrefixAttention& state, PagedKVCache& cache, InArray k_block, InArray v_block) {
+            check(state.commit(cache, to_tensor(k_block, "k_block"), to_tensor(v_block, "v_block")));
+          },
+          "cache"_a, "k_block"_a, "v_block"_a)
+      .def("begin_block", &PrefixAttention::begin_block)
+      .def_prop_ro("steps_in_block", &PrefixAttention::steps_in_block)
+      .def_prop_ro("blocks_committed", &PrefixAttention::blocks_committed)
+      .def_prop_ro("o_p", [](const PrefixAttention& s) { return nb::cast(to_numpy(HostArray::copy_of(s.o_p().view()))); })
+      .def_prop_ro("l_p", [](const PrefixAttention& s) { return nb::cast(to_numpy(HostArray::copy_of(s.l_p().view()))); })
+      .def_prop_ro("q_ref", [](const PrefixAttention& s) { return nb::cast(to_numpy(HostArray::copy_of(s.q_ref().view()))); });
 
   m.def(
       "block_index_density",

@@ -86,3 +86,61 @@ def test_dense_on_cuda_tensors_stays_on_the_device():
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(4, 1),
                                                            v.double().repeat_interleave(4, 1))
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+# ---- selectors on torch tensors --------------------------------------------------------
+
+def test_ba_att_on_cpu_torch_tensors():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 70, 32, generator=g)
+    k = torch.randn(1, 2, 90, 32, generator=g)
+    v = torch.randn(1, 2, 90, 32, generator=g)
+    # every block kept: equals dense attention whatever the sort
+    out, lse = sparsa.ba_att(q, k, v, block_q=16, block_kv=16, density=1.0)
+    assert isinstance(out, torch.Tensor) and out.dtype == q.dtype and isinstance(lse, torch.Tensor)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(2, 1),
+                                                           v.double().repeat_interleave(2, 1))
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 1e-5
+    plan = sparsa.ba_att_plan(q, k, block_q=16, block_kv=16, density=0.5)
+    assert isinstance(plan.counts, np.ndarray) and (plan.counts == 3).all()  # plans are numpy
+    with pytest.raises(ValueError, match=r"index: a plan with perm_q/perm_kv has no BlockMask form"):
+        st.to_block_mask(plan, 70, 90)
+
+
+def test_xattention_plan_to_block_mask():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 256, 64, generator=g)
+    k = torch.randn(1, 2, 256, 64, generator=g)
+    plan = sparsa.xattention_plan(q, k, block_q=128, block_kv=128, stride=8)
+    back = st.from_block_mask(st.to_block_mask(plan, 256, 256))
+    assert np.array_equal(back.counts.numpy(), plan.counts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_selectors_refuse_cuda_tensors_cleanly():
+    q = torch.randn(1, 2, 64, 64, device="cuda")
+    with pytest.raises(ValueError, match=r"q: expected a tensor on cpu, got cuda:0"):
+        sparsa.ba_att_plan(q, q, backend="cpu")
+    with pytest.raises(ValueError, match=r"q: expected a tensor on cpu, got cuda:0"):
+        sparsa.xattention_plan(q, q, block_q=32, block_kv=32, backend="cpu")
+    with pytest.raises(ValueError, match=r"out: expected an array on cpu, got one on cuda:0"):
+        sparsa.relative_error(q, q)
+
+
+def test_losa_state_and_quest_on_cpu_torch_tensors():
+    g = torch.Generator().manual_seed(4)
+    cache = sparsa.PagedKVCache(2, 16)
+    cache.append(torch.randn(1, 2, 64, 16, generator=g), torch.randn(1, 2, 64, 16, generator=g))
+    state = sparsa.LosaState(4, 2, 16, block_size=8, budget=32, active_k=2)
+    q = torch.randn(1, 4, 8, 16, generator=g)
+    kb, vb = torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    out, lse = state.step(cache, q, kb, vb)
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    k = torch.cat([torch.from_numpy(cache.keys()), kb], 2).double().repeat_interleave(2, 1)
+    v = torch.cat([torch.from_numpy(cache.values()), vb], 2).double().repeat_interleave(2, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v)  # first step: dense
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 1e-5
+    out, lse = sparsa.quest(q, k[:, ::2].float(), v[:, ::2].float(), budget=16 * 5)  # every page
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v)
+    assert isinstance(out, torch.Tensor) and (out.double() - ref).abs().max() / ref.abs().max() < 1e-5

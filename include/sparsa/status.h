@@ -5,6 +5,7 @@
 //   "q: expected 4 dimensions [batch, heads, seq, head_dim], got 3".
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <variant>

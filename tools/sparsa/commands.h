@@ -3,6 +3,7 @@
 // single line "sparsa: error: <message>".
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 

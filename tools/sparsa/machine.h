@@ -1,6 +1,7 @@
 // What `info` (and the headers of `bench` / `demo`) report about the machine.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 

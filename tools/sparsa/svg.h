@@ -3,6 +3,7 @@
 // is a self-contained SVG document that browsers and image viewers open directly.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 

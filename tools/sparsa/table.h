@@ -2,6 +2,7 @@
 // right-aligned (numbers), two spaces between columns, a rule under the header.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 

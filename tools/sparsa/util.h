@@ -1,6 +1,7 @@
 // Small helpers shared by the commands: a wall clock and number formatting.
 #pragma once
 
+#include <cstdint>
 #include <chrono>
 #include <cstdio>
 #include <string>

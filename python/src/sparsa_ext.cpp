@@ -532,13 +532,18 @@ NB_MODULE(_sparsa, m) {
   m.def(
       "mass_recall_from_lse",
       [](InArray lse_plan, InArray lse_dense) {
-        return take(mass_recall_from_lse(host_tensor(lse_plan, "lse_plan"), host_tensor(lse_dense, "lse_dense")));
+        // One declaration per argument: checks run (and name arguments) in order.
+        const Tensor plan_lse = host_tensor(lse_plan, "lse_plan");
+        const Tensor dense_lse = host_tensor(lse_dense, "lse_dense");
+        return take(mass_recall_from_lse(plan_lse, dense_lse));
       },
       "lse_plan"_a, "lse_dense"_a, "mean_i exp(lse_plan_i - lse_dense_i): the softmax mass a plan's keys hold.");
   m.def(
       "relative_error",
       [](InArray out, InArray reference) {
-        return take(relative_error(host_tensor(out, "out"), host_tensor(reference, "reference")));
+        const Tensor t_out = host_tensor(out, "out");
+        const Tensor t_reference = host_tensor(reference, "reference");
+        return take(relative_error(t_out, t_reference));
       },
       "out"_a, "reference"_a, "||out - reference||_F / ||reference||_F (f64 sums).");
 
@@ -556,7 +561,12 @@ NB_MODULE(_sparsa, m) {
           },
           "heads_kv"_a, "head_dim"_a, "page_size"_a = 16)
       .def(
-          "append", [](PagedKVCache& cache, InArray k, InArray v) { check(cache.append(to_tensor(k, "k"), to_tensor(v, "v"))); },
+          "append",
+          [](PagedKVCache& cache, InArray k, InArray v) {
+            const Tensor tk = to_tensor(k, "k");
+            const Tensor tv = to_tensor(v, "v");
+            check(cache.append(tk, tv));
+          },
           "k"_a, "v"_a, "Append f32 [1, heads_kv, n, head_dim] keys and values (copied into the cache).")
       .def_prop_ro("heads_kv", &PagedKVCache::heads_kv)
       .def_prop_ro("head_dim", &PagedKVCache::head_dim)
@@ -688,7 +698,9 @@ NB_MODULE(_sparsa, m) {
       .def(
           "commit",
           [](PrefixAttention& state, PagedKVCache& cache, InArray k_block, InArray v_block) {
-            check(state.commit(cache, to_tensor(k_block, "k_block"), to_tensor(v_block, "v_block")));
+            const Tensor tk = to_tensor(k_block, "k_block");
+            const Tensor tv = to_tensor(v_block, "v_block");
+            check(state.commit(cache, tk, tv));
           },
           "cache"_a, "k_block"_a, "v_block"_a)
       .def("begin_block", &PrefixAttention::begin_block)

@@ -1,4 +1,4 @@
-// `sparsa plan`: build a block selector's plan (ba_att, mean_pool, xattention) on
+// `sparsa plan`: build a block selector's plan (ba_att, mean_pool, xattention, llsa) on
 // tensors from files or on the generated workload, print a summary, and dump the plan
 // as JSON and the block mask of one (batch, head) as an SVG picture.
 #include <fstream>
@@ -90,8 +90,9 @@ nlohmann::json plan_json(const BlockIndexBuffer& plan, const std::string& method
 }
 
 Outcome run_plan(const PlanOptions& o) {
-  if (o.method != "ba_att" && o.method != "mean_pool" && o.method != "xattention") {
-    return usage_error(invalid_argument("--method: plan supports ba_att, mean_pool and xattention, got '" + o.method + "'"));
+  if (o.method != "ba_att" && o.method != "mean_pool" && o.method != "xattention" && o.method != "llsa") {
+    return usage_error(
+        invalid_argument("--method: plan supports ba_att, mean_pool, xattention and llsa, got '" + o.method + "'"));
   }
   Result<Params> params = parse_params(o.params);
   if (!params.ok()) return usage_error(params.status());
@@ -138,7 +139,25 @@ Outcome run_plan(const PlanOptions& o) {
   in.params = *params;
   const double t0 = now_seconds();
   Result<BlockIndexBuffer> plan = Status{};
-  if (o.method == "xattention") {
+  std::string llsa_text;  // llsa: the level-by-level printout of (batch, head)
+  nlohmann::json llsa_summary;
+  if (o.method == "llsa") {
+    // The fine level of LLSA's plan is a BlockIndex (query blocks -> key blocks); the
+    // coarse levels it also attends to (KV enrichment) are listed in the printout.
+    auto options = llsa_options_from(in);
+    if (!options.ok()) return method_error(options.status());
+    Result<LlsaPlan> llsa = llsa_plan(in.q, in.k, *options);
+    if (!llsa.ok()) return method_error(llsa.status());
+    if (o.batch >= 0 && o.batch < llsa->batch && o.head >= 0 && o.head < llsa->heads_q) {
+      llsa_text = llsa->to_string(o.batch, o.head, 16);
+    }
+    llsa_summary = {{"levels", llsa->levels},
+                    {"level_len", llsa->level_len},
+                    {"keys_per_query", llsa->mean_keys_per_query()},
+                    {"enrich", llsa->enrich},
+                    {"dedupe", llsa->dedupe}};
+    plan = llsa->fine_index();
+  } else if (o.method == "xattention") {
     auto options = xattention_options_from(in);
     if (!options.ok()) return method_error(options.status());
     plan = xattention_plan(in.q, in.k, *options);
@@ -160,8 +179,11 @@ Outcome run_plan(const PlanOptions& o) {
                       plan->block_q, plan->block_kv, static_cast<long long>(plan->num_q_blocks),
                       static_cast<long long>(plan->num_kv_blocks), static_cast<long long>(plan->indices.shape()[3]),
                       density, plan->perm_q.empty() ? "no" : "yes", plan->perm_kv.empty() ? "no" : "yes", seconds);
+  if (!llsa_text.empty()) std::cout << llsa_text;
   if (!o.json_path.empty()) {
-    const std::string text = json_text(plan_json(*plan, o.method, *params));
+    nlohmann::json j = plan_json(*plan, o.method, *params);
+    if (!llsa_summary.is_null()) j["llsa"] = llsa_summary;
+    const std::string text = json_text(j);
     if (o.json_path == "-") {
       std::cout << text << "\n";
     } else {
@@ -184,7 +206,7 @@ Outcome run_plan(const PlanOptions& o) {
 Subcommand add_plan_command(CLI::App& app) {
   auto o = std::make_shared<PlanOptions>();
   CLI::App* cmd = app.add_subcommand("plan", "build a block selector's plan; dump it as JSON and its mask as SVG");
-  cmd->add_option("--method", o->method, "ba_att, mean_pool or xattention")->capture_default_str();
+  cmd->add_option("--method", o->method, "ba_att, mean_pool, xattention or llsa")->capture_default_str();
   cmd->add_option("--q", o->q, "queries (.npy/.safetensors); default: the generated workload");
   cmd->add_option("--k", o->k, "keys (with --q)");
   cmd->add_option("-P,--param", o->params, "method parameter key=value (repeatable)")->allow_extra_args(false);

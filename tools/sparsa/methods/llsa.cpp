@@ -3,6 +3,7 @@
 // levels (KV enrichment). The plan summary lists, for batch 0 / head 0, the key tokens
 // each query token keeps at every level.
 #include "methods.h"
+#include "methods/selectors.h"
 #include "params.h"
 #include "sparsa/llsa.h"
 #include "util.h"
@@ -12,7 +13,9 @@ namespace {
 
 constexpr int64_t kMaxPlanRowsShown = 64;
 
-Result<MethodOutput> run_llsa(const MethodInputs& in) {
+}  // namespace
+
+Result<LlsaOptions> llsa_options_from(const MethodInputs& in) {
   const Params& p = in.params;
   SPARSA_RETURN_IF_ERROR(check_known_params("llsa", p, {"block", "topk", "levels", "enrich", "dedupe"}));
   auto block = param_int(p, "block", 16, 2, 4096);
@@ -37,6 +40,15 @@ Result<MethodOutput> run_llsa(const MethodInputs& in) {
   o.backend = in.options.backend;
   o.num_threads = in.options.num_threads;
   o.check_finite = in.options.check_finite;
+  return o;
+}
+
+namespace {
+
+Result<MethodOutput> run_llsa(const MethodInputs& in) {
+  Result<LlsaOptions> options = llsa_options_from(in);
+  if (!options.ok()) return options.status();
+  const LlsaOptions& o = *options;
 
   const double t0 = now_seconds();
   Result<LlsaPlan> plan = llsa_plan(in.q, in.k, o);

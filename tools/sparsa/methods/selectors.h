@@ -1,10 +1,11 @@
 // Options of the block selectors from `-P` parameters, shared by their registry
-// entries (methods/ba_att.cpp, methods/xattention.cpp) and by `sparsa plan`, which
+// entries (methods/ba_att.cpp, methods/xattention.cpp, methods/llsa.cpp) and by `sparsa plan`, which
 // needs the plan itself rather than the attention output.
 #pragma once
 
 #include "methods.h"
 #include "sparsa/ba_att.h"
+#include "sparsa/llsa.h"
 #include "sparsa/xattention.h"
 
 namespace sparsa::cli {
@@ -12,5 +13,7 @@ namespace sparsa::cli {
 // `ba_att` parameters (and `mean_pool`, which is ba_att with sort=false compensate=false).
 Result<BaAttOptions> ba_att_options_from(const std::string& method, const MethodInputs& in);
 Result<XAttentionOptions> xattention_options_from(const MethodInputs& in);
+// `llsa` parameters (block, topk, levels, enrich, dedupe).
+Result<LlsaOptions> llsa_options_from(const MethodInputs& in);
 
 }  // namespace sparsa::cli

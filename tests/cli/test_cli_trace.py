@@ -53,3 +53,21 @@ def test_demo_includes_the_decode_trace(sparsa_bin, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "block-diffusion decode" in r.stdout
     assert "\nlosa " in r.stdout and "\nquest " in r.stdout
+
+
+def test_eval_with_losa_scores_a_decode_trace(sparsa_bin):
+    r = run(sparsa_bin, "eval", "--methods", "dense,quest,losa", "-P", "k=2", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert [m["method"] for m in d["methods"]] == ["dense", "quest", "losa"]
+    assert d["params"] == {"k": 2}
+    assert all(s["recomputed"] == 2 for s in d["methods"][2]["steps"][1:])
+
+
+def test_bench_with_losa_times_each_prefix(sparsa_bin):
+    r = run(sparsa_bin, "bench", "--methods", "dense,losa", "--lengths", "512,1024", "--repeats", "1")
+    assert r.returncode == 0, r.stderr
+    assert "prefix 512:" in r.stdout and "prefix 1024:" in r.stdout
+    assert r.stdout.count("\nlosa ") == 2 and r.stdout.count("\ndense ") == 2
+    r = run(sparsa_bin, "bench", "--methods", "losa", "--json", "x.json")
+    assert r.returncode == 2 and "use `sparsa trace --json`" in r.stderr

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cmd_trace.h"
 #include "commands.h"
 #include "common.h"
 #include "machine.h"
@@ -55,8 +56,40 @@ std::string cell(double v, const char* fmt) { return std::isfinite(v) ? format(f
 
 }  // namespace
 
+// LoSA keeps state across denoising steps, so its benchmark is a decode trace: with
+// `--methods` naming losa (or reuse), each length is a prefix length and `sparsa trace`
+// times dense / quest / losa / reuse prefix attention per step over it.
+Outcome bench_trace(const BenchOptions& o) {
+  auto lengths = parse_lengths("--lengths", o.lengths);
+  if (!lengths.ok()) return usage_error(lengths.status());
+  for (int64_t length : *lengths) {
+    TraceOptions trace;
+    trace.methods = o.methods;
+    trace.prefix = length;
+    trace.params = o.params;
+    trace.seed = o.seed;
+    trace.backend = o.backend;
+    trace.threads = o.threads;
+    trace.repeats = o.repeats;
+    std::cout << (length == lengths->front() ? "" : "\n") << "prefix " << length << ":\n";
+    std::cout.flush();
+    const Outcome t = cmd_trace(trace);
+    if (t.exit_code != 0) return t;
+  }
+  return success();
+}
+
 Outcome cmd_bench(const BenchOptions& o) {
   if (Status s = check_bench_options(o); !s.ok()) return usage_error(s);
+  for (const std::string_view trace_method : {"losa", "reuse"}) {
+    if (("," + o.methods + ",").find("," + std::string(trace_method) + ",") != std::string::npos) {
+      if (!o.json_path.empty() || !o.plot_path.empty()) {
+        return usage_error(invalid_argument("--json/--plot: not available for the decode-trace methods (losa, reuse); "
+                                            "use `sparsa trace --json`"));
+      }
+      return bench_trace(o);
+    }
+  }
   auto selected = select_methods(o.methods, /*demo_only=*/false);
   if (!selected.ok()) return usage_error(selected.status());
   auto lengths = parse_lengths("--lengths", o.lengths);

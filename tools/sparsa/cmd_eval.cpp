@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "cmd_selectors.h"
+#include "cmd_trace.h"
 #include "common.h"
 #include "sparsa/oracle.h"
 #include "sparsa/workload.h"
@@ -44,7 +45,30 @@ Result<std::vector<double>> parse_densities(const std::string& csv) {
   return out;
 }
 
+// The stateful block-diffusion methods (losa, reuse) are judged over a decode trace, not at
+// matched densities: `eval --methods losa,quest,dense` runs `sparsa trace` with those methods
+// (its defaults: a 16K-token prefix, one block of 16; docs/losa.md), passing -P, seed, backend,
+// threads and --json through.
+bool names_a_trace_method(const std::string& csv) {
+  std::stringstream ss(csv);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item == "losa" || item == "reuse") return true;
+  }
+  return false;
+}
+
 Outcome run_eval(const EvalOptions& o) {
+  if (names_a_trace_method(o.methods)) {
+    TraceOptions trace;
+    trace.methods = o.methods;
+    trace.params = o.params;
+    trace.seed = o.seed;
+    trace.backend = o.backend;
+    trace.threads = o.threads;
+    trace.json = o.json;
+    return cmd_trace(trace);
+  }
   auto selected = select_methods(o.methods, /*demo_only=*/false);
   if (!selected.ok()) return usage_error(selected.status());
   auto densities = parse_densities(o.densities);
@@ -135,7 +159,10 @@ Outcome run_eval(const EvalOptions& o) {
 Subcommand add_eval_command(CLI::App& app) {
   auto o = std::make_shared<EvalOptions>();
   CLI::App* cmd = app.add_subcommand("eval", "block-sparse methods at matched densities: mass recall and error vs dense");
-  cmd->add_option("--methods", o->methods, "comma-separated methods taking -P density")->capture_default_str();
+  cmd->add_option("--methods", o->methods,
+                 "comma-separated methods taking -P density; naming losa (or reuse) evaluates dense/quest/losa/reuse "
+                 "over a block-diffusion decode trace instead (as `sparsa trace`)")
+      ->capture_default_str();
   cmd->add_option("--densities", o->densities, "comma-separated target densities in (0, 1]")->capture_default_str();
   cmd->add_option("--q", o->q, "queries (.npy/.safetensors); default: the generated workload");
   cmd->add_option("--k", o->k, "keys");

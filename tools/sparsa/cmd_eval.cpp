@@ -84,33 +84,18 @@ Outcome run_eval(const EvalOptions& o) {
     if (m->name == "dense") return usage_error(invalid_argument("--methods: dense is the reference of eval, not a method to score"));
   }
 
-  HostArray q, k, v;
-  std::string source;
-  if (given == 3) {
-    auto lq = load_input("--q", o.q);
-    if (!lq.ok()) return runtime_error(lq.status());
-    auto lk = load_input("--k", o.k);
-    if (!lk.ok()) return runtime_error(lk.status());
-    auto lv = load_input("--v", o.v);
-    if (!lv.ok()) return runtime_error(lv.status());
-    q = std::move(lq).value();
-    k = std::move(lk).value();
-    v = std::move(lv).value();
-    source = o.q;
-  } else {
-    WorkloadConfig c;
-    c.seed = o.seed;
-    c.heads_q = o.heads;
-    c.heads_kv = o.kv_heads;
-    c.len_q = c.len_kv = o.length;
-    c.head_dim = o.head_dim;
-    auto w = generate_workload(c);
-    if (!w.ok()) return usage_error(w.status());
-    q = std::move(w->q);
-    k = std::move(w->k);
-    v = std::move(w->v);
-    source = describe(c);
+  WorkloadConfig c;
+  c.seed = o.seed;
+  c.heads_q = o.heads;
+  c.heads_kv = o.kv_heads;
+  c.len_q = c.len_kv = o.length;
+  c.head_dim = o.head_dim;
+  InputTensors inputs;
+  if (Outcome loaded = load_inputs_or_workload(given == 3 ? o.q : "", o.k, &o.v, c, &inputs); loaded.exit_code != 0) {
+    return loaded;
   }
+  HostArray &q = inputs.q, &k = inputs.k, &v = inputs.v;
+  const std::string& source = inputs.source;
   AttentionOptions options;
   options.backend = *backend;
   options.num_threads = o.threads;

@@ -108,29 +108,16 @@ Outcome run_plan(const PlanOptions& o) {
     Status s = check_output_path("--json", o.json_path, {".json"});
     if (!s.ok()) return usage_error(s);
   }
-  HostArray q, k;
-  std::string source;
-  if (!o.q.empty()) {
-    auto lq = load_input("--q", o.q);
-    if (!lq.ok()) return runtime_error(lq.status());
-    auto lk = load_input("--k", o.k);
-    if (!lk.ok()) return runtime_error(lk.status());
-    q = std::move(lq).value();
-    k = std::move(lk).value();
-    source = o.q + ", " + o.k;
-  } else {
-    WorkloadConfig c;
-    c.seed = o.seed;
-    c.heads_q = o.heads;
-    c.heads_kv = o.kv_heads;
-    c.len_q = c.len_kv = o.length;
-    c.head_dim = o.head_dim;
-    auto w = generate_workload(c);
-    if (!w.ok()) return usage_error(w.status());
-    q = std::move(w->q);
-    k = std::move(w->k);
-    source = describe(c);
-  }
+  WorkloadConfig c;
+  c.seed = o.seed;
+  c.heads_q = o.heads;
+  c.heads_kv = o.kv_heads;
+  c.len_q = c.len_kv = o.length;
+  c.head_dim = o.head_dim;
+  InputTensors inputs;
+  if (Outcome loaded = load_inputs_or_workload(o.q, o.k, nullptr, c, &inputs); loaded.exit_code != 0) return loaded;
+  const HostArray &q = inputs.q, &k = inputs.k;
+  const std::string& source = inputs.source;
   MethodInputs in;
   in.q = q.view();
   in.k = k.view();

@@ -22,6 +22,32 @@ Outcome method_error(Status status) {
   return {std::move(status), usage ? kExitUsage : kExitRuntime};
 }
 
+Outcome load_inputs_or_workload(const std::string& q_path, const std::string& k_path, const std::string* v_path,
+                                const WorkloadConfig& config, InputTensors* inputs) {
+  if (!q_path.empty()) {
+    auto q = load_input("--q", q_path);
+    if (!q.ok()) return runtime_error(q.status());
+    auto k = load_input("--k", k_path);
+    if (!k.ok()) return runtime_error(k.status());
+    inputs->q = std::move(q).value();
+    inputs->k = std::move(k).value();
+    if (v_path != nullptr) {
+      auto v = load_input("--v", *v_path);
+      if (!v.ok()) return runtime_error(v.status());
+      inputs->v = std::move(v).value();
+    }
+    inputs->source = v_path != nullptr ? q_path : q_path + ", " + k_path;
+    return success();
+  }
+  auto w = generate_workload(config);
+  if (!w.ok()) return usage_error(w.status());
+  inputs->q = std::move(w->q);
+  inputs->k = std::move(w->k);
+  inputs->v = std::move(w->v);
+  inputs->source = describe(config);
+  return success();
+}
+
 Result<HostArray> load_input(const std::string& flag, const std::string& path) {
   if (path.empty()) return invalid_argument(flag + ": expected a file name, got an empty string");
   Result<HostArray> array = read_tensor(path);

@@ -8,14 +8,26 @@
 
 #include <nlohmann/json.hpp>
 
+#include "commands.h"
 #include "methods.h"
 #include "sparsa/attention.h"
 #include "sparsa/tensor.h"
+#include "sparsa/workload.h"
 
 namespace sparsa::cli {
 
 // A tensor file named by a flag; failures are prefixed by the flag ("--q: ...").
 Result<HostArray> load_input(const std::string& flag, const std::string& path);
+
+// Inputs of `plan` and `eval`: q, k (and v when `v_path` is not null) from files when
+// paths are given, else the generated workload of `config`. A failure comes back as the
+// Outcome to return: file problems are runtime errors, a bad workload is a usage error.
+struct InputTensors {
+  HostArray q, k, v;
+  std::string source;  // the file or the workload's one-line description
+};
+Outcome load_inputs_or_workload(const std::string& q_path, const std::string& k_path, const std::string* v_path,
+                                const WorkloadConfig& config, InputTensors* inputs);
 
 // The output file can be created: a known extension (".npy", ".safetensors" for
 // tensors; `extensions` for others), an existing writable directory, not a directory.

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "sparsa/tensor.h"
@@ -46,6 +47,12 @@ struct BlockIndexBuffer {
   // Every query block visits every key block (dense as a plan).
   static BlockIndexBuffer full(int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_kv,
                                int block_q, int block_kv);
+  // A plan from per-row selections (what selectors compute): row r = (b * heads_q + h) *
+  // num_q_blocks + qb keeps the counts[r] ascending key blocks at blocks + r * row_stride;
+  // the capacity is the largest count.
+  static BlockIndexBuffer from_rows(int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_kv, int block_q,
+                                    int block_kv, std::span<const int32_t> counts, const int32_t* blocks,
+                                    int64_t row_stride);
   // Empty plan of the given capacity (counts = 0).
   static BlockIndexBuffer empty(int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_kv,
                                 int block_q, int block_kv, int64_t capacity);

@@ -35,6 +35,19 @@ BlockIndexBuffer BlockIndexBuffer::empty(int64_t batch, int64_t heads_q, int64_t
   return b;
 }
 
+BlockIndexBuffer BlockIndexBuffer::from_rows(int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_kv,
+                                             int block_q, int block_kv, std::span<const int32_t> counts,
+                                             const int32_t* blocks, int64_t row_stride) {
+  int64_t capacity = 0;
+  for (int32_t c : counts) capacity = std::max<int64_t>(capacity, c);
+  BlockIndexBuffer b = empty(batch, heads_q, len_q, len_kv, block_q, block_kv, capacity);
+  for (size_t r = 0; r < counts.size(); ++r) {
+    b.counts.ptr<int32_t>()[r] = counts[r];
+    std::copy(blocks + r * row_stride, blocks + r * row_stride + counts[r], b.indices.ptr<int32_t>() + r * capacity);
+  }
+  return b;
+}
+
 BlockIndexBuffer BlockIndexBuffer::full(int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_kv,
                                         int block_q, int block_kv) {
   const int64_t nkv = ceil_div(len_kv, block_kv);

@@ -196,14 +196,8 @@ Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const
     counts[r] = static_cast<int32_t>(
         select_blocks(mass.data(), mass.data(), forced.get(), nk, options.budget, kept.data() + r * nk));
   });
-  int64_t capacity = 0;
-  for (int32_t c : counts) capacity = std::max<int64_t>(capacity, c);
-  BlockIndexBuffer plan =
-      BlockIndexBuffer::empty(batch, heads_q, q.shape[2], k.shape[2], options.block_q, options.block_kv, capacity);
-  for (int64_t r = 0; r < rows; ++r) {
-    plan.counts.ptr<int32_t>()[r] = counts[r];
-    std::copy(kept.data() + r * nk, kept.data() + r * nk + counts[r], plan.indices.ptr<int32_t>() + r * capacity);
-  }
+  BlockIndexBuffer plan = BlockIndexBuffer::from_rows(batch, heads_q, q.shape[2], k.shape[2], options.block_q,
+                                                      options.block_kv, counts, kept.data(), nk);
   return plan;
 }
 

@@ -8,16 +8,11 @@
 #include <vector>
 
 #include "sparsa/tensor.h"
+#include "test_util.h"
 
 namespace llsa_test {
 
-inline sparsa::HostArray randn(std::vector<int64_t> shape, uint32_t seed, float sigma = 1.0f) {
-  sparsa::HostArray a(sparsa::DType::f32, std::move(shape));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, sigma);
-  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = nd(rng);
-  return a;
-}
+using sparsa_test::randn;
 
 inline double max_abs_diff(const sparsa::HostArray& a, const sparsa::HostArray& b) {
   double m = 0.0;

@@ -9,30 +9,16 @@
 
 #include "sparsa/attention.h"
 #include "sparsa/ba_att.h"
+#include "test_util.h"
 
 using namespace sparsa;
 
 namespace {
 
-HostArray randn(std::vector<int64_t> shape, uint32_t seed, float sigma = 1.0f) {
-  HostArray a(DType::f32, std::move(shape));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, sigma);
-  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = nd(rng);
-  return a;
-}
-
-// Heavy-tailed token norms (each token scaled by a log-normal factor), so sorting matters.
+using sparsa_test::randn;
+// Heavy-tailed token norms, so sorting matters.
 HostArray heavy_tailed(std::vector<int64_t> shape, uint32_t seed) {
-  HostArray a = randn(shape, seed);
-  std::mt19937 rng(seed + 1000);
-  std::normal_distribution<float> nd(0.0f, 0.8f);
-  const int64_t d = shape.back();
-  for (int64_t r = 0; r < a.numel() / d; ++r) {
-    const float f = std::exp(nd(rng));
-    for (int64_t t = 0; t < d; ++t) a.ptr<float>()[r * d + t] *= f;
-  }
-  return a;
+  return sparsa_test::heavy_tailed(std::move(shape), seed, 0.8f);
 }
 
 float at(const HostArray& a, std::initializer_list<int64_t> idx) {

@@ -4,18 +4,13 @@
 #include <random>
 
 #include "sparsa/kv_cache.h"
+#include "test_util.h"
 
 using namespace sparsa;
 
 namespace {
 
-HostArray randn(std::vector<int64_t> shape, uint32_t seed) {
-  HostArray a(DType::f32, std::move(shape));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = nd(rng);
-  return a;
-}
+using sparsa_test::randn;
 
 PagedKVCache make_cache(int64_t heads_kv, int64_t d, int page = 16) {
   auto c = PagedKVCache::create({heads_kv, d, page});

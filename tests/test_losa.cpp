@@ -8,18 +8,13 @@
 #include <set>
 
 #include "sparsa/losa.h"
+#include "test_util.h"
 
 using namespace sparsa;
 
 namespace {
 
-HostArray randn(std::vector<int64_t> shape, uint32_t seed, float scale = 1.0f) {
-  HostArray a(DType::f32, std::move(shape));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = scale * nd(rng);
-  return a;
-}
+using sparsa_test::randn;
 
 bool has(const Status& s, const char* what) { return !s.ok() && s.message().find(what) != std::string::npos; }
 

@@ -8,18 +8,13 @@
 #include <cstring>
 
 #include "sparsa/quest.h"
+#include "test_util.h"
 
 using namespace sparsa;
 
 namespace {
 
-HostArray randn(std::vector<int64_t> shape, uint32_t seed, float scale = 1.0f) {
-  HostArray a(DType::f32, std::move(shape));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = scale * nd(rng);
-  return a;
-}
+using sparsa_test::randn;
 
 PagedKVCache filled_cache(int64_t heads_kv, int64_t len, int64_t d, uint32_t seed) {
   auto c = PagedKVCache::create({heads_kv, d, 16});

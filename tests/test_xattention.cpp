@@ -7,18 +7,13 @@
 
 #include "sparsa/attention.h"
 #include "sparsa/xattention.h"
+#include "test_util.h"
 
 using namespace sparsa;
 
 namespace {
 
-HostArray randn(std::vector<int64_t> shape, uint32_t seed, float sigma = 1.0f) {
-  HostArray a(DType::f32, std::move(shape));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, sigma);
-  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = nd(rng);
-  return a;
-}
+using sparsa_test::randn;
 
 std::vector<int32_t> row_of(const BlockIndexBuffer& plan, int64_t row) {
   const int64_t cap = plan.indices.shape()[3];

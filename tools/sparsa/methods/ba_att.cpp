@@ -99,20 +99,25 @@ Result<BaAttOptions> ba_att_options_from(const std::string& method, const Method
   return o;
 }
 
-namespace {
-
-nlohmann::json plan_summary(const BlockIndexBuffer& plan, double density) {
-  nlohmann::json s;
-  s["block_q"] = plan.block_q;
-  s["block_kv"] = plan.block_kv;
-  s["num_q_blocks"] = plan.num_q_blocks;
-  s["num_kv_blocks"] = plan.num_kv_blocks;
-  s["capacity"] = plan.indices.shape().size() == 4 ? plan.indices.shape()[3] : 0;
-  s["density"] = density;
-  s["perm_q"] = !plan.perm_q.empty();
-  s["perm_kv"] = !plan.perm_kv.empty();
-  return s;
+Result<MethodOutput> execute_plan(const MethodInputs& in, const BlockIndexBuffer& plan, double select_seconds) {
+  auto attention = block_sparse(in.q, in.k, in.v, plan.view(), in.options);
+  if (!attention.ok()) return attention.status();
+  MethodOutput out;
+  out.attention = std::move(attention).value();
+  out.density = block_index_density(plan.view(), in.q.shape[2], in.k.shape[2]);
+  out.select_seconds = select_seconds;
+  out.plan["block_q"] = plan.block_q;
+  out.plan["block_kv"] = plan.block_kv;
+  out.plan["num_q_blocks"] = plan.num_q_blocks;
+  out.plan["num_kv_blocks"] = plan.num_kv_blocks;
+  out.plan["capacity"] = plan.indices.shape().size() == 4 ? plan.indices.shape()[3] : 0;
+  out.plan["density"] = out.density;
+  out.plan["perm_q"] = !plan.perm_q.empty();
+  out.plan["perm_kv"] = !plan.perm_kv.empty();
+  return out;
 }
+
+namespace {
 
 Result<MethodOutput> run_selector(const std::string& method, const MethodInputs& in) {
   auto options = ba_att_options_from(method, in);
@@ -120,18 +125,12 @@ Result<MethodOutput> run_selector(const std::string& method, const MethodInputs&
   const double t0 = now_seconds();
   auto plan = ba_att_plan(in.q, in.k, *options);
   if (!plan.ok()) return plan.status();
-  const double t1 = now_seconds();
-  auto attention = block_sparse(in.q, in.k, in.v, plan->view(), in.options);
-  if (!attention.ok()) return attention.status();
-  MethodOutput out;
-  out.attention = std::move(attention).value();
-  out.density = block_index_density(plan->view(), in.q.shape[2], in.k.shape[2]);
-  out.select_seconds = t1 - t0;
-  out.plan = plan_summary(*plan, out.density);
-  out.plan["budget"] = describe(options->budget);
-  out.plan["compensation"] = options->compensate ? compensation_name(options->compensation) : "off";
-  out.plan["beta"] = options->beta;
-  out.plan["sort_window"] = options->sort_window;
+  auto out = execute_plan(in, *plan, now_seconds() - t0);
+  if (!out.ok()) return out;
+  out->plan["budget"] = describe(options->budget);
+  out->plan["compensation"] = options->compensate ? compensation_name(options->compensation) : "off";
+  out->plan["beta"] = options->beta;
+  out->plan["sort_window"] = options->sort_window;
   return out;
 }
 

@@ -13,6 +13,11 @@ namespace sparsa::cli {
 // `ba_att` parameters (and `mean_pool`, which is ba_att with sort=false compensate=false).
 Result<BaAttOptions> ba_att_options_from(const std::string& method, const MethodInputs& in);
 Result<XAttentionOptions> xattention_options_from(const MethodInputs& in);
+// Runs a selector's plan through the block-sparse executor and fills the fields every
+// block selector reports: output, density, selection time, and the plan's shape
+// (block sizes, block counts, capacity, density, permutations).
+Result<MethodOutput> execute_plan(const MethodInputs& in, const BlockIndexBuffer& plan, double select_seconds);
+
 // `llsa` parameters (block, topk, levels, enrich, dedupe).
 Result<LlsaOptions> llsa_options_from(const MethodInputs& in);
 

@@ -62,21 +62,10 @@ Result<MethodOutput> run_xattention(const MethodInputs& in) {
   const double t0 = now_seconds();
   auto plan = xattention_plan(in.q, in.k, *options);
   if (!plan.ok()) return plan.status();
-  const double t1 = now_seconds();
-  auto attention = block_sparse(in.q, in.k, in.v, plan->view(), in.options);
-  if (!attention.ok()) return attention.status();
-  MethodOutput out;
-  out.attention = std::move(attention).value();
-  out.density = block_index_density(plan->view(), in.q.shape[2], in.k.shape[2]);
-  out.select_seconds = t1 - t0;
-  out.plan["block_q"] = plan->block_q;
-  out.plan["block_kv"] = plan->block_kv;
-  out.plan["num_q_blocks"] = plan->num_q_blocks;
-  out.plan["num_kv_blocks"] = plan->num_kv_blocks;
-  out.plan["capacity"] = plan->indices.shape().size() == 4 ? plan->indices.shape()[3] : 0;
-  out.plan["density"] = out.density;
-  out.plan["stride"] = options->stride;
-  out.plan["budget"] = describe(options->budget);
+  auto out = execute_plan(in, *plan, now_seconds() - t0);
+  if (!out.ok()) return out;
+  out->plan["stride"] = options->stride;
+  out->plan["budget"] = describe(options->budget);
   return out;
 }
 

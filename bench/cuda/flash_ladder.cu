@@ -43,11 +43,13 @@
 #include <string>
 #include <vector>
 
-#include "cuda/attention/flash_kernel.cuh"
+#include "cuda/attention/flash_wgmma_kernel.cuh"
 
 using sparsa::cuda::detail::FlashParams;
 using sparsa::cuda::detail::FlashShape;
 using sparsa::cuda::detail::flash_forward_kernel;
+using sparsa::cuda::detail::flash_wgmma_kernel;
+using sparsa::cuda::detail::WgmmaShape;
 
 #define CHECK(expr)                                                                            \
   do {                                                                                         \
@@ -121,6 +123,15 @@ void launch_rung1(const FlashParams& p) {
   CHECK(cudaGetLastError());
 }
 
+template <int BN, bool PV_WAIT>
+void launch_rung2(const FlashParams& p) {
+  using Shape = WgmmaShape<128, BN>;
+  auto kernel = flash_wgmma_kernel<__nv_bfloat16, 128, BN, PV_WAIT>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
+  kernel<<<dim3(p.num_q_blocks, p.heads_q, 1), Shape::kThreads, Shape::kSmemBytes>>>(p);
+  CHECK(cudaGetLastError());
+}
+
 template <class F>
 float median_ms(F&& f, int iters) {
   for (int i = 0; i < 3; ++i) f();
@@ -160,6 +171,9 @@ int main(int argc, char** argv) {
       {"1f 4w x32r BN64", 128, 64, launch_rung1<4, 64, 2, false, 1>},
       {"1g 8w x32r BN64", 256, 64, launch_rung1<8, 64, 2, false, 1>},
       {"1h 8w x32r BN32", 256, 32, launch_rung1<8, 32, 2, false, 1>},
+      {"2a wgmma BN128", 128, 128, launch_rung2<128, false>},
+      {"2b wgmma BN128 PV wait", 128, 128, launch_rung2<128, true>},
+      {"2c wgmma BN64", 128, 64, launch_rung2<64, false>},
   };
   // Check every variant against rung 0 (4 heads, N = 1000: partial tiles on both sides).
   if (!profile) {

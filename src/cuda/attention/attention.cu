@@ -9,7 +9,7 @@
 #include <string>
 
 #include "core/backends.h"
-#include "cuda/attention/flash_kernel.cuh"
+#include "cuda/attention/flash_wgmma_kernel.cuh"
 #include "cuda/attention/split_kv_kernel.cuh"
 #include "cuda/common/check.h"
 
@@ -20,18 +20,10 @@ namespace {
 using detail::FlashParams;
 using detail::SplitKvParams;
 
-// The promoted rung of bench/cuda/flash_ladder.cu, one mainloop in two tile configurations:
-// warps per CTA, 16-row m-tiles per warp, key-tile width, Q fragments in registers, min CTAs/SM.
-// Dense uses 256-row query tiles (8 warps x 32 rows); block-sparse plans use 128-row tiles
-// (4 warps x 32 rows) so that a 128-token query block is exactly one CTA.
-template <int WARPS, int MT, int BN, bool QREGS, int MINB>
-struct Config {
-  static constexpr int kWarps = WARPS, kMTiles = MT, kKeyTile = BN, kMinBlocks = MINB;
-  static constexpr bool kQInRegisters = QREGS;
-  static constexpr int kRows = 16 * MT * WARPS;
-};
-using DenseConfig = Config<8, 2, 64, false, 1>;
-using SparseConfig = Config<4, 2, 64, false, 1>;
+// The promoted rung of bench/cuda/flash_ladder.cu: rung 2, wgmma (flash_wgmma_kernel.cuh), 128-row
+// query tiles (a 128-token query block is exactly one CTA) and key tiles of 128 tokens (64 when
+// the plan's key blocks are at most 64 tokens, so a small block does not pay for a half-empty tile).
+constexpr int kRows = detail::WgmmaShape<64, 64>::kBM;
 
 Status check_pointer(const char* name, const void* ptr, int device) {
   cudaPointerAttributes attr{};
@@ -51,38 +43,48 @@ Status check_pointer(const char* name, const void* ptr, int device) {
   return {};
 }
 
-template <class C, class T, int D>
+template <class T, int D, int BN>
 Status launch(const FlashParams& p, cudaStream_t stream) {
-  using Shape = detail::FlashShape<D, C::kWarps, C::kKeyTile, C::kMTiles>;
-  auto kernel = detail::flash_forward_kernel<T, D, C::kWarps, C::kKeyTile, C::kMTiles, C::kQInRegisters, C::kMinBlocks>;
-  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
-  // All of the unified L1 as shared memory, so that as many CTAs fit as registers allow.
-  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                         cudaSharedmemCarveoutMaxShared));
+  using Shape = detail::WgmmaShape<D, BN>;
+  auto kernel = detail::flash_wgmma_kernel<T, D, BN>;
+  static const cudaError_t configured = [&] {  // once per instantiation
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+    return err != cudaSuccess ? err
+                              : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                     cudaSharedmemCarveoutMaxShared);
+  }();
+  SPARSA_CUDA_CHECK(configured);
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
 }
 
-template <class C>
-Status launch_config(FlashParams p, DType dtype, int head_dim, const BlockIndex* index, cudaStream_t stream) {
+template <class T, int D>
+Status launch_tiles(FlashParams p, const BlockIndex* index, cudaStream_t stream) {
   auto ceil_div = [](int64_t x, int64_t y) { return static_cast<int>((x + y - 1) / y); };
+  const int key_tile = index != nullptr && index->block_kv <= 64 ? 64 : 128;
   if (index == nullptr) {  // dense: the same mainloop over every key tile
-    p.block_q = C::kRows;
-    p.block_kv = C::kKeyTile;
-    p.num_q_blocks = ceil_div(p.len_q, C::kRows);
-    p.num_kv_blocks = ceil_div(p.len_kv, C::kKeyTile);
+    p.block_q = kRows;
+    p.block_kv = key_tile;
+    p.num_q_blocks = ceil_div(p.len_q, kRows);
+    p.num_kv_blocks = ceil_div(p.len_kv, key_tile);
   } else {
-    p.tiles_per_q_block = ceil_div(p.block_q, C::kRows);
-    p.chunks_per_kv_block = ceil_div(p.block_kv, C::kKeyTile);
+    p.tiles_per_q_block = ceil_div(p.block_q, kRows);
+    p.chunks_per_kv_block = ceil_div(p.block_kv, key_tile);
   }
   if (static_cast<int64_t>(p.num_q_blocks) * p.tiles_per_q_block > 0x7fffffff) {
     return invalid_argument("index.block_q: too many query tiles for one launch");
   }
+  return key_tile == 64 ? launch<T, D, 64>(p, stream) : launch<T, D, 128>(p, stream);
+}
+
+Status launch_flash(const FlashParams& p, DType dtype, int head_dim, const BlockIndex* index, cudaStream_t stream) {
   const bool bf16 = dtype == DType::bf16;
-  if (head_dim == 64) return bf16 ? launch<C, __nv_bfloat16, 64>(p, stream) : launch<C, __half, 64>(p, stream);
-  return bf16 ? launch<C, __nv_bfloat16, 128>(p, stream) : launch<C, __half, 128>(p, stream);
+  if (head_dim == 64) {
+    return bf16 ? launch_tiles<__nv_bfloat16, 64>(p, index, stream) : launch_tiles<__half, 64>(p, index, stream);
+  }
+  return bf16 ? launch_tiles<__nv_bfloat16, 128>(p, index, stream) : launch_tiles<__half, 128>(p, index, stream);
 }
 
 bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
@@ -314,8 +316,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   const cudaStream_t stream = nullptr;  // the default stream: callers synchronise as with any CUDA op
   const int head_dim = static_cast<int>(a.head_dim);
   if (use_split_kv(a)) return split_kv(p, a.dtype, head_dim, device, stream);
-  if (a.index == nullptr) return launch_config<DenseConfig>(p, a.dtype, head_dim, nullptr, stream);
-  return launch_config<SparseConfig>(p, a.dtype, head_dim, a.index, stream);
+  return launch_flash(p, a.dtype, head_dim, a.index, stream);
 }
 
 }  // namespace sparsa::cuda

@@ -66,10 +66,15 @@ template <int D>
 __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return static_cast<uint32_t>(row * D * 2 + ((chunk ^ (row & 7)) << 4));
 }
+template <int D>
+struct RowSwizzle {  // the layout ldmatrix reads (rung 1)
+  static __device__ __forceinline__ uint32_t offset(int row, int chunk) { return swizzle<D>(row, chunk); }
+};
 
 // Thread threadIdx.x copies 16-byte chunk threadIdx.x % (D/8) of rows threadIdx.x / (D/8) + i * step
 // (step = THREADS / (D/8)) of a [ROWS][D] tile; token[i] is the source row (negative: zeros).
-template <int D, int ROWS, int THREADS>
+// Layout::offset(row, chunk) places the chunk in shared memory.
+template <int D, int ROWS, int THREADS, class Layout = RowSwizzle<D>>
 struct TileCopy {
   static constexpr int kChunks = D / 8;
   static constexpr int kStep = THREADS / kChunks;
@@ -86,7 +91,7 @@ struct TileCopy {
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         const uint16_t* src = base + (token[i] >= 0 ? token[i] : 0) * stride + chunk * 8;
-        cp_async_16(dst + swizzle<D>(row(i), chunk), src, token[i] >= 0 ? 16 : 0);
+        cp_async_16(dst + Layout::offset(row(i), chunk), src, token[i] >= 0 ? 16 : 0);
       }
     } else {
 #pragma unroll
@@ -97,7 +102,7 @@ struct TileCopy {
 #pragma unroll
           for (int e = 0; e < 4; ++e) w[e] = uint32_t(src[2 * e]) | (uint32_t(src[2 * e + 1]) << 16);
         }
-        asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + swizzle<D>(row(i), chunk)), "r"(w[0]),
+        asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + Layout::offset(row(i), chunk)), "r"(w[0]),
                      "r"(w[1]), "r"(w[2]), "r"(w[3]));
       }
     }
@@ -122,10 +127,144 @@ __device__ __forceinline__ void gather_tokens(int64_t (&token)[Copy::kRows], int
   }
 }
 
+// The key-tile iterator (the sparsity hook) of query block qb of (b, h): the key positions
+// [begin, end) of each tile of BN tokens it visits (end <= begin: a skipped block). Dense: every
+// tile; sparse: key block indices[slot], chunk by chunk. Walked incrementally (slot, chunk) to
+// keep divisions out of the loop.
+template <int BN>
+struct KeyTiles {
+  const int32_t* list = nullptr;  // null: dense
+  int num_tiles = 0;
+  int slot = 0, chunk = 0;
+
+  __device__ __forceinline__ KeyTiles(const FlashParams& p, int b, int h, int qb) {
+    int count = p.num_kv_blocks;
+    if (p.counts != nullptr) {
+      count = p.counts[b * p.counts_stride[0] + h * p.counts_stride[1] + qb * p.counts_stride[2]];
+      count = max(0, min(count, p.capacity));
+      list = p.indices + b * p.indices_stride[0] + h * p.indices_stride[1] + qb * p.indices_stride[2];
+    }
+    num_tiles = count * p.chunks_per_kv_block;
+  }
+
+  __device__ __forceinline__ void next(const FlashParams& p, int& begin, int& end) {
+    const int kb = list == nullptr ? slot : list[slot * p.indices_stride[3]];
+    if (kb < 0 || kb >= p.num_kv_blocks) {
+      begin = end = 0;
+    } else {
+      begin = kb * p.block_kv + chunk * BN;
+      end = min(min((kb + 1) * p.block_kv, p.len_kv), begin + BN);
+    }
+    if (++chunk == p.chunks_per_kv_block) chunk = 0, ++slot;
+  }
+};
+
 __device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; -inf -> 0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// The epilogue of one 16-row accumulator tile whose first row is permuted query position pos0:
+// rows pos0 + g and pos0 + g + 8 (g = lane / 4) get O / l at their original token (q_token(pos),
+// -1: none) and LSE = (m c + log2 l) ln 2; a row that saw no key gets O = 0, LSE = -inf.
+// row_sum is this thread's partial sum (reduced over the quad here).
+template <class T, int kDT, class QToken>
+__device__ __forceinline__ void store_tile_rows(const FlashParams& p, int b, int h, int pos0, const float (&o)[kDT][4],
+                                                const float (&row_max)[2], const float (&row_sum)[2],
+                                                QToken&& q_token) {
+  constexpr float kLn2 = 0.69314718055994531f;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t token = q_token(pos0 + g + 8 * r);
+    if (token < 0) continue;
+    T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
+#pragma unroll
+    for (int i = 0; i < kDT; ++i) {
+      const int col = i * 8 + 2 * c;
+      const uint32_t packed = Pair<T>::pack(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+      if (p.aligned_out) {
+        *reinterpret_cast<uint32_t*>(out + col) = packed;
+      } else {
+        reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
+        reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
+      }
+    }
+    if (c == 0) {
+      const float lse = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2]] = lse;
+    }
+  }
+}
+
+// The online softmax of a 16-row tile, in two halves so that a kernel can put the wait for the
+// previous P V between them (this thread: rows g, elements 0-1, and g + 8, elements 2-3, of each
+// 8-column score tile).
+// softmax_scores: columns at or past `valid` are masked to -inf in S (the mask hook; only partial
+//   tiles pay for it); m' = max(m, rowmax S); P = exp2(S c - m' c); l = l alpha + rowsum P, where
+//   alpha = exp2((m - m') c) (0 on the first tile). emit(n, p) receives the 4 probabilities of
+//   score tile n.
+template <int kNT, class Emit>
+__device__ __forceinline__ void softmax_scores(float (&s)[kNT][4], int valid, float scale_log2, float (&row_max)[2],
+                                               float (&row_sum)[2], float (&alpha)[2], Emit&& emit) {
+  if (valid < 8 * kNT) {
+    const int c = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (n * 8 + 2 * c + (e & 1) >= valid) s[n][e] = -INFINITY;
+  }
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_max[r];
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    base[r] = mx == -INFINITY ? 0.0f : mx * scale_log2;
+    alpha[r] = fast_exp2(row_max[r] * scale_log2 - base[r]);
+    row_max[r] = mx;
+    row_sum[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int n = 0; n < kNT; ++n) {
+    float prob[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) prob[e] = fast_exp2(fmaf(s[n][e], scale_log2, -base[e / 2]));
+    row_sum[0] += prob[0] + prob[1];
+    row_sum[1] += prob[2] + prob[3];
+    emit(n, prob);
+  }
+}
+
+// P of score tile n packed into the mma A fragments: score tiles 2j, 2j+1 are exactly A fragment
+// j (no shuffles).
+template <class T, int kNT>
+__device__ __forceinline__ void pack_probs(int n, const float (&prob)[4], uint32_t (&p_frag)[kNT / 2][4]) {
+  p_frag[n / 2][(n % 2) * 2 + 0] = Pair<T>::pack(prob[0], prob[1]);
+  p_frag[n / 2][(n % 2) * 2 + 1] = Pair<T>::pack(prob[2], prob[3]);
+}
+
+// O *= alpha, only when some row's max moved (alpha is exactly 1 otherwise): after the first
+// tiles the running max rarely changes, and the warp skips the multiplies.
+template <int kDT>
+__device__ __forceinline__ void rescale(float (&o)[kDT][4], const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+    for (int i = 0; i < kDT; ++i) {
+      o[i][0] *= alpha[0];
+      o[i][1] *= alpha[0];
+      o[i][2] *= alpha[1];
+      o[i][3] *= alpha[1];
+    }
+  }
 }
 
 // MT: 16-row m-tiles per warp; QREGS: Q's fragments stay in registers (MT = 1 only) instead of
@@ -138,7 +277,6 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
   constexpr int kDT = D / 8;    // 8-wide accumulator tiles along head_dim
   constexpr int kNT = BN / 8;   // 8-wide score tiles along the key tile
-  constexpr float kLn2 = 0.69314718055994531f;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t q_smem = smem_addr(smem);
   const uint32_t k_smem = q_smem + BM * D * 2;             // 2 stages of BN x D
@@ -151,29 +289,8 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   const int q_end = min(min((qb + 1) * p.block_q, p.len_q), q_begin + BM);
   if (q_begin >= q_end) return;  // a tile past the end of a partial query block
 
-  // ---- the key-tile iterator (the sparsity hook) ----
-  const bool dense = p.counts == nullptr;
-  int count = p.num_kv_blocks;
-  const int32_t* block_list = nullptr;
-  if (!dense) {
-    count = p.counts[b * p.counts_stride[0] + h * p.counts_stride[1] + qb * p.counts_stride[2]];
-    count = max(0, min(count, p.capacity));
-    block_list = p.indices + b * p.indices_stride[0] + h * p.indices_stride[1] + qb * p.indices_stride[2];
-  }
-  const int num_tiles = count * p.chunks_per_kv_block;
-  // Key positions [begin, end) of the next tile to load (end <= begin: nothing to do); walked
-  // incrementally (slot, chunk) to keep divisions out of the loop.
-  int next_slot = 0, next_chunk = 0;
-  auto next_range = [&](int& begin, int& end) {
-    const int kb = dense ? next_slot : block_list[next_slot * p.indices_stride[3]];
-    if (kb < 0 || kb >= p.num_kv_blocks) {
-      begin = end = 0;
-    } else {
-      begin = kb * p.block_kv + next_chunk * BN;
-      end = min(min((kb + 1) * p.block_kv, p.len_kv), begin + BN);
-    }
-    if (++next_chunk == p.chunks_per_kv_block) next_chunk = 0, ++next_slot;
-  };
+  KeyTiles<BN> tiles(p, b, h, qb);
+  const int num_tiles = tiles.num_tiles;
 
   // ---- token gathers (the permutation hook) ----
   const int32_t* perm_q = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
@@ -205,7 +322,7 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   }
   int load_begin = 0, load_end = 0;
   if (num_tiles > 0) {
-    next_range(load_begin, load_end);
+    tiles.next(p, load_begin, load_end);
     load_kv(load_begin, load_end, 0);
   }
   cp_async_commit();
@@ -224,12 +341,11 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   // A-fragment row address of m-tile m: matrix i = lane/8 covers rows (i%2)*8.., k (i/2)*8..
   auto q_row = [&](int m) { return warp * 16 * MT + m * 16 + (lane / 8 % 2) * 8 + lane % 8; };
 
-  const int g = lane / 4, c = lane % 4;
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t & 1;
     const int begin = load_begin, end = load_end;  // of tile t
     if (t + 1 < num_tiles) {
-      next_range(load_begin, load_end);
+      tiles.next(p, load_begin, load_end);
       load_kv(load_begin, load_end, stage ^ 1);
     }
     cp_async_commit();
@@ -272,53 +388,13 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
           }
         }
       }
-      if (valid < BN) {  // the mask hook: columns past the tile's end see nothing
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int n = 0; n < kNT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (n * 8 + 2 * c + (e & 1) >= valid) s[m][n][e] = -INFINITY;
-      }
-      // Online softmax, rows g (elements 0,1) and g+8 (elements 2,3) of each m-tile.
       uint32_t p_frag[MT][kNT / 2][4];
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        float alpha[2], base[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = row_max[m][r];
-#pragma unroll
-          for (int n = 0; n < kNT; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * r], s[m][n][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          base[r] = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-          alpha[r] = fast_exp2(row_max[m][r] * p.scale_log2 - base[r]);  // 0 on the first tile
-          row_max[m][r] = mx;
-          row_sum[m][r] *= alpha[r];
-        }
-#pragma unroll
-        for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[m][n][e] = fast_exp2(fmaf(s[m][n][e], p.scale_log2, -base[e / 2]));
-          row_sum[m][0] += s[m][n][0] + s[m][n][1];
-          row_sum[m][1] += s[m][n][2] + s[m][n][3];
-          // Accumulator tiles 2j, 2j+1 of S are exactly the A fragment j of P (no shuffles).
-          p_frag[m][n / 2][(n % 2) * 2 + 0] = Pair<T>::pack(s[m][n][0], s[m][n][1]);
-          p_frag[m][n / 2][(n % 2) * 2 + 1] = Pair<T>::pack(s[m][n][2], s[m][n][3]);
-        }
-        // Rescale O only when some row's max moved (alpha is exactly 1 otherwise): after the first
-        // tiles the running max rarely changes, and the warp skips 2 * kDT multiplies per row.
-        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-          for (int i = 0; i < kDT; ++i) {
-            o[m][i][0] *= alpha[0];
-            o[m][i][1] *= alpha[0];
-            o[m][i][2] *= alpha[1];
-            o[m][i][3] *= alpha[1];
-          }
-        }
+        float alpha[2];
+        softmax_scores<kNT>(s[m], valid, p.scale_log2, row_max[m], row_sum[m], alpha,
+                            [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag[m]); });
+        rescale<kDT>(o[m], alpha);
       }
       // O += P V. B matrices from V rows, transposed: i = lane/8 -> keys (i%2)*8.., d (i/2)*8..
 #pragma unroll
@@ -343,31 +419,7 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   // ---- epilogue: O / l, LSE, written at the original query positions ----
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = row_sum[m][r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      const int64_t token = q_token(q_begin + warp * 16 * MT + m * 16 + g + 8 * r);
-      if (token < 0) continue;
-      T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
-#pragma unroll
-      for (int i = 0; i < kDT; ++i) {
-        const int col = i * 8 + 2 * c;
-        const uint32_t packed = Pair<T>::pack(o[m][i][2 * r] * inv, o[m][i][2 * r + 1] * inv);
-        if (p.aligned_out) {
-          *reinterpret_cast<uint32_t*>(out + col) = packed;
-        } else {
-          reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
-          reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
-        }
-      }
-      if (c == 0) {
-        const float lse = l > 0.0f ? (row_max[m][r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2]] = lse;
-      }
-    }
+    store_tile_rows<T, kDT>(p, b, h, q_begin + warp * 16 * MT + m * 16, o[m], row_max[m], row_sum[m], q_token);
   }
 }
 

@@ -1,0 +1,159 @@
+// Internal: the flash executor on Hopper's warpgroup tensor cores (rung 2 of
+// bench/cuda/flash_ladder.cu). Same algorithm, hooks and contracts as rung 1 (flash_kernel.cuh:
+// the key-tile iterator, the token gathers, the mask, the online-softmax step and the epilogue
+// are shared); what changes is how the two products are computed:
+//
+//   S = Q K^T: wgmma m64n{BN}k16, A = Q and B = K both from shared memory (K-major);
+//   O += P V:  wgmma m64n{D}k16, A = P from registers (the S accumulator converted in place),
+//              B = V from shared memory read MN-major (no transpose in the copy).
+//
+// A CTA owns 128 query rows: two warpgroups of 64 rows each, 256 threads, all of which copy Q, K
+// and V tiles with cp.async into 128-byte-swizzled shared memory (wgmma.cuh) and compute. K and V
+// are double-buffered. Per key tile t:
+//   wait for tile t -> barrier -> issue S_t (async) -> wait for S_t and for P V_{t-1}
+//   -> barrier (both warpgroups are done with stage t-1) -> prefetch tile t+1 into that stage
+//   -> softmax of S_t -> issue P V_t (async; it overlaps the next iteration's wait and S_{t+1}).
+// Measured (bench/cuda/flash_ladder.cu): letting P V lag one tile behind S so that the exponentials
+// overlap it (FlashAttention-3's intra-warpgroup pipelining, Shah et al. 2024, arXiv 2407.08608)
+// was slower here (290 vs 354 TFLOP/s at 8K), because without a producer warp the copies and two
+// CTA barriers per tile sit between the tensor-core bursts either way; the next rungs are a TMA
+// producer warp with mbarriers, then the overlap.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/flash_kernel.cuh"
+#include "cuda/common/wgmma.cuh"
+
+namespace sparsa::cuda::detail {
+
+template <int D, int BN>
+struct WgmmaShape {
+  static constexpr int kBM = 128;  // two warpgroups x 64 rows
+  static constexpr int kThreads = 256;
+  static constexpr int kQBytes = kBM * D * 2;
+  static constexpr int kKVBytes = BN * D * 2;  // one stage of K (or V)
+  static constexpr int kSmemBytes = kQBytes + 4 * kKVBytes + 1024;  // + slack to align the base to 1024
+};
+
+// PV_WAIT: wait for P V at the end of its own tile instead of letting it run into the next one.
+template <class T, int D, int BN, bool PV_WAIT = false>
+__global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p) {
+  static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
+  using Shape = WgmmaShape<D, BN>;
+  constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
+  constexpr int kDT = D / 8;   // 8-wide accumulator tiles along head_dim
+  constexpr int kNT = BN / 8;  // 8-wide score tiles along the key tile
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t q_smem = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
+  const uint32_t k_smem = q_smem + Shape::kQBytes;             // 2 stages
+  const uint32_t v_smem = k_smem + 2 * Shape::kKVBytes;        // 2 stages
+
+  const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / 32;
+  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  const int qb = blockIdx.x / p.tiles_per_q_block;
+  const int q_begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * BM;  // permuted positions
+  const int q_end = min(min((qb + 1) * p.block_q, p.len_q), q_begin + BM);
+  if (q_begin >= q_end) return;  // a tile past the end of a partial query block
+
+  KeyTiles<BN> tiles(p, b, h, qb);
+  const int num_tiles = tiles.num_tiles;
+
+  const int32_t* perm_q = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
+  const int32_t* perm_kv = p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
+  auto q_token = [&](int pos) -> int64_t {  // original query token of permuted position pos, or -1
+    if (pos >= q_end) return -1;
+    const int64_t t = perm_q ? perm_q[pos * p.perm_q_stride[2]] : pos;
+    return t >= 0 && t < p.len_q ? t : -1;
+  };
+  const uint16_t* q_base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const uint16_t* k_base = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
+  const uint16_t* v_base = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+
+  using QCopy = TileCopy<D, BM, THREADS, Swizzle128<BM>>;
+  using KVCopy = TileCopy<D, BN, THREADS, Swizzle128<BN>>;
+  auto load_kv = [&](int begin, int end, int stage) {
+    int64_t token[KVCopy::kRows];
+    gather_tokens<KVCopy>(token, begin, end, perm_kv, p.perm_kv_stride[2], p.len_kv);
+    KVCopy::copy(k_smem + stage * Shape::kKVBytes, k_base, p.k_stride[2], p.aligned_loads, token);
+    KVCopy::copy(v_smem + stage * Shape::kKVBytes, v_base, p.v_stride[2], p.aligned_loads, token);
+  };
+
+  // Prologue: Q and the first key tile in one copy group.
+  {
+    int64_t token[QCopy::kRows];
+    gather_tokens<QCopy>(token, q_begin, q_end, perm_q, p.perm_q_stride[2], p.len_q);
+    QCopy::copy(q_smem, q_base, p.q_stride[2], p.aligned_loads, token);
+  }
+  int load_begin = 0, load_end = 0;
+  if (num_tiles > 0) {
+    tiles.next(p, load_begin, load_end);
+    load_kv(load_begin, load_end, 0);
+  }
+  cp_async_commit();
+
+  // Descriptors. Q: this warpgroup's 64 rows, k16 step kk (4 per 64-column sub-tile, 32 bytes
+  // apart). K: all BN rows of a stage. V: key rows 16 kk.. of a stage, MN-major, sub-tiles of 64
+  // head_dim columns BN * 128 bytes apart.
+  auto q_desc = [&](int kk) {
+    return make_desc(q_smem + (kk / 4) * BM * 128 + warpgroup * 64 * 128 + (kk % 4) * 32, 16, 1024);
+  };
+  auto k_desc = [&](int stage, int kk) {
+    return make_desc(k_smem + stage * Shape::kKVBytes + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
+  };
+  auto v_desc = [&](int stage, int kk) {
+    return make_desc(v_smem + stage * Shape::kKVBytes + kk * 16 * 128, BN * 128, 1024);
+  };
+
+  float o[kDT][4];
+  float s[kNT][4];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // rows g, g + 8 of the warp
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+#pragma unroll
+  for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+  float(&o_flat)[kDT * 4] = reinterpret_cast<float(&)[kDT * 4]>(o);
+  float(&s_flat)[kNT * 4] = reinterpret_cast<float(&)[kNT * 4]>(s);
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t & 1;
+    const int valid = load_end - load_begin;  // of tile t (CTA-uniform)
+    cp_async_wait<0>();  // tile t (and Q) landed
+    fence_proxy_async();
+    __syncthreads();
+    if (valid > 0) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat, q_desc(kk), k_desc(stage, kk), kk > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();  // S_t and P V_{t-1}
+    fence_registers(s_flat);
+    fence_registers(o_flat);
+    __syncthreads();  // both warpgroups are done with stage t - 1
+    if (t + 1 < num_tiles) {
+      tiles.next(p, load_begin, load_end);
+      load_kv(load_begin, load_end, stage ^ 1);
+    }
+    cp_async_commit();
+    if (valid > 0) {
+      float alpha[2];
+      uint32_t p_frag[kNT / 2][4];
+      softmax_scores<kNT>(s, valid, p.scale_log2, row_max, row_sum, alpha,
+                          [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag); });
+      rescale<kDT>(o, alpha);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::template rs<1>(o_flat, p_frag[kk], v_desc(stage, kk), 1);
+      wgmma_commit();
+      if constexpr (PV_WAIT) wgmma_wait<0>();
+    }
+  }
+  wgmma_wait<0>();
+  fence_registers(o_flat);
+  cp_async_wait<0>();
+
+  store_tile_rows<T, kDT>(p, b, h, q_begin + warp * 16, o, row_max, row_sum, q_token);
+}
+
+}  // namespace sparsa::cuda::detail

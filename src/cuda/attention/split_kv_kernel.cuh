@@ -18,10 +18,11 @@
 //    of a row merge as (DESIGN.md §1)
 //      LSE = m + log sum_s exp(LSE_s - m),  O = sum_s exp(LSE_s - LSE) O_s     (m = max_s LSE_s)
 //    Who merges: the CTA that arrives last knows every partial is visible, and merges. Alone it
-//    would read all S x 64 partial rows (1 MB at S = 32, d 128) through one SM, several
-//    microseconds on the critical path; so the CTAs that arrived earlier wait for the count to
-//    reach S (they are resident: the grid is one wave) and then every CTA claims chunks of rows
-//    from a second counter, about 64 / S rows each, all merging in parallel. The wait is bounded
+//    would read all S x 64 partial rows (1 MB at S = 33, d 128) through one SM: at the ~100 GB/s
+//    one SM draws from L2 (an estimate, not measured here) ~10 us on the critical path of a
+//    ~45 us call. So the CTAs that arrived earlier wait for the count to reach S (they are
+//    resident: the grid is one wave) and then every CTA claims chunks of rows from a second
+//    counter, about 64 / S rows each, all merging in parallel. The wait is bounded
 //    (kMergeWaitNs): a CTA that gives up merges nothing and the claims left go to the others, at
 //    least to the last arrival, which never waits; so the result is the same and nothing hangs
 //    even if the CTAs of a group were not all resident at once. Each row is merged by exactly one
@@ -29,7 +30,8 @@
 //    finally arrives on a third counter; the last one resets the group's three counters to zero
 //    for the next call (the workspace is zeroed once, when allocated; no memset per call).
 //    After a row is merged its partial lines are dropped from L2 (discard.global.L2): they are
-//    dead, and written back they would cost HBM bandwidth during the next call's stream.
+//    dead, and written back (8.6 MB at the prefix shape, 264 CTAs x 32 KB) they would take HBM
+//    bandwidth from the next call's K/V stream.
 //  - Programmatic dependent launch: the kernel may be launched before the previous kernel in the
 //    stream has finished (the host asks for it); it waits for that kernel (griddepcontrol.wait)
 //    before touching global memory, and lets the next kernel launch once its own K/V loop is done.
@@ -108,13 +110,14 @@ __device__ __forceinline__ void discard_l2_line(const void* p) {
 // Merges rows [rl_begin, rl_end) of the m-tile starting at stacked row row0 (merge group
 // `merge_group`) from their S partials and writes O and LSE. All 128 threads: thread t owns the
 // 4 columns from 4 * (t % (D/4)) and the splits s = t / (D/4) + j * kSlots (kSlots = 512 / D
-// "slots" of D/4 threads), which it accumulates with its own running maximum, 8 splits' loads in
+// "slots" of D/4 threads), which it accumulates with its own running maximum, kBatch splits' loads in
 // flight at a time; the slots then combine through shared memory, rescaled to the common maximum.
 // `scratch`: 4 * 128 + 16 floats of shared memory.
 template <class T, int D>
 __device__ void merge_rows(const SplitKvParams& p, float* scratch, int merge_group, int row0, int b, int h_kv,
                            int rl_begin, int rl_end) {
-  constexpr int kThreads = 128, kQuads = D / 4, kSlots = kThreads / kQuads, kBatch = 8, kBM = 64;
+  constexpr int kThreads = 128, kQuads = D / 4, kSlots = kThreads / kQuads, kBM = 64;
+  constexpr int kBatch = D == 128 ? 16 : 8;  // loads in flight per thread (64 splits in one round at d 128)
   constexpr int kLineFloats = 128 / 4;
   const int S = p.num_splits, quad = threadIdx.x % kQuads, slot = threadIdx.x / kQuads;
   float4* acc_s = reinterpret_cast<float4*>(scratch);  // [kSlots][kQuads]

@@ -81,6 +81,7 @@ struct Case {
   int repeats = 1;          // calls on the same buffers; every one checked, all bitwise equal
   bool interleave = false;  // between repeats, a split-KV call of another shape (other merge groups)
   int expect_splits = 0;    // split-KV: 1 = exactly one split; n > 1 = at least n splits; 0 = unchecked
+  int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
   uint32_t seed = 1;
 };
 
@@ -349,6 +350,17 @@ TEST_P(Ops, MatchesReference) {
   opt.backend = Backend::cuda;
   std::vector<uint16_t> first_out;
   std::vector<float> first_lse;
+  struct WaitBound {  // the case's merge waiting bound, restored however the test ends
+    unsigned long long saved = 0;
+    bool set = false;
+    ~WaitBound() {
+      if (set) cuda::detail::set_split_kv_merge_wait_ns(saved);
+    }
+  } wait_bound;
+  if (c.merge_wait_ns >= 0) {
+    wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
+    wait_bound.set = true;
+  }
   for (int call = 0; call < c.repeats; ++call) {
     SCOPED_TRACE("call " + std::to_string(call + 1) + " of " + std::to_string(c.repeats));
     if (call > 0 && c.interleave) ASSERT_NO_FATAL_FAILURE(other_split_kv_call());
@@ -444,6 +456,15 @@ std::vector<Case> cases() {
        .len_kv = 40000, .repeats = 3, .interleave = true, .expect_splits = 16, .seed = 36});
   add({.name = "SplitKv_many_bf16_d64_gqa8_16x40000", .heads_q = 16, .heads_kv = 2, .len_q = 16,
        .len_kv = 40000, .repeats = 2, .expect_splits = 16, .seed = 37});
+  // The merge's fallback: no waiting, so the CTAs that are not the last to arrive mostly leave
+  // their rows to the last CTA out (which CTAs do varies from call to call; the result may not).
+  add({.name = "Small_splitkv_no_wait_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16,
+       .len_kv = 1100, .head_dim = 128, .repeats = 3, .expect_splits = 2, .merge_wait_ns = 0, .seed = 38});
+  add({.name = "SplitKv_no_wait_f16_d64_gqa8_unaligned_5x40000", .dtype = DType::f16, .heads_q = 16,
+       .heads_kv = 2, .len_q = 5, .len_kv = 40000, .seq_pad = 3, .repeats = 3, .interleave = true,
+       .expect_splits = 16, .merge_wait_ns = 0, .seed = 39});
+  add({.name = "SplitKv_no_wait_bf16_d128_block_diffusion_16x8192", .heads_q = 32, .heads_kv = 8, .len_q = 16,
+       .len_kv = 8192, .head_dim = 128, .repeats = 2, .expect_splits = 16, .merge_wait_ns = 0, .seed = 40});
   // Medium.
   add({.name = "Medium_dense_bf16_d128_gqa4x1_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
        .len_kv = 1500, .head_dim = 128, .seed = 7});

@@ -131,6 +131,7 @@ std::mutex g_state_mutex;
 DeviceState g_state[kMaxDevices];
 // Programmatic dependent launch is asked for until a launch with it fails (then plain launches).
 std::atomic<bool> g_split_kv_pdl{true};
+std::atomic<unsigned long long> g_merge_wait_ns{detail::kMergeWaitNs};  // route.h: a test hook
 
 size_t counter_bytes(int sms) { return static_cast<size_t>(sms) * kMaxCtasPerSm * sizeof(detail::SplitKvCounters); }
 
@@ -182,6 +183,7 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
     p.part_o = reinterpret_cast<float*>(static_cast<char*>(state.workspace) + counters);
     p.part_lse = p.part_o + partials * D;
   }
+  p.merge_wait_ns = g_merge_wait_ns.load(std::memory_order_relaxed);
   g_last_splits = p.num_splits;
 
   cudaLaunchConfig_t config = {};
@@ -248,6 +250,7 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
 
 detail::Route detail::last_dense_route() { return g_last_route; }
 int detail::last_split_kv_splits() { return g_last_splits; }
+unsigned long long detail::set_split_kv_merge_wait_ns(unsigned long long ns) { return g_merge_wait_ns.exchange(ns); }
 
 Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;

@@ -1,6 +1,7 @@
-// Internal: which executor the cuda backend's last attention() call on this thread launched, so
-// that tests can prove a shape reaches the executor they mean to exercise. Not public API; only
-// built with the CUDA backend.
+// Internal test hooks of the cuda backend: which executor the last attention() call on this
+// thread launched, so that tests can prove a shape reaches the executor they mean to exercise;
+// and the split-KV merge's waiting bound, so that tests can force its fallback. Not public API;
+// only built with the CUDA backend.
 #pragma once
 
 namespace sparsa::cuda::detail {
@@ -15,5 +16,10 @@ enum class Route {
 Route last_dense_route();
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
+// How long a split-KV CTA waits for the rest of its merge group before leaving its rows to the
+// last CTA out (split_kv_kernel.cuh; default kMergeWaitNs). 0: every CTA that is not the last
+// to arrive, and does not see the count complete at its first look, leaves its rows (the
+// fallback path). Process-wide; for tests. Returns the previous bound.
+unsigned long long set_split_kv_merge_wait_ns(unsigned long long ns);
 
 }  // namespace sparsa::cuda::detail

@@ -17,18 +17,19 @@
 //    contiguous; then it arrives on the group's counter (threadfence, atomicAdd). The partials
 //    of a row merge as (DESIGN.md §1)
 //      LSE = m + log sum_s exp(LSE_s - m),  O = sum_s exp(LSE_s - LSE) O_s     (m = max_s LSE_s)
-//    Who merges: the CTA that arrives last knows every partial is visible, and merges. Alone it
-//    would read all S x 64 partial rows (1 MB at S = 33, d 128) through one SM: at the ~100 GB/s
-//    one SM draws from L2 (an estimate, not measured here) ~10 us on the critical path of a
-//    ~45 us call. So the CTAs that arrived earlier wait for the count to reach S (they are
-//    resident: the grid is one wave) and then every CTA claims chunks of rows from a second
-//    counter, about 64 / S rows each, all merging in parallel. The wait is bounded
-//    (kMergeWaitNs): a CTA that gives up merges nothing and the claims left go to the others, at
-//    least to the last arrival, which never waits; so the result is the same and nothing hangs
-//    even if the CTAs of a group were not all resident at once. Each row is merged by exactly one
-//    CTA in a fixed order of splits, so the output does not depend on who merged it. Every CTA
-//    finally arrives on a third counter; the last one resets the group's three counters to zero
-//    for the next call (the workspace is zeroed once, when allocated; no memset per call).
+//    Who merges: the CTA that arrives last knows every partial is visible, and could merge all.
+//    Alone it would read all S x 64 partial rows (1 MB at S = 33, d 128) through one SM: at the
+//    ~100 GB/s one SM draws from L2 (an estimate, not measured here) ~10 us on the critical path
+//    of a ~45 us call. So the CTAs that arrived earlier wait for the count to reach S (they are
+//    resident: the grid is one wave), and then split s merges rows [s c, (s + 1) c) of the m-tile
+//    (c = ceil(rows / S), about 64 / S rows), all in parallel, with no further atomics. The wait
+//    is bounded (merge_wait_ns): a CTA that gives up records its split in the group's orphan list
+//    and merges nothing; the last CTA to depart (a third counter; it knows every CTA has arrived)
+//    merges the orphans' rows. So the result is the same and nothing hangs even if the CTAs of a
+//    group were not all resident at once. Each row is merged by exactly one CTA in a fixed order
+//    of splits, so the output does not depend on who merged it. The last CTA out also resets the
+//    group's counters to zero for the next call (the workspace is zeroed once, when allocated;
+//    no memset per call).
 //    After a row is merged its partial lines are dropped from L2 (discard.global.L2): they are
 //    dead, and written back (8.6 MB at the prefix shape, 264 CTAs x 32 KB) they would take HBM
 //    bandwidth from the next call's K/V stream.
@@ -46,12 +47,19 @@
 
 namespace sparsa::cuda::detail {
 
-// One merge group's counters, zero between calls; one 128-byte line per group so that groups
-// polling their own counter do not share an L2 line.
+constexpr int kSplitKvMaxSplits = 256;  // a split index fits the uint8_t orphan entries
+// How long a CTA waits for the rest of its merge group before leaving its rows to the last CTA
+// out. Resident CTAs of one wave arrive within microseconds of each other (equal work); the bound
+// only matters if they are not all resident, and then only delays, never changes, the result.
+constexpr unsigned long long kMergeWaitNs = 200'000;
+
+// One merge group's counters, zero between calls (orphan entries past `withdrawn` are unused);
+// 128-byte aligned so that groups polling their own counter do not share an L2 line.
 struct alignas(128) SplitKvCounters {
-  unsigned arrive;  // CTAs whose partial is written
-  unsigned claim;   // next chunk of rows to merge (may run past the last chunk)
-  unsigned depart;  // CTAs done with the counters
+  unsigned arrive;     // CTAs whose partial is written
+  unsigned depart;     // CTAs done with the counters
+  unsigned withdrawn;  // CTAs that stopped waiting; their splits are in orphan[0, withdrawn)
+  uint8_t orphan[kSplitKvMaxSplits];
 };
 
 struct SplitKvParams {
@@ -72,16 +80,11 @@ struct SplitKvParams {
   float* part_o = nullptr;
   float* part_lse = nullptr;
   SplitKvCounters* counters = nullptr;
+  unsigned long long merge_wait_ns = kMergeWaitNs;  // the bound on waiting for the merge group
 
   bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
   bool aligned_out = true;    // out base and strides allow 4-byte pair stores
 };
-
-constexpr int kSplitKvMaxSplits = 256;
-// How long a CTA waits for the rest of its merge group before leaving the merge to the others.
-// Resident CTAs of one wave arrive within microseconds of each other (equal work); the bound only
-// matters if they are not all resident, and then only delays, never changes, the result.
-constexpr unsigned long long kMergeWaitNs = 200'000;
 
 template <int D, int BN, int STAGES>
 struct SplitKvShape {
@@ -403,10 +406,16 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
     }
   }
 
-  // ---- arrive; wait (bounded) for the group; claim and merge chunks of rows; depart ----
+  // ---- arrive; wait (bounded) for the group; merge this CTA's rows; depart ----
+  // Split s merges rows [s chunk, (s + 1) chunk) of the m-tile: about 64 / S rows per CTA.
   SplitKvCounters* counters = p.counters + merge_group;
   float* scratch = reinterpret_cast<float*>(smem);  // the Q and K/V stages are free now
   int* flag = reinterpret_cast<int*>(scratch + 4 * THREADS + 64);
+  const int valid_rows = min(BM, p.rows - row0);
+  const int chunk = (valid_rows + S - 1) / S;
+  auto merge_chunk = [&](int s) {
+    merge_rows<T, D>(p, scratch, merge_group, row0, b, h_kv, min(valid_rows, s * chunk), min(valid_rows, (s + 1) * chunk));
+  };
   __threadfence();  // this thread's partial stores are visible device-wide ...
   __syncthreads();  // ... for every thread, before the arrival (and every warp is done with the stages)
   if (threadIdx.x == 0) {
@@ -416,32 +425,34 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
     if (!ready) {
       const unsigned long long start = global_timer_ns();
       while (!(ready = load_acquire(&counters->arrive) >= static_cast<unsigned>(S)) &&
-             global_timer_ns() - start < kMergeWaitNs) {
+             global_timer_ns() - start < p.merge_wait_ns) {
         __nanosleep(256);
       }
     }
-    __threadfence();  // acquire: the partials the count stands for are visible to this CTA
+    if (!ready) {  // give this CTA's rows to the last CTA out of the group
+      const unsigned entry = atomicAdd(&counters->withdrawn, 1u);
+      counters->orphan[entry] = static_cast<uint8_t>(split);
+    }
+    __threadfence();  // ready: acquire, the partials the count stands for are visible to this CTA;
+                      // withdrawn: the orphan entry is visible before the departure below
     flag[0] = ready;
   }
   __syncthreads();
-  if (flag[0]) {
-    const int valid_rows = min(BM, p.rows - row0);
-    const int chunk = (valid_rows + S - 1) / S;  // rows per claim: about one claim per CTA
-    const int num_chunks = (valid_rows + chunk - 1) / chunk;
-    for (;;) {
-      if (threadIdx.x == 0) flag[1] = static_cast<int>(atomicAdd(&counters->claim, 1u));
-      __syncthreads();
-      const int claimed = flag[1];
-      __syncthreads();  // every thread has read the claim before thread 0 writes the next
-      if (claimed >= num_chunks) break;
-      merge_rows<T, D>(p, scratch, merge_group, row0, b, h_kv, claimed * chunk, min(valid_rows, (claimed + 1) * chunk));
-    }
+  if (flag[0]) merge_chunk(split);
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(&counters->depart, 1u) + 1 == static_cast<unsigned>(S);
+    if (last) __threadfence();  // acquire: every CTA's partial and orphan entry is visible
+    flag[1] = last ? static_cast<int>(load_acquire(&counters->withdrawn)) : -1;
   }
-  if (threadIdx.x == 0 && atomicAdd(&counters->depart, 1u) + 1 == static_cast<unsigned>(S)) {
-    // Every CTA of the group has left the counters: zero them for the next call.
-    atomicExch(&counters->arrive, 0u);
-    atomicExch(&counters->claim, 0u);
-    atomicExch(&counters->depart, 0u);
+  __syncthreads();
+  const int orphans = flag[1];
+  if (orphans >= 0) {  // the last CTA out: merge the rows of the CTAs that stopped waiting, then reset
+    for (int k = 0; k < orphans; ++k) merge_chunk(__ldcg(&counters->orphan[k]));
+    if (threadIdx.x == 0) {  // no CTA of the group touches the counters any more
+      atomicExch(&counters->arrive, 0u);
+      atomicExch(&counters->depart, 0u);
+      atomicExch(&counters->withdrawn, 0u);
+    }
   }
 }
 

@@ -246,6 +246,7 @@ void other_split_kv_call() {
   ASSERT_TRUE(st.ok()) << st.to_string();
   ASSERT_EQ(cuda::detail::last_dense_route(), cuda::detail::Route::split_kv);
   ASSERT_GT(cuda::detail::last_split_kv_splits(), 1);
+  ASSERT_TRUE(cuda::detail::split_kv_counters_zero(0)) << "split-KV: a call left its merge counters non-zero";
 }
 
 // The output checks of one call: guards and padding untouched, empty rows exact, LSE within
@@ -383,6 +384,7 @@ TEST_P(Ops, MatchesReference) {
     CUDA_OK(cudaMemcpy(out_h.data(), out_buf.ptr, out_buf.bytes, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(lse_h.data(), lse_buf.ptr, lse_buf.bytes, cudaMemcpyDeviceToHost));
     ASSERT_NO_FATAL_FAILURE(check_output(c, out_h, lse_h, *ref, ref_out, bound, guard));
+    EXPECT_TRUE(cuda::detail::split_kv_counters_zero(0)) << "split-KV: a call left its merge counters non-zero";
     // Every call computes the same thing in the same order (whichever CTA merges a row), so
     // repeated calls agree to the bit; a counter left non-zero by a call would break the next.
     if (call == 0) {

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/backends.h"
 #include "cuda/attention/flash_kernel.cuh"
@@ -251,6 +252,21 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
 detail::Route detail::last_dense_route() { return g_last_route; }
 int detail::last_split_kv_splits() { return g_last_splits; }
 unsigned long long detail::set_split_kv_merge_wait_ns(unsigned long long ns) { return g_merge_wait_ns.exchange(ns); }
+bool detail::split_kv_counters_zero(int device) {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  if (device < 0 || device >= kMaxDevices) return false;
+  const DeviceState& state = g_state[device];
+  if (state.workspace == nullptr) return true;
+  std::vector<detail::SplitKvCounters> counters(counter_bytes(state.sms) / sizeof(detail::SplitKvCounters));
+  if (cudaMemcpy(counters.data(), state.workspace, counters.size() * sizeof(detail::SplitKvCounters),
+                 cudaMemcpyDeviceToHost) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return std::all_of(counters.begin(), counters.end(), [](const detail::SplitKvCounters& c) {
+    return c.arrive == 0 && c.depart == 0 && c.withdrawn == 0;
+  });
+}
 
 Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;

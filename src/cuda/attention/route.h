@@ -21,5 +21,8 @@ int last_split_kv_splits();
 // to arrive, and does not see the count complete at its first look, leaves its rows (the
 // fallback path). Process-wide; for tests. Returns the previous bound.
 unsigned long long set_split_kv_merge_wait_ns(unsigned long long ns);
+// Waits for the device and reads back the split-KV merge counters of `device`: true when every
+// arrive / depart / withdrawn count is zero, as each call must leave them (or no workspace yet).
+bool split_kv_counters_zero(int device);
 
 }  // namespace sparsa::cuda::detail

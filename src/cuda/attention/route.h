@@ -7,12 +7,13 @@
 namespace sparsa::cuda::detail {
 
 enum class Route {
-  none,                // no launch (the call failed before one, or no call yet)
+  none,                // none (the call was refused before dispatch, or no call yet)
   flash_dense,         // flash_kernel.cuh over every key tile
   flash_block_sparse,  // flash_kernel.cuh over a BlockIndex
   split_kv,            // split_kv_kernel.cuh (dense, few queries, long KV)
 };
 
+// The executor the last attention() call on this thread was dispatched to.
 Route last_dense_route();
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();

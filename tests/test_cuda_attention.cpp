@@ -30,7 +30,7 @@
 #if defined(SPARSA_WITH_CUDA)
 #include <cuda_runtime.h>
 
-#include "core/backends.h"
+#include "cuda/attention/route.h"
 #endif
 
 using namespace sparsa;
@@ -78,7 +78,10 @@ struct Case {
   bool empty_rows = false;  // some query blocks get count 0
   int64_t seq_pad = 0;      // extra elements between rows of q, k, v and out (strided views)
   float amplitude = 1.0f;   // q scale: larger gives peakier softmax
-  bool global_merge = false;  // split-KV: the global merge (the library default); false: cluster merge
+  int repeats = 1;          // calls on the same buffers; every one checked, all bitwise equal
+  bool interleave = false;  // between repeats, a split-KV call of another shape (other merge groups)
+  int expect_splits = 0;    // split-KV: 1 = exactly one split; n > 1 = at least n splits; 0 = unchecked
+  int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
   uint32_t seed = 1;
 };
 
@@ -221,6 +224,77 @@ Tensor upload_i32(const HostArray& a, DeviceBuffer& buf) {
   return t;
 }
 
+// A split-KV call of a fixed shape unlike the cases' (2 x 3 kv heads, 5 queries, 3000 keys, d 64,
+// zeros) whose result is not looked at: between two calls of a case it runs with other merge
+// groups, another instantiation and maybe a workspace reallocation, and must leave the counters
+// as it found them (zero).
+void other_split_kv_call() {
+  const Device gpu{DeviceType::cuda, 0};
+  const int64_t B = 2, Hq = 6, Hkv = 3, Lq = 5, Lkv = 3000, D = 64;
+  DeviceBuffer q(B * Hq * Lq * D * 2), k(B * Hkv * Lkv * D * 2), v(B * Hkv * Lkv * D * 2), o(B * Hq * Lq * D * 2),
+      l(B * Hq * Lq * 4);
+  CUDA_OK(cudaMemset(q.ptr, 0, q.bytes));
+  CUDA_OK(cudaMemset(k.ptr, 0, k.bytes));
+  CUDA_OK(cudaMemset(v.ptr, 0, v.bytes));
+  AttentionOptions opt;
+  opt.backend = Backend::cuda;
+  const Status st = dense(Tensor::contiguous(q.ptr, DType::bf16, {B, Hq, Lq, D}, gpu),
+                          Tensor::contiguous(k.ptr, DType::bf16, {B, Hkv, Lkv, D}, gpu),
+                          Tensor::contiguous(v.ptr, DType::bf16, {B, Hkv, Lkv, D}, gpu),
+                          Tensor::contiguous(o.ptr, DType::bf16, {B, Hq, Lq, D}, gpu),
+                          Tensor::contiguous(l.ptr, DType::f32, {B, Hq, Lq}, gpu), opt);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_EQ(cuda::detail::last_dense_route(), cuda::detail::Route::split_kv);
+  ASSERT_GT(cuda::detail::last_split_kv_splits(), 1);
+  ASSERT_TRUE(cuda::detail::split_kv_counters_zero(0)) << "split-KV: a call left its merge counters non-zero";
+}
+
+// The output checks of one call: guards and padding untouched, empty rows exact, LSE within
+// 2e-4 * (1 + |lse|), every element finite and the relative L2 error within `bound`.
+void check_output(const Case& c, const std::vector<uint16_t>& out_h, const std::vector<float>& lse_h,
+                  const AttentionOutput& ref, const std::vector<float>& ref_out, double bound, int64_t guard) {
+  const int64_t D = c.head_dim, row = D + c.seq_pad, rows = c.batch * c.heads_q * c.len_q;
+  // Guards and padding untouched.
+  for (int64_t i = 0; i < guard; ++i) {
+    ASSERT_EQ(out_h[i], 0xffff) << "out: wrote before the buffer";
+    ASSERT_EQ(out_h[guard + rows * row + i], 0xffff) << "out: wrote past the buffer";
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = D; t < row; ++t) ASSERT_EQ(out_h[guard + r * row + t], 0xffff) << "out: wrote into row padding";
+  uint32_t lse_poison;
+  std::memset(&lse_poison, 0xff, 4);
+  for (int64_t i = 0; i < guard; ++i) {
+    ASSERT_EQ(std::memcmp(&lse_h[i], &lse_poison, 4), 0) << "lse: wrote before the buffer";
+    ASSERT_EQ(std::memcmp(&lse_h[guard + rows + i], &lse_poison, 4), 0) << "lse: wrote past the buffer";
+  }
+
+  double err = 0, norm = 0;
+  int64_t lse_bad = 0, empty_bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = lse_h[guard + r], lr = ref.lse.ptr<float>()[r];
+    if (std::isinf(lr)) {  // a row that sees no key
+      bool zero = l == -INFINITY;
+      for (int64_t t = 0; t < D; ++t) zero = zero && decode(c.dtype, out_h[guard + r * row + t]) == 0.0f;
+      empty_bad += !zero;
+      continue;
+    }
+    if (!(std::abs(l - lr) <= 2e-4 * (1.0 + std::abs(lr)))) ++lse_bad;
+    for (int64_t t = 0; t < D; ++t) {
+      const double o = decode(c.dtype, out_h[guard + r * row + t]), rf = ref_out[r * D + t];
+      if (!std::isfinite(o)) {
+        FAIL() << "out: element " << r << "," << t << " is not finite (unwritten or NaN): " << o;
+      }
+      err += (o - rf) * (o - rf);
+      norm += rf * rf;
+    }
+  }
+  const double rel = norm > 0 ? std::sqrt(err / norm) : 0.0;
+  EXPECT_EQ(empty_bad, 0) << "rows that see no key must be O = 0, LSE = -inf";
+  EXPECT_EQ(lse_bad, 0) << "lse outside 2e-4 * (1 + |lse|)";
+  EXPECT_LE(rel, bound + 1e-7) << "relative L2 error " << rel << " vs bound " << bound << " (twice naive)";
+  std::printf("  %-40s rel_err %.3e  bound %.3e\n", c.name.c_str(), rel, bound);
+}
+
 class Ops : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Ops, MatchesReference) {
@@ -269,63 +343,58 @@ TEST_P(Ops, MatchesReference) {
   }
   const int64_t row = D + c.seq_pad, rows = c.batch * c.heads_q * c.len_q, guard = 256;
   DeviceBuffer out_buf((rows * row + 2 * guard) * 2), lse_buf((rows + 2 * guard) * 4);
-  CUDA_OK(cudaMemset(out_buf.ptr, 0xff, out_buf.bytes));
-  CUDA_OK(cudaMemset(lse_buf.ptr, 0xff, lse_buf.bytes));
   Tensor out = qd;
   out.data = static_cast<uint16_t*>(out_buf.ptr) + guard;
   Tensor lse = Tensor::contiguous(static_cast<float*>(lse_buf.ptr) + guard, DType::f32,
                                   {c.batch, c.heads_q, c.len_q}, Device{DeviceType::cuda, 0});
   AttentionOptions opt;
   opt.backend = Backend::cuda;
-  cuda::set_split_kv_cluster_merge(!c.global_merge);
-  const Status st = plan ? block_sparse(qd, kd, vd, ixd, out, lse, opt) : dense(qd, kd, vd, out, lse, opt);
-  cuda::set_split_kv_cluster_merge(false);  // back to the default
-  ASSERT_TRUE(st.ok()) << st.to_string();
-  CUDA_OK(cudaDeviceSynchronize());
-  std::vector<uint16_t> out_h(out_buf.bytes / 2);
-  std::vector<float> lse_h(lse_buf.bytes / 4);
-  CUDA_OK(cudaMemcpy(out_h.data(), out_buf.ptr, out_buf.bytes, cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaMemcpy(lse_h.data(), lse_buf.ptr, lse_buf.bytes, cudaMemcpyDeviceToHost));
-
-  // Guards and padding untouched.
-  for (int64_t i = 0; i < guard; ++i) {
-    ASSERT_EQ(out_h[i], 0xffff) << "out: wrote before the buffer";
-    ASSERT_EQ(out_h[guard + rows * row + i], 0xffff) << "out: wrote past the buffer";
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = D; t < row; ++t) ASSERT_EQ(out_h[guard + r * row + t], 0xffff) << "out: wrote into row padding";
-  uint32_t lse_poison;
-  std::memset(&lse_poison, 0xff, 4);
-  for (int64_t i = 0; i < guard; ++i) {
-    ASSERT_EQ(std::memcmp(&lse_h[i], &lse_poison, 4), 0) << "lse: wrote before the buffer";
-    ASSERT_EQ(std::memcmp(&lse_h[guard + rows + i], &lse_poison, 4), 0) << "lse: wrote past the buffer";
-  }
-
-  double err = 0, norm = 0;
-  int64_t lse_bad = 0, empty_bad = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float l = lse_h[guard + r], lr = ref->lse.ptr<float>()[r];
-    if (std::isinf(lr)) {  // a row that sees no key
-      bool zero = l == -INFINITY;
-      for (int64_t t = 0; t < D; ++t) zero = zero && decode(c.dtype, out_h[guard + r * row + t]) == 0.0f;
-      empty_bad += !zero;
-      continue;
+  std::vector<uint16_t> first_out;
+  std::vector<float> first_lse;
+  struct WaitBound {  // the case's merge waiting bound, restored however the test ends
+    unsigned long long saved = 0;
+    bool set = false;
+    ~WaitBound() {
+      if (set) cuda::detail::set_split_kv_merge_wait_ns(saved);
     }
-    if (!(std::abs(l - lr) <= 2e-4 * (1.0 + std::abs(lr)))) ++lse_bad;
-    for (int64_t t = 0; t < D; ++t) {
-      const double o = decode(c.dtype, out_h[guard + r * row + t]), rf = ref_out[r * D + t];
-      if (!std::isfinite(o)) {
-        FAIL() << "out: element " << r << "," << t << " is not finite (unwritten or NaN): " << o;
-      }
-      err += (o - rf) * (o - rf);
-      norm += rf * rf;
+  } wait_bound;
+  if (c.merge_wait_ns >= 0) {
+    wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
+    wait_bound.set = true;
+  }
+  for (int call = 0; call < c.repeats; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call + 1) + " of " + std::to_string(c.repeats));
+    if (call > 0 && c.interleave) ASSERT_NO_FATAL_FAILURE(other_split_kv_call());
+    CUDA_OK(cudaMemset(out_buf.ptr, 0xff, out_buf.bytes));
+    CUDA_OK(cudaMemset(lse_buf.ptr, 0xff, lse_buf.bytes));
+    const Status st = plan ? block_sparse(qd, kd, vd, ixd, out, lse, opt) : dense(qd, kd, vd, out, lse, opt);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    // The executor the shape is meant to reach (the split-KV rule of attention.cu).
+    const bool split_kv = !plan && c.len_q <= 64 && c.len_kv >= 512;
+    const cuda::detail::Route want = plan       ? cuda::detail::Route::flash_block_sparse
+                                     : split_kv ? cuda::detail::Route::split_kv
+                                                : cuda::detail::Route::flash_dense;
+    ASSERT_EQ(static_cast<int>(cuda::detail::last_dense_route()), static_cast<int>(want)) << "executor taken";
+    const int splits = cuda::detail::last_split_kv_splits();
+    if (c.expect_splits == 1) EXPECT_EQ(splits, 1) << "split-KV: one split (no workspace, no merge)";
+    if (c.expect_splits > 1) EXPECT_GE(splits, c.expect_splits) << "split-KV: the fused merge of many splits";
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> out_h(out_buf.bytes / 2);
+    std::vector<float> lse_h(lse_buf.bytes / 4);
+    CUDA_OK(cudaMemcpy(out_h.data(), out_buf.ptr, out_buf.bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(lse_h.data(), lse_buf.ptr, lse_buf.bytes, cudaMemcpyDeviceToHost));
+    ASSERT_NO_FATAL_FAILURE(check_output(c, out_h, lse_h, *ref, ref_out, bound, guard));
+    EXPECT_TRUE(cuda::detail::split_kv_counters_zero(0)) << "split-KV: a call left its merge counters non-zero";
+    // Every call computes the same thing in the same order (whichever CTA merges a row), so
+    // repeated calls agree to the bit; a counter left non-zero by a call would break the next.
+    if (call == 0) {
+      first_out = out_h;
+      first_lse = lse_h;
+    } else {
+      EXPECT_TRUE(out_h == first_out) << "out differs from the first call";
+      EXPECT_EQ(std::memcmp(lse_h.data(), first_lse.data(), lse_h.size() * 4), 0) << "lse differs from the first call";
     }
   }
-  const double rel = norm > 0 ? std::sqrt(err / norm) : 0.0;
-  EXPECT_EQ(empty_bad, 0) << "rows that see no key must be O = 0, LSE = -inf";
-  EXPECT_EQ(lse_bad, 0) << "lse outside 2e-4 * (1 + |lse|)";
-  EXPECT_LE(rel, bound + 1e-7) << "relative L2 error " << rel << " vs bound " << bound << " (twice naive)";
-  std::printf("  %-40s rel_err %.3e  bound %.3e\n", c.name.c_str(), rel, bound);
 }
 
 std::vector<Case> cases() {
@@ -343,32 +412,61 @@ std::vector<Case> cases() {
        .seq_pad = 3, .seed = 5});
   add({.name = "Small_dense_bf16_d64_strided", .heads_q = 2, .heads_kv = 1, .len_q = 70, .len_kv = 129,
        .seq_pad = 8, .amplitude = 4.0f, .seed = 6});
-  // Split-KV prefix executor: dense calls with len_q <= 64 and len_kv >= 512 take it. Partial
-  // last splits and a partial last key tile (len_kv not a multiple of 64), GQA stacking across
-  // m-tiles (group * len_q > 64), one split (written directly, no merge), unaligned strides;
-  // both merges: clusters of 2, 4 and 8 splits in distributed shared memory (the cases without
-  // GlobalMerge in the name; 33x9000 leaves two cluster partials for the merge kernel), and every
-  // split's partial through global memory (GlobalMerge, the library default).
+  // Split-KV prefix executor: dense calls with len_q <= 64 and len_kv >= 512 take it (each case
+  // checks the executor it reached). Partial last key tiles (len_kv not a multiple of 64), GQA
+  // stacking across m-tiles (group * len_q > 64) and partial m-tiles, one split (written
+  // directly, no workspace), unaligned strides. The merge is fused into the kernel (counters in
+  // the workspace, reset by each call): "many" cases have 16 to 78 splits (40000 keys), "repeat"
+  // cases call 2-3 times on the same buffers, with a split-KV call of another shape in between
+  // when interleaved, and require every call correct and all of them bitwise equal.
   add({.name = "Small_splitkv_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16, .len_kv = 1100,
-       .head_dim = 128, .seed = 21});
+       .head_dim = 128, .expect_splits = 2, .seed = 21});
   add({.name = "Small_splitkv_f16_d64_one_split_17x520", .dtype = DType::f16, .heads_q = 4, .heads_kv = 2,
-       .len_q = 17, .len_kv = 520, .seed = 22});
+       .len_q = 17, .len_kv = 520, .expect_splits = 1, .seed = 22});
+  add({.name = "Small_splitkv_repeat_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16,
+       .len_kv = 1100, .head_dim = 128, .repeats = 3, .interleave = true, .expect_splits = 2, .seed = 28});
+  add({.name = "Small_splitkv_fused_merge_bf16_d64_gqa2_3x4000", .heads_q = 2, .heads_kv = 1, .len_q = 3,
+       .len_kv = 4000, .repeats = 2, .interleave = true, .expect_splits = 4, .seed = 31});
   add({.name = "SplitKv_bf16_d128_block_diffusion_16x4099", .heads_q = 32, .heads_kv = 8, .len_q = 16,
-       .len_kv = 4099, .head_dim = 128, .seed = 23});
+       .len_kv = 4099, .head_dim = 128, .expect_splits = 8, .seed = 23});
+  add({.name = "SplitKv_repeat_bf16_d128_block_diffusion_16x4099", .heads_q = 32, .heads_kv = 8, .len_q = 16,
+       .len_kv = 4099, .head_dim = 128, .repeats = 3, .seed = 29});
   add({.name = "SplitKv_f16_d64_mha_1x2000", .dtype = DType::f16, .batch = 2, .heads_q = 3, .heads_kv = 3,
-       .len_q = 1, .len_kv = 2000, .seed = 24});
+       .len_q = 1, .len_kv = 2000, .expect_splits = 2, .seed = 24});
   add({.name = "SplitKv_bf16_d128_gqa8_64x1500", .heads_q = 8, .heads_kv = 1, .len_q = 64, .len_kv = 1500,
-       .head_dim = 128, .seed = 25});
-  add({.name = "SplitKv_f16_d128_unaligned_peaky_5x777", .dtype = DType::f16, .batch = 2, .heads_q = 6,
-       .heads_kv = 2, .len_q = 5, .len_kv = 777, .head_dim = 128, .seq_pad = 3, .amplitude = 4.0f, .seed = 26});
+       .head_dim = 128, .expect_splits = 2, .seed = 25});
+  add({.name = "SplitKv_f16_d128_unaligned_peaky_one_split_5x777", .dtype = DType::f16, .batch = 2,
+       .heads_q = 6, .heads_kv = 2, .len_q = 5, .len_kv = 777, .head_dim = 128, .seq_pad = 3, .amplitude = 4.0f,
+       .expect_splits = 1, .seed = 26});
   add({.name = "SplitKv_bf16_d64_gqa2_33x9000", .heads_q = 4, .heads_kv = 2, .len_q = 33, .len_kv = 9000,
-       .seq_pad = 8, .seed = 27});
-  add({.name = "Small_splitkv_GlobalMerge_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16,
-       .len_kv = 1100, .head_dim = 128, .global_merge = true, .seed = 28});
-  add({.name = "SplitKv_GlobalMerge_bf16_d128_block_diffusion_16x4099", .heads_q = 32, .heads_kv = 8,
-       .len_q = 16, .len_kv = 4099, .head_dim = 128, .global_merge = true, .seed = 29});
-  add({.name = "SplitKv_GlobalMerge_f16_d64_unaligned_33x9000", .dtype = DType::f16, .heads_q = 4, .heads_kv = 2,
-       .len_q = 33, .len_kv = 9000, .seq_pad = 3, .global_merge = true, .seed = 30});
+       .seq_pad = 8, .expect_splits = 8, .seed = 27});
+  add({.name = "SplitKv_f16_d64_unaligned_33x9000", .dtype = DType::f16, .heads_q = 4, .heads_kv = 2,
+       .len_q = 33, .len_kv = 9000, .seq_pad = 3, .expect_splits = 8, .seed = 30});
+  // One split because the merge groups (600 kv heads) already fill a wave: no workspace.
+  add({.name = "SplitKv_bf16_d64_one_split_wave_bound_1x2000", .heads_q = 600, .heads_kv = 600, .len_q = 1,
+       .len_kv = 2000, .expect_splits = 1, .seed = 32});
+  // Many splits (40000 keys = 625 key tiles): 1, 3, 16 and 64 queries, GQA groups 4 and 8, d 64
+  // and 128, unaligned, peaky (partial LSEs far apart), repeated and interleaved.
+  add({.name = "SplitKv_many_bf16_d128_gqa4_16x40000", .heads_q = 4, .heads_kv = 1, .len_q = 16,
+       .len_kv = 40000, .head_dim = 128, .repeats = 3, .expect_splits = 16, .seed = 33});
+  add({.name = "SplitKv_many_f16_d64_gqa8_unaligned_peaky_3x40000", .dtype = DType::f16, .heads_q = 8,
+       .heads_kv = 1, .len_q = 3, .len_kv = 40000, .seq_pad = 3, .amplitude = 4.0f, .repeats = 3,
+       .interleave = true, .expect_splits = 16, .seed = 34});
+  add({.name = "SplitKv_many_bf16_d128_gqa4_64x40000", .heads_q = 4, .heads_kv = 1, .len_q = 64, .len_kv = 40000,
+       .head_dim = 128, .repeats = 2, .expect_splits = 16, .seed = 35});
+  add({.name = "SplitKv_many_f16_d64_mha_1x40000", .dtype = DType::f16, .heads_q = 2, .heads_kv = 2, .len_q = 1,
+       .len_kv = 40000, .repeats = 3, .interleave = true, .expect_splits = 16, .seed = 36});
+  add({.name = "SplitKv_many_bf16_d64_gqa8_16x40000", .heads_q = 16, .heads_kv = 2, .len_q = 16,
+       .len_kv = 40000, .repeats = 2, .expect_splits = 16, .seed = 37});
+  // The merge's fallback: no waiting, so the CTAs that are not the last to arrive mostly leave
+  // their rows to the last CTA out (which CTAs do varies from call to call; the result may not).
+  add({.name = "Small_splitkv_no_wait_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16,
+       .len_kv = 1100, .head_dim = 128, .repeats = 3, .expect_splits = 2, .merge_wait_ns = 0, .seed = 38});
+  add({.name = "SplitKv_no_wait_f16_d64_gqa8_unaligned_5x40000", .dtype = DType::f16, .heads_q = 16,
+       .heads_kv = 2, .len_q = 5, .len_kv = 40000, .seq_pad = 3, .repeats = 3, .interleave = true,
+       .expect_splits = 16, .merge_wait_ns = 0, .seed = 39});
+  add({.name = "SplitKv_no_wait_bf16_d128_block_diffusion_16x8192", .heads_q = 32, .heads_kv = 8, .len_q = 16,
+       .len_kv = 8192, .head_dim = 128, .repeats = 2, .expect_splits = 16, .merge_wait_ns = 0, .seed = 40});
   // Medium.
   add({.name = "Medium_dense_bf16_d128_gqa4x1_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
        .len_kv = 1500, .head_dim = 128, .seed = 7});
@@ -387,6 +485,62 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(CudaAttention, Ops, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// The block-diffusion prefix shape (16 queries, 32 query heads over 8 kv heads, d 128, 4099
+// keys) reaches the split-KV executor with more than one split; one more query (65) or one key
+// fewer than 512 does not, nor does a block-sparse plan. Inputs are zeros: only the route matters.
+TEST(CudaAttentionRoute, PrefixShapeTakesSplitKv) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  const Device gpu{DeviceType::cuda, 0};
+  const int64_t Hq = 32, Hkv = 8, D = 128, max_q = 65, max_kv = 4099;
+  DeviceBuffer q(Hq * max_q * D * 2), k(Hkv * max_kv * D * 2), v(Hkv * max_kv * D * 2), o(Hq * max_q * D * 2),
+      l(Hq * max_q * 4);
+  for (DeviceBuffer* b : {&q, &k, &v}) CUDA_OK(cudaMemset(b->ptr, 0, b->bytes));
+  AttentionOptions opt;
+  opt.backend = Backend::cuda;
+  auto run = [&](int64_t len_q, int64_t len_kv) {
+    return dense(Tensor::contiguous(q.ptr, DType::bf16, {1, Hq, len_q, D}, gpu),
+                 Tensor::contiguous(k.ptr, DType::bf16, {1, Hkv, len_kv, D}, gpu),
+                 Tensor::contiguous(v.ptr, DType::bf16, {1, Hkv, len_kv, D}, gpu),
+                 Tensor::contiguous(o.ptr, DType::bf16, {1, Hq, len_q, D}, gpu),
+                 Tensor::contiguous(l.ptr, DType::f32, {1, Hq, len_q}, gpu), opt);
+  };
+  using cuda::detail::Route;
+  ASSERT_TRUE(run(16, 4099).ok());
+  EXPECT_EQ(cuda::detail::last_dense_route(), Route::split_kv);
+  EXPECT_GT(cuda::detail::last_split_kv_splits(), 1);
+  ASSERT_TRUE(run(64, 512).ok());
+  EXPECT_EQ(cuda::detail::last_dense_route(), Route::split_kv);
+  ASSERT_TRUE(run(65, 4099).ok());
+  EXPECT_EQ(cuda::detail::last_dense_route(), Route::flash_dense);
+  EXPECT_EQ(cuda::detail::last_split_kv_splits(), 0);
+  ASSERT_TRUE(run(16, 511).ok());
+  EXPECT_EQ(cuda::detail::last_dense_route(), Route::flash_dense);
+
+  BlockIndexBuffer plan = BlockIndexBuffer::full(1, Hq, 16, 4099, 64, 64);
+  DeviceBuffer cb(0), ib(0);
+  BlockIndex ix = plan.view();
+  ix.counts = upload_i32(plan.counts, cb);
+  ix.indices = upload_i32(plan.indices, ib);
+  ASSERT_TRUE(block_sparse(Tensor::contiguous(q.ptr, DType::bf16, {1, Hq, 16, D}, gpu),
+                           Tensor::contiguous(k.ptr, DType::bf16, {1, Hkv, 4099, D}, gpu),
+                           Tensor::contiguous(v.ptr, DType::bf16, {1, Hkv, 4099, D}, gpu), ix,
+                           Tensor::contiguous(o.ptr, DType::bf16, {1, Hq, 16, D}, gpu),
+                           Tensor::contiguous(l.ptr, DType::f32, {1, Hq, 16}, gpu), opt)
+                  .ok());
+  EXPECT_EQ(cuda::detail::last_dense_route(), Route::flash_block_sparse);
+
+  // A call the backend refuses (host memory that claims to be on the device) launches nothing.
+  HostArray host_k(DType::bf16, {1, Hkv, 4099, D});
+  EXPECT_FALSE(dense(Tensor::contiguous(q.ptr, DType::bf16, {1, Hq, 16, D}, gpu),
+                     Tensor::contiguous(host_k.data(), DType::bf16, {1, Hkv, 4099, D}, gpu),
+                     Tensor::contiguous(v.ptr, DType::bf16, {1, Hkv, 4099, D}, gpu),
+                     Tensor::contiguous(o.ptr, DType::bf16, {1, Hq, 16, D}, gpu),
+                     Tensor::contiguous(l.ptr, DType::f32, {1, Hq, 16}, gpu), opt)
+                   .ok());
+  EXPECT_EQ(cuda::detail::last_dense_route(), Route::none);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
 
 TEST(CudaAttentionErrors, NameTheArgument) {
   if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";

@@ -129,7 +129,6 @@ def peer_prefix(res, name, backend, q, k, v, ref, group):
 
 def bench_prefix(lib, sizes, Lq=16, Hq=32, Hkv=8, D=128):
     loop = SparsaLoop(lib)
-    lib.sparsa_bench_set_split_kv_cluster_merge.argtypes = [ctypes.c_int]
     rows = []
     for L in sizes:
         torch.manual_seed(L + 7)
@@ -145,16 +144,13 @@ def bench_prefix(lib, sizes, Lq=16, Hq=32, Hkv=8, D=128):
         ref = torch.softmax(s, dim=-1) @ vf
         del kf, vf, s
         res = {"L": L, "kv_bytes": kv_bytes}
-        # The default (every split's partial through global memory), then the opt-in merge inside
-        # thread-block clusters; the output is poisoned before each so both are checked.
-        for key, cluster in [("sparsa_cluster", 1), ("sparsa", 0)]:
-            lib.sparsa_bench_set_split_kv_cluster_merge(cluster)
-            out.fill_(float("nan"))
-            lse.fill_(float("nan"))
-            res[key] = loop.run(q, k, v, out, lse)
-            torch.cuda.synchronize()
-            res["err_" + key] = rel_err(out, ref)
-            res["lse_err_" + key] = (lse - ref_lse).abs().max().item()
+        # The output is poisoned first, so every element the timed calls leave is checked.
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        res["sparsa"] = loop.run(q, k, v, out, lse)
+        torch.cuda.synchronize()
+        res["err_sparsa"] = rel_err(out, ref)
+        res["lse_err_sparsa"] = (lse - ref_lse).abs().max().item()
         for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
             try:
                 peer_prefix(res, name, backend, q, k, v, ref, Hq // Hkv)
@@ -170,8 +166,7 @@ def bench_prefix(lib, sizes, Lq=16, Hq=32, Hkv=8, D=128):
           "times: median of 15 samples of 20 back-to-back calls")
     print(f"{'KV':>6} {'kernel':<32} {'us':>9} {'TB/s K+V':>9} {'rel err':>9}")
     for r in rows:
-        for name, key in [("sparsa split-KV", "sparsa"), ("sparsa split-KV, cluster merge", "sparsa_cluster"),
-                          (f"SDPA flash ({r['how_flash']})", "flash"),
+        for name, key in [("sparsa split-KV", "sparsa"), (f"SDPA flash ({r['how_flash']})", "flash"),
                           (f"SDPA cuDNN ({r['how_cudnn']})", "cudnn")]:
             t = r[key]
             print(f"{r['L']:>6} {name:<32} {t * 1e3:>9.1f} {r['kv_bytes'] / t / 1e9:>9.2f} {r['err_' + key]:>9.2e}")

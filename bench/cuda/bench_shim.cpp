@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "core/backends.h"
 #include "sparsa/attention.h"
 
 using namespace sparsa;
@@ -135,8 +134,5 @@ int sparsa_bench_dense_loop(void* q, void* k, void* v, void* out, void* lse, int
   }
   return 0;
 }
-
-// The split-KV executor's merge: 1 in clusters first (the default), 0 every split through global memory.
-void sparsa_bench_set_split_kv_cluster_merge(int on) { sparsa::cuda::set_split_kv_cluster_merge(on != 0); }
 
 }  // extern "C"

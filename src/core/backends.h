@@ -29,10 +29,6 @@ bool compiled_in();
 // params.index == nullptr: dense; else the block-sparse plan. Every pointer (q, k, v, out, lse
 // and the index tensors) is device memory of params.device_id; runs on the default stream.
 Status attention(const detail::AttentionParams& params);
-// The split-KV executor's merge: off (the default), every split's partial goes through global
-// memory; on, splits are merged inside thread-block clusters first (measured slower; benchmarks
-// and tests compare the two).
-void set_split_kv_cluster_merge(bool on);
 // Number of visible CUDA devices (0 when none or not compiled in), and a description.
 int device_count();
 std::string device_description(int device);

@@ -5,7 +5,6 @@ namespace sparsa::cuda {
 bool compiled_in() { return false; }
 int device_count() { return 0; }
 std::string device_description(int) { return "CUDA not compiled in"; }
-void set_split_kv_cluster_merge(bool) {}
 Status attention(const detail::AttentionParams&) {
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
 }

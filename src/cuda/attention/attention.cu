@@ -7,9 +7,11 @@
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/backends.h"
 #include "cuda/attention/flash_wgmma_kernel.cuh"
+#include "cuda/attention/route.h"
 #include "cuda/attention/split_kv_kernel.cuh"
 #include "cuda/common/check.h"
 
@@ -94,95 +96,119 @@ bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(pt
 // there the flash executor's grid is one CTA per query head and its 256-row tiles are mostly empty.
 constexpr int kSplitKvMaxQueries = 64, kSplitKvMinKeys = 512;
 constexpr int kSplitKvKeyTile = 64, kSplitKvStages = 3;
-constexpr int kSplitKvMinTilesPerSplit = 8;  // 512 keys: the Q load and the partial write amortised
-constexpr int kSplitKvMaxSplits = 128;
+constexpr int kSplitKvMinTilesPerSplit = 8;  // 512 keys
+constexpr int kMaxDevices = 64;
+constexpr int kMaxCtasPerSm = 32;  // Hopper's limit: bounds the merge groups of one wave
+using detail::kSplitKvMaxSplits;
 
-// Per-device facts and a grow-only workspace for the partials. Every launch is on the default
-// stream, so one buffer per device is never used by two calls at once; growing frees the old one
-// (cudaFree waits for the device).
+// How many splits. The kernel streams K+V once (GQA-packed), so the target is HBM: 4.8 TB/s peak
+// on the H200, about 4.2 TB/s for a plain device copy. By Little's law that needs ~4 TB/s x ~1-2 us
+// of loaded latency = 4-8 MB in flight over the chip, 30-60 KB per SM of its 132. One CTA (d 128:
+// Q 16 KB + 3 stages of 32 KB K/V = 112 KB of shared memory) keeps two K/V tiles, 64 KB, in
+// flight, and two CTAs fit per SM: 128 KB per SM, 17 MB over the chip, so two CTAs per SM suffice
+// and more splits would only add partials to merge. So the grid is exactly one wave of resident
+// CTAs: splits = wave / (m-tiles x batch x kv heads), where wave = SMs x CTAs per SM (from the
+// occupancy query: 132 x 2 = 264 at d 128). At the block-diffusion shape (8 kv heads, one m-tile)
+// that is 33 splits, 264 CTAs, two on every SM (the former ceil-sized split gave 32 splits, 256
+// CTAs, and 8 SMs with one CTA), each 15-16 key tiles (960-1024 keys, 0.5 MB of K+V) at 32K keys
+// and 31-32 at 64K. Never more than a wave: the CTAs of a merge group wait for each other (bounded,
+// split_kv_kernel.cuh), and a second wave would leave the chip idle during its own tail anyway.
+// At least kSplitKvMinTilesPerSplit tiles (512 keys, 256 KB of K+V at d 128) per split keep the
+// per-CTA fixed work (16 KB of Q, the 32 KB partial written and read back once) small beside it.
+int64_t split_count(int64_t wave, int64_t ctas_per_split, int64_t num_kv_tiles) {
+  const int64_t splits = std::min<int64_t>(
+      {wave / ctas_per_split, num_kv_tiles / kSplitKvMinTilesPerSplit, int64_t{kSplitKvMaxSplits}});
+  return std::max<int64_t>(splits, 1);
+}
+
+// Per-device facts and a grow-only workspace: the counters of every merge group one wave can
+// have (zeroed when allocated; each call leaves them zero), then the partials. Every launch is on
+// the default stream, so one workspace per device is never used by two calls at once; growing
+// frees the old one (cudaFree waits for the device).
 struct DeviceState {
   int sms = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
 std::mutex g_state_mutex;
-DeviceState g_state[64];
+DeviceState g_state[kMaxDevices];
+// Programmatic dependent launch is asked for until a launch with it fails (then plain launches).
+std::atomic<bool> g_split_kv_pdl{true};
+std::atomic<unsigned long long> g_merge_wait_ns{detail::kMergeWaitNs};  // route.h: a test hook
 
-std::atomic<bool> g_split_kv_cluster_merge{false};  // opt-in: measured slower (split_kv_kernel.cuh)
+size_t counter_bytes(int sms) { return static_cast<size_t>(sms) * kMaxCtasPerSm * sizeof(detail::SplitKvCounters); }
+
+// The route and split count of the last call on this thread (route.h).
+thread_local detail::Route g_last_route = detail::Route::none;
+thread_local int g_last_splits = 0;
 
 template <class T, int D>
 Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
   using Shape = detail::SplitKvShape<D, kSplitKvKeyTile, kSplitKvStages>;
   auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages>;
-  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
-  SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                         cudaSharedmemCarveoutMaxShared));
   std::lock_guard<std::mutex> lock(g_state_mutex);
   DeviceState& state = g_state[device];
   if (state.sms == 0) SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&state.sms, cudaDevAttrMultiProcessorCount, device));
-  static int ctas_per_sm = 0;  // of this instantiation (one GPU architecture per build)
-  if (ctas_per_sm == 0) {
-    SPARSA_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, Shape::kThreads, Shape::kSmemBytes));
-    ctas_per_sm = std::max(ctas_per_sm, 1);
+  // Once per instantiation and device: the shared-memory attributes, then the occupancy they give.
+  static int ctas_per_sm[kMaxDevices] = {};
+  if (ctas_per_sm[device] == 0) {
+    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
+    // All of the unified L1 as shared memory, so that as many CTAs fit as registers allow.
+    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+    int n = 0;
+    SPARSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Shape::kThreads, Shape::kSmemBytes));
+    ctas_per_sm[device] = std::clamp(n, 1, kMaxCtasPerSm);
   }
   auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   const int64_t m_tiles = ceil_div(p.rows, Shape::kBM);
-  const int64_t base = m_tiles * p.batch * p.heads_kv;  // CTAs of one split
-  // As many splits as fill one wave of resident CTAs, each at least kSplitKvMinTilesPerSplit tiles.
-  int64_t splits = static_cast<int64_t>(state.sms) * ctas_per_sm / base;
-  splits = std::min<int64_t>({splits, p.num_kv_tiles / kSplitKvMinTilesPerSplit, kSplitKvMaxSplits});
-  splits = std::max<int64_t>(splits, 1);
-  // Clusters of C = 2, 4 or 8 consecutive splits (the largest that fits), the split count rounded
-  // down to a multiple of C so the grid stays within one wave; trailing splits may get no tile.
-  int cluster = 1;
-  if (g_split_kv_cluster_merge.load() && splits >= 2) {
-    cluster = splits >= 8 ? 8 : splits >= 4 ? 4 : 2;
-    splits = splits / cluster * cluster;
-  }
-  p.tiles_per_split = static_cast<int>(ceil_div(p.num_kv_tiles, splits));
-  p.num_splits = cluster > 1 ? static_cast<int>(splits)
-                             : static_cast<int>(ceil_div(p.num_kv_tiles, p.tiles_per_split));  // no empty split
-  p.cluster = cluster;
-  p.num_partials = p.num_splits / cluster;
-  const int64_t out_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-  if (p.num_partials > 1) {
-    const size_t bytes = static_cast<size_t>(p.num_partials) * out_rows * (D + 1) * sizeof(float);
+  const int64_t merge_groups = m_tiles * p.batch * p.heads_kv;  // CTAs of one split
+  const int64_t wave = static_cast<int64_t>(state.sms) * ctas_per_sm[device];
+  p.num_splits = static_cast<int>(split_count(wave, merge_groups, p.num_kv_tiles));
+  if (p.num_splits > 1) {
+    if (merge_groups > static_cast<int64_t>(state.sms) * kMaxCtasPerSm) {
+      return {StatusCode::internal, "split-KV: " + std::to_string(merge_groups) + " merge groups exceed the counters"};
+    }
+    const size_t counters = counter_bytes(state.sms);
+    const size_t partials = static_cast<size_t>(merge_groups) * Shape::kBM * p.num_splits;  // rows
+    const size_t bytes = counters + partials * D * sizeof(float) + partials * sizeof(float);
     if (bytes > state.workspace_bytes) {
       if (state.workspace != nullptr) SPARSA_CUDA_CHECK(cudaFree(state.workspace));
       state.workspace = nullptr;
       state.workspace_bytes = 0;
       SPARSA_CUDA_CHECK(cudaMalloc(&state.workspace, bytes));
+      SPARSA_CUDA_CHECK(cudaMemset(state.workspace, 0, counters));  // the only zeroing: calls leave them zero
       state.workspace_bytes = bytes;
     }
-    p.part_o = static_cast<float*>(state.workspace);
-    p.part_lse = p.part_o + static_cast<size_t>(p.num_partials) * out_rows * D;
+    // Counters first (a fixed region, so a call with another shape finds them zero), then the
+    // partial O rows (128-byte aligned: the kernel drops them from L2 by whole lines), then the LSEs.
+    p.counters = static_cast<detail::SplitKvCounters*>(state.workspace);
+    p.part_o = reinterpret_cast<float*>(static_cast<char*>(state.workspace) + counters);
+    p.part_lse = p.part_o + partials * D;
   }
-  const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(p.num_splits),
-                  static_cast<unsigned>(p.batch * p.heads_kv));
-  if (cluster > 1) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(Shape::kThreads);
-    config.dynamicSmemBytes = Shape::kSmemBytes;
-    config.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = static_cast<unsigned>(cluster);
-    attr[0].val.clusterDim.z = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    SPARSA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-  } else {
-    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  p.merge_wait_ns = g_merge_wait_ns.load(std::memory_order_relaxed);
+  g_last_splits = p.num_splits;
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(p.num_splits),
+                        static_cast<unsigned>(p.batch * p.heads_kv));
+  config.blockDim = dim3(Shape::kThreads);
+  config.dynamicSmemBytes = Shape::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = g_split_kv_pdl.load(std::memory_order_relaxed) ? 1 : 0;
+  cudaError_t err = cudaLaunchKernelEx(&config, kernel, p);
+  if (err != cudaSuccess && config.numAttrs == 1) {  // no dependent launch here: plain launches from now on
+    cudaGetLastError();
+    g_split_kv_pdl.store(false);
+    config.numAttrs = 0;
+    err = cudaLaunchKernelEx(&config, kernel, p);
   }
+  SPARSA_CUDA_CHECK(err);
   SPARSA_CUDA_CHECK_LAUNCH();
-  if (p.num_partials > 1) {
-    constexpr int kRows = detail::kMergeRowsPerCta;
-    detail::split_kv_merge_kernel<T, D><<<static_cast<unsigned>(ceil_div(out_rows, kRows)), 32 * kRows, 0, stream>>>(p);
-    SPARSA_CUDA_CHECK_LAUNCH();
-  }
   return {};
 }
 
@@ -225,9 +251,28 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
 
 }  // namespace
 
-void set_split_kv_cluster_merge(bool on) { g_split_kv_cluster_merge.store(on); }
+detail::Route detail::last_dense_route() { return g_last_route; }
+int detail::last_split_kv_splits() { return g_last_splits; }
+unsigned long long detail::set_split_kv_merge_wait_ns(unsigned long long ns) { return g_merge_wait_ns.exchange(ns); }
+bool detail::split_kv_counters_zero(int device) {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  if (device < 0 || device >= kMaxDevices) return false;
+  const DeviceState& state = g_state[device];
+  if (state.workspace == nullptr) return true;
+  std::vector<detail::SplitKvCounters> counters(counter_bytes(state.sms) / sizeof(detail::SplitKvCounters));
+  if (cudaMemcpy(counters.data(), state.workspace, counters.size() * sizeof(detail::SplitKvCounters),
+                 cudaMemcpyDeviceToHost) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return std::all_of(counters.begin(), counters.end(), [](const detail::SplitKvCounters& c) {
+    return c.arrive == 0 && c.depart == 0 && c.withdrawn == 0;
+  });
+}
 
 Status attention(const sparsa::detail::AttentionParams& a) {
+  g_last_route = detail::Route::none;
+  g_last_splits = 0;
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {
     return unsupported_dtype(std::string("q: the cuda backend takes bf16 or f16, got ") + dtype_name(a.dtype));
   }
@@ -315,7 +360,11 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   }
   const cudaStream_t stream = nullptr;  // the default stream: callers synchronise as with any CUDA op
   const int head_dim = static_cast<int>(a.head_dim);
-  if (use_split_kv(a)) return split_kv(p, a.dtype, head_dim, device, stream);
+  if (use_split_kv(a)) {
+    g_last_route = detail::Route::split_kv;
+    return split_kv(p, a.dtype, head_dim, device, stream);
+  }
+  g_last_route = a.index == nullptr ? detail::Route::flash_dense : detail::Route::flash_block_sparse;
   return launch_flash(p, a.dtype, head_dim, a.index, stream);
 }
 

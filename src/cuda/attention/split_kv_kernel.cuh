@@ -6,26 +6,39 @@
 //  - GQA packing: the `group` query heads of one kv head are stacked into the M dimension of
 //    one tile (row r of the stack = query r % len_q of head h_kv * group + r / len_q), so every
 //    K/V byte is loaded from memory once per 64 stacked rows, not once per query head.
-//  - Split-KV: the key tiles of one kv head are cut into `num_splits` contiguous ranges, one CTA
-//    each (grid: m-tile, split, batch * heads_kv; m-tiles of a split run side by side and share
-//    K/V through L2). Each CTA runs the same online softmax as the flash executor and writes a
-//    partial (O normalised by its own sum, f32) and its LSE.
-//  - Merge of partials (O_s normalised by its own sum, LSE_s):
+//  - Split-KV: the key tiles of one kv head are dealt to `num_splits` CTAs, split s taking the
+//    contiguous tiles [s T / S, (s + 1) T / S) (grid: m-tile, split, batch * heads_kv; the m-tiles
+//    of a split run side by side and share K/V through L2). The host picks S so that the grid is
+//    exactly one wave of resident CTAs (attention.cu says why). Each CTA runs the same online
+//    softmax as the flash executor; with one split it writes O and LSE directly.
+//  - Merge, in the same kernel (no second launch). With S > 1 every CTA writes its partial (O
+//    normalised by its own sum, f32, and its LSE) to the workspace, rows of one (m-tile,
+//    batch * kv head) "merge group" laid out [row][split][D] so that one row's S partials are
+//    contiguous; then it arrives on the group's counter (threadfence, atomicAdd). The partials
+//    of a row merge as (DESIGN.md §1)
 //      LSE = m + log sum_s exp(LSE_s - m),  O = sum_s exp(LSE_s - LSE) O_s     (m = max_s LSE_s)
-//    The default: every split writes its partial to global memory and a second launch (one warp
-//    per output row) merges them and writes O in the input dtype and LSE; with one split the CTA
-//    writes O and LSE directly.
-//    Opt-in (set_split_kv_cluster_merge(true)): the `cluster` CTAs of consecutive splits form a
-//    thread-block cluster, put their partials in shared memory and each reduces 1/cluster of the
-//    rows over distributed shared memory, so one partial per cluster reaches global memory. It is
-//    correct (tested) but measured 1.6x slower on the H200 at 32K-128K (bench/RESULTS.md), so it
-//    is off; the cause (cluster placement limiting residency, or the cluster-wide barrier) is not
-//    yet measured.
+//    Who merges: the CTA that arrives last knows every partial is visible, and could merge all.
+//    Alone it would read all S x 64 partial rows (1 MB at S = 33, d 128) through one SM: at the
+//    ~100 GB/s one SM draws from L2 (an estimate, not measured here) ~10 us on the critical path
+//    of a ~45 us call. So the CTAs that arrived earlier wait for the count to reach S (they are
+//    resident: the grid is one wave), and then split s merges rows [s c, (s + 1) c) of the m-tile
+//    (c = ceil(rows / S), about 64 / S rows), all in parallel, with no further atomics. The wait
+//    is bounded (merge_wait_ns): a CTA that gives up records its split in the group's orphan list
+//    and merges nothing; the last CTA to depart (a third counter; it knows every CTA has arrived)
+//    merges the orphans' rows. So the result is the same and nothing hangs even if the CTAs of a
+//    group were not all resident at once. Each row is merged by exactly one CTA in a fixed order
+//    of splits, so the output does not depend on who merged it. The last CTA out also resets the
+//    group's counters to zero for the next call (the workspace is zeroed once, when allocated;
+//    no memset per call).
+//    After a row is merged its partial lines are dropped from L2 (discard.global.L2): they are
+//    dead, and written back (8.6 MB at the prefix shape, 264 CTAs x 32 KB) they would take HBM
+//    bandwidth from the next call's K/V stream.
+//  - Programmatic dependent launch: the kernel may be launched before the previous kernel in the
+//    stream has finished (the host asks for it); it waits for that kernel (griddepcontrol.wait)
+//    before touching global memory, and lets the next kernel launch once its own K/V loop is done.
 // K/V tiles stream through a STAGES-deep cp.async ring (STAGES - 1 tiles in flight while one is
 // computed); Q's fragments stay in registers for the whole key range.
 #pragma once
-
-#include <cooperative_groups.h>
 
 #include <cstdint>
 
@@ -33,6 +46,21 @@
 #include "cuda/common/mma.cuh"
 
 namespace sparsa::cuda::detail {
+
+constexpr int kSplitKvMaxSplits = 256;  // a split index fits the uint8_t orphan entries
+// How long a CTA waits for the rest of its merge group before leaving its rows to the last CTA
+// out. Resident CTAs of one wave arrive within microseconds of each other (equal work); the bound
+// only matters if they are not all resident, and then only delays, never changes, the result.
+constexpr unsigned long long kMergeWaitNs = 200'000;
+
+// One merge group's counters, zero between calls (orphan entries past `withdrawn` are unused);
+// 128-byte aligned so that groups polling their own counter do not share an L2 line.
+struct alignas(128) SplitKvCounters {
+  unsigned arrive;     // CTAs whose partial is written
+  unsigned depart;     // CTAs done with the counters
+  unsigned withdrawn;  // CTAs that stopped waiting; their splits are in orphan[0, withdrawn)
+  uint8_t orphan[kSplitKvMaxSplits];
+};
 
 struct SplitKvParams {
   const void* q = nullptr;
@@ -44,15 +72,15 @@ struct SplitKvParams {
   int batch = 0, heads_q = 0, heads_kv = 0, group = 1, len_q = 0, len_kv = 0;
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
 
-  int rows = 0;             // group * len_q: stacked query rows per kv head
-  int num_kv_tiles = 0;     // ceil(len_kv / BN)
-  int num_splits = 1;       // CTAs per (m-tile, batch, kv head) along the keys
-  int tiles_per_split = 0;  // key tiles per split (the last splits may have fewer, or none)
-  int cluster = 1;          // CTAs of consecutive splits merged in one cluster (1, 2, 4 or 8)
-  int num_partials = 1;     // num_splits / cluster: partials left for the merge kernel
-  // Partials, [num_partials][batch][heads_q][len_q] rows (O rows of head_dim floats); unused with one.
+  int rows = 0;          // group * len_q: stacked query rows per kv head
+  int num_kv_tiles = 0;  // ceil(len_kv / BN)
+  int num_splits = 1;    // CTAs per (m-tile, batch, kv head) along the keys, <= kSplitKvMaxSplits
+  // Workspace (unused with one split): partials [merge group][64 rows][num_splits] (O rows of
+  // head_dim floats; LSE floats) and one SplitKvCounters per merge group (m-tile fastest).
   float* part_o = nullptr;
   float* part_lse = nullptr;
+  SplitKvCounters* counters = nullptr;
+  unsigned long long merge_wait_ns = kMergeWaitNs;  // the bound on waiting for the merge group
 
   bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
   bool aligned_out = true;    // out base and strides allow 4-byte pair stores
@@ -64,6 +92,114 @@ struct SplitKvShape {
   static constexpr int kSmemBytes = (kBM + STAGES * 2 * BN) * D * 2;  // Q + STAGES x (K, V)
 };
 
+// ---- small wrappers over the PTX the merge and the dependent launch need ----
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+// Drops a 128-byte L2 line without writing it back; its contents become undefined.
+__device__ __forceinline__ void discard_l2_line(const void* p) {
+  asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(p) : "memory");
+}
+
+// Merges rows [rl_begin, rl_end) of the m-tile starting at stacked row row0 (merge group
+// `merge_group`) from their S partials and writes O and LSE. All 128 threads: thread t owns the
+// 4 columns from 4 * (t % (D/4)) and the splits s = t / (D/4) + j * kSlots (kSlots = 512 / D
+// "slots" of D/4 threads), which it accumulates with its own running maximum, kBatch splits' loads in
+// flight at a time; the slots then combine through shared memory, rescaled to the common maximum.
+// `scratch`: 4 * 128 + 16 floats of shared memory.
+template <class T, int D>
+__device__ void merge_rows(const SplitKvParams& p, float* scratch, int merge_group, int row0, int b, int h_kv,
+                           int rl_begin, int rl_end) {
+  constexpr int kThreads = 128, kQuads = D / 4, kSlots = kThreads / kQuads, kBM = 64;
+  constexpr int kBatch = D == 128 ? 16 : 8;  // loads in flight per thread (64 splits in one round at d 128)
+  constexpr int kLineFloats = 128 / 4;
+  const int S = p.num_splits, quad = threadIdx.x % kQuads, slot = threadIdx.x / kQuads;
+  float4* acc_s = reinterpret_cast<float4*>(scratch);  // [kSlots][kQuads]
+  float* max_s = scratch + 4 * kThreads;               // [kSlots]
+  float* sum_s = max_s + kSlots;                       // [kSlots]
+  for (int rl = rl_begin; rl < rl_end; ++rl) {
+    const int64_t first = (static_cast<int64_t>(merge_group) * kBM + rl) * S;  // partial (row, split 0)
+    const float* po = p.part_o + first * D;
+    const float* pl = p.part_lse + first;
+    float run_max = -INFINITY, run_sum = 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s0 = slot; s0 < S; s0 += kBatch * kSlots) {
+      float l[kBatch];
+      float4 x[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int s = s0 + k * kSlots;
+        l[k] = s < S ? __ldcg(pl + s) : -INFINITY;
+        x[k] = s < S ? __ldcg(reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * D) + quad)
+                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+      float m = run_max;
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) m = fmaxf(m, l[k]);
+      if (m == -INFINITY) continue;  // no split of this batch saw a key
+      const float rescale = expf(run_max - m);  // 0 while run_max is -inf
+      run_sum *= rescale;
+      acc.x *= rescale, acc.y *= rescale, acc.z *= rescale, acc.w *= rescale;
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const float w = expf(l[k] - m);  // 0 for a split that saw no key, and past S
+        run_sum += w;
+        acc.x += w * x[k].x, acc.y += w * x[k].y, acc.z += w * x[k].z, acc.w += w * x[k].w;
+      }
+      run_max = m;
+    }
+    acc_s[slot * kQuads + quad] = acc;
+    if (quad == 0) max_s[slot] = run_max, sum_s[slot] = run_sum;
+    __syncthreads();  // every slot's sums are in shared memory, and every load of this row is done
+    if (threadIdx.x < kQuads) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) m = fmaxf(m, max_s[j]);
+      float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      float sum = 0.0f;
+      if (m != -INFINITY) {
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j) {
+          const float f = expf(max_s[j] - m);  // 0 for a slot that saw no key
+          const float4 a = acc_s[j * kQuads + quad];
+          sum += f * sum_s[j];
+          o.x += f * a.x, o.y += f * a.y, o.z += f * a.z, o.w += f * a.w;
+        }
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int row = row0 + rl, h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
+      T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+      const int col = quad * 4;
+      const uint32_t packed[2] = {Pair<T>::pack(o.x * inv, o.y * inv), Pair<T>::pack(o.z * inv, o.w * inv)};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (p.aligned_out) {
+          *reinterpret_cast<uint32_t*>(out + col + 2 * e) = packed[e];
+        } else {
+          reinterpret_cast<uint16_t*>(out)[col + 2 * e] = static_cast<uint16_t>(packed[e] & 0xffffu);
+          reinterpret_cast<uint16_t*>(out)[col + 2 * e + 1] = static_cast<uint16_t>(packed[e] >> 16);
+        }
+      }
+      if (quad == 0) {
+        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
+            sum > 0.0f ? m + logf(sum) : -INFINITY;
+      }
+    }
+    // The row's partial O (S * D floats, 128-byte aligned) is dead: drop it from L2 unwritten.
+    for (int line = threadIdx.x; line < S * D / kLineFloats; line += kThreads) discard_l2_line(po + line * kLineFloats);
+    __syncthreads();  // before the next row overwrites the scratch
+  }
+}
+
 template <class T, int D, int BN, int STAGES>
 __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   using Shape = SplitKvShape<D, BN, STAGES>;
@@ -72,6 +208,7 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   constexpr uint32_t kTileBytes = BN * D * 2;
   constexpr float kLn2 = 0.69314718055994531f;
   extern __shared__ __align__(128) uint8_t smem[];
+  grid_dependency_wait();  // before any global memory access: the previous kernel has completed
   const uint32_t q_smem = smem_addr(smem);
   const uint32_t kv_smem = q_smem + BM * D * 2;  // stage s: K at 2s tiles, V at 2s + 1
   auto k_stage = [&](int s) { return kv_smem + 2 * s * kTileBytes; };
@@ -80,8 +217,10 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int row0 = blockIdx.x * BM, split = blockIdx.y;
   const int b = blockIdx.z / p.heads_kv, h_kv = blockIdx.z % p.heads_kv;
-  const int tile_begin = split * p.tiles_per_split;
-  const int num_tiles = max(0, min(tile_begin + p.tiles_per_split, p.num_kv_tiles) - tile_begin);
+  // Split s owns key tiles [s T / S, (s + 1) T / S): sizes differ by at most one tile.
+  const int tile_begin = static_cast<int>(static_cast<int64_t>(split) * p.num_kv_tiles / p.num_splits);
+  const int num_tiles =
+      static_cast<int>(static_cast<int64_t>(split + 1) * p.num_kv_tiles / p.num_splits) - tile_begin;
 
   // ---- Q: the stacked rows of this m-tile (rows past p.rows read as zeros) ----
   const uint16_t* q_all = static_cast<const uint16_t*>(p.q);
@@ -213,95 +352,19 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
     }
   }
   cp_async_wait<0>();
+  launch_dependents();  // K/V streamed: the next kernel in the stream may start launching
 
-  if (p.cluster > 1) {  // ---- merge inside the cluster, over distributed shared memory ----
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    constexpr int kStride = D + 4;  // floats per row of the partial O (padding against bank conflicts)
-    float* red_o = reinterpret_cast<float*>(smem + BM * D * 2);  // over the K/V stages: [BM][kStride]
-    float* red_lse = red_o + BM * kStride;                         // [BM]
-    static_assert(BM * (kStride + 1) * 4 <= STAGES * 2 * BN * D * 2, "the partial fits in the K/V stages");
-    __syncthreads();  // every warp is done with the stages
-    if (warp_active) {
+  if (p.num_splits == 1) {  // ---- one split: O / l and LSE straight to the output ----
+    if (!warp_active) return;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float l = row_sum[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const int rl = warp * 16 + g + 8 * r;
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-#pragma unroll
-        for (int n = 0; n < kDT; ++n)
-          *reinterpret_cast<float2*>(red_o + rl * kStride + n * 8 + 2 * c) =
-              make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-        if (c == 0) red_lse[rl] = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-      }
-    }
-    cluster.sync();  // every CTA's partial is visible to the cluster
-    const int C = p.cluster, rank = static_cast<int>(cluster.block_rank());
-    const int rows_per_rank = BM / C;
-    for (int idx = threadIdx.x; idx < rows_per_rank * (D / 4); idx += THREADS) {
-      const int rl = rank * rows_per_rank + idx / (D / 4), col = (idx % (D / 4)) * 4, row = row0 + rl;
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = row0 + warp * 16 + g + 8 * r;
       if (row >= p.rows) continue;
-      float lse_c[8], m = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        lse_c[k] = k < C ? *cluster.map_shared_rank(red_lse + rl, k) : -INFINITY;
-        m = fmaxf(m, lse_c[k]);
-      }
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sum = 0.0f;
-      if (m != -INFINITY) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          if (k >= C) break;
-          const float w = expf(lse_c[k] - m);  // 0 for a split that saw no key
-          sum += w;
-          const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red_o + rl * kStride + col, k));
-          acc[0] += w * x.x, acc[1] += w * x.y, acc[2] += w * x.z, acc[3] += w * x.w;
-        }
-      }
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const float lse = sum > 0.0f ? m + logf(sum) : -INFINITY;
       const int h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
-      if (p.num_partials == 1) {
-        T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const uint32_t packed = Pair<T>::pack(acc[e] * inv, acc[e + 1] * inv);
-          if (p.aligned_out) {
-            *reinterpret_cast<uint32_t*>(out + col + e) = packed;
-          } else {
-            reinterpret_cast<uint16_t*>(out)[col + e] = static_cast<uint16_t>(packed & 0xffffu);
-            reinterpret_cast<uint16_t*>(out)[col + e + 1] = static_cast<uint16_t>(packed >> 16);
-          }
-        }
-        if (col == 0) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = lse;
-      } else {
-        const int64_t prow = (static_cast<int64_t>(split / C) * p.batch + b) * p.heads_q * p.len_q +
-                             static_cast<int64_t>(h) * p.len_q + i;
-        *reinterpret_cast<float4*>(p.part_o + prow * D + col) =
-            make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
-        if (col == 0) p.part_lse[prow] = lse;
-      }
-    }
-    cluster.sync();  // no CTA leaves while another still reads its shared memory
-    return;
-  }
-
-  if (!warp_active) return;
-
-  // ---- epilogue: O / l and LSE, final (one split) or partial ----
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = row0 + warp * 16 + g + 8 * r;
-    if (row >= p.rows) continue;
-    const int h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const float lse = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-    if (p.num_partials == 1) {
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
 #pragma unroll
       for (int n = 0; n < kDT; ++n) {
@@ -314,77 +377,82 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
           reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
         }
       }
-      if (c == 0) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = lse;
-    } else {
-      const int64_t prow = ((static_cast<int64_t>(split) * p.batch + b) * p.heads_q + h) * p.len_q + i;
+      if (c == 0) {
+        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
+            l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      }
+    }
+    return;
+  }
+
+  // ---- several splits: this CTA's partial to the workspace ----
+  const int S = p.num_splits;
+  const int merge_group = blockIdx.z * gridDim.x + blockIdx.x;
+  if (warp_active) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int rl = warp * 16 + g + 8 * r;
+      if (row0 + rl >= p.rows) continue;
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int64_t prow = (static_cast<int64_t>(merge_group) * BM + rl) * S + split;
       float* po = p.part_o + prow * D;
 #pragma unroll
       for (int n = 0; n < kDT; ++n)
         *reinterpret_cast<float2*>(po + n * 8 + 2 * c) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-      if (c == 0) p.part_lse[prow] = lse;
+      if (c == 0) p.part_lse[prow] = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
     }
   }
-}
 
-// One warp per output row (batch, head, query): the LSE merge of the splits' partials. Lane l
-// holds the weight of split s0 + l of each chunk of 32 and broadcasts it by shuffle, so the
-// partial-O loads of a chunk do not wait on each other (8 in flight per lane); two rows per CTA
-// spread the merge over the whole chip. The partials were just written and mostly sit in L2.
-constexpr int kMergeRowsPerCta = 2;
-template <class T, int D>
-__global__ void __launch_bounds__(32 * kMergeRowsPerCta) split_kv_merge_kernel(const SplitKvParams p) {
-  constexpr int kPerLane = D / 32;  // 4 (D = 128) or 2 (D = 64) contiguous floats per lane
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeRowsPerCta + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const int i = static_cast<int>(row % p.len_q);
-  const int h = static_cast<int>(row / p.len_q % p.heads_q);
-  const int b = static_cast<int>(row / p.len_q / p.heads_q);
-
-  float m = -INFINITY;
-  for (int s = lane; s < p.num_partials; s += 32) m = fmaxf(m, p.part_lse[s * rows + row]);
-#pragma unroll
-  for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
-  float acc[kPerLane] = {};
-  float sum = 0.0f;  // per lane: the weights of its splits
-  if (m != -INFINITY) {
-    for (int s0 = 0; s0 < p.num_partials; s0 += 32) {
-      const int n = min(32, p.num_partials - s0);
-      const float w_lane = lane < n ? expf(p.part_lse[(s0 + lane) * rows + row] - m) : 0.0f;  // 0: no key
-      sum += w_lane;
-      const float* po = p.part_o + ((s0 * rows) + row) * D + lane * kPerLane;
-#pragma unroll 8
-      for (int j = 0; j < n; ++j) {
-        const float w = __shfl_sync(0xffffffffu, w_lane, j);
-        const float* x = po + j * rows * D;
-        if constexpr (kPerLane == 4) {
-          const float4 v = *reinterpret_cast<const float4*>(x);
-          acc[0] += w * v.x, acc[1] += w * v.y, acc[2] += w * v.z, acc[3] += w * v.w;
-        } else {
-          const float2 v = *reinterpret_cast<const float2*>(x);
-          acc[0] += w * v.x, acc[1] += w * v.y;
-        }
+  // ---- arrive; wait (bounded) for the group; merge this CTA's rows; depart ----
+  // Split s merges rows [s chunk, (s + 1) chunk) of the m-tile: about 64 / S rows per CTA.
+  SplitKvCounters* counters = p.counters + merge_group;
+  float* scratch = reinterpret_cast<float*>(smem);  // the Q and K/V stages are free now
+  int* flag = reinterpret_cast<int*>(scratch + 4 * THREADS + 64);
+  const int valid_rows = min(BM, p.rows - row0);
+  const int chunk = (valid_rows + S - 1) / S;
+  auto merge_chunk = [&](int s) {
+    merge_rows<T, D>(p, scratch, merge_group, row0, b, h_kv, min(valid_rows, s * chunk), min(valid_rows, (s + 1) * chunk));
+  };
+  __threadfence();  // this thread's partial stores are visible device-wide ...
+  __syncthreads();  // ... for every thread, before the arrival (and every warp is done with the stages)
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned ticket = atomicAdd(&counters->arrive, 1u);
+    bool ready = ticket + 1 >= static_cast<unsigned>(S);  // the last arrival: every partial is written
+    if (!ready) {
+      const unsigned long long start = global_timer_ns();
+      while (!(ready = load_acquire(&counters->arrive) >= static_cast<unsigned>(S)) &&
+             global_timer_ns() - start < p.merge_wait_ns) {
+        __nanosleep(256);
       }
     }
-  }
-#pragma unroll
-  for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-#pragma unroll
-  for (int e = 0; e < kPerLane; e += 2) {
-    const int col = lane * kPerLane + e;
-    const uint32_t packed = Pair<T>::pack(acc[e] * inv, acc[e + 1] * inv);
-    if (p.aligned_out) {
-      *reinterpret_cast<uint32_t*>(out + col) = packed;
-    } else {
-      reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
-      reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
+    if (!ready) {  // give this CTA's rows to the last CTA out of the group
+      const unsigned entry = atomicAdd(&counters->withdrawn, 1u);
+      counters->orphan[entry] = static_cast<uint8_t>(split);
     }
+    __threadfence();  // ready: acquire, the partials the count stands for are visible to this CTA;
+                      // withdrawn: the orphan entry is visible before the departure below
+    flag[0] = ready;
   }
-  if (lane == 0) {
-    p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = sum > 0.0f ? m + logf(sum) : -INFINITY;
+  __syncthreads();
+  if (flag[0]) merge_chunk(split);
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(&counters->depart, 1u) + 1 == static_cast<unsigned>(S);
+    if (last) __threadfence();  // acquire: every CTA's partial and orphan entry is visible
+    flag[1] = last ? static_cast<int>(load_acquire(&counters->withdrawn)) : -1;
+  }
+  __syncthreads();
+  const int orphans = flag[1];
+  if (orphans >= 0) {  // the last CTA out: merge the rows of the CTAs that stopped waiting, then reset
+    for (int k = 0; k < orphans; ++k) merge_chunk(__ldcg(&counters->orphan[k]));
+    if (threadIdx.x == 0) {  // no CTA of the group touches the counters any more
+      atomicExch(&counters->arrive, 0u);
+      atomicExch(&counters->depart, 0u);
+      atomicExch(&counters->withdrawn, 0u);
+    }
   }
 }
 

@@ -1,0 +1,29 @@
+// Internal test hooks of the cuda backend: which executor the last attention() call on this
+// thread launched, so that tests can prove a shape reaches the executor they mean to exercise;
+// and the split-KV merge's waiting bound, so that tests can force its fallback. Not public API;
+// only built with the CUDA backend.
+#pragma once
+
+namespace sparsa::cuda::detail {
+
+enum class Route {
+  none,                // none (the call was refused before dispatch, or no call yet)
+  flash_dense,         // flash_kernel.cuh over every key tile
+  flash_block_sparse,  // flash_kernel.cuh over a BlockIndex
+  split_kv,            // split_kv_kernel.cuh (dense, few queries, long KV)
+};
+
+// The executor the last attention() call on this thread was dispatched to.
+Route last_dense_route();
+// The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
+int last_split_kv_splits();
+// How long a split-KV CTA waits for the rest of its merge group before leaving its rows to the
+// last CTA out (split_kv_kernel.cuh; default kMergeWaitNs). 0: every CTA that is not the last
+// to arrive, and does not see the count complete at its first look, leaves its rows (the
+// fallback path). Process-wide; for tests. Returns the previous bound.
+unsigned long long set_split_kv_merge_wait_ns(unsigned long long ns);
+// Waits for the device and reads back the split-KV merge counters of `device`: true when every
+// arrive / depart / withdrawn count is zero, as each call must leave them (or no workspace yet).
+bool split_kv_counters_zero(int device);
+
+}  // namespace sparsa::cuda::detail

@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <sstream>
+#include <cstdio>
 
 #include "core/attention_params.h"
 #include "cpu/parallel.h"
@@ -62,28 +62,36 @@ double LlsaPlan::mean_keys_per_query() const {
   return total / static_cast<double>(len);
 }
 
+// Built with std::string appends rather than a std::ostringstream: the Python module may run in
+// a process whose C++ runtime is another copy than the one it was linked with, and stream
+// formatting goes through that runtime's locale state.
 std::string LlsaPlan::to_string(int64_t b, int64_t h, int64_t max_rows) const {
-  std::ostringstream os;
-  os << "llsa plan: len " << len << ", block " << block << ", topk " << topk << ", levels " << levels
-     << ", enrich " << (enrich ? "on" : "off") << ", dedupe " << (dedupe ? "on" : "off") << "\n";
-  os << "level lengths:";
-  for (int64_t n : level_len) os << " " << n;
-  os << "\nbatch " << b << ", head " << h << "\n";
+  using std::to_string;
+  std::string os = "llsa plan: len " + to_string(len) + ", block " + to_string(block) + ", topk " +
+                   to_string(topk) + ", levels " + to_string(levels) + ", enrich " + (enrich ? "on" : "off") +
+                   ", dedupe " + (dedupe ? "on" : "off") + "\n";
+  os += "level lengths:";
+  for (int64_t n : level_len) os += " " + to_string(n);
+  os += "\nbatch " + to_string(b) + ", head " + to_string(h) + "\n";
   for (int l = levels; l >= 1; --l) {
-    os << "level " << l << " (" << level_len[l] << " query tokens; "
-       << (l == levels ? "top-k of all level tokens" : "top-k of the children of the parent's picks")
-       << (l == 1 ? "; picks are fine key blocks" : "") << ")\n";
+    os += "level " + to_string(l) + " (" + to_string(level_len[l]) + " query tokens; " +
+          (l == levels ? "top-k of all level tokens" : "top-k of the children of the parent's picks") +
+          (l == 1 ? "; picks are fine key blocks" : "") + ")\n";
     const int64_t rows = max_rows > 0 ? std::min(max_rows, level_len[l]) : level_len[l];
     for (int64_t i = 0; i < rows; ++i) {
-      os << "  q " << i << ":";
+      os += "  q " + to_string(i) + ":";
       const int n = pick_count(l, b, h, i);
-      for (int s = 0; s < n; ++s) os << " " << pick(l, b, h, i, s);
-      os << "\n";
+      for (int s = 0; s < n; ++s) os += " " + to_string(pick(l, b, h, i, s));
+      os += "\n";
     }
-    if (rows < level_len[l]) os << "  ... (" << level_len[l] - rows << " more)\n";
+    if (rows < level_len[l]) os += "  ... (" + to_string(level_len[l] - rows) + " more)\n";
   }
-  if (b == 0 && h == 0) os << "mean keys per query: " << mean_keys_per_query() << "\n";
-  return os.str();
+  if (b == 0 && h == 0) {
+    char mean[32];
+    std::snprintf(mean, sizeof mean, "%g", mean_keys_per_query());
+    os += std::string("mean keys per query: ") + mean + "\n";
+  }
+  return os;
 }
 
 BlockIndexBuffer LlsaPlan::fine_index() const {

@@ -123,10 +123,10 @@ void launch_rung1(const FlashParams& p) {
   CHECK(cudaGetLastError());
 }
 
-template <int BN, bool PV_WAIT>
+template <int BN, int STAGES>
 void launch_rung2(const FlashParams& p) {
-  using Shape = WgmmaShape<128, BN>;
-  auto kernel = flash_wgmma_kernel<__nv_bfloat16, 128, BN, PV_WAIT>;
+  using Shape = WgmmaShape<128, BN, STAGES>;
+  auto kernel = flash_wgmma_kernel<__nv_bfloat16, 128, BN, STAGES>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
   kernel<<<dim3(p.num_q_blocks, p.heads_q, 1), Shape::kThreads, Shape::kSmemBytes>>>(p);
   CHECK(cudaGetLastError());
@@ -171,9 +171,9 @@ int main(int argc, char** argv) {
       {"1f 4w x32r BN64", 128, 64, launch_rung1<4, 64, 2, false, 1>},
       {"1g 8w x32r BN64", 256, 64, launch_rung1<8, 64, 2, false, 1>},
       {"1h 8w x32r BN32", 256, 32, launch_rung1<8, 32, 2, false, 1>},
-      {"2a wgmma BN128", 128, 128, launch_rung2<128, false>},
-      {"2b wgmma BN128 PV wait", 128, 128, launch_rung2<128, true>},
-      {"2c wgmma BN64", 128, 64, launch_rung2<64, false>},
+      {"2a wgmma BN128 2 stages", 128, 128, launch_rung2<128, 2>},
+      {"2e wgmma BN128 3 stages", 128, 128, launch_rung2<128, 3>},
+      {"2f wgmma BN64 3 stages", 128, 64, launch_rung2<64, 3>},
   };
   // Check every variant against rung 0 (4 heads, N = 1000: partial tiles on both sides).
   if (!profile) {

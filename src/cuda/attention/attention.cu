@@ -25,7 +25,8 @@ using detail::SplitKvParams;
 // The promoted rung of bench/cuda/flash_ladder.cu: rung 2, wgmma (flash_wgmma_kernel.cuh), 128-row
 // query tiles (a 128-token query block is exactly one CTA) and key tiles of 128 tokens (64 when
 // the plan's key blocks are at most 64 tokens, so a small block does not pay for a half-empty tile).
-constexpr int kRows = detail::WgmmaShape<64, 64>::kBM;
+constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
+constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
 
 Status check_pointer(const char* name, const void* ptr, int device) {
   cudaPointerAttributes attr{};
@@ -47,8 +48,8 @@ Status check_pointer(const char* name, const void* ptr, int device) {
 
 template <class T, int D, int BN>
 Status launch(const FlashParams& p, cudaStream_t stream) {
-  using Shape = detail::WgmmaShape<D, BN>;
-  auto kernel = detail::flash_wgmma_kernel<T, D, BN>;
+  using Shape = detail::WgmmaShape<D, BN, kStages>;
+  auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
   static const cudaError_t configured = [&] {  // once per instantiation
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
     return err != cudaSuccess ? err

@@ -27,27 +27,30 @@
 
 namespace sparsa::cuda::detail {
 
-template <int D, int BN>
+template <int D, int BN, int STAGES>
 struct WgmmaShape {
   static constexpr int kBM = 128;  // two warpgroups x 64 rows
   static constexpr int kThreads = 256;
   static constexpr int kQBytes = kBM * D * 2;
   static constexpr int kKVBytes = BN * D * 2;  // one stage of K (or V)
-  static constexpr int kSmemBytes = kQBytes + 4 * kKVBytes + 1024;  // + slack to align the base to 1024
+  static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 1024;  // + slack to align the base
 };
 
-// PV_WAIT: wait for P V at the end of its own tile instead of letting it run into the next one.
-template <class T, int D, int BN, bool PV_WAIT = false>
+// STAGES: K/V tiles in shared memory, 2 or 3. With 2, the prefetch of tile t+1 waits for a second
+// barrier per tile (both warpgroups done with P V of tile t-1); with 3 it is issued right after the
+// first, into the stage of tile t-2.
+template <class T, int D, int BN, int STAGES>
 __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p) {
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
-  using Shape = WgmmaShape<D, BN>;
+  static_assert(STAGES == 2 || STAGES == 3, "two or three K/V stages");
+  using Shape = WgmmaShape<D, BN, STAGES>;
   constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
   constexpr int kDT = D / 8;   // 8-wide accumulator tiles along head_dim
   constexpr int kNT = BN / 8;  // 8-wide score tiles along the key tile
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t q_smem = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
-  const uint32_t k_smem = q_smem + Shape::kQBytes;             // 2 stages
-  const uint32_t v_smem = k_smem + 2 * Shape::kKVBytes;        // 2 stages
+  const uint32_t k_smem = q_smem + Shape::kQBytes;             // STAGES stages
+  const uint32_t v_smem = k_smem + STAGES * Shape::kKVBytes;   // STAGES stages
 
   const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / 32;
   const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
@@ -85,10 +88,10 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
     gather_tokens<QCopy>(token, q_begin, q_end, perm_q, p.perm_q_stride[2], p.len_q);
     QCopy::copy(q_smem, q_base, p.q_stride[2], p.aligned_loads, token);
   }
-  int load_begin = 0, load_end = 0;
+  int cur_begin = 0, cur_end = 0;  // key range of tile t
   if (num_tiles > 0) {
-    tiles.next(p, load_begin, load_end);
-    load_kv(load_begin, load_end, 0);
+    tiles.next(p, cur_begin, cur_end);
+    load_kv(cur_begin, cur_end, 0);
   }
   cp_async_commit();
 
@@ -115,12 +118,21 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
   float(&o_flat)[kDT * 4] = reinterpret_cast<float(&)[kDT * 4]>(o);
   float(&s_flat)[kNT * 4] = reinterpret_cast<float(&)[kNT * 4]>(s);
 
+  int stage = 0;  // of tile t
+  int next_begin = 0, next_end = 0;
+  auto prefetch = [&](int t) {  // tile t + 1 into the next stage
+    if (t + 1 < num_tiles) {
+      tiles.next(p, next_begin, next_end);
+      load_kv(next_begin, next_end, stage + 1 == STAGES ? 0 : stage + 1);
+    }
+    cp_async_commit();
+  };
   for (int t = 0; t < num_tiles; ++t) {
-    const int stage = t & 1;
-    const int valid = load_end - load_begin;  // of tile t (CTA-uniform)
+    const int valid = cur_end - cur_begin;  // CTA-uniform
     cp_async_wait<0>();  // tile t (and Q) landed
     fence_proxy_async();
-    __syncthreads();
+    __syncthreads();  // ... for every thread; and every warpgroup waited for P V of tile t - 2
+    if constexpr (STAGES == 3) prefetch(t);
     if (valid > 0) {
       wgmma_fence();
 #pragma unroll
@@ -130,12 +142,10 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
     wgmma_wait<0>();  // S_t and P V_{t-1}
     fence_registers(s_flat);
     fence_registers(o_flat);
-    __syncthreads();  // both warpgroups are done with stage t - 1
-    if (t + 1 < num_tiles) {
-      tiles.next(p, load_begin, load_end);
-      load_kv(load_begin, load_end, stage ^ 1);
+    if constexpr (STAGES == 2) {
+      __syncthreads();  // both warpgroups are done with the stage of tile t - 1
+      prefetch(t);
     }
-    cp_async_commit();
     if (valid > 0) {
       float alpha[2];
       uint32_t p_frag[kNT / 2][4];
@@ -146,8 +156,9 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::template rs<1>(o_flat, p_frag[kk], v_desc(stage, kk), 1);
       wgmma_commit();
-      if constexpr (PV_WAIT) wgmma_wait<0>();
     }
+    cur_begin = next_begin, cur_end = next_end;
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
   wgmma_wait<0>();
   fence_registers(o_flat);

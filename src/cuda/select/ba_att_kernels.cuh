@@ -212,13 +212,15 @@ __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T
 
 constexpr int kTile = 64, kTileK = 16, kLogitThreads = 256;
 
-// grid (ceil(nk / 64), ceil(nq / 64), batch * heads_q); logits [batch * heads_q, nq, nk].
+// grid (ceil(nk / 64), ceil(nq / 64), batch * heads_q); logits [batch * heads_q, nq, nk]. Each
+// thread computes a 4x4 patch (rows 4*ty.., columns 4*tx..), reading its operands from shared
+// memory as float4; F % 4 == 0 (every kind when d % 4 == 0) loads the tiles as float4 too.
 __global__ void __launch_bounds__(kLogitThreads)
     block_logits_kernel(const float* __restrict__ query_features, const float* __restrict__ key_features,
                         float* __restrict__ logits, int nq, int nk, int64_t F, int heads_q, int group, int heads_kv,
                         ErrorWord* err) {
-  __shared__ float a_tile[kTileK][kTile + 4];
-  __shared__ float b_tile[kTileK][kTile + 4];
+  __shared__ __align__(16) float a_tile[kTileK][kTile + 4];
+  __shared__ __align__(16) float b_tile[kTileK][kTile + 4];
   const int64_t z = blockIdx.z;
   const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
   const float* A = query_features + z * nq * F;
@@ -226,38 +228,55 @@ __global__ void __launch_bounds__(kLogitThreads)
   const int row0 = blockIdx.y * kTile, col0 = blockIdx.x * kTile;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int load_row = threadIdx.x / 4, load_col = (threadIdx.x % 4) * 4;
+  const int ra = row0 + load_row, rb = col0 + load_row;
+  const bool vector_loads = F % 4 == 0;
   float acc[4][4] = {};
   for (int64_t f0 = 0; f0 < F; f0 += kTileK) {
+    float av[4] = {}, bv[4] = {};
+    if (vector_loads) {  // f0 + load_col < F implies all four are in range
+      if (f0 + load_col < F) {
+        if (ra < nq) {
+          const float4 x = *reinterpret_cast<const float4*>(A + ra * F + f0 + load_col);
+          av[0] = x.x, av[1] = x.y, av[2] = x.z, av[3] = x.w;
+        }
+        if (rb < nk) {
+          const float4 x = *reinterpret_cast<const float4*>(B + rb * F + f0 + load_col);
+          bv[0] = x.x, bv[1] = x.y, bv[2] = x.z, bv[3] = x.w;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const bool in_f = f0 + load_col + u < F;
+        av[u] = ra < nq && in_f ? A[ra * F + f0 + load_col + u] : 0.0f;
+        bv[u] = rb < nk && in_f ? B[rb * F + f0 + load_col + u] : 0.0f;
+      }
+    }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int c = load_col + u;
-      const int ra = row0 + load_row, rb = col0 + load_row;
-      const bool in_f = f0 + c < F;
-      a_tile[c][load_row] = ra < nq && in_f ? A[ra * F + f0 + c] : 0.0f;
-      b_tile[c][load_row] = rb < nk && in_f ? B[rb * F + f0 + c] : 0.0f;
+      a_tile[load_col + u][load_row] = av[u];
+      b_tile[load_col + u][load_row] = bv[u];
     }
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < kTileK; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = a_tile[kk][ty + 16 * i];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) bv[j] = b_tile[kk][tx + 16 * j];
+      const float4 a4 = *reinterpret_cast<const float4*>(&a_tile[kk][4 * ty]);
+      const float4 b4 = *reinterpret_cast<const float4*>(&b_tile[kk][4 * tx]);
+      const float a[4] = {a4.x, a4.y, a4.z, a4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
     }
     __syncthreads();
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int r = row0 + ty + 16 * i;
+    const int r = row0 + 4 * ty + i;
     if (r >= nq) continue;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int c = col0 + tx + 16 * j;
+      const int c = col0 + 4 * tx + j;
       if (c >= nk) continue;
       const int64_t flat = (z * nq + r) * nk + c;
       if (!isfinite(acc[i][j])) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));

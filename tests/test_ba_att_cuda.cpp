@@ -40,6 +40,7 @@
 
 #include "core/attention_params.h"
 #include "core/backends.h"
+#include "cuda/select/ba_att_keys.h"
 #include "methods/ba_att/ba_att_impl.h"
 #include "sparsa/attention.h"
 #include "sparsa/ba_att.h"
@@ -128,6 +129,63 @@ TEST(BaAttCuda, HostPlanToHostIsItself) {
   auto bad = DeviceArray::allocate(DType::i32, {4}, Device{});
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("expected a cuda device"), std::string::npos);
+}
+
+// The integer keys the device sorts by encode the CPU's orders (host-checked, no device needed).
+TEST(BaAttCuda, RowKeysOrderAsSelectBlocks) {
+  using namespace sparsa::cuda::ba_att;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float den = std::numeric_limits<float>::denorm_min();
+  const std::vector<float> logits = {3.5f, -0.0f, 0.0f, -inf,  inf,   den, -den, 3.5f, -2.25f, 1e-30f,
+                                     -1e30f, 7.0f, 0.0f, -0.0f, 1e30f, 2.0f, -2.25f, den};
+  const int64_t n = static_cast<int64_t>(logits.size());
+  std::vector<uint64_t> keys(n);
+  for (int64_t j = 0; j < n; ++j) {
+    keys[j] = order_key(logits[j], static_cast<int32_t>(j));
+    EXPECT_EQ(index_of(keys[j]), j);
+    const float back = logit_of(keys[j]);
+    EXPECT_TRUE(back == logits[j]) << j;  // -0 comes back as +0, which compares equal
+  }
+  std::vector<int64_t> by_key(n), expected(n);
+  std::iota(by_key.begin(), by_key.end(), 0);
+  std::iota(expected.begin(), expected.end(), 0);
+  std::sort(by_key.begin(), by_key.end(), [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+  std::stable_sort(expected.begin(), expected.end(),
+                   [&](int64_t a, int64_t b) { return static_cast<double>(logits[a]) > static_cast<double>(logits[b]); });
+  EXPECT_EQ(by_key, expected);
+  // and the first kappa keys, ascending, are select_blocks' top-kappa set
+  std::vector<double> key(logits.begin(), logits.end()), weight(n, 1.0);
+  for (int64_t kappa : {1, 2, 5, 9, 18}) {
+    std::vector<int32_t> want(n);
+    want.resize(select_blocks(key.data(), weight.data(), nullptr, n, Budget::top_kappa(kappa), want.data()));
+    std::vector<int32_t> got(by_key.begin(), by_key.begin() + kappa);
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, want) << "kappa " << kappa;
+  }
+}
+
+TEST(BaAttCuda, NormKeysSortAsNormSortWithinSegments) {
+  using namespace sparsa::cuda::ba_att;
+  // Two rows of 12 tokens, windows of 4: ties, zeros and a wide range of norms.
+  const std::vector<float> norms = {2.0f, 0.0f, 2.0f, 1e-38f, 5.0f, 5.0f, 0.5f, 3e38f, 1.0f, 1.0f, 0.0f, 7.0f,
+                                    9.0f, 8.0f, 7.0f, 6.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.25f, 4.0f, 0.25f, 1e-45f};
+  const int64_t len = 12, window = 4, windows = 3;
+  std::vector<uint64_t> keys(norms.size());
+  std::vector<int32_t> order(norms.size());
+  for (size_t g = 0; g < norms.size(); ++g) {
+    const int64_t row = g / len, i = g % len;
+    keys[g] = norm_key(static_cast<uint64_t>(row * windows + i / window), norms[g]);
+    order[g] = static_cast<int32_t>(i);
+  }
+  std::vector<size_t> idx(norms.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return keys[a] < keys[b]; });
+  for (int64_t row = 0; row < 2; ++row) {
+    std::vector<double> row_norms(norms.begin() + row * len, norms.begin() + (row + 1) * len);
+    std::vector<int32_t> expected(len);
+    norm_sort(row_norms.data(), len, window, expected.data());
+    for (int64_t p = 0; p < len; ++p) EXPECT_EQ(order[idx[row * len + p]], expected[p]) << row << " " << p;
+  }
 }
 
 #if defined(SPARSA_WITH_CUDA)

@@ -24,6 +24,8 @@
 
 #include <cstdint>
 
+#include "cuda/select/ba_att_keys.h"
+
 namespace sparsa::cuda::ba_att {
 
 // The first (lowest flat index) offending item per kind; ~0 (memset 0xff) when none.
@@ -75,8 +77,7 @@ __global__ void __launch_bounds__(32 * kNormWarps)
   if (!isfinite(norm)) atomicMin(&err->first[err_slot], static_cast<unsigned long long>(g));
   if (norms != nullptr) norms[g] = norm;
   if (keys != nullptr) {
-    const uint64_t segment = static_cast<uint64_t>(bh * windows_per_row + i / window);
-    keys[g] = (segment << 32) | __float_as_uint(norm);
+    keys[g] = norm_key(static_cast<uint64_t>(bh * windows_per_row + i / window), norm);
     values[g] = static_cast<int32_t>(i);
   }
 }
@@ -290,19 +291,6 @@ __global__ void __launch_bounds__(kLogitThreads)
 constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 
-// Sort key: ascending key order = descending logit, ties to the lower index (select_blocks' order).
-// -0 becomes +0 first: the CPU compares them equal, so they must tie here too.
-__device__ __forceinline__ uint64_t order_key(float logit, int32_t index) {
-  if (logit == 0.0f) logit = 0.0f;
-  uint32_t u = __float_as_uint(logit);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending floats -> ascending u
-  return (static_cast<uint64_t>(~u) << 32) | static_cast<uint32_t>(index);
-}
-__device__ __forceinline__ float logit_of(uint64_t key) {
-  const uint32_t u = ~static_cast<uint32_t>(key >> 32);
-  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
-}
-
 struct SelectArgs {
   const float* logits = nullptr;  // [rows, nk]
   int64_t rows = 0;
@@ -399,7 +387,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
     __syncthreads();
     bitonic_sort(keys, a.sort_size);
     const int keep = a.mass ? mass_keep(keys, a.nk, a.tau) : a.keep;
-    for (int p = threadIdx.x; p < keep; p += blockDim.x) flags[static_cast<uint32_t>(keys[p])] = 1;
+    for (int p = threadIdx.x; p < keep; p += blockDim.x) flags[index_of(keys[p])] = 1;
     __syncthreads();
     // The kept blocks in ascending order: a CTA-wide stream compaction of the flags.
     int32_t* out = a.indices + row * a.capacity;

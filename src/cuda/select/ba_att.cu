@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdint>
 #include <cmath>
 #include <cub/device/device_radix_sort.cuh>
 #include <mutex>
@@ -183,15 +184,50 @@ Sizes size_run(const Request& r, int device, bool select) {
   return s;
 }
 
+// Rows of x can be read with 16-byte loads: d a multiple of kVector<T>, every row 16-byte aligned.
+template <class T>
+bool vector_rows(const Tensor& x) {
+  constexpr int V = kVector<T>;
+  bool ok = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.shape[3] % V == 0;
+  for (int d = 0; d < 3; ++d) ok = ok && x.strides[d] % V == 0;
+  return ok;
+}
+
+// Step 1's first kernel (norms, and sort keys when keys != null), vector path when possible.
+template <class T>
+Status launch_norms(const Tensor& x, int64_t window, int64_t windows, uint64_t* keys, int32_t* values, float* norms,
+                    ErrorWord* err, int err_slot) {
+  const int64_t tokens = x.shape[0] * x.shape[1] * x.shape[2];
+  const unsigned grid = static_cast<unsigned>((tokens + kNormWarps - 1) / kNormWarps);
+  if (vector_rows<T>(x)) {
+    norm_keys_kernel<T, true><<<grid, 32 * kNormWarps>>>(input_of<T>(x), tokens, window, windows, keys, values, norms,
+                                                         err, err_slot);
+  } else {
+    norm_keys_kernel<T, false><<<grid, 32 * kNormWarps>>>(input_of<T>(x), tokens, window, windows, keys, values,
+                                                          norms, err, err_slot);
+  }
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return {};
+}
+
 template <class T>
 Status sort_by_norm(const Tensor& x, int64_t tokens, int64_t window, int64_t windows, int end_bit, int err_slot,
                     const Scratch& w, size_t temp_bytes, int32_t* perm) {
-  const unsigned grid = static_cast<unsigned>((tokens + kNormWarps - 1) / kNormWarps);
-  norm_keys_kernel<T><<<grid, 32 * kNormWarps>>>(input_of<T>(x), tokens, window, windows, w.keys_in, w.values_in,
-                                                 nullptr, w.err, err_slot);
-  SPARSA_CUDA_CHECK_LAUNCH();
+  SPARSA_RETURN_IF_ERROR(launch_norms<T>(x, window, windows, w.keys_in, w.values_in, nullptr, w.err, err_slot));
   SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w.sort_temp, temp_bytes, w.keys_in, w.keys_out, w.values_in, perm,
                                                     tokens, 0, end_bit, nullptr));
+  return {};
+}
+
+template <class T, bool kQuery, bool kStaged>
+Status launch_features(const Tensor& x, const FeatureArgs& a, size_t smem) {
+  auto kernel = block_features_kernel<T, kQuery, kStaged>;
+  if (smem > 48 * 1024) {
+    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  const dim3 grid(static_cast<unsigned>(a.num_blocks), static_cast<unsigned>(x.shape[0] * x.shape[1]));
+  kernel<<<grid, kFeatureThreads, smem>>>(input_of<T>(x), a);
+  SPARSA_CUDA_CHECK_LAUNCH();
   return {};
 }
 
@@ -207,11 +243,12 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
   a.num_blocks = static_cast<int>(num_blocks);
   a.perm = perm;
   a.features = out;
-  const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(x.shape[0] * x.shape[1]));
-  const size_t smem = feature_smem_bytes(kind, static_cast<int>(p.head_dim));
-  block_features_kernel<T, kQuery><<<grid, kFeatureThreads, smem>>>(input_of<T>(x), a);
-  SPARSA_CUDA_CHECK_LAUNCH();
-  return {};
+  const int d = static_cast<int>(p.head_dim);
+  const int staged_rows = static_cast<int>(std::min<int64_t>(block, x.shape[2]));
+  const bool staged = (kind == kPlain || kind == kDiagonal) && vector_rows<T>(x) &&
+                      static_cast<size_t>(staged_rows) * d * sizeof(T) <= kMaxStagedBytes;
+  const size_t smem = feature_smem_bytes(kind, d, staged, staged_rows, sizeof(T));
+  return staged ? launch_features<T, kQuery, true>(x, a, smem) : launch_features<T, kQuery, false>(x, a, smem);
 }
 
 // The budget's fixed count (top_kappa, density), as select_blocks computes it; 0 for mass.
@@ -432,25 +469,17 @@ Status token_norms(const Tensor& x, HostArray* norms) {
   auto err = DeviceArray::allocate(DType::i32, {static_cast<int64_t>(sizeof(ErrorWord) / 4)}, x.device);
   if (!err.ok()) return err.status();
   SPARSA_CUDA_CHECK(cudaMemsetAsync(err->data(), 0xff, sizeof(ErrorWord), nullptr));
-  const int64_t tokens = x.shape[0] * x.shape[1] * x.shape[2];
-  const unsigned grid = static_cast<unsigned>((tokens + kNormWarps - 1) / kNormWarps);
   auto* e = static_cast<ErrorWord*>(err->data());
-  switch (x.dtype) {
-    case DType::bf16:
-      norm_keys_kernel<__nv_bfloat16><<<grid, 32 * kNormWarps>>>(input_of<__nv_bfloat16>(x), tokens, 1, 1, nullptr,
-                                                                 nullptr, out->ptr<float>(), e, kErrQNorm);
-      break;
-    case DType::f16:
-      norm_keys_kernel<__half><<<grid, 32 * kNormWarps>>>(input_of<__half>(x), tokens, 1, 1, nullptr, nullptr,
-                                                          out->ptr<float>(), e, kErrQNorm);
-      break;
-    case DType::f32:
-      norm_keys_kernel<float><<<grid, 32 * kNormWarps>>>(input_of<float>(x), tokens, 1, 1, nullptr, nullptr,
-                                                         out->ptr<float>(), e, kErrQNorm);
-      break;
-    case DType::i32: return unsupported_dtype("x: expected bf16, f16 or f32, got i32");
-  }
-  SPARSA_CUDA_CHECK_LAUNCH();
+  const Status launched = [&]() -> Status {
+    switch (x.dtype) {
+      case DType::bf16: return launch_norms<__nv_bfloat16>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
+      case DType::f16: return launch_norms<__half>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
+      case DType::f32: return launch_norms<float>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
+      case DType::i32: break;
+    }
+    return unsupported_dtype("x: expected bf16, f16 or f32, got i32");
+  }();
+  SPARSA_RETURN_IF_ERROR(launched);
   auto host = out->to_host();
   if (!host.ok()) return host.status();
   *norms = std::move(host).value();

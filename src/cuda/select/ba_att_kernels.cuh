@@ -55,9 +55,15 @@ struct Input {
 
 constexpr int kNormWarps = 8;
 
+// 16-byte loads of a row: kVector<T> elements each. The launcher takes the vector path when d is a
+// multiple of it and every row starts 16-byte aligned (vector_rows() in ba_att.cu).
+template <class T> constexpr int kVector = 16 / static_cast<int>(sizeof(T));
+
 // token g = bh * len + i. keys / values may be null (norms only); norms may be null.
 // window: tokens per sort window (len for a global sort); windows_per_row = ceil(len / window).
-template <class T>
+// The vector and scalar paths sum in different orders: both the sort and token_norms() (the
+// tests' view of the norms) pick the path with the same rule, so they see the same f32 norms.
+template <class T, bool kVectorRows>
 __global__ void __launch_bounds__(32 * kNormWarps)
     norm_keys_kernel(Input<T> x, int64_t total, int64_t window, int64_t windows_per_row, uint64_t* keys,
                      int32_t* values, float* norms, ErrorWord* err, int err_slot) {
@@ -67,9 +73,23 @@ __global__ void __launch_bounds__(32 * kNormWarps)
   const int64_t bh = g / x.len, i = g % x.len;
   const T* row = x.row(bh, i);
   float sum = 0.0f;
-  for (int t = lane; t < x.d; t += 32) {
-    const float v = to_float(row[t]);
-    sum = fmaf(v, v, sum);
+  if constexpr (kVectorRows) {
+    constexpr int V = kVector<T>;
+    for (int c = lane; c < x.d / V; c += 32) {
+      const uint4 raw = reinterpret_cast<const uint4*>(row)[c];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const float v = to_float(e[u]);
+        sum = fmaf(v, v, sum);
+      }
+    }
+  } else {
+#pragma unroll 4
+    for (int t = lane; t < x.d; t += 32) {
+      const float v = to_float(row[t]);
+      sum = fmaf(v, v, sum);
+    }
   }
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane != 0) return;
@@ -111,21 +131,29 @@ constexpr int kFeatureThreads = 128;
 constexpr int kCovTokens = 8;  // tokens staged in shared memory per covariance step
 constexpr int kCovRegs = 8;    // covariance entries per thread per pass
 
-__host__ __device__ inline size_t feature_smem_bytes(int kind, int d) {
+constexpr size_t kMaxStagedBytes = 64 * 1024;  // a block's tokens staged in shared memory up to this
+
+// Dynamic shared memory: mean and var [d] each, then either the block's tokens (staged) or
+// kCovTokens deviation rows (exact / trace).
+__host__ __device__ inline size_t feature_smem_bytes(int kind, int d, bool staged, int block, size_t elem_bytes) {
   const bool cov = kind == kTrace || kind == kExact;
-  return static_cast<size_t>(2 + (cov ? kCovTokens : 0)) * d * sizeof(float);
+  size_t bytes = static_cast<size_t>(2 + (cov ? kCovTokens : 0)) * d * sizeof(float);
+  if (staged) bytes += static_cast<size_t>(block) * d * elem_bytes;
+  return bytes;
 }
 
 // grid (num_blocks, batch * heads). Query side: a = [scale*mean, c*var, c*mean^2] (diagonal),
 // [scale*mean, c*vec cov] (trace), [scale*mean, c*vec cov, c*vec(mean mean')] (exact).
 // Key side: b = [mean, mean^2 + var, var], [mean, vec cov], [mean, vec(cov + mean mean'), vec cov].
-template <class T, bool kQuery>
+// kStaged: the block's token rows are first copied to shared memory with 16-byte loads (one
+// global read, many loads in flight); else both passes read global memory (any layout).
+template <class T, bool kQuery, bool kStaged>
 __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T> x, FeatureArgs a) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   const int d = x.d;
   float* mean = smem;           // [d]
   float* var = smem + d;        // [d]
-  float* dev = smem + 2 * d;    // [kCovTokens, d] deviations (exact / trace)
+  float* dev = smem + 2 * d;    // [kCovTokens, d] deviations (exact / trace, never staged)
   const int blk = blockIdx.x;
   const int64_t bh = blockIdx.y;
   const int begin = blk * a.block;
@@ -134,19 +162,43 @@ __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T
   auto token = [&](int p) -> int64_t { return perm != nullptr ? perm[p] : p; };
   const float inv_n = 1.0f / static_cast<float>(n);
 
-  for (int t = threadIdx.x; t < d; t += blockDim.x) {
-    float sum = 0.0f;
+  if constexpr (kStaged) {
+    constexpr int V = kVector<T>;
+    T* rows = reinterpret_cast<T*>(smem + 2 * d);  // [n, d]; 2d floats keep 16-byte alignment (d % V == 0)
+    const int chunks = d / V;
 #pragma unroll 4
-    for (int p = begin; p < begin + n; ++p) sum += to_float(x.row(bh, token(p))[t]);
-    const float m = sum / static_cast<float>(n);
-    float sq = 0.0f;
-#pragma unroll 4
-    for (int p = begin; p < begin + n; ++p) {
-      const float dv = to_float(x.row(bh, token(p))[t]) - m;
-      sq = fmaf(dv, dv, sq);
+    for (int idx = threadIdx.x; idx < n * chunks; idx += blockDim.x) {
+      const int p = idx / chunks, c = idx % chunks;
+      reinterpret_cast<uint4*>(rows + p * d)[c] = reinterpret_cast<const uint4*>(x.row(bh, token(begin + p)))[c];
     }
-    mean[t] = m;
-    var[t] = sq * inv_n;
+    __syncthreads();
+    for (int t = threadIdx.x; t < d; t += blockDim.x) {
+      float sum = 0.0f;
+      for (int p = 0; p < n; ++p) sum += to_float(rows[p * d + t]);
+      const float m = sum / static_cast<float>(n);
+      float sq = 0.0f;
+      for (int p = 0; p < n; ++p) {
+        const float dv = to_float(rows[p * d + t]) - m;
+        sq = fmaf(dv, dv, sq);
+      }
+      mean[t] = m;
+      var[t] = sq * inv_n;
+    }
+  } else {
+    for (int t = threadIdx.x; t < d; t += blockDim.x) {
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int p = begin; p < begin + n; ++p) sum += to_float(x.row(bh, token(p))[t]);
+      const float m = sum / static_cast<float>(n);
+      float sq = 0.0f;
+#pragma unroll 4
+      for (int p = begin; p < begin + n; ++p) {
+        const float dv = to_float(x.row(bh, token(p))[t]) - m;
+        sq = fmaf(dv, dv, sq);
+      }
+      mean[t] = m;
+      var[t] = sq * inv_n;
+    }
   }
   __syncthreads();
 
@@ -167,7 +219,7 @@ __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T
       }
     }
   }
-  if (a.kind != kTrace && a.kind != kExact) return;
+  if (kStaged || (a.kind != kTrace && a.kind != kExact)) return;
 
   // Covariance entries e = i * d + j, kCovRegs per thread per pass, over tokens staged kCovTokens
   // at a time as deviations from the mean (the two-pass form of cpu.cpp).

@@ -567,6 +567,8 @@ std::vector<Case> cases() {
   add("f16", [](Case& c) { c.dtype = DType::f16; c.head_dim = 128; c.block_q = c.block_kv = 128; c.len_q = 700; });
   add("f32_plan_only", [](Case& c) { c.dtype = DType::f32; });
   add("strided_batch2", [](Case& c) { c.batch = 2; c.seq_pad = 8; c.len_kv = 513; });
+  // Rows not 16-byte aligned: the scalar paths of the norm and statistics kernels.
+  add("unaligned_rows", [](Case& c) { c.seq_pad = 3; c.len_q = 333; c.heads_q = 4; });
   // Many key blocks per row: 5000 (sorted in >48 KiB of shared memory) and 10000 (the global
   // memory fallback of the row sort).
   add("nk5000_shared", [](Case& c) {

@@ -126,9 +126,10 @@ struct Scratch {
   uint64_t* select_scratch = nullptr;
 };
 
-Scratch carve(Carver& c, const BaAttParams& p, const Sizes& s, bool select) {
+Scratch carve(Carver& c, const Request& r, const Sizes& s, bool select) {
+  const BaAttParams& p = r.params;
   Scratch w;
-  const int64_t tokens = std::max(s.tokens_q, s.tokens_k);
+  const int64_t tokens = std::max(r.sort_q ? s.tokens_q : 0, r.sort_k ? s.tokens_k : 0);
   w.err = c.take<ErrorWord>(1);
   w.keys_in = c.take<uint64_t>(tokens);
   w.keys_out = c.take<uint64_t>(tokens);
@@ -150,6 +151,11 @@ Status check_request(const Request& r) {
     return invalid_argument("q: the cuda selector takes sequences of at most 2^31 - 1 tokens, got len_q " +
                             std::to_string(p.len_q) + ", len_kv " + std::to_string(p.len_kv));
   }
+  if (p.batch * p.heads_q * p.len_q > kInt32Max || p.batch * p.heads_kv * p.len_kv > kInt32Max) {
+    return invalid_argument("q: the cuda selector takes at most 2^31 - 1 tokens per input (batch * heads * len), "
+                            "got " + std::to_string(p.batch * p.heads_q * p.len_q) + " in q and " +
+                            std::to_string(p.batch * p.heads_kv * p.len_kv) + " in k");
+  }
   if (p.batch * p.heads_q > 65535) {
     return invalid_argument("q: the cuda selector takes batch * heads_q <= 65535, got " +
                             std::to_string(p.batch * p.heads_q));
@@ -161,7 +167,7 @@ Status check_request(const Request& r) {
   return {};
 }
 
-Sizes size_run(const Request& r, int device, bool select) {
+Sizes size_run(const Request& r, int device) {
   const BaAttParams& p = r.params;
   Sizes s;
   s.tokens_q = p.batch * p.heads_q * p.len_q;
@@ -180,7 +186,6 @@ Sizes size_run(const Request& r, int device, bool select) {
   int sms = 132;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   s.select_ctas = static_cast<int>(std::min<int64_t>(s.rows, s.global_select ? 2 * sms : kInt32Max));
-  (void)select;
   return s;
 }
 
@@ -297,7 +302,7 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   const BaAttParams& p = r.params;
   const int device = p.q.device.id;
   const bool select = plan != nullptr;
-  Sizes s = size_run(r, device, select);
+  Sizes s = size_run(r, device);
 
   // CUB's scratch size is a host-side computation (no launch).
   size_t temp_q = 0, temp_k = 0;
@@ -316,7 +321,7 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   std::lock_guard<std::mutex> lock(g_mutex);
   Workspace& ws = g_workspace[device];
   Carver measure;
-  carve(measure, p, s, select);
+  carve(measure, r, s, select);
   if (measure.used > ws.bytes) {
     if (ws.ptr != nullptr) SPARSA_CUDA_CHECK(cudaFree(ws.ptr));
     ws.ptr = nullptr;
@@ -325,7 +330,7 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     ws.bytes = measure.used;
   }
   Carver carver{static_cast<char*>(ws.ptr)};
-  const Scratch w = carve(carver, p, s, select);
+  const Scratch w = carve(carver, r, s, select);
   SPARSA_CUDA_CHECK(cudaMemsetAsync(w.err, 0xff, sizeof(ErrorWord), nullptr));
 
   // Step 1: norms and the stable sort, into the plan's permutations.

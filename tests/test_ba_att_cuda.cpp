@@ -506,7 +506,7 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
 
   // Plan + executor (bf16/f16 only): O against cpu_ref attention under the device's plan.
   if (!c.run_executor || c.dtype == DType::f32) return;
-  Input v = make_input(c, c.heads_kv, c.len_kv, c.seed + 200, 0.0f);
+  Input v = make_input(c, c.heads_kv, c.len_kv, c.seed + 200, 0.3f);
   auto out = ba_att(q.device_view, k.device_view, v.device_view, options_of(c, Backend::cuda));
   ASSERT_TRUE(out.ok()) << out.status().to_string();
   AttentionOptions ref_opt;

@@ -531,7 +531,7 @@ TEST(BaAtt, BadArgumentsGiveClearErrors) {
   expect_error(o, "beta: expected a finite number");
   o = {};
   o.backend = Backend::cuda;
-  expect_error(o, "backend: ba_att has no cuda selector");
+  expect_error(o, "q: the cuda backend expected a tensor on a cuda device, got cpu");
   o = {};
   o.scale = -1.0f;
   expect_error(o, "scale:");

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "sparsa/attention.h"
+#include "sparsa/ba_att.h"
 
 using namespace sparsa;
 
@@ -132,6 +133,86 @@ int sparsa_bench_dense_loop(void* q, void* k, void* v, void* out, void* lse, int
     std::sort(times.begin(), times.end());
     *median_ms = times[times.size() / 2];
   }
+  return 0;
+}
+
+// ---- BA-Att on the device: selection alone, the executor alone, both end to end -----------------
+// Contiguous bf16/f16 [batch, heads, len, head_dim] device tensors (self-attention: len_q = len_kv),
+// block x block blocks, budget = density (a fraction of key blocks per query block), the defaults
+// otherwise (global norm sort of q and k, diagonal compensation, beta 1). Each time is the median
+// of `iters` CUDA-event-timed calls after `warmup` untimed ones:
+//   *select_ms   ba_att_plan(Backend::cuda) (it ends with one device synchronisation: its error check);
+//   *executor_ms block_sparse on that plan;
+//   *total_ms    ba_att(q, k, v, out, lse) (plan + executor, what a caller pays);
+//   *visited     the fraction of (query, key) token pairs the plan visits.
+int sparsa_bench_ba_att(void* q, void* k, void* v, void* out, void* lse, int is_f16, int64_t batch, int64_t heads_q,
+                        int64_t heads_kv, int64_t len, int64_t head_dim, int block, double density, int warmup,
+                        int iters, float* select_ms, float* executor_ms, float* total_ms, double* visited, char* err,
+                        int err_len) {
+  const Device gpu{DeviceType::cuda, 0};
+  const DType dt = is_f16 ? DType::f16 : DType::bf16;
+  const Tensor tq = Tensor::contiguous(q, dt, {batch, heads_q, len, head_dim}, gpu);
+  const Tensor tk = Tensor::contiguous(k, dt, {batch, heads_kv, len, head_dim}, gpu);
+  const Tensor tv = Tensor::contiguous(v, dt, {batch, heads_kv, len, head_dim}, gpu);
+  const Tensor tout = Tensor::contiguous(out, dt, {batch, heads_q, len, head_dim}, gpu);
+  const Tensor tlse = Tensor::contiguous(lse, DType::f32, {batch, heads_q, len}, gpu);
+  BaAttOptions o;
+  o.block_q = o.block_kv = block;
+  o.budget = Budget::density(density);
+  o.backend = Backend::cuda;
+  AttentionOptions exec;
+  exec.backend = Backend::cuda;
+  auto fail = [&](const std::string& msg) {
+    std::snprintf(err, err_len, "%s", msg.c_str());
+    return 1;
+  };
+  // Times f() as the median of `iters` event-timed calls after max(warmup, 1) untimed ones.
+  auto time = [&](auto&& f, float* median_ms) -> std::string {
+    for (int i = 0; i < std::max(warmup, 1); ++i) {
+      const Status st = f();
+      if (!st.ok()) return st.to_string();
+    }
+    if (cudaDeviceSynchronize() != cudaSuccess) return cudaGetErrorString(cudaGetLastError());
+    std::vector<float> times;
+    cudaEvent_t start, stop;
+    cudaEventCreate(&start);
+    cudaEventCreate(&stop);
+    for (int i = 0; i < iters; ++i) {
+      cudaEventRecord(start);
+      const Status st = f();
+      cudaEventRecord(stop);
+      if (!st.ok()) return st.to_string();
+      if (cudaEventSynchronize(stop) != cudaSuccess) return cudaGetErrorString(cudaGetLastError());
+      float ms = 0;
+      cudaEventElapsedTime(&ms, start, stop);
+      times.push_back(ms);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    if (!times.empty()) {
+      std::sort(times.begin(), times.end());
+      *median_ms = times[times.size() / 2];
+    }
+    return {};
+  };
+  BlockIndexBuffer plan;
+  std::string e = time(
+      [&]() -> Status {
+        auto p = ba_att_plan(tq, tk, o);
+        if (!p.ok()) return p.status();
+        plan = std::move(p).value();
+        return {};
+      },
+      select_ms);
+  if (!e.empty()) return fail(e);
+  auto host = plan.to_host();
+  if (!host.ok()) return fail(host.status().to_string());
+  *visited = block_index_density(host->view(), len, len);
+  const BlockIndex index = plan.view();
+  e = time([&] { return block_sparse(tq, tk, tv, index, tout, tlse, exec); }, executor_ms);
+  if (!e.empty()) return fail(e);
+  e = time([&] { return ba_att(tq, tk, tv, tout, tlse, o); }, total_ms);
+  if (!e.empty()) return fail(e);
   return 0;
 }
 

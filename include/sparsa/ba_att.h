@@ -20,6 +20,9 @@
 // GQA: query head h scores the key blocks of kv head h / (heads_q / heads_kv).
 // The plan is a BlockIndexBuffer with perm_q / perm_kv; ba_att() runs it through
 // sparsa::block_sparse, which returns O in the original token order.
+// Backend::cuda (q, k on a cuda device) computes all four steps on the device and returns a
+// plan in device memory (BlockIndexBuffer::on_device()); docs/ba_att.md says how its f32
+// arithmetic differs from the CPU's f64.
 #pragma once
 
 #include <cstdint>
@@ -94,7 +97,11 @@ struct BaAttScores {
 Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttOptions& options = {});
 // Steps 1-4: the plan.
 Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaAttOptions& options = {});
-// Plan + block_sparse (same backend). O in the original order of q.
+// Plan + block_sparse (same backend). O in the original order of q. With Backend::cuda, q, k,
+// v live on one cuda device (bf16 or f16 for the executor), the plan is built on that device
+// and the allocating form copies O and LSE back to the host.
+Status ba_att(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+              const BaAttOptions& options = {});
 Result<AttentionOutput> ba_att(const Tensor& q, const Tensor& k, const Tensor& v,
                                const BaAttOptions& options = {});
 

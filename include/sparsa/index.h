@@ -41,8 +41,18 @@ struct BlockIndexBuffer {
   HostArray indices;
   HostArray perm_q;   // empty() when absent
   HostArray perm_kv;  // empty() when absent
+  // A plan built by a cuda selector keeps the same four arrays in device memory instead; the
+  // HostArrays above stay empty then.
+  DeviceArray device_counts;
+  DeviceArray device_indices;
+  DeviceArray device_perm_q;   // empty() when absent
+  DeviceArray device_perm_kv;  // empty() when absent
 
+  bool on_device() const { return !device_counts.empty(); }
+  // Views of whichever arrays the plan holds (device tensors for a device plan).
   BlockIndex view() const;
+  // A host copy of a device plan (a host plan is returned as it is).
+  Result<BlockIndexBuffer> to_host() const;
 
   // Every query block visits every key block (dense as a plan).
   static BlockIndexBuffer full(int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_kv,

@@ -97,6 +97,35 @@ class HostArray {
   std::vector<std::byte> bytes_;  // aligned enough for every dtype (operator new)
 };
 
+// An owning, contiguous array in the memory of a CUDA device (what the cuda backend's
+// selectors return their plans in). cudaMalloc'd on creation, freed when the last copy goes:
+// copies share the storage (unlike HostArray, whose copies are deep). In a build without CUDA
+// allocate() reports `unsupported`.
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  // Uninitialised unless zero_fill.
+  static Result<DeviceArray> allocate(DType dtype, std::vector<int64_t> shape, Device device, bool zero_fill = false);
+
+  Tensor view() const;
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t numel() const;
+  size_t nbytes() const { return numel() * dtype_size(dtype_); }
+  bool empty() const { return storage_ == nullptr; }  // default-constructed (absent)
+  void* data() const { return storage_.get(); }
+  template <class T> T* ptr() const { return static_cast<T*>(storage_.get()); }
+  // A host copy (synchronises with the device's default stream).
+  Result<HostArray> to_host() const;
+
+ private:
+  DType dtype_ = DType::f32;
+  Device device_{DeviceType::cuda, 0};
+  std::vector<int64_t> shape_;
+  std::shared_ptr<void> storage_;
+};
+
 // Conversions between storage dtypes and f32 (round to nearest even).
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);

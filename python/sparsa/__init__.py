@@ -227,7 +227,8 @@ def llsa_plan(q, k, *, block: int = 16, topk: int = 8, levels: int = -1, enrich:
 # ---- block selectors: BA-Att and XAttention ----------------------------------------------
 #
 # Selectors run on the CPU and return a BlockIndex of numpy arrays, which block_sparse
-# accepts beside any CPU array. The budget is one of three keywords (default as in the core):
+# accepts beside any CPU array; ba_att_plan on CUDA arrays runs on the device and returns
+# device arrays. The budget is one of three keywords (default as in the core):
 #   top_kappa=K   the K highest-scoring key blocks per query block;
 #   density=F     ceil(F * num_kv_blocks) key blocks per query block, F in (0, 1];
 #   tau=T         the fewest key blocks whose softmax mass reaches T of the row, T in (0, 1].
@@ -247,8 +248,27 @@ def _budget(top_kappa, density, tau, default: Tuple[str, float]) -> Tuple[str, f
     return name, float(value)
 
 
-def _plan(d: dict) -> BlockIndex:
-    return BlockIndex(d["block_q"], d["block_kv"], d["counts"], d["indices"], d["perm_q"], d["perm_kv"])
+def _from_dlpack(like: Any, array: Any) -> Any:
+    """A device plan array (a DLPack capsule owner) as an array of q's framework, zero copy."""
+    if array is None:
+        return None
+    fw = _framework(like)
+    if fw == "torch":
+        import torch
+
+        return torch.from_dlpack(array)
+    if fw == "cupy":
+        import cupy
+
+        return cupy.from_dlpack(array)
+    return array
+
+
+def _plan(d: dict, like: Any = None) -> BlockIndex:
+    arrays = [d[name] for name in ("counts", "indices", "perm_q", "perm_kv")]
+    if d.get("on_device", False):
+        arrays = [_from_dlpack(like, a) for a in arrays]
+    return BlockIndex(d["block_q"], d["block_kv"], *arrays)
 
 
 def ba_att_plan(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
@@ -267,10 +287,14 @@ def ba_att_plan(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = T
 
     Returns a BlockIndex whose ``perm_q`` / ``perm_kv`` (int32, or None without sort_q /
     sort_k) say which original token sits at each permuted position; block_sparse reads
-    q[perm_q], k[perm_kv] and writes the output back in the original order."""
+    q[perm_q], k[perm_kv] and writes the output back in the original order.
+
+    With ``backend="cuda"`` (or ``"auto"`` on CUDA arrays) the whole selection runs on q's
+    device and the plan's arrays stay there: torch (or cupy) CUDA tensors for torch (cupy)
+    inputs, zero copy; block_sparse / ba_att take them as they are."""
     kind, value = _budget(top_kappa, density, tau, ("density", 0.5))
     return _plan(_core.ba_att_plan(q, k, block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
-                                   beta, kind, value, scale, backend, num_threads, check_finite))
+                                   beta, kind, value, scale, backend, num_threads, check_finite), like=q)
 
 
 @dataclass

@@ -151,9 +151,35 @@ BlockIndex make_index(const InArray& counts, const InArray& indices, const std::
   return ix;
 }
 
-// A selector's plan as a dict of numpy arrays (perm_q / perm_kv None when absent).
+// A DLPack array over device memory that owns its DeviceArray (the Python package hands it to
+// torch.from_dlpack / cupy.from_dlpack, zero copy).
+nb::ndarray<> to_device_ndarray(DeviceArray&& array) {
+  auto* owned = new DeviceArray(std::move(array));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<DeviceArray*>(p); });
+  std::vector<size_t> shape(owned->shape().begin(), owned->shape().end());
+  const nb::dlpack::dtype dt = nb::dtype<int32_t>();  // plans are int32
+  return nb::ndarray<>(owned->data(), shape.size(), shape.data(), owner, nullptr, dt, nb::device::cuda::value,
+                       owned->device().id);
+}
+
+// A selector's plan as a dict of numpy arrays (perm_q / perm_kv None when absent); a plan built
+// on a cuda device gives DLPack device arrays and on_device = True.
 nb::dict plan_dict(BlockIndexBuffer&& plan) {
   nb::dict d;
+  if (plan.on_device()) {
+    d["block_q"] = plan.block_q;
+    d["block_kv"] = plan.block_kv;
+    d["on_device"] = true;
+    d["counts"] = to_device_ndarray(std::move(plan.device_counts));
+    d["indices"] = to_device_ndarray(std::move(plan.device_indices));
+    d["perm_q"] = plan.device_perm_q.empty() ? nb::none()
+                                             : nb::object(nb::cast(to_device_ndarray(std::move(plan.device_perm_q))));
+    d["perm_kv"] = plan.device_perm_kv.empty()
+                       ? nb::none()
+                       : nb::object(nb::cast(to_device_ndarray(std::move(plan.device_perm_kv))));
+    return d;
+  }
+  d["on_device"] = false;
   d["block_q"] = plan.block_q;
   d["block_kv"] = plan.block_kv;
   d["counts"] = to_numpy(std::move(plan.counts));
@@ -299,7 +325,7 @@ NB_MODULE(_sparsa, m) {
       "q"_a, "k"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false,
       "max_rows"_a = 8, "The LLSA selection plan: levels, keys per query, the fine BlockIndex, a printout.");
 
-  // ---- block selectors: BA-Att and XAttention (plans on the CPU) ----
+  // ---- block selectors: BA-Att (CPU or cuda) and XAttention (CPU) ----
   auto ba_att_options = [](int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
                            bool compensate, const std::string& compensation, float beta,
                            const std::string& budget_kind, double budget_value, std::optional<float> scale,
@@ -338,7 +364,7 @@ NB_MODULE(_sparsa, m) {
       },
       "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "sort_q"_a, "sort_k"_a, "sort_window"_a, "compensate"_a,
       "compensation"_a, "beta"_a, "budget_kind"_a, "budget_value"_a, "scale"_a.none(), "backend"_a,
-      "num_threads"_a, "check_finite"_a, "The BA-Att plan (Algorithm 1) as a dict of numpy arrays.");
+      "num_threads"_a, "check_finite"_a, "The BA-Att plan (Algorithm 1) as a dict of numpy arrays (DLPack device arrays with backend cuda).");
   m.def(
       "ba_att_scores",
       [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,

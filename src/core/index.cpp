@@ -1,6 +1,7 @@
 #include "sparsa/index.h"
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "core/attention_params.h"
@@ -14,11 +15,36 @@ BlockIndex BlockIndexBuffer::view() const {
   ix.block_kv = block_kv;
   ix.num_q_blocks = num_q_blocks;
   ix.num_kv_blocks = num_kv_blocks;
+  if (on_device()) {
+    ix.counts = device_counts.view();
+    ix.indices = device_indices.view();
+    if (!device_perm_q.empty()) ix.perm_q = device_perm_q.view();
+    if (!device_perm_kv.empty()) ix.perm_kv = device_perm_kv.view();
+    return ix;
+  }
   ix.counts = counts.view();
   ix.indices = indices.view();
   if (!perm_q.empty()) ix.perm_q = perm_q.view();
   if (!perm_kv.empty()) ix.perm_kv = perm_kv.view();
   return ix;
+}
+
+Result<BlockIndexBuffer> BlockIndexBuffer::to_host() const {
+  if (!on_device()) return *this;
+  BlockIndexBuffer h;
+  h.block_q = block_q;
+  h.block_kv = block_kv;
+  h.num_q_blocks = num_q_blocks;
+  h.num_kv_blocks = num_kv_blocks;
+  std::pair<const DeviceArray*, HostArray*> parts[] = {
+      {&device_counts, &h.counts}, {&device_indices, &h.indices}, {&device_perm_q, &h.perm_q}, {&device_perm_kv, &h.perm_kv}};
+  for (auto [from, to] : parts) {
+    if (from->empty()) continue;
+    auto copy = from->to_host();
+    if (!copy.ok()) return copy.status();
+    *to = std::move(copy).value();
+  }
+  return h;
 }
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

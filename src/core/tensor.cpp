@@ -1,5 +1,7 @@
 #include "sparsa/tensor.h"
 
+#include "core/backends.h"
+
 #include <bit>
 #include <cstring>
 #include <stdexcept>
@@ -91,6 +93,38 @@ int64_t HostArray::numel() const {
 
 Tensor HostArray::view() const {
   return Tensor::contiguous(const_cast<std::byte*>(bytes_.data()), dtype_, shape_);
+}
+
+Result<DeviceArray> DeviceArray::allocate(DType dtype, std::vector<int64_t> shape, Device device, bool zero_fill) {
+  if (device.type != DeviceType::cuda) {
+    return invalid_argument("DeviceArray: expected a cuda device, got " + device_name(device));
+  }
+  DeviceArray a;
+  a.dtype_ = dtype;
+  a.device_ = device;
+  a.shape_ = std::move(shape);
+  for (int64_t s : a.shape_) {
+    if (s < 0) return invalid_argument("DeviceArray: negative extent in shape");
+  }
+  void* ptr = nullptr;
+  SPARSA_RETURN_IF_ERROR(cuda::malloc_device(device.id, a.nbytes(), zero_fill, &ptr));
+  const int id = device.id;
+  a.storage_ = std::shared_ptr<void>(ptr, [id](void* p) { cuda::free_device(id, p); });
+  return a;
+}
+
+int64_t DeviceArray::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape_) n *= s;
+  return n;
+}
+
+Tensor DeviceArray::view() const { return Tensor::contiguous(storage_.get(), dtype_, shape_, device_); }
+
+Result<HostArray> DeviceArray::to_host() const {
+  HostArray h(dtype_, shape_);
+  if (nbytes() > 0) SPARSA_RETURN_IF_ERROR(cuda::copy_to_host(device_.id, storage_.get(), nbytes(), h.data()));
+  return h;
 }
 
 namespace {

@@ -1,11 +1,27 @@
 // Built instead of the CUDA sources when SPARSA_CUDA is off.
 #include "core/backends.h"
+#include "methods/ba_att/ba_att_impl.h"
 
 namespace sparsa::cuda {
 bool compiled_in() { return false; }
 int device_count() { return 0; }
 std::string device_description(int) { return "CUDA not compiled in"; }
+Status malloc_device(int, size_t, bool, void** ptr) {
+  *ptr = nullptr;
+  return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build (no device memory)"};
+}
+void free_device(int, void*) {}
+Status copy_to_host(int, const void*, size_t, void*) {
+  return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
+}
 Status attention(const detail::AttentionParams&) {
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
 }
 }  // namespace sparsa::cuda
+
+namespace sparsa::ba_att_cuda {
+static Status not_compiled() { return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"}; }
+Status plan(const Request&, BlockIndexBuffer*) { return not_compiled(); }
+Status scores(const Request&, BaAttScores*) { return not_compiled(); }
+Status token_norms(const Tensor&, HostArray*) { return not_compiled(); }
+}  // namespace sparsa::ba_att_cuda

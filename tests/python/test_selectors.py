@@ -493,8 +493,8 @@ def test_ba_att_budget_type_error(qk):
         sparsa.ba_att_plan(*qk, density="half")
 
 
-def test_ba_att_cuda_backend_is_unsupported(qk):
-    with pytest.raises(RuntimeError, match=r"backend: ba_att has no cuda selector yet"):
+def test_ba_att_cuda_backend_refuses_host_arrays(qk):
+    with pytest.raises(ValueError, match=r"q: the cuda backend expected a tensor on a cuda device, got cpu"):
         sparsa.ba_att_plan(*qk, backend="cuda")
 
 

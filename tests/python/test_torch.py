@@ -107,6 +107,31 @@ def test_ba_att_on_cpu_torch_tensors():
         st.to_block_mask(plan, 70, 90)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_ba_att_plan_on_cuda_tensors_stays_on_the_device():
+    if "cuda" not in sparsa.backends():
+        pytest.skip("sparsa built without the cuda backend")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    plan = sparsa.ba_att_plan(q, k, block_q=128, block_kv=128, top_kappa=2)
+    for a in (plan.counts, plan.indices, plan.perm_q, plan.perm_kv):
+        assert isinstance(a, torch.Tensor) and a.is_cuda and a.dtype == torch.int32
+    assert plan.counts.shape == (1, 4, 3) and (plan.counts == 2).all()
+    assert plan.perm_q.shape == (1, 4, 300) and plan.perm_kv.shape == (1, 2, 333)
+    assert (plan.perm_kv.sort(dim=-1).values == torch.arange(333, device="cuda", dtype=torch.int32)).all()
+    out, lse = sparsa.ba_att(q, k, v, block_q=128, block_kv=128, top_kappa=2)
+    assert out.is_cuda and out.dtype == torch.bfloat16 and lse.is_cuda
+    # the executor under the same plan on the CPU (f32 copies)
+    host = sparsa.BlockIndex(128, 128, plan.counts.cpu().numpy(), plan.indices.cpu().numpy(),
+                             plan.perm_q.cpu().numpy(), plan.perm_kv.cpu().numpy())
+    ref, _ = sparsa.block_sparse(q.float().cpu().numpy(), k.float().cpu().numpy(), v.float().cpu().numpy(), host,
+                                 backend="cpu_ref")
+    err = np.linalg.norm(out.float().cpu().numpy() - ref) / np.linalg.norm(ref)
+    assert err < 4 * 2.0 ** -8, err
+
+
 def test_xattention_plan_to_block_mask():
     pytest.importorskip("torch.nn.attention.flex_attention")
     g = torch.Generator().manual_seed(3)

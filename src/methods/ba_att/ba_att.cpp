@@ -33,7 +33,24 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-Status check_qk(const Tensor& q, const Tensor& k) { return detail::check_query_key(q, k, Device{}); }
+// q and k where the backend needs them: host memory for cpu / cpu_ref, one cuda device for cuda
+// (placement is checked before availability, so the message names the argument everywhere).
+Status check_inputs(const Tensor& q, const Tensor& k, const BaAttOptions& o) {
+  if (o.backend != Backend::cuda) return detail::check_query_key(q, k, Device{});
+  if (q.data != nullptr && q.device.type != DeviceType::cuda) {
+    return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
+  }
+  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, q.device));
+  if (!backend_available(Backend::cuda)) {
+    return {StatusCode::unsupported, "backend: 'cuda' is not available in this build (not compiled in or no device)"};
+  }
+  if (o.check_finite) {
+    return {StatusCode::unsupported,
+            "check_finite: not available on the cuda backend (the cuda selector refuses NaN/Inf norms and "
+            "logits by itself; scan v on the host first)"};
+  }
+  return {};
+}
 
 Status check_options(const BaAttOptions& o, int64_t head_dim) {
   if (o.block_q <= 0) return invalid_argument("block_q: expected a block size > 0 tokens, got " + std::to_string(o.block_q));
@@ -59,10 +76,7 @@ Status check_options(const BaAttOptions& o, int64_t head_dim) {
     return invalid_argument("scale: expected a finite positive number, got " + std::to_string(scale));
   }
   if (o.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.num_threads));
-  if (o.backend == Backend::cuda) {
-    return {StatusCode::unsupported, "backend: ba_att has no cuda selector yet; use cpu or cpu_ref"};
-  }
-  if (o.backend != Backend::cpu && o.backend != Backend::cpu_ref) {
+  if (o.backend != Backend::cpu && o.backend != Backend::cpu_ref && o.backend != Backend::cuda) {
     return invalid_argument("backend: unknown value " + std::to_string(static_cast<int>(o.backend)));
   }
   return validate(o.budget);
@@ -96,15 +110,8 @@ Status sort_by_norm(const char* name, const Tensor& x, int64_t window, int num_t
   return {};
 }
 
-}  // namespace
-
-Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
-  SPARSA_RETURN_IF_ERROR(check_qk(q, k));
-  SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
-  if (options.check_finite) {
-    SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
-    SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
-  }
+// The validated params of steps 2-3 (no permutations, no logits buffer yet).
+detail::BaAttParams make_params(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
   detail::BaAttParams p;
   p.q = q;
   p.k = k;
@@ -123,6 +130,34 @@ Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttO
   p.compensation = options.compensation;
   p.beta = options.beta;
   p.num_threads = options.backend == Backend::cpu_ref ? 1 : options.num_threads;
+  return p;
+}
+
+ba_att_cuda::Request cuda_request(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
+  ba_att_cuda::Request r;
+  r.params = make_params(q, k, options);
+  r.sort_q = options.sort_q;
+  r.sort_k = options.sort_k;
+  r.sort_window = options.sort_window;
+  r.budget = options.budget;
+  return r;
+}
+
+}  // namespace
+
+Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
+  SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
+  SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
+  if (options.backend == Backend::cuda) {
+    BaAttScores s;
+    SPARSA_RETURN_IF_ERROR(ba_att_cuda::scores(cuda_request(q, k, options), &s));
+    return s;
+  }
+  if (options.check_finite) {
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
+  }
+  detail::BaAttParams p = make_params(q, k, options);
 
   BaAttScores s;
   s.block_q = p.block_q;
@@ -156,6 +191,13 @@ Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttO
 }
 
 Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
+  if (options.backend == Backend::cuda) {
+    SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
+    SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
+    BlockIndexBuffer plan;
+    SPARSA_RETURN_IF_ERROR(ba_att_cuda::plan(cuda_request(q, k, options), &plan));
+    return plan;
+  }
   auto scores = ba_att_scores(q, k, options);
   if (!scores.ok()) return scores.status();
   BaAttScores& s = scores.value();
@@ -181,15 +223,42 @@ Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaA
   return plan;
 }
 
-Result<AttentionOutput> ba_att(const Tensor& q, const Tensor& k, const Tensor& v, const BaAttOptions& options) {
-  auto plan = ba_att_plan(q, k, options);
-  if (!plan.ok()) return plan.status();
+namespace {
+AttentionOptions executor_options(const BaAttOptions& options) {
   AttentionOptions attention;
   attention.scale = options.scale;
   attention.backend = options.backend;
   attention.num_threads = options.num_threads;
   attention.check_finite = options.check_finite;
-  return block_sparse(q, k, v, plan->view(), attention);
+  return attention;
+}
+}  // namespace
+
+Status ba_att(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+              const BaAttOptions& options) {
+  auto plan = ba_att_plan(q, k, options);
+  if (!plan.ok()) return plan.status();
+  return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
+}
+
+Result<AttentionOutput> ba_att(const Tensor& q, const Tensor& k, const Tensor& v, const BaAttOptions& options) {
+  auto plan = ba_att_plan(q, k, options);
+  if (!plan.ok()) return plan.status();
+  if (options.backend != Backend::cuda) return block_sparse(q, k, v, plan->view(), executor_options(options));
+  // cuda: outputs in device memory of q's device, then copied to the host arrays returned.
+  auto out = DeviceArray::allocate(q.dtype, q.shape_vector(), q.device);
+  if (!out.ok()) return out.status();
+  auto lse = DeviceArray::allocate(DType::f32, {q.shape[0], q.shape[1], q.shape[2]}, q.device);
+  if (!lse.ok()) return lse.status();
+  SPARSA_RETURN_IF_ERROR(block_sparse(q, k, v, plan->view(), out->view(), lse->view(), executor_options(options)));
+  AttentionOutput result;
+  auto host_out = out->to_host();
+  if (!host_out.ok()) return host_out.status();
+  auto host_lse = lse->to_host();
+  if (!host_lse.ok()) return host_lse.status();
+  result.out = std::move(host_out).value();
+  result.lse = std::move(host_lse).value();
+  return result;
 }
 
 }  // namespace sparsa

@@ -1,6 +1,7 @@
 // Internal: the validated inputs of BA-Att's scoring (steps 2-3 of Algorithm 1) and
-// the two backends that compute them. Permutations (step 1) are computed by the entry
-// point with the shared norm_sort, so both backends score the same blocks.
+// the backends that compute them. On the CPU, permutations (step 1) are computed by the
+// entry point with the shared norm_sort, so both CPU backends score the same blocks; the
+// cuda backend runs all four steps on the device (src/cuda/select/).
 #pragma once
 
 #include <cstdint>
@@ -45,3 +46,21 @@ Status scores(const detail::BaAttParams& params);
 namespace sparsa::ba_att_cpu {
 Status scores(const detail::BaAttParams& params);
 }
+
+namespace sparsa::ba_att_cuda {
+// The validated request of the cuda selector: params (q, k on one cuda device; its perm and
+// logits pointers are unused), the sort switches and the budget.
+struct Request {
+  detail::BaAttParams params;
+  bool sort_q = true, sort_k = true;
+  int64_t sort_window = 0;
+  Budget budget;
+};
+// Steps 1-4 on the device: a plan whose arrays live in device memory (BlockIndexBuffer::device_*).
+Status plan(const Request& request, BlockIndexBuffer* plan);
+// Steps 1-3 on the device; logits and permutations copied back to the host.
+Status scores(const Request& request, BaAttScores* scores);
+// Step 1's per-token L2 norms as the device computes them (f32), copied to the host:
+// f32 [batch, heads, len]. For tests (the sort is checked against norm_sort of these).
+Status token_norms(const Tensor& x, HostArray* norms);
+}  // namespace sparsa::ba_att_cuda

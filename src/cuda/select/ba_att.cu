@@ -1,0 +1,494 @@
+// The cuda backend of BA-Att's selector: steps 1-4 of Algorithm 1 on the device of q and k, on
+// the default stream, into a plan whose arrays are device memory (BlockIndexBuffer::device_*).
+// The kernels are in ba_att_kernels.cuh; this file sizes the scratch, launches them in order and
+// turns the device-side error word into a Status (the one host synchronisation, at the end).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cmath>
+#include <cub/device/device_radix_sort.cuh>
+#include <mutex>
+#include <string>
+
+#include "core/backends.h"
+#include "cuda/common/check.h"
+#include "cuda/select/ba_att_kernels.cuh"
+#include "methods/ba_att/ba_att_impl.h"
+
+namespace sparsa::ba_att_cuda {
+
+namespace {
+
+using namespace sparsa::cuda::ba_att;
+using detail::BaAttParams;
+
+constexpr int kMaxSharedSortSize = 8192;  // select rows up to this many key blocks sort in shared memory
+constexpr int64_t kInt32Max = 0x7fffffff;
+
+// Grow-only scratch per device. Every launch is on the default stream, so the next call's kernels
+// run after this call's; the mutex keeps two host threads from sharing it at once.
+struct Workspace {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+std::mutex g_mutex;
+Workspace g_workspace[64];
+
+// Carves aligned sub-buffers out of one allocation: a first pass with base = null measures.
+struct Carver {
+  char* base = nullptr;
+  size_t used = 0;
+  template <class T>
+  T* take(size_t count) {
+    used = (used + 255) / 256 * 256;
+    T* p = base != nullptr ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += count * sizeof(T);
+    return p;
+  }
+};
+
+Status check_pointer(const char* name, const void* ptr, int device) {
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) +
+                            ", the pointer is unknown to CUDA (" + cudaGetErrorName(err) + ")");
+  }
+  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != device) {
+    const std::string got = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged
+                                ? "cuda:" + std::to_string(attr.device)
+                                : std::string("host memory");
+    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) + ", got " +
+                            got);
+  }
+  return {};
+}
+
+// Sets `device` current for the lifetime of the guard.
+struct DeviceGuard {
+  int previous = -1;
+  Status enter(int device) {
+    SPARSA_CUDA_CHECK(cudaGetDevice(&previous));
+    if (previous != device) SPARSA_CUDA_CHECK(cudaSetDevice(device));
+    return {};
+  }
+  ~DeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+};
+
+template <class T>
+Input<T> input_of(const Tensor& x) {
+  return {static_cast<const T*>(x.data), x.strides[0], x.strides[1], x.strides[2], static_cast<int>(x.shape[1]),
+          static_cast<int>(x.shape[2]), static_cast<int>(x.shape[3])};
+}
+
+int feature_kind(const BaAttParams& p) {
+  if (!p.compensate) return kPlain;
+  switch (p.compensation) {
+    case Compensation::diagonal: return kDiagonal;
+    case Compensation::trace: return kTrace;
+    case Compensation::exact: return kExact;
+  }
+  return kPlain;
+}
+
+// Everything one run needs beyond the inputs, sized on the host before anything is launched.
+struct Sizes {
+  int64_t tokens_q = 0, tokens_k = 0;     // batch * heads * len
+  int64_t window_q = 0, window_k = 0;     // tokens per sort window
+  int64_t windows_q = 0, windows_k = 0;   // windows per (batch, head)
+  int end_bit_q = 32, end_bit_k = 32;     // radix key bits: 32 of norm + the segment number
+  int kind = kPlain;
+  int64_t F = 0;
+  int64_t rows = 0;                       // batch * heads_q * num_q_blocks
+  size_t sort_temp_bytes = 0;
+  int sort_size = 0;                      // power of two >= num_kv_blocks
+  bool global_select = false;
+  int select_ctas = 0;
+};
+
+int segment_bits(int64_t segments) { return static_cast<int>(std::bit_width(static_cast<uint64_t>(segments - 1))); }
+
+// The arrays of one run inside the workspace (null pointers while measuring).
+struct Scratch {
+  ErrorWord* err = nullptr;
+  uint64_t* keys_in = nullptr;
+  uint64_t* keys_out = nullptr;
+  int32_t* values_in = nullptr;
+  void* sort_temp = nullptr;
+  float* query_features = nullptr;
+  float* key_features = nullptr;
+  float* logits = nullptr;
+  uint64_t* select_scratch = nullptr;
+};
+
+Scratch carve(Carver& c, const Request& r, const Sizes& s, bool select) {
+  const BaAttParams& p = r.params;
+  Scratch w;
+  const int64_t tokens = std::max(r.sort_q ? s.tokens_q : 0, r.sort_k ? s.tokens_k : 0);
+  w.err = c.take<ErrorWord>(1);
+  w.keys_in = c.take<uint64_t>(tokens);
+  w.keys_out = c.take<uint64_t>(tokens);
+  w.values_in = c.take<int32_t>(tokens);
+  w.sort_temp = c.take<char>(s.sort_temp_bytes);
+  w.query_features = c.take<float>(static_cast<size_t>(p.batch * p.heads_q * p.num_q_blocks * s.F));
+  w.key_features = c.take<float>(static_cast<size_t>(p.batch * p.heads_kv * p.num_kv_blocks * s.F));
+  w.logits = c.take<float>(static_cast<size_t>(s.rows * p.num_kv_blocks));
+  if (select && s.global_select) {
+    w.select_scratch = c.take<uint64_t>(static_cast<size_t>(s.select_ctas) *
+                                        (select_bytes_per_row(s.sort_size, static_cast<int>(p.num_kv_blocks)) / 8));
+  }
+  return w;
+}
+
+Status check_request(const Request& r) {
+  const BaAttParams& p = r.params;
+  if (p.len_q > kInt32Max || p.len_kv > kInt32Max) {
+    return invalid_argument("q: the cuda selector takes sequences of at most 2^31 - 1 tokens, got len_q " +
+                            std::to_string(p.len_q) + ", len_kv " + std::to_string(p.len_kv));
+  }
+  if (p.batch * p.heads_q * p.len_q > kInt32Max || p.batch * p.heads_kv * p.len_kv > kInt32Max) {
+    return invalid_argument("q: the cuda selector takes at most 2^31 - 1 tokens per input (batch * heads * len), "
+                            "got " + std::to_string(p.batch * p.heads_q * p.len_q) + " in q and " +
+                            std::to_string(p.batch * p.heads_kv * p.len_kv) + " in k");
+  }
+  if (p.batch * p.heads_q > 65535) {
+    return invalid_argument("q: the cuda selector takes batch * heads_q <= 65535, got " +
+                            std::to_string(p.batch * p.heads_q));
+  }
+  if (p.num_kv_blocks > (int64_t{1} << 26)) {
+    return invalid_argument("block_kv: the cuda selector takes at most 2^26 key blocks per row, got " +
+                            std::to_string(p.num_kv_blocks));
+  }
+  return {};
+}
+
+Sizes size_run(const Request& r, int device) {
+  const BaAttParams& p = r.params;
+  Sizes s;
+  s.tokens_q = p.batch * p.heads_q * p.len_q;
+  s.tokens_k = p.batch * p.heads_kv * p.len_kv;
+  s.window_q = r.sort_window > 0 ? std::min(r.sort_window, p.len_q) : p.len_q;
+  s.window_k = r.sort_window > 0 ? std::min(r.sort_window, p.len_kv) : p.len_kv;
+  s.windows_q = (p.len_q + s.window_q - 1) / s.window_q;
+  s.windows_k = (p.len_kv + s.window_k - 1) / s.window_k;
+  s.end_bit_q = 32 + segment_bits(p.batch * p.heads_q * s.windows_q);
+  s.end_bit_k = 32 + segment_bits(p.batch * p.heads_kv * s.windows_k);
+  s.kind = feature_kind(p);
+  s.F = feature_size(s.kind, p.head_dim);
+  s.rows = p.batch * p.heads_q * p.num_q_blocks;
+  s.sort_size = static_cast<int>(std::bit_ceil(static_cast<uint64_t>(p.num_kv_blocks)));
+  s.global_select = s.sort_size > kMaxSharedSortSize;
+  int sms = 132;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  s.select_ctas = static_cast<int>(std::min<int64_t>(s.rows, s.global_select ? 2 * sms : kInt32Max));
+  return s;
+}
+
+// Rows of x can be read with 16-byte loads: d a multiple of kVector<T>, every row 16-byte aligned.
+template <class T>
+bool vector_rows(const Tensor& x) {
+  constexpr int V = kVector<T>;
+  bool ok = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.shape[3] % V == 0;
+  for (int d = 0; d < 3; ++d) ok = ok && x.strides[d] % V == 0;
+  return ok;
+}
+
+// Step 1's first kernel (norms, and sort keys when keys != null), vector path when possible.
+template <class T>
+Status launch_norms(const Tensor& x, int64_t window, int64_t windows, uint64_t* keys, int32_t* values, float* norms,
+                    ErrorWord* err, int err_slot) {
+  const int64_t tokens = x.shape[0] * x.shape[1] * x.shape[2];
+  const unsigned grid = static_cast<unsigned>((tokens + kNormWarps - 1) / kNormWarps);
+  if (vector_rows<T>(x)) {
+    norm_keys_kernel<T, true><<<grid, 32 * kNormWarps>>>(input_of<T>(x), tokens, window, windows, keys, values, norms,
+                                                         err, err_slot);
+  } else {
+    norm_keys_kernel<T, false><<<grid, 32 * kNormWarps>>>(input_of<T>(x), tokens, window, windows, keys, values,
+                                                          norms, err, err_slot);
+  }
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return {};
+}
+
+template <class T>
+Status sort_by_norm(const Tensor& x, int64_t tokens, int64_t window, int64_t windows, int end_bit, int err_slot,
+                    const Scratch& w, size_t temp_bytes, int32_t* perm) {
+  SPARSA_RETURN_IF_ERROR(launch_norms<T>(x, window, windows, w.keys_in, w.values_in, nullptr, w.err, err_slot));
+  SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w.sort_temp, temp_bytes, w.keys_in, w.keys_out, w.values_in, perm,
+                                                    tokens, 0, end_bit, nullptr));
+  return {};
+}
+
+template <class T, bool kQuery, bool kStaged>
+Status launch_features(const Tensor& x, const FeatureArgs& a, size_t smem) {
+  auto kernel = block_features_kernel<T, kQuery, kStaged>;
+  if (smem > 48 * 1024) {
+    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  const dim3 grid(static_cast<unsigned>(a.num_blocks), static_cast<unsigned>(x.shape[0] * x.shape[1]));
+  kernel<<<grid, kFeatureThreads, smem>>>(input_of<T>(x), a);
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return {};
+}
+
+template <class T, bool kQuery>
+Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* perm, const BaAttParams& p,
+                int kind, int64_t F, float* out) {
+  FeatureArgs a;
+  a.kind = kind;
+  a.F = F;
+  a.scale = p.scale;
+  a.c = p.beta * p.scale * p.scale;
+  a.block = block;
+  a.num_blocks = static_cast<int>(num_blocks);
+  a.perm = perm;
+  a.features = out;
+  const int d = static_cast<int>(p.head_dim);
+  const int staged_rows = static_cast<int>(std::min<int64_t>(block, x.shape[2]));
+  const bool staged = (kind == kPlain || kind == kDiagonal) && vector_rows<T>(x) &&
+                      static_cast<size_t>(staged_rows) * d * sizeof(T) <= kMaxStagedBytes;
+  const size_t smem = feature_smem_bytes(kind, d, staged, staged_rows, sizeof(T));
+  return staged ? launch_features<T, kQuery, true>(x, a, smem) : launch_features<T, kQuery, false>(x, a, smem);
+}
+
+// The budget's fixed count (top_kappa, density), as select_blocks computes it; 0 for mass.
+int64_t fixed_keep(const Budget& budget, int64_t nk) {
+  int64_t kappa = 0;
+  if (budget.kind == BudgetKind::top_kappa) kappa = static_cast<int64_t>(budget.value);
+  else if (budget.kind == BudgetKind::density) kappa = static_cast<int64_t>(std::ceil(budget.value * static_cast<double>(nk) - 1e-9));
+  else return 0;
+  return std::clamp<int64_t>(kappa, 1, nk);
+}
+
+std::string where(std::initializer_list<int64_t> index) {
+  std::string s = "[";
+  for (int64_t i : index) s += (s.size() > 1 ? ", " : "") + std::to_string(i);
+  return s + "]";
+}
+
+// Reads the error word back (this synchronises) and names the first offending item.
+Status check_errors(const ErrorWord* device_err, const BaAttParams& p) {
+  ErrorWord e{};
+  SPARSA_CUDA_CHECK(cudaMemcpy(&e, device_err, sizeof(e), cudaMemcpyDeviceToHost));
+  constexpr unsigned long long kNone = ~0ull;
+  auto token = [](const char* name, unsigned long long g, int64_t heads, int64_t len) {
+    const int64_t bh = static_cast<int64_t>(g) / len, i = static_cast<int64_t>(g) % len;
+    return Status(StatusCode::non_finite, std::string(name) + ": token " + where({bh / heads, bh % heads, i}) +
+                                              " has a NaN/Inf norm; cannot sort by norm");
+  };
+  if (e.first[kErrQNorm] != kNone) return token("q", e.first[kErrQNorm], p.heads_q, p.len_q);
+  if (e.first[kErrKNorm] != kNone) return token("k", e.first[kErrKNorm], p.heads_kv, p.len_kv);
+  if (e.first[kErrLogit] != kNone) {
+    const int64_t i = static_cast<int64_t>(e.first[kErrLogit]);
+    const int64_t kb = i % p.num_kv_blocks, qb = (i / p.num_kv_blocks) % p.num_q_blocks,
+                  h = (i / (p.num_kv_blocks * p.num_q_blocks)) % p.heads_q,
+                  b = i / (p.num_kv_blocks * p.num_q_blocks * p.heads_q);
+    return Status(StatusCode::non_finite, "ba_att: block logit " + where({b, h, qb, kb}) +
+                                              " is not finite (NaN/Inf or overflow in q or k)");
+  }
+  return {};
+}
+
+// Steps 1-3 (and 4 when plan != null). perm_q / perm_kv: device arrays (empty when not sorted);
+// the logits stay in the workspace, *logits points at them (valid until the next call).
+template <class T>
+Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, DeviceArray* perm_kv,
+                 HostArray* host_logits) {
+  const BaAttParams& p = r.params;
+  const int device = p.q.device.id;
+  const bool select = plan != nullptr;
+  Sizes s = size_run(r, device);
+
+  // CUB's scratch size is a host-side computation (no launch).
+  size_t temp_q = 0, temp_k = 0;
+  if (r.sort_q) {
+    SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_q, static_cast<uint64_t*>(nullptr),
+                                                      static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                                      static_cast<int32_t*>(nullptr), s.tokens_q, 0, s.end_bit_q));
+  }
+  if (r.sort_k) {
+    SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_k, static_cast<uint64_t*>(nullptr),
+                                                      static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                                      static_cast<int32_t*>(nullptr), s.tokens_k, 0, s.end_bit_k));
+  }
+  s.sort_temp_bytes = std::max(temp_q, temp_k);
+
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Workspace& ws = g_workspace[device];
+  Carver measure;
+  carve(measure, r, s, select);
+  if (measure.used > ws.bytes) {
+    if (ws.ptr != nullptr) SPARSA_CUDA_CHECK(cudaFree(ws.ptr));
+    ws.ptr = nullptr;
+    ws.bytes = 0;
+    SPARSA_CUDA_CHECK(cudaMalloc(&ws.ptr, measure.used));
+    ws.bytes = measure.used;
+  }
+  Carver carver{static_cast<char*>(ws.ptr)};
+  const Scratch w = carve(carver, r, s, select);
+  SPARSA_CUDA_CHECK(cudaMemsetAsync(w.err, 0xff, sizeof(ErrorWord), nullptr));
+
+  // Step 1: norms and the stable sort, into the plan's permutations.
+  if (r.sort_q) {
+    auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.len_q}, p.q.device);
+    if (!a.ok()) return a.status();
+    *perm_q = std::move(a).value();
+    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.q, s.tokens_q, s.window_q, s.windows_q, s.end_bit_q, kErrQNorm, w,
+                                           s.sort_temp_bytes, perm_q->ptr<int32_t>()));
+  }
+  if (r.sort_k) {
+    auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_kv, p.len_kv}, p.q.device);
+    if (!a.ok()) return a.status();
+    *perm_kv = std::move(a).value();
+    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.k, s.tokens_k, s.window_k, s.windows_k, s.end_bit_k, kErrKNorm, w,
+                                           s.sort_temp_bytes, perm_kv->ptr<int32_t>()));
+  }
+
+  // Steps 2-3: block statistics as features, then one product per (batch, query head).
+  const Status query_status = features<T, true>(p.q, p.block_q, p.num_q_blocks,
+                                                r.sort_q ? perm_q->ptr<int32_t>() : nullptr, p, s.kind, s.F,
+                                                w.query_features);
+  SPARSA_RETURN_IF_ERROR(query_status);
+  const Status key_status = features<T, false>(p.k, p.block_kv, p.num_kv_blocks,
+                                               r.sort_k ? perm_kv->ptr<int32_t>() : nullptr, p, s.kind, s.F,
+                                               w.key_features);
+  SPARSA_RETURN_IF_ERROR(key_status);
+  const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kTile - 1) / kTile),
+                  static_cast<unsigned>((p.num_q_blocks + kTile - 1) / kTile),
+                  static_cast<unsigned>(p.batch * p.heads_q));
+  block_logits_kernel<<<grid, kLogitThreads>>>(w.query_features, w.key_features, w.logits,
+                                               static_cast<int>(p.num_q_blocks), static_cast<int>(p.num_kv_blocks),
+                                               s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
+                                               static_cast<int>(p.heads_kv), w.err);
+  SPARSA_CUDA_CHECK_LAUNCH();
+
+  // Step 4: the budget per query block.
+  if (select) {
+    const int64_t nk = p.num_kv_blocks;
+    const int64_t keep = fixed_keep(r.budget, nk);
+    const int64_t capacity = r.budget.kind == BudgetKind::mass ? nk : keep;
+    auto counts = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.num_q_blocks}, p.q.device);
+    if (!counts.ok()) return counts.status();
+    auto indices = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.num_q_blocks, capacity}, p.q.device);
+    if (!indices.ok()) return indices.status();
+    SelectArgs a;
+    a.logits = w.logits;
+    a.rows = s.rows;
+    a.nk = static_cast<int>(nk);
+    a.sort_size = s.sort_size;
+    a.mass = r.budget.kind == BudgetKind::mass;
+    a.keep = static_cast<int>(keep);
+    a.tau = r.budget.value;
+    a.counts = counts->ptr<int32_t>();
+    a.indices = indices->ptr<int32_t>();
+    a.capacity = static_cast<int>(capacity);
+    a.scratch = w.select_scratch;
+    if (s.global_select) {
+      select_kernel<true><<<s.select_ctas, kSelectThreads>>>(a);
+    } else {
+      const size_t smem = select_bytes_per_row(s.sort_size, a.nk);
+      if (smem > 48 * 1024) {
+        SPARSA_CUDA_CHECK(cudaFuncSetAttribute(select_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)));
+      }
+      select_kernel<false><<<s.select_ctas, kSelectThreads, smem>>>(a);
+    }
+    SPARSA_CUDA_CHECK_LAUNCH();
+    plan->block_q = p.block_q;
+    plan->block_kv = p.block_kv;
+    plan->num_q_blocks = p.num_q_blocks;
+    plan->num_kv_blocks = p.num_kv_blocks;
+    plan->device_counts = std::move(counts).value();
+    plan->device_indices = std::move(indices).value();
+  }
+  if (host_logits != nullptr) {
+    *host_logits = HostArray(DType::f32, {p.batch, p.heads_q, p.num_q_blocks, p.num_kv_blocks});
+    SPARSA_CUDA_CHECK(cudaMemcpy(host_logits->data(), w.logits, host_logits->nbytes(), cudaMemcpyDeviceToHost));
+  }
+  return check_errors(w.err, p);
+}
+
+Status run(const Request& r, BlockIndexBuffer* plan, HostArray* host_logits, DeviceArray* perm_q,
+           DeviceArray* perm_kv) {
+  const BaAttParams& p = r.params;
+  SPARSA_RETURN_IF_ERROR(check_request(r));
+  const int device = p.q.device.id;
+  if (device < 0 || device >= 64) return invalid_argument("q: device id " + std::to_string(device) + " out of range");
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("q", p.q.data, device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("k", p.k.data, device));
+  switch (p.q.dtype) {
+    case DType::bf16: return run_typed<__nv_bfloat16>(r, plan, perm_q, perm_kv, host_logits);
+    case DType::f16: return run_typed<__half>(r, plan, perm_q, perm_kv, host_logits);
+    case DType::f32: return run_typed<float>(r, plan, perm_q, perm_kv, host_logits);
+    case DType::i32: break;
+  }
+  return unsupported_dtype(std::string("q: the cuda selector takes bf16, f16 or f32, got ") + dtype_name(p.q.dtype));
+}
+
+}  // namespace
+
+Status plan(const Request& request, BlockIndexBuffer* plan) {
+  BlockIndexBuffer result;
+  SPARSA_RETURN_IF_ERROR(run(request, &result, nullptr, &result.device_perm_q, &result.device_perm_kv));
+  *plan = std::move(result);
+  return {};
+}
+
+Status scores(const Request& request, BaAttScores* scores) {
+  const BaAttParams& p = request.params;
+  BaAttScores s;
+  s.block_q = p.block_q;
+  s.block_kv = p.block_kv;
+  s.num_q_blocks = p.num_q_blocks;
+  s.num_kv_blocks = p.num_kv_blocks;
+  DeviceArray perm_q, perm_kv;
+  SPARSA_RETURN_IF_ERROR(run(request, nullptr, &s.logits, &perm_q, &perm_kv));
+  for (auto [from, to] : {std::pair{&perm_q, &s.perm_q}, std::pair{&perm_kv, &s.perm_kv}}) {
+    if (from->empty()) continue;
+    auto copy = from->to_host();
+    if (!copy.ok()) return copy.status();
+    *to = std::move(copy).value();
+  }
+  *scores = std::move(s);
+  return {};
+}
+
+Status token_norms(const Tensor& x, HostArray* norms) {
+  if (x.device.type != DeviceType::cuda || x.ndim != 4) {
+    return invalid_argument("x: expected a 4-d tensor on a cuda device, got " + x.shape_string() + " on " +
+                            device_name(x.device));
+  }
+  const int device = x.device.id;
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("x", x.data, device));
+  auto out = DeviceArray::allocate(DType::f32, {x.shape[0], x.shape[1], x.shape[2]}, x.device);
+  if (!out.ok()) return out.status();
+  auto err = DeviceArray::allocate(DType::i32, {static_cast<int64_t>(sizeof(ErrorWord) / 4)}, x.device);
+  if (!err.ok()) return err.status();
+  SPARSA_CUDA_CHECK(cudaMemsetAsync(err->data(), 0xff, sizeof(ErrorWord), nullptr));
+  auto* e = static_cast<ErrorWord*>(err->data());
+  const Status launched = [&]() -> Status {
+    switch (x.dtype) {
+      case DType::bf16: return launch_norms<__nv_bfloat16>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
+      case DType::f16: return launch_norms<__half>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
+      case DType::f32: return launch_norms<float>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
+      case DType::i32: break;
+    }
+    return unsupported_dtype("x: expected bf16, f16 or f32, got i32");
+  }();
+  SPARSA_RETURN_IF_ERROR(launched);
+  auto host = out->to_host();
+  if (!host.ok()) return host.status();
+  *norms = std::move(host).value();
+  return {};
+}
+
+}  // namespace sparsa::ba_att_cuda

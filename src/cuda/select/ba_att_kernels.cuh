@@ -1,0 +1,469 @@
+// Internal: the kernels of BA-Att's cuda selector (Algorithm 1 of the BA-Att paper, steps 1-4;
+// docs/ba_att.md). The launcher is ba_att.cu; the CPU reference is src/methods/ba_att/cpu_ref.cpp.
+//
+//   1. norm_keys_kernel      one warp per token: ||x||_2 in f32, and the 64-bit radix key
+//                            (segment << 32 | norm bits) that makes one stable cub::DeviceRadixSort
+//                            of all tokens equal to a stable per-(batch, head, window) sort by norm
+//                            (norms are >= 0, so their IEEE bits order as the values do);
+//   2. (cub::DeviceRadixSort::SortPairs, in the launcher)
+//   3. block_features_kernel one CTA per (batch, head, block) of permuted tokens: f32 mean and
+//                            population variance (two passes, as cpu.cpp) and, for exact / trace,
+//                            the covariance; written as the feature vector of cpu.cpp's header, so
+//                            that every compensated logit is one inner product;
+//   4. block_logits_kernel   per (batch, query head): logits = A [nq, F] x B [nk, F]', a 64x64-tiled
+//                            f32 SIMT product (GQA: query head h reads kv head h / group);
+//   5. select_kernel         one CTA per query-block row: bitonic sort of (logit desc, index asc)
+//                            keys, the budget (fixed kappa, or the f64 cumulative mass), then the
+//                            kept indices written ascending.
+// Non-finite norms and logits are recorded (lowest flat index) in an ErrorWord that the launcher
+// reads back once at the end and turns into a Status.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/select/ba_att_keys.h"
+
+namespace sparsa::cuda::ba_att {
+
+// The first (lowest flat index) offending item per kind; ~0 (memset 0xff) when none.
+struct ErrorWord {
+  unsigned long long first[3];
+};
+enum ErrorSlot { kErrQNorm = 0, kErrKNorm = 1, kErrLogit = 2 };
+
+template <class T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// A [batch, heads, len, d] input; strides in elements for (batch, head, seq), d contiguous.
+template <class T>
+struct Input {
+  const T* data;
+  int64_t stride_b, stride_h, stride_s;
+  int heads, len, d;
+  // Row `token` of (batch, head) bh = batch * heads + head.
+  __device__ __forceinline__ const T* row(int64_t bh, int64_t token) const {
+    return data + (bh / heads) * stride_b + (bh % heads) * stride_h + token * stride_s;
+  }
+};
+
+// ---- 1. norms and sort keys -----------------------------------------------------------------
+
+constexpr int kNormWarps = 8;
+
+// 16-byte loads of a row: kVector<T> elements each. The launcher takes the vector path when d is a
+// multiple of it and every row starts 16-byte aligned (vector_rows() in ba_att.cu).
+template <class T> constexpr int kVector = 16 / static_cast<int>(sizeof(T));
+
+// token g = bh * len + i. keys / values may be null (norms only); norms may be null.
+// window: tokens per sort window (len for a global sort); windows_per_row = ceil(len / window).
+// The vector and scalar paths sum in different orders: both the sort and token_norms() (the
+// tests' view of the norms) pick the path with the same rule, so they see the same f32 norms.
+template <class T, bool kVectorRows>
+__global__ void __launch_bounds__(32 * kNormWarps)
+    norm_keys_kernel(Input<T> x, int64_t total, int64_t window, int64_t windows_per_row, uint64_t* keys,
+                     int32_t* values, float* norms, ErrorWord* err, int err_slot) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (g >= total) return;
+  const int64_t bh = g / x.len, i = g % x.len;
+  const T* row = x.row(bh, i);
+  float sum = 0.0f;
+  if constexpr (kVectorRows) {
+    constexpr int V = kVector<T>;
+    for (int c = lane; c < x.d / V; c += 32) {
+      const uint4 raw = reinterpret_cast<const uint4*>(row)[c];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const float v = to_float(e[u]);
+        sum = fmaf(v, v, sum);
+      }
+    }
+  } else {
+#pragma unroll 4
+    for (int t = lane; t < x.d; t += 32) {
+      const float v = to_float(row[t]);
+      sum = fmaf(v, v, sum);
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane != 0) return;
+  const float norm = sqrtf(sum);
+  if (!isfinite(norm)) atomicMin(&err->first[err_slot], static_cast<unsigned long long>(g));
+  if (norms != nullptr) norms[g] = norm;
+  if (keys != nullptr) {
+    keys[g] = norm_key(static_cast<uint64_t>(bh * windows_per_row + i / window), norm);
+    values[g] = static_cast<int32_t>(i);
+  }
+}
+
+// ---- 3. block statistics as feature vectors ----------------------------------------------------
+
+enum FeatureKind : int { kPlain = 0, kDiagonal = 1, kTrace = 2, kExact = 3 };
+
+// F per kind: d, 3d, d + d^2, d + 2 d^2 (cpu.cpp's header has the derivation).
+__host__ __device__ inline int64_t feature_size(int kind, int64_t d) {
+  switch (kind) {
+    case kDiagonal: return 3 * d;
+    case kTrace: return d + d * d;
+    case kExact: return d + 2 * d * d;
+    default: return d;
+  }
+}
+
+struct FeatureArgs {
+  int kind = kPlain;
+  int64_t F = 0;
+  float scale = 1.0f;  // query side: the logit scale
+  float c = 0.0f;      // query side: beta * scale^2
+  int block = 0;       // tokens per block
+  int num_blocks = 0;
+  const int32_t* perm = nullptr;  // [bh, len] or null (identity)
+  float* features = nullptr;      // out: [bh, num_blocks, F]
+};
+
+constexpr int kFeatureThreads = 128;
+constexpr int kCovTokens = 8;  // tokens staged in shared memory per covariance step
+constexpr int kCovRegs = 8;    // covariance entries per thread per pass
+
+constexpr size_t kMaxStagedBytes = 64 * 1024;  // a block's tokens staged in shared memory up to this
+
+// Dynamic shared memory: mean and var [d] each, then either the block's tokens (staged) or
+// kCovTokens deviation rows (exact / trace).
+__host__ __device__ inline size_t feature_smem_bytes(int kind, int d, bool staged, int block, size_t elem_bytes) {
+  const bool cov = kind == kTrace || kind == kExact;
+  size_t bytes = static_cast<size_t>(2 + (cov ? kCovTokens : 0)) * d * sizeof(float);
+  if (staged) bytes += static_cast<size_t>(block) * d * elem_bytes;
+  return bytes;
+}
+
+// grid (num_blocks, batch * heads). Query side: a = [scale*mean, c*var, c*mean^2] (diagonal),
+// [scale*mean, c*vec cov] (trace), [scale*mean, c*vec cov, c*vec(mean mean')] (exact).
+// Key side: b = [mean, mean^2 + var, var], [mean, vec cov], [mean, vec(cov + mean mean'), vec cov].
+// kStaged: the block's token rows are first copied to shared memory with 16-byte loads (one
+// global read, many loads in flight); else both passes read global memory (any layout).
+template <class T, bool kQuery, bool kStaged>
+__global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T> x, FeatureArgs a) {
+  extern __shared__ __align__(16) float smem[];
+  const int d = x.d;
+  float* mean = smem;           // [d]
+  float* var = smem + d;        // [d]
+  float* dev = smem + 2 * d;    // [kCovTokens, d] deviations (exact / trace, never staged)
+  const int blk = blockIdx.x;
+  const int64_t bh = blockIdx.y;
+  const int begin = blk * a.block;
+  const int n = min(a.block, x.len - begin);
+  const int32_t* perm = a.perm != nullptr ? a.perm + bh * x.len : nullptr;
+  auto token = [&](int p) -> int64_t { return perm != nullptr ? perm[p] : p; };
+  const float inv_n = 1.0f / static_cast<float>(n);
+
+  if constexpr (kStaged) {
+    constexpr int V = kVector<T>;
+    T* rows = reinterpret_cast<T*>(smem + 2 * d);  // [n, d]; 2d floats keep 16-byte alignment (d % V == 0)
+    const int chunks = d / V;
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < n * chunks; idx += blockDim.x) {
+      const int p = idx / chunks, c = idx % chunks;
+      reinterpret_cast<uint4*>(rows + p * d)[c] = reinterpret_cast<const uint4*>(x.row(bh, token(begin + p)))[c];
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < d; t += blockDim.x) {
+      float sum = 0.0f;
+      for (int p = 0; p < n; ++p) sum += to_float(rows[p * d + t]);
+      const float m = sum / static_cast<float>(n);
+      float sq = 0.0f;
+      for (int p = 0; p < n; ++p) {
+        const float dv = to_float(rows[p * d + t]) - m;
+        sq = fmaf(dv, dv, sq);
+      }
+      mean[t] = m;
+      var[t] = sq * inv_n;
+    }
+  } else {
+    for (int t = threadIdx.x; t < d; t += blockDim.x) {
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int p = begin; p < begin + n; ++p) sum += to_float(x.row(bh, token(p))[t]);
+      const float m = sum / static_cast<float>(n);
+      float sq = 0.0f;
+#pragma unroll 4
+      for (int p = begin; p < begin + n; ++p) {
+        const float dv = to_float(x.row(bh, token(p))[t]) - m;
+        sq = fmaf(dv, dv, sq);
+      }
+      mean[t] = m;
+      var[t] = sq * inv_n;
+    }
+  }
+  __syncthreads();
+
+  float* f = a.features + (bh * a.num_blocks + blk) * a.F;
+  for (int t = threadIdx.x; t < d; t += blockDim.x) {
+    const float m = mean[t], v = var[t];
+    if (kQuery) {
+      f[t] = a.scale * m;
+      if (a.kind == kDiagonal) {
+        f[d + t] = a.c * v;
+        f[2 * d + t] = a.c * m * m;
+      }
+    } else {
+      f[t] = m;
+      if (a.kind == kDiagonal) {
+        f[d + t] = fmaf(m, m, v);
+        f[2 * d + t] = v;
+      }
+    }
+  }
+  if (kStaged || (a.kind != kTrace && a.kind != kExact)) return;
+
+  // Covariance entries e = i * d + j, kCovRegs per thread per pass, over tokens staged kCovTokens
+  // at a time as deviations from the mean (the two-pass form of cpu.cpp).
+  const int64_t dd = static_cast<int64_t>(d) * d;
+  for (int64_t e0 = 0; e0 < dd; e0 += static_cast<int64_t>(blockDim.x) * kCovRegs) {
+    float acc[kCovRegs] = {};
+    for (int p0 = begin; p0 < begin + n; p0 += kCovTokens) {
+      const int count = min(kCovTokens, begin + n - p0);
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < count * d; idx += blockDim.x) {
+        const int pp = idx / d, t = idx % d;
+        dev[pp * d + t] = to_float(x.row(bh, token(p0 + pp))[t]) - mean[t];
+      }
+      __syncthreads();
+      for (int pp = 0; pp < count; ++pp) {
+#pragma unroll
+        for (int r = 0; r < kCovRegs; ++r) {
+          const int64_t e = e0 + static_cast<int64_t>(r) * blockDim.x + threadIdx.x;
+          if (e < dd) acc[r] = fmaf(dev[pp * d + e / d], dev[pp * d + e % d], acc[r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kCovRegs; ++r) {
+      const int64_t e = e0 + static_cast<int64_t>(r) * blockDim.x + threadIdx.x;
+      if (e >= dd) continue;
+      const float cov = acc[r] * inv_n;
+      const float mm = mean[e / d] * mean[e % d];
+      if (kQuery) {
+        f[d + e] = a.c * cov;
+        if (a.kind == kExact) f[d + dd + e] = a.c * mm;
+      } else if (a.kind == kExact) {
+        f[d + e] = cov + mm;
+        f[d + dd + e] = cov;
+      } else {
+        f[d + e] = cov;
+      }
+    }
+  }
+}
+
+// ---- 4. block logits: a batched NT product of feature matrices -----------------------------------
+
+constexpr int kTile = 64, kTileK = 16, kLogitThreads = 256;
+
+// grid (ceil(nk / 64), ceil(nq / 64), batch * heads_q); logits [batch * heads_q, nq, nk]. Each
+// thread computes a 4x4 patch (rows 4*ty.., columns 4*tx..), reading its operands from shared
+// memory as float4; F % 4 == 0 (every kind when d % 4 == 0) loads the tiles as float4 too.
+__global__ void __launch_bounds__(kLogitThreads)
+    block_logits_kernel(const float* __restrict__ query_features, const float* __restrict__ key_features,
+                        float* __restrict__ logits, int nq, int nk, int64_t F, int heads_q, int group, int heads_kv,
+                        ErrorWord* err) {
+  __shared__ __align__(16) float a_tile[kTileK][kTile + 4];
+  __shared__ __align__(16) float b_tile[kTileK][kTile + 4];
+  const int64_t z = blockIdx.z;
+  const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
+  const float* A = query_features + z * nq * F;
+  const float* B = key_features + zk * nk * F;
+  const int row0 = blockIdx.y * kTile, col0 = blockIdx.x * kTile;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int load_row = threadIdx.x / 4, load_col = (threadIdx.x % 4) * 4;
+  const int ra = row0 + load_row, rb = col0 + load_row;
+  const bool vector_loads = F % 4 == 0;
+  float acc[4][4] = {};
+  for (int64_t f0 = 0; f0 < F; f0 += kTileK) {
+    float av[4] = {}, bv[4] = {};
+    if (vector_loads) {  // f0 + load_col < F implies all four are in range
+      if (f0 + load_col < F) {
+        if (ra < nq) {
+          const float4 x = *reinterpret_cast<const float4*>(A + ra * F + f0 + load_col);
+          av[0] = x.x, av[1] = x.y, av[2] = x.z, av[3] = x.w;
+        }
+        if (rb < nk) {
+          const float4 x = *reinterpret_cast<const float4*>(B + rb * F + f0 + load_col);
+          bv[0] = x.x, bv[1] = x.y, bv[2] = x.z, bv[3] = x.w;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const bool in_f = f0 + load_col + u < F;
+        av[u] = ra < nq && in_f ? A[ra * F + f0 + load_col + u] : 0.0f;
+        bv[u] = rb < nk && in_f ? B[rb * F + f0 + load_col + u] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      a_tile[load_col + u][load_row] = av[u];
+      b_tile[load_col + u][load_row] = bv[u];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kTileK; ++kk) {
+      const float4 a4 = *reinterpret_cast<const float4*>(&a_tile[kk][4 * ty]);
+      const float4 b4 = *reinterpret_cast<const float4*>(&b_tile[kk][4 * tx]);
+      const float a[4] = {a4.x, a4.y, a4.z, a4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = row0 + 4 * ty + i;
+    if (r >= nq) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = col0 + 4 * tx + j;
+      if (c >= nk) continue;
+      const int64_t flat = (z * nq + r) * nk + c;
+      if (!isfinite(acc[i][j])) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
+      logits[flat] = acc[i][j];
+    }
+  }
+}
+
+// ---- 5. the budget per query-block row ---------------------------------------------------------
+
+constexpr int kSelectThreads = 256;
+constexpr int kSelectWarps = kSelectThreads / 32;
+
+struct SelectArgs {
+  const float* logits = nullptr;  // [rows, nk]
+  int64_t rows = 0;
+  int nk = 0;
+  int sort_size = 0;     // power of two >= nk
+  bool mass = false;     // else a fixed count
+  int keep = 0;          // fixed count (top_kappa / density), in [1, nk]
+  double tau = 1.0;      // mass threshold
+  int32_t* counts = nullptr;   // [rows]
+  int32_t* indices = nullptr;  // [rows, capacity]
+  int capacity = 0;
+  uint64_t* scratch = nullptr;  // kGlobal: per CTA, sort_size keys then nk flag bytes
+};
+
+__host__ __device__ inline size_t select_bytes_per_row(int sort_size, int nk) {
+  return static_cast<size_t>(sort_size) * sizeof(uint64_t) + (static_cast<size_t>(nk) + 7) / 8 * 8;
+}
+
+// Ascending bitonic sort of keys[0, n), n a power of two, by the whole CTA.
+__device__ inline void bitonic_sort(uint64_t* keys, int n) {
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int partner = i ^ j;
+        if (partner > i) {
+          const uint64_t a = keys[i], b = keys[partner];
+          const bool ascending = (i & k) == 0;
+          if ((a > b) == ascending) {
+            keys[i] = b;
+            keys[partner] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Mass budget on the sorted keys: weights w_p = exp(l_p - l_0) (l_0 the maximum) in f64, and
+// keep = the smallest k whose prefix sum reaches tau * (sum of all), as select_blocks.
+__device__ inline int mass_keep(const uint64_t* keys, int nk, double tau) {
+  __shared__ double warp_sums[kSelectWarps];
+  __shared__ int first_reaching;
+  const int per_thread = (nk + blockDim.x - 1) / blockDim.x;
+  const int p_begin = min(nk, static_cast<int>(threadIdx.x) * per_thread), p_end = min(nk, p_begin + per_thread);
+  const double max_logit = logit_of(keys[0]);
+  double local = 0.0;
+  for (int p = p_begin; p < p_end; ++p) local += exp(static_cast<double>(logit_of(keys[p])) - max_logit);
+  // Inclusive scan of the per-thread sums over the CTA (threads in order = positions in order).
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double inclusive = local;
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const double up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += up;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  if (threadIdx.x == 0) first_reaching = nk;
+  __syncthreads();
+  double before = 0.0, total = 0.0;
+  for (int w = 0; w < kSelectWarps; ++w) {
+    if (w < warp) before += warp_sums[w];
+    total += warp_sums[w];
+  }
+  const double required = tau * total;
+  double exclusive = __shfl_up_sync(0xffffffffu, inclusive, 1);
+  if (lane == 0) exclusive = 0.0;
+  double running = before + exclusive;  // the sum of every position before this thread's range
+  for (int p = p_begin; p < p_end; ++p) {
+    running += exp(static_cast<double>(logit_of(keys[p])) - max_logit);
+    if (running >= required) {
+      atomicMin(&first_reaching, p);
+      break;
+    }
+  }
+  __syncthreads();
+  const int keep = first_reaching >= nk ? nk : first_reaching + 1;
+  __syncthreads();  // first_reaching is reused by the next row
+  return keep;
+}
+
+// grid-stride over rows. kGlobal: keys and flags in a.scratch (rows of any length); else in
+// dynamic shared memory (select_bytes_per_row(sort_size, nk) bytes).
+template <bool kGlobal>
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
+  extern __shared__ uint64_t select_smem[];
+  __shared__ int warp_counts[kSelectWarps];
+  uint64_t* keys = kGlobal ? a.scratch + blockIdx.x * (select_bytes_per_row(a.sort_size, a.nk) / 8) : select_smem;
+  uint8_t* flags = reinterpret_cast<uint8_t*>(keys + a.sort_size);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const float* logits = a.logits + row * a.nk;
+    for (int j = threadIdx.x; j < a.sort_size; j += blockDim.x) keys[j] = j < a.nk ? order_key(logits[j], j) : ~0ull;
+    for (int j = threadIdx.x; j < a.nk; j += blockDim.x) flags[j] = 0;
+    __syncthreads();
+    bitonic_sort(keys, a.sort_size);
+    const int keep = a.mass ? mass_keep(keys, a.nk, a.tau) : a.keep;
+    for (int p = threadIdx.x; p < keep; p += blockDim.x) flags[index_of(keys[p])] = 1;
+    __syncthreads();
+    // The kept blocks in ascending order: a CTA-wide stream compaction of the flags.
+    int32_t* out = a.indices + row * a.capacity;
+    int base = 0;
+    for (int j0 = 0; j0 < a.nk; j0 += blockDim.x) {
+      const int j = j0 + threadIdx.x;
+      const bool kept = j < a.nk && flags[j] != 0;
+      const unsigned ballot = __ballot_sync(0xffffffffu, kept);
+      if (lane == 0) warp_counts[warp] = __popc(ballot);
+      __syncthreads();
+      int before = 0, total = 0;
+      for (int w = 0; w < kSelectWarps; ++w) {
+        if (w < warp) before += warp_counts[w];
+        total += warp_counts[w];
+      }
+      const int slot = base + before + __popc(ballot & ((1u << lane) - 1u));
+      if (kept && slot < a.capacity) out[slot] = j;
+      base += total;
+      __syncthreads();
+    }
+    for (int s = keep + threadIdx.x; s < a.capacity; s += blockDim.x) out[s] = 0;
+    if (threadIdx.x == 0) a.counts[row] = keep;
+    __syncthreads();
+  }
+}
+
+}  // namespace sparsa::cuda::ba_att

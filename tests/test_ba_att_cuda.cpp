@@ -1,0 +1,668 @@
+// BA-Att's cuda selector (Backend::cuda) against the CPU path on the same inputs.
+//
+// The device cases run where a CUDA device is visible (GTEST_SKIP elsewhere); the argument and
+// availability contracts run everywhere.
+//
+// What is compared, and why not bit for bit:
+//  - Norms. The CPU sorts by f64 norms, the device by f32 norms (f32 sum of d squares, then
+//    sqrtf). The f32 sum of d non-negative terms has relative error <= d * 2^-24 (+ one rounding
+//    for sqrtf, and the square root halves the relative error of the sum), so the device norm is
+//    checked against the f64 norm within (d + 2) * 2^-24 relative.
+//  - Permutations. With f32 norms, tokens whose norms differ by less than that error may sort in
+//    the other order, so the device permutation is checked exactly against norm_sort (the CPU's
+//    stable sort) applied to the device's own norms, and against the CPU's permutation only as
+//    order statistics: at every position the f64 norms of the two tokens differ by at most twice
+//    the norm tolerance (the k-th smallest of perturbed values is within the perturbation of the
+//    k-th smallest of the exact values).
+//  - Logits. The reference is cpu_ref's scoring (f64) of the blocks formed by the DEVICE's
+//    permutations, so both score the same blocks. The device accumulates means and variances over
+//    at most `block` tokens and the feature product over F terms in f32; each partial sum errs by
+//    at most (its length) * 2^-24 times the sum of the absolute values of its terms, so the bound
+//    is 2 * (block + F) * 2^-24 * M, where M bounds the absolute terms of the logit (computed below
+//    from block means of |x| and of x^2 in f64).
+//  - Plans. Given the same f32 logits the budget is exact: the device's kept set for top_kappa and
+//    density equals select_blocks() on the device logits copied back, bit for bit. Mass sums f64
+//    weights in a different order (a tree, not a loop), so there the count may differ only where
+//    the cumulative mass sits within 1e-12 relative of tau * total. Against the full CPU path (its
+//    own f64 permutations and logits), counts must match for fixed budgets, and the device's kept
+//    blocks must all score (reference logits) at least the best dropped block minus 2 * tol: either
+//    side of a near-tie is acceptable, a wrong block is not.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "core/attention_params.h"
+#include "core/backends.h"
+#include "cuda/select/ba_att_keys.h"
+#include "methods/ba_att/ba_att_impl.h"
+#include "sparsa/attention.h"
+#include "sparsa/ba_att.h"
+#include "test_util.h"
+
+#if defined(SPARSA_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+using namespace sparsa;
+
+namespace {
+
+bool have_device() { return backend_available(Backend::cuda); }
+
+}  // namespace
+
+// ---- contracts that need no device ------------------------------------------------------------
+
+TEST(BaAttCuda, HostTensorsAreRefusedNamingTheArgument) {
+  HostArray q(DType::bf16, {1, 2, 16, 64}), k(DType::bf16, {1, 2, 16, 64});
+  BaAttOptions o;
+  o.backend = Backend::cuda;
+  auto plan = ba_att_plan(q.view(), k.view(), o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::invalid_argument);
+  EXPECT_NE(plan.status().message().find("q: the cuda backend expected a tensor on a cuda device, got cpu"),
+            std::string::npos)
+      << plan.status().to_string();
+  auto scores = ba_att_scores(q.view(), k.view(), o);
+  ASSERT_FALSE(scores.ok());
+  EXPECT_NE(scores.status().message().find("q:"), std::string::npos) << scores.status().to_string();
+  HostArray v(DType::bf16, {1, 2, 16, 64});
+  auto out = ba_att(q.view(), k.view(), v.view(), o);
+  ASSERT_FALSE(out.ok());
+  EXPECT_NE(out.status().message().find("q:"), std::string::npos) << out.status().to_string();
+}
+
+TEST(BaAttCuda, KeyOnAnotherDeviceIsRefused) {
+  HostArray q(DType::bf16, {1, 2, 16, 64}), k(DType::bf16, {1, 2, 16, 64});
+  Tensor qd = q.view();
+  qd.device = {DeviceType::cuda, 0};  // only the label: placement is checked before any pointer is read
+  BaAttOptions o;
+  o.backend = Backend::cuda;
+  auto plan = ba_att_plan(qd, k.view(), o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("k: expected a tensor on cuda:0, got cpu"), std::string::npos)
+      << plan.status().to_string();
+}
+
+TEST(BaAttCuda, UnsupportedDtypeNamesTheArgument) {
+  HostArray q(DType::i32, {1, 1, 16, 64}), k(DType::i32, {1, 1, 16, 64});
+  Tensor qd = q.view(), kd = k.view();
+  qd.device = kd.device = {DeviceType::cuda, 0};
+  BaAttOptions o;
+  o.backend = Backend::cuda;
+  auto plan = ba_att_plan(qd, kd, o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::unsupported_dtype);
+  EXPECT_NE(plan.status().message().find("q: expected dtype f32, f16 or bf16, got i32"), std::string::npos)
+      << plan.status().to_string();
+}
+
+TEST(BaAttCuda, WithoutADeviceTheBackendIsUnsupported) {
+  if (have_device()) GTEST_SKIP() << "a CUDA device is present";
+  HostArray q(DType::bf16, {1, 1, 16, 64});
+  Tensor qd = q.view();
+  qd.device = {DeviceType::cuda, 0};
+  BaAttOptions o;
+  o.backend = Backend::cuda;
+  auto plan = ba_att_plan(qd, qd, o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::unsupported) << plan.status().to_string();
+  // and device memory cannot be had either
+  auto a = DeviceArray::allocate(DType::i32, {4}, {DeviceType::cuda, 0});
+  EXPECT_FALSE(a.ok());
+}
+
+TEST(BaAttCuda, HostPlanToHostIsItself) {
+  BlockIndexBuffer plan = BlockIndexBuffer::full(1, 2, 10, 20, 4, 8);
+  EXPECT_FALSE(plan.on_device());
+  auto copy = plan.to_host();
+  ASSERT_TRUE(copy.ok());
+  EXPECT_EQ(copy->counts.numel(), plan.counts.numel());
+  EXPECT_EQ(0, std::memcmp(copy->indices.data(), plan.indices.data(), plan.indices.nbytes()));
+  auto bad = DeviceArray::allocate(DType::i32, {4}, Device{});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("expected a cuda device"), std::string::npos);
+}
+
+// The integer keys the device sorts by encode the CPU's orders (host-checked, no device needed).
+TEST(BaAttCuda, RowKeysOrderAsSelectBlocks) {
+  using namespace sparsa::cuda::ba_att;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float den = std::numeric_limits<float>::denorm_min();
+  const std::vector<float> logits = {3.5f, -0.0f, 0.0f, -inf,  inf,   den, -den, 3.5f, -2.25f, 1e-30f,
+                                     -1e30f, 7.0f, 0.0f, -0.0f, 1e30f, 2.0f, -2.25f, den};
+  const int64_t n = static_cast<int64_t>(logits.size());
+  std::vector<uint64_t> keys(n);
+  for (int64_t j = 0; j < n; ++j) {
+    keys[j] = order_key(logits[j], static_cast<int32_t>(j));
+    EXPECT_EQ(index_of(keys[j]), j);
+    const float back = logit_of(keys[j]);
+    EXPECT_TRUE(back == logits[j]) << j;  // -0 comes back as +0, which compares equal
+  }
+  std::vector<int64_t> by_key(n), expected(n);
+  std::iota(by_key.begin(), by_key.end(), 0);
+  std::iota(expected.begin(), expected.end(), 0);
+  std::sort(by_key.begin(), by_key.end(), [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+  std::stable_sort(expected.begin(), expected.end(),
+                   [&](int64_t a, int64_t b) { return static_cast<double>(logits[a]) > static_cast<double>(logits[b]); });
+  EXPECT_EQ(by_key, expected);
+  // and the first kappa keys, ascending, are select_blocks' top-kappa set
+  std::vector<double> key(logits.begin(), logits.end()), weight(n, 1.0);
+  for (int64_t kappa : {1, 2, 5, 9, 18}) {
+    std::vector<int32_t> want(n);
+    want.resize(select_blocks(key.data(), weight.data(), nullptr, n, Budget::top_kappa(kappa), want.data()));
+    std::vector<int32_t> got(by_key.begin(), by_key.begin() + kappa);
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, want) << "kappa " << kappa;
+  }
+}
+
+TEST(BaAttCuda, NormKeysSortAsNormSortWithinSegments) {
+  using namespace sparsa::cuda::ba_att;
+  // Two rows of 12 tokens, windows of 4: ties, zeros and a wide range of norms.
+  const std::vector<float> norms = {2.0f, 0.0f, 2.0f, 1e-38f, 5.0f, 5.0f, 0.5f, 3e38f, 1.0f, 1.0f, 0.0f, 7.0f,
+                                    9.0f, 8.0f, 7.0f, 6.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.25f, 4.0f, 0.25f, 1e-45f};
+  const int64_t len = 12, window = 4, windows = 3;
+  std::vector<uint64_t> keys(norms.size());
+  std::vector<int32_t> order(norms.size());
+  for (size_t g = 0; g < norms.size(); ++g) {
+    const int64_t row = g / len, i = g % len;
+    keys[g] = norm_key(static_cast<uint64_t>(row * windows + i / window), norms[g]);
+    order[g] = static_cast<int32_t>(i);
+  }
+  std::vector<size_t> idx(norms.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return keys[a] < keys[b]; });
+  for (int64_t row = 0; row < 2; ++row) {
+    std::vector<double> row_norms(norms.begin() + row * len, norms.begin() + (row + 1) * len);
+    std::vector<int32_t> expected(len);
+    norm_sort(row_norms.data(), len, window, expected.data());
+    for (int64_t p = 0; p < len; ++p) EXPECT_EQ(order[idx[row * len + p]], expected[p]) << row << " " << p;
+  }
+}
+
+#if defined(SPARSA_WITH_CUDA)
+
+namespace {
+
+struct Case {
+  std::string name;
+  DType dtype = DType::bf16;
+  int64_t batch = 1, heads_q = 2, heads_kv = 2, len_q = 300, len_kv = 300, head_dim = 64;
+  int block_q = 64, block_kv = 64;
+  bool sort_q = true, sort_k = true;
+  int64_t window = 0;
+  bool compensate = true;
+  Compensation compensation = Compensation::diagonal;
+  float beta = 1.0f;
+  Budget budget = Budget::density(0.3);
+  int64_t seq_pad = 0;  // extra elements between token rows (strided views)
+  bool run_executor = true;
+  uint32_t seed = 1;
+};
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+// Host (f32 values of the dtype) and device copies of one [batch, heads, len, d] input, stored
+// with c.seq_pad elements of padding after every token row.
+struct Input {
+  HostArray host;       // the dtype, padded layout
+  Tensor host_view;     // strided view of host
+  DeviceArray device;   // same bytes on the device
+  Tensor device_view;
+};
+
+Input make_input(const Case& c, int64_t heads, int64_t len, uint32_t seed, float norm_sigma) {
+  const int64_t d = c.head_dim, row = d + c.seq_pad;
+  HostArray values = sparsa_test::heavy_tailed({c.batch, heads, len, d}, seed, norm_sigma);
+  Input in;
+  in.host = HostArray(c.dtype, {c.batch, heads, len, row});
+  for (int64_t r = 0; r < c.batch * heads * len; ++r) {
+    for (int64_t t = 0; t < d; ++t)
+      detail::store_element(in.host.data(), c.dtype, r * row + t, values.ptr<float>()[r * d + t]);
+  }
+  in.host_view = in.host.view();
+  in.host_view.shape[3] = d;
+  auto dev = DeviceArray::allocate(c.dtype, {c.batch, heads, len, row}, {DeviceType::cuda, 0});
+  EXPECT_TRUE(dev.ok()) << dev.status().to_string();
+  in.device = std::move(dev).value();
+  EXPECT_EQ(cudaMemcpy(in.device.data(), in.host.data(), in.host.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  in.device_view = in.device.view();
+  in.device_view.shape[3] = d;
+  return in;
+}
+
+BaAttOptions options_of(const Case& c, Backend backend) {
+  BaAttOptions o;
+  o.block_q = c.block_q;
+  o.block_kv = c.block_kv;
+  o.sort_q = c.sort_q;
+  o.sort_k = c.sort_k;
+  o.sort_window = c.window;
+  o.compensate = c.compensate;
+  o.compensation = c.compensation;
+  o.beta = c.beta;
+  o.budget = c.budget;
+  o.backend = backend;
+  return o;
+}
+
+// f64 L2 norms of every token: [batch * heads * len].
+std::vector<double> norms_of(const Tensor& x) {
+  const int64_t B = x.shape[0], H = x.shape[1], L = x.shape[2], d = x.shape[3];
+  std::vector<double> n(B * H * L);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < L; ++i) {
+        double s = 0;
+        for (int64_t t = 0; t < d; ++t) {
+          const double v = detail::load_element(x.data, x.dtype, x.offset({b, h, i, t}));
+          s += v * v;
+        }
+        n[(b * H + h) * L + i] = std::sqrt(s);
+      }
+  return n;
+}
+
+double norm_tolerance(int64_t d, double norm) { return (d + 2) * std::ldexp(1.0, -24) * norm + 1e-30; }
+
+// Checks step 1 for one input: device norms, the device permutation against norm_sort of those
+// norms, and against the CPU's permutation as order statistics.
+void check_sort(const char* name, const Case& c, const Input& x, const HostArray& device_perm,
+                const HostArray& cpu_perm) {
+  SCOPED_TRACE(name);
+  const int64_t rows = x.host_view.shape[0] * x.host_view.shape[1], len = x.host_view.shape[2];
+  HostArray device_norms;
+  ASSERT_TRUE(ba_att_cuda::token_norms(x.device_view, &device_norms).ok());
+  const std::vector<double> exact = norms_of(x.host_view);
+  double max_tol = 0;
+  for (int64_t i = 0; i < rows * len; ++i) {
+    const double tol = norm_tolerance(c.head_dim, exact[i]);
+    max_tol = std::max(max_tol, tol);
+    ASSERT_NEAR(device_norms.ptr<float>()[i], exact[i], tol) << "token " << i;
+  }
+  std::vector<int32_t> expected(len);
+  std::vector<double> row_norms(len);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < len; ++i) row_norms[i] = device_norms.ptr<float>()[r * len + i];
+    norm_sort(row_norms.data(), len, c.window, expected.data());
+    const int32_t* got = device_perm.ptr<int32_t>() + r * len;
+    const int32_t* cpu = cpu_perm.ptr<int32_t>() + r * len;
+    for (int64_t p = 0; p < len; ++p) {
+      ASSERT_EQ(got[p], expected[p]) << "row " << r << " position " << p;
+      ASSERT_LE(std::abs(exact[r * len + got[p]] - exact[r * len + cpu[p]]), 2 * max_tol)
+          << "row " << r << " position " << p << ": device token " << got[p] << ", cpu token " << cpu[p];
+    }
+  }
+}
+
+// Bound M on the absolute terms of every logit, and the tolerance 2 (block + F) 2^-24 M.
+struct LogitTolerance {
+  std::vector<double> tol;  // [batch, heads_q, nq, nk]
+};
+
+// Per block: mean |x_t| and mean x_t^2 over the permuted tokens of the block (f64).
+void abs_moments(const Tensor& x, const HostArray* perm, int64_t block, int64_t nb, std::vector<double>* mean_abs,
+                 std::vector<double>* mean_sq) {
+  const int64_t B = x.shape[0], H = x.shape[1], L = x.shape[2], d = x.shape[3];
+  mean_abs->assign(B * H * nb * d, 0.0);
+  mean_sq->assign(B * H * nb * d, 0.0);
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int64_t begin = blk * block, end = std::min(begin + block, L);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t tok = perm ? perm->ptr<int32_t>()[bh * L + p] : p;
+        for (int64_t t = 0; t < d; ++t) {
+          const double v = detail::load_element(x.data, x.dtype, x.offset({bh / H, bh % H, tok, t}));
+          (*mean_abs)[(bh * nb + blk) * d + t] += std::abs(v) / (end - begin);
+          (*mean_sq)[(bh * nb + blk) * d + t] += v * v / (end - begin);
+        }
+      }
+    }
+}
+
+LogitTolerance logit_tolerance(const Case& c, const Tensor& q, const Tensor& k, const HostArray* perm_q,
+                               const HostArray* perm_kv, int64_t nq, int64_t nk) {
+  const int64_t d = c.head_dim, group = c.heads_q / c.heads_kv;
+  std::vector<double> qa, qs, ka, ks;
+  abs_moments(q, perm_q, c.block_q, nq, &qa, &qs);
+  abs_moments(k, perm_kv, c.block_kv, nk, &ka, &ks);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d)), c2 = std::abs(c.beta) * scale * scale;
+  int64_t F = d;
+  if (c.compensate) F = c.compensation == Compensation::diagonal ? 3 * d
+                        : c.compensation == Compensation::trace  ? d + d * d
+                                                                 : d + 2 * d * d;
+  const double factor = 2.0 * (std::max(c.block_q, c.block_kv) + F) * std::ldexp(1.0, -24);
+  LogitTolerance t;
+  t.tol.resize(c.batch * c.heads_q * nq * nk);
+  for (int64_t b = 0; b < c.batch; ++b)
+    for (int64_t h = 0; h < c.heads_q; ++h)
+      for (int64_t qb = 0; qb < nq; ++qb)
+        for (int64_t kb = 0; kb < nk; ++kb) {
+          const double* A = &qa[((b * c.heads_q + h) * nq + qb) * d];
+          const double* S = &qs[((b * c.heads_q + h) * nq + qb) * d];
+          const double* Bv = &ka[((b * c.heads_kv + h / group) * nk + kb) * d];
+          const double* T = &ks[((b * c.heads_kv + h / group) * nk + kb) * d];
+          double plain = 0, diag = 0, sum_s = 0, sum_t = 0, sum_a2 = 0, sum_b2 = 0;
+          for (int64_t u = 0; u < d; ++u) {
+            plain += A[u] * Bv[u];
+            diag += S[u] * Bv[u] * Bv[u] + T[u] * A[u] * A[u] + S[u] * T[u];
+            sum_s += S[u];
+            sum_t += T[u];
+            sum_a2 += A[u] * A[u];
+            sum_b2 += Bv[u] * Bv[u];
+          }
+          double m = scale * plain;
+          if (c.compensate) {
+            if (c.compensation == Compensation::diagonal) m += c2 * diag;
+            else if (c.compensation == Compensation::trace) m += c2 * sum_s * sum_t;
+            else m += c2 * (sum_b2 * sum_s + sum_a2 * sum_t + sum_s * sum_t);
+          }
+          t.tol[((b * c.heads_q + h) * nq + qb) * nk + kb] = factor * m + 1e-30;
+        }
+  return t;
+}
+
+// cpu_ref's logits of the blocks formed by the given permutations.
+HostArray reference_logits(const Case& c, const Tensor& q, const Tensor& k, const HostArray* perm_q,
+                           const HostArray* perm_kv, int64_t nq, int64_t nk) {
+  detail::BaAttParams p;
+  p.q = q;
+  p.k = k;
+  p.batch = c.batch;
+  p.heads_q = c.heads_q;
+  p.heads_kv = c.heads_kv;
+  p.len_q = c.len_q;
+  p.len_kv = c.len_kv;
+  p.head_dim = c.head_dim;
+  p.block_q = c.block_q;
+  p.block_kv = c.block_kv;
+  p.num_q_blocks = nq;
+  p.num_kv_blocks = nk;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  p.compensate = c.compensate;
+  p.compensation = c.compensation;
+  p.beta = c.beta;
+  p.perm_q = perm_q ? perm_q->ptr<int32_t>() : nullptr;
+  p.perm_kv = perm_kv ? perm_kv->ptr<int32_t>() : nullptr;
+  HostArray logits(DType::f32, {c.batch, c.heads_q, nq, nk});
+  p.logits = logits.ptr<float>();
+  EXPECT_TRUE(ba_att_cpu_ref::scores(p).ok());
+  return logits;
+}
+
+std::vector<int32_t> row_of(const BlockIndexBuffer& plan, int64_t row) {
+  const int64_t cap = plan.indices.shape()[3];
+  const int32_t* ix = plan.indices.ptr<int32_t>() + row * cap;
+  return {ix, ix + plan.counts.ptr<int32_t>()[row]};
+}
+
+// The budget on one row of f32 logits, as the CPU path applies it.
+std::vector<int32_t> cpu_select(const float* logits, int64_t nk, const Budget& budget) {
+  std::vector<double> key(nk), weight(nk);
+  double max_logit = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < nk; ++j) max_logit = std::max(max_logit, key[j] = logits[j]);
+  for (int64_t j = 0; j < nk; ++j) weight[j] = std::exp(key[j] - max_logit);
+  std::vector<int32_t> out(nk);
+  out.resize(select_blocks(key.data(), weight.data(), nullptr, nk, budget, out.data()));
+  return out;
+}
+
+// Mass budget on a row: is `count` the smallest prefix (descending logits, ties to the lower
+// index) reaching tau, up to 1e-12 relative in the cumulative sums?
+bool mass_count_acceptable(const float* logits, int64_t nk, double tau, int64_t count) {
+  std::vector<int32_t> order(nk);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  const double max_logit = logits[order[0]];
+  std::vector<double> cum(nk + 1, 0.0);
+  for (int64_t p = 0; p < nk; ++p) cum[p + 1] = cum[p] + std::exp(static_cast<double>(logits[order[p]]) - max_logit);
+  const double required = tau * cum[nk], slack = 1e-12 * cum[nk];
+  if (count < 1 || count > nk) return false;
+  const bool reaches = cum[count] >= required - slack || count == nk;
+  const bool minimal = count == 1 || cum[count - 1] < required + slack;
+  return reaches && minimal;
+}
+
+class BaAttCudaCase : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Case& c = GetParam();
+  const Input q = make_input(c, c.heads_q, c.len_q, c.seed, 0.6f);
+  const Input k = make_input(c, c.heads_kv, c.len_kv, c.seed + 100, 0.6f);
+  const int64_t nq = (c.len_q + c.block_q - 1) / c.block_q, nk = (c.len_kv + c.block_kv - 1) / c.block_kv;
+
+  // The device's steps 1-3 and the CPU's (cpu_ref: f64 norms, its own permutations).
+  auto dev = ba_att_scores(q.device_view, k.device_view, options_of(c, Backend::cuda));
+  ASSERT_TRUE(dev.ok()) << dev.status().to_string();
+  auto cpu = ba_att_scores(q.host_view, k.host_view, options_of(c, Backend::cpu_ref));
+  ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
+  ASSERT_EQ(dev->num_q_blocks, nq);
+  ASSERT_EQ(dev->num_kv_blocks, nk);
+  ASSERT_EQ(dev->perm_q.empty(), !c.sort_q);
+  ASSERT_EQ(dev->perm_kv.empty(), !c.sort_k);
+  if (c.sort_q) check_sort("q", c, q, dev->perm_q, cpu->perm_q);
+  if (c.sort_k) check_sort("k", c, k, dev->perm_kv, cpu->perm_kv);
+  if (HasFatalFailure()) return;
+
+  // Logits of the device's blocks against cpu_ref on the same blocks.
+  const HostArray* pq = c.sort_q ? &dev->perm_q : nullptr;
+  const HostArray* pk = c.sort_k ? &dev->perm_kv : nullptr;
+  const HostArray ref = reference_logits(c, q.host_view, k.host_view, pq, pk, nq, nk);
+  const LogitTolerance tol = logit_tolerance(c, q.host_view, k.host_view, pq, pk, nq, nk);
+  for (int64_t i = 0; i < ref.numel(); ++i)
+    ASSERT_NEAR(dev->logits.ptr<float>()[i], ref.ptr<float>()[i], tol.tol[i]) << "logit " << i;
+
+  // The plan: device arrays, the same permutations, the budget exactly as select_blocks on the
+  // device's logits (fixed budgets) or up to 1e-12 in the cumulative mass.
+  auto plan = ba_att_plan(q.device_view, k.device_view, options_of(c, Backend::cuda));
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  ASSERT_TRUE(plan->on_device());
+  auto host = plan->to_host();
+  ASSERT_TRUE(host.ok()) << host.status().to_string();
+  const BlockIndexBuffer& hp = host.value();
+  ASSERT_TRUE(validate_block_index(hp.view(), c.batch, c.heads_q, c.heads_kv, c.len_q, c.len_kv).ok());
+  if (c.sort_q) {
+    ASSERT_EQ(0, std::memcmp(hp.perm_q.data(), dev->perm_q.data(), dev->perm_q.nbytes()));
+  } else {
+    ASSERT_TRUE(hp.perm_q.empty());
+  }
+  if (c.sort_k) {
+    ASSERT_EQ(0, std::memcmp(hp.perm_kv.data(), dev->perm_kv.data(), dev->perm_kv.nbytes()));
+  } else {
+    ASSERT_TRUE(hp.perm_kv.empty());
+  }
+  auto cpu_plan = ba_att_plan(q.host_view, k.host_view, options_of(c, Backend::cpu_ref));
+  ASSERT_TRUE(cpu_plan.ok());
+  const bool mass = c.budget.kind == BudgetKind::mass;
+  for (int64_t r = 0; r < c.batch * c.heads_q * nq; ++r) {
+    const float* dl = dev->logits.ptr<float>() + r * nk;
+    const std::vector<int32_t> got = row_of(hp, r);
+    if (!mass) {
+      ASSERT_EQ(got, cpu_select(dl, nk, c.budget)) << "row " << r;
+      ASSERT_EQ(got.size(), row_of(*cpu_plan, r).size()) << "row " << r;
+    } else {
+      ASSERT_TRUE(mass_count_acceptable(dl, nk, c.budget.value, static_cast<int64_t>(got.size()))) << "row " << r;
+    }
+    // Against the reference logits: no dropped block beats a kept one by more than 2 tol.
+    std::vector<char> kept(nk, 0);
+    for (int32_t j : got) kept[j] = 1;
+    double worst_kept = std::numeric_limits<double>::infinity(), best_dropped = -worst_kept, cut_tol = 0;
+    for (int64_t j = 0; j < nk; ++j) {
+      const double l = ref.ptr<float>()[r * nk + j];
+      if (kept[j]) worst_kept = std::min(worst_kept, l);
+      else best_dropped = std::max(best_dropped, l);
+      cut_tol = std::max(cut_tol, tol.tol[r * nk + j]);
+    }
+    ASSERT_GE(worst_kept, best_dropped - 2 * cut_tol) << "row " << r;
+  }
+
+  // Plan + executor (bf16/f16 only): O against cpu_ref attention under the device's plan.
+  if (!c.run_executor || c.dtype == DType::f32) return;
+  Input v = make_input(c, c.heads_kv, c.len_kv, c.seed + 200, 0.3f);
+  auto out = ba_att(q.device_view, k.device_view, v.device_view, options_of(c, Backend::cuda));
+  ASSERT_TRUE(out.ok()) << out.status().to_string();
+  AttentionOptions ref_opt;
+  ref_opt.backend = Backend::cpu_ref;
+  auto expected = block_sparse(q.host_view, k.host_view, v.host_view, hp.view(), ref_opt);
+  ASSERT_TRUE(expected.ok()) << expected.status().to_string();
+  // The executor rounds probabilities and the output to the dtype (unit roundoff u); the relative
+  // L2 error of O is a few u (test_cuda_attention.cpp bounds it tightly); 4u here only catches
+  // a wrongly wired plan (permutations, device arrays), whose error is O(1).
+  const double u = c.dtype == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  double num = 0, den = 0, lse_err = 0;
+  const int64_t n_out = out->out.numel();
+  for (int64_t i = 0; i < n_out; ++i) {
+    const double a = detail::load_element(out->out.data(), c.dtype, i);
+    const double b = detail::load_element(expected->out.data(), c.dtype, i);
+    num += (a - b) * (a - b);
+    den += b * b;
+  }
+  for (int64_t i = 0; i < out->lse.numel(); ++i) {
+    const double a = out->lse.ptr<float>()[i], b = expected->lse.ptr<float>()[i];
+    lse_err = std::max(lse_err, std::abs(a - b) / (1 + std::abs(b)));
+  }
+  EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), 4 * u);
+  EXPECT_LE(lse_err, 2e-4);
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  auto add = [&](std::string name, auto&& edit) {
+    Case c;
+    c.name = std::move(name);
+    edit(c);
+    c.seed = static_cast<uint32_t>(v.size() * 7 + 1);
+    v.push_back(c);
+  };
+  add("len1", [](Case& c) { c.len_q = c.len_kv = 1; });
+  add("len17", [](Case& c) { c.len_q = c.len_kv = 17; c.budget = Budget::top_kappa(1); });
+  add("len300_b64_density", [](Case& c) {});
+  add("len300_b128_gqa4_2", [](Case& c) { c.heads_q = 4; c.block_q = c.block_kv = 128; });
+  add("len1000_b128_d128", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.block_q = c.block_kv = 128; c.head_dim = 128; c.budget = Budget::density(0.5);
+  });
+  add("len1000_b64_heads3_topk", [](Case& c) {
+    c.len_q = 1000; c.len_kv = 777; c.heads_q = c.heads_kv = 3; c.budget = Budget::top_kappa(4);
+  });
+  add("gqa3_1_mixed_blocks", [](Case& c) { c.heads_q = 3; c.heads_kv = 1; c.block_q = 64; c.block_kv = 128; });
+  add("window256", [](Case& c) { c.len_q = c.len_kv = 1000; c.window = 256; });
+  add("window128_b128", [](Case& c) { c.len_q = c.len_kv = 1000; c.window = 128; c.block_q = c.block_kv = 128; });
+  add("mass0.9", [](Case& c) { c.len_q = c.len_kv = 1000; c.budget = Budget::mass(0.9); });
+  add("mass1", [](Case& c) { c.budget = Budget::mass(1.0); });
+  add("topk_over_nk", [](Case& c) { c.budget = Budget::top_kappa(100); });
+  add("no_compensation", [](Case& c) { c.compensate = false; });
+  add("beta_half", [](Case& c) { c.beta = 0.5f; });
+  add("trace", [](Case& c) { c.compensation = Compensation::trace; c.len_q = c.len_kv = 200; });
+  add("exact", [](Case& c) { c.compensation = Compensation::exact; c.len_q = c.len_kv = 200; c.heads_q = 4; });
+  add("no_sort", [](Case& c) { c.sort_q = c.sort_k = false; });
+  add("sort_k_only", [](Case& c) { c.sort_q = false; });
+  add("f16", [](Case& c) { c.dtype = DType::f16; c.head_dim = 128; c.block_q = c.block_kv = 128; c.len_q = 700; });
+  add("f32_plan_only", [](Case& c) { c.dtype = DType::f32; });
+  add("strided_batch2", [](Case& c) { c.batch = 2; c.seq_pad = 8; c.len_kv = 513; });
+  // Rows not 16-byte aligned: the scalar paths of the norm and statistics kernels.
+  add("unaligned_rows", [](Case& c) { c.seq_pad = 3; c.len_q = 333; c.heads_q = 4; });
+  // Many key blocks per row: 5000 (sorted in >48 KiB of shared memory) and 10000 (the global
+  // memory fallback of the row sort).
+  add("nk5000_shared", [](Case& c) {
+    c.len_q = 64; c.len_kv = 5000; c.block_kv = 1; c.budget = Budget::density(0.1); c.heads_q = c.heads_kv = 1;
+  });
+  add("nk10000_global", [](Case& c) {
+    c.len_q = 130; c.len_kv = 10000; c.block_kv = 1; c.budget = Budget::mass(0.8); c.heads_q = c.heads_kv = 1;
+  });
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BaAttCudaCase, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           std::string n = info.param.name;
+                           std::replace(n.begin(), n.end(), '.', '_');
+                           return n;
+                         });
+
+// Ties: identical tokens have identical norms (ties must keep the original order) and identical
+// blocks have identical logits (ties must go to the lower key block), exactly as on the CPU.
+TEST(BaAttCuda, TiesFollowTheCpuOrder) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Case c;
+  c.len_q = c.len_kv = 256;
+  c.block_q = c.block_kv = 32;
+  c.budget = Budget::top_kappa(3);
+  HostArray host(DType::bf16, {1, 2, 256, 64});
+  for (int64_t r = 0; r < 2 * 256; ++r)
+    for (int64_t t = 0; t < 64; ++t)  // four distinct token values, repeated
+      detail::store_element(host.data(), DType::bf16, r * 64 + t, ((r % 4) + 1) * ((t % 3) - 1) * 0.25f);
+  auto dev = DeviceArray::allocate(DType::bf16, {1, 2, 256, 64}, {DeviceType::cuda, 0});
+  ASSERT_TRUE(dev.ok());
+  ASSERT_EQ(cudaMemcpy(dev->data(), host.data(), host.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  auto gpu = ba_att_plan(dev->view(), dev->view(), options_of(c, Backend::cuda));
+  auto cpu = ba_att_plan(host.view(), host.view(), options_of(c, Backend::cpu_ref));
+  ASSERT_TRUE(gpu.ok()) << gpu.status().to_string();
+  ASSERT_TRUE(cpu.ok());
+  auto h = gpu->to_host();
+  ASSERT_TRUE(h.ok());
+  // Exact f32 arithmetic here (sums of a few multiples of 1/16): the plans are identical.
+  EXPECT_EQ(0, std::memcmp(h->perm_q.data(), cpu->perm_q.data(), cpu->perm_q.nbytes()));
+  EXPECT_EQ(0, std::memcmp(h->perm_kv.data(), cpu->perm_kv.data(), cpu->perm_kv.nbytes()));
+  for (int64_t r = 0; r < 2 * 8; ++r) EXPECT_EQ(row_of(*h, r), row_of(*cpu, r)) << "row " << r;
+}
+
+TEST(BaAttCuda, NonFiniteInputsAreRefused) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Case c;
+  c.len_q = c.len_kv = 100;
+  Input q = make_input(c, 2, 100, 5, 0.5f);
+  const Input k = make_input(c, 2, 100, 6, 0.5f);
+  const uint16_t nan_bits = float_to_bf16(std::nanf(""));
+  // token [0, 1, 37] of q gets a NaN
+  ASSERT_EQ(cudaMemcpy(static_cast<char*>(q.device.data()) + ((1 * 100 + 37) * 64 + 5) * 2, &nan_bits, 2,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  auto plan = ba_att_plan(q.device_view, k.device_view, options_of(c, Backend::cuda));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::non_finite);
+  EXPECT_NE(plan.status().message().find("q: token [0, 1, 37] has a NaN/Inf norm"), std::string::npos)
+      << plan.status().to_string();
+  c.sort_q = false;  // no norm to catch it: the logit check must
+  plan = ba_att_plan(q.device_view, k.device_view, options_of(c, Backend::cuda));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("ba_att: block logit [0, 1, 0, "), std::string::npos)
+      << plan.status().to_string();
+}
+
+TEST(BaAttCuda, HostPointerLabelledCudaIsRefused) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  HostArray q(DType::bf16, {1, 1, 16, 64});
+  Tensor qd = q.view();
+  qd.device = {DeviceType::cuda, 0};
+  BaAttOptions o;
+  o.backend = Backend::cuda;
+  auto plan = ba_att_plan(qd, qd, o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("q: expected memory of cuda:0"), std::string::npos)
+      << plan.status().to_string();
+}
+
+TEST(BaAttCuda, CheckFiniteIsUnsupported) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  auto dev = DeviceArray::allocate(DType::bf16, {1, 1, 16, 64}, {DeviceType::cuda, 0}, true);
+  ASSERT_TRUE(dev.ok());
+  BaAttOptions o;
+  o.backend = Backend::cuda;
+  o.check_finite = true;
+  auto plan = ba_att_plan(dev->view(), dev->view(), o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::unsupported);
+  EXPECT_NE(plan.status().message().find("check_finite:"), std::string::npos);
+}
+
+}  // namespace
+
+#endif  // SPARSA_WITH_CUDA

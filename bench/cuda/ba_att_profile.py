@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Where BA-Att's time goes on the GPU: one ba_att_plan call under torch.profiler (CUDA time per
+kernel), then block_sparse on that plan with its permutations (the gathers in the executor) and
+on the same block lists without them (contiguous tokens), and torch's dense SDPA (cuDNN) for scale.
+
+Run with the Python package on the path (PYTHONPATH=<build>/python):
+  python3 bench/cuda/ba_att_profile.py [--n 131072] [--density 0.1]
+"""
+import argparse
+import dataclasses
+import statistics
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import sparsa
+
+
+def time_ms(fn, iters=5, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=131072)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--density", type=float, nargs="+", default=[0.1, 0.5])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    shape = (1, args.heads, args.n, 128)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for density in args.density:
+        plan_fn = lambda: sparsa.ba_att_plan(q, k, block_q=128, block_kv=128, density=density, backend="cuda")
+        plan = plan_fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            plan_fn()
+            torch.cuda.synchronize()
+        print(f"\nN={args.n} density={density}: ba_att_plan kernels (one call)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        select = time_ms(plan_fn)
+        no_perm = dataclasses.replace(plan, perm_q=None, perm_kv=None)
+        with_perm = time_ms(lambda: sparsa.block_sparse(q, k, v, plan, backend="cuda"))
+        without = time_ms(lambda: sparsa.block_sparse(q, k, v, no_perm, backend="cuda"))
+        print(f"select {select:.3f} ms; executor with perms {with_perm:.3f} ms, same blocks without perms "
+              f"{without:.3f} ms ({with_perm / without:.3f}x)")
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        dense = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), iters=3)
+    print(f"SDPA cuDNN dense {dense:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

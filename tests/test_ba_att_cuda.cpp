@@ -164,6 +164,40 @@ TEST(BaAttCuda, RowKeysOrderAsSelectBlocks) {
   }
 }
 
+// The norm kernel's division by invariant integers (token -> (batch * head, token), token ->
+// window) equals integer division for every numerator below 2^31.
+TEST(BaAttCuda, FastDivIsIntegerDivision) {
+  using namespace sparsa::cuda::ba_att;
+  const uint32_t top = 0x7fffffffu;
+  std::vector<uint32_t> divisors = {1, 2, 3, 5, 7, 12, 64, 100, 128, 1000, 1023, 1025, 4096, 65535, 65536, 65537,
+                                    131072, 1u << 30, (1u << 30) + 1, 3u << 29, top - 1, top};
+  uint64_t state = 12345;
+  auto next = [&]() {  // splitmix64
+    state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  for (int r = 0; r < 200; ++r) divisors.push_back(static_cast<uint32_t>(next() % top) + 1);
+  for (int r = 0; r < 50; ++r) divisors.push_back(static_cast<uint32_t>(next() % 5000) + 1);
+  for (uint32_t d : divisors) {
+    const FastDiv f(d);
+    std::vector<uint32_t> numerators = {0, 1, d - 1, d, top, top - 1, top - d + 1};
+    if (d < top) numerators.push_back(d + 1);
+    for (uint32_t k : {2u, 3u, 1000u, top / d, top / d - 1}) {
+      const uint64_t m = static_cast<uint64_t>(k) * d;
+      if (m <= top) numerators.push_back(static_cast<uint32_t>(m));
+      if (m >= 1 && m - 1 <= top) numerators.push_back(static_cast<uint32_t>(m - 1));
+      if (m + 1 <= top) numerators.push_back(static_cast<uint32_t>(m + 1));
+    }
+    for (int r = 0; r < 2000; ++r) numerators.push_back(static_cast<uint32_t>(next() % (uint64_t{top} + 1)));
+    for (uint32_t n : numerators) ASSERT_EQ(f.div(n), n / d) << n << " / " << d;
+  }
+  const FastDiv small(7);
+  for (uint32_t n = 0; n < 1u << 20; ++n) ASSERT_EQ(small.div(n), n / 7) << n;
+}
+
 TEST(BaAttCuda, NormKeysSortAsNormSortWithinSegments) {
   using namespace sparsa::cuda::ba_att;
   // Two rows of 12 tokens, windows of 4: ties, zeros and a wide range of norms.

@@ -199,17 +199,39 @@ bool vector_rows(const Tensor& x) {
 }
 
 // Step 1's first kernel (norms, and sort keys when keys != null), vector path when possible.
+// tokens < 2^31 (check_request, token_norms), as NormArgs' FastDiv needs.
 template <class T>
 Status launch_norms(const Tensor& x, int64_t window, int64_t windows, uint64_t* keys, int32_t* values, float* norms,
                     ErrorWord* err, int err_slot) {
   const int64_t tokens = x.shape[0] * x.shape[1] * x.shape[2];
-  const unsigned grid = static_cast<unsigned>((tokens + kNormWarps - 1) / kNormWarps);
+  if (tokens == 0) return {};
+  NormArgs a;
+  a.total = tokens;
+  a.len = FastDiv(static_cast<uint32_t>(x.shape[2]));
+  a.heads = FastDiv(static_cast<uint32_t>(x.shape[1]));
+  a.window = FastDiv(static_cast<uint32_t>(window));
+  a.windows_per_row = windows;
+  a.keys = keys;
+  a.values = values;
+  a.norms = norms;
+  a.err = err;
+  a.err_slot = err_slot;
   if (vector_rows<T>(x)) {
-    norm_keys_kernel<T, true><<<grid, 32 * kNormWarps>>>(input_of<T>(x), tokens, window, windows, keys, values, norms,
-                                                         err, err_slot);
+    const int chunks = static_cast<int>(x.shape[3]) / kVector<T>;
+    int lanes_log2 = 0;
+    while ((1 << lanes_log2) < chunks && lanes_log2 < 5) ++lanes_log2;
+    const int64_t tokens_per_cta = static_cast<int64_t>(kNormThreads / 32) * (32 >> lanes_log2) * kNormUnroll;
+    int device = 0, sms = 132, per_sm = 1;
+    SPARSA_CUDA_CHECK(cudaGetDevice(&device));
+    SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    SPARSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_keys_vector_kernel<T>,
+                                                                    kNormThreads, 0));
+    const int64_t grid = std::min<int64_t>((tokens + tokens_per_cta - 1) / tokens_per_cta,
+                                           static_cast<int64_t>(sms) * std::max(per_sm, 1));
+    norm_keys_vector_kernel<T><<<static_cast<unsigned>(grid), kNormThreads>>>(input_of<T>(x), a, lanes_log2);
   } else {
-    norm_keys_kernel<T, false><<<grid, 32 * kNormWarps>>>(input_of<T>(x), tokens, window, windows, keys, values,
-                                                          norms, err, err_slot);
+    const int64_t grid = (tokens + kNormThreads / 32 - 1) / (kNormThreads / 32);
+    norm_keys_scalar_kernel<T><<<static_cast<unsigned>(grid), kNormThreads>>>(input_of<T>(x), a);
   }
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
@@ -464,6 +486,10 @@ Status token_norms(const Tensor& x, HostArray* norms) {
   if (x.device.type != DeviceType::cuda || x.ndim != 4) {
     return invalid_argument("x: expected a 4-d tensor on a cuda device, got " + x.shape_string() + " on " +
                             device_name(x.device));
+  }
+  if (x.shape[0] * x.shape[1] * x.shape[2] > kInt32Max) {
+    return invalid_argument("x: expected at most 2^31 - 1 tokens (batch * heads * len), got " +
+                            std::to_string(x.shape[0] * x.shape[1] * x.shape[2]));
   }
   const int device = x.device.id;
   DeviceGuard guard;

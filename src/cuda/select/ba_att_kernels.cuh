@@ -1,7 +1,7 @@
 // Internal: the kernels of BA-Att's cuda selector (Algorithm 1 of the BA-Att paper, steps 1-4;
 // docs/ba_att.md). The launcher is ba_att.cu; the CPU reference is src/methods/ba_att/cpu_ref.cpp.
 //
-//   1. norm_keys_kernel      one warp per token: ||x||_2 in f32, and the 64-bit radix key
+//   1. norm_keys_*_kernel    a few lanes per token: ||x||_2 in f32, and the 64-bit radix key
 //                            (segment << 32 | norm bits) that makes one stable cub::DeviceRadixSort
 //                            of all tokens equal to a stable per-(batch, head, window) sort by norm
 //                            (norms are >= 0, so their IEEE bits order as the values do);
@@ -53,53 +53,117 @@ struct Input {
 
 // ---- 1. norms and sort keys -----------------------------------------------------------------
 
-constexpr int kNormWarps = 8;
+constexpr int kNormThreads = 256;
+constexpr int kNormUnroll = 4;  // vector path: token groups per warp step (16-byte loads in flight per lane)
 
 // 16-byte loads of a row: kVector<T> elements each. The launcher takes the vector path when d is a
 // multiple of it and every row starts 16-byte aligned (vector_rows() in ba_att.cu).
 template <class T> constexpr int kVector = 16 / static_cast<int>(sizeof(T));
 
-// token g = bh * len + i. keys / values may be null (norms only); norms may be null.
-// window: tokens per sort window (len for a global sort); windows_per_row = ceil(len / window).
-// The vector and scalar paths sum in different orders: both the sort and token_norms() (the
-// tests' view of the norms) pick the path with the same rule, so they see the same f32 norms.
-template <class T, bool kVectorRows>
-__global__ void __launch_bounds__(32 * kNormWarps)
-    norm_keys_kernel(Input<T> x, int64_t total, int64_t window, int64_t windows_per_row, uint64_t* keys,
-                     int32_t* values, float* norms, ErrorWord* err, int err_slot) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (g >= total) return;
-  const int64_t bh = g / x.len, i = g % x.len;
-  const T* row = x.row(bh, i);
-  float sum = 0.0f;
-  if constexpr (kVectorRows) {
-    constexpr int V = kVector<T>;
-    for (int c = lane; c < x.d / V; c += 32) {
-      const uint4 raw = reinterpret_cast<const uint4*>(row)[c];
-      const T* e = reinterpret_cast<const T*>(&raw);
+// token g = bh * len + i (g < 2^31: the launcher checks). keys / values may be null (norms only);
+// norms may be null. window: tokens per sort window (len for a global sort); windows_per_row =
+// ceil(len / window).
+struct NormArgs {
+  int64_t total = 0;     // batch * heads * len
+  FastDiv len, heads, window;
+  int64_t windows_per_row = 1;
+  uint64_t* keys = nullptr;
+  int32_t* values = nullptr;
+  float* norms = nullptr;
+  ErrorWord* err = nullptr;
+  int err_slot = 0;
+};
+
+template <class T>
+__device__ __forceinline__ const T* token_row(const Input<T>& x, const NormArgs& a, uint32_t g) {
+  const uint32_t bh = a.len.div(g), i = g - bh * a.len.divisor;
+  const uint32_t b = a.heads.div(bh), h = bh - b * a.heads.divisor;
+  return x.data + b * x.stride_b + h * x.stride_h + static_cast<int64_t>(i) * x.stride_s;
+}
+
+// The norm of token g from its f32 sum of squares, its sort key and the non-finite check.
+__device__ __forceinline__ void finish_token(const NormArgs& a, uint32_t g, float sum) {
+  const float norm = sqrtf(sum);
+  if (!isfinite(norm)) atomicMin(&a.err->first[a.err_slot], static_cast<unsigned long long>(g));
+  if (a.norms != nullptr) a.norms[g] = norm;
+  if (a.keys != nullptr) {
+    const uint32_t bh = a.len.div(g), i = g - bh * a.len.divisor;
+    a.keys[g] = norm_key(static_cast<uint64_t>(bh) * a.windows_per_row + a.window.div(i), norm);
+    a.values[g] = static_cast<int32_t>(i);
+  }
+}
+
+// Vector path: 2^lanes_log2 lanes per token (the fewest powers of two covering d / kVector<T>
+// 16-byte chunks, at most 32), so a warp reads 32 >> lanes_log2 tokens per group and kNormUnroll
+// groups per step, all loads issued before the sums; a grid of about one wave strides over the
+// tokens. Each lane sums its chunks c = part, part + lanes, ... in order (fmaf of each element in
+// turn), then the lanes of a token combine by a butterfly (shfl_xor, lanes/2 down to 1). For d = 128
+// bf16 (16 lanes) that is the order of one warp per token (lanes 16-31 contribute +0), so the norms
+// are those of the one-token-per-warp kernel bit for bit; token_norms() (the tests' view) launches
+// this same kernel, so the sort and the tests always see the same f32 norms.
+template <class T>
+__global__ void __launch_bounds__(kNormThreads) norm_keys_vector_kernel(Input<T> x, NormArgs a, int lanes_log2) {
+  constexpr int V = kVector<T>;
+  const int lanes = 1 << lanes_log2;
+  const int lane = threadIdx.x % 32, sub = lane >> lanes_log2, part = lane & (lanes - 1);
+  const int chunks = x.d / V;
+  const int64_t step = static_cast<int64_t>(32 >> lanes_log2) * kNormUnroll;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t g0 = warp * step; g0 < a.total; g0 += warps * step) {  // warp-uniform
+    const uint4* rows[kNormUnroll];
+    bool valid[kNormUnroll];
+    float sum[kNormUnroll];
 #pragma unroll
-      for (int u = 0; u < V; ++u) {
-        const float v = to_float(e[u]);
-        sum = fmaf(v, v, sum);
+    for (int u = 0; u < kNormUnroll; ++u) {
+      const int64_t g = g0 + u * (32 >> lanes_log2) + sub;
+      valid[u] = g < a.total;
+      rows[u] = valid[u] ? reinterpret_cast<const uint4*>(token_row(x, a, static_cast<uint32_t>(g))) : nullptr;
+      sum[u] = 0.0f;
+    }
+    for (int c0 = 0; c0 < chunks; c0 += lanes) {  // warp-uniform
+      const int c = c0 + part;
+      uint4 raw[kNormUnroll];
+#pragma unroll
+      for (int u = 0; u < kNormUnroll; ++u) raw[u] = valid[u] && c < chunks ? rows[u][c] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < kNormUnroll; ++u) {
+        const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float v = to_float(e[k]);  // zero chunks add +0: fmaf(0, 0, s) == s for s >= +0
+          sum[u] = fmaf(v, v, sum[u]);
+        }
       }
     }
-  } else {
-#pragma unroll 4
-    for (int t = lane; t < x.d; t += 32) {
-      const float v = to_float(row[t]);
-      sum = fmaf(v, v, sum);
+#pragma unroll
+    for (int u = 0; u < kNormUnroll; ++u)
+      for (int offset = lanes >> 1; offset > 0; offset >>= 1) sum[u] += __shfl_xor_sync(0xffffffffu, sum[u], offset);
+    if (part == 0) {
+#pragma unroll
+      for (int u = 0; u < kNormUnroll; ++u) {
+        if (valid[u]) finish_token(a, static_cast<uint32_t>(g0 + u * (32 >> lanes_log2) + sub), sum[u]);
+      }
     }
   }
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane != 0) return;
-  const float norm = sqrtf(sum);
-  if (!isfinite(norm)) atomicMin(&err->first[err_slot], static_cast<unsigned long long>(g));
-  if (norms != nullptr) norms[g] = norm;
-  if (keys != nullptr) {
-    keys[g] = norm_key(static_cast<uint64_t>(bh * windows_per_row + i / window), norm);
-    values[g] = static_cast<int32_t>(i);
+}
+
+// Scalar path (rows not 16-byte aligned, or d not a multiple of kVector<T>): one warp per token,
+// element t summed by lane t % 32 in order, then a 32-lane butterfly.
+template <class T>
+__global__ void __launch_bounds__(kNormThreads) norm_keys_scalar_kernel(Input<T> x, NormArgs a) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * (kNormThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (g >= a.total) return;
+  const T* row = token_row(x, a, static_cast<uint32_t>(g));
+  float sum = 0.0f;
+#pragma unroll 4
+  for (int t = lane; t < x.d; t += 32) {
+    const float v = to_float(row[t]);
+    sum = fmaf(v, v, sum);
   }
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) finish_token(a, static_cast<uint32_t>(g), sum);
 }
 
 // ---- 3. block statistics as feature vectors ----------------------------------------------------

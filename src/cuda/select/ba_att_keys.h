@@ -46,4 +46,26 @@ SPARSA_HOST_DEVICE float logit_of(uint64_t key) {
 }
 SPARSA_HOST_DEVICE int32_t index_of(uint64_t key) { return static_cast<int32_t>(static_cast<uint32_t>(key)); }
 
+// n / divisor for n < 2^31 and 1 <= divisor < 2^31 without a division instruction (Granlund and
+// Montgomery, "Division by invariant integers using multiplication", 1994): with l = ceil(log2
+// divisor) and m = floor(2^32 (2^l - divisor) / divisor) + 1, n / divisor = (mulhi(m, n) + n) >> l.
+// mulhi(m, n) <= n, so the sum stays below 2^32 for n < 2^31. The norm kernel splits flat token
+// numbers into (batch * head, token) and tokens into sort windows with it, once per token.
+struct FastDiv {
+  uint32_t divisor = 1, multiplier = 1, shift = 0;
+  FastDiv() = default;
+  explicit FastDiv(uint32_t d) : divisor(d) {
+    while ((uint64_t{1} << shift) < d) ++shift;
+    multiplier = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
+  }
+  SPARSA_HOST_DEVICE uint32_t div(uint32_t n) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi = __umulhi(multiplier, n);
+#else
+    const uint32_t hi = static_cast<uint32_t>((static_cast<uint64_t>(multiplier) * n) >> 32);
+#endif
+    return (hi + n) >> shift;
+  }
+};
+
 }  // namespace sparsa::cuda::ba_att

@@ -697,6 +697,47 @@ TEST(BaAttCuda, CheckFiniteIsUnsupported) {
   EXPECT_NE(plan.status().message().find("check_finite:"), std::string::npos);
 }
 
+// Plans live in DeviceArrays from a stream-ordered pool: a released array's memory comes back to
+// the next allocation, so zero_fill must still give zeros after the old contents were written, a
+// plan must outlive the arrays released around it, and releasing 2 GiB of arrays over and over
+// must not exhaust the device.
+TEST(BaAttCuda, DeviceArraysReuseReleasedMemory) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Device cuda0{DeviceType::cuda, 0};
+  constexpr int64_t n = 1 << 20;
+  for (int round = 0; round < 3; ++round) {
+    auto dirty = DeviceArray::allocate(DType::i32, {n}, cuda0);
+    ASSERT_TRUE(dirty.ok());
+    ASSERT_EQ(cudaMemset(dirty->data(), 0xab, n * 4), cudaSuccess);
+    *dirty = DeviceArray();  // released: its memory is the pool's next candidate
+    auto clean = DeviceArray::allocate(DType::i32, {n}, cuda0, true);
+    ASSERT_TRUE(clean.ok());
+    auto host = clean->to_host();
+    ASSERT_TRUE(host.ok());
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(host->ptr<int32_t>()[i], 0) << "round " << round << " element " << i;
+  }
+  for (int round = 0; round < 40; ++round) {
+    auto big = DeviceArray::allocate(DType::f32, {int64_t{1} << 29}, cuda0);  // 2 GiB
+    ASSERT_TRUE(big.ok()) << "round " << round << ": " << big.status().to_string();
+  }
+  Case c;
+  c.len_q = c.len_kv = 256;
+  const Input q = make_input(c, c.heads_q, c.len_q, 3, 0.6f);
+  const Input k = make_input(c, c.heads_kv, c.len_kv, 4, 0.6f);
+  auto first = ba_att_plan(q.device_view, k.device_view, options_of(c, Backend::cuda));
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  auto first_host = first->to_host();
+  ASSERT_TRUE(first_host.ok());
+  for (int round = 0; round < 3; ++round) {  // the next plans reuse released scratch, not the live plan
+    auto again = ba_att_plan(q.device_view, k.device_view, options_of(c, Backend::cuda));
+    ASSERT_TRUE(again.ok());
+  }
+  auto first_again = first->to_host();
+  ASSERT_TRUE(first_again.ok());
+  EXPECT_EQ(0, std::memcmp(first_again->indices.data(), first_host->indices.data(), first_host->indices.nbytes()));
+  EXPECT_EQ(0, std::memcmp(first_again->perm_q.data(), first_host->perm_q.data(), first_host->perm_q.nbytes()));
+}
+
 }  // namespace
 
 #endif  // SPARSA_WITH_CUDA

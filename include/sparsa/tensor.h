@@ -98,7 +98,8 @@ class HostArray {
 };
 
 // An owning, contiguous array in the memory of a CUDA device (what the cuda backend's
-// selectors return their plans in). cudaMalloc'd on creation, freed when the last copy goes:
+// selectors return their plans in). Allocated on the default stream from sparsa's stream-ordered
+// pool of that device (no device-wide synchronisation when freed), freed when the last copy goes:
 // copies share the storage (unlike HostArray, whose copies are deep). In a build without CUDA
 // allocate() reports `unsupported`.
 class DeviceArray {

@@ -410,7 +410,10 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     a.indices = indices->ptr<int32_t>();
     a.capacity = static_cast<int>(capacity);
     a.scratch = w.select_scratch;
-    if (s.global_select) {
+    if (!a.mass && nk <= kMaxTopBlocks) {
+      const size_t smem = static_cast<size_t>(nk) * sizeof(uint32_t);
+      select_top_kernel<<<s.select_ctas, kTopThreads, smem>>>(a);
+    } else if (s.global_select) {
       select_kernel<true><<<s.select_ctas, kSelectThreads>>>(a);
     } else {
       const size_t smem = select_bytes_per_row(s.sort_size, a.nk);

@@ -12,9 +12,11 @@
 //                            that every compensated logit is one inner product;
 //   4. block_logits_kernel   per (batch, query head): logits = A [nq, F] x B [nk, F]', a 64x64-tiled
 //                            f32 SIMT product (GQA: query head h reads kv head h / group);
-//   5. select_kernel         one CTA per query-block row: bitonic sort of (logit desc, index asc)
-//                            keys, the budget (fixed kappa, or the f64 cumulative mass), then the
-//                            kept indices written ascending.
+//   5. select_top_kernel     fixed budgets (kappa, density): one CTA per query-block row, a radix
+//                            select of the kappa-th (logit desc, index asc) key and a compaction
+//                            of the kept indices, ascending;
+//      select_kernel         mass budgets (and rows over kMaxTopBlocks): a bitonic sort of those
+//                            keys, the f64 cumulative mass, then the kept indices ascending.
 // Non-finite norms and logits are recorded (lowest flat index) in an ErrorWord that the launcher
 // reads back once at the end and turns into a Status.
 #pragma once
@@ -527,6 +529,108 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
     for (int s = keep + threadIdx.x; s < a.capacity; s += blockDim.x) out[s] = 0;
     if (threadIdx.x == 0) a.counts[row] = keep;
     __syncthreads();
+  }
+}
+
+// ---- 5b. fixed budgets: radix select of the keep-th key, then a compaction ----------------------
+
+// Rows of fixed budgets (top_kappa, density) need only the `keep` smallest row keys, not their
+// order: the high word of order_key (the logit's order; the low word is the index) is resolved 8
+// bits at a time from the top, each pass a 256-bin histogram of the keys still tied with the
+// keep-th and a scan that picks the bin holding it. The kept set is then every key below the
+// prefix found, plus the first `need` (ascending index) of those equal to it: exactly the first
+// `keep` keys of the ascending sort, ties to the lower index. Up to kMaxTopBlocks key blocks
+// (their high words in shared memory, and per-thread counts packed in 16 bits for one scan).
+constexpr int kTopThreads = 256;  // one thread per radix bin
+constexpr int kRadixBins = 256;
+constexpr int kMaxTopBlocks = 8192;
+static_assert(kTopThreads == kRadixBins, "the bin scan gives each thread one bin");
+
+// Inclusive sum of `value` over the CTA's threads in order (kTopThreads of them). warp_totals is
+// written before the one __syncthreads() inside and read after it: the caller synchronises before
+// the next call overwrites it.
+__device__ inline int cta_inclusive_scan(int value, int* warp_totals) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inclusive = value;
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += up;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) inclusive += warp_totals[w];
+  return inclusive;
+}
+
+// grid-stride over rows, kTopThreads threads, nk * 4 bytes of dynamic shared memory; nk <=
+// kMaxTopBlocks, 1 <= keep <= nk, capacity == keep.
+__global__ void __launch_bounds__(kTopThreads) select_top_kernel(SelectArgs a) {
+  extern __shared__ uint32_t top_keys[];  // [nk] high words of order_key
+  __shared__ int hist[kRadixBins];
+  __shared__ int warp_totals[kTopThreads / 32];
+  __shared__ uint32_t chosen_prefix;
+  __shared__ int chosen_need, chosen_done;
+  const int nk = a.nk, lane = threadIdx.x % 32;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const float* logits = a.logits + row * nk;
+    for (int j = threadIdx.x; j < nk; j += kTopThreads) top_keys[j] = static_cast<uint32_t>(order_key(logits[j], j) >> 32);
+    // Invariant: the keep-th smallest key matches `prefix` on the bits of `mask`, and is the
+    // need-th smallest (1-based) of the keys that do; keep - need keys are below it there.
+    uint32_t prefix = 0, mask = 0;
+    int need = a.keep;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      hist[threadIdx.x] = 0;
+      __syncthreads();  // the keys are in (first pass), the bins are clear
+      for (int j0 = 0; j0 < nk; j0 += kTopThreads) {  // uniform trip count: whole warps meet in match_any
+        const int j = j0 + static_cast<int>(threadIdx.x);
+        const uint32_t key = j < nk ? top_keys[j] : 0u;
+        const bool tied = j < nk && (key & mask) == prefix;
+        const uint32_t bin = (key >> shift) & 0xffu;
+        // One shared atomic per distinct bin per warp: logits of a row share their top bits.
+        const unsigned peers = __match_any_sync(0xffffffffu, tied ? bin : 0xffffffffu);
+        if (tied && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+      }
+      __syncthreads();
+      const int count = hist[threadIdx.x];
+      const int inclusive = cta_inclusive_scan(count, warp_totals), exclusive = inclusive - count;
+      if (exclusive < need && need <= inclusive) {  // exactly one bin holds the need-th key
+        chosen_prefix = prefix | (static_cast<uint32_t>(threadIdx.x) << shift);
+        chosen_need = need - exclusive;
+        chosen_done = count == need - exclusive;
+      }
+      __syncthreads();
+      prefix = chosen_prefix;
+      need = chosen_need;
+      mask |= 0xffu << shift;
+      if (chosen_done) break;  // the whole bin is kept: lower digits change nothing
+    }
+    // Compaction in ascending index: each thread a contiguous range; one scan of (below, tied)
+    // counts, packed as below | tied << 16 (each at most nk <= 8192). Slot of a kept block = kept
+    // blocks before it = (below before) + min(tied before, need).
+    const int per_thread = (nk + kTopThreads - 1) / kTopThreads;
+    const int begin = min(nk, static_cast<int>(threadIdx.x) * per_thread), end = min(nk, begin + per_thread);
+    int below = 0, tied = 0;
+    for (int j = begin; j < end; ++j) {
+      const uint32_t m = top_keys[j] & mask;
+      below += m < prefix;
+      tied += m == prefix;
+    }
+    const int packed = below | (tied << 16);
+    const int before = cta_inclusive_scan(packed, warp_totals) - packed;
+    int below_rank = before & 0xffff, tied_rank = before >> 16;
+    int32_t* out = a.indices + row * a.capacity;
+    for (int j = begin; j < end; ++j) {
+      const uint32_t m = top_keys[j] & mask;
+      if (m < prefix) {
+        out[below_rank + min(tied_rank, need)] = j;
+        ++below_rank;
+      } else if (m == prefix) {
+        if (tied_rank < need) out[below_rank + tied_rank] = j;
+        ++tied_rank;
+      }
+    }
+    if (threadIdx.x == 0) a.counts[row] = a.keep;
+    __syncthreads();  // top_keys and warp_totals are reused by the next row
   }
 }
 

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/mma.cuh"
 #include "cuda/select/ba_att_keys.h"
 
 namespace sparsa::cuda::ba_att {
@@ -211,8 +212,8 @@ __host__ __device__ inline size_t feature_smem_bytes(int kind, int d, bool stage
 // grid (num_blocks, batch * heads). Query side: a = [scale*mean, c*var, c*mean^2] (diagonal),
 // [scale*mean, c*vec cov] (trace), [scale*mean, c*vec cov, c*vec(mean mean')] (exact).
 // Key side: b = [mean, mean^2 + var, var], [mean, vec cov], [mean, vec(cov + mean mean'), vec cov].
-// kStaged: the block's token rows are first copied to shared memory with 16-byte loads (one
-// global read, many loads in flight); else both passes read global memory (any layout).
+// kStaged: the block's token rows are first copied to shared memory with 16-byte cp.async (one
+// global read, all of it in flight); else both passes read global memory (any layout).
 template <class T, bool kQuery, bool kStaged>
 __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T> x, FeatureArgs a) {
   extern __shared__ __align__(16) float smem[];
@@ -232,11 +233,16 @@ __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T
     constexpr int V = kVector<T>;
     T* rows = reinterpret_cast<T*>(smem + 2 * d);  // [n, d]; 2d floats keep 16-byte alignment (d % V == 0)
     const int chunks = d / V;
-#pragma unroll 4
+    // cp.async: every 16-byte chunk of the block's rows is in flight at once (no register
+    // staging), which the gather through perm needs to approach DRAM bandwidth.
+    const uint32_t rows_smem = static_cast<uint32_t>(__cvta_generic_to_shared(rows));
     for (int idx = threadIdx.x; idx < n * chunks; idx += blockDim.x) {
       const int p = idx / chunks, c = idx % chunks;
-      reinterpret_cast<uint4*>(rows + p * d)[c] = reinterpret_cast<const uint4*>(x.row(bh, token(begin + p)))[c];
+      cuda::detail::cp_async_16(rows_smem + static_cast<uint32_t>((p * d + c * V) * sizeof(T)),
+                                x.row(bh, token(begin + p)) + c * V, 16);
     }
+    cuda::detail::cp_async_commit();
+    cuda::detail::cp_async_wait<0>();
     __syncthreads();
     for (int t = threadIdx.x; t < d; t += blockDim.x) {
       float sum = 0.0f;

@@ -100,10 +100,10 @@ __device__ __forceinline__ void finish_token(const NormArgs& a, uint32_t g, floa
 // 16-byte chunks, at most 32), so a warp reads 32 >> lanes_log2 tokens per group and kNormUnroll
 // groups per step, all loads issued before the sums; a grid of about one wave strides over the
 // tokens. Each lane sums its chunks c = part, part + lanes, ... in order (fmaf of each element in
-// turn), then the lanes of a token combine by a butterfly (shfl_xor, lanes/2 down to 1). For d = 128
-// bf16 (16 lanes) that is the order of one warp per token (lanes 16-31 contribute +0), so the norms
-// are those of the one-token-per-warp kernel bit for bit; token_norms() (the tests' view) launches
-// this same kernel, so the sort and the tests always see the same f32 norms.
+// turn), then the lanes of a token combine by a butterfly (shfl_xor, lanes/2 down to 1). That is
+// lane 0's order in a warp per token (lanes past the chunks hold +0, and adding +0 to a sum >= +0
+// changes nothing), so the norms equal a one-warp-per-token kernel's bit for bit; token_norms()
+// (the tests' view) launches this same kernel, so the sort and the tests see the same f32 norms.
 template <class T>
 __global__ void __launch_bounds__(kNormThreads) norm_keys_vector_kernel(Input<T> x, NormArgs a, int lanes_log2) {
   constexpr int V = kVector<T>;

@@ -603,6 +603,9 @@ std::vector<Case> cases() {
   add("strided_batch2", [](Case& c) { c.batch = 2; c.seq_pad = 8; c.len_kv = 513; });
   // Rows not 16-byte aligned: the scalar paths of the norm and statistics kernels.
   add("unaligned_rows", [](Case& c) { c.seq_pad = 3; c.len_q = 333; c.heads_q = 4; });
+  // d % 4 != 0: the scalar norm path and the 64x64 logits kernel (F % 4 != 0); the 128x128 one
+  // takes every other case.
+  add("d6_f_not_multiple_of_4", [](Case& c) { c.head_dim = 6; c.len_q = 200; c.len_kv = 333; c.run_executor = false; });
   // Many key blocks per row: 5000 (sorted in >48 KiB of shared memory) and 10000 (the global
   // memory fallback of the row sort).
   add("nk5000_shared", [](Case& c) {

@@ -380,13 +380,23 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
                                                r.sort_k ? perm_kv->ptr<int32_t>() : nullptr, p, s.kind, s.F,
                                                w.key_features);
   SPARSA_RETURN_IF_ERROR(key_status);
-  const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kTile - 1) / kTile),
-                  static_cast<unsigned>((p.num_q_blocks + kTile - 1) / kTile),
-                  static_cast<unsigned>(p.batch * p.heads_q));
-  block_logits_kernel<<<grid, kLogitThreads>>>(w.query_features, w.key_features, w.logits,
-                                               static_cast<int>(p.num_q_blocks), static_cast<int>(p.num_kv_blocks),
-                                               s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
-                                               static_cast<int>(p.heads_kv), w.err);
+  if (s.F % 4 == 0) {
+    const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kBigTile - 1) / kBigTile),
+                    static_cast<unsigned>((p.num_q_blocks + kBigTile - 1) / kBigTile),
+                    static_cast<unsigned>(p.batch * p.heads_q));
+    block_logits_big_kernel<<<grid, kBigLogitThreads>>>(
+        w.query_features, w.key_features, w.logits, static_cast<int>(p.num_q_blocks),
+        static_cast<int>(p.num_kv_blocks), s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
+        static_cast<int>(p.heads_kv), w.err);
+  } else {
+    const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kTile - 1) / kTile),
+                    static_cast<unsigned>((p.num_q_blocks + kTile - 1) / kTile),
+                    static_cast<unsigned>(p.batch * p.heads_q));
+    block_logits_kernel<<<grid, kLogitThreads>>>(w.query_features, w.key_features, w.logits,
+                                                 static_cast<int>(p.num_q_blocks), static_cast<int>(p.num_kv_blocks),
+                                                 s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
+                                                 static_cast<int>(p.heads_kv), w.err);
+  }
   SPARSA_CUDA_CHECK_LAUNCH();
 
   // Step 4: the budget per query block.

@@ -410,6 +410,87 @@ __global__ void __launch_bounds__(kLogitThreads)
   }
 }
 
+// F % 4 == 0 (every kind when d % 4 == 0): 128x128 tiles, 8x8 outputs per thread (rows 4 ty..
+// and 64 + 4 ty.., columns 4 tx.. and 64 + 4 tx..), k in steps of 8 through two shared buffers: the
+// next step's float4s are loaded into registers while this step's are multiplied, one barrier a
+// step. Every logit is still fmaf over k = 0, 1, ..., F - 1 in order (zero-padded past F), the
+// order of block_logits_kernel: the two give the same values (a zero logit may differ in sign,
+// which order_key and the budgets ignore).
+constexpr int kBigTile = 128, kBigTileK = 8, kBigLogitThreads = 256;
+
+__global__ void __launch_bounds__(kBigLogitThreads, 2)
+    block_logits_big_kernel(const float* __restrict__ query_features, const float* __restrict__ key_features,
+                            float* __restrict__ logits, int nq, int nk, int64_t F, int heads_q, int group,
+                            int heads_kv, ErrorWord* err) {
+  __shared__ __align__(16) float a_tile[2][kBigTileK][kBigTile + 4];
+  __shared__ __align__(16) float b_tile[2][kBigTileK][kBigTile + 4];
+  const int64_t z = blockIdx.z;
+  const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
+  const float* A = query_features + z * nq * F;
+  const float* B = key_features + zk * nk * F;
+  const int row0 = blockIdx.y * kBigTile, col0 = blockIdx.x * kBigTile;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  // Loads: thread t brings row t / 2, k (t % 2) * 4 .. + 3 of both tiles.
+  const int load_row = threadIdx.x / 2, load_k = (threadIdx.x % 2) * 4;
+  const bool a_in = row0 + load_row < nq, b_in = col0 + load_row < nk;
+  const float* a_src = A + static_cast<int64_t>(row0 + load_row) * F + load_k;
+  const float* b_src = B + static_cast<int64_t>(col0 + load_row) * F + load_k;
+  auto load = [&](int64_t f0, float4& av, float4& bv) {
+    const bool in_f = f0 + load_k < F;  // F % 4 == 0: all four or none
+    av = a_in && in_f ? *reinterpret_cast<const float4*>(a_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    bv = b_in && in_f ? *reinterpret_cast<const float4*>(b_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
+  };
+  auto store = [&](int buf, const float4& av, const float4& bv) {
+    a_tile[buf][load_k + 0][load_row] = av.x;
+    a_tile[buf][load_k + 1][load_row] = av.y;
+    a_tile[buf][load_k + 2][load_row] = av.z;
+    a_tile[buf][load_k + 3][load_row] = av.w;
+    b_tile[buf][load_k + 0][load_row] = bv.x;
+    b_tile[buf][load_k + 1][load_row] = bv.y;
+    b_tile[buf][load_k + 2][load_row] = bv.z;
+    b_tile[buf][load_k + 3][load_row] = bv.w;
+  };
+  float acc[8][8] = {};
+  float4 av, bv;
+  load(0, av, bv);
+  store(0, av, bv);
+  __syncthreads();
+  const int64_t steps = (F + kBigTileK - 1) / kBigTileK;
+  for (int64_t step = 0; step < steps; ++step) {
+    const int buf = static_cast<int>(step & 1);
+    const bool more = step + 1 < steps;
+    if (more) load((step + 1) * kBigTileK, av, bv);
+#pragma unroll
+    for (int kk = 0; kk < kBigTileK; ++kk) {
+      const float4 a0 = *reinterpret_cast<const float4*>(&a_tile[buf][kk][4 * ty]);
+      const float4 a1 = *reinterpret_cast<const float4*>(&a_tile[buf][kk][64 + 4 * ty]);
+      const float4 b0 = *reinterpret_cast<const float4*>(&b_tile[buf][kk][4 * tx]);
+      const float4 b1 = *reinterpret_cast<const float4*>(&b_tile[buf][kk][64 + 4 * tx]);
+      const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    if (more) store(buf ^ 1, av, bv);  // buf ^ 1 was last read in the previous step, before its barrier
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = row0 + (i < 4 ? 4 * ty + i : 64 + 4 * ty + i - 4);
+    if (r >= nq) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int c = col0 + (j < 4 ? 4 * tx + j : 64 + 4 * tx + j - 4);
+      if (c >= nk) continue;
+      const int64_t flat = (z * nq + r) * nk + c;
+      if (!isfinite(acc[i][j])) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
+      logits[flat] = acc[i][j];
+    }
+  }
+}
+
 // ---- 5. the budget per query-block row ---------------------------------------------------------
 
 constexpr int kSelectThreads = 256;

@@ -10,8 +10,9 @@
 //                            population variance (two passes, as cpu.cpp) and, for exact / trace,
 //                            the covariance; written as the feature vector of cpu.cpp's header, so
 //                            that every compensated logit is one inner product;
-//   4. block_logits_kernel   per (batch, query head): logits = A [nq, F] x B [nk, F]', a 64x64-tiled
-//                            f32 SIMT product (GQA: query head h reads kv head h / group);
+//   4. block_logits_*kernel  per (batch, query head): logits = A [nq, F] x B [nk, F]', an f32 SIMT
+//                            product in 128x128 tiles (F % 4 == 0) or 64x64 tiles (GQA: query
+//                            head h reads kv head h / group);
 //   5. select_top_kernel     fixed budgets (kappa, density): one CTA per query-block row, a radix
 //                            select of the kappa-th (logit desc, index asc) key and a compaction
 //                            of the kept indices, ascending;

@@ -11,6 +11,7 @@
 
 #include "core/backends.h"
 #include "cuda/attention/flash_wgmma_kernel.cuh"
+#include "cuda/attention/gather_kernel.cuh"
 #include "cuda/attention/route.h"
 #include "cuda/attention/split_kv_kernel.cuh"
 #include "cuda/common/check.h"
@@ -130,6 +131,8 @@ struct DeviceState {
   int sms = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  void* gathered = nullptr;  // K and V in a plan's key order (gather_kernel.cuh)
+  size_t gathered_bytes = 0;
 };
 std::mutex g_state_mutex;
 DeviceState g_state[kMaxDevices];
@@ -271,6 +274,52 @@ bool detail::split_kv_counters_zero(int device) {
   });
 }
 
+// Plans with a key permutation over at least kGatherMinKeys keys (and 16-byte-aligned K, V) have K
+// and V gathered once into permuted order in a grow-only per-device buffer, so the flash kernel
+// reads contiguous tiles (gather_kernel.cuh). Returns false, leaving p as it was, when the shape
+// does not qualify or the buffer cannot be allocated (the kernel then gathers in place). The
+// caller keeps `lock` (the device state's) until the flash kernel is launched, so that another
+// host thread's gather cannot be queued between this one and the kernel that reads it.
+constexpr int64_t kGatherMinKeys = 1024;
+
+template <int D>
+Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lock<std::mutex>& lock,
+                 bool* gathered) {
+  *gathered = false;
+  if (p.perm_kv == nullptr || !p.aligned_loads || p.len_kv < kGatherMinKeys) return {};
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_kv;
+  const size_t bytes = static_cast<size_t>(rows) * D * 2;
+  lock = std::unique_lock<std::mutex>(g_state_mutex);
+  DeviceState& state = g_state[device];
+  if (2 * bytes > state.gathered_bytes) {
+    if (state.gathered != nullptr) SPARSA_CUDA_CHECK(cudaFree(state.gathered));
+    state.gathered = nullptr;
+    state.gathered_bytes = 0;
+    if (cudaMalloc(&state.gathered, 2 * bytes) != cudaSuccess) {
+      cudaGetLastError();  // out of memory: fall back to the in-kernel gather
+      state.gathered = nullptr;
+      return {};
+    }
+    state.gathered_bytes = 2 * bytes;
+  }
+  auto* dst_k = static_cast<uint16_t*>(state.gathered);
+  uint16_t* dst_v = dst_k + rows * D;
+  constexpr int kThreads = 256;
+  const int64_t chunks = rows * (D / 8);
+  detail::gather_kv_kernel<D><<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v), p.k_stride[0], p.k_stride[1],
+      p.k_stride[2], p.v_stride[0], p.v_stride[1], p.v_stride[2], p.perm_kv, p.perm_kv_stride[0],
+      p.perm_kv_stride[1], p.perm_kv_stride[2], p.heads_kv, p.len_kv, rows, dst_k, dst_v);
+  SPARSA_CUDA_CHECK_LAUNCH();
+  p.k = dst_k;
+  p.v = dst_v;
+  const int64_t strides[3] = {static_cast<int64_t>(p.heads_kv) * p.len_kv * D, static_cast<int64_t>(p.len_kv) * D, D};
+  for (int d = 0; d < 3; ++d) p.k_stride[d] = p.v_stride[d] = strides[d];
+  p.perm_kv = nullptr;
+  *gathered = true;
+  return {};
+}
+
 Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;
   g_last_splits = 0;
@@ -366,6 +415,11 @@ Status attention(const sparsa::detail::AttentionParams& a) {
     return split_kv(p, a.dtype, head_dim, device, stream);
   }
   g_last_route = a.index == nullptr ? detail::Route::flash_dense : detail::Route::flash_block_sparse;
+  bool gathered = false;
+  std::unique_lock<std::mutex> lock;
+  SPARSA_RETURN_IF_ERROR(head_dim == 64 ? gather_kv<64>(p, device, stream, lock, &gathered)
+                                        : gather_kv<128>(p, device, stream, lock, &gathered));
+  if (gathered) g_last_route = detail::Route::flash_block_sparse_gathered;
   return launch_flash(p, a.dtype, head_dim, a.index, stream);
 }
 

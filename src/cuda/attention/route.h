@@ -8,8 +8,9 @@ namespace sparsa::cuda::detail {
 
 enum class Route {
   none,                // none (the call was refused before dispatch, or no call yet)
-  flash_dense,         // flash_kernel.cuh over every key tile
-  flash_block_sparse,  // flash_kernel.cuh over a BlockIndex
+  flash_dense,         // the flash executor over every key tile
+  flash_block_sparse,  // the flash executor over a BlockIndex
+  flash_block_sparse_gathered,  // the same, K and V first gathered in the plan's key order
   split_kv,            // split_kv_kernel.cuh (dense, few queries, long KV)
 };
 

@@ -378,6 +378,10 @@ TEST_P(Ops, MatchesReference) {
                                      : split_kv ? cuda::detail::Route::split_kv
                                                 : cuda::detail::Route::flash_dense;
     ASSERT_EQ(static_cast<int>(cuda::detail::last_dense_route()), static_cast<int>(want)) << "executor taken";
+    if (want != cuda::detail::Route::split_kv) {  // rung 3 (TMA) needs K, V in order and 16-byte aligned
+      const bool tma = (!c.perms || gathered) && c.seq_pad % 8 == 0;
+      EXPECT_EQ(cuda::detail::last_flash_used_tma(), tma) << "flash kernel: TMA (rung 3) or cp.async (rung 2)";
+    }
     const int splits = cuda::detail::last_split_kv_splits();
     if (c.expect_splits == 1) EXPECT_EQ(splits, 1) << "split-KV: one split (no workspace, no merge)";
     if (c.expect_splits > 1) EXPECT_GE(splits, c.expect_splits) << "split-KV: the fused merge of many splits";

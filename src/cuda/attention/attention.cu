@@ -1,15 +1,19 @@
 // The cuda backend of dense and block-sparse attention: checks that every pointer lives on
 // the device the tensors name, fills FlashParams and launches the flash executor (the one
 // dispatch place for dtype and head_dim, STYLE.md 8).
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/backends.h"
+#include "cuda/attention/flash_tma_kernel.cuh"
 #include "cuda/attention/flash_wgmma_kernel.cuh"
 #include "cuda/attention/gather_kernel.cuh"
 #include "cuda/attention/route.h"
@@ -28,6 +32,7 @@ using detail::SplitKvParams;
 // the plan's key blocks are at most 64 tokens, so a small block does not pay for a half-empty tile).
 constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
 constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
+std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
 
 Status check_pointer(const char* name, const void* ptr, int device) {
   cudaPointerAttributes attr{};
@@ -47,19 +52,77 @@ Status check_pointer(const char* name, const void* ptr, int device) {
   return {};
 }
 
-template <class T, int D, int BN>
-Status launch(const FlashParams& p, cudaStream_t stream) {
-  using Shape = detail::WgmmaShape<D, BN, kStages>;
-  auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
-  static const cudaError_t configured = [&] {  // once per instantiation
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+// Shared-memory limits and carveout, once per kernel instantiation.
+template <class Kernel>
+cudaError_t configure_once(Kernel kernel, int smem_bytes) {
+  static const cudaError_t configured = [&] {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     return err != cudaSuccess ? err
                               : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                                      cudaSharedmemCarveoutMaxShared);
   }();
-  SPARSA_CUDA_CHECK(configured);
+  return configured;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against the driver
+// library); null when the driver does not have it.
+using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+EncodeTiled tensor_map_encoder() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<EncodeTiled>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// K or V as a [batch, heads_kv, len_kv, D] tensor map read in boxes of [BN rows][64 columns] with
+// the 128-byte swizzle; false when the driver refuses the layout (the cp.async kernel takes it).
+bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const FlashParams& p, int d,
+                   int bn, bool bf16) {
+  const EncodeTiled encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(p.len_kv),
+                              static_cast<cuuint64_t>(p.heads_kv), static_cast<cuuint64_t>(p.batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(stride[2]) * 2, static_cast<cuuint64_t>(stride[1]) * 2,
+                                 static_cast<cuuint64_t>(stride[0]) * 2};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(bn), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+thread_local bool g_last_tma = false;
+
+// Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
+// the driver accepts; rung 2 (flash_wgmma_kernel.cuh) otherwise.
+template <class T, int D, int BN>
+Status launch(const FlashParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
-  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  detail::TmaMaps maps;
+  const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  g_last_tma = g_use_tma.load() && p.perm_kv == nullptr && p.aligned_loads &&
+               encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16) &&
+               encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16);
+  if (g_last_tma) {
+    using Shape = detail::TmaShape<D, BN, kStages>;
+    auto kernel = detail::flash_tma_kernel<T, D, BN, kStages>;
+    SPARSA_CUDA_CHECK(configure_once(kernel, Shape::kSmemBytes));
+    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
+  } else {
+    using Shape = detail::WgmmaShape<D, BN, kStages>;
+    auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
+    SPARSA_CUDA_CHECK(configure_once(kernel, Shape::kSmemBytes));
+    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  }
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
 }
@@ -256,6 +319,8 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
 }  // namespace
 
 detail::Route detail::last_dense_route() { return g_last_route; }
+bool detail::last_flash_used_tma() { return g_last_tma; }
+bool detail::set_flash_tma(bool on) { return g_use_tma.exchange(on); }
 int detail::last_split_kv_splits() { return g_last_splits; }
 unsigned long long detail::set_split_kv_merge_wait_ns(unsigned long long ns) { return g_merge_wait_ns.exchange(ns); }
 bool detail::split_kv_counters_zero(int device) {

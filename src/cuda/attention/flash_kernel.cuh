@@ -71,22 +71,24 @@ struct RowSwizzle {  // the layout ldmatrix reads (rung 1)
   static __device__ __forceinline__ uint32_t offset(int row, int chunk) { return swizzle<D>(row, chunk); }
 };
 
-// Thread threadIdx.x copies 16-byte chunk threadIdx.x % (D/8) of rows threadIdx.x / (D/8) + i * step
-// (step = THREADS / (D/8)) of a [ROWS][D] tile; token[i] is the source row (negative: zeros).
-// Layout::offset(row, chunk) places the chunk in shared memory.
-template <int D, int ROWS, int THREADS, class Layout = RowSwizzle<D>>
+// Thread t = threadIdx.x - FIRST (the copying threads are FIRST .. FIRST + THREADS - 1) copies
+// 16-byte chunk t % (D/8) of rows t / (D/8) + i * step (step = THREADS / (D/8)) of a [ROWS][D]
+// tile; token[i] is the source row (negative: zeros). Layout::offset(row, chunk) places the chunk
+// in shared memory.
+template <int D, int ROWS, int THREADS, class Layout = RowSwizzle<D>, int FIRST = 0>
 struct TileCopy {
   static constexpr int kChunks = D / 8;
   static constexpr int kStep = THREADS / kChunks;
   static constexpr int kRows = ROWS / kStep;  // rows per thread
   static_assert(THREADS % kChunks == 0 && ROWS % kStep == 0, "tile copy must divide evenly");
 
-  static __device__ __forceinline__ int row(int i) { return threadIdx.x / kChunks + i * kStep; }
+  static __device__ __forceinline__ int thread() { return static_cast<int>(threadIdx.x) - FIRST; }
+  static __device__ __forceinline__ int row(int i) { return thread() / kChunks + i * kStep; }
 
   // One uniform branch per tile, none per chunk.
   static __device__ __forceinline__ void copy(uint32_t dst, const uint16_t* base, int64_t stride, bool aligned,
                                               const int64_t (&token)[kRows]) {
-    const int chunk = threadIdx.x % kChunks;
+    const int chunk = thread() % kChunks;
     if (aligned) {
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {

@@ -52,9 +52,10 @@ Status check_pointer(const char* name, const void* ptr, int device) {
   return {};
 }
 
-// Shared-memory limits and carveout, once per kernel instantiation.
-template <class Kernel>
-cudaError_t configure_once(Kernel kernel, int smem_bytes) {
+// Shared-memory limits and carveout, once per kernel instantiation (keyed by the kernel itself:
+// every instantiation of a kernel template has the same function type).
+template <auto kernel>
+cudaError_t configure_once(int smem_bytes) {
   static const cudaError_t configured = [&] {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     return err != cudaSuccess ? err
@@ -114,13 +115,13 @@ Status launch(const FlashParams& p, cudaStream_t stream) {
                encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16);
   if (g_last_tma) {
     using Shape = detail::TmaShape<D, BN, kStages>;
-    auto kernel = detail::flash_tma_kernel<T, D, BN, kStages>;
-    SPARSA_CUDA_CHECK(configure_once(kernel, Shape::kSmemBytes));
+    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages>;
+    SPARSA_CUDA_CHECK(configure_once<kernel>(Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
   } else {
     using Shape = detail::WgmmaShape<D, BN, kStages>;
-    auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
-    SPARSA_CUDA_CHECK(configure_once(kernel, Shape::kSmemBytes));
+    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
+    SPARSA_CUDA_CHECK(configure_once<kernel>(Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   }
   SPARSA_CUDA_CHECK_LAUNCH();

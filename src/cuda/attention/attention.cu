@@ -27,9 +27,12 @@ namespace {
 using detail::FlashParams;
 using detail::SplitKvParams;
 
-// The promoted rung of bench/cuda/flash_ladder.cu: rung 2, wgmma (flash_wgmma_kernel.cuh), 128-row
-// query tiles (a 128-token query block is exactly one CTA) and key tiles of 128 tokens (64 when
-// the plan's key blocks are at most 64 tokens, so a small block does not pay for a half-empty tile).
+// The flash executor: rung 3 (flash_tma_kernel.cuh: a TMA producer warp feeding two wgmma consumer
+// warpgroups) whenever K and V are read in order, rung 2 (flash_wgmma_kernel.cuh: the same consumers
+// copying with cp.async) for in-kernel key permutations and unaligned inputs; bench/RESULTS.md has
+// the ladder. 128-row query tiles (a 128-token query block is exactly one CTA) and key tiles of 128
+// tokens (64 when the plan's key blocks are at most 64 tokens, so a small block does not pay for a
+// half-empty tile).
 constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
 constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
 std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch

@@ -1,6 +1,8 @@
-// Internal: the flash executor (rung 1 of bench/cuda/flash_ladder.cu): one mainloop for dense
-// and block-sparse attention, FlashAttention-2 style (Dao 2023, arXiv 2307.08691) on the
-// warp-level tensor cores.
+// Internal: what every rung of the flash executor shares (FlashParams, the key-tile iterator, the
+// token gathers, the online-softmax step, the epilogue) and rung 1 of bench/cuda/flash_ladder.cu:
+// one mainloop for dense and block-sparse attention, FlashAttention-2 style (Dao 2023, arXiv
+// 2307.08691) on the warp-level tensor cores. The library launches rungs 2 and 3
+// (flash_wgmma_kernel.cuh, flash_tma_kernel.cuh); rung 1 stays as the ladder's baseline.
 //
 // A CTA owns BM = 16 * MT * WARPS query rows of one (batch, query head); each warp owns 16 * MT
 // rows and keeps its O accumulator (f32) and its online-softmax state (running max m, running

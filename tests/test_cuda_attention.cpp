@@ -371,10 +371,17 @@ TEST_P(Ops, MatchesReference) {
     ASSERT_TRUE(st.ok()) << st.to_string();
     // The executor the shape is meant to reach (the split-KV rule of attention.cu).
     const bool split_kv = !plan && c.len_q <= 64 && c.len_kv >= 512;
-    const cuda::detail::Route want = plan       ? cuda::detail::Route::flash_block_sparse
+    // Plans with a key permutation over >= 1024 aligned keys gather K and V first (attention.cu).
+    const bool gathered = plan && c.perms && c.len_kv >= 1024 && c.seq_pad % 8 == 0;
+    const cuda::detail::Route want = gathered   ? cuda::detail::Route::flash_block_sparse_gathered
+                                     : plan     ? cuda::detail::Route::flash_block_sparse
                                      : split_kv ? cuda::detail::Route::split_kv
                                                 : cuda::detail::Route::flash_dense;
     ASSERT_EQ(static_cast<int>(cuda::detail::last_dense_route()), static_cast<int>(want)) << "executor taken";
+    if (want != cuda::detail::Route::split_kv) {  // rung 3 (TMA) needs K, V in order and 16-byte aligned
+      const bool tma = (!c.perms || gathered) && c.seq_pad % 8 == 0;
+      EXPECT_EQ(cuda::detail::last_flash_used_tma(), tma) << "flash kernel: TMA (rung 3) or cp.async (rung 2)";
+    }
     const int splits = cuda::detail::last_split_kv_splits();
     if (c.expect_splits == 1) EXPECT_EQ(splits, 1) << "split-KV: one split (no workspace, no merge)";
     if (c.expect_splits > 1) EXPECT_GE(splits, c.expect_splits) << "split-KV: the fused merge of many splits";
@@ -472,6 +479,12 @@ std::vector<Case> cases() {
        .len_kv = 1500, .head_dim = 128, .seed = 7});
   add({.name = "Medium_dense_f16_d64_peaky_1000x1000", .dtype = DType::f16, .heads_q = 2, .heads_kv = 2,
        .len_q = 1000, .len_kv = 1000, .amplitude = 4.0f, .seed = 8});
+  add({.name = "Medium_sparse_f16_d64_b64_perm_gathered", .dtype = DType::f16, .heads_q = 4, .heads_kv = 1,
+       .len_q = 700, .len_kv = 2000, .head_dim = 64, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.4,
+       .perms = true, .seed = 21});
+  add({.name = "Medium_sparse_bf16_d128_b128_perm_strided_gathered", .batch = 2, .heads_q = 2, .heads_kv = 2,
+       .len_q = 300, .len_kv = 1500, .head_dim = 128, .sparse = true, .block_q = 128, .block_kv = 128,
+       .keep = 0.5, .perms = true, .seq_pad = 8, .seed = 22});
   add({.name = "Medium_sparse_bf16_d128_b128_perm", .heads_q = 4, .heads_kv = 2, .len_q = 1000, .len_kv = 1100,
        .head_dim = 128, .sparse = true, .block_q = 128, .block_kv = 128, .keep = 0.3, .perms = true,
        .empty_rows = true, .seed = 9});

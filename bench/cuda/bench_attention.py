@@ -303,6 +303,9 @@ def main():
             ref = F.scaled_dot_product_attention(q, k, v)
         res["err_dense_vs_cudnn"] = rel_err(out, ref)
         res["sparsa_dense"] = sp.run(q, k, v, out, lse, iters=iters)
+        sp.lib.sparsa_bench_set_flash_tma(0)  # the previous rung (cp.async, no producer warp), same run
+        res["sparsa_dense_rung2"] = sp.run(q, k, v, out, lse, iters=iters)
+        sp.lib.sparsa_bench_set_flash_tma(1)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             res["cudnn"] = time_torch(lambda: F.scaled_dot_product_attention(q, k, v), iters)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -343,6 +346,7 @@ def main():
     for r in rows:
         N = r["N"]
         for name, key, flops in [("sparsa dense", "sparsa_dense", r["dense_flops"]),
+                                 ("sparsa dense rung 2", "sparsa_dense_rung2", r["dense_flops"]),
                                  ("SDPA cuDNN", "cudnn", r["dense_flops"]),
                                  ("SDPA flash (FA2)", "fa2", r["dense_flops"]),
                                  ("Flex dense", "flex_dense", r["dense_flops"]),

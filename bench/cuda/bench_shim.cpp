@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/attention/route.h"
 #include "sparsa/attention.h"
 #include "sparsa/ba_att.h"
 
@@ -215,5 +216,8 @@ int sparsa_bench_ba_att(void* q, void* k, void* v, void* out, void* lse, int is_
   if (!e.empty()) return fail(e);
   return 0;
 }
+
+// 0: the flash executor's TMA kernel (rung 3) is not used, so rung 2 runs; 1: the default.
+void sparsa_bench_set_flash_tma(int on) { sparsa::cuda::detail::set_flash_tma(on != 0); }
 
 }  // extern "C"

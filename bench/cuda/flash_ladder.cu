@@ -4,7 +4,7 @@
 // Shape: bf16, batch 1, 32 heads, head_dim 128, non-causal, dense; FLOPs = 4 * H * N^2 * D.
 // Timer: CUDA events, 3 warm-ups, median of 10 (N = 32K) or 30 (N = 8K). Inputs 96 MB (8K) and
 // 768 MB (32K) of q, k, v: well over the 60 MB L2. Ceiling: 790 TFLOP/s (bf16 GEMM measured on
-// this H200 kind), and 648 TFLOP/s for mma.sync m16n8k16 (../../shared research notes).
+// this H200 kind), and about 648 TFLOP/s for mma.sync m16n8k16.
 //
 // Rung 0: one thread per query row, f32 online softmax, no tensor cores. The checker's oracle.
 // Rung 1: FA2-style: mma.sync m16n8k16 (bf16 in, f32 accumulate), K/V tiles double-buffered with
@@ -30,10 +30,16 @@
 //     1a 241 / 254   1b 255 / 264   1c 260 / 271   1d 221 / 231
 //     1e 276 / 286   1f 302 / 310   1g 309 / 316   1h 261 / 266
 //   The same run's side-by-side numbers (cuDNN, FA2, Flex) are in bench/RESULTS.md.
-// Promoted: 1g for dense (256-row tiles), 1f for block-sparse (128-row tiles = one 128-token block).
-//
-// Next rung (2): wgmma (m64nNk16, SS for Q K^T, RS for P V) with TMA loads into a multi-stage
-// mbarrier ring and a producer warp (warp specialisation), two consumer warpgroups.
+// Rung 2 (flash_wgmma_kernel.cuh): wgmma m64nNk16 (SS for Q K^T, RS for P V with P from the S
+//   accumulator), two consumer warpgroups of 64 rows, all threads copy K/V with cp.async into
+//   128-byte-swizzled stages; variants: key-tile width, 2 or 3 stages. Measured 2026-11-30:
+//     2a BN128 2 stages 354-358 / 369-372   2e BN128 3 stages 364 / 367   BN64 3 stages 311 / 322
+//   (and, since removed: P V waited in its own tile 316 / 333; P V lagging one tile behind S,
+//   FlashAttention-3's intra-warpgroup overlap, 290 / 304 — slower: the copies and barriers still
+//   sit between the tensor-core bursts).
+// Rung 3 (flash_tma_kernel.cuh): 2e's consumers fed by a TMA producer warp over an mbarrier ring;
+//   it needs tensor maps, so it is measured through the library (bench_attention.py): 502 / 510.
+// Promoted: rung 3 when K and V are read in order, rung 2 otherwise (attention.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>

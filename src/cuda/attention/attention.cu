@@ -1,16 +1,21 @@
 // The cuda backend of dense and block-sparse attention: checks that every pointer lives on
 // the device the tensors name, fills FlashParams and launches the flash executor (the one
 // dispatch place for dtype and head_dim, STYLE.md 8).
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/backends.h"
+#include "cuda/attention/flash_tma_kernel.cuh"
 #include "cuda/attention/flash_wgmma_kernel.cuh"
+#include "cuda/attention/gather_kernel.cuh"
 #include "cuda/attention/route.h"
 #include "cuda/attention/split_kv_kernel.cuh"
 #include "cuda/common/check.h"
@@ -22,11 +27,15 @@ namespace {
 using detail::FlashParams;
 using detail::SplitKvParams;
 
-// The promoted rung of bench/cuda/flash_ladder.cu: rung 2, wgmma (flash_wgmma_kernel.cuh), 128-row
-// query tiles (a 128-token query block is exactly one CTA) and key tiles of 128 tokens (64 when
-// the plan's key blocks are at most 64 tokens, so a small block does not pay for a half-empty tile).
+// The flash executor: rung 3 (flash_tma_kernel.cuh: a TMA producer warp feeding two wgmma consumer
+// warpgroups) whenever K and V are read in order, rung 2 (flash_wgmma_kernel.cuh: the same consumers
+// copying with cp.async) for in-kernel key permutations and unaligned inputs; bench/RESULTS.md has
+// the ladder. 128-row query tiles (a 128-token query block is exactly one CTA) and key tiles of 128
+// tokens (64 when the plan's key blocks are at most 64 tokens, so a small block does not pay for a
+// half-empty tile).
 constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
 constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
+std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
 
 Status check_pointer(const char* name, const void* ptr, int device) {
   cudaPointerAttributes attr{};
@@ -46,19 +55,78 @@ Status check_pointer(const char* name, const void* ptr, int device) {
   return {};
 }
 
-template <class T, int D, int BN>
-Status launch(const FlashParams& p, cudaStream_t stream) {
-  using Shape = detail::WgmmaShape<D, BN, kStages>;
-  auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
-  static const cudaError_t configured = [&] {  // once per instantiation
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+// Shared-memory limits and carveout, once per kernel instantiation (keyed by the kernel itself:
+// every instantiation of a kernel template has the same function type).
+template <auto kernel>
+cudaError_t configure_once(int smem_bytes) {
+  static const cudaError_t configured = [&] {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     return err != cudaSuccess ? err
                               : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                                      cudaSharedmemCarveoutMaxShared);
   }();
-  SPARSA_CUDA_CHECK(configured);
+  return configured;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against the driver
+// library); null when the driver does not have it.
+using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+EncodeTiled tensor_map_encoder() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<EncodeTiled>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// K or V as a [batch, heads_kv, len_kv, D] tensor map read in boxes of [BN rows][64 columns] with
+// the 128-byte swizzle; false when the driver refuses the layout (the cp.async kernel takes it).
+bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const FlashParams& p, int d,
+                   int bn, bool bf16) {
+  const EncodeTiled encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(p.len_kv),
+                              static_cast<cuuint64_t>(p.heads_kv), static_cast<cuuint64_t>(p.batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(stride[2]) * 2, static_cast<cuuint64_t>(stride[1]) * 2,
+                                 static_cast<cuuint64_t>(stride[0]) * 2};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(bn), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+thread_local bool g_last_tma = false;
+
+// Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
+// the driver accepts; rung 2 (flash_wgmma_kernel.cuh) otherwise.
+template <class T, int D, int BN>
+Status launch(const FlashParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
-  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  detail::TmaMaps maps;
+  const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  g_last_tma = g_use_tma.load() && p.perm_kv == nullptr && p.aligned_loads &&
+               encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16) &&
+               encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16);
+  if (g_last_tma) {
+    using Shape = detail::TmaShape<D, BN, kStages>;
+    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages>;
+    SPARSA_CUDA_CHECK(configure_once<kernel>(Shape::kSmemBytes));
+    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
+  } else {
+    using Shape = detail::WgmmaShape<D, BN, kStages>;
+    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
+    SPARSA_CUDA_CHECK(configure_once<kernel>(Shape::kSmemBytes));
+    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  }
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
 }
@@ -130,6 +198,8 @@ struct DeviceState {
   int sms = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  void* gathered = nullptr;  // K and V in a plan's key order (gather_kernel.cuh)
+  size_t gathered_bytes = 0;
 };
 std::mutex g_state_mutex;
 DeviceState g_state[kMaxDevices];
@@ -253,6 +323,8 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
 }  // namespace
 
 detail::Route detail::last_dense_route() { return g_last_route; }
+bool detail::last_flash_used_tma() { return g_last_tma; }
+bool detail::set_flash_tma(bool on) { return g_use_tma.exchange(on); }
 int detail::last_split_kv_splits() { return g_last_splits; }
 unsigned long long detail::set_split_kv_merge_wait_ns(unsigned long long ns) { return g_merge_wait_ns.exchange(ns); }
 bool detail::split_kv_counters_zero(int device) {
@@ -269,6 +341,52 @@ bool detail::split_kv_counters_zero(int device) {
   return std::all_of(counters.begin(), counters.end(), [](const detail::SplitKvCounters& c) {
     return c.arrive == 0 && c.depart == 0 && c.withdrawn == 0;
   });
+}
+
+// Plans with a key permutation over at least kGatherMinKeys keys (and 16-byte-aligned K, V) have K
+// and V gathered once into permuted order in a grow-only per-device buffer, so the flash kernel
+// reads contiguous tiles (gather_kernel.cuh). Returns false, leaving p as it was, when the shape
+// does not qualify or the buffer cannot be allocated (the kernel then gathers in place). The
+// caller keeps `lock` (the device state's) until the flash kernel is launched, so that another
+// host thread's gather cannot be queued between this one and the kernel that reads it.
+constexpr int64_t kGatherMinKeys = 1024;
+
+template <int D>
+Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lock<std::mutex>& lock,
+                 bool* gathered) {
+  *gathered = false;
+  if (p.perm_kv == nullptr || !p.aligned_loads || p.len_kv < kGatherMinKeys) return {};
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_kv;
+  const size_t bytes = static_cast<size_t>(rows) * D * 2;
+  lock = std::unique_lock<std::mutex>(g_state_mutex);
+  DeviceState& state = g_state[device];
+  if (2 * bytes > state.gathered_bytes) {
+    if (state.gathered != nullptr) SPARSA_CUDA_CHECK(cudaFree(state.gathered));
+    state.gathered = nullptr;
+    state.gathered_bytes = 0;
+    if (cudaMalloc(&state.gathered, 2 * bytes) != cudaSuccess) {
+      cudaGetLastError();  // out of memory: fall back to the in-kernel gather
+      state.gathered = nullptr;
+      return {};
+    }
+    state.gathered_bytes = 2 * bytes;
+  }
+  auto* dst_k = static_cast<uint16_t*>(state.gathered);
+  uint16_t* dst_v = dst_k + rows * D;
+  constexpr int kThreads = 256;
+  const int64_t chunks = rows * (D / 8);
+  detail::gather_kv_kernel<D><<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v), p.k_stride[0], p.k_stride[1],
+      p.k_stride[2], p.v_stride[0], p.v_stride[1], p.v_stride[2], p.perm_kv, p.perm_kv_stride[0],
+      p.perm_kv_stride[1], p.perm_kv_stride[2], p.heads_kv, p.len_kv, rows, dst_k, dst_v);
+  SPARSA_CUDA_CHECK_LAUNCH();
+  p.k = dst_k;
+  p.v = dst_v;
+  const int64_t strides[3] = {static_cast<int64_t>(p.heads_kv) * p.len_kv * D, static_cast<int64_t>(p.len_kv) * D, D};
+  for (int d = 0; d < 3; ++d) p.k_stride[d] = p.v_stride[d] = strides[d];
+  p.perm_kv = nullptr;
+  *gathered = true;
+  return {};
 }
 
 Status attention(const sparsa::detail::AttentionParams& a) {
@@ -366,6 +484,11 @@ Status attention(const sparsa::detail::AttentionParams& a) {
     return split_kv(p, a.dtype, head_dim, device, stream);
   }
   g_last_route = a.index == nullptr ? detail::Route::flash_dense : detail::Route::flash_block_sparse;
+  bool gathered = false;
+  std::unique_lock<std::mutex> lock;
+  SPARSA_RETURN_IF_ERROR(head_dim == 64 ? gather_kv<64>(p, device, stream, lock, &gathered)
+                                        : gather_kv<128>(p, device, stream, lock, &gathered));
+  if (gathered) g_last_route = detail::Route::flash_block_sparse_gathered;
   return launch_flash(p, a.dtype, head_dim, a.index, stream);
 }
 

@@ -1,6 +1,8 @@
-// Internal: the flash executor (rung 1 of bench/cuda/flash_ladder.cu): one mainloop for dense
-// and block-sparse attention, FlashAttention-2 style (Dao 2023, arXiv 2307.08691) on the
-// warp-level tensor cores.
+// Internal: what every rung of the flash executor shares (FlashParams, the key-tile iterator, the
+// token gathers, the online-softmax step, the epilogue) and rung 1 of bench/cuda/flash_ladder.cu:
+// one mainloop for dense and block-sparse attention, FlashAttention-2 style (Dao 2023, arXiv
+// 2307.08691) on the warp-level tensor cores. The library launches rungs 2 and 3
+// (flash_wgmma_kernel.cuh, flash_tma_kernel.cuh); rung 1 stays as the ladder's baseline.
 //
 // A CTA owns BM = 16 * MT * WARPS query rows of one (batch, query head); each warp owns 16 * MT
 // rows and keeps its O accumulator (f32) and its online-softmax state (running max m, running
@@ -71,22 +73,24 @@ struct RowSwizzle {  // the layout ldmatrix reads (rung 1)
   static __device__ __forceinline__ uint32_t offset(int row, int chunk) { return swizzle<D>(row, chunk); }
 };
 
-// Thread threadIdx.x copies 16-byte chunk threadIdx.x % (D/8) of rows threadIdx.x / (D/8) + i * step
-// (step = THREADS / (D/8)) of a [ROWS][D] tile; token[i] is the source row (negative: zeros).
-// Layout::offset(row, chunk) places the chunk in shared memory.
-template <int D, int ROWS, int THREADS, class Layout = RowSwizzle<D>>
+// Thread t = threadIdx.x - FIRST (the copying threads are FIRST .. FIRST + THREADS - 1) copies
+// 16-byte chunk t % (D/8) of rows t / (D/8) + i * step (step = THREADS / (D/8)) of a [ROWS][D]
+// tile; token[i] is the source row (negative: zeros). Layout::offset(row, chunk) places the chunk
+// in shared memory.
+template <int D, int ROWS, int THREADS, class Layout = RowSwizzle<D>, int FIRST = 0>
 struct TileCopy {
   static constexpr int kChunks = D / 8;
   static constexpr int kStep = THREADS / kChunks;
   static constexpr int kRows = ROWS / kStep;  // rows per thread
   static_assert(THREADS % kChunks == 0 && ROWS % kStep == 0, "tile copy must divide evenly");
 
-  static __device__ __forceinline__ int row(int i) { return threadIdx.x / kChunks + i * kStep; }
+  static __device__ __forceinline__ int thread() { return static_cast<int>(threadIdx.x) - FIRST; }
+  static __device__ __forceinline__ int row(int i) { return thread() / kChunks + i * kStep; }
 
   // One uniform branch per tile, none per chunk.
   static __device__ __forceinline__ void copy(uint32_t dst, const uint16_t* base, int64_t stride, bool aligned,
                                               const int64_t (&token)[kRows]) {
-    const int chunk = threadIdx.x % kChunks;
+    const int chunk = thread() % kChunks;
     if (aligned) {
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {

@@ -8,13 +8,18 @@ namespace sparsa::cuda::detail {
 
 enum class Route {
   none,                // none (the call was refused before dispatch, or no call yet)
-  flash_dense,         // flash_kernel.cuh over every key tile
-  flash_block_sparse,  // flash_kernel.cuh over a BlockIndex
+  flash_dense,         // the flash executor over every key tile
+  flash_block_sparse,  // the flash executor over a BlockIndex
+  flash_block_sparse_gathered,  // the same, K and V first gathered in the plan's key order
   split_kv,            // split_kv_kernel.cuh (dense, few queries, long KV)
 };
 
 // The executor the last attention() call on this thread was dispatched to.
 Route last_dense_route();
+// Whether the last flash launch on this thread was the TMA kernel (rung 3) rather than rung 2.
+bool last_flash_used_tma();
+// Allows (true, the default) or forbids the TMA kernel, process-wide; returns the previous setting.
+bool set_flash_tma(bool on);
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
 // How long a split-KV CTA waits for the rest of its merge group before leaving its rows to the

@@ -1,0 +1,200 @@
+// Internal: the flash executor with a TMA producer warp (rung 3 of bench/cuda/flash_ladder.cu).
+// The consumers are rung 2's two wgmma warpgroups (flash_wgmma_kernel.cuh: same descriptors,
+// softmax, epilogue and hooks); what changes is who moves K and V:
+//
+//   warpgroup 0 (producer): one thread walks the key tiles and, per tile, waits until the stage is
+//     free (mbarrier `empty`), announces the bytes on mbarrier `full` and issues TMA tensor copies
+//     (cp.async.bulk.tensor, 64-column boxes with the 128-byte swizzle the wgmma descriptors read);
+//     it gives its registers to the consumers (setmaxnreg).
+//   warpgroups 1, 2 (consumers, 64 query rows each): wait on `full`, S = Q K^T, softmax, P V, and
+//     release the stage of tile t-1 on `empty` once its P V is complete. No CTA-wide barrier in
+//     the loop; the copies cost the consumers no instructions.
+//
+// Tensor maps cover K and V as [batch, heads_kv, len_kv, D] with their strides; rows past len_kv
+// arrive as zeros (and are masked like any partial tile). Key permutations are not read here: the
+// launcher takes this kernel only without perm_kv (long permuted plans have K and V gathered into
+// order first, gather_kernel.cuh); Q keeps its cp.async gather (read once per CTA).
+// Warp specialisation and TMA as in FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cuda/attention/flash_wgmma_kernel.cuh"
+
+namespace sparsa::cuda::detail {
+
+struct TmaMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+};
+
+template <int D, int BN, int STAGES>
+struct TmaShape {
+  static constexpr int kBM = 128;
+  static constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
+  static constexpr int kQBytes = kBM * D * 2;
+  static constexpr int kKVBytes = BN * D * 2;
+  static constexpr int kBarrierBytes = 2 * STAGES * 8;
+  static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + kBarrierBytes + 1024;
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+// A 4-d TMA tile copy (coordinates innermost first) into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+template <class T, int D, int BN, int STAGES>
+__global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
+  static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
+  using Shape = TmaShape<D, BN, STAGES>;
+  constexpr int BM = Shape::kBM;
+  constexpr int kDT = D / 8, kNT = BN / 8;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t q_smem = (smem_addr(smem) + 1023u) & ~1023u;
+  const uint32_t k_smem = q_smem + Shape::kQBytes;
+  const uint32_t v_smem = k_smem + STAGES * Shape::kKVBytes;
+  const uint32_t bars = v_smem + STAGES * Shape::kKVBytes;  // full[STAGES], then empty[STAGES]
+  auto full = [&](int stage) { return bars + 8 * stage; };
+  auto empty = [&](int stage) { return bars + 8 * (STAGES + stage); };
+
+  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  const int qb = blockIdx.x / p.tiles_per_q_block;
+  const int q_begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * BM;
+  const int q_end = min(min((qb + 1) * p.block_q, p.len_q), q_begin + BM);
+  if (q_begin >= q_end) return;  // the whole CTA, before any barrier
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full(s), 1);  // the producer's arrive.expect_tx; the bytes complete the phase
+      mbar_init(empty(s), 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  KeyTiles<BN> tiles(p, b, h, qb);
+  const int num_tiles = tiles.num_tiles;
+
+  if (threadIdx.x < 128) {  // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x != 0) return;
+    for (int t = 0; t < num_tiles; ++t) {
+      const int stage = t % STAGES, use = t / STAGES;
+      if (use > 0) mbar_wait(empty(stage), (use - 1) & 1);
+      int begin = 0, end = 0;
+      tiles.next(p, begin, end);
+      if (end <= begin) begin = 0;  // a skipped block: any rows will do, the consumers skip the tile
+      mbar_expect_tx(full(stage), 2 * Shape::kKVBytes);
+#pragma unroll
+      for (int sub = 0; sub < D / 64; ++sub) {
+        const uint32_t offset = stage * Shape::kKVBytes + sub * BN * 128;
+        tma_load_4d(k_smem + offset, &maps.k, sub * 64, begin, h_kv, b, full(stage));
+        tma_load_4d(v_smem + offset, &maps.v, sub * 64, begin, h_kv, b, full(stage));
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int warpgroup = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;
+  const int32_t* perm_q = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
+  auto q_token = [&](int pos) -> int64_t {
+    if (pos >= q_end) return -1;
+    const int64_t t = perm_q ? perm_q[pos * p.perm_q_stride[2]] : pos;
+    return t >= 0 && t < p.len_q ? t : -1;
+  };
+  {
+    using QCopy = TileCopy<D, BM, 256, Swizzle128<BM>, 128>;
+    const uint16_t* q_base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+    int64_t token[QCopy::kRows];
+    gather_tokens<QCopy>(token, q_begin, q_end, perm_q, p.perm_q_stride[2], p.len_q);
+    QCopy::copy(q_smem, q_base, p.q_stride[2], p.aligned_loads, token);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
+  }
+
+  auto q_desc = [&](int kk) {
+    return make_desc(q_smem + (kk / 4) * BM * 128 + warpgroup * 64 * 128 + (kk % 4) * 32, 16, 1024);
+  };
+  auto k_desc = [&](int stage, int kk) {
+    return make_desc(k_smem + stage * Shape::kKVBytes + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
+  };
+  auto v_desc = [&](int stage, int kk) {
+    return make_desc(v_smem + stage * Shape::kKVBytes + kk * 16 * 128, BN * 128, 1024);
+  };
+
+  float o[kDT][4];
+  float s[kNT][4];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+#pragma unroll
+  for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+  float(&o_flat)[kDT * 4] = reinterpret_cast<float(&)[kDT * 4]>(o);
+  float(&s_flat)[kNT * 4] = reinterpret_cast<float(&)[kNT * 4]>(s);
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % STAGES, use = t / STAGES;
+    int begin = 0, end = 0;
+    tiles.next(p, begin, end);
+    const int valid = end - begin;  // CTA-uniform
+    mbar_wait(full(stage), use & 1);
+    if (valid > 0) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat, q_desc(kk), k_desc(stage, kk), kk > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();  // S_t and P V_{t-1}
+    fence_registers(s_flat);
+    fence_registers(o_flat);
+    if (t > 0 && lane == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
+    if (valid > 0) {
+      float alpha[2];
+      uint32_t p_frag[kNT / 2][4];
+      softmax_scores<kNT>(s, valid, p.scale_log2, row_max, row_sum, alpha,
+                          [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag); });
+      rescale<kDT>(o, alpha);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::template rs<1>(o_flat, p_frag[kk], v_desc(stage, kk), 1);
+      wgmma_commit();
+    }
+  }
+  wgmma_wait<0>();
+  fence_registers(o_flat);
+
+  store_tile_rows<T, kDT>(p, b, h, q_begin + warp * 16, o, row_max, row_sum, q_token);
+}
+
+}  // namespace sparsa::cuda::detail

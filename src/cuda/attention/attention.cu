@@ -37,23 +37,7 @@ constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
 constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
 std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
 
-Status check_pointer(const char* name, const void* ptr, int device) {
-  cudaPointerAttributes attr{};
-  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) +
-                            ", the pointer is unknown to CUDA (" + cudaGetErrorName(err) + ")");
-  }
-  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != device) {
-    const std::string got = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged
-                                ? "cuda:" + std::to_string(attr.device)
-                                : std::string("host memory");
-    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) +
-                            ", got " + got);
-  }
-  return {};
-}
+using detail::check_pointer;
 
 // Shared-memory limits and carveout, once per kernel instantiation (keyed by the kernel itself:
 // every instantiation of a kernel template has the same function type).
@@ -409,13 +393,8 @@ Status attention(const sparsa::detail::AttentionParams& a) {
                             std::to_string(a.heads_q) + " heads, batch " + std::to_string(a.batch));
   }
   const int device = a.device_id;
-  int current = 0;
-  SPARSA_CUDA_CHECK(cudaGetDevice(&current));
-  if (current != device) SPARSA_CUDA_CHECK(cudaSetDevice(device));
-  struct Restore {
-    int device;
-    ~Restore() { cudaSetDevice(device); }
-  } restore{current};
+  detail::DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(device));
   SPARSA_RETURN_IF_ERROR(check_pointer("q", a.q, device));
   SPARSA_RETURN_IF_ERROR(check_pointer("k", a.k, device));
   SPARSA_RETURN_IF_ERROR(check_pointer("v", a.v, device));

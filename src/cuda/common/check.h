@@ -26,3 +26,39 @@ inline Status cuda_status(cudaError_t err, const char* what, const char* file, i
 // After a kernel launch: the launch error (bad configuration, too much shared memory).
 #define SPARSA_CUDA_CHECK_LAUNCH() \
   SPARSA_RETURN_IF_ERROR(::sparsa::cuda::detail::cuda_status(cudaGetLastError(), "kernel launch", __FILE__, __LINE__))
+
+namespace sparsa::cuda::detail {
+
+// `name`'s memory must be device (or managed) memory of `device`; the error names the argument.
+inline Status check_pointer(const char* name, const void* ptr, int device) {
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) +
+                            ", the pointer is unknown to CUDA (" + cudaGetErrorName(err) + ")");
+  }
+  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != device) {
+    const std::string got = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged
+                                ? "cuda:" + std::to_string(attr.device)
+                                : std::string("host memory");
+    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) + ", got " +
+                            got);
+  }
+  return {};
+}
+
+// Sets `device` current for the lifetime of the guard (enter), restoring the previous one.
+struct DeviceGuard {
+  int previous = -1;
+  Status enter(int device) {
+    SPARSA_CUDA_CHECK(cudaGetDevice(&previous));
+    if (previous != device) SPARSA_CUDA_CHECK(cudaSetDevice(device));
+    return {};
+  }
+  ~DeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+};
+
+}  // namespace sparsa::cuda::detail

@@ -49,36 +49,8 @@ struct Carver {
   }
 };
 
-Status check_pointer(const char* name, const void* ptr, int device) {
-  cudaPointerAttributes attr{};
-  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) +
-                            ", the pointer is unknown to CUDA (" + cudaGetErrorName(err) + ")");
-  }
-  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != device) {
-    const std::string got = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged
-                                ? "cuda:" + std::to_string(attr.device)
-                                : std::string("host memory");
-    return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) + ", got " +
-                            got);
-  }
-  return {};
-}
-
-// Sets `device` current for the lifetime of the guard.
-struct DeviceGuard {
-  int previous = -1;
-  Status enter(int device) {
-    SPARSA_CUDA_CHECK(cudaGetDevice(&previous));
-    if (previous != device) SPARSA_CUDA_CHECK(cudaSetDevice(device));
-    return {};
-  }
-  ~DeviceGuard() {
-    if (previous >= 0) cudaSetDevice(previous);
-  }
-};
+using sparsa::cuda::detail::check_pointer;
+using sparsa::cuda::detail::DeviceGuard;
 
 template <class T>
 Input<T> input_of(const Tensor& x) {

@@ -169,14 +169,47 @@ __device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; -inf -> 0
   return y;
 }
 
+// This CTA's query tile (every rung, one CTA per tile): permuted positions [begin, end) of query
+// block qb of (b, h), at most ROWS of them, and the original token of a position (the permutation
+// hook: perm_q when present; -1 past the end or for an entry outside [0, len_q)).
+template <int ROWS>
+struct QueryTile {
+  int b, h, h_kv, qb, begin, end;
+  const int32_t* perm;
+
+  __device__ __forceinline__ explicit QueryTile(const FlashParams& p) {
+    h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+    qb = blockIdx.x / p.tiles_per_q_block;
+    begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * ROWS;
+    end = min(min((qb + 1) * p.block_q, p.len_q), begin + ROWS);
+    perm = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
+  }
+  // A tile past the end of a partial query block: the whole CTA returns.
+  __device__ __forceinline__ bool empty() const { return begin >= end; }
+  __device__ __forceinline__ int64_t token(const FlashParams& p, int pos) const {
+    if (pos >= end) return -1;
+    const int64_t t = perm ? perm[pos * p.perm_q_stride[2]] : pos;
+    return t >= 0 && t < p.len_q ? t : -1;
+  }
+  // Q (THREADS threads, Copy = TileCopy<D, ROWS, ...>) into shared memory at q_smem.
+  template <class Copy>
+  __device__ __forceinline__ void load(const FlashParams& p, uint32_t q_smem) const {
+    const uint16_t* base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+    int64_t token[Copy::kRows];
+    gather_tokens<Copy>(token, begin, end, perm, p.perm_q_stride[2], p.len_q);
+    Copy::copy(q_smem, base, p.q_stride[2], p.aligned_loads, token);
+  }
+};
+
 // The epilogue of one 16-row accumulator tile whose first row is permuted query position pos0:
-// rows pos0 + g and pos0 + g + 8 (g = lane / 4) get O / l at their original token (q_token(pos),
+// rows pos0 + g and pos0 + g + 8 (g = lane / 4) get O / l at their original token (tile.token,
 // -1: none) and LSE = (m c + log2 l) ln 2; a row that saw no key gets O = 0, LSE = -inf.
 // row_sum is this thread's partial sum (reduced over the quad here).
-template <class T, int kDT, class QToken>
-__device__ __forceinline__ void store_tile_rows(const FlashParams& p, int b, int h, int pos0, const float (&o)[kDT][4],
-                                                const float (&row_max)[2], const float (&row_sum)[2],
-                                                QToken&& q_token) {
+template <class T, int kDT, int ROWS>
+__device__ __forceinline__ void store_tile_rows(const FlashParams& p, const QueryTile<ROWS>& tile, int pos0,
+                                                const float (&o)[kDT][4], const float (&row_max)[2],
+                                                const float (&row_sum)[2]) {
+  const int b = tile.b, h = tile.h;
   constexpr float kLn2 = 0.69314718055994531f;
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 #pragma unroll
@@ -185,7 +218,7 @@ __device__ __forceinline__ void store_tile_rows(const FlashParams& p, int b, int
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int64_t token = q_token(pos0 + g + 8 * r);
+    const int64_t token = tile.token(p, pos0 + g + 8 * r);
     if (token < 0) continue;
     T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
 #pragma unroll
@@ -287,25 +320,16 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   const uint32_t v_smem = k_smem + 2 * BN * D * 2;         // 2 stages of BN x D
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
-  const int qb = blockIdx.x / p.tiles_per_q_block;
-  const int q_begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * BM;  // permuted positions
-  const int q_end = min(min((qb + 1) * p.block_q, p.len_q), q_begin + BM);
-  if (q_begin >= q_end) return;  // a tile past the end of a partial query block
+  const QueryTile<BM> tile(p);
+  if (tile.empty()) return;
+  const int b = tile.b, h = tile.h, h_kv = tile.h_kv;
 
-  KeyTiles<BN> tiles(p, b, h, qb);
+  KeyTiles<BN> tiles(p, b, tile.h, tile.qb);
   const int num_tiles = tiles.num_tiles;
 
   // ---- token gathers (the permutation hook) ----
-  const int32_t* perm_q = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
   const int32_t* perm_kv = p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
-  auto q_token = [&](int pos) -> int64_t {  // original query token of permuted position pos, or -1
-    if (pos >= q_end) return -1;
-    const int64_t t = perm_q ? perm_q[pos * p.perm_q_stride[2]] : pos;
-    return t >= 0 && t < p.len_q ? t : -1;
-  };
 
-  const uint16_t* q_base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
   const uint16_t* k_base = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
   const uint16_t* v_base = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
 
@@ -319,11 +343,7 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   };
 
   // Prologue: Q and the first key tile in one copy group.
-  {
-    int64_t token[QCopy::kRows];
-    gather_tokens<QCopy>(token, q_begin, q_end, perm_q, p.perm_q_stride[2], p.len_q);
-    QCopy::copy(q_smem, q_base, p.q_stride[2], p.aligned_loads, token);
-  }
+  tile.template load<QCopy>(p, q_smem);
   int load_begin = 0, load_end = 0;
   if (num_tiles > 0) {
     tiles.next(p, load_begin, load_end);
@@ -423,7 +443,7 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   // ---- epilogue: O / l, LSE, written at the original query positions ----
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
-    store_tile_rows<T, kDT>(p, b, h, q_begin + warp * 16 * MT + m * 16, o[m], row_max[m], row_sum[m], q_token);
+    store_tile_rows<T, kDT>(p, tile, tile.begin + warp * 16 * MT + m * 16, o[m], row_max[m], row_sum[m]);
   }
 }
 

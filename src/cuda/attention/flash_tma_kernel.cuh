@@ -32,7 +32,7 @@ struct TmaMaps {
 
 template <int D, int BN, int STAGES>
 struct TmaShape {
-  static constexpr int kBM = 128;
+  static constexpr int kBM = kWgmmaRows;
   static constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
   static constexpr int kQBytes = kBM * D * 2;
   static constexpr int kKVBytes = BN * D * 2;
@@ -75,7 +75,6 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
   using Shape = TmaShape<D, BN, STAGES>;
   constexpr int BM = Shape::kBM;
-  constexpr int kDT = D / 8, kNT = BN / 8;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t q_smem = (smem_addr(smem) + 1023u) & ~1023u;
   const uint32_t k_smem = q_smem + Shape::kQBytes;
@@ -84,11 +83,8 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   auto full = [&](int stage) { return bars + 8 * stage; };
   auto empty = [&](int stage) { return bars + 8 * (STAGES + stage); };
 
-  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
-  const int qb = blockIdx.x / p.tiles_per_q_block;
-  const int q_begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * BM;
-  const int q_end = min(min((qb + 1) * p.block_q, p.len_q), q_begin + BM);
-  if (q_begin >= q_end) return;  // the whole CTA, before any barrier
+  const QueryTile<BM> tile(p);
+  if (tile.empty()) return;  // the whole CTA, before any barrier
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -99,7 +95,7 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   }
   __syncthreads();
 
-  KeyTiles<BN> tiles(p, b, h, qb);
+  KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb);
   const int num_tiles = tiles.num_tiles;
 
   if (threadIdx.x < 128) {  // ---- producer ----
@@ -115,8 +111,8 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
 #pragma unroll
       for (int sub = 0; sub < D / 64; ++sub) {
         const uint32_t offset = stage * Shape::kKVBytes + sub * BN * 128;
-        tma_load_4d(k_smem + offset, &maps.k, sub * 64, begin, h_kv, b, full(stage));
-        tma_load_4d(v_smem + offset, &maps.v, sub * 64, begin, h_kv, b, full(stage));
+        tma_load_4d(k_smem + offset, &maps.k, sub * 64, begin, tile.h_kv, tile.b, full(stage));
+        tma_load_4d(v_smem + offset, &maps.v, sub * 64, begin, tile.h_kv, tile.b, full(stage));
       }
     }
     return;
@@ -124,77 +120,24 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
 
   // ---- consumers ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int warpgroup = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;
-  const int32_t* perm_q = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
-  auto q_token = [&](int pos) -> int64_t {
-    if (pos >= q_end) return -1;
-    const int64_t t = perm_q ? perm_q[pos * p.perm_q_stride[2]] : pos;
-    return t >= 0 && t < p.len_q ? t : -1;
-  };
-  {
-    using QCopy = TileCopy<D, BM, 256, Swizzle128<BM>, 128>;
-    const uint16_t* q_base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
-    int64_t token[QCopy::kRows];
-    gather_tokens<QCopy>(token, q_begin, q_end, perm_q, p.perm_q_stride[2], p.len_q);
-    QCopy::copy(q_smem, q_base, p.q_stride[2], p.aligned_loads, token);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
-  }
+  tile.template load<TileCopy<D, BM, 256, Swizzle128<BM>, 128>>(p, q_smem);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
 
-  auto q_desc = [&](int kk) {
-    return make_desc(q_smem + (kk / 4) * BM * 128 + warpgroup * 64 * 128 + (kk % 4) * 32, 16, 1024);
-  };
-  auto k_desc = [&](int stage, int kk) {
-    return make_desc(k_smem + stage * Shape::kKVBytes + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
-  };
-  auto v_desc = [&](int stage, int kk) {
-    return make_desc(v_smem + stage * Shape::kKVBytes + kk * 16 * 128, BN * 128, 1024);
-  };
-
-  float o[kDT][4];
-  float s[kNT][4];
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-#pragma unroll
-  for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-  float(&o_flat)[kDT * 4] = reinterpret_cast<float(&)[kDT * 4]>(o);
-  float(&s_flat)[kNT * 4] = reinterpret_cast<float(&)[kNT * 4]>(s);
-
+  WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, threadIdx.x / 128 - 1);
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t % STAGES, use = t / STAGES;
     int begin = 0, end = 0;
     tiles.next(p, begin, end);
     const int valid = end - begin;  // CTA-uniform
     mbar_wait(full(stage), use & 1);
-    if (valid > 0) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat, q_desc(kk), k_desc(stage, kk), kk > 0);
-      wgmma_commit();
-    }
-    wgmma_wait<0>();  // S_t and P V_{t-1}
-    fence_registers(s_flat);
-    fence_registers(o_flat);
-    if (t > 0 && lane == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
-    if (valid > 0) {
-      float alpha[2];
-      uint32_t p_frag[kNT / 2][4];
-      softmax_scores<kNT>(s, valid, p.scale_log2, row_max, row_sum, alpha,
-                          [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag); });
-      rescale<kDT>(o, alpha);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::template rs<1>(o_flat, p_frag[kk], v_desc(stage, kk), 1);
-      wgmma_commit();
-    }
+    consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
+    if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
+    consumer.accumulate(stage, valid, p.scale_log2);
   }
-  wgmma_wait<0>();
-  fence_registers(o_flat);
-
-  store_tile_rows<T, kDT>(p, b, h, q_begin + warp * 16, o, row_max, row_sum, q_token);
+  consumer.store(p, tile, threadIdx.x / 32 - 4);
 }
 
 }  // namespace sparsa::cuda::detail

@@ -27,13 +27,89 @@
 
 namespace sparsa::cuda::detail {
 
+// Query rows per CTA of rungs 2 and 3: two consumer warpgroups x 64 rows.
+constexpr int kWgmmaRows = 128;
+
 template <int D, int BN, int STAGES>
 struct WgmmaShape {
-  static constexpr int kBM = 128;  // two warpgroups x 64 rows
+  static constexpr int kBM = kWgmmaRows;
   static constexpr int kThreads = 256;
   static constexpr int kQBytes = kBM * D * 2;
   static constexpr int kKVBytes = BN * D * 2;  // one stage of K (or V)
   static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 1024;  // + slack to align the base
+};
+
+// The consumer side of rungs 2 and 3 (the one mainloop body; the rungs differ in how the K/V
+// stages get filled): this thread's O accumulator and online-softmax state, the wgmma descriptors
+// of Q and of the stages, and the two halves of a key-tile step.
+// Descriptors. Q: this warpgroup's 64 rows, k16 step kk (4 per 64-column sub-tile, 32 bytes
+// apart). K: all BN rows of a stage. V: key rows 16 kk.. of a stage, MN-major, sub-tiles of 64
+// head_dim columns BN * 128 bytes apart.
+template <class T, int D, int BN>
+struct WgmmaConsumer {
+  static constexpr int kDT = D / 8;   // 8-wide accumulator tiles along head_dim
+  static constexpr int kNT = BN / 8;  // 8-wide score tiles along the key tile
+  static constexpr int kKVBytes = BN * D * 2;
+  uint32_t q_smem, k_smem, v_smem;
+  int warpgroup;  // 0 or 1: query rows 64 * warpgroup .. of the tile
+  float o[kDT][4];
+  float s[kNT][4];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // rows g, g + 8 of the warp
+
+  __device__ __forceinline__ WgmmaConsumer(uint32_t q, uint32_t k, uint32_t v, int group)
+      : q_smem(q), k_smem(k), v_smem(v), warpgroup(group) {
+#pragma unroll
+    for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+  }
+  __device__ __forceinline__ float (&o_flat())[kDT * 4] { return reinterpret_cast<float(&)[kDT * 4]>(o); }
+  __device__ __forceinline__ float (&s_flat())[kNT * 4] { return reinterpret_cast<float(&)[kNT * 4]>(s); }
+
+  __device__ __forceinline__ uint64_t q_desc(int kk) const {
+    return make_desc(q_smem + (kk / 4) * kWgmmaRows * 128 + warpgroup * 64 * 128 + (kk % 4) * 32, 16, 1024);
+  }
+  __device__ __forceinline__ uint64_t k_desc(int stage, int kk) const {
+    return make_desc(k_smem + stage * kKVBytes + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
+  }
+  __device__ __forceinline__ uint64_t v_desc(int stage, int kk) const {
+    return make_desc(v_smem + stage * kKVBytes + kk * 16 * 128, BN * 128, 1024);
+  }
+
+  // First half: S = Q K^T of the tile in `stage` (skipped for a tile without keys), then the wait
+  // for it and for the previous tile's P V; after it, that tile's stage is no longer read.
+  __device__ __forceinline__ void scores(int stage, int valid) {
+    if (valid > 0) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat(), q_desc(kk), k_desc(stage, kk), kk > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_registers(s_flat());
+    fence_registers(o_flat());
+  }
+  // Second half: the online softmax of S, then O += P V of the tile in `stage`, issued (async).
+  __device__ __forceinline__ void accumulate(int stage, int valid, float scale_log2) {
+    if (valid > 0) {
+      float alpha[2];
+      uint32_t p_frag[kNT / 2][4];
+      softmax_scores<kNT>(s, valid, scale_log2, row_max, row_sum, alpha,
+                          [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag); });
+      rescale<kDT>(o, alpha);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::template rs<1>(o_flat(), p_frag[kk], v_desc(stage, kk), 1);
+      wgmma_commit();
+    }
+  }
+  // After the last tile: its P V complete, then O / l and LSE at the original query positions.
+  template <int ROWS>
+  __device__ __forceinline__ void store(const FlashParams& p, const QueryTile<ROWS>& tile, int warp) {
+    wgmma_wait<0>();
+    fence_registers(o_flat());
+    store_tile_rows<T, kDT>(p, tile, tile.begin + warp * 16, o, row_max, row_sum);
+  }
 };
 
 // STAGES: K/V tiles in shared memory, 2 or 3. With 2, the prefetch of tile t+1 waits for a second
@@ -45,35 +121,20 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
   static_assert(STAGES == 2 || STAGES == 3, "two or three K/V stages");
   using Shape = WgmmaShape<D, BN, STAGES>;
   constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
-  constexpr int kDT = D / 8;   // 8-wide accumulator tiles along head_dim
-  constexpr int kNT = BN / 8;  // 8-wide score tiles along the key tile
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t q_smem = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const uint32_t k_smem = q_smem + Shape::kQBytes;             // STAGES stages
   const uint32_t v_smem = k_smem + STAGES * Shape::kKVBytes;   // STAGES stages
 
-  const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / 32;
-  const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
-  const int qb = blockIdx.x / p.tiles_per_q_block;
-  const int q_begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * BM;  // permuted positions
-  const int q_end = min(min((qb + 1) * p.block_q, p.len_q), q_begin + BM);
-  if (q_begin >= q_end) return;  // a tile past the end of a partial query block
-
-  KeyTiles<BN> tiles(p, b, h, qb);
+  const QueryTile<BM> tile(p);
+  if (tile.empty()) return;
+  const int b = tile.b, h_kv = tile.h_kv;
+  KeyTiles<BN> tiles(p, b, tile.h, tile.qb);
   const int num_tiles = tiles.num_tiles;
 
-  const int32_t* perm_q = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
   const int32_t* perm_kv = p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
-  auto q_token = [&](int pos) -> int64_t {  // original query token of permuted position pos, or -1
-    if (pos >= q_end) return -1;
-    const int64_t t = perm_q ? perm_q[pos * p.perm_q_stride[2]] : pos;
-    return t >= 0 && t < p.len_q ? t : -1;
-  };
-  const uint16_t* q_base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
   const uint16_t* k_base = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
   const uint16_t* v_base = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
-
-  using QCopy = TileCopy<D, BM, THREADS, Swizzle128<BM>>;
   using KVCopy = TileCopy<D, BN, THREADS, Swizzle128<BN>>;
   auto load_kv = [&](int begin, int end, int stage) {
     int64_t token[KVCopy::kRows];
@@ -83,11 +144,7 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
   };
 
   // Prologue: Q and the first key tile in one copy group.
-  {
-    int64_t token[QCopy::kRows];
-    gather_tokens<QCopy>(token, q_begin, q_end, perm_q, p.perm_q_stride[2], p.len_q);
-    QCopy::copy(q_smem, q_base, p.q_stride[2], p.aligned_loads, token);
-  }
+  tile.template load<TileCopy<D, BM, THREADS, Swizzle128<BM>>>(p, q_smem);
   int cur_begin = 0, cur_end = 0;  // key range of tile t
   if (num_tiles > 0) {
     tiles.next(p, cur_begin, cur_end);
@@ -95,29 +152,7 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
   }
   cp_async_commit();
 
-  // Descriptors. Q: this warpgroup's 64 rows, k16 step kk (4 per 64-column sub-tile, 32 bytes
-  // apart). K: all BN rows of a stage. V: key rows 16 kk.. of a stage, MN-major, sub-tiles of 64
-  // head_dim columns BN * 128 bytes apart.
-  auto q_desc = [&](int kk) {
-    return make_desc(q_smem + (kk / 4) * BM * 128 + warpgroup * 64 * 128 + (kk % 4) * 32, 16, 1024);
-  };
-  auto k_desc = [&](int stage, int kk) {
-    return make_desc(k_smem + stage * Shape::kKVBytes + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
-  };
-  auto v_desc = [&](int stage, int kk) {
-    return make_desc(v_smem + stage * Shape::kKVBytes + kk * 16 * 128, BN * 128, 1024);
-  };
-
-  float o[kDT][4];
-  float s[kNT][4];
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // rows g, g + 8 of the warp
-#pragma unroll
-  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-#pragma unroll
-  for (int n = 0; n < kNT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-  float(&o_flat)[kDT * 4] = reinterpret_cast<float(&)[kDT * 4]>(o);
-  float(&s_flat)[kNT * 4] = reinterpret_cast<float(&)[kNT * 4]>(s);
-
+  WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, threadIdx.x / 128);
   int stage = 0;  // of tile t
   int next_begin = 0, next_end = 0;
   auto prefetch = [&](int t) {  // tile t + 1 into the next stage
@@ -133,38 +168,17 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
     fence_proxy_async();
     __syncthreads();  // ... for every thread; and every warpgroup waited for P V of tile t - 2
     if constexpr (STAGES == 3) prefetch(t);
-    if (valid > 0) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat, q_desc(kk), k_desc(stage, kk), kk > 0);
-      wgmma_commit();
-    }
-    wgmma_wait<0>();  // S_t and P V_{t-1}
-    fence_registers(s_flat);
-    fence_registers(o_flat);
+    consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
     if constexpr (STAGES == 2) {
       __syncthreads();  // both warpgroups are done with the stage of tile t - 1
       prefetch(t);
     }
-    if (valid > 0) {
-      float alpha[2];
-      uint32_t p_frag[kNT / 2][4];
-      softmax_scores<kNT>(s, valid, p.scale_log2, row_max, row_sum, alpha,
-                          [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag); });
-      rescale<kDT>(o, alpha);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::template rs<1>(o_flat, p_frag[kk], v_desc(stage, kk), 1);
-      wgmma_commit();
-    }
+    consumer.accumulate(stage, valid, p.scale_log2);
     cur_begin = next_begin, cur_end = next_end;
     stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
-  wgmma_wait<0>();
-  fence_registers(o_flat);
   cp_async_wait<0>();
-
-  store_tile_rows<T, kDT>(p, b, h, q_begin + warp * 16, o, row_max, row_sum, q_token);
+  consumer.store(p, tile, threadIdx.x / 32);
 }
 
 }  // namespace sparsa::cuda::detail

@@ -39,17 +39,24 @@ std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
 
 using detail::check_pointer;
 
-// Shared-memory limits and carveout, once per kernel instantiation (keyed by the kernel itself:
-// every instantiation of a kernel template has the same function type).
+constexpr int kMaxDevices = 64;
+
+// Shared-memory limit and carveout (all of the unified L1 as shared memory), once per kernel
+// instantiation and device: function attributes belong to the current device. Keyed by the kernel
+// itself (every instantiation of a kernel template has the same function type); the caller has
+// made `device` current.
 template <auto kernel>
-cudaError_t configure_once(int smem_bytes) {
-  static const cudaError_t configured = [&] {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    return err != cudaSuccess ? err
-                              : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                     cudaSharedmemCarveoutMaxShared);
-  }();
-  return configured;
+cudaError_t configure_once(int device, int smem_bytes) {
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t result[kMaxDevices];
+  std::call_once(once[device], [&] {
+    result[device] = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (result[device] == cudaSuccess) {
+      result[device] = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared);
+    }
+  });
+  return result[device];
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against the driver
@@ -93,7 +100,7 @@ thread_local bool g_last_tma = false;
 // Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
 // the driver accepts; rung 2 (flash_wgmma_kernel.cuh) otherwise.
 template <class T, int D, int BN>
-Status launch(const FlashParams& p, cudaStream_t stream) {
+Status launch(const FlashParams& p, int device, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   detail::TmaMaps maps;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -103,12 +110,12 @@ Status launch(const FlashParams& p, cudaStream_t stream) {
   if (g_last_tma) {
     using Shape = detail::TmaShape<D, BN, kStages>;
     constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages>;
-    SPARSA_CUDA_CHECK(configure_once<kernel>(Shape::kSmemBytes));
+    SPARSA_CUDA_CHECK(configure_once<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
   } else {
     using Shape = detail::WgmmaShape<D, BN, kStages>;
     constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
-    SPARSA_CUDA_CHECK(configure_once<kernel>(Shape::kSmemBytes));
+    SPARSA_CUDA_CHECK(configure_once<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   }
   SPARSA_CUDA_CHECK_LAUNCH();
@@ -116,7 +123,7 @@ Status launch(const FlashParams& p, cudaStream_t stream) {
 }
 
 template <class T, int D>
-Status launch_tiles(FlashParams p, const BlockIndex* index, cudaStream_t stream) {
+Status launch_tiles(FlashParams p, const BlockIndex* index, int device, cudaStream_t stream) {
   auto ceil_div = [](int64_t x, int64_t y) { return static_cast<int>((x + y - 1) / y); };
   const int key_tile = index != nullptr && index->block_kv <= 64 ? 64 : 128;
   if (index == nullptr) {  // dense: the same mainloop over every key tile
@@ -131,15 +138,18 @@ Status launch_tiles(FlashParams p, const BlockIndex* index, cudaStream_t stream)
   if (static_cast<int64_t>(p.num_q_blocks) * p.tiles_per_q_block > 0x7fffffff) {
     return invalid_argument("index.block_q: too many query tiles for one launch");
   }
-  return key_tile == 64 ? launch<T, D, 64>(p, stream) : launch<T, D, 128>(p, stream);
+  return key_tile == 64 ? launch<T, D, 64>(p, device, stream) : launch<T, D, 128>(p, device, stream);
 }
 
-Status launch_flash(const FlashParams& p, DType dtype, int head_dim, const BlockIndex* index, cudaStream_t stream) {
+Status launch_flash(const FlashParams& p, DType dtype, int head_dim, const BlockIndex* index, int device,
+                    cudaStream_t stream) {
   const bool bf16 = dtype == DType::bf16;
   if (head_dim == 64) {
-    return bf16 ? launch_tiles<__nv_bfloat16, 64>(p, index, stream) : launch_tiles<__half, 64>(p, index, stream);
+    return bf16 ? launch_tiles<__nv_bfloat16, 64>(p, index, device, stream)
+                : launch_tiles<__half, 64>(p, index, device, stream);
   }
-  return bf16 ? launch_tiles<__nv_bfloat16, 128>(p, index, stream) : launch_tiles<__half, 128>(p, index, stream);
+  return bf16 ? launch_tiles<__nv_bfloat16, 128>(p, index, device, stream)
+              : launch_tiles<__half, 128>(p, index, device, stream);
 }
 
 bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
@@ -150,7 +160,6 @@ bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(pt
 constexpr int kSplitKvMaxQueries = 64, kSplitKvMinKeys = 512;
 constexpr int kSplitKvKeyTile = 64, kSplitKvStages = 3;
 constexpr int kSplitKvMinTilesPerSplit = 8;  // 512 keys
-constexpr int kMaxDevices = 64;
 constexpr int kMaxCtasPerSm = 32;  // Hopper's limit: bounds the merge groups of one wave
 using detail::kSplitKvMaxSplits;
 
@@ -200,17 +209,14 @@ thread_local int g_last_splits = 0;
 template <class T, int D>
 Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
   using Shape = detail::SplitKvShape<D, kSplitKvKeyTile, kSplitKvStages>;
-  auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages>;
+  constexpr auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages>;
   std::lock_guard<std::mutex> lock(g_state_mutex);
   DeviceState& state = g_state[device];
   if (state.sms == 0) SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&state.sms, cudaDevAttrMultiProcessorCount, device));
   // Once per instantiation and device: the shared-memory attributes, then the occupancy they give.
+  SPARSA_CUDA_CHECK(configure_once<kernel>(device, Shape::kSmemBytes));
   static int ctas_per_sm[kMaxDevices] = {};
   if (ctas_per_sm[device] == 0) {
-    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
-    // All of the unified L1 as shared memory, so that as many CTAs fit as registers allow.
-    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           cudaSharedmemCarveoutMaxShared));
     int n = 0;
     SPARSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Shape::kThreads, Shape::kSmemBytes));
     ctas_per_sm[device] = std::clamp(n, 1, kMaxCtasPerSm);
@@ -269,7 +275,7 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
 
 bool use_split_kv(const sparsa::detail::AttentionParams& a) {
   return a.index == nullptr && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries && a.len_kv >= kSplitKvMinKeys &&
-         a.batch * a.heads_kv <= 65535 && a.device_id >= 0 && a.device_id < 64;
+         a.batch * a.heads_kv <= 65535 && a.device_id >= 0 && a.device_id < kMaxDevices;
 }
 
 Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cudaStream_t stream) {
@@ -393,6 +399,10 @@ Status attention(const sparsa::detail::AttentionParams& a) {
                             std::to_string(a.heads_q) + " heads, batch " + std::to_string(a.batch));
   }
   const int device = a.device_id;
+  if (device < 0 || device >= kMaxDevices) {
+    return {StatusCode::unsupported, "q: cuda:" + std::to_string(device) + " is beyond the " +
+                                         std::to_string(kMaxDevices) + " devices the cuda backend keeps state for"};
+  }
   detail::DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
   SPARSA_RETURN_IF_ERROR(check_pointer("q", a.q, device));
@@ -468,7 +478,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   SPARSA_RETURN_IF_ERROR(head_dim == 64 ? gather_kv<64>(p, device, stream, lock, &gathered)
                                         : gather_kv<128>(p, device, stream, lock, &gathered));
   if (gathered) g_last_route = detail::Route::flash_block_sparse_gathered;
-  return launch_flash(p, a.dtype, head_dim, a.index, stream);
+  return launch_flash(p, a.dtype, head_dim, a.index, device, stream);
 }
 
 }  // namespace sparsa::cuda

@@ -201,41 +201,56 @@ struct QueryTile {
   }
 };
 
+// The sum of x over the 4 lanes of a quad (the threads that share an accumulator row).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// LSE = (m c + log2 l) ln 2 of a row with running max m (raw logits) and sum l; -inf when l = 0.
+__device__ __forceinline__ float row_lse(float l, float row_max, float scale_log2) {
+  constexpr float kLn2 = 0.69314718055994531f;
+  return l > 0.0f ? (row_max * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+}
+
+// This thread's share of row r (0: g, 1: g + 8) of a 16-row accumulator tile: O / l at `out` (two
+// columns of each 8-wide tile) and, from lane c == 0, LSE = (m c + log2 l) ln 2 at `lse`; a row
+// that saw no key (l = 0) gets O = 0 and LSE = -inf. l is the row's whole sum (quad_sum).
+template <class T, int kDT>
+__device__ __forceinline__ void store_row(T* out, float* lse, const float (&o)[kDT][4], int r, float l, float row_max,
+                                          float scale_log2, bool aligned_out) {
+  const int c = threadIdx.x % 4;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) {
+    const int col = i * 8 + 2 * c;
+    const uint32_t packed = Pair<T>::pack(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+    if (aligned_out) {
+      *reinterpret_cast<uint32_t*>(out + col) = packed;
+    } else {
+      reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
+      reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
+    }
+  }
+  if (c == 0) *lse = row_lse(l, row_max, scale_log2);
+}
+
 // The epilogue of one 16-row accumulator tile whose first row is permuted query position pos0:
-// rows pos0 + g and pos0 + g + 8 (g = lane / 4) get O / l at their original token (tile.token,
-// -1: none) and LSE = (m c + log2 l) ln 2; a row that saw no key gets O = 0, LSE = -inf.
-// row_sum is this thread's partial sum (reduced over the quad here).
+// rows pos0 + g and pos0 + g + 8 (g = lane / 4) written at their original token (tile.token, -1:
+// none). row_sum is this thread's partial sum.
 template <class T, int kDT, int ROWS>
 __device__ __forceinline__ void store_tile_rows(const FlashParams& p, const QueryTile<ROWS>& tile, int pos0,
                                                 const float (&o)[kDT][4], const float (&row_max)[2],
                                                 const float (&row_sum)[2]) {
-  const int b = tile.b, h = tile.h;
-  constexpr float kLn2 = 0.69314718055994531f;
-  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int b = tile.b, h = tile.h, g = threadIdx.x % 32 / 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float l = quad_sum(row_sum[r]);
     const int64_t token = tile.token(p, pos0 + g + 8 * r);
     if (token < 0) continue;
     T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
-#pragma unroll
-    for (int i = 0; i < kDT; ++i) {
-      const int col = i * 8 + 2 * c;
-      const uint32_t packed = Pair<T>::pack(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
-      if (p.aligned_out) {
-        *reinterpret_cast<uint32_t*>(out + col) = packed;
-      } else {
-        reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
-        reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
-      }
-    }
-    if (c == 0) {
-      const float lse = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2]] = lse;
-    }
+    float* lse = p.lse + b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2];
+    store_row<T, kDT>(out, lse, o, r, l, row_max[r], p.scale_log2, p.aligned_out);
   }
 }
 

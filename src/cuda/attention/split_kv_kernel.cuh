@@ -206,7 +206,6 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
   constexpr int kDT = D / 8, kNT = BN / 8, kChunks = D / 8;
   constexpr uint32_t kTileBytes = BN * D * 2;
-  constexpr float kLn2 = 0.69314718055994531f;
   extern __shared__ __align__(128) uint8_t smem[];
   grid_dependency_wait();  // before any global memory access: the previous kernel has completed
   const uint32_t q_smem = smem_addr(smem);
@@ -298,46 +297,12 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
         mma_16816<T>(s[2 * np + 1], q_frag[kk], bk[2], bk[3]);
       }
     }
-    if (valid < BN) {  // the last tile of the sequence: keys past len_kv see nothing
-#pragma unroll
-      for (int n = 0; n < kNT; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (n * 8 + 2 * c + (e & 1) >= valid) s[n][e] = -INFINITY;
-    }
-    // Online softmax (as in flash_kernel.cuh), rows g (elements 0, 1) and g + 8 (2, 3).
+    // Online softmax, the flash executor's (flash_kernel.cuh); columns past len_kv are masked.
     uint32_t p_frag[kNT / 2][4];
-    float alpha[2], base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      base[r] = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-      alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - base[r]);
-      row_max[r] = mx;
-      row_sum[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -base[e / 2]));
-      row_sum[0] += s[n][0] + s[n][1];
-      row_sum[1] += s[n][2] + s[n][3];
-      p_frag[n / 2][(n % 2) * 2 + 0] = Pair<T>::pack(s[n][0], s[n][1]);
-      p_frag[n / 2][(n % 2) * 2 + 1] = Pair<T>::pack(s[n][2], s[n][3]);
-    }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-      for (int i = 0; i < kDT; ++i) {
-        o[i][0] *= alpha[0];
-        o[i][1] *= alpha[0];
-        o[i][2] *= alpha[1];
-        o[i][3] *= alpha[1];
-      }
-    }
+    float alpha[2];
+    softmax_scores<kNT>(s, valid, p.scale_log2, row_max, row_sum, alpha,
+                        [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag); });
+    rescale<kDT>(o, alpha);
     // O += P V
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -358,29 +323,13 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
     if (!warp_active) return;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float l = row_sum[r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float l = quad_sum(row_sum[r]);
       const int row = row0 + warp * 16 + g + 8 * r;
       if (row >= p.rows) continue;
       const int h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-#pragma unroll
-      for (int n = 0; n < kDT; ++n) {
-        const int col = n * 8 + 2 * c;
-        const uint32_t packed = Pair<T>::pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-        if (p.aligned_out) {
-          *reinterpret_cast<uint32_t*>(out + col) = packed;
-        } else {
-          reinterpret_cast<uint16_t*>(out)[col] = static_cast<uint16_t>(packed & 0xffffu);
-          reinterpret_cast<uint16_t*>(out)[col + 1] = static_cast<uint16_t>(packed >> 16);
-        }
-      }
-      if (c == 0) {
-        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-            l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-      }
+      float* lse = p.lse + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2];
+      store_row<T, kDT>(out, lse, o, r, l, row_max[r], p.scale_log2, p.aligned_out);
     }
     return;
   }
@@ -391,9 +340,7 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   if (warp_active) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float l = row_sum[r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float l = quad_sum(row_sum[r]);
       const int rl = warp * 16 + g + 8 * r;
       if (row0 + rl >= p.rows) continue;
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -402,7 +349,7 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
 #pragma unroll
       for (int n = 0; n < kDT; ++n)
         *reinterpret_cast<float2*>(po + n * 8 + 2 * c) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-      if (c == 0) p.part_lse[prow] = l > 0.0f ? (row_max[r] * p.scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      if (c == 0) p.part_lse[prow] = row_lse(l, row_max[r], p.scale_log2);
     }
   }
 

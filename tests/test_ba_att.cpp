@@ -555,3 +555,13 @@ TEST(BaAtt, NonFiniteInputIsRefused) {
     EXPECT_EQ(plan.status().code(), StatusCode::non_finite) << plan.status().to_string();
   }
 }
+
+// The count a fixed budget keeps, shared by the CPU selector and the GPU one (src/cuda/select).
+TEST(BaAttBudget, FixedBlockCount) {
+  EXPECT_EQ(fixed_block_count(Budget::density(0.7), 10), 7);  // 0.7 * 10 is 7.000000000000001 in binary
+  EXPECT_EQ(fixed_block_count(Budget::density(0.71), 10), 8);
+  EXPECT_EQ(fixed_block_count(Budget::density(1e-6), 10), 1);  // never fewer than one block
+  EXPECT_EQ(fixed_block_count(Budget::top_kappa(3), 10), 3);
+  EXPECT_EQ(fixed_block_count(Budget::top_kappa(20), 10), 10);  // never more than the row
+  EXPECT_EQ(fixed_block_count(Budget::mass(0.9), 10), 0);       // depends on the scores
+}

@@ -105,6 +105,10 @@ Status ba_att(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o
 Result<AttentionOutput> ba_att(const Tensor& q, const Tensor& k, const Tensor& v,
                                const BaAttOptions& options = {});
 
+// The number of key blocks a top_kappa or density budget keeps of n (1 <= count <= n, n >= 1);
+// 0 for a mass budget (its count depends on the scores).
+int64_t fixed_block_count(const Budget& budget, int64_t n);
+
 // Budget applied to one row of scores (exposed for xattention and tests).
 // key[0..n): the order (descending, ties -> lower index); weight[0..n) >= 0: the mass used
 // by BudgetKind::mass; forced[0..n) (may be null): blocks kept regardless, counted first

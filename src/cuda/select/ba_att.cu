@@ -250,15 +250,6 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
   return staged ? launch_features<T, kQuery, true>(x, a, smem) : launch_features<T, kQuery, false>(x, a, smem);
 }
 
-// The budget's fixed count (top_kappa, density), as select_blocks computes it; 0 for mass.
-int64_t fixed_keep(const Budget& budget, int64_t nk) {
-  int64_t kappa = 0;
-  if (budget.kind == BudgetKind::top_kappa) kappa = static_cast<int64_t>(budget.value);
-  else if (budget.kind == BudgetKind::density) kappa = static_cast<int64_t>(std::ceil(budget.value * static_cast<double>(nk) - 1e-9));
-  else return 0;
-  return std::clamp<int64_t>(kappa, 1, nk);
-}
-
 std::string where(std::initializer_list<int64_t> index) {
   std::string s = "[";
   for (int64_t i : index) s += (s.size() > 1 ? ", " : "") + std::to_string(i);
@@ -374,7 +365,7 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   // Step 4: the budget per query block.
   if (select) {
     const int64_t nk = p.num_kv_blocks;
-    const int64_t keep = fixed_keep(r.budget, nk);
+    const int64_t keep = fixed_block_count(r.budget, nk);
     const int64_t capacity = r.budget.kind == BudgetKind::mass ? nk : keep;
     auto counts = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.num_q_blocks}, p.q.device);
     if (!counts.ok()) return counts.status();

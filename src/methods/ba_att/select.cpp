@@ -53,6 +53,18 @@ Status validate(const Budget& budget) {
   return invalid_argument("budget: unknown kind " + std::to_string(static_cast<int>(budget.kind)));
 }
 
+int64_t fixed_block_count(const Budget& budget, int64_t n) {
+  int64_t kappa = 0;
+  if (budget.kind == BudgetKind::top_kappa) {
+    kappa = static_cast<int64_t>(budget.value);
+  } else if (budget.kind == BudgetKind::density) {
+    kappa = static_cast<int64_t>(std::ceil(budget.value * static_cast<double>(n) - 1e-9));
+  } else {
+    return 0;
+  }
+  return std::clamp<int64_t>(kappa, 1, n);
+}
+
 int64_t select_blocks(const double* key, const double* weight, const bool* forced, int64_t n, const Budget& budget,
                       int32_t* out) {
   // Visit order: forced blocks (ascending index), then the rest by descending key,
@@ -81,13 +93,7 @@ int64_t select_blocks(const double* key, const double* weight, const bool* force
     const double required = budget.value * cumulative[n];
     while (keep < n && cumulative[keep] < required) ++keep;
   } else {
-    int64_t kappa = 0;
-    if (budget.kind == BudgetKind::top_kappa) {
-      kappa = static_cast<int64_t>(budget.value);
-    } else {
-      kappa = static_cast<int64_t>(std::ceil(budget.value * static_cast<double>(n) - 1e-9));
-    }
-    keep = std::clamp<int64_t>(kappa, 1, n);
+    keep = fixed_block_count(budget, n);
   }
   keep = std::max(keep, num_forced);
   std::copy(order.begin(), order.begin() + keep, out);

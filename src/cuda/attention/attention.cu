@@ -335,8 +335,8 @@ bool detail::split_kv_counters_zero(int device) {
 
 // Plans with a key permutation over at least kGatherMinKeys keys (and 16-byte-aligned K, V) have K
 // and V gathered once into permuted order in a grow-only per-device buffer, so the flash kernel
-// reads contiguous tiles (gather_kernel.cuh). Returns false, leaving p as it was, when the shape
-// does not qualify or the buffer cannot be allocated (the kernel then gathers in place). The
+// reads contiguous tiles (gather_kernel.cuh). Sets *gathered = false and leaves p as it was when
+// the shape does not qualify or the buffer cannot be allocated (the kernel then gathers in place). The
 // caller keeps `lock` (the device state's) until the flash kernel is launched, so that another
 // host thread's gather cannot be queued between this one and the kernel that reads it.
 constexpr int64_t kGatherMinKeys = 1024;

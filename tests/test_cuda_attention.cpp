@@ -82,6 +82,7 @@ struct Case {
   bool interleave = false;  // between repeats, a split-KV call of another shape (other merge groups)
   int expect_splits = 0;    // split-KV: 1 = exactly one split; n > 1 = at least n splits; 0 = unchecked
   int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
+  bool split_kv_tma = true;    // split-KV: allow rung 2 (wgmma + TMA); false forces rung 1 (mma.sync)
   uint32_t seed = 1;
 };
 
@@ -358,6 +359,11 @@ TEST_P(Ops, MatchesReference) {
       if (set) cuda::detail::set_split_kv_merge_wait_ns(saved);
     }
   } wait_bound;
+  struct TmaSwitch {  // the case's split-KV rung, restored however the test ends
+    bool saved = cuda::detail::set_split_kv_tma(true);
+    ~TmaSwitch() { cuda::detail::set_split_kv_tma(saved); }
+  } tma_switch;
+  cuda::detail::set_split_kv_tma(c.split_kv_tma);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -381,6 +387,10 @@ TEST_P(Ops, MatchesReference) {
     if (want != cuda::detail::Route::split_kv) {  // rung 3 (TMA) needs K, V in order and 16-byte aligned
       const bool tma = (!c.perms || gathered) && c.seq_pad % 8 == 0;
       EXPECT_EQ(cuda::detail::last_flash_used_tma(), tma) << "flash kernel: TMA (rung 3) or cp.async (rung 2)";
+    }
+    if (want == cuda::detail::Route::split_kv) {  // rung 2 (wgmma + TMA) needs 16-byte aligned K, V
+      EXPECT_EQ(cuda::detail::last_split_kv_used_tma(), c.split_kv_tma && c.seq_pad % 8 == 0)
+          << "split-KV kernel: wgmma + TMA (rung 2) or mma.sync (rung 1)";
     }
     const int splits = cuda::detail::last_split_kv_splits();
     if (c.expect_splits == 1) EXPECT_EQ(splits, 1) << "split-KV: one split (no workspace, no merge)";
@@ -474,6 +484,18 @@ std::vector<Case> cases() {
        .expect_splits = 16, .merge_wait_ns = 0, .seed = 39});
   add({.name = "SplitKv_no_wait_bf16_d128_block_diffusion_16x8192", .heads_q = 32, .heads_kv = 8, .len_q = 16,
        .len_kv = 8192, .head_dim = 128, .repeats = 2, .expect_splits = 16, .merge_wait_ns = 0, .seed = 40});
+  // Rung 1 (mma.sync, cp.async) on inputs rung 2 would take: it stays the path for unaligned
+  // inputs, so it is tested on the block-diffusion shape, many splits and the merge fallback too.
+  add({.name = "Small_splitkv_rung1_bf16_d128_gqa4_16x1100", .heads_q = 8, .heads_kv = 2, .len_q = 16,
+       .len_kv = 1100, .head_dim = 128, .expect_splits = 2, .split_kv_tma = false, .seed = 41});
+  add({.name = "SplitKv_rung1_bf16_d128_block_diffusion_16x4099", .heads_q = 32, .heads_kv = 8, .len_q = 16,
+       .len_kv = 4099, .head_dim = 128, .repeats = 2, .expect_splits = 8, .split_kv_tma = false, .seed = 42});
+  add({.name = "SplitKv_rung1_many_f16_d64_gqa8_16x40000", .dtype = DType::f16, .heads_q = 16, .heads_kv = 2,
+       .len_q = 16, .len_kv = 40000, .repeats = 2, .interleave = true, .expect_splits = 16, .merge_wait_ns = 0,
+       .split_kv_tma = false, .seed = 43});
+  // Rung 2 on one split (direct write) and a 64-row m-tile that is only partly real (group 3 x 7).
+  add({.name = "Small_splitkv_f16_d128_one_split_gqa3_7x600", .dtype = DType::f16, .heads_q = 6, .heads_kv = 2,
+       .len_q = 7, .len_kv = 600, .head_dim = 128, .expect_splits = 1, .seed = 44});
   // Medium.
   add({.name = "Medium_dense_bf16_d128_gqa4x1_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
        .len_kv = 1500, .head_dim = 128, .seed = 7});
@@ -522,6 +544,7 @@ TEST(CudaAttentionRoute, PrefixShapeTakesSplitKv) {
   ASSERT_TRUE(run(16, 4099).ok());
   EXPECT_EQ(cuda::detail::last_dense_route(), Route::split_kv);
   EXPECT_GT(cuda::detail::last_split_kv_splits(), 1);
+  EXPECT_TRUE(cuda::detail::last_split_kv_used_tma()) << "aligned contiguous K, V: the wgmma + TMA kernel";
   ASSERT_TRUE(run(64, 512).ok());
   EXPECT_EQ(cuda::detail::last_dense_route(), Route::split_kv);
   ASSERT_TRUE(run(65, 4099).ok());

@@ -18,6 +18,7 @@
 #include "cuda/attention/gather_kernel.cuh"
 #include "cuda/attention/route.h"
 #include "cuda/attention/split_kv_kernel.cuh"
+#include "cuda/attention/split_kv_tma_kernel.cuh"
 #include "cuda/common/check.h"
 
 namespace sparsa::cuda {
@@ -79,8 +80,9 @@ EncodeTiled tensor_map_encoder() {
 
 // K or V as a [batch, heads_kv, len_kv, D] tensor map read in boxes of [BN rows][64 columns] with
 // the 128-byte swizzle; false when the driver refuses the layout (the cp.async kernel takes it).
-bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const FlashParams& p, int d,
-                   int bn, bool bf16) {
+template <class P>  // FlashParams or SplitKvParams: len_kv, heads_kv, batch
+bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const P& p, int d, int bn,
+                   bool bf16) {
   const EncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(p.len_kv),
@@ -159,6 +161,10 @@ bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(pt
 // there the flash executor's grid is one CTA per query head and its 256-row tiles are mostly empty.
 constexpr int kSplitKvMaxQueries = 64, kSplitKvMinKeys = 512;
 constexpr int kSplitKvKeyTile = 64, kSplitKvStages = 3;
+// Rung 2's K/V stages. Measured at the block-diffusion shape (bench/RESULTS.md): 4 stages (128 KB,
+// one CTA per SM, 16 splits) 43.0 / 75.9 us at 32K / 64K keys; 3 stages (two CTAs per SM, 33
+// splits) 44.8 / 77.1; 2 stages 44.4-44.5 / 77.4-77.7 (two or three CTAs per SM).
+constexpr int kSplitKvTmaStages = 4;
 constexpr int kSplitKvMinTilesPerSplit = 8;  // 512 keys
 constexpr int kMaxCtasPerSm = 32;  // Hopper's limit: bounds the merge groups of one wave
 using detail::kSplitKvMaxSplits;
@@ -205,26 +211,36 @@ size_t counter_bytes(int sms) { return static_cast<size_t>(sms) * kMaxCtasPerSm 
 // The route and split count of the last call on this thread (route.h).
 thread_local detail::Route g_last_route = detail::Route::none;
 thread_local int g_last_splits = 0;
+thread_local bool g_last_split_kv_tma = false;
+std::atomic<bool> g_use_split_kv_tma{true};  // route.h: a test and benchmark switch
 
-template <class T, int D>
-Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
-  using Shape = detail::SplitKvShape<D, kSplitKvKeyTile, kSplitKvStages>;
-  constexpr auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages>;
-  std::lock_guard<std::mutex> lock(g_state_mutex);
-  DeviceState& state = g_state[device];
-  if (state.sms == 0) SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&state.sms, cudaDevAttrMultiProcessorCount, device));
-  // Once per instantiation and device: the shared-memory attributes, then the occupancy they give.
-  SPARSA_CUDA_CHECK(configure_once<kernel>(device, Shape::kSmemBytes));
-  static int ctas_per_sm[kMaxDevices] = {};
-  if (ctas_per_sm[device] == 0) {
+// Once per kernel and device (under g_state_mutex): the shared-memory attributes, then the number
+// of CTAs per SM they allow.
+template <auto kernel>
+cudaError_t ctas_per_sm_once(int device, int threads, int smem_bytes, int* ctas) {
+  static int cached[kMaxDevices] = {};
+  if (cached[device] == 0) {
+    cudaError_t err = configure_once<kernel>(device, smem_bytes);
     int n = 0;
-    SPARSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Shape::kThreads, Shape::kSmemBytes));
-    ctas_per_sm[device] = std::clamp(n, 1, kMaxCtasPerSm);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes);
+    if (err != cudaSuccess) return err;
+    cached[device] = std::clamp(n, 1, kMaxCtasPerSm);
   }
+  *ctas = cached[device];
+  return cudaSuccess;
+}
+
+// Sizes the splits and the workspace for `kernel` (rung 1 or 2: the same 64-row m-tiles,
+// partials and counters) and launches it with programmatic dependent launch when allowed.
+template <auto kernel, class Shape, class... Extra>
+Status run_split_kv(SplitKvParams p, int device, cudaStream_t stream, const Extra&... extra) {
+  DeviceState& state = g_state[device];
+  int ctas_per_sm = 1;
+  SPARSA_CUDA_CHECK(ctas_per_sm_once<kernel>(device, Shape::kThreads, Shape::kSmemBytes, &ctas_per_sm));
   auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   const int64_t m_tiles = ceil_div(p.rows, Shape::kBM);
   const int64_t merge_groups = m_tiles * p.batch * p.heads_kv;  // CTAs of one split
-  const int64_t wave = static_cast<int64_t>(state.sms) * ctas_per_sm[device];
+  const int64_t wave = static_cast<int64_t>(state.sms) * ctas_per_sm;
   p.num_splits = static_cast<int>(split_count(wave, merge_groups, p.num_kv_tiles));
   if (p.num_splits > 1) {
     if (merge_groups > static_cast<int64_t>(state.sms) * kMaxCtasPerSm) {
@@ -232,7 +248,8 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
     }
     const size_t counters = counter_bytes(state.sms);
     const size_t partials = static_cast<size_t>(merge_groups) * Shape::kBM * p.num_splits;  // rows
-    const size_t bytes = counters + partials * D * sizeof(float) + partials * sizeof(float);
+    const size_t d = static_cast<size_t>(p.head_dim);
+    const size_t bytes = counters + partials * d * sizeof(float) + partials * sizeof(float);
     if (bytes > state.workspace_bytes) {
       if (state.workspace != nullptr) SPARSA_CUDA_CHECK(cudaFree(state.workspace));
       state.workspace = nullptr;
@@ -245,9 +262,10 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
     // partial O rows (128-byte aligned: the kernel drops them from L2 by whole lines), then the LSEs.
     p.counters = static_cast<detail::SplitKvCounters*>(state.workspace);
     p.part_o = reinterpret_cast<float*>(static_cast<char*>(state.workspace) + counters);
-    p.part_lse = p.part_o + partials * D;
+    p.part_lse = p.part_o + partials * d;
   }
   p.merge_wait_ns = g_merge_wait_ns.load(std::memory_order_relaxed);
+
   g_last_splits = p.num_splits;
 
   cudaLaunchConfig_t config = {};
@@ -261,16 +279,39 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = g_split_kv_pdl.load(std::memory_order_relaxed) ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&config, kernel, p);
+  cudaError_t err = cudaLaunchKernelEx(&config, kernel, p, extra...);
   if (err != cudaSuccess && config.numAttrs == 1) {  // no dependent launch here: plain launches from now on
     cudaGetLastError();
     g_split_kv_pdl.store(false);
     config.numAttrs = 0;
-    err = cudaLaunchKernelEx(&config, kernel, p);
+    err = cudaLaunchKernelEx(&config, kernel, p, extra...);
   }
   SPARSA_CUDA_CHECK(err);
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
+}
+
+// Rung 2 (split_kv_tma_kernel.cuh: wgmma fed by TMA) when the driver accepts tensor maps of K and
+// V (16-byte aligned bases and strides); rung 1 (split_kv_kernel.cuh: mma.sync, cp.async) otherwise.
+template <class T, int D>
+Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  DeviceState& state = g_state[device];
+  if (state.sms == 0) SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&state.sms, cudaDevAttrMultiProcessorCount, device));
+  p.head_dim = D;
+  detail::TmaMaps maps;
+  const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  g_last_split_kv_tma = g_use_split_kv_tma.load() && p.aligned_loads &&
+                        encode_kv_map(&maps.k, p.k, p.k_stride, p, D, kSplitKvKeyTile, bf16) &&
+                        encode_kv_map(&maps.v, p.v, p.v_stride, p, D, kSplitKvKeyTile, bf16);
+  if (g_last_split_kv_tma) {
+    using Shape = detail::SplitKvTmaShape<D, kSplitKvKeyTile, kSplitKvTmaStages>;
+    constexpr auto kernel = detail::split_kv_tma_kernel<T, D, kSplitKvKeyTile, kSplitKvTmaStages>;
+    return run_split_kv<kernel, Shape>(p, device, stream, maps);
+  }
+  using Shape = detail::SplitKvShape<D, kSplitKvKeyTile, kSplitKvStages>;
+  constexpr auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages>;
+  return run_split_kv<kernel, Shape>(p, device, stream);
 }
 
 bool use_split_kv(const sparsa::detail::AttentionParams& a) {
@@ -316,6 +357,8 @@ detail::Route detail::last_dense_route() { return g_last_route; }
 bool detail::last_flash_used_tma() { return g_last_tma; }
 bool detail::set_flash_tma(bool on) { return g_use_tma.exchange(on); }
 int detail::last_split_kv_splits() { return g_last_splits; }
+bool detail::last_split_kv_used_tma() { return g_last_split_kv_tma; }
+bool detail::set_split_kv_tma(bool on) { return g_use_split_kv_tma.exchange(on); }
 unsigned long long detail::set_split_kv_merge_wait_ns(unsigned long long ns) { return g_merge_wait_ns.exchange(ns); }
 bool detail::split_kv_counters_zero(int device) {
   std::lock_guard<std::mutex> lock(g_state_mutex);
@@ -382,6 +425,7 @@ Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lo
 Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;
   g_last_splits = 0;
+  g_last_split_kv_tma = false;
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {
     return unsupported_dtype(std::string("q: the cuda backend takes bf16 or f16, got ") + dtype_name(a.dtype));
   }

@@ -89,6 +89,19 @@ struct WgmmaConsumer {
     fence_registers(s_flat());
     fence_registers(o_flat());
   }
+  // The same first half with Q's A fragments in registers (the split-KV executor keeps its 64
+  // stacked rows there for the whole key range: split_kv_tma_kernel.cuh).
+  __device__ __forceinline__ void scores(int stage, int valid, const uint32_t (&q)[D / 16][4]) {
+    if (valid > 0) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template rs<0>(s_flat(), q[kk], k_desc(stage, kk), kk > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_registers(s_flat());
+    fence_registers(o_flat());
+  }
   // Second half: the online softmax of S, then O += P V of the tile in `stage`, issued (async).
   __device__ __forceinline__ void accumulate(int stage, int valid, float scale_log2) {
     if (valid > 0) {

@@ -11,7 +11,7 @@ enum class Route {
   flash_dense,         // the flash executor over every key tile
   flash_block_sparse,  // the flash executor over a BlockIndex
   flash_block_sparse_gathered,  // the same, K and V first gathered in the plan's key order
-  split_kv,            // split_kv_kernel.cuh (dense, few queries, long KV)
+  split_kv,            // split_kv_kernel.cuh or split_kv_tma_kernel.cuh (dense, few queries, long KV)
 };
 
 // The executor the last attention() call on this thread was dispatched to.
@@ -22,6 +22,12 @@ bool last_flash_used_tma();
 bool set_flash_tma(bool on);
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
+// Whether the last split-KV launch on this thread was the wgmma + TMA kernel (rung 2,
+// split_kv_tma_kernel.cuh) rather than rung 1 (split_kv_kernel.cuh).
+bool last_split_kv_used_tma();
+// Allows (true, the default) or forbids the split-KV TMA kernel, process-wide; returns the previous
+// setting.
+bool set_split_kv_tma(bool on);
 // How long a split-KV CTA waits for the rest of its merge group before leaving its rows to the
 // last CTA out (split_kv_kernel.cuh; default kMergeWaitNs). 0: every CTA that is not the last
 // to arrive, and does not see the count complete at its first look, leaves its rows (the

@@ -14,7 +14,7 @@
 //  - Merge, in the same kernel (no second launch). With S > 1 every CTA writes its partial (O
 //    normalised by its own sum, f32, and its LSE) to the workspace, rows of one (m-tile,
 //    batch * kv head) "merge group" laid out [row][split][D] so that one row's S partials are
-//    contiguous; then it arrives on the group's counter (threadfence, atomicAdd). The partials
+//    contiguous; then it arrives on the group's counter (one acq_rel atomic). The partials
 //    of a row merge as (DESIGN.md §1)
 //      LSE = m + log sum_s exp(LSE_s - m),  O = sum_s exp(LSE_s - LSE) O_s     (m = max_s LSE_s)
 //    Who merges: the CTA that arrives last knows every partial is visible, and could merge all.
@@ -69,7 +69,7 @@ struct SplitKvParams {
   void* out = nullptr;
   float* lse = nullptr;
   int64_t q_stride[3] = {}, k_stride[3] = {}, v_stride[3] = {}, out_stride[3] = {}, lse_stride[3] = {};
-  int batch = 0, heads_q = 0, heads_kv = 0, group = 1, len_q = 0, len_kv = 0;
+  int batch = 0, heads_q = 0, heads_kv = 0, group = 1, len_q = 0, len_kv = 0, head_dim = 0;
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
 
   int rows = 0;          // group * len_q: stacked query rows per kv head
@@ -92,6 +92,7 @@ struct SplitKvShape {
   static constexpr int kSmemBytes = (kBM + STAGES * 2 * BN) * D * 2;  // Q + STAGES x (K, V)
 };
 
+
 // ---- small wrappers over the PTX the merge and the dependent launch need ----
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
@@ -99,6 +100,11 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+__device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 __device__ __forceinline__ unsigned long long global_timer_ns() {
   unsigned long long t;
@@ -111,33 +117,38 @@ __device__ __forceinline__ void discard_l2_line(const void* p) {
 }
 
 // Merges rows [rl_begin, rl_end) of the m-tile starting at stacked row row0 (merge group
-// `merge_group`) from their S partials and writes O and LSE. All 128 threads: thread t owns the
-// 4 columns from 4 * (t % (D/4)) and the splits s = t / (D/4) + j * kSlots (kSlots = 512 / D
-// "slots" of D/4 threads), which it accumulates with its own running maximum, kBatch splits' loads in
-// flight at a time; the slots then combine through shared memory, rescaled to the common maximum.
-// `scratch`: 4 * 128 + 16 floats of shared memory.
+// `merge_group`) from their S partials and writes O and LSE. All 128 threads, in "slots" of D/4
+// threads (kSlots = 512 / D of them); thread t owns the 4 columns from 4 * (t % (D/4)). Up to
+// kSlots rows are merged side by side (a pass of P rows, kSlots / P slots per row: with S = 33
+// splits a CTA merges 2 rows, both in one pass; one after the other they were two L2 round trips
+// in series). A slot accumulates the splits s = slot / P + j * (kSlots / P) of its row with its
+// own running maximum, kBatch splits' loads in flight at a time; the slots of a row then combine
+// through shared memory, rescaled to the common maximum. `scratch`: 4 * 128 + 16 floats.
 template <class T, int D>
 __device__ void merge_rows(const SplitKvParams& p, float* scratch, int merge_group, int row0, int b, int h_kv,
                            int rl_begin, int rl_end) {
   constexpr int kThreads = 128, kQuads = D / 4, kSlots = kThreads / kQuads, kBM = 64;
-  constexpr int kBatch = D == 128 ? 16 : 8;  // loads in flight per thread (64 splits in one round at d 128)
+  constexpr int kBatch = 24;  // loads in flight per thread: 2 slots x 24 covers S = 33 in one round
   constexpr int kLineFloats = 128 / 4;
   const int S = p.num_splits, quad = threadIdx.x % kQuads, slot = threadIdx.x / kQuads;
   float4* acc_s = reinterpret_cast<float4*>(scratch);  // [kSlots][kQuads]
   float* max_s = scratch + 4 * kThreads;               // [kSlots]
   float* sum_s = max_s + kSlots;                       // [kSlots]
-  for (int rl = rl_begin; rl < rl_end; ++rl) {
+  for (int pass = rl_begin; pass < rl_end; pass += kSlots) {
+    const int P = min(kSlots, rl_end - pass), per_row = kSlots / P;
+    const int rl = pass + slot % P;  // this slot's row
+    const bool active = slot < P * per_row;
     const int64_t first = (static_cast<int64_t>(merge_group) * kBM + rl) * S;  // partial (row, split 0)
     const float* po = p.part_o + first * D;
     const float* pl = p.part_lse + first;
     float run_max = -INFINITY, run_sum = 0.0f;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int s0 = slot; s0 < S; s0 += kBatch * kSlots) {
+    for (int s0 = slot / P; active && s0 < S; s0 += kBatch * per_row) {
       float l[kBatch];
       float4 x[kBatch];
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
-        const int s = s0 + k * kSlots;
+        const int s = s0 + k * per_row;
         l[k] = s < S ? __ldcg(pl + s) : -INFINITY;
         x[k] = s < S ? __ldcg(reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * D) + quad)
                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -159,24 +170,23 @@ __device__ void merge_rows(const SplitKvParams& p, float* scratch, int merge_gro
     }
     acc_s[slot * kQuads + quad] = acc;
     if (quad == 0) max_s[slot] = run_max, sum_s[slot] = run_sum;
-    __syncthreads();  // every slot's sums are in shared memory, and every load of this row is done
-    if (threadIdx.x < kQuads) {
+    __syncthreads();  // every slot's sums are in shared memory, and every load of the pass is done
+    if (threadIdx.x < P * kQuads) {  // thread (row r of the pass, quad) combines the slots of row r
+      const int r = threadIdx.x / kQuads;
       float m = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j) m = fmaxf(m, max_s[j]);
+      for (int j = 0; j < per_row; ++j) m = fmaxf(m, max_s[r + j * P]);
       float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       float sum = 0.0f;
       if (m != -INFINITY) {
-#pragma unroll
-        for (int j = 0; j < kSlots; ++j) {
-          const float f = expf(max_s[j] - m);  // 0 for a slot that saw no key
-          const float4 a = acc_s[j * kQuads + quad];
-          sum += f * sum_s[j];
+        for (int j = 0; j < per_row; ++j) {  // slots in a fixed order: the result does not depend on timing
+          const float f = expf(max_s[r + j * P] - m);  // 0 for a slot that saw no key
+          const float4 a = acc_s[(r + j * P) * kQuads + quad];
+          sum += f * sum_s[r + j * P];
           o.x += f * a.x, o.y += f * a.y, o.z += f * a.z, o.w += f * a.w;
         }
       }
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const int row = row0 + rl, h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
+      const int row = row0 + pass + r, h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
       T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
       const int col = quad * 4;
       const uint32_t packed[2] = {Pair<T>::pack(o.x * inv, o.y * inv), Pair<T>::pack(o.z * inv, o.w * inv)};
@@ -194,9 +204,109 @@ __device__ void merge_rows(const SplitKvParams& p, float* scratch, int merge_gro
             sum > 0.0f ? m + logf(sum) : -INFINITY;
       }
     }
-    // The row's partial O (S * D floats, 128-byte aligned) is dead: drop it from L2 unwritten.
-    for (int line = threadIdx.x; line < S * D / kLineFloats; line += kThreads) discard_l2_line(po + line * kLineFloats);
-    __syncthreads();  // before the next row overwrites the scratch
+    // The pass's partial O rows (S * D floats each, 128-byte aligned, consecutive) are dead: drop
+    // them from L2 unwritten.
+    const float* pass_o = p.part_o + (static_cast<int64_t>(merge_group) * kBM + pass) * S * D;
+    for (int line = threadIdx.x; line < P * S * D / kLineFloats; line += kThreads)
+      discard_l2_line(pass_o + line * kLineFloats);
+    __syncthreads();  // before the next pass overwrites the scratch
+  }
+}
+
+// The end of a split-KV CTA, shared by both kernels (the same 4 warps x 16 stacked rows and the
+// mma.m16n8k16 accumulator layout, which wgmma's m64 layout repeats): with one split, O / l and
+// LSE straight to the output; with several, this CTA's partial to the workspace, then the fused
+// merge (arrive; wait, bounded, for the group; merge this CTA's rows; depart), as the comment at
+// the top of this file says. `smem`: at least (4 * 128 + 80) floats no longer in use.
+template <class T, int D>
+__device__ void split_kv_finish(const SplitKvParams& p, uint8_t* smem, const float (&o)[D / 8][4],
+                                const float (&row_max)[2], const float (&row_sum)[2], int row0, int split, int b,
+                                int h_kv) {
+  constexpr int BM = 64, THREADS = 128, kDT = D / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const bool warp_active = row0 + warp * 16 < p.rows;
+  if (p.num_splits == 1) {  // ---- one split: O / l and LSE straight to the output ----
+    if (!warp_active) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const int row = row0 + warp * 16 + g + 8 * r;
+      if (row >= p.rows) continue;
+      const int h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
+      T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+      float* lse = p.lse + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2];
+      store_row<T, kDT>(out, lse, o, r, l, row_max[r], p.scale_log2, p.aligned_out);
+    }
+    return;
+  }
+
+  // ---- several splits: this CTA's partial to the workspace ----
+  const int S = p.num_splits;
+  const int merge_group = blockIdx.z * gridDim.x + blockIdx.x;
+  if (warp_active) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const int rl = warp * 16 + g + 8 * r;
+      if (row0 + rl >= p.rows) continue;
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int64_t prow = (static_cast<int64_t>(merge_group) * BM + rl) * S + split;
+      float* po = p.part_o + prow * D;
+#pragma unroll
+      for (int n = 0; n < kDT; ++n)
+        *reinterpret_cast<float2*>(po + n * 8 + 2 * c) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+      if (c == 0) p.part_lse[prow] = row_lse(l, row_max[r], p.scale_log2);
+    }
+  }
+
+  // ---- arrive; wait (bounded) for the group; merge this CTA's rows; depart ----
+  // Split s merges rows [s chunk, (s + 1) chunk) of the m-tile: about 64 / S rows per CTA.
+  SplitKvCounters* counters = p.counters + merge_group;
+  float* scratch = reinterpret_cast<float*>(smem);  // the Q and K/V stages are free now
+  int* flag = reinterpret_cast<int*>(scratch + 4 * THREADS + 64);
+  const int valid_rows = min(BM, p.rows - row0);
+  const int chunk = (valid_rows + S - 1) / S;
+  auto merge_chunk = [&](int s) {
+    merge_rows<T, D>(p, scratch, merge_group, row0, b, h_kv, min(valid_rows, s * chunk), min(valid_rows, (s + 1) * chunk));
+  };
+  __syncthreads();  // every thread's partial stores happen before thread 0's arrival (a release)
+  if (threadIdx.x == 0) {
+    // Release: this CTA's partials are visible to whoever acquires the count; acquire: so are
+    // those of the CTAs counted before it. One instruction, where a fence in every thread and
+    // then an atomic cost two round trips to L2 on the way out of the key loop.
+    const unsigned ticket = atomic_add_acq_rel(&counters->arrive, 1u);
+    bool ready = ticket + 1 >= static_cast<unsigned>(S);  // the last arrival: every partial is written
+    if (!ready) {
+      const unsigned long long start = global_timer_ns();
+      while (!(ready = load_acquire(&counters->arrive) >= static_cast<unsigned>(S)) &&
+             global_timer_ns() - start < p.merge_wait_ns) {
+        __nanosleep(256);
+      }
+    }
+    if (!ready) {  // give this CTA's rows to the last CTA out of the group
+      const unsigned entry = atomicAdd(&counters->withdrawn, 1u);
+      counters->orphan[entry] = static_cast<uint8_t>(split);
+    }
+    __threadfence();  // ready: acquire, the partials the count stands for are visible to this CTA;
+                      // withdrawn: the orphan entry is visible before the departure below
+    flag[0] = ready;
+  }
+  __syncthreads();
+  if (flag[0]) merge_chunk(split);
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(&counters->depart, 1u) + 1 == static_cast<unsigned>(S);
+    if (last) __threadfence();  // acquire: every CTA's partial and orphan entry is visible
+    flag[1] = last ? static_cast<int>(load_acquire(&counters->withdrawn)) : -1;
+  }
+  __syncthreads();
+  const int orphans = flag[1];
+  if (orphans >= 0) {  // the last CTA out: merge the rows of the CTAs that stopped waiting, then reset
+    for (int k = 0; k < orphans; ++k) merge_chunk(__ldcg(&counters->orphan[k]));
+    if (threadIdx.x == 0) {  // no CTA of the group touches the counters any more
+      atomicExch(&counters->arrive, 0u);
+      atomicExch(&counters->depart, 0u);
+      atomicExch(&counters->withdrawn, 0u);
+    }
   }
 }
 
@@ -213,7 +323,7 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   auto k_stage = [&](int s) { return kv_smem + 2 * s * kTileBytes; };
   auto v_stage = [&](int s) { return kv_smem + (2 * s + 1) * kTileBytes; };
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = blockIdx.x * BM, split = blockIdx.y;
   const int b = blockIdx.z / p.heads_kv, h_kv = blockIdx.z % p.heads_kv;
   // Split s owns key tiles [s T / S, (s + 1) T / S): sizes differ by at most one tile.
@@ -318,89 +428,7 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   }
   cp_async_wait<0>();
   launch_dependents();  // K/V streamed: the next kernel in the stream may start launching
-
-  if (p.num_splits == 1) {  // ---- one split: O / l and LSE straight to the output ----
-    if (!warp_active) return;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(row_sum[r]);
-      const int row = row0 + warp * 16 + g + 8 * r;
-      if (row >= p.rows) continue;
-      const int h = h_kv * p.group + row / p.len_q, i = row % p.len_q;
-      T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-      float* lse = p.lse + b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2];
-      store_row<T, kDT>(out, lse, o, r, l, row_max[r], p.scale_log2, p.aligned_out);
-    }
-    return;
-  }
-
-  // ---- several splits: this CTA's partial to the workspace ----
-  const int S = p.num_splits;
-  const int merge_group = blockIdx.z * gridDim.x + blockIdx.x;
-  if (warp_active) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(row_sum[r]);
-      const int rl = warp * 16 + g + 8 * r;
-      if (row0 + rl >= p.rows) continue;
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      const int64_t prow = (static_cast<int64_t>(merge_group) * BM + rl) * S + split;
-      float* po = p.part_o + prow * D;
-#pragma unroll
-      for (int n = 0; n < kDT; ++n)
-        *reinterpret_cast<float2*>(po + n * 8 + 2 * c) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-      if (c == 0) p.part_lse[prow] = row_lse(l, row_max[r], p.scale_log2);
-    }
-  }
-
-  // ---- arrive; wait (bounded) for the group; merge this CTA's rows; depart ----
-  // Split s merges rows [s chunk, (s + 1) chunk) of the m-tile: about 64 / S rows per CTA.
-  SplitKvCounters* counters = p.counters + merge_group;
-  float* scratch = reinterpret_cast<float*>(smem);  // the Q and K/V stages are free now
-  int* flag = reinterpret_cast<int*>(scratch + 4 * THREADS + 64);
-  const int valid_rows = min(BM, p.rows - row0);
-  const int chunk = (valid_rows + S - 1) / S;
-  auto merge_chunk = [&](int s) {
-    merge_rows<T, D>(p, scratch, merge_group, row0, b, h_kv, min(valid_rows, s * chunk), min(valid_rows, (s + 1) * chunk));
-  };
-  __threadfence();  // this thread's partial stores are visible device-wide ...
-  __syncthreads();  // ... for every thread, before the arrival (and every warp is done with the stages)
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned ticket = atomicAdd(&counters->arrive, 1u);
-    bool ready = ticket + 1 >= static_cast<unsigned>(S);  // the last arrival: every partial is written
-    if (!ready) {
-      const unsigned long long start = global_timer_ns();
-      while (!(ready = load_acquire(&counters->arrive) >= static_cast<unsigned>(S)) &&
-             global_timer_ns() - start < p.merge_wait_ns) {
-        __nanosleep(256);
-      }
-    }
-    if (!ready) {  // give this CTA's rows to the last CTA out of the group
-      const unsigned entry = atomicAdd(&counters->withdrawn, 1u);
-      counters->orphan[entry] = static_cast<uint8_t>(split);
-    }
-    __threadfence();  // ready: acquire, the partials the count stands for are visible to this CTA;
-                      // withdrawn: the orphan entry is visible before the departure below
-    flag[0] = ready;
-  }
-  __syncthreads();
-  if (flag[0]) merge_chunk(split);
-  if (threadIdx.x == 0) {
-    const bool last = atomicAdd(&counters->depart, 1u) + 1 == static_cast<unsigned>(S);
-    if (last) __threadfence();  // acquire: every CTA's partial and orphan entry is visible
-    flag[1] = last ? static_cast<int>(load_acquire(&counters->withdrawn)) : -1;
-  }
-  __syncthreads();
-  const int orphans = flag[1];
-  if (orphans >= 0) {  // the last CTA out: merge the rows of the CTAs that stopped waiting, then reset
-    for (int k = 0; k < orphans; ++k) merge_chunk(__ldcg(&counters->orphan[k]));
-    if (threadIdx.x == 0) {  // no CTA of the group touches the counters any more
-      atomicExch(&counters->arrive, 0u);
-      atomicExch(&counters->depart, 0u);
-      atomicExch(&counters->withdrawn, 0u);
-    }
-  }
+  split_kv_finish<T, D>(p, smem, o, row_max, row_sum, row0, split, b, h_kv);
 }
 
 }  // namespace sparsa::cuda::detail

@@ -169,18 +169,18 @@ constexpr int kSplitKvMinTilesPerSplit = 8;  // 512 keys
 constexpr int kMaxCtasPerSm = 32;  // Hopper's limit: bounds the merge groups of one wave
 using detail::kSplitKvMaxSplits;
 
-// How many splits. The kernel streams K+V once (GQA-packed), so the target is HBM: 4.8 TB/s peak
+// How many splits. The kernels stream K+V once (GQA-packed), so the target is HBM: 4.8 TB/s peak
 // on the H200, about 4.2 TB/s for a plain device copy. By Little's law that needs ~4 TB/s x ~1-2 us
-// of loaded latency = 4-8 MB in flight over the chip, 30-60 KB per SM of its 132. One CTA (d 128:
-// Q 16 KB + 3 stages of 32 KB K/V = 112 KB of shared memory) keeps two K/V tiles, 64 KB, in
-// flight, and two CTAs fit per SM: 128 KB per SM, 17 MB over the chip, so two CTAs per SM suffice
-// and more splits would only add partials to merge. So the grid is exactly one wave of resident
-// CTAs: splits = wave / (m-tiles x batch x kv heads), where wave = SMs x CTAs per SM (from the
-// occupancy query: 132 x 2 = 264 at d 128). At the block-diffusion shape (8 kv heads, one m-tile)
-// that is 33 splits, 264 CTAs, two on every SM (the former ceil-sized split gave 32 splits, 256
-// CTAs, and 8 SMs with one CTA), each 15-16 key tiles (960-1024 keys, 0.5 MB of K+V) at 32K keys
-// and 31-32 at 64K. Never more than a wave: the CTAs of a merge group wait for each other (bounded,
-// split_kv_kernel.cuh), and a second wave would leave the chip idle during its own tail anyway.
+// of loaded latency = 4-8 MB in flight over the chip, 30-60 KB per SM of its 132. Rung 2 at d 128
+// (4 stages of 32 KB K/V, 128 KB of shared memory, one CTA per SM) keeps three tiles, 96 KB, in
+// flight per SM; rung 1 (Q 16 KB + 3 stages, 112 KB, two CTAs per SM) two per CTA, 128 KB per SM.
+// Either way more CTAs would only add partials to merge. So the grid is exactly one wave of
+// resident CTAs: splits = wave / (m-tiles x batch x kv heads), where wave = SMs x CTAs per SM
+// (from the occupancy query). At the block-diffusion shape (8 kv heads, one m-tile) rung 2 gets 16
+// splits, 128 CTAs (4 SMs idle: bandwidth, not SMs, is the limit), each 32 key tiles (2048 keys,
+// 1 MB of K+V) at 32K keys; rung 1 gets 33 splits, 264 CTAs. Never more than a wave: the CTAs of a
+// merge group wait for each other (bounded, split_kv_kernel.cuh), and a second wave would leave the
+// chip idle during its own tail anyway.
 // At least kSplitKvMinTilesPerSplit tiles (512 keys, 256 KB of K+V at d 128) per split keep the
 // per-CTA fixed work (16 KB of Q, the 32 KB partial written and read back once) small beside it.
 int64_t split_count(int64_t wave, int64_t ctas_per_split, int64_t num_kv_tiles) {

@@ -40,7 +40,8 @@ constexpr int kMaxDevices = 64;
 struct Workspace {
   void* ptr = nullptr;
   size_t bytes = 0;
-  ErrorWord* host_err = nullptr;  // pinned, for the read-back
+  ErrorWord* host_err = nullptr;  // pinned (else pageable_err), for the read-back
+  ErrorWord pageable_err{};
   // The device error word (the workspace's first bytes) is known to be all ~0: the last call read
   // it back clean, so this call need not reset it. False after a reallocation, an error found, or
   // a call that returned before its read-back.
@@ -110,6 +111,7 @@ Status launch_facts(int device, const void* kernel, int threads, size_t smem, in
   int n = 0;
   SPARSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
   *per_sm = std::max(n, 1);
+  if (g_occupancy.size() >= 256) g_occupancy.erase(g_occupancy.begin());  // many shapes: forget the oldest
   g_occupancy.push_back({device, kernel, threads, smem, *per_sm});
   return {};
 }
@@ -424,7 +426,15 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     SPARSA_CUDA_CHECK(cudaMalloc(&ws.ptr, measure.used));
     ws.bytes = measure.used;
   }
-  if (ws.host_err == nullptr) SPARSA_CUDA_CHECK(cudaMallocHost(&ws.host_err, sizeof(ErrorWord)));
+  if (ws.host_err == nullptr) {
+    void* pinned = nullptr;
+    if (cudaMallocHost(&pinned, sizeof(ErrorWord)) == cudaSuccess) {
+      ws.host_err = static_cast<ErrorWord*>(pinned);
+    } else {  // no pinned memory to be had: a pageable word still works (a slower read-back)
+      cudaGetLastError();
+      ws.host_err = &ws.pageable_err;
+    }
+  }
   Carver carver{static_cast<char*>(ws.ptr)};
   const Scratch w = carve(carver, r, s, select);
   // The error word starts all ~0 (memset 0xff); after a clean read-back it still is.

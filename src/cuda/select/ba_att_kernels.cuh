@@ -474,6 +474,7 @@ __global__ void __launch_bounds__(kStatThreads) block_stats_kernel(Input<T> x, F
     const T* base = x.data + b * x.stride_b + h * x.stride_h + c * V;
     const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage(buf))) +
                          static_cast<uint32_t>(c * V * sizeof(T));
+#pragma unroll 4
     for (int p = g; p < n; p += G) {
       cuda::detail::cp_async_16(dst + static_cast<uint32_t>(p * d * sizeof(T)),
                                 base + static_cast<int64_t>(perm_s(buf)[p]) * x.stride_s, 16);
@@ -513,6 +514,7 @@ __global__ void __launch_bounds__(kStatThreads) block_stats_kernel(Input<T> x, F
 #pragma unroll
     for (int k = 0; k < V; ++k) acc[k] = 0.0f;
     if (worker) {
+#pragma unroll 4
       for (int p = g; p < n; p += G) {
         const uint4 raw = *reinterpret_cast<const uint4*>(rows + p * d + c * V);
         const T* e = reinterpret_cast<const T*>(&raw);
@@ -537,6 +539,7 @@ __global__ void __launch_bounds__(kStatThreads) block_stats_kernel(Input<T> x, F
         mv[k] = mean[c * V + k];
         acc[k] = 0.0f;
       }
+#pragma unroll 4
       for (int p = g; p < n; p += G) {
         const uint4 raw = *reinterpret_cast<const uint4*>(rows + p * d + c * V);
         const T* e = reinterpret_cast<const T*>(&raw);

@@ -506,7 +506,15 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     a.indices = indices->ptr<int32_t>();
     a.capacity = static_cast<int>(capacity);
     a.scratch = w.select_scratch;
-    if (!a.mass && nk <= kMaxTopBlocks) {
+    if (!a.mass && nk <= kMaxWarpTopBlocks) {
+      const size_t smem = warp_top_smem_bytes(a.nk);
+      int sms = 0, per_sm = 0;
+      SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(select_top_warp_kernel),
+                                          kWarpTopWarps * 32, smem, &sms, &per_sm));
+      const int64_t grid = std::min<int64_t>((s.rows + kWarpTopWarps - 1) / kWarpTopWarps,
+                                             static_cast<int64_t>(sms) * per_sm);
+      select_top_warp_kernel<<<static_cast<unsigned>(grid), kWarpTopWarps * 32, smem>>>(a);
+    } else if (!a.mass && nk <= kMaxTopBlocks) {
       const size_t smem = static_cast<size_t>(nk) * sizeof(uint32_t);
       select_top_kernel<<<s.select_ctas, kTopThreads, smem>>>(a);
     } else if (s.global_select) {

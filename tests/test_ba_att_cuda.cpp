@@ -640,6 +640,13 @@ std::vector<Case> cases() {
     c.dtype = DType::f32; c.head_dim = 128; c.len_q = c.len_kv = 20000; c.block_q = c.block_kv = 128;
     c.budget = Budget::density(0.1);
   });
+  // 10000 query-block rows: more than the warps of select_top_warp_kernel's grid (132 SMs x 16
+  // CTAs x 4 warps = 8448 on an H200), so warps take a second row; 1-token query blocks also give
+  // block_stats_kernel 10000 items.
+  add("nq10000_warp_rows", [](Case& c) {
+    c.len_q = 10000; c.block_q = 1; c.len_kv = 300; c.heads_q = c.heads_kv = 1; c.budget = Budget::top_kappa(2);
+    c.run_executor = false;
+  });
   return v;
 }
 

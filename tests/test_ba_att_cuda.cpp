@@ -614,6 +614,39 @@ std::vector<Case> cases() {
   add("nk10000_global", [](Case& c) {
     c.len_q = 130; c.len_kv = 10000; c.block_kv = 1; c.budget = Budget::mass(0.8); c.heads_q = c.heads_kv = 1;
   });
+  // Every lane count of the vector norm kernel (16-byte chunks per token: d * sizeof(T) / 16):
+  // 1 (d 8), 2 (d 16), 4 (d 32), 8 with 3 idle lanes (d 40: 5 chunks), 32 (d 256), and 32 lanes
+  // over 64 chunks (d 512: two chunks per lane); f32 d 4 (1 chunk of 4 floats). The same shapes
+  // take the block statistics kernel with 256, 128, 64, 51 (of 5 chunks: 255 of 256 threads), 8
+  // and 4 row groups.
+  add("d8_lanes1", [](Case& c) { c.head_dim = 8; c.len_q = 333; c.len_kv = 300; c.run_executor = false; });
+  add("d16_lanes2", [](Case& c) { c.head_dim = 16; c.len_q = 300; c.len_kv = 333; c.run_executor = false; });
+  add("d32_lanes4", [](Case& c) { c.head_dim = 32; c.len_q = 333; c.run_executor = false; });
+  add("d40_5chunks", [](Case& c) { c.head_dim = 40; c.len_q = 333; c.len_kv = 200; c.run_executor = false; });
+  add("d256_lanes32", [](Case& c) { c.head_dim = 256; c.len_q = 300; c.run_executor = false; });
+  add("d512_two_chunks_per_lane", [](Case& c) {
+    c.head_dim = 512; c.len_q = c.len_kv = 200; c.compensate = false; c.run_executor = false;
+  });
+  add("f32_d4", [](Case& c) { c.dtype = DType::f32; c.head_dim = 4; c.len_q = 333; });
+  // Blocks of more than 256 tokens: every thread of block_stats_kernel prefetches two
+  // permutation entries (n_max 512 here, 64 KiB of bf16 rows per stage).
+  add("b512_two_perm_regs", [](Case& c) {
+    c.len_q = c.len_kv = 1500; c.block_q = c.block_kv = 512; c.budget = Budget::top_kappa(2); c.run_executor = false;
+  });
+  // More (batch * head, block) items than CTAs in block_stats_kernel's wave (f32 d 128 blocks of
+  // 128: 64 KiB per stage, one CTA per SM), so each CTA walks several items through both
+  // stages; the 1-token key blocks of nk5000 / nk10000 do the same with n = 1.
+  add("f32_d128_many_items", [](Case& c) {
+    c.dtype = DType::f32; c.head_dim = 128; c.len_q = c.len_kv = 20000; c.block_q = c.block_kv = 128;
+    c.budget = Budget::density(0.1);
+  });
+  // 10000 query-block rows: more than the warps of select_top_warp_kernel's grid (132 SMs x 16
+  // CTAs x 4 warps = 8448 on an H200), so warps take a second row; 1-token query blocks also give
+  // block_stats_kernel 10000 items.
+  add("nq10000_warp_rows", [](Case& c) {
+    c.len_q = 10000; c.block_q = 1; c.len_kv = 300; c.heads_q = c.heads_kv = 1; c.budget = Budget::top_kappa(2);
+    c.run_executor = false;
+  });
   return v;
 }
 
@@ -671,6 +704,19 @@ TEST(BaAttCuda, NonFiniteInputsAreRefused) {
   plan = ba_att_plan(q.device_view, k.device_view, options_of(c, Backend::cuda));
   ASSERT_FALSE(plan.ok());
   EXPECT_NE(plan.status().message().find("ba_att: block logit [0, 1, 0, "), std::string::npos)
+      << plan.status().to_string();
+  // The device error word outlives a call: after an error it must be reset (the next call sees
+  // clean inputs as clean), and a clean read-back lets the call after skip the reset, which must
+  // not let a new error through unseen.
+  c.sort_q = true;
+  const Input clean = make_input(c, 2, 100, 7, 0.5f);
+  for (int round = 0; round < 2; ++round) {
+    plan = ba_att_plan(clean.device_view, k.device_view, options_of(c, Backend::cuda));
+    ASSERT_TRUE(plan.ok()) << "round " << round << ": " << plan.status().to_string();
+  }
+  plan = ba_att_plan(k.device_view, q.device_view, options_of(c, Backend::cuda));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("k: token [0, 1, 37] has a NaN/Inf norm"), std::string::npos)
       << plan.status().to_string();
 }
 

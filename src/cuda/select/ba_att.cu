@@ -11,6 +11,8 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/backends.h"
 #include "cuda/common/check.h"
@@ -27,14 +29,92 @@ using detail::BaAttParams;
 constexpr int kMaxSharedSortSize = 8192;  // select rows up to this many key blocks sort in shared memory
 constexpr int64_t kInt32Max = 0x7fffffff;
 
+constexpr int kMaxDevices = 64;
+
 // Grow-only scratch per device. Every launch is on the default stream, so the next call's kernels
-// run after this call's; the mutex keeps two host threads from sharing it at once.
+// run after this call's; the mutex keeps two host threads from sharing it at once. Nothing in a
+// call's launch sequence allocates, frees, synchronises or asks the device a question once the
+// workspace has grown to the shape (the plan's own arrays come from the stream-ordered pool): the
+// host stays ahead of the device queue, and the one synchronisation is the error word's read-back
+// at the end, into pinned memory (a pageable copy goes through a driver staging buffer).
 struct Workspace {
   void* ptr = nullptr;
   size_t bytes = 0;
+  ErrorWord* host_err = nullptr;  // pinned (else pageable_err), for the read-back
+  ErrorWord pageable_err{};
+  // The device error word (the workspace's first bytes) is known to be all ~0: the last call read
+  // it back clean, so this call need not reset it. False after a reallocation, an error found, or
+  // a call that returned before its read-back.
+  bool err_clean = false;
+  // CUB's scratch size per (items, end_bit), asked once (a host computation, but not a free one).
+  struct SortSize {
+    int64_t items;
+    int end_bit;
+    size_t bytes;
+  };
+  std::vector<SortSize> sort_sizes;
 };
 std::mutex g_mutex;
-Workspace g_workspace[64];
+Workspace g_workspace[kMaxDevices];
+
+// Launch facts per (device, kernel, threads, shared memory): resident CTAs per SM, asked once; the
+// first time a kernel needs more than 48 KiB of dynamic shared memory on a device, its limit is
+// raised there (function attributes belong to the current device). The SM count once per device.
+struct Occupancy {
+  int device;
+  const void* kernel;
+  int threads;
+  size_t smem;
+  int per_sm;
+};
+std::mutex g_facts_mutex;
+std::vector<Occupancy> g_occupancy;
+std::vector<std::pair<int, const void*>> g_smem_raised;
+int g_sms[kMaxDevices] = {};
+
+Status sm_count_locked(int device, int* sms) {
+  if (g_sms[device] == 0) {
+    int n = 0;
+    SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    g_sms[device] = std::max(n, 1);
+  }
+  *sms = g_sms[device];
+  return {};
+}
+
+Status sm_count(int device, int* sms) {
+  std::lock_guard<std::mutex> lock(g_facts_mutex);
+  return sm_count_locked(device, sms);
+}
+
+// `device` is current (DeviceGuard). Host-side lookups only after the first call of a shape.
+Status launch_facts(int device, const void* kernel, int threads, size_t smem, int* sms, int* per_sm) {
+  std::lock_guard<std::mutex> lock(g_facts_mutex);
+  SPARSA_RETURN_IF_ERROR(sm_count_locked(device, sms));
+  for (const Occupancy& o : g_occupancy) {
+    if (o.device == device && o.kernel == kernel && o.threads == threads && o.smem == smem) {
+      *per_sm = o.per_sm;
+      return {};
+    }
+  }
+  if (smem > 48 * 1024 && std::find(g_smem_raised.begin(), g_smem_raised.end(), std::pair{device, kernel}) ==
+                              g_smem_raised.end()) {
+    int optin = 0;
+    SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    // All of the unified L1 as shared memory: these kernels read global memory through cp.async.cg
+    // (L2 only), and the carveout decides how many CTAs fit.
+    SPARSA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    g_smem_raised.emplace_back(device, kernel);
+  }
+  int n = 0;
+  SPARSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  *per_sm = std::max(n, 1);
+  if (g_occupancy.size() >= 256) g_occupancy.erase(g_occupancy.begin());  // many shapes: forget the oldest
+  g_occupancy.push_back({device, kernel, threads, smem, *per_sm});
+  return {};
+}
 
 // Carves aligned sub-buffers out of one allocation: a first pass with base = null measures.
 struct Carver {
@@ -139,7 +219,7 @@ Status check_request(const Request& r) {
   return {};
 }
 
-Sizes size_run(const Request& r, int device) {
+Sizes size_run(const Request& r, int sms) {
   const BaAttParams& p = r.params;
   Sizes s;
   s.tokens_q = p.batch * p.heads_q * p.len_q;
@@ -155,8 +235,6 @@ Sizes size_run(const Request& r, int device) {
   s.rows = p.batch * p.heads_q * p.num_q_blocks;
   s.sort_size = static_cast<int>(std::bit_ceil(static_cast<uint64_t>(p.num_kv_blocks)));
   s.global_select = s.sort_size > kMaxSharedSortSize;
-  int sms = 132;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   s.select_ctas = static_cast<int>(std::min<int64_t>(s.rows, s.global_select ? 2 * sms : kInt32Max));
   return s;
 }
@@ -170,11 +248,23 @@ bool vector_rows(const Tensor& x) {
   return ok;
 }
 
+template <class T, int kLanes>
+Status launch_norm_vector(const Tensor& x, const NormArgs& a, int device) {
+  const auto kernel = norm_keys_vector_kernel<T, kLanes>;
+  int sms = 0, per_sm = 0;
+  SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(kernel), kNormThreads, 0, &sms, &per_sm));
+  const int64_t tokens_per_cta = static_cast<int64_t>(kNormThreads / 32) * (32 / kLanes) * kNormTokens;
+  const int64_t grid = std::min<int64_t>((a.total + tokens_per_cta - 1) / tokens_per_cta, static_cast<int64_t>(sms) * per_sm);
+  kernel<<<static_cast<unsigned>(grid), kNormThreads>>>(input_of<T>(x), a);
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return {};
+}
+
 // Step 1's first kernel (norms, and sort keys when keys != null), vector path when possible.
-// tokens < 2^31 (check_request, token_norms), as NormArgs' FastDiv needs.
+// tokens < 2^31 (check_request, token_norms), as NormArgs' FastDiv needs. `device` is current.
 template <class T>
 Status launch_norms(const Tensor& x, int64_t window, int64_t windows, uint64_t* keys, int32_t* values, float* norms,
-                    ErrorWord* err, int err_slot) {
+                    ErrorWord* err, int err_slot, int device) {
   const int64_t tokens = x.shape[0] * x.shape[1] * x.shape[2];
   if (tokens == 0) return {};
   NormArgs a;
@@ -189,50 +279,34 @@ Status launch_norms(const Tensor& x, int64_t window, int64_t windows, uint64_t* 
   a.err = err;
   a.err_slot = err_slot;
   if (vector_rows<T>(x)) {
-    const int chunks = static_cast<int>(x.shape[3]) / kVector<T>;
-    int lanes_log2 = 0;
-    while ((1 << lanes_log2) < chunks && lanes_log2 < 5) ++lanes_log2;
-    const int64_t tokens_per_cta = static_cast<int64_t>(kNormThreads / 32) * (32 >> lanes_log2) * kNormUnroll;
-    int device = 0, sms = 132, per_sm = 1;
-    SPARSA_CUDA_CHECK(cudaGetDevice(&device));
-    SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    SPARSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_keys_vector_kernel<T>,
-                                                                    kNormThreads, 0));
-    const int64_t grid = std::min<int64_t>((tokens + tokens_per_cta - 1) / tokens_per_cta,
-                                           static_cast<int64_t>(sms) * std::max(per_sm, 1));
-    norm_keys_vector_kernel<T><<<static_cast<unsigned>(grid), kNormThreads>>>(input_of<T>(x), a, lanes_log2);
-  } else {
-    const int64_t grid = (tokens + kNormThreads / 32 - 1) / (kNormThreads / 32);
-    norm_keys_scalar_kernel<T><<<static_cast<unsigned>(grid), kNormThreads>>>(input_of<T>(x), a);
+    // The fewest lanes per token (a power of two, at most 32) covering its 16-byte chunks.
+    const int64_t chunks = x.shape[3] / kVector<T>;
+    if (chunks <= 1) return launch_norm_vector<T, 1>(x, a, device);
+    if (chunks <= 2) return launch_norm_vector<T, 2>(x, a, device);
+    if (chunks <= 4) return launch_norm_vector<T, 4>(x, a, device);
+    if (chunks <= 8) return launch_norm_vector<T, 8>(x, a, device);
+    if (chunks <= 16) return launch_norm_vector<T, 16>(x, a, device);
+    return launch_norm_vector<T, 32>(x, a, device);
   }
+  const int64_t grid = (tokens + kNormThreads / 32 - 1) / (kNormThreads / 32);
+  norm_keys_scalar_kernel<T><<<static_cast<unsigned>(grid), kNormThreads>>>(input_of<T>(x), a);
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
 }
 
 template <class T>
 Status sort_by_norm(const Tensor& x, int64_t tokens, int64_t window, int64_t windows, int end_bit, int err_slot,
-                    const Scratch& w, size_t temp_bytes, int32_t* perm) {
-  SPARSA_RETURN_IF_ERROR(launch_norms<T>(x, window, windows, w.keys_in, w.values_in, nullptr, w.err, err_slot));
+                    const Scratch& w, size_t temp_bytes, int32_t* perm, int device) {
+  SPARSA_RETURN_IF_ERROR(
+      launch_norms<T>(x, window, windows, w.keys_in, w.values_in, nullptr, w.err, err_slot, device));
   SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w.sort_temp, temp_bytes, w.keys_in, w.keys_out, w.values_in, perm,
                                                     tokens, 0, end_bit, nullptr));
   return {};
 }
 
-template <class T, bool kQuery, bool kStaged>
-Status launch_features(const Tensor& x, const FeatureArgs& a, size_t smem) {
-  auto kernel = block_features_kernel<T, kQuery, kStaged>;
-  if (smem > 48 * 1024) {
-    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
-  const dim3 grid(static_cast<unsigned>(a.num_blocks), static_cast<unsigned>(x.shape[0] * x.shape[1]));
-  kernel<<<grid, kFeatureThreads, smem>>>(input_of<T>(x), a);
-  SPARSA_CUDA_CHECK_LAUNCH();
-  return {};
-}
-
 template <class T, bool kQuery>
 Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* perm, const BaAttParams& p,
-                int kind, int64_t F, float* out) {
+                int kind, int64_t F, float* out, int device) {
   FeatureArgs a;
   a.kind = kind;
   a.F = F;
@@ -243,11 +317,37 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
   a.perm = perm;
   a.features = out;
   const int d = static_cast<int>(p.head_dim);
-  const int staged_rows = static_cast<int>(std::min<int64_t>(block, x.shape[2]));
-  const bool staged = (kind == kPlain || kind == kDiagonal) && vector_rows<T>(x) &&
-                      static_cast<size_t>(staged_rows) * d * sizeof(T) <= kMaxStagedBytes;
-  const size_t smem = feature_smem_bytes(kind, d, staged, staged_rows, sizeof(T));
-  return staged ? launch_features<T, kQuery, true>(x, a, smem) : launch_features<T, kQuery, false>(x, a, smem);
+  const int64_t bh = x.shape[0] * x.shape[1];
+  if (bh * num_blocks == 0) return {};
+  const int n_max = static_cast<int>(std::min<int64_t>(block, x.shape[2]));
+  // block_stats_kernel: plain / diagonal, 16-byte rows, at most kStatThreads chunks per row, a
+  // block's rows within kMaxStagedBytes and its permutation entries within the prefetch registers.
+  const bool pipelined = (kind == kPlain || kind == kDiagonal) && vector_rows<T>(x) &&
+                         d / kVector<T> <= kStatThreads && n_max <= kStatThreads * kStatPermRegs &&
+                         static_cast<size_t>(n_max) * d * sizeof(T) <= kMaxStagedBytes;
+  if (pipelined) {
+    const auto kernel = block_stats_kernel<T, kQuery>;
+    const size_t smem = stat_layout(d, n_max, static_cast<int>(sizeof(T))).bytes;
+    int sms = 0, per_sm = 0;
+    SPARSA_RETURN_IF_ERROR(
+        launch_facts(device, reinterpret_cast<const void*>(kernel), kStatThreads, smem, &sms, &per_sm));
+    a.items = bh * num_blocks;  // <= tokens < 2^31 (check_request)
+    a.blocks_div = FastDiv(static_cast<uint32_t>(num_blocks));
+    const int64_t grid = std::min<int64_t>(a.items, static_cast<int64_t>(sms) * per_sm);
+    kernel<<<static_cast<unsigned>(grid), kStatThreads, smem>>>(input_of<T>(x), a, n_max);
+  } else {
+    const auto kernel = block_features_kernel<T, kQuery>;
+    const size_t smem = feature_smem_bytes(kind, d);
+    if (smem > 48 * 1024) {
+      int sms = 0, per_sm = 0;  // raises the kernel's shared-memory limit on this device, once
+      SPARSA_RETURN_IF_ERROR(
+          launch_facts(device, reinterpret_cast<const void*>(kernel), kFeatureThreads, smem, &sms, &per_sm));
+    }
+    const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(bh));
+    kernel<<<grid, kFeatureThreads, smem>>>(input_of<T>(x), a);
+  }
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return {};
 }
 
 std::string where(std::initializer_list<int64_t> index) {
@@ -256,11 +356,14 @@ std::string where(std::initializer_list<int64_t> index) {
   return s + "]";
 }
 
-// Reads the error word back (this synchronises) and names the first offending item.
-Status check_errors(const ErrorWord* device_err, const BaAttParams& p) {
-  ErrorWord e{};
-  SPARSA_CUDA_CHECK(cudaMemcpy(&e, device_err, sizeof(e), cudaMemcpyDeviceToHost));
+// Reads the error word back into the pinned `host` (the one synchronisation) and names the first
+// offending item; *clean says whether the device word is still all ~0.
+Status check_errors(const ErrorWord* device_err, ErrorWord* host, const BaAttParams& p, bool* clean) {
+  SPARSA_CUDA_CHECK(cudaMemcpyAsync(host, device_err, sizeof(ErrorWord), cudaMemcpyDeviceToHost, nullptr));
+  SPARSA_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  const ErrorWord e = *host;
   constexpr unsigned long long kNone = ~0ull;
+  *clean = e.first[kErrQNorm] == kNone && e.first[kErrKNorm] == kNone && e.first[kErrLogit] == kNone;
   auto token = [](const char* name, unsigned long long g, int64_t heads, int64_t len) {
     const int64_t bh = static_cast<int64_t>(g) / len, i = static_cast<int64_t>(g) % len;
     return Status(StatusCode::non_finite, std::string(name) + ": token " + where({bh / heads, bh % heads, i}) +
@@ -287,36 +390,56 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   const BaAttParams& p = r.params;
   const int device = p.q.device.id;
   const bool select = plan != nullptr;
-  Sizes s = size_run(r, device);
-
-  // CUB's scratch size is a host-side computation (no launch).
-  size_t temp_q = 0, temp_k = 0;
-  if (r.sort_q) {
-    SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_q, static_cast<uint64_t*>(nullptr),
-                                                      static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                                      static_cast<int32_t*>(nullptr), s.tokens_q, 0, s.end_bit_q));
-  }
-  if (r.sort_k) {
-    SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_k, static_cast<uint64_t*>(nullptr),
-                                                      static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                                      static_cast<int32_t*>(nullptr), s.tokens_k, 0, s.end_bit_k));
-  }
-  s.sort_temp_bytes = std::max(temp_q, temp_k);
+  int sms = 0;
+  SPARSA_RETURN_IF_ERROR(sm_count(device, &sms));
+  Sizes s = size_run(r, sms);
 
   std::lock_guard<std::mutex> lock(g_mutex);
   Workspace& ws = g_workspace[device];
+  // CUB's scratch size: a host-side computation (no launch), remembered per (items, end_bit).
+  auto sort_temp = [&](int64_t items, int end_bit, size_t* bytes) -> Status {
+    for (const Workspace::SortSize& e : ws.sort_sizes) {
+      if (e.items == items && e.end_bit == end_bit) {
+        *bytes = e.bytes;
+        return {};
+      }
+    }
+    SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, *bytes, static_cast<uint64_t*>(nullptr),
+                                                      static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                                      static_cast<int32_t*>(nullptr), items, 0, end_bit));
+    if (ws.sort_sizes.size() >= 16) ws.sort_sizes.erase(ws.sort_sizes.begin());
+    ws.sort_sizes.push_back({items, end_bit, *bytes});
+    return {};
+  };
+  size_t temp_q = 0, temp_k = 0;
+  if (r.sort_q) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_q, s.end_bit_q, &temp_q));
+  if (r.sort_k) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_k, s.end_bit_k, &temp_k));
+  s.sort_temp_bytes = std::max(temp_q, temp_k);
+
   Carver measure;
   carve(measure, r, s, select);
   if (measure.used > ws.bytes) {
+    ws.err_clean = false;
     if (ws.ptr != nullptr) SPARSA_CUDA_CHECK(cudaFree(ws.ptr));
     ws.ptr = nullptr;
     ws.bytes = 0;
     SPARSA_CUDA_CHECK(cudaMalloc(&ws.ptr, measure.used));
     ws.bytes = measure.used;
   }
+  if (ws.host_err == nullptr) {
+    void* pinned = nullptr;
+    if (cudaMallocHost(&pinned, sizeof(ErrorWord)) == cudaSuccess) {
+      ws.host_err = static_cast<ErrorWord*>(pinned);
+    } else {  // no pinned memory to be had: a pageable word still works (a slower read-back)
+      cudaGetLastError();
+      ws.host_err = &ws.pageable_err;
+    }
+  }
   Carver carver{static_cast<char*>(ws.ptr)};
   const Scratch w = carve(carver, r, s, select);
-  SPARSA_CUDA_CHECK(cudaMemsetAsync(w.err, 0xff, sizeof(ErrorWord), nullptr));
+  // The error word starts all ~0 (memset 0xff); after a clean read-back it still is.
+  if (!ws.err_clean) SPARSA_CUDA_CHECK(cudaMemsetAsync(w.err, 0xff, sizeof(ErrorWord), nullptr));
+  ws.err_clean = false;  // until this call's read-back finds it clean
 
   // Step 1: norms and the stable sort, into the plan's permutations.
   if (r.sort_q) {
@@ -324,24 +447,24 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     if (!a.ok()) return a.status();
     *perm_q = std::move(a).value();
     SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.q, s.tokens_q, s.window_q, s.windows_q, s.end_bit_q, kErrQNorm, w,
-                                           s.sort_temp_bytes, perm_q->ptr<int32_t>()));
+                                           s.sort_temp_bytes, perm_q->ptr<int32_t>(), device));
   }
   if (r.sort_k) {
     auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_kv, p.len_kv}, p.q.device);
     if (!a.ok()) return a.status();
     *perm_kv = std::move(a).value();
     SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.k, s.tokens_k, s.window_k, s.windows_k, s.end_bit_k, kErrKNorm, w,
-                                           s.sort_temp_bytes, perm_kv->ptr<int32_t>()));
+                                           s.sort_temp_bytes, perm_kv->ptr<int32_t>(), device));
   }
 
   // Steps 2-3: block statistics as features, then one product per (batch, query head).
   const Status query_status = features<T, true>(p.q, p.block_q, p.num_q_blocks,
                                                 r.sort_q ? perm_q->ptr<int32_t>() : nullptr, p, s.kind, s.F,
-                                                w.query_features);
+                                                w.query_features, device);
   SPARSA_RETURN_IF_ERROR(query_status);
   const Status key_status = features<T, false>(p.k, p.block_kv, p.num_kv_blocks,
                                                r.sort_k ? perm_kv->ptr<int32_t>() : nullptr, p, s.kind, s.F,
-                                               w.key_features);
+                                               w.key_features, device);
   SPARSA_RETURN_IF_ERROR(key_status);
   if (s.F % 4 == 0) {
     const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kBigTile - 1) / kBigTile),
@@ -383,7 +506,15 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     a.indices = indices->ptr<int32_t>();
     a.capacity = static_cast<int>(capacity);
     a.scratch = w.select_scratch;
-    if (!a.mass && nk <= kMaxTopBlocks) {
+    if (!a.mass && nk <= kMaxWarpTopBlocks) {
+      const size_t smem = warp_top_smem_bytes(a.nk);
+      int sms = 0, per_sm = 0;
+      SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(select_top_warp_kernel),
+                                          kWarpTopWarps * 32, smem, &sms, &per_sm));
+      const int64_t grid = std::min<int64_t>((s.rows + kWarpTopWarps - 1) / kWarpTopWarps,
+                                             static_cast<int64_t>(sms) * per_sm);
+      select_top_warp_kernel<<<static_cast<unsigned>(grid), kWarpTopWarps * 32, smem>>>(a);
+    } else if (!a.mass && nk <= kMaxTopBlocks) {
       const size_t smem = static_cast<size_t>(nk) * sizeof(uint32_t);
       select_top_kernel<<<s.select_ctas, kTopThreads, smem>>>(a);
     } else if (s.global_select) {
@@ -408,7 +539,7 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     *host_logits = HostArray(DType::f32, {p.batch, p.heads_q, p.num_q_blocks, p.num_kv_blocks});
     SPARSA_CUDA_CHECK(cudaMemcpy(host_logits->data(), w.logits, host_logits->nbytes(), cudaMemcpyDeviceToHost));
   }
-  return check_errors(w.err, p);
+  return check_errors(w.err, ws.host_err, p, &ws.err_clean);
 }
 
 Status run(const Request& r, BlockIndexBuffer* plan, HostArray* host_logits, DeviceArray* perm_q,
@@ -416,7 +547,9 @@ Status run(const Request& r, BlockIndexBuffer* plan, HostArray* host_logits, Dev
   const BaAttParams& p = r.params;
   SPARSA_RETURN_IF_ERROR(check_request(r));
   const int device = p.q.device.id;
-  if (device < 0 || device >= 64) return invalid_argument("q: device id " + std::to_string(device) + " out of range");
+  if (device < 0 || device >= kMaxDevices) {
+    return invalid_argument("q: device id " + std::to_string(device) + " out of range");
+  }
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
   SPARSA_RETURN_IF_ERROR(check_pointer("q", p.q.data, device));
@@ -468,6 +601,9 @@ Status token_norms(const Tensor& x, HostArray* norms) {
                             std::to_string(x.shape[0] * x.shape[1] * x.shape[2]));
   }
   const int device = x.device.id;
+  if (device < 0 || device >= kMaxDevices) {
+    return invalid_argument("x: device id " + std::to_string(device) + " out of range");
+  }
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
   SPARSA_RETURN_IF_ERROR(check_pointer("x", x.data, device));
@@ -479,9 +615,9 @@ Status token_norms(const Tensor& x, HostArray* norms) {
   auto* e = static_cast<ErrorWord*>(err->data());
   const Status launched = [&]() -> Status {
     switch (x.dtype) {
-      case DType::bf16: return launch_norms<__nv_bfloat16>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
-      case DType::f16: return launch_norms<__half>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
-      case DType::f32: return launch_norms<float>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm);
+      case DType::bf16: return launch_norms<__nv_bfloat16>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm, device);
+      case DType::f16: return launch_norms<__half>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm, device);
+      case DType::f32: return launch_norms<float>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm, device);
       case DType::i32: break;
     }
     return unsupported_dtype("x: expected bf16, f16 or f32, got i32");

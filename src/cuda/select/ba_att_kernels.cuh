@@ -13,9 +13,10 @@
 //   4. block_logits_*kernel  per (batch, query head): logits = A [nq, F] x B [nk, F]', an f32 SIMT
 //                            product in 128x128 tiles (F % 4 == 0) or 64x64 tiles (GQA: query
 //                            head h reads kv head h / group);
-//   5. select_top_kernel     fixed budgets (kappa, density): one CTA per query-block row, a radix
-//                            select of the kappa-th (logit desc, index asc) key and a compaction
-//                            of the kept indices, ascending;
+//   5. select_top_warp_kernel fixed budgets (kappa, density), rows of up to 2048 key blocks: one
+//                            warp per query-block row, a radix select of the kappa-th (logit desc,
+//                            index asc) key and a compaction of the kept indices, ascending;
+//      select_top_kernel     the same for rows of up to 8192 key blocks, one CTA per row;
 //      select_kernel         mass budgets (and rows over kMaxTopBlocks): a bitonic sort of those
 //                            keys, the f64 cumulative mass, then the kept indices ascending.
 // Non-finite norms and logits are recorded (lowest flat index) in an ErrorWord that the launcher
@@ -58,7 +59,7 @@ struct Input {
 // ---- 1. norms and sort keys -----------------------------------------------------------------
 
 constexpr int kNormThreads = 256;
-constexpr int kNormUnroll = 4;  // vector path: token groups per warp step (16-byte loads in flight per lane)
+constexpr int kNormTokens = 8;  // vector path: tokens per lane group per step (16-byte loads in flight per lane)
 
 // 16-byte loads of a row: kVector<T> elements each. The launcher takes the vector path when d is a
 // multiple of it and every row starts 16-byte aligned (vector_rows() in ba_att.cu).
@@ -97,41 +98,77 @@ __device__ __forceinline__ void finish_token(const NormArgs& a, uint32_t g, floa
   }
 }
 
-// Vector path: 2^lanes_log2 lanes per token (the fewest powers of two covering d / kVector<T>
-// 16-byte chunks, at most 32), so a warp reads 32 >> lanes_log2 tokens per group and kNormUnroll
-// groups per step, all loads issued before the sums; a grid of about one wave strides over the
-// tokens. Each lane sums its chunks c = part, part + lanes, ... in order (fmaf of each element in
-// turn), then the lanes of a token combine by a butterfly (shfl_xor, lanes/2 down to 1). That is
-// lane 0's order in a warp per token (lanes past the chunks hold +0, and adding +0 to a sum >= +0
-// changes nothing), so the norms equal a one-warp-per-token kernel's bit for bit; token_norms()
-// (the tests' view) launches this same kernel, so the sort and the tests see the same f32 norms.
-template <class T>
-__global__ void __launch_bounds__(kNormThreads) norm_keys_vector_kernel(Input<T> x, NormArgs a, int lanes_log2) {
+__host__ __device__ constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
+
+// Vector path. kLanes lanes per token (the fewest powers of two covering d / kVector<T> 16-byte
+// chunks, at most 32), so a warp holds S = 32 / kLanes tokens side by side and takes kNormTokens
+// such groups per step: S * kNormTokens consecutive tokens, every load of the step issued before
+// the first sum. A grid of about one wave strides over the tokens.
+//
+// Why this shape (d = 128 bf16, the 128K benchmark: kLanes 16, 16 tokens = 4 KiB per warp step):
+//  - bytes in flight: 8 x 16 B per lane, 4 KiB per warp; at 4 CTAs (32 warps) per SM that is
+//    128 KiB per SM, about 4x what Little's law asks at ~4 TB/s and ~1 us of loaded DRAM latency
+//    (4e12 B/s * 1e-6 s / 132 SMs = 30 KiB);
+//  - instructions per byte: a lane's row pointers come from one (batch * head, token) split per
+//    step (the tokens of a step share the row of the first unless a row ends inside it), not one
+//    per token; the kLanes partial sums of the kNormTokens tokens are combined by a reduce-scatter
+//    (each butterfly level hands half of the remaining token sums to the partner), 8 shuffles per
+//    step instead of 8 * log2(kLanes) = 32 for a full butterfly per token; and each token is
+//    finished (sqrtf, key, stores) by one lane, all tokens of the step in one pass, instead of
+//    kNormTokens passes of 2 active lanes each.
+// Summation order, fixed for a given d and dtype: each lane sums its chunks in order (fmaf of each
+// element in turn; lanes past the chunks hold +0), then the tree of the reduce-scatter. It is not
+// the scalar path's order, but token_norms() (the tests' view) takes the same path as the sort, so
+// the sort and the tests see the same f32 norms.
+template <class T, int kLanes>
+__global__ void __launch_bounds__(kNormThreads) norm_keys_vector_kernel(Input<T> x, NormArgs a) {
   constexpr int V = kVector<T>;
-  const int lanes = 1 << lanes_log2;
-  const int lane = threadIdx.x % 32, sub = lane >> lanes_log2, part = lane & (lanes - 1);
+  constexpr int U = kNormTokens;
+  constexpr int S = 32 / kLanes;                                  // tokens side by side in a warp
+  constexpr int kLevels = log2_of(kLanes);                        // butterfly levels
+  constexpr int kHalvings = log2_of(U < kLanes ? U : kLanes);     // levels that halve the sums held
+  constexpr int K = U >> kHalvings;                               // token sums per lane at the end
+  constexpr int kHolderBits = kLevels - kHalvings;                // lanes holding the same token sum
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "kLanes: a power of two");
+  static_assert((U & (U - 1)) == 0, "kNormTokens: a power of two");
+  const int lane = threadIdx.x % 32, sub = lane / kLanes, part = lane % kLanes;
   const int chunks = x.d / V;
-  const int64_t step = static_cast<int64_t>(32 >> lanes_log2) * kNormUnroll;
+  const int64_t step = static_cast<int64_t>(S) * U;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   for (int64_t g0 = warp * step; g0 < a.total; g0 += warps * step) {  // warp-uniform
-    const uint4* rows[kNormUnroll];
-    bool valid[kNormUnroll];
-    float sum[kNormUnroll];
+    // Token of group u for this lane: g0 + u * S + sub.
+    const uint4* rows[U];
+    const int64_t first = g0 + sub;
+    if (first < a.total) {
+      const uint32_t bh = a.len.div(static_cast<uint32_t>(first));
+      const uint32_t i = static_cast<uint32_t>(first) - bh * a.len.divisor;
+      if (i + static_cast<uint32_t>((U - 1) * S) < a.len.divisor) {  // the step stays in row bh
+        const uint32_t b = a.heads.div(bh), h = bh - b * a.heads.divisor;
+        const T* base = x.data + b * x.stride_b + h * x.stride_h + static_cast<int64_t>(i) * x.stride_s;
 #pragma unroll
-    for (int u = 0; u < kNormUnroll; ++u) {
-      const int64_t g = g0 + u * (32 >> lanes_log2) + sub;
-      valid[u] = g < a.total;
-      rows[u] = valid[u] ? reinterpret_cast<const uint4*>(token_row(x, a, static_cast<uint32_t>(g))) : nullptr;
-      sum[u] = 0.0f;
+        for (int u = 0; u < U; ++u) rows[u] = reinterpret_cast<const uint4*>(base + u * S * x.stride_s);
+      } else {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t g = first + u * S;
+          rows[u] = g < a.total ? reinterpret_cast<const uint4*>(token_row(x, a, static_cast<uint32_t>(g))) : nullptr;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) rows[u] = nullptr;
     }
-    for (int c0 = 0; c0 < chunks; c0 += lanes) {  // warp-uniform
+    float sum[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) sum[u] = 0.0f;
+    for (int c0 = 0; c0 < chunks; c0 += kLanes) {  // warp-uniform; once when d <= 32 * kVector<T>
       const int c = c0 + part;
-      uint4 raw[kNormUnroll];
+      uint4 raw[U];
 #pragma unroll
-      for (int u = 0; u < kNormUnroll; ++u) raw[u] = valid[u] && c < chunks ? rows[u][c] : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < U; ++u) raw[u] = rows[u] != nullptr && c < chunks ? rows[u][c] : make_uint4(0, 0, 0, 0);
 #pragma unroll
-      for (int u = 0; u < kNormUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const T* e = reinterpret_cast<const T*>(&raw[u]);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
@@ -140,13 +177,34 @@ __global__ void __launch_bounds__(kNormThreads) norm_keys_vector_kernel(Input<T>
         }
       }
     }
+    // Reduce-scatter over the kLanes lanes of a token group. At level l (partner offset
+    // kLanes >> (l + 1)) a lane keeps the upper half of its `held` sums when its offset bit is set,
+    // the lower half otherwise, and adds the partner's copy of the half it keeps; once one sum is
+    // left the remaining levels are a plain butterfly (a + b == b + a, so both partners agree).
+    // After kLevels levels the lane holds the K sums of tokens u = hbits * K + k, hbits = its top
+    // kHalvings offset bits.
 #pragma unroll
-    for (int u = 0; u < kNormUnroll; ++u)
-      for (int offset = lanes >> 1; offset > 0; offset >>= 1) sum[u] += __shfl_xor_sync(0xffffffffu, sum[u], offset);
-    if (part == 0) {
+    for (int level = 0; level < kLevels; ++level) {
+      const int offset = kLanes >> (level + 1);
+      if (level < kHalvings) {
+        const bool upper = (part & offset) != 0;
+        const int half = U >> (level + 1);
 #pragma unroll
-      for (int u = 0; u < kNormUnroll; ++u) {
-        if (valid[u]) finish_token(a, static_cast<uint32_t>(g0 + u * (32 >> lanes_log2) + sub), sum[u]);
+        for (int k = 0; k < half; ++k) {
+          const float send = upper ? sum[k] : sum[k + half];
+          const float keep = upper ? sum[k + half] : sum[k];
+          sum[k] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+        }
+      } else {
+        sum[0] += __shfl_xor_sync(0xffffffffu, sum[0], offset);
+      }
+    }
+    if ((part & ((1 << kHolderBits) - 1)) == 0) {  // one lane per held token sum finishes it
+      const int hbits = part >> kHolderBits;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t g = g0 + static_cast<int64_t>(hbits * K + k) * S + sub;
+        if (g < a.total) finish_token(a, static_cast<uint32_t>(g), sum[k]);
       }
     }
   }
@@ -193,35 +251,55 @@ struct FeatureArgs {
   int num_blocks = 0;
   const int32_t* perm = nullptr;  // [bh, len] or null (identity)
   float* features = nullptr;      // out: [bh, num_blocks, F]
+  int64_t items = 0;              // batch * heads * num_blocks (block_stats_kernel)
+  FastDiv blocks_div;             // num_blocks (block_stats_kernel)
 };
 
 constexpr int kFeatureThreads = 128;
 constexpr int kCovTokens = 8;  // tokens staged in shared memory per covariance step
 constexpr int kCovRegs = 8;    // covariance entries per thread per pass
 
-constexpr size_t kMaxStagedBytes = 64 * 1024;  // a block's tokens staged in shared memory up to this
-
-// Dynamic shared memory: mean and var [d] each, then either the block's tokens (staged) or
-// kCovTokens deviation rows (exact / trace).
-__host__ __device__ inline size_t feature_smem_bytes(int kind, int d, bool staged, int block, size_t elem_bytes) {
+// Dynamic shared memory of block_features_kernel: mean and var [d] each, then kCovTokens
+// deviation rows (exact / trace).
+__host__ __device__ inline size_t feature_smem_bytes(int kind, int d) {
   const bool cov = kind == kTrace || kind == kExact;
-  size_t bytes = static_cast<size_t>(2 + (cov ? kCovTokens : 0)) * d * sizeof(float);
-  if (staged) bytes += static_cast<size_t>(block) * d * elem_bytes;
-  return bytes;
+  return static_cast<size_t>(2 + (cov ? kCovTokens : 0)) * d * sizeof(float);
 }
 
-// grid (num_blocks, batch * heads). Query side: a = [scale*mean, c*var, c*mean^2] (diagonal),
-// [scale*mean, c*vec cov] (trace), [scale*mean, c*vec cov, c*vec(mean mean')] (exact).
-// Key side: b = [mean, mean^2 + var, var], [mean, vec cov], [mean, vec(cov + mean mean'), vec cov].
-// kStaged: the block's token rows are first copied to shared memory with 16-byte cp.async (one
-// global read, all of it in flight); else both passes read global memory (any layout).
-template <class T, bool kQuery, bool kStaged>
+// One feature vector from a block's f32 mean m and population variance v of dimension t (plain
+// and diagonal; cpu.cpp's header has the derivation). Query side: a = [scale*m, c*v, c*m^2];
+// key side: b = [m, m^2 + v, v].
+template <bool kQuery>
+__device__ __forceinline__ void write_mean_var(float* f, const FeatureArgs& a, int d, int t, float m, float v) {
+  if (kQuery) {
+    f[t] = a.scale * m;
+    if (a.kind == kDiagonal) {
+      f[d + t] = a.c * v;
+      f[2 * d + t] = a.c * m * m;
+    }
+  } else {
+    f[t] = m;
+    if (a.kind == kDiagonal) {
+      f[d + t] = fmaf(m, m, v);
+      f[2 * d + t] = v;
+    }
+  }
+}
+
+// The general path (any layout, every kind): grid (num_blocks, batch * heads), one CTA per block,
+// thread t owns dimensions t, t + 128, ...; f32 mean and population variance in two passes over
+// global memory (as cpu.cpp), and for exact / trace the covariance. Query side: a = [scale*mean,
+// c*var, c*mean^2] (diagonal), [scale*mean, c*vec cov] (trace), [scale*mean, c*vec cov,
+// c*vec(mean mean')] (exact). Key side: b = [mean, mean^2 + var, var], [mean, vec cov],
+// [mean, vec(cov + mean mean'), vec cov]. Plain and diagonal inputs with 16-byte rows take
+// block_stats_kernel below instead (the 128K benchmark's path).
+template <class T, bool kQuery>
 __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T> x, FeatureArgs a) {
   extern __shared__ __align__(16) float smem[];
   const int d = x.d;
   float* mean = smem;           // [d]
   float* var = smem + d;        // [d]
-  float* dev = smem + 2 * d;    // [kCovTokens, d] deviations (exact / trace, never staged)
+  float* dev = smem + 2 * d;    // [kCovTokens, d] deviations (exact / trace)
   const int blk = blockIdx.x;
   const int64_t bh = blockIdx.y;
   const int begin = blk * a.block;
@@ -230,69 +308,25 @@ __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T
   auto token = [&](int p) -> int64_t { return perm != nullptr ? perm[p] : p; };
   const float inv_n = 1.0f / static_cast<float>(n);
 
-  if constexpr (kStaged) {
-    constexpr int V = kVector<T>;
-    T* rows = reinterpret_cast<T*>(smem + 2 * d);  // [n, d]; 2d floats keep 16-byte alignment (d % V == 0)
-    const int chunks = d / V;
-    // cp.async: every 16-byte chunk of the block's rows is in flight at once (no register
-    // staging), which the gather through perm needs to approach DRAM bandwidth.
-    const uint32_t rows_smem = static_cast<uint32_t>(__cvta_generic_to_shared(rows));
-    for (int idx = threadIdx.x; idx < n * chunks; idx += blockDim.x) {
-      const int p = idx / chunks, c = idx % chunks;
-      cuda::detail::cp_async_16(rows_smem + static_cast<uint32_t>((p * d + c * V) * sizeof(T)),
-                                x.row(bh, token(begin + p)) + c * V, 16);
-    }
-    cuda::detail::cp_async_commit();
-    cuda::detail::cp_async_wait<0>();
-    __syncthreads();
-    for (int t = threadIdx.x; t < d; t += blockDim.x) {
-      float sum = 0.0f;
-      for (int p = 0; p < n; ++p) sum += to_float(rows[p * d + t]);
-      const float m = sum / static_cast<float>(n);
-      float sq = 0.0f;
-      for (int p = 0; p < n; ++p) {
-        const float dv = to_float(rows[p * d + t]) - m;
-        sq = fmaf(dv, dv, sq);
-      }
-      mean[t] = m;
-      var[t] = sq * inv_n;
-    }
-  } else {
-    for (int t = threadIdx.x; t < d; t += blockDim.x) {
-      float sum = 0.0f;
+  for (int t = threadIdx.x; t < d; t += blockDim.x) {
+    float sum = 0.0f;
 #pragma unroll 4
-      for (int p = begin; p < begin + n; ++p) sum += to_float(x.row(bh, token(p))[t]);
-      const float m = sum / static_cast<float>(n);
-      float sq = 0.0f;
+    for (int p = begin; p < begin + n; ++p) sum += to_float(x.row(bh, token(p))[t]);
+    const float m = sum / static_cast<float>(n);
+    float sq = 0.0f;
 #pragma unroll 4
-      for (int p = begin; p < begin + n; ++p) {
-        const float dv = to_float(x.row(bh, token(p))[t]) - m;
-        sq = fmaf(dv, dv, sq);
-      }
-      mean[t] = m;
-      var[t] = sq * inv_n;
+    for (int p = begin; p < begin + n; ++p) {
+      const float dv = to_float(x.row(bh, token(p))[t]) - m;
+      sq = fmaf(dv, dv, sq);
     }
+    mean[t] = m;
+    var[t] = sq * inv_n;
   }
   __syncthreads();
 
   float* f = a.features + (bh * a.num_blocks + blk) * a.F;
-  for (int t = threadIdx.x; t < d; t += blockDim.x) {
-    const float m = mean[t], v = var[t];
-    if (kQuery) {
-      f[t] = a.scale * m;
-      if (a.kind == kDiagonal) {
-        f[d + t] = a.c * v;
-        f[2 * d + t] = a.c * m * m;
-      }
-    } else {
-      f[t] = m;
-      if (a.kind == kDiagonal) {
-        f[d + t] = fmaf(m, m, v);
-        f[2 * d + t] = v;
-      }
-    }
-  }
-  if (kStaged || (a.kind != kTrace && a.kind != kExact)) return;
+  for (int t = threadIdx.x; t < d; t += blockDim.x) write_mean_var<kQuery>(f, a, d, t, mean[t], var[t]);
+  if (a.kind != kTrace && a.kind != kExact) return;
 
   // Covariance entries e = i * d + j, kCovRegs per thread per pass, over tokens staged kCovTokens
   // at a time as deviations from the mean (the two-pass form of cpu.cpp).
@@ -331,6 +365,205 @@ __global__ void __launch_bounds__(kFeatureThreads) block_features_kernel(Input<T
         f[d + e] = cov;
       }
     }
+  }
+}
+
+// ---- 3b. plain / diagonal statistics of 16-byte rows: a persistent, double-buffered gather ------
+//
+// The 128K benchmark's path (d = 128 bf16, blocks of 128 tokens, gathered through the sort's
+// permutation): 32 KiB of rows per block, one 256-byte row per token. Each CTA walks the items
+// (batch * head, block) item = blockIdx.x, + gridDim.x, ... with two stages of shared memory: while
+// it reduces the rows of one item, the rows of the next are in flight (cp.async, no registers
+// held), and the permutation entries of the one after that are in flight into registers, so a
+// CTA never waits on the dependent perm -> row chain. Bytes in flight per SM: 32-64 KiB per CTA,
+// 3 CTAs of 73.5 KiB shared memory per SM (d = 128 bf16) -> 96-192 KiB, against ~30 KiB that
+// ~4 TB/s needs at ~1 us of loaded latency (more for gathered 256-byte rows, which open more DRAM
+// pages than a stream). The reduction reads shared memory with 16-byte loads (thread (c, g):
+// chunk c of d / kVector<T>, rows g, g + G, ..., G = kStatThreads / chunks), so each element
+// costs one conversion and one add per pass: 2 x 16384 elements per 32 KiB block, a few hundred
+// cycles of an SM against the ~2000 cycles its share of DRAM bandwidth needs for 32 KiB.
+//
+// Numerics: f32 mean, then the f32 population variance from the deviations (two passes, as
+// cpu.cpp and block_features_kernel; the second pass reads shared memory, not DRAM). Each thread
+// sums its rows in order, then the G partial sums are added in group order: a different but fixed
+// order, within the same (n - 1) 2^-24 sum|x| bound as any order of n terms.
+constexpr int kStatThreads = 256;
+constexpr size_t kMaxStagedBytes = 64 * 1024;  // one stage (a block's rows) at most this
+constexpr int kStatPermRegs = 4;  // permutation entries per thread prefetched: blocks up to 1024 tokens
+
+struct StatLayout {
+  size_t stage_bytes = 0;  // rows of one item: n_max * d * elem, 16-byte multiple
+  size_t perm_bytes = 0;   // permutation entries of one item: n_max * 4, 16-byte multiple
+  int groups = 0;          // G = kStatThreads / chunks
+  size_t bytes = 0;        // 2 stages, 2 perm buffers, partial sums [G, d], means [d]
+};
+
+// n_max = min(block, len); d a multiple of the vector width, d / vector <= kStatThreads.
+__host__ __device__ inline StatLayout stat_layout(int d, int n_max, int elem_bytes) {
+  StatLayout l;
+  l.stage_bytes = (static_cast<size_t>(n_max) * d * elem_bytes + 15) / 16 * 16;
+  l.perm_bytes = (static_cast<size_t>(n_max) * 4 + 15) / 16 * 16;
+  l.groups = kStatThreads / (d / (16 / elem_bytes));
+  l.bytes = 2 * l.stage_bytes + 2 * l.perm_bytes + (static_cast<size_t>(l.groups) + 1) * d * sizeof(float);
+  return l;
+}
+
+// V (4 or 8) partial sums as 16-byte stores: a warp writes one contiguous run, no bank conflicts.
+template <int V>
+__device__ __forceinline__ void store_partial(float* dst, const float (&acc)[V]) {
+  static_assert(V % 4 == 0, "whole float4s");
+#pragma unroll
+  for (int k = 0; k < V; k += 4) *reinterpret_cast<float4*>(dst + k) = make_float4(acc[k], acc[k + 1], acc[k + 2], acc[k + 3]);
+}
+
+// grid: up to one wave of CTAs (items = batch * heads * num_blocks); dynamic shared memory
+// stat_layout(d, n_max, sizeof(T)).bytes; a.kind plain or diagonal; n_max <= kStatThreads *
+// kStatPermRegs.
+template <class T, bool kQuery>
+__global__ void __launch_bounds__(kStatThreads) block_stats_kernel(Input<T> x, FeatureArgs a, int n_max) {
+  extern __shared__ __align__(16) unsigned char stat_smem[];
+  constexpr int V = kVector<T>;
+  const int d = x.d, chunks = d / V;
+  const StatLayout layout = stat_layout(d, n_max, static_cast<int>(sizeof(T)));
+  const int G = layout.groups;
+  // Stage buf (the rows of one item) and its permutation entries (pointers computed, not indexed
+  // from an array: a runtime index into a local array would put it on the stack).
+  auto stage = [&](int buf) { return reinterpret_cast<T*>(stat_smem + buf * layout.stage_bytes); };
+  auto perm_s = [&](int buf) {
+    return reinterpret_cast<int32_t*>(stat_smem + 2 * layout.stage_bytes + buf * layout.perm_bytes);
+  };
+  float* partial = reinterpret_cast<float*>(stat_smem + 2 * layout.stage_bytes + 2 * layout.perm_bytes);  // [G, d]
+  float* mean = partial + static_cast<size_t>(G) * d;                                                     // [d]
+  const int c = threadIdx.x % chunks, g = threadIdx.x / chunks;
+  const bool worker = g < G;  // threads past G * chunks only help with the permutation and the sums
+  const int64_t total = a.items;
+
+  // Item it = bh * num_blocks + block (it < 2^31: the launcher checks).
+  auto item_of = [&](int64_t it, int64_t* bh, int* begin, int* n) {
+    const uint32_t q = a.blocks_div.div(static_cast<uint32_t>(it));
+    *bh = q;
+    *begin = static_cast<int>(static_cast<uint32_t>(it) - q * a.blocks_div.divisor) * a.block;
+    *n = min(a.block, x.len - *begin);
+  };
+  // Permutation entries of item it (positions begin .. begin + n - 1 of row bh) into registers.
+  auto load_perm = [&](int64_t it, int32_t (&held)[kStatPermRegs]) {
+    int64_t bh;
+    int begin, n;
+    item_of(it, &bh, &begin, &n);
+#pragma unroll
+    for (int r = 0; r < kStatPermRegs; ++r) {
+      const int p = static_cast<int>(threadIdx.x) + r * kStatThreads;
+      held[r] = p < n ? (a.perm != nullptr ? a.perm[bh * x.len + begin + p] : begin + p) : 0;
+    }
+  };
+  auto store_perm = [&](int buf, const int32_t (&held)[kStatPermRegs]) {
+#pragma unroll
+    for (int r = 0; r < kStatPermRegs; ++r) {
+      const int p = static_cast<int>(threadIdx.x) + r * kStatThreads;
+      if (p < n_max) perm_s(buf)[p] = held[r];
+    }
+  };
+  // cp.async of item it's rows into stage buf: thread (c, g) copies chunk c of rows g, g + G, ...,
+  // exactly the chunks it reduces later.
+  auto issue_rows = [&](int64_t it, int buf) {
+    int64_t bh;
+    int begin, n;
+    item_of(it, &bh, &begin, &n);
+    if (!worker) return;
+    const uint32_t b = static_cast<uint32_t>(bh) / static_cast<uint32_t>(x.heads);
+    const uint32_t h = static_cast<uint32_t>(bh) - b * static_cast<uint32_t>(x.heads);
+    const T* base = x.data + b * x.stride_b + h * x.stride_h + c * V;
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(stage(buf))) +
+                         static_cast<uint32_t>(c * V * sizeof(T));
+#pragma unroll 4
+    for (int p = g; p < n; p += G) {
+      cuda::detail::cp_async_16(dst + static_cast<uint32_t>(p * d * sizeof(T)),
+                                base + static_cast<int64_t>(perm_s(buf)[p]) * x.stride_s, 16);
+    }
+  };
+
+  int64_t item = blockIdx.x;
+  if (item >= total) return;
+  {
+    int32_t held[kStatPermRegs];
+    load_perm(item, held);
+    store_perm(0, held);
+    if (item + gridDim.x < total) {
+      load_perm(item + gridDim.x, held);
+      store_perm(1, held);
+    }
+  }
+  __syncthreads();
+  issue_rows(item, 0);
+  cuda::detail::cp_async_commit();
+  for (int iter = 0; item < total; ++iter, item += gridDim.x) {
+    const int buf = iter & 1;
+    const int64_t next = item + gridDim.x, after = next + gridDim.x;
+    if (next < total) issue_rows(next, buf ^ 1);  // perm_s(buf ^ 1) was stored before the last barrier
+    cuda::detail::cp_async_commit();              // (an empty group when there is no next item)
+    int32_t held[kStatPermRegs] = {};
+    if (after < total) load_perm(after, held);    // in flight during the reduction below
+    cuda::detail::cp_async_wait<1>();             // this thread's copies of `item` have landed
+
+    int64_t bh;
+    int begin, n;
+    item_of(item, &bh, &begin, &n);
+    const float inv_n = 1.0f / static_cast<float>(n);
+    const T* rows = stage(buf);
+    // Pass 1: sums. Thread (c, g) reads only the chunks it copied, so no barrier is needed first.
+    float acc[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = 0.0f;
+    if (worker) {
+#pragma unroll 4
+      for (int p = g; p < n; p += G) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(rows + p * d + c * V);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] += to_float(e[k]);
+      }
+      store_partial(partial + g * d + c * V, acc);
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < d; t += kStatThreads) {
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int gg = 0; gg < G; ++gg) sum += partial[gg * d + t];
+      mean[t] = sum / static_cast<float>(n);
+    }
+    __syncthreads();
+    // Pass 2: squared deviations from the mean.
+    if (worker) {
+      float mv[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        mv[k] = mean[c * V + k];
+        acc[k] = 0.0f;
+      }
+#pragma unroll 4
+      for (int p = g; p < n; p += G) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(rows + p * d + c * V);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float dv = to_float(e[k]) - mv[k];
+          acc[k] = fmaf(dv, dv, acc[k]);
+        }
+      }
+      store_partial(partial + g * d + c * V, acc);
+    }
+    __syncthreads();
+    float* f = a.features + (bh * a.num_blocks + begin / a.block) * a.F;
+    for (int t = threadIdx.x; t < d; t += kStatThreads) {
+      float sq = 0.0f;
+#pragma unroll 4
+      for (int gg = 0; gg < G; ++gg) sq += partial[gg * d + t];
+      write_mean_var<kQuery>(f, a, d, t, mean[t], sq * inv_n);
+    }
+    // perm_s(buf) last fed issue_rows(item) an iteration ago; stage(buf) and partial are free
+    // after this barrier, which also publishes the entries of `after` for the next iteration.
+    if (after < total) store_perm(buf, held);
+    __syncthreads();
   }
 }
 
@@ -719,6 +952,111 @@ __global__ void __launch_bounds__(kTopThreads) select_top_kernel(SelectArgs a) {
     }
     if (threadIdx.x == 0) a.counts[row] = a.keep;
     __syncthreads();  // top_keys and warp_totals are reused by the next row
+  }
+}
+
+// ---- 5c. fixed budgets on rows of up to kMaxWarpTopBlocks: one warp per row ---------------------
+//
+// The same radix select and compaction as select_top_kernel, by one warp instead of one CTA: no
+// CTA barriers (select_top_kernel has four per radix pass, with 8 warps waiting on the slowest),
+// the 256-bin scan as 8 bins per lane plus one warp scan, and the compaction by ballots over 32
+// consecutive indices at a time. The 128K benchmark's rows (1024 key blocks, 32768 rows) fit.
+// The kept set is a function of the keys alone (the `keep` smallest order keys), so it equals
+// select_top_kernel's and select_blocks' bit for bit.
+constexpr int kWarpTopWarps = 4;  // rows in flight per CTA
+constexpr int kMaxWarpTopBlocks = 2048;
+
+// Dynamic shared memory: per warp, 256 bins then the nk high words of the row keys (nk rounded up
+// to 4, so that every warp's bins start 16-byte aligned).
+__host__ __device__ inline int warp_top_stride(int nk) { return kRadixBins + (nk + 3) / 4 * 4; }
+__host__ __device__ inline size_t warp_top_smem_bytes(int nk) {
+  return static_cast<size_t>(kWarpTopWarps) * warp_top_stride(nk) * sizeof(uint32_t);
+}
+
+// grid-stride over rows by warp, kWarpTopWarps * 32 threads; nk <= kMaxWarpTopBlocks, 1 <= keep
+// <= nk, capacity == keep.
+__global__ void __launch_bounds__(kWarpTopWarps * 32) select_top_warp_kernel(SelectArgs a) {
+  extern __shared__ __align__(16) uint32_t warp_top_smem[];
+  const int nk = a.nk, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t* hist = warp_top_smem + static_cast<size_t>(warp) * warp_top_stride(nk);  // [256]
+  uint32_t* keys = hist + kRadixBins;                                                 // [nk]
+  const unsigned lanes_below = (1u << lane) - 1u;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpTopWarps;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpTopWarps + warp; row < a.rows; row += warps) {
+    const float* logits = a.logits + row * nk;
+    for (int j = lane; j < nk; j += 32) keys[j] = static_cast<uint32_t>(order_key(logits[j], j) >> 32);
+    // Invariant (as select_top_kernel): the keep-th smallest key matches `prefix` on the bits of
+    // `mask` and is the need-th smallest (1-based) of the keys that do; keep - need keys are below.
+    uint32_t prefix = 0, mask = 0;
+    int need = a.keep;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+#pragma unroll
+      for (int b = 0; b < kRadixBins / 32; ++b) hist[lane + 32 * b] = 0;
+      __syncwarp();  // the keys are in (first pass), the bins are clear
+      for (int j0 = 0; j0 < nk; j0 += 32) {  // uniform trip count: the whole warp meets in match_any
+        const int j = j0 + lane;
+        const uint32_t key = j < nk ? keys[j] : 0u;
+        const bool tied = j < nk && (key & mask) == prefix;
+        const uint32_t bin = (key >> shift) & 0xffu;
+        const unsigned peers = __match_any_sync(0xffffffffu, tied ? bin : 0xffffffffu);
+        if (tied && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<uint32_t>(__popc(peers)));
+      }
+      __syncwarp();
+      // Lane l owns bins 8l .. 8l + 7 (two 16-byte loads: one contiguous 1 KiB read per warp, no
+      // bank conflicts): their counts, then the exclusive count before bin 8l.
+      static_assert(kRadixBins / 32 == 8, "two 16-byte loads of bins per lane");
+      const uint4 lo = *reinterpret_cast<const uint4*>(hist + lane * 8);
+      const uint4 hi = *reinterpret_cast<const uint4*>(hist + lane * 8 + 4);
+      const int count[8] = {static_cast<int>(lo.x), static_cast<int>(lo.y), static_cast<int>(lo.z),
+                            static_cast<int>(lo.w), static_cast<int>(hi.x), static_cast<int>(hi.y),
+                            static_cast<int>(hi.z), static_cast<int>(hi.w)};
+      int lane_total = 0;
+#pragma unroll
+      for (int b = 0; b < 8; ++b) lane_total += count[b];
+      int inclusive = lane_total;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += up;
+      }
+      int before = inclusive - lane_total;
+      int chosen_bin = -1, chosen_need = 0, chosen_done = 0;
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+        if (before < need && need <= before + count[b]) {  // exactly one bin of the warp holds it
+          chosen_bin = lane * 8 + b;
+          chosen_need = need - before;
+          chosen_done = count[b] == chosen_need;
+        }
+        before += count[b];
+      }
+      const int owner = __ffs(__ballot_sync(0xffffffffu, chosen_bin >= 0)) - 1;
+      chosen_bin = __shfl_sync(0xffffffffu, chosen_bin, owner);
+      need = __shfl_sync(0xffffffffu, chosen_need, owner);
+      chosen_done = __shfl_sync(0xffffffffu, chosen_done, owner);
+      prefix |= static_cast<uint32_t>(chosen_bin) << shift;
+      mask |= 0xffu << shift;
+      __syncwarp();  // every lane has read the bins before the next pass clears them
+      if (chosen_done) break;  // the whole bin is kept: lower digits change nothing
+    }
+    // Compaction in ascending index, 32 indices at a time: every key below the prefix, and the
+    // first `need` (ascending index) of those equal to it; slot = kept blocks before it.
+    int32_t* out = a.indices + row * a.capacity;
+    int written = 0, tied_seen = 0;
+    for (int j0 = 0; j0 < nk; j0 += 32) {
+      const int j = j0 + lane;
+      const uint32_t m = j < nk ? keys[j] & mask : 0u;
+      const bool below = j < nk && m < prefix;
+      const bool tied = j < nk && m == prefix;
+      const unsigned tied_ballot = __ballot_sync(0xffffffffu, tied);
+      const bool kept = below || (tied && tied_seen + __popc(tied_ballot & lanes_below) < need);
+      const unsigned kept_ballot = __ballot_sync(0xffffffffu, kept);
+      if (kept) out[written + __popc(kept_ballot & lanes_below)] = j;
+      written += __popc(kept_ballot);
+      tied_seen += __popc(tied_ballot);
+    }
+    if (lane == 0) a.counts[row] = a.keep;
+    __syncwarp();  // keys and bins are reused by the warp's next row
   }
 }
 

@@ -1004,6 +1004,7 @@ __global__ void __launch_bounds__(kWarpTopWarps * 32) select_top_warp_kernel(Sel
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpTopWarps;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpTopWarps + warp; row < a.rows; row += warps) {
     const float* logits = a.logits + row * nk;
+#pragma unroll 8
     for (int j = lane; j < nk; j += 32) keys[j] = static_cast<uint32_t>(order_key(logits[j], j) >> 32);
     // Invariant (as select_top_kernel): the keep-th smallest key matches `prefix` on the bits of
     // `mask` and is the need-th smallest (1-based) of the keys that do; keep - need keys are below.

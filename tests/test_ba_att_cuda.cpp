@@ -204,22 +204,39 @@ TEST(BaAttCuda, NormKeysSortAsNormSortWithinSegments) {
   const std::vector<float> norms = {2.0f, 0.0f, 2.0f, 1e-38f, 5.0f, 5.0f, 0.5f, 3e38f, 1.0f, 1.0f, 0.0f, 7.0f,
                                     9.0f, 8.0f, 7.0f, 6.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.25f, 4.0f, 0.25f, 1e-45f};
   const int64_t len = 12, window = 4, windows = 3;
+  const int index_bits = bits_for(window);
+  ASSERT_EQ(index_bits, 2);
+  ASSERT_EQ(bits_for(1), 0);
+  ASSERT_EQ(bits_for(5), 3);
   std::vector<uint64_t> keys(norms.size());
-  std::vector<int32_t> order(norms.size());
   for (size_t g = 0; g < norms.size(); ++g) {
     const int64_t row = g / len, i = g % len;
-    keys[g] = norm_key(static_cast<uint64_t>(row * windows + i / window), norms[g]);
-    order[g] = static_cast<int32_t>(i);
+    keys[g] = norm_key(static_cast<uint64_t>(row * windows + i / window), norms[g], static_cast<uint32_t>(i % window),
+                       index_bits);
   }
-  std::vector<size_t> idx(norms.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return keys[a] < keys[b]; });
+  // The keys are distinct (the index is in them), so any sort gives one order; the device sorts
+  // only the bits above the index, stably: the same order, since tokens enter by index.
+  std::vector<uint64_t> sorted = keys;
+  std::sort(sorted.begin(), sorted.end());
+  ASSERT_TRUE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
+  std::vector<uint64_t> stable = keys;
+  std::stable_sort(stable.begin(), stable.end(),
+                   [&](uint64_t a, uint64_t b) { return (a >> index_bits) < (b >> index_bits); });
+  EXPECT_EQ(stable, sorted);
   for (int64_t row = 0; row < 2; ++row) {
     std::vector<double> row_norms(norms.begin() + row * len, norms.begin() + (row + 1) * len);
     std::vector<int32_t> expected(len);
     norm_sort(row_norms.data(), len, window, expected.data());
-    for (int64_t p = 0; p < len; ++p) EXPECT_EQ(order[idx[row * len + p]], expected[p]) << row << " " << p;
+    for (int64_t p = 0; p < len; ++p) {
+      // perm_from_keys_kernel's rule: the window of position p, plus the index the key carries.
+      const int64_t token = p / window * window + norm_key_index(sorted[row * len + p], index_bits);
+      EXPECT_EQ(token, expected[p]) << row << " " << p;
+    }
   }
+  // The widest layout still fits 64 bits (segment_bits + index_bits <= 33 when bh * len < 2^31).
+  const uint64_t top = norm_key((uint64_t{1} << 17) - 1, 3e38f, (1u << 16) - 1, 16);
+  EXPECT_EQ(top >> 63, 1u);
+  EXPECT_EQ(norm_key_index(top, 16), (1u << 16) - 1);
 }
 
 #if defined(SPARSA_WITH_CUDA)

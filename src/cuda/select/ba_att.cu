@@ -46,10 +46,10 @@ struct Workspace {
   // it back clean, so this call need not reset it. False after a reallocation, an error found, or
   // a call that returned before its read-back.
   bool err_clean = false;
-  // CUB's scratch size per (items, end_bit), asked once (a host computation, but not a free one).
+  // CUB's scratch size per (items, bits), asked once (a host computation, but not a free one).
   struct SortSize {
     int64_t items;
-    int end_bit;
+    int begin_bit, end_bit;
     size_t bytes;
   };
   std::vector<SortSize> sort_sizes;
@@ -153,7 +153,8 @@ struct Sizes {
   int64_t tokens_q = 0, tokens_k = 0;     // batch * heads * len
   int64_t window_q = 0, window_k = 0;     // tokens per sort window
   int64_t windows_q = 0, windows_k = 0;   // windows per (batch, head)
-  int end_bit_q = 32, end_bit_k = 32;     // radix key bits: 32 of norm + the segment number
+  int index_bits_q = 0, index_bits_k = 0; // norm_key: bits of the index in a window
+  int end_bit_q = 31, end_bit_k = 31;     // sorted key bits [index_bits, end_bit): norm, segment
   int kind = kPlain;
   int64_t F = 0;
   int64_t rows = 0;                       // batch * heads_q * num_q_blocks
@@ -163,14 +164,11 @@ struct Sizes {
   int select_ctas = 0;
 };
 
-int segment_bits(int64_t segments) { return static_cast<int>(std::bit_width(static_cast<uint64_t>(segments - 1))); }
-
 // The arrays of one run inside the workspace (null pointers while measuring).
 struct Scratch {
   ErrorWord* err = nullptr;
   uint64_t* keys_in = nullptr;
   uint64_t* keys_out = nullptr;
-  int32_t* values_in = nullptr;
   void* sort_temp = nullptr;
   float* query_features = nullptr;
   float* key_features = nullptr;
@@ -185,7 +183,6 @@ Scratch carve(Carver& c, const Request& r, const Sizes& s, bool select) {
   w.err = c.take<ErrorWord>(1);
   w.keys_in = c.take<uint64_t>(tokens);
   w.keys_out = c.take<uint64_t>(tokens);
-  w.values_in = c.take<int32_t>(tokens);
   w.sort_temp = c.take<char>(s.sort_temp_bytes);
   w.query_features = c.take<float>(static_cast<size_t>(p.batch * p.heads_q * p.num_q_blocks * s.F));
   w.key_features = c.take<float>(static_cast<size_t>(p.batch * p.heads_kv * p.num_kv_blocks * s.F));
@@ -228,8 +225,10 @@ Sizes size_run(const Request& r, int sms) {
   s.window_k = r.sort_window > 0 ? std::min(r.sort_window, p.len_kv) : p.len_kv;
   s.windows_q = (p.len_q + s.window_q - 1) / s.window_q;
   s.windows_k = (p.len_kv + s.window_k - 1) / s.window_k;
-  s.end_bit_q = 32 + segment_bits(p.batch * p.heads_q * s.windows_q);
-  s.end_bit_k = 32 + segment_bits(p.batch * p.heads_kv * s.windows_k);
+  s.index_bits_q = bits_for(static_cast<uint64_t>(s.window_q));
+  s.index_bits_k = bits_for(static_cast<uint64_t>(s.window_k));
+  s.end_bit_q = s.index_bits_q + 31 + bits_for(static_cast<uint64_t>(p.batch * p.heads_q * s.windows_q));
+  s.end_bit_k = s.index_bits_k + 31 + bits_for(static_cast<uint64_t>(p.batch * p.heads_kv * s.windows_k));
   s.kind = feature_kind(p);
   s.F = feature_size(s.kind, p.head_dim);
   s.rows = p.batch * p.heads_q * p.num_q_blocks;
@@ -263,7 +262,7 @@ Status launch_norm_vector(const Tensor& x, const NormArgs& a, int device) {
 // Step 1's first kernel (norms, and sort keys when keys != null), vector path when possible.
 // tokens < 2^31 (check_request, token_norms), as NormArgs' FastDiv needs. `device` is current.
 template <class T>
-Status launch_norms(const Tensor& x, int64_t window, int64_t windows, uint64_t* keys, int32_t* values, float* norms,
+Status launch_norms(const Tensor& x, int64_t window, int64_t windows, int index_bits, uint64_t* keys, float* norms,
                     ErrorWord* err, int err_slot, int device) {
   const int64_t tokens = x.shape[0] * x.shape[1] * x.shape[2];
   if (tokens == 0) return {};
@@ -273,8 +272,8 @@ Status launch_norms(const Tensor& x, int64_t window, int64_t windows, uint64_t* 
   a.heads = FastDiv(static_cast<uint32_t>(x.shape[1]));
   a.window = FastDiv(static_cast<uint32_t>(window));
   a.windows_per_row = windows;
+  a.index_bits = index_bits;
   a.keys = keys;
-  a.values = values;
   a.norms = norms;
   a.err = err;
   a.err_slot = err_slot;
@@ -294,13 +293,23 @@ Status launch_norms(const Tensor& x, int64_t window, int64_t windows, uint64_t* 
   return {};
 }
 
+// Step 1 for one input: norms and keys, a keys-only stable radix sort of bits [index_bits,
+// end_bit) (norm_key: the token's index rides in the low bits), and perm from the sorted keys.
 template <class T>
-Status sort_by_norm(const Tensor& x, int64_t tokens, int64_t window, int64_t windows, int end_bit, int err_slot,
-                    const Scratch& w, size_t temp_bytes, int32_t* perm, int device) {
+Status sort_by_norm(const Tensor& x, int64_t tokens, int64_t window, int64_t windows, int index_bits, int end_bit,
+                    int err_slot, const Scratch& w, size_t temp_bytes, int32_t* perm, int device) {
+  if (tokens == 0) return {};
+  SPARSA_RETURN_IF_ERROR(launch_norms<T>(x, window, windows, index_bits, w.keys_in, nullptr, w.err, err_slot, device));
+  SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(w.sort_temp, temp_bytes, w.keys_in, w.keys_out, tokens, index_bits,
+                                                   end_bit, nullptr));
+  int sms = 0, per_sm = 0;
   SPARSA_RETURN_IF_ERROR(
-      launch_norms<T>(x, window, windows, w.keys_in, w.values_in, nullptr, w.err, err_slot, device));
-  SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w.sort_temp, temp_bytes, w.keys_in, w.keys_out, w.values_in, perm,
-                                                    tokens, 0, end_bit, nullptr));
+      launch_facts(device, reinterpret_cast<const void*>(perm_from_keys_kernel), kPermThreads, 0, &sms, &per_sm));
+  const int64_t grid = std::min<int64_t>((tokens + kPermThreads - 1) / kPermThreads, static_cast<int64_t>(sms) * per_sm);
+  perm_from_keys_kernel<<<static_cast<unsigned>(grid), kPermThreads>>>(
+      w.keys_out, perm, tokens, FastDiv(static_cast<uint32_t>(x.shape[2])), FastDiv(static_cast<uint32_t>(window)),
+      index_bits);
+  SPARSA_CUDA_CHECK_LAUNCH();
   return {};
 }
 
@@ -396,24 +405,23 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
 
   std::lock_guard<std::mutex> lock(g_mutex);
   Workspace& ws = g_workspace[device];
-  // CUB's scratch size: a host-side computation (no launch), remembered per (items, end_bit).
-  auto sort_temp = [&](int64_t items, int end_bit, size_t* bytes) -> Status {
+  // CUB's scratch size: a host-side computation (no launch), remembered per (items, bits).
+  auto sort_temp = [&](int64_t items, int begin_bit, int end_bit, size_t* bytes) -> Status {
     for (const Workspace::SortSize& e : ws.sort_sizes) {
-      if (e.items == items && e.end_bit == end_bit) {
+      if (e.items == items && e.begin_bit == begin_bit && e.end_bit == end_bit) {
         *bytes = e.bytes;
         return {};
       }
     }
-    SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, *bytes, static_cast<uint64_t*>(nullptr),
-                                                      static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                                      static_cast<int32_t*>(nullptr), items, 0, end_bit));
+    SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(nullptr, *bytes, static_cast<uint64_t*>(nullptr),
+                                                     static_cast<uint64_t*>(nullptr), items, begin_bit, end_bit));
     if (ws.sort_sizes.size() >= 16) ws.sort_sizes.erase(ws.sort_sizes.begin());
-    ws.sort_sizes.push_back({items, end_bit, *bytes});
+    ws.sort_sizes.push_back({items, begin_bit, end_bit, *bytes});
     return {};
   };
   size_t temp_q = 0, temp_k = 0;
-  if (r.sort_q) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_q, s.end_bit_q, &temp_q));
-  if (r.sort_k) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_k, s.end_bit_k, &temp_k));
+  if (r.sort_q) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_q, s.index_bits_q, s.end_bit_q, &temp_q));
+  if (r.sort_k) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_k, s.index_bits_k, s.end_bit_k, &temp_k));
   s.sort_temp_bytes = std::max(temp_q, temp_k);
 
   Carver measure;
@@ -446,15 +454,15 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.len_q}, p.q.device);
     if (!a.ok()) return a.status();
     *perm_q = std::move(a).value();
-    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.q, s.tokens_q, s.window_q, s.windows_q, s.end_bit_q, kErrQNorm, w,
-                                           s.sort_temp_bytes, perm_q->ptr<int32_t>(), device));
+    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.q, s.tokens_q, s.window_q, s.windows_q, s.index_bits_q, s.end_bit_q,
+                                           kErrQNorm, w, s.sort_temp_bytes, perm_q->ptr<int32_t>(), device));
   }
   if (r.sort_k) {
     auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_kv, p.len_kv}, p.q.device);
     if (!a.ok()) return a.status();
     *perm_kv = std::move(a).value();
-    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.k, s.tokens_k, s.window_k, s.windows_k, s.end_bit_k, kErrKNorm, w,
-                                           s.sort_temp_bytes, perm_kv->ptr<int32_t>(), device));
+    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.k, s.tokens_k, s.window_k, s.windows_k, s.index_bits_k, s.end_bit_k,
+                                           kErrKNorm, w, s.sort_temp_bytes, perm_kv->ptr<int32_t>(), device));
   }
 
   // Steps 2-3: block statistics as features, then one product per (batch, query head).
@@ -615,9 +623,9 @@ Status token_norms(const Tensor& x, HostArray* norms) {
   auto* e = static_cast<ErrorWord*>(err->data());
   const Status launched = [&]() -> Status {
     switch (x.dtype) {
-      case DType::bf16: return launch_norms<__nv_bfloat16>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm, device);
-      case DType::f16: return launch_norms<__half>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm, device);
-      case DType::f32: return launch_norms<float>(x, 1, 1, nullptr, nullptr, out->ptr<float>(), e, kErrQNorm, device);
+      case DType::bf16: return launch_norms<__nv_bfloat16>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device);
+      case DType::f16: return launch_norms<__half>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device);
+      case DType::f32: return launch_norms<float>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device);
       case DType::i32: break;
     }
     return unsupported_dtype("x: expected bf16, f16 or f32, got i32");

@@ -2,10 +2,11 @@
 // docs/ba_att.md). The launcher is ba_att.cu; the CPU reference is src/methods/ba_att/cpu_ref.cpp.
 //
 //   1. norm_keys_*_kernel    a few lanes per token: ||x||_2 in f32, and the 64-bit radix key
-//                            (segment << 32 | norm bits) that makes one stable cub::DeviceRadixSort
-//                            of all tokens equal to a stable per-(batch, head, window) sort by norm
-//                            (norms are >= 0, so their IEEE bits order as the values do);
-//   2. (cub::DeviceRadixSort::SortPairs, in the launcher)
+//                            (segment | norm bits | index in the window, norm_key) that makes one
+//                            stable keys-only cub::DeviceRadixSort of all tokens equal to a stable
+//                            per-(batch, head, window) sort by norm (norms are >= 0, so their
+//                            IEEE bits order as the values do);
+//   2. (cub::DeviceRadixSort::SortKeys, in the launcher), then perm_from_keys_kernel;
 //   3. block_features_kernel one CTA per (batch, head, block) of permuted tokens: f32 mean and
 //                            population variance (two passes, as cpu.cpp) and, for exact / trace,
 //                            the covariance; written as the feature vector of cpu.cpp's header, so
@@ -65,15 +66,15 @@ constexpr int kNormTokens = 8;  // vector path: tokens per lane group per step (
 // multiple of it and every row starts 16-byte aligned (vector_rows() in ba_att.cu).
 template <class T> constexpr int kVector = 16 / static_cast<int>(sizeof(T));
 
-// token g = bh * len + i (g < 2^31: the launcher checks). keys / values may be null (norms only);
-// norms may be null. window: tokens per sort window (len for a global sort); windows_per_row =
-// ceil(len / window).
+// token g = bh * len + i (g < 2^31: the launcher checks). keys may be null (norms only); norms may
+// be null. window: tokens per sort window (len for a global sort); windows_per_row =
+// ceil(len / window); index_bits = bits_for(window) (norm_key in ba_att_keys.h).
 struct NormArgs {
   int64_t total = 0;     // batch * heads * len
   FastDiv len, heads, window;
   int64_t windows_per_row = 1;
+  int index_bits = 0;
   uint64_t* keys = nullptr;
-  int32_t* values = nullptr;
   float* norms = nullptr;
   ErrorWord* err = nullptr;
   int err_slot = 0;
@@ -93,8 +94,9 @@ __device__ __forceinline__ void finish_token(const NormArgs& a, uint32_t g, floa
   if (a.norms != nullptr) a.norms[g] = norm;
   if (a.keys != nullptr) {
     const uint32_t bh = a.len.div(g), i = g - bh * a.len.divisor;
-    a.keys[g] = norm_key(static_cast<uint64_t>(bh) * a.windows_per_row + a.window.div(i), norm);
-    a.values[g] = static_cast<int32_t>(i);
+    const uint32_t w = a.window.div(i);
+    a.keys[g] = norm_key(static_cast<uint64_t>(bh) * a.windows_per_row + w, norm, i - w * a.window.divisor,
+                         a.index_bits);
   }
 }
 
@@ -226,6 +228,24 @@ __global__ void __launch_bounds__(kNormThreads) norm_keys_scalar_kernel(Input<T>
   }
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) finish_token(a, static_cast<uint32_t>(g), sum);
+}
+
+// After the sort: perm[p] = the token at sorted position p of its row. Segments are contiguous
+// and in order in the sorted keys, so position p lies in row bh = p / len, window r / window of
+// it (r = p - bh * len), and the token is that window's first plus the index the key carries.
+// 12 bytes of traffic per token (the keys-only sort saved 4 bytes per token on each of its 5+
+// passes and the norm kernel's write of values).
+constexpr int kPermThreads = 256;
+
+__global__ void __launch_bounds__(kPermThreads)
+    perm_from_keys_kernel(const uint64_t* __restrict__ keys, int32_t* __restrict__ perm, int64_t total, FastDiv len,
+                          FastDiv window, int index_bits) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kPermThreads;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kPermThreads + threadIdx.x; p < total; p += stride) {
+    const uint32_t g = static_cast<uint32_t>(p);
+    const uint32_t r = g - len.div(g) * len.divisor;
+    perm[p] = static_cast<int32_t>(window.div(r) * window.divisor + norm_key_index(keys[p], index_bits));
+  }
 }
 
 // ---- 3. block statistics as feature vectors ----------------------------------------------------
@@ -984,6 +1004,7 @@ __global__ void __launch_bounds__(kWarpTopWarps * 32) select_top_warp_kernel(Sel
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpTopWarps;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpTopWarps + warp; row < a.rows; row += warps) {
     const float* logits = a.logits + row * nk;
+#pragma unroll 8
     for (int j = lane; j < nk; j += 32) keys[j] = static_cast<uint32_t>(order_key(logits[j], j) >> 32);
     // Invariant (as select_top_kernel): the keep-th smallest key matches `prefix` on the bits of
     // `mask` and is the need-th smallest (1-based) of the keys that do; keep - need keys are below.

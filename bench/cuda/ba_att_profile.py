@@ -31,6 +31,40 @@ def time_ms(fn, iters=5, warmup=2):
     return statistics.median(times)
 
 
+def timeline(fn):
+    """One call's device timeline (kernels, memsets, copies in start order, with the idle gap before
+    each) and its runtime API calls, from a chrome trace of torch.profiler (CPU + CUDA activity):
+    where the wall time of a call goes beyond its kernels' time."""
+    import json
+    import os
+    import tempfile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = json.load(open(path))["traceEvents"]
+    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                    key=lambda e: e["ts"])
+    api = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"), key=lambda e: e["ts"])
+    if not device or not api:
+        print("timeline: no device or runtime events in the trace")
+        return
+    t0 = api[0]["ts"]
+    print(f"device timeline (us from the first runtime call; gap = idle time before the event):")
+    end = None
+    for e in device:
+        gap = e["ts"] - end if end is not None else e["ts"] - t0
+        print(f"  start {e['ts'] - t0:9.1f}  dur {e['dur']:8.1f}  gap {gap:7.1f}  {e['name'][:70]}")
+        end = max(end or 0, e["ts"] + e["dur"])
+    print(f"  last device event ends at {end - t0:.1f} us; runtime calls span {api[-1]['ts'] + api[-1]['dur'] - t0:.1f} us")
+    print("runtime calls (us from the first; calls over 5 us, or the first 40):")
+    for i, e in enumerate(api):
+        if e["dur"] > 5 or i < 40:
+            print(f"  at {e['ts'] - t0:9.1f}  dur {e['dur']:8.1f}  {e['name']}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=131072)
@@ -49,6 +83,7 @@ def main():
             torch.cuda.synchronize()
         print(f"\nN={args.n} density={density}: ba_att_plan kernels (one call)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        timeline(plan_fn)
         select = time_ms(plan_fn)
         no_perm = dataclasses.replace(plan, perm_q=None, perm_kv=None)
         with_perm = time_ms(lambda: sparsa.block_sparse(q, k, v, plan, backend="cuda"))

@@ -1,6 +1,6 @@
 // The cuda backend of BA-Att's selector: steps 1-4 of Algorithm 1 on the device of q and k, on
 // the default stream, into a plan whose arrays are device memory (BlockIndexBuffer::device_*).
-// The kernels are in ba_att_kernels.cuh; this file sizes the scratch, launches them in order and
+// The kernels are listed in ba_att_kernels.cuh (one file per step); this file sizes the scratch, launches them in order and
 // turns the device-side error word into a Status (the one host synchronisation, at the end).
 #include <cuda_runtime.h>
 

@@ -1,0 +1,172 @@
+// Internal: step 4 of BA-Att's cuda selector (ba_att_kernels.cuh): compensated block logits, a
+// batched NT product of feature matrices.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/select/ba_att_common.cuh"
+
+namespace sparsa::cuda::ba_att {
+
+// ---- 4. block logits: a batched NT product of feature matrices -----------------------------------
+
+constexpr int kTile = 64, kTileK = 16, kLogitThreads = 256;
+
+// grid (ceil(nk / 64), ceil(nq / 64), batch * heads_q); logits [batch * heads_q, nq, nk]. Each
+// thread computes a 4x4 patch (rows 4*ty.., columns 4*tx..), reading its operands from shared
+// memory as float4; F % 4 == 0 (every kind when d % 4 == 0) loads the tiles as float4 too.
+__global__ void __launch_bounds__(kLogitThreads)
+    block_logits_kernel(const float* __restrict__ query_features, const float* __restrict__ key_features,
+                        float* __restrict__ logits, int nq, int nk, int64_t F, int heads_q, int group, int heads_kv,
+                        ErrorWord* err) {
+  __shared__ __align__(16) float a_tile[kTileK][kTile + 4];
+  __shared__ __align__(16) float b_tile[kTileK][kTile + 4];
+  const int64_t z = blockIdx.z;
+  const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
+  const float* A = query_features + z * nq * F;
+  const float* B = key_features + zk * nk * F;
+  const int row0 = blockIdx.y * kTile, col0 = blockIdx.x * kTile;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int load_row = threadIdx.x / 4, load_col = (threadIdx.x % 4) * 4;
+  const int ra = row0 + load_row, rb = col0 + load_row;
+  const bool vector_loads = F % 4 == 0;
+  float acc[4][4] = {};
+  for (int64_t f0 = 0; f0 < F; f0 += kTileK) {
+    float av[4] = {}, bv[4] = {};
+    if (vector_loads) {  // f0 + load_col < F implies all four are in range
+      if (f0 + load_col < F) {
+        if (ra < nq) {
+          const float4 x = *reinterpret_cast<const float4*>(A + ra * F + f0 + load_col);
+          av[0] = x.x, av[1] = x.y, av[2] = x.z, av[3] = x.w;
+        }
+        if (rb < nk) {
+          const float4 x = *reinterpret_cast<const float4*>(B + rb * F + f0 + load_col);
+          bv[0] = x.x, bv[1] = x.y, bv[2] = x.z, bv[3] = x.w;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const bool in_f = f0 + load_col + u < F;
+        av[u] = ra < nq && in_f ? A[ra * F + f0 + load_col + u] : 0.0f;
+        bv[u] = rb < nk && in_f ? B[rb * F + f0 + load_col + u] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      a_tile[load_col + u][load_row] = av[u];
+      b_tile[load_col + u][load_row] = bv[u];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kTileK; ++kk) {
+      const float4 a4 = *reinterpret_cast<const float4*>(&a_tile[kk][4 * ty]);
+      const float4 b4 = *reinterpret_cast<const float4*>(&b_tile[kk][4 * tx]);
+      const float a[4] = {a4.x, a4.y, a4.z, a4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = row0 + 4 * ty + i;
+    if (r >= nq) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = col0 + 4 * tx + j;
+      if (c >= nk) continue;
+      const int64_t flat = (z * nq + r) * nk + c;
+      if (!isfinite(acc[i][j])) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
+      logits[flat] = acc[i][j];
+    }
+  }
+}
+
+// F % 4 == 0 (every kind when d % 4 == 0): 128x128 tiles, 8x8 outputs per thread (rows 4 ty..
+// and 64 + 4 ty.., columns 4 tx.. and 64 + 4 tx..), k in steps of 8 through two shared buffers: the
+// next step's float4s are loaded into registers while this step's are multiplied, one barrier a
+// step. Every logit is still fmaf over k = 0, 1, ..., F - 1 in order (zero-padded past F), the
+// order of block_logits_kernel: the two give the same values (a zero logit may differ in sign,
+// which order_key and the budgets ignore).
+constexpr int kBigTile = 128, kBigTileK = 8, kBigLogitThreads = 256;
+
+__global__ void __launch_bounds__(kBigLogitThreads, 2)
+    block_logits_big_kernel(const float* __restrict__ query_features, const float* __restrict__ key_features,
+                            float* __restrict__ logits, int nq, int nk, int64_t F, int heads_q, int group,
+                            int heads_kv, ErrorWord* err) {
+  __shared__ __align__(16) float a_tile[2][kBigTileK][kBigTile + 4];
+  __shared__ __align__(16) float b_tile[2][kBigTileK][kBigTile + 4];
+  const int64_t z = blockIdx.z;
+  const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
+  const float* A = query_features + z * nq * F;
+  const float* B = key_features + zk * nk * F;
+  const int row0 = blockIdx.y * kBigTile, col0 = blockIdx.x * kBigTile;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  // Loads: thread t brings row t / 2, k (t % 2) * 4 .. + 3 of both tiles.
+  const int load_row = threadIdx.x / 2, load_k = (threadIdx.x % 2) * 4;
+  const bool a_in = row0 + load_row < nq, b_in = col0 + load_row < nk;
+  const float* a_src = A + static_cast<int64_t>(row0 + load_row) * F + load_k;
+  const float* b_src = B + static_cast<int64_t>(col0 + load_row) * F + load_k;
+  auto load = [&](int64_t f0, float4& av, float4& bv) {
+    const bool in_f = f0 + load_k < F;  // F % 4 == 0: all four or none
+    av = a_in && in_f ? *reinterpret_cast<const float4*>(a_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    bv = b_in && in_f ? *reinterpret_cast<const float4*>(b_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
+  };
+  auto store = [&](int buf, const float4& av, const float4& bv) {
+    a_tile[buf][load_k + 0][load_row] = av.x;
+    a_tile[buf][load_k + 1][load_row] = av.y;
+    a_tile[buf][load_k + 2][load_row] = av.z;
+    a_tile[buf][load_k + 3][load_row] = av.w;
+    b_tile[buf][load_k + 0][load_row] = bv.x;
+    b_tile[buf][load_k + 1][load_row] = bv.y;
+    b_tile[buf][load_k + 2][load_row] = bv.z;
+    b_tile[buf][load_k + 3][load_row] = bv.w;
+  };
+  float acc[8][8] = {};
+  float4 av, bv;
+  load(0, av, bv);
+  store(0, av, bv);
+  __syncthreads();
+  const int64_t steps = (F + kBigTileK - 1) / kBigTileK;
+  for (int64_t step = 0; step < steps; ++step) {
+    const int buf = static_cast<int>(step & 1);
+    const bool more = step + 1 < steps;
+    if (more) load((step + 1) * kBigTileK, av, bv);
+#pragma unroll
+    for (int kk = 0; kk < kBigTileK; ++kk) {
+      const float4 a0 = *reinterpret_cast<const float4*>(&a_tile[buf][kk][4 * ty]);
+      const float4 a1 = *reinterpret_cast<const float4*>(&a_tile[buf][kk][64 + 4 * ty]);
+      const float4 b0 = *reinterpret_cast<const float4*>(&b_tile[buf][kk][4 * tx]);
+      const float4 b1 = *reinterpret_cast<const float4*>(&b_tile[buf][kk][64 + 4 * tx]);
+      const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    if (more) store(buf ^ 1, av, bv);  // buf ^ 1 was last read in the previous step, before its barrier
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = row0 + (i < 4 ? 4 * ty + i : 64 + 4 * ty + i - 4);
+    if (r >= nq) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int c = col0 + (j < 4 ? 4 * tx + j : 64 + 4 * tx + j - 4);
+      if (c >= nk) continue;
+      const int64_t flat = (z * nq + r) * nk + c;
+      if (!isfinite(acc[i][j])) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
+      logits[flat] = acc[i][j];
+    }
+  }
+}
+
+}  // namespace sparsa::cuda::ba_att

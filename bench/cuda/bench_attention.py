@@ -250,7 +250,7 @@ def bench_ba_att(lib, sizes, densities, H=32, D=128, blk=128, iters=5):
     for r in rows:
         print(f"{r['N']:>7} {r['density']:>7.2f} {r['visited']:>7.3f} {r['select_ms']:>10.3f} {r['executor_ms']:>9.3f} "
               f"{r['total_ms']:>9.3f} {r['cudnn_ms']:>9.3f} {r['cudnn_ms'] / r['total_ms']:>7.2f}x "
-              f"{r['select_ms'] / r['total_ms']:>8.1%} {r['rel_err_vs_dense']:>12.3e}"
+              f"{r['select_ms'] / r['total_ms']:>8.2%} {r['rel_err_vs_dense']:>12.3e}"
               + ("" if r["peer"] == "cuDNN" else "  (peer: SDPA flash)"))
     print("(err vs dense: sparse attention's own approximation error on random inputs, not a defect; "
           "'finite' in the JSON must be true)")

@@ -270,11 +270,12 @@ def main():
                     help="only BA-Att: device selection + block-sparse executor vs SDPA cuDNN dense")
     ap.add_argument("--ba-att-sizes", type=int, nargs="+", default=[131072])
     ap.add_argument("--ba-att-densities", type=float, nargs="+", default=[0.10, 0.50])
+    ap.add_argument("--ba-att-iters", type=int, default=15, help="timed calls per BA-Att median")
     args = ap.parse_args()
     if args.ba_att:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"cudnn {torch.backends.cudnn.version()}")
-        rows = bench_ba_att(ctypes.CDLL(args.lib), args.ba_att_sizes, args.ba_att_densities)
+        rows = bench_ba_att(ctypes.CDLL(args.lib), args.ba_att_sizes, args.ba_att_densities, iters=args.ba_att_iters)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

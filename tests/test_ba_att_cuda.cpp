@@ -40,6 +40,7 @@
 
 #include "core/attention_params.h"
 #include "core/backends.h"
+#include "cuda/select/ba_att_hooks.h"
 #include "cuda/select/ba_att_keys.h"
 #include "methods/ba_att/ba_att_impl.h"
 #include "sparsa/attention.h"
@@ -256,6 +257,7 @@ struct Case {
   Budget budget = Budget::density(0.3);
   int64_t seq_pad = 0;  // extra elements between token rows (strided views)
   bool run_executor = true;
+  bool simt_logits = false;  // true: the SIMT logits kernel even where the tensor-core one applies
   uint32_t seed = 1;
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
@@ -490,9 +492,19 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
   const Input k = make_input(c, c.heads_kv, c.len_kv, c.seed + 100, 0.6f);
   const int64_t nq = (c.len_q + c.block_q - 1) / c.block_q, nk = (c.len_kv + c.block_kv - 1) / c.block_kv;
 
+  struct LogitsSwitch {  // the case's logits kernel, restored however the test ends
+    bool saved = ba_att_cuda::set_tensor_core_logits(true);
+    ~LogitsSwitch() { ba_att_cuda::set_tensor_core_logits(saved); }
+  } logits_switch;
+  ba_att_cuda::set_tensor_core_logits(!c.simt_logits);
+
   // The device's steps 1-3 and the CPU's (cpu_ref: f64 norms, its own permutations).
   auto dev = ba_att_scores(q.device_view, k.device_view, options_of(c, Backend::cuda));
   ASSERT_TRUE(dev.ok()) << dev.status().to_string();
+  // The tensor-core (3xTF32) logits wherever F % 4 == 0 (d % 4 == 0 for every kind) unless the
+  // case asks for the SIMT kernel; both are held to the same f32 bound below.
+  EXPECT_EQ(ba_att_cuda::last_logits_used_tensor_cores(), !c.simt_logits && c.head_dim % 4 == 0)
+      << "logits kernel";
   auto cpu = ba_att_scores(q.host_view, k.host_view, options_of(c, Backend::cpu_ref));
   ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
   ASSERT_EQ(dev->num_q_blocks, nq);
@@ -663,6 +675,20 @@ std::vector<Case> cases() {
   add("nq10000_warp_rows", [](Case& c) {
     c.len_q = 10000; c.block_q = 1; c.len_kv = 300; c.heads_q = c.heads_kv = 1; c.budget = Budget::top_kappa(2);
     c.run_executor = false;
+  });
+  // The SIMT 128x128 logits kernel, which the tensor-core kernel replaced where F % 4 == 0: kept
+  // reachable (set_tensor_core_logits(false)) and held to the same bound.
+  add("simt_logits_len1000_b128_d128", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.block_q = c.block_kv = 128; c.head_dim = 128; c.simt_logits = true;
+  });
+  add("simt_logits_exact_gqa2", [](Case& c) {
+    c.compensation = Compensation::exact; c.len_q = c.len_kv = 200; c.heads_q = 4; c.simt_logits = true;
+  });
+  // The tensor-core kernel over several 128-block tiles in both directions with an odd nk (the
+  // scalar stores) and a large F (the exact kind: F = d + 2 d^2, 8256 at d 64).
+  add("tc_logits_nq300_nk301_exact", [](Case& c) {
+    c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16; c.heads_q = c.heads_kv = 1;
+    c.compensation = Compensation::exact; c.budget = Budget::top_kappa(7); c.run_executor = false;
   });
   return v;
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/attention/route.h"
+#include "cuda/select/ba_att_hooks.h"
 #include "sparsa/attention.h"
 #include "sparsa/ba_att.h"
 
@@ -221,5 +222,8 @@ int sparsa_bench_ba_att(void* q, void* k, void* v, void* out, void* lse, int is_
 void sparsa_bench_set_flash_tma(int on) { sparsa::cuda::detail::set_flash_tma(on != 0); }
 // Allows (1) or forbids (0) the split-KV executor's wgmma + TMA kernel (rung 2); rung 1 otherwise.
 void sparsa_bench_set_split_kv_tma(int on) { sparsa::cuda::detail::set_split_kv_tma(on != 0); }
+
+// Allows (1) or forbids (0) BA-Att's tensor-core logits kernel; 0 takes the SIMT f32 kernel.
+void sparsa_bench_set_ba_att_tensor_core_logits(int on) { sparsa::ba_att_cuda::set_tensor_core_logits(on != 0); }
 
 }  // extern "C"

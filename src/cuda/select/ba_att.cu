@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdint>
 #include <cmath>
@@ -16,6 +17,7 @@
 
 #include "core/backends.h"
 #include "cuda/common/check.h"
+#include "cuda/select/ba_att_hooks.h"
 #include "cuda/select/ba_att_kernels.cuh"
 #include "methods/ba_att/ba_att_impl.h"
 
@@ -54,6 +56,9 @@ struct Workspace {
   };
   std::vector<SortSize> sort_sizes;
 };
+// The logits kernel switch (ba_att_hooks.h) and what the last call on this thread took.
+std::atomic<bool> g_tc_logits{true};
+thread_local bool g_last_tc_logits = false;
 std::mutex g_mutex;
 Workspace g_workspace[kMaxDevices];
 
@@ -474,7 +479,16 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
                                                r.sort_k ? perm_kv->ptr<int32_t>() : nullptr, p, s.kind, s.F,
                                                w.key_features, device);
   SPARSA_RETURN_IF_ERROR(key_status);
-  if (s.F % 4 == 0) {
+  g_last_tc_logits = s.F % 4 == 0 && g_tc_logits.load(std::memory_order_relaxed);
+  if (g_last_tc_logits) {
+    const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kTcTile - 1) / kTcTile),
+                    static_cast<unsigned>((p.num_q_blocks + kTcTile - 1) / kTcTile),
+                    static_cast<unsigned>(p.batch * p.heads_q));
+    block_logits_tf32_kernel<<<grid, kTcThreads>>>(w.query_features, w.key_features, w.logits,
+                                                   static_cast<int>(p.num_q_blocks), static_cast<int>(p.num_kv_blocks),
+                                                   s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
+                                                   static_cast<int>(p.heads_kv), w.err);
+  } else if (s.F % 4 == 0) {
     const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kBigTile - 1) / kBigTile),
                     static_cast<unsigned>((p.num_q_blocks + kBigTile - 1) / kBigTile),
                     static_cast<unsigned>(p.batch * p.heads_q));
@@ -636,5 +650,8 @@ Status token_norms(const Tensor& x, HostArray* norms) {
   *norms = std::move(host).value();
   return {};
 }
+
+bool set_tensor_core_logits(bool on) { return g_tc_logits.exchange(on); }
+bool last_logits_used_tensor_cores() { return g_last_tc_logits; }
 
 }  // namespace sparsa::ba_att_cuda

@@ -88,6 +88,37 @@ __global__ void __launch_bounds__(kLogitThreads)
   }
 }
 
+// What both 128x128-tile kernels share. LogitTile: the tile's query-feature rows A, key-feature
+// rows B (GQA: query head h reads kv head h / group) and the operands one thread brings per k step
+// of 8: row t / 2, k (t % 2) * 4 .. + 3 of both tiles (F % 4 == 0: one float4 each, zeros past
+// the edges). put_logit: one logit out, a non-finite one recorded (lowest flat index).
+struct LogitTile {
+  int64_t z, F;
+  int row0, col0, load_row, load_k;
+  bool a_in, b_in;
+  const float* a_src;
+  const float* b_src;
+  __device__ __forceinline__ LogitTile(const float* query_features, const float* key_features, int nq, int nk,
+                                       int64_t F_, int heads_q, int group, int heads_kv, int tile)
+      : z(blockIdx.z), F(F_), row0(blockIdx.y * tile), col0(blockIdx.x * tile), load_row(threadIdx.x / 2),
+        load_k((threadIdx.x % 2) * 4) {
+    const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
+    a_in = row0 + load_row < nq;
+    b_in = col0 + load_row < nk;
+    a_src = query_features + z * nq * F + static_cast<int64_t>(row0 + load_row) * F + load_k;
+    b_src = key_features + zk * nk * F + static_cast<int64_t>(col0 + load_row) * F + load_k;
+  }
+  __device__ __forceinline__ void load(int64_t f0, float4& av, float4& bv) const {
+    const bool in_f = f0 + load_k < F;  // F % 4 == 0: all four or none
+    av = a_in && in_f ? *reinterpret_cast<const float4*>(a_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    bv = b_in && in_f ? *reinterpret_cast<const float4*>(b_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+};
+__device__ __forceinline__ void put_logit(float* logits, ErrorWord* err, int64_t flat, float x) {
+  if (!isfinite(x)) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
+  logits[flat] = x;
+}
+
 // F % 4 == 0 (every kind when d % 4 == 0): 128x128 tiles, 8x8 outputs per thread (rows 4 ty..
 // and 64 + 4 ty.., columns 4 tx.. and 64 + 4 tx..), k in steps of 8 through two shared buffers: the
 // next step's float4s are loaded into registers while this step's are multiplied, one barrier a
@@ -102,22 +133,11 @@ __global__ void __launch_bounds__(kBigLogitThreads, 2)
                             int heads_kv, ErrorWord* err) {
   __shared__ __align__(16) float a_tile[2][kBigTileK][kBigTile + 4];
   __shared__ __align__(16) float b_tile[2][kBigTileK][kBigTile + 4];
-  const int64_t z = blockIdx.z;
-  const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
-  const float* A = query_features + z * nq * F;
-  const float* B = key_features + zk * nk * F;
-  const int row0 = blockIdx.y * kBigTile, col0 = blockIdx.x * kBigTile;
+  const LogitTile tile(query_features, key_features, nq, nk, F, heads_q, group, heads_kv, kBigTile);
+  const int64_t z = tile.z;
+  const int row0 = tile.row0, col0 = tile.col0, load_row = tile.load_row, load_k = tile.load_k;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  // Loads: thread t brings row t / 2, k (t % 2) * 4 .. + 3 of both tiles.
-  const int load_row = threadIdx.x / 2, load_k = (threadIdx.x % 2) * 4;
-  const bool a_in = row0 + load_row < nq, b_in = col0 + load_row < nk;
-  const float* a_src = A + static_cast<int64_t>(row0 + load_row) * F + load_k;
-  const float* b_src = B + static_cast<int64_t>(col0 + load_row) * F + load_k;
-  auto load = [&](int64_t f0, float4& av, float4& bv) {
-    const bool in_f = f0 + load_k < F;  // F % 4 == 0: all four or none
-    av = a_in && in_f ? *reinterpret_cast<const float4*>(a_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
-    bv = b_in && in_f ? *reinterpret_cast<const float4*>(b_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
-  };
+  auto load = [&](int64_t f0, float4& av, float4& bv) { tile.load(f0, av, bv); };
   auto store = [&](int buf, const float4& av, const float4& bv) {
     a_tile[buf][load_k + 0][load_row] = av.x;
     a_tile[buf][load_k + 1][load_row] = av.y;
@@ -162,9 +182,7 @@ __global__ void __launch_bounds__(kBigLogitThreads, 2)
     for (int j = 0; j < 8; ++j) {
       const int c = col0 + (j < 4 ? 4 * tx + j : 64 + 4 * tx + j - 4);
       if (c >= nk) continue;
-      const int64_t flat = (z * nq + r) * nk + c;
-      if (!isfinite(acc[i][j])) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
-      logits[flat] = acc[i][j];
+      put_logit(logits, err, (z * nq + r) * nk + c, acc[i][j]);
     }
   }
 }
@@ -226,23 +244,12 @@ __global__ void __launch_bounds__(kTcThreads, 2)
   // [part][buffer][row][k]: part 0 = hi, 1 = lo.
   __shared__ __align__(16) float a_tile[2][2][kTcTile][kTcPad];
   __shared__ __align__(16) float b_tile[2][2][kTcTile][kTcPad];
-  const int64_t z = blockIdx.z;
-  const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
-  const float* A = query_features + z * nq * F;
-  const float* B = key_features + zk * nk * F;
-  const int row0 = blockIdx.y * kTcTile, col0 = blockIdx.x * kTcTile;
+  const LogitTile tile(query_features, key_features, nq, nk, F, heads_q, group, heads_kv, kTcTile);
+  const int64_t z = tile.z;
+  const int row0 = tile.row0, col0 = tile.col0, load_row = tile.load_row, load_k = tile.load_k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int wm = (warp % 4) * 32, wn = (warp / 4) * 64;
-  // Loads: thread t brings row t / 2, k (t % 2) * 4 .. + 3, of both tiles.
-  const int load_row = threadIdx.x / 2, load_k = (threadIdx.x % 2) * 4;
-  const bool a_in = row0 + load_row < nq, b_in = col0 + load_row < nk;
-  const float* a_src = A + static_cast<int64_t>(row0 + load_row) * F + load_k;
-  const float* b_src = B + static_cast<int64_t>(col0 + load_row) * F + load_k;
-  auto load = [&](int64_t f0, float4& av, float4& bv) {
-    const bool in_f = f0 + load_k < F;  // F % 4 == 0: all four or none
-    av = a_in && in_f ? *reinterpret_cast<const float4*>(a_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
-    bv = b_in && in_f ? *reinterpret_cast<const float4*>(b_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
-  };
+  auto load = [&](int64_t f0, float4& av, float4& bv) { tile.load(f0, av, bv); };
   auto store = [&](int buf, const float4& av, const float4& bv) {
     float4 hi, lo;
     split_tf32(av, hi, lo);
@@ -308,14 +315,8 @@ __global__ void __launch_bounds__(kTcThreads, 2)
           }
           *reinterpret_cast<float2*>(logits + flat) = make_float2(x0, x1);
         } else {
-          if (col < nk) {
-            if (!isfinite(x0)) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
-            logits[flat] = x0;
-          }
-          if (col + 1 < nk) {
-            if (!isfinite(x1)) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat + 1));
-            logits[flat + 1] = x1;
-          }
+          if (col < nk) put_logit(logits, err, flat, x0);
+          if (col + 1 < nk) put_logit(logits, err, flat + 1, x1);
         }
       }
     }

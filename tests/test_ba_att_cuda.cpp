@@ -19,7 +19,10 @@
 //    at most `block` tokens and the feature product over F terms in f32; each partial sum errs by
 //    at most (its length) * 2^-24 times the sum of the absolute values of its terms, so the bound
 //    is 2 * (block + F) * 2^-24 * M, where M bounds the absolute terms of the logit (computed below
-//    from block means of |x| and of x^2 in f64).
+//    from block means of |x| and of x^2 in f64). The tensor-core product (3xTF32) errs by at most
+//    ~2^-21 = 8 * 2^-24 per term (the split x = hi + lo keeps ~22 bits, and lo * lo is dropped) and
+//    by at most 2 * 2^-24 per addition if the tensor cores truncate: block + 2 F + 8 units in all,
+//    inside the bound when max(block_q, block_kv) >= 8 (16 or more in every case here).
 //  - Plans. Given the same f32 logits the budget is exact: the device's kept set for top_kappa and
 //    density equals select_blocks() on the device logits copied back, bit for bit. Mass sums f64
 //    weights in a different order (a tree, not a loop), so there the count may differ only where

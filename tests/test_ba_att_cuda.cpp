@@ -261,6 +261,7 @@ struct Case {
   int64_t seq_pad = 0;  // extra elements between token rows (strided views)
   bool run_executor = true;
   bool simt_logits = false;  // true: the SIMT logits kernel even where the tensor-core one applies
+  bool serial_sides = false;  // true: the key side's steps 1-3 after the query side's, on one stream
   uint32_t seed = 1;
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
@@ -500,6 +501,11 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
     ~LogitsSwitch() { ba_att_cuda::set_tensor_core_logits(saved); }
   } logits_switch;
   ba_att_cuda::set_tensor_core_logits(!c.simt_logits);
+  struct SidesSwitch {  // the case's stream layout, restored however the test ends
+    bool saved = ba_att_cuda::set_concurrent_sides(true);
+    ~SidesSwitch() { ba_att_cuda::set_concurrent_sides(saved); }
+  } sides_switch;
+  ba_att_cuda::set_concurrent_sides(!c.serial_sides);
 
   // The device's steps 1-3 and the CPU's (cpu_ref: f64 norms, its own permutations).
   auto dev = ba_att_scores(q.device_view, k.device_view, options_of(c, Backend::cuda));
@@ -508,6 +514,7 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
   // case asks for the SIMT kernel; both are held to the same f32 bound below.
   EXPECT_EQ(ba_att_cuda::last_logits_used_tensor_cores(), !c.simt_logits && c.head_dim % 4 == 0)
       << "logits kernel";
+  EXPECT_EQ(ba_att_cuda::last_selection_concurrent(), !c.serial_sides) << "the key side on its own stream";
   auto cpu = ba_att_scores(q.host_view, k.host_view, options_of(c, Backend::cpu_ref));
   ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
   ASSERT_EQ(dev->num_q_blocks, nq);
@@ -686,6 +693,18 @@ std::vector<Case> cases() {
   });
   add("simt_logits_exact_gqa2", [](Case& c) {
     c.compensation = Compensation::exact; c.len_q = c.len_kv = 200; c.heads_q = 4; c.simt_logits = true;
+  });
+  // Both sides on one stream (K reusing Q's sort buffers), as before the side stream: a sorted
+  // case, a windowed one, one with K unsorted, and the large-F exact kind.
+  add("serial_sides_len1000_b128_d128", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.block_q = c.block_kv = 128; c.head_dim = 128; c.serial_sides = true;
+  });
+  add("serial_sides_window256_gqa4_2", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.window = 256; c.heads_q = 4; c.serial_sides = true;
+  });
+  add("serial_sides_sort_q_only", [](Case& c) { c.sort_k = false; c.serial_sides = true; });
+  add("serial_sides_exact", [](Case& c) {
+    c.compensation = Compensation::exact; c.len_q = c.len_kv = 200; c.serial_sides = true;
   });
   // The tensor-core kernel over several 128-block tiles in both directions with an odd nk (the
   // scalar stores) and a large F (the exact kind: F = d + 2 d^2, 8256 at d 64).

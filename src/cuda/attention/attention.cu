@@ -273,7 +273,6 @@ Status run_split_kv(SplitKvParams p, int device, cudaStream_t stream, const Extr
     p.part_lse = p.part_o + partials * d;
   }
   p.merge_wait_ns = g_merge_wait_ns.load(std::memory_order_relaxed);
-
   g_last_splits = p.num_splits;
 
   cudaLaunchConfig_t config = {};

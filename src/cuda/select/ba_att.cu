@@ -35,8 +35,9 @@ constexpr int64_t kInt32Max = 0x7fffffff;
 constexpr int kMaxDevices = 64;
 
 // Grow-only scratch per device. Every call is ordered on the default stream (its side stream is
-// joined back before it returns, also on errors), so the next call's kernels run after this call's; the mutex keeps two host threads from sharing it at once. Nothing in a
-// call's launch sequence allocates, frees, synchronises or asks the device a question once the
+// joined back before it returns, also on errors), so the next call's kernels run after this
+// call's; the mutex keeps two host threads from sharing it at once. Nothing in a call's launch
+// sequence allocates, frees, synchronises or asks the device a question once the
 // workspace has grown to the shape (the plan's own arrays come from the stream-ordered pool): the
 // host stays ahead of the device queue, and the one synchronisation is the error word's read-back
 // at the end, into pinned memory (a pageable copy goes through a driver staging buffer).

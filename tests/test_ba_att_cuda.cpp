@@ -19,7 +19,10 @@
 //    at most `block` tokens and the feature product over F terms in f32; each partial sum errs by
 //    at most (its length) * 2^-24 times the sum of the absolute values of its terms, so the bound
 //    is 2 * (block + F) * 2^-24 * M, where M bounds the absolute terms of the logit (computed below
-//    from block means of |x| and of x^2 in f64).
+//    from block means of |x| and of x^2 in f64). The tensor-core product (3xTF32) errs by at most
+//    ~2^-21 = 8 * 2^-24 per term (the split x = hi + lo keeps ~22 bits, and lo * lo is dropped) and
+//    by at most 2 * 2^-24 per addition if the tensor cores truncate: block + 2 F + 8 units in all,
+//    inside the bound when max(block_q, block_kv) >= 8 (16 or more in every case here).
 //  - Plans. Given the same f32 logits the budget is exact: the device's kept set for top_kappa and
 //    density equals select_blocks() on the device logits copied back, bit for bit. Mass sums f64
 //    weights in a different order (a tree, not a loop), so there the count may differ only where
@@ -40,6 +43,7 @@
 
 #include "core/attention_params.h"
 #include "core/backends.h"
+#include "cuda/select/ba_att_hooks.h"
 #include "cuda/select/ba_att_keys.h"
 #include "methods/ba_att/ba_att_impl.h"
 #include "sparsa/attention.h"
@@ -256,6 +260,8 @@ struct Case {
   Budget budget = Budget::density(0.3);
   int64_t seq_pad = 0;  // extra elements between token rows (strided views)
   bool run_executor = true;
+  bool simt_logits = false;  // true: the SIMT logits kernel even where the tensor-core one applies
+  bool serial_sides = false;  // true: the key side's steps 1-3 after the query side's, on one stream
   uint32_t seed = 1;
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
@@ -490,9 +496,25 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
   const Input k = make_input(c, c.heads_kv, c.len_kv, c.seed + 100, 0.6f);
   const int64_t nq = (c.len_q + c.block_q - 1) / c.block_q, nk = (c.len_kv + c.block_kv - 1) / c.block_kv;
 
+  struct LogitsSwitch {  // the case's logits kernel, restored however the test ends
+    bool saved = ba_att_cuda::set_tensor_core_logits(true);
+    ~LogitsSwitch() { ba_att_cuda::set_tensor_core_logits(saved); }
+  } logits_switch;
+  ba_att_cuda::set_tensor_core_logits(!c.simt_logits);
+  struct SidesSwitch {  // the case's stream layout, restored however the test ends
+    bool saved = ba_att_cuda::set_concurrent_sides(true);
+    ~SidesSwitch() { ba_att_cuda::set_concurrent_sides(saved); }
+  } sides_switch;
+  ba_att_cuda::set_concurrent_sides(!c.serial_sides);
+
   // The device's steps 1-3 and the CPU's (cpu_ref: f64 norms, its own permutations).
   auto dev = ba_att_scores(q.device_view, k.device_view, options_of(c, Backend::cuda));
   ASSERT_TRUE(dev.ok()) << dev.status().to_string();
+  // The tensor-core (3xTF32) logits wherever F % 4 == 0 (d % 4 == 0 for every kind) unless the
+  // case asks for the SIMT kernel; both are held to the same f32 bound below.
+  EXPECT_EQ(ba_att_cuda::last_logits_used_tensor_cores(), !c.simt_logits && c.head_dim % 4 == 0)
+      << "logits kernel";
+  EXPECT_EQ(ba_att_cuda::last_selection_concurrent(), !c.serial_sides) << "the key side on its own stream";
   auto cpu = ba_att_scores(q.host_view, k.host_view, options_of(c, Backend::cpu_ref));
   ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
   ASSERT_EQ(dev->num_q_blocks, nq);
@@ -663,6 +685,32 @@ std::vector<Case> cases() {
   add("nq10000_warp_rows", [](Case& c) {
     c.len_q = 10000; c.block_q = 1; c.len_kv = 300; c.heads_q = c.heads_kv = 1; c.budget = Budget::top_kappa(2);
     c.run_executor = false;
+  });
+  // The SIMT 128x128 logits kernel, which the tensor-core kernel replaced where F % 4 == 0: kept
+  // reachable (set_tensor_core_logits(false)) and held to the same bound.
+  add("simt_logits_len1000_b128_d128", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.block_q = c.block_kv = 128; c.head_dim = 128; c.simt_logits = true;
+  });
+  add("simt_logits_exact_gqa2", [](Case& c) {
+    c.compensation = Compensation::exact; c.len_q = c.len_kv = 200; c.heads_q = 4; c.simt_logits = true;
+  });
+  // Both sides on one stream (K reusing Q's sort buffers), as before the side stream: a sorted
+  // case, a windowed one, one with K unsorted, and the large-F exact kind.
+  add("serial_sides_len1000_b128_d128", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.block_q = c.block_kv = 128; c.head_dim = 128; c.serial_sides = true;
+  });
+  add("serial_sides_window256_gqa4_2", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.window = 256; c.heads_q = 4; c.serial_sides = true;
+  });
+  add("serial_sides_sort_q_only", [](Case& c) { c.sort_k = false; c.serial_sides = true; });
+  add("serial_sides_exact", [](Case& c) {
+    c.compensation = Compensation::exact; c.len_q = c.len_kv = 200; c.serial_sides = true;
+  });
+  // The tensor-core kernel over several 128-block tiles in both directions with an odd nk (the
+  // scalar stores) and a large F (the exact kind: F = d + 2 d^2, 8256 at d 64).
+  add("tc_logits_nq300_nk301_exact", [](Case& c) {
+    c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16; c.heads_q = c.heads_kv = 1;
+    c.compensation = Compensation::exact; c.budget = Budget::top_kappa(7); c.run_executor = false;
   });
   return v;
 }

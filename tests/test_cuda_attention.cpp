@@ -83,6 +83,7 @@ struct Case {
   int expect_splits = 0;    // split-KV: 1 = exactly one split; n > 1 = at least n splits; 0 = unchecked
   int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
   bool split_kv_tma = true;    // split-KV: allow rung 2 (wgmma + TMA); false forces rung 1 (mma.sync)
+  bool outlined_epilogue = false;  // flash rungs 2 and 3: the epilogue as a call (route.h)
   uint32_t seed = 1;
 };
 
@@ -364,6 +365,11 @@ TEST_P(Ops, MatchesReference) {
     ~TmaSwitch() { cuda::detail::set_split_kv_tma(saved); }
   } tma_switch;
   cuda::detail::set_split_kv_tma(c.split_kv_tma);
+  struct EpilogueSwitch {  // the case's flash epilogue, restored however the test ends
+    bool saved = cuda::detail::set_flash_outlined_epilogue(false);
+    ~EpilogueSwitch() { cuda::detail::set_flash_outlined_epilogue(saved); }
+  } epilogue_switch;
+  cuda::detail::set_flash_outlined_epilogue(c.outlined_epilogue);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -496,6 +502,16 @@ std::vector<Case> cases() {
   // Rung 2 on one split (direct write) and a 64-row m-tile that is only partly real (group 3 x 7).
   add({.name = "Small_splitkv_f16_d128_one_split_gqa3_7x600", .dtype = DType::f16, .heads_q = 6, .heads_kv = 2,
        .len_q = 7, .len_kv = 600, .head_dim = 128, .expect_splits = 1, .seed = 44});
+  // The flash rungs with the epilogue as a call: dense on rung 3, a permuted plan on rung 2
+  // (in-kernel gathers) and on rung 3 after the K/V gather, d 64 and 128, unaligned output.
+  add({.name = "Small_dense_outlined_bf16_d128_gqa2_130x300", .heads_q = 4, .heads_kv = 2, .len_q = 130,
+       .len_kv = 300, .head_dim = 128, .outlined_epilogue = true, .seed = 45});
+  add({.name = "Small_sparse_outlined_f16_d64_perm_unaligned", .dtype = DType::f16, .heads_q = 3, .heads_kv = 1,
+       .len_q = 131, .len_kv = 150, .sparse = true, .block_q = 17, .block_kv = 23, .keep = 0.5, .perms = true,
+       .seq_pad = 3, .outlined_epilogue = true, .seed = 46});
+  add({.name = "Medium_sparse_outlined_bf16_d128_b128_perm_gathered", .heads_q = 2, .heads_kv = 2, .len_q = 300,
+       .len_kv = 1500, .head_dim = 128, .sparse = true, .block_q = 128, .block_kv = 128, .keep = 0.5,
+       .perms = true, .outlined_epilogue = true, .seed = 47});
   // Medium.
   add({.name = "Medium_dense_bf16_d128_gqa4x1_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
        .len_kv = 1500, .head_dim = 128, .seed = 7});

@@ -235,7 +235,27 @@ def bench_ba_att(lib, sizes, densities, H=32, D=128, blk=128, iters=5):
             if rc != 0:
                 raise RuntimeError(err.value.decode())
             torch.cuda.synchronize()
+            # The previous logits kernel (SIMT f32), same call: the selection time it gives.
+            simt = ctypes.c_float(float("nan"))
+            lib.sparsa_bench_set_ba_att_tensor_core_logits(0)
+            rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, 1, H, H, N, D, blk,
+                   density, 2, iters, ctypes.byref(simt), ctypes.byref(ctypes.c_float()),
+                   ctypes.byref(ctypes.c_float()), ctypes.byref(ctypes.c_double()), err, len(err))
+            lib.sparsa_bench_set_ba_att_tensor_core_logits(1)
+            if rc != 0:
+                raise RuntimeError(err.value.decode())
+            # Both sides on one stream (the key side after the query side), same call.
+            serial = ctypes.c_float(float("nan"))
+            lib.sparsa_bench_set_ba_att_concurrent_sides(0)
+            rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, 1, H, H, N, D, blk,
+                   density, 2, iters, ctypes.byref(serial), ctypes.byref(ctypes.c_float()),
+                   ctypes.byref(ctypes.c_float()), ctypes.byref(ctypes.c_double()), err, len(err))
+            lib.sparsa_bench_set_ba_att_concurrent_sides(1)
+            if rc != 0:
+                raise RuntimeError(err.value.decode())
+            torch.cuda.synchronize()
             res = {"N": N, "density": density, "visited": visited.value, "select_ms": sel.value,
+                   "select_simt_logits_ms": simt.value, "select_serial_sides_ms": serial.value,
                    "executor_ms": ex.value, "total_ms": tot.value, "cudnn_ms": cudnn, "peer": peer,
                    "rel_err_vs_dense": rel_err(out, ref), "finite": bool(torch.isfinite(out).all().item())}
             rows.append(res)
@@ -246,11 +266,13 @@ def bench_ba_att(lib, sizes, densities, H=32, D=128, blk=128, iters=5):
     print(f"BA-Att on the device: {H} heads, D={D}, bf16, blocks {blk}x{blk}, global norm sort, diagonal "
           f"compensation; times: median of {iters} CUDA-event-timed calls")
     print(f"{'N':>7} {'density':>7} {'visited':>7} {'select ms':>10} {'exec ms':>9} {'total ms':>9} "
-          f"{'cuDNN ms':>9} {'speed-up':>8} {'select %':>8} {'err vs dense':>12}")
+          f"{'cuDNN ms':>9} {'speed-up':>8} {'select %':>8} {'err vs dense':>12} {'select ms, SIMT logits':>22} "
+          f"{'select ms, serial sides':>23}")
     for r in rows:
         print(f"{r['N']:>7} {r['density']:>7.2f} {r['visited']:>7.3f} {r['select_ms']:>10.3f} {r['executor_ms']:>9.3f} "
               f"{r['total_ms']:>9.3f} {r['cudnn_ms']:>9.3f} {r['cudnn_ms'] / r['total_ms']:>7.2f}x "
-              f"{r['select_ms'] / r['total_ms']:>8.2%} {r['rel_err_vs_dense']:>12.3e}"
+              f"{r['select_ms'] / r['total_ms']:>8.2%} {r['rel_err_vs_dense']:>12.3e} "
+              f"{r['select_simt_logits_ms']:>22.3f} {r['select_serial_sides_ms']:>23.3f}"
               + ("" if r["peer"] == "cuDNN" else "  (peer: SDPA flash)"))
     print("(err vs dense: sparse attention's own approximation error on random inputs, not a defect; "
           "'finite' in the JSON must be true)")
@@ -315,6 +337,14 @@ def main():
         sp.lib.sparsa_bench_set_flash_tma(0)  # the previous rung (cp.async, no producer warp), same run
         res["sparsa_dense_rung2"] = sp.run(q, k, v, out, lse, iters=iters)
         sp.lib.sparsa_bench_set_flash_tma(1)
+        # Rung 3 with its epilogue as a call (ptxas: no C7515 wgmma serialisation), same run; checked too.
+        sp.lib.sparsa_bench_set_flash_outlined_epilogue(1)
+        out.fill_(float("nan"))
+        res["sparsa_dense_outlined"] = sp.run(q, k, v, out, lse, iters=iters)
+        torch.cuda.synchronize()
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            res["err_dense_outlined_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
+        sp.lib.sparsa_bench_set_flash_outlined_epilogue(0)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             res["cudnn"] = time_torch(lambda: F.scaled_dot_product_attention(q, k, v), iters)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -338,6 +368,9 @@ def main():
         ref = flex(q, k, v, block_mask=bm)
         res["err_sparse_vs_flex"] = rel_err(out, ref)
         res["sparsa_sparse"] = sp.run(q, k, v, out, lse, counts, indices, iters=iters * 3)
+        sp.lib.sparsa_bench_set_flash_outlined_epilogue(1)
+        res["sparsa_sparse_outlined"] = sp.run(q, k, v, out, lse, counts, indices, iters=iters * 3)
+        sp.lib.sparsa_bench_set_flash_outlined_epilogue(0)
         res["flex_sparse"] = time_torch(lambda: flex(q, k, v, block_mask=bm), iters * 3)
         res.update(N=N, density=density, dense_flops=dense_flops, sparse_flops=sparse_flops)
         rows.append(res)
@@ -356,10 +389,12 @@ def main():
         N = r["N"]
         for name, key, flops in [("sparsa dense", "sparsa_dense", r["dense_flops"]),
                                  ("sparsa dense rung 2", "sparsa_dense_rung2", r["dense_flops"]),
+                                 ("sparsa dense outlined ep.", "sparsa_dense_outlined", r["dense_flops"]),
                                  ("SDPA cuDNN", "cudnn", r["dense_flops"]),
                                  ("SDPA flash (FA2)", "fa2", r["dense_flops"]),
                                  ("Flex dense", "flex_dense", r["dense_flops"]),
                                  (f"sparsa sparse {r['density']:.3f}", "sparsa_sparse", r["sparse_flops"]),
+                                 ("sparsa sparse outlined ep.", "sparsa_sparse_outlined", r["sparse_flops"]),
                                  (f"Flex sparse {r['density']:.3f}", "flex_sparse", r["sparse_flops"])]:
             t = tf(flops, r[key])
             print(f"{N:>6} {name:<22} {r[key]:>9.3f} {t:>8.1f} {t / CEILING:>7.1%}")

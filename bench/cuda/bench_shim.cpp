@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/attention/route.h"
+#include "cuda/select/ba_att_hooks.h"
 #include "sparsa/attention.h"
 #include "sparsa/ba_att.h"
 
@@ -219,7 +220,15 @@ int sparsa_bench_ba_att(void* q, void* k, void* v, void* out, void* lse, int is_
 
 // 0: the flash executor's TMA kernel (rung 3) is not used, so rung 2 runs; 1: the default.
 void sparsa_bench_set_flash_tma(int on) { sparsa::cuda::detail::set_flash_tma(on != 0); }
+// 1: the flash rungs' epilogue as a call (no ptxas C7515); 0: inlined, the default.
+void sparsa_bench_set_flash_outlined_epilogue(int on) { sparsa::cuda::detail::set_flash_outlined_epilogue(on != 0); }
 // Allows (1) or forbids (0) the split-KV executor's wgmma + TMA kernel (rung 2); rung 1 otherwise.
 void sparsa_bench_set_split_kv_tma(int on) { sparsa::cuda::detail::set_split_kv_tma(on != 0); }
+
+// Allows (1) or forbids (0) BA-Att's tensor-core logits kernel; 0 takes the SIMT f32 kernel.
+void sparsa_bench_set_ba_att_tensor_core_logits(int on) { sparsa::ba_att_cuda::set_tensor_core_logits(on != 0); }
+
+// Allows (1) or forbids (0) BA-Att's key side on a second stream beside the query side.
+void sparsa_bench_set_ba_att_concurrent_sides(int on) { sparsa::ba_att_cuda::set_concurrent_sides(on != 0); }
 
 }  // extern "C"

@@ -129,10 +129,10 @@ void launch_rung1(const FlashParams& p) {
   CHECK(cudaGetLastError());
 }
 
-template <int BN, int STAGES>
+template <int BN, int STAGES, bool OUTLINED = false>
 void launch_rung2(const FlashParams& p) {
   using Shape = WgmmaShape<128, BN, STAGES>;
-  auto kernel = flash_wgmma_kernel<__nv_bfloat16, 128, BN, STAGES>;
+  auto kernel = flash_wgmma_kernel<__nv_bfloat16, 128, BN, STAGES, OUTLINED>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes));
   kernel<<<dim3(p.num_q_blocks, p.heads_q, 1), Shape::kThreads, Shape::kSmemBytes>>>(p);
   CHECK(cudaGetLastError());
@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
       {"1h 8w x32r BN32", 256, 32, launch_rung1<8, 32, 2, false, 1>},
       {"2a wgmma BN128 2 stages", 128, 128, launch_rung2<128, 2>},
       {"2e wgmma BN128 3 stages", 128, 128, launch_rung2<128, 3>},
+      {"2g 2e, epilogue as a call", 128, 128, launch_rung2<128, 3, true>},
       {"2f wgmma BN64 3 stages", 128, 64, launch_rung2<64, 3>},
   };
   // Check every variant against rung 0 (4 heads, N = 1000: partial tiles on both sides).

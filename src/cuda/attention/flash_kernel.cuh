@@ -254,6 +254,18 @@ __device__ __forceinline__ void store_tile_rows(const FlashParams& p, const Quer
   }
 }
 
+// The same epilogue as a call, not inlined: the wgmma kernels' option (OUTLINED = true). Inlined
+// into rungs 2 and 3, the epilogue's address arithmetic and LSE (log2f) make ptxas report C7515
+// (wgmma serialised: "non wgmma instructions defining accumulator registers ... between start and
+// end of the pipeline stage") for the whole kernel; out of line (O passed through the stack, once
+// per CTA) it does not (compile-only finding, bench/RESULTS.md).
+template <class T, int kDT, int ROWS>
+__device__ __noinline__ void store_tile_rows_outlined(const FlashParams& p, const QueryTile<ROWS>& tile, int pos0,
+                                                      const float (&o)[kDT][4], const float (&row_max)[2],
+                                                      const float (&row_sum)[2]) {
+  store_tile_rows<T, kDT>(p, tile, pos0, o, row_max, row_sum);
+}
+
 // The online softmax of a 16-row tile, in two halves so that a kernel can put the wait for the
 // previous P V between them (this thread: rows g, elements 0-1, and g + 8, elements 2-3, of each
 // 8-column score tile).

@@ -117,18 +117,23 @@ struct WgmmaConsumer {
     }
   }
   // After the last tile: its P V complete, then O / l and LSE at the original query positions.
-  template <int ROWS>
+  // OUTLINED: the epilogue as a call (store_tile_rows_outlined), not inlined.
+  template <bool OUTLINED, int ROWS>
   __device__ __forceinline__ void store(const FlashParams& p, const QueryTile<ROWS>& tile, int warp) {
     wgmma_wait<0>();
     fence_registers(o_flat());
-    store_tile_rows<T, kDT>(p, tile, tile.begin + warp * 16, o, row_max, row_sum);
+    if constexpr (OUTLINED) {
+      store_tile_rows_outlined<T, kDT>(p, tile, tile.begin + warp * 16, o, row_max, row_sum);
+    } else {
+      store_tile_rows<T, kDT>(p, tile, tile.begin + warp * 16, o, row_max, row_sum);
+    }
   }
 };
 
 // STAGES: K/V tiles in shared memory, 2 or 3. With 2, the prefetch of tile t+1 waits for a second
 // barrier per tile (both warpgroups done with P V of tile t-1); with 3 it is issued right after the
 // first, into the stage of tile t-2.
-template <class T, int D, int BN, int STAGES>
+template <class T, int D, int BN, int STAGES, bool OUTLINED = false>
 __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p) {
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
   static_assert(STAGES == 2 || STAGES == 3, "two or three K/V stages");
@@ -191,7 +196,7 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
     stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
   cp_async_wait<0>();
-  consumer.store(p, tile, threadIdx.x / 32);
+  consumer.template store<OUTLINED>(p, tile, threadIdx.x / 32);
 }
 
 }  // namespace sparsa::cuda::detail

@@ -1,10 +1,12 @@
-// The cuda backend of BA-Att's selector: steps 1-4 of Algorithm 1 on the device of q and k, on
-// the default stream, into a plan whose arrays are device memory (BlockIndexBuffer::device_*).
-// The kernels are listed in ba_att_kernels.cuh (one file per step); this file sizes the scratch, launches them in order and
-// turns the device-side error word into a Status (the one host synchronisation, at the end).
+// The cuda backend of BA-Att's selector: steps 1-4 of Algorithm 1 on the device of q and k, into a
+// plan whose arrays are device memory (BlockIndexBuffer::device_*). Ordered on the default stream
+// (the key side's steps 1-3 run on a second stream forked from and joined back to it). The kernels
+// are listed in ba_att_kernels.cuh (one file per step); this file sizes the scratch, launches them
+// and turns the device-side error word into a Status (the one host synchronisation, at the end).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdint>
 #include <cmath>
@@ -16,6 +18,7 @@
 
 #include "core/backends.h"
 #include "cuda/common/check.h"
+#include "cuda/select/ba_att_hooks.h"
 #include "cuda/select/ba_att_kernels.cuh"
 #include "methods/ba_att/ba_att_impl.h"
 
@@ -31,9 +34,10 @@ constexpr int64_t kInt32Max = 0x7fffffff;
 
 constexpr int kMaxDevices = 64;
 
-// Grow-only scratch per device. Every launch is on the default stream, so the next call's kernels
-// run after this call's; the mutex keeps two host threads from sharing it at once. Nothing in a
-// call's launch sequence allocates, frees, synchronises or asks the device a question once the
+// Grow-only scratch per device. Every call is ordered on the default stream (its side stream is
+// joined back before it returns, also on errors), so the next call's kernels run after this
+// call's; the mutex keeps two host threads from sharing it at once. Nothing in a call's launch
+// sequence allocates, frees, synchronises or asks the device a question once the
 // workspace has grown to the shape (the plan's own arrays come from the stream-ordered pool): the
 // host stays ahead of the device queue, and the one synchronisation is the error word's read-back
 // at the end, into pinned memory (a pageable copy goes through a driver staging buffer).
@@ -53,7 +57,17 @@ struct Workspace {
     size_t bytes;
   };
   std::vector<SortSize> sort_sizes;
+  // The key side's stream (steps 1-3 of K beside those of Q) and the two events that fork it from
+  // and join it back to the default stream; created on first use.
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
 };
+// The logits kernel switch (ba_att_hooks.h) and what the last call on this thread took.
+std::atomic<bool> g_tc_logits{true};
+thread_local bool g_last_tc_logits = false;
+// The concurrent key side switch (ba_att_hooks.h) and whether the last call on this thread used it.
+std::atomic<bool> g_concurrent_sides{true};
+thread_local bool g_last_concurrent = false;
 std::mutex g_mutex;
 Workspace g_workspace[kMaxDevices];
 
@@ -158,32 +172,48 @@ struct Sizes {
   int kind = kPlain;
   int64_t F = 0;
   int64_t rows = 0;                       // batch * heads_q * num_q_blocks
-  size_t sort_temp_bytes = 0;
+  size_t sort_temp_q = 0, sort_temp_k = 0;  // CUB's scratch per side
   int sort_size = 0;                      // power of two >= num_kv_blocks
   bool global_select = false;
   int select_ctas = 0;
 };
 
 // The arrays of one run inside the workspace (null pointers while measuring).
-struct Scratch {
-  ErrorWord* err = nullptr;
+// The sort buffers of one side (Q or K). With the sides concurrent each has its own; serial, K
+// reuses Q's.
+struct SortScratch {
   uint64_t* keys_in = nullptr;
   uint64_t* keys_out = nullptr;
-  void* sort_temp = nullptr;
+  void* temp = nullptr;
+};
+
+struct Scratch {
+  ErrorWord* err = nullptr;
+  SortScratch sort_q, sort_k;
   float* query_features = nullptr;
   float* key_features = nullptr;
   float* logits = nullptr;
   uint64_t* select_scratch = nullptr;
 };
 
-Scratch carve(Carver& c, const Request& r, const Sizes& s, bool select) {
+Scratch carve(Carver& c, const Request& r, const Sizes& s, bool select, bool concurrent) {
   const BaAttParams& p = r.params;
   Scratch w;
-  const int64_t tokens = std::max(r.sort_q ? s.tokens_q : 0, r.sort_k ? s.tokens_k : 0);
   w.err = c.take<ErrorWord>(1);
-  w.keys_in = c.take<uint64_t>(tokens);
-  w.keys_out = c.take<uint64_t>(tokens);
-  w.sort_temp = c.take<char>(s.sort_temp_bytes);
+  auto sort_buffers = [&](int64_t tokens, size_t temp_bytes) {
+    SortScratch b;
+    b.keys_in = c.take<uint64_t>(tokens);
+    b.keys_out = c.take<uint64_t>(tokens);
+    b.temp = c.take<char>(temp_bytes);
+    return b;
+  };
+  if (concurrent) {
+    w.sort_q = sort_buffers(r.sort_q ? s.tokens_q : 0, s.sort_temp_q);
+    w.sort_k = sort_buffers(r.sort_k ? s.tokens_k : 0, s.sort_temp_k);
+  } else {
+    w.sort_q = w.sort_k = sort_buffers(std::max(r.sort_q ? s.tokens_q : 0, r.sort_k ? s.tokens_k : 0),
+                                       std::max(s.sort_temp_q, s.sort_temp_k));
+  }
   w.query_features = c.take<float>(static_cast<size_t>(p.batch * p.heads_q * p.num_q_blocks * s.F));
   w.key_features = c.take<float>(static_cast<size_t>(p.batch * p.heads_kv * p.num_kv_blocks * s.F));
   w.logits = c.take<float>(static_cast<size_t>(s.rows * p.num_kv_blocks));
@@ -248,13 +278,13 @@ bool vector_rows(const Tensor& x) {
 }
 
 template <class T, int kLanes>
-Status launch_norm_vector(const Tensor& x, const NormArgs& a, int device) {
+Status launch_norm_vector(const Tensor& x, const NormArgs& a, int device, cudaStream_t stream) {
   const auto kernel = norm_keys_vector_kernel<T, kLanes>;
   int sms = 0, per_sm = 0;
   SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(kernel), kNormThreads, 0, &sms, &per_sm));
   const int64_t tokens_per_cta = static_cast<int64_t>(kNormThreads / 32) * (32 / kLanes) * kNormTokens;
   const int64_t grid = std::min<int64_t>((a.total + tokens_per_cta - 1) / tokens_per_cta, static_cast<int64_t>(sms) * per_sm);
-  kernel<<<static_cast<unsigned>(grid), kNormThreads>>>(input_of<T>(x), a);
+  kernel<<<static_cast<unsigned>(grid), kNormThreads, 0, stream>>>(input_of<T>(x), a);
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
 }
@@ -263,7 +293,7 @@ Status launch_norm_vector(const Tensor& x, const NormArgs& a, int device) {
 // tokens < 2^31 (check_request, token_norms), as NormArgs' FastDiv needs. `device` is current.
 template <class T>
 Status launch_norms(const Tensor& x, int64_t window, int64_t windows, int index_bits, uint64_t* keys, float* norms,
-                    ErrorWord* err, int err_slot, int device) {
+                    ErrorWord* err, int err_slot, int device, cudaStream_t stream) {
   const int64_t tokens = x.shape[0] * x.shape[1] * x.shape[2];
   if (tokens == 0) return {};
   NormArgs a;
@@ -280,15 +310,15 @@ Status launch_norms(const Tensor& x, int64_t window, int64_t windows, int index_
   if (vector_rows<T>(x)) {
     // The fewest lanes per token (a power of two, at most 32) covering its 16-byte chunks.
     const int64_t chunks = x.shape[3] / kVector<T>;
-    if (chunks <= 1) return launch_norm_vector<T, 1>(x, a, device);
-    if (chunks <= 2) return launch_norm_vector<T, 2>(x, a, device);
-    if (chunks <= 4) return launch_norm_vector<T, 4>(x, a, device);
-    if (chunks <= 8) return launch_norm_vector<T, 8>(x, a, device);
-    if (chunks <= 16) return launch_norm_vector<T, 16>(x, a, device);
-    return launch_norm_vector<T, 32>(x, a, device);
+    if (chunks <= 1) return launch_norm_vector<T, 1>(x, a, device, stream);
+    if (chunks <= 2) return launch_norm_vector<T, 2>(x, a, device, stream);
+    if (chunks <= 4) return launch_norm_vector<T, 4>(x, a, device, stream);
+    if (chunks <= 8) return launch_norm_vector<T, 8>(x, a, device, stream);
+    if (chunks <= 16) return launch_norm_vector<T, 16>(x, a, device, stream);
+    return launch_norm_vector<T, 32>(x, a, device, stream);
   }
   const int64_t grid = (tokens + kNormThreads / 32 - 1) / (kNormThreads / 32);
-  norm_keys_scalar_kernel<T><<<static_cast<unsigned>(grid), kNormThreads>>>(input_of<T>(x), a);
+  norm_keys_scalar_kernel<T><<<static_cast<unsigned>(grid), kNormThreads, 0, stream>>>(input_of<T>(x), a);
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
 }
@@ -297,16 +327,18 @@ Status launch_norms(const Tensor& x, int64_t window, int64_t windows, int index_
 // end_bit) (norm_key: the token's index rides in the low bits), and perm from the sorted keys.
 template <class T>
 Status sort_by_norm(const Tensor& x, int64_t tokens, int64_t window, int64_t windows, int index_bits, int end_bit,
-                    int err_slot, const Scratch& w, size_t temp_bytes, int32_t* perm, int device) {
+                    int err_slot, ErrorWord* err, const SortScratch& w, size_t temp_bytes, int32_t* perm, int device,
+                    cudaStream_t stream) {
   if (tokens == 0) return {};
-  SPARSA_RETURN_IF_ERROR(launch_norms<T>(x, window, windows, index_bits, w.keys_in, nullptr, w.err, err_slot, device));
-  SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(w.sort_temp, temp_bytes, w.keys_in, w.keys_out, tokens, index_bits,
-                                                   end_bit, nullptr));
+  SPARSA_RETURN_IF_ERROR(
+      launch_norms<T>(x, window, windows, index_bits, w.keys_in, nullptr, err, err_slot, device, stream));
+  SPARSA_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(w.temp, temp_bytes, w.keys_in, w.keys_out, tokens, index_bits,
+                                                   end_bit, stream));
   int sms = 0, per_sm = 0;
   SPARSA_RETURN_IF_ERROR(
       launch_facts(device, reinterpret_cast<const void*>(perm_from_keys_kernel), kPermThreads, 0, &sms, &per_sm));
   const int64_t grid = std::min<int64_t>((tokens + kPermThreads - 1) / kPermThreads, static_cast<int64_t>(sms) * per_sm);
-  perm_from_keys_kernel<<<static_cast<unsigned>(grid), kPermThreads>>>(
+  perm_from_keys_kernel<<<static_cast<unsigned>(grid), kPermThreads, 0, stream>>>(
       w.keys_out, perm, tokens, FastDiv(static_cast<uint32_t>(x.shape[2])), FastDiv(static_cast<uint32_t>(window)),
       index_bits);
   SPARSA_CUDA_CHECK_LAUNCH();
@@ -315,7 +347,7 @@ Status sort_by_norm(const Tensor& x, int64_t tokens, int64_t window, int64_t win
 
 template <class T, bool kQuery>
 Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* perm, const BaAttParams& p,
-                int kind, int64_t F, float* out, int device) {
+                int kind, int64_t F, float* out, int device, cudaStream_t stream) {
   FeatureArgs a;
   a.kind = kind;
   a.F = F;
@@ -343,7 +375,7 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
     a.items = bh * num_blocks;  // <= tokens < 2^31 (check_request)
     a.blocks_div = FastDiv(static_cast<uint32_t>(num_blocks));
     const int64_t grid = std::min<int64_t>(a.items, static_cast<int64_t>(sms) * per_sm);
-    kernel<<<static_cast<unsigned>(grid), kStatThreads, smem>>>(input_of<T>(x), a, n_max);
+    kernel<<<static_cast<unsigned>(grid), kStatThreads, smem, stream>>>(input_of<T>(x), a, n_max);
   } else {
     const auto kernel = block_features_kernel<T, kQuery>;
     const size_t smem = feature_smem_bytes(kind, d);
@@ -353,7 +385,7 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
           launch_facts(device, reinterpret_cast<const void*>(kernel), kFeatureThreads, smem, &sms, &per_sm));
     }
     const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(bh));
-    kernel<<<grid, kFeatureThreads, smem>>>(input_of<T>(x), a);
+    kernel<<<grid, kFeatureThreads, smem, stream>>>(input_of<T>(x), a);
   }
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
@@ -422,10 +454,13 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   size_t temp_q = 0, temp_k = 0;
   if (r.sort_q) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_q, s.index_bits_q, s.end_bit_q, &temp_q));
   if (r.sort_k) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_k, s.index_bits_k, s.end_bit_k, &temp_k));
-  s.sort_temp_bytes = std::max(temp_q, temp_k);
+  s.sort_temp_q = temp_q;
+  s.sort_temp_k = temp_k;
+  const bool concurrent = g_concurrent_sides.load(std::memory_order_relaxed);
+  g_last_concurrent = concurrent;
 
   Carver measure;
-  carve(measure, r, s, select);
+  carve(measure, r, s, select, concurrent);
   if (measure.used > ws.bytes) {
     ws.err_clean = false;
     if (ws.ptr != nullptr) SPARSA_CUDA_CHECK(cudaFree(ws.ptr));
@@ -444,37 +479,81 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     }
   }
   Carver carver{static_cast<char*>(ws.ptr)};
-  const Scratch w = carve(carver, r, s, select);
+  const Scratch w = carve(carver, r, s, select, concurrent);
   // The error word starts all ~0 (memset 0xff); after a clean read-back it still is.
   if (!ws.err_clean) SPARSA_CUDA_CHECK(cudaMemsetAsync(w.err, 0xff, sizeof(ErrorWord), nullptr));
   ws.err_clean = false;  // until this call's read-back finds it clean
 
-  // Step 1: norms and the stable sort, into the plan's permutations.
+  // Steps 1-3 per side: norms, the stable sort into the plan's permutation, block statistics as
+  // features. The two sides are independent until the logits, so K's runs on the side stream
+  // beside Q's on the default stream: CUB's short, latency-bound passes and the kernels' ramps and
+  // tails of one side overlap the other side's streaming kernels instead of leaving the GPU idle
+  // between launches. (Serial when the switch in ba_att_hooks.h is off: K then reuses Q's sort
+  // buffers.) The plan's arrays are allocated on the default stream before the fork.
   if (r.sort_q) {
     auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.len_q}, p.q.device);
     if (!a.ok()) return a.status();
     *perm_q = std::move(a).value();
-    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.q, s.tokens_q, s.window_q, s.windows_q, s.index_bits_q, s.end_bit_q,
-                                           kErrQNorm, w, s.sort_temp_bytes, perm_q->ptr<int32_t>(), device));
   }
   if (r.sort_k) {
     auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_kv, p.len_kv}, p.q.device);
     if (!a.ok()) return a.status();
     *perm_kv = std::move(a).value();
-    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.k, s.tokens_k, s.window_k, s.windows_k, s.index_bits_k, s.end_bit_k,
-                                           kErrKNorm, w, s.sort_temp_bytes, perm_kv->ptr<int32_t>(), device));
   }
+  cudaStream_t key_stream = nullptr;
+  if (concurrent) {
+    if (ws.side == nullptr) {
+      SPARSA_CUDA_CHECK(cudaStreamCreateWithFlags(&ws.side, cudaStreamNonBlocking));
+      SPARSA_CUDA_CHECK(cudaEventCreateWithFlags(&ws.fork, cudaEventDisableTiming));
+      SPARSA_CUDA_CHECK(cudaEventCreateWithFlags(&ws.join, cudaEventDisableTiming));
+    }
+    SPARSA_CUDA_CHECK(cudaEventRecord(ws.fork, nullptr));
+    SPARSA_CUDA_CHECK(cudaStreamWaitEvent(ws.side, ws.fork, 0));
+    key_stream = ws.side;
+  }
+  // Whatever happens below, the default stream (and so the next call) waits for the side stream.
+  struct Join {
+    Workspace* ws = nullptr;
+    bool pending = false;
+    cudaError_t done() {
+      if (!pending) return cudaSuccess;
+      pending = false;
+      cudaError_t e = cudaEventRecord(ws->join, ws->side);
+      return e == cudaSuccess ? cudaStreamWaitEvent(nullptr, ws->join, 0) : e;
+    }
+    ~Join() { done(); }
+  } join{&ws, concurrent};
 
-  // Steps 2-3: block statistics as features, then one product per (batch, query head).
-  const Status query_status = features<T, true>(p.q, p.block_q, p.num_q_blocks,
-                                                r.sort_q ? perm_q->ptr<int32_t>() : nullptr, p, s.kind, s.F,
-                                                w.query_features, device);
-  SPARSA_RETURN_IF_ERROR(query_status);
+  if (r.sort_k) {
+    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.k, s.tokens_k, s.window_k, s.windows_k, s.index_bits_k, s.end_bit_k,
+                                           kErrKNorm, w.err, w.sort_k, s.sort_temp_k, perm_kv->ptr<int32_t>(),
+                                           device, key_stream));
+  }
   const Status key_status = features<T, false>(p.k, p.block_kv, p.num_kv_blocks,
                                                r.sort_k ? perm_kv->ptr<int32_t>() : nullptr, p, s.kind, s.F,
-                                               w.key_features, device);
+                                               w.key_features, device, key_stream);
   SPARSA_RETURN_IF_ERROR(key_status);
-  if (s.F % 4 == 0) {
+  if (r.sort_q) {
+    SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.q, s.tokens_q, s.window_q, s.windows_q, s.index_bits_q, s.end_bit_q,
+                                           kErrQNorm, w.err, w.sort_q, s.sort_temp_q, perm_q->ptr<int32_t>(),
+                                           device, nullptr));
+  }
+  const Status query_status = features<T, true>(p.q, p.block_q, p.num_q_blocks,
+                                                r.sort_q ? perm_q->ptr<int32_t>() : nullptr, p, s.kind, s.F,
+                                                w.query_features, device, nullptr);
+  SPARSA_RETURN_IF_ERROR(query_status);
+  SPARSA_CUDA_CHECK(join.done());  // the logits need both sides' features
+
+  g_last_tc_logits = s.F % 4 == 0 && g_tc_logits.load(std::memory_order_relaxed);
+  if (g_last_tc_logits) {
+    const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kTcTile - 1) / kTcTile),
+                    static_cast<unsigned>((p.num_q_blocks + kTcTile - 1) / kTcTile),
+                    static_cast<unsigned>(p.batch * p.heads_q));
+    block_logits_tf32_kernel<<<grid, kTcThreads>>>(w.query_features, w.key_features, w.logits,
+                                                   static_cast<int>(p.num_q_blocks), static_cast<int>(p.num_kv_blocks),
+                                                   s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
+                                                   static_cast<int>(p.heads_kv), w.err);
+  } else if (s.F % 4 == 0) {
     const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kBigTile - 1) / kBigTile),
                     static_cast<unsigned>((p.num_q_blocks + kBigTile - 1) / kBigTile),
                     static_cast<unsigned>(p.batch * p.heads_q));
@@ -623,9 +702,9 @@ Status token_norms(const Tensor& x, HostArray* norms) {
   auto* e = static_cast<ErrorWord*>(err->data());
   const Status launched = [&]() -> Status {
     switch (x.dtype) {
-      case DType::bf16: return launch_norms<__nv_bfloat16>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device);
-      case DType::f16: return launch_norms<__half>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device);
-      case DType::f32: return launch_norms<float>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device);
+      case DType::bf16: return launch_norms<__nv_bfloat16>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device, nullptr);
+      case DType::f16: return launch_norms<__half>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device, nullptr);
+      case DType::f32: return launch_norms<float>(x, 1, 1, 0, nullptr, out->ptr<float>(), e, kErrQNorm, device, nullptr);
       case DType::i32: break;
     }
     return unsupported_dtype("x: expected bf16, f16 or f32, got i32");
@@ -636,5 +715,11 @@ Status token_norms(const Tensor& x, HostArray* norms) {
   *norms = std::move(host).value();
   return {};
 }
+
+bool set_tensor_core_logits(bool on) { return g_tc_logits.exchange(on); }
+bool last_logits_used_tensor_cores() { return g_last_tc_logits; }
+
+bool set_concurrent_sides(bool on) { return g_concurrent_sides.exchange(on); }
+bool last_selection_concurrent() { return g_last_concurrent; }
 
 }  // namespace sparsa::ba_att_cuda

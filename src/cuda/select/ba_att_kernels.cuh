@@ -11,9 +11,11 @@
 //                            population variance (two passes, as cpu.cpp) and, for exact / trace,
 //                            the covariance; written as the feature vector of cpu.cpp's header, so
 //                            that every compensated logit is one inner product;
-//   4. block_logits_*kernel  per (batch, query head): logits = A [nq, F] x B [nk, F]', an f32 SIMT
-//                            product in 128x128 tiles (F % 4 == 0) or 64x64 tiles (GQA: query
-//                            head h reads kv head h / group);
+//   4. block_logits_*kernel  per (batch, query head): logits = A [nq, F] x B [nk, F]' (GQA: query
+//                            head h reads kv head h / group): on the tensor cores with f32
+//                            accuracy (3xTF32, 128x128 tiles) when F % 4 == 0, else an f32 SIMT
+//                            product in 64x64 tiles (the SIMT 128x128 kernel stays reachable
+//                            through ba_att_hooks.h);
 //   5. select_top_warp_kernel fixed budgets (kappa, density), rows of up to 2048 key blocks: one
 //                            warp per query-block row, a radix select of the kappa-th (logit desc,
 //                            index asc) key and a compaction of the kept indices, ascending;

@@ -88,6 +88,37 @@ __global__ void __launch_bounds__(kLogitThreads)
   }
 }
 
+// What both 128x128-tile kernels share. LogitTile: the tile's query-feature rows A, key-feature
+// rows B (GQA: query head h reads kv head h / group) and the operands one thread brings per k step
+// of 8: row t / 2, k (t % 2) * 4 .. + 3 of both tiles (F % 4 == 0: one float4 each, zeros past
+// the edges). put_logit: one logit out, a non-finite one recorded (lowest flat index).
+struct LogitTile {
+  int64_t z, F;
+  int row0, col0, load_row, load_k;
+  bool a_in, b_in;
+  const float* a_src;
+  const float* b_src;
+  __device__ __forceinline__ LogitTile(const float* query_features, const float* key_features, int nq, int nk,
+                                       int64_t F_, int heads_q, int group, int heads_kv, int tile)
+      : z(blockIdx.z), F(F_), row0(blockIdx.y * tile), col0(blockIdx.x * tile), load_row(threadIdx.x / 2),
+        load_k((threadIdx.x % 2) * 4) {
+    const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
+    a_in = row0 + load_row < nq;
+    b_in = col0 + load_row < nk;
+    a_src = query_features + z * nq * F + static_cast<int64_t>(row0 + load_row) * F + load_k;
+    b_src = key_features + zk * nk * F + static_cast<int64_t>(col0 + load_row) * F + load_k;
+  }
+  __device__ __forceinline__ void load(int64_t f0, float4& av, float4& bv) const {
+    const bool in_f = f0 + load_k < F;  // F % 4 == 0: all four or none
+    av = a_in && in_f ? *reinterpret_cast<const float4*>(a_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    bv = b_in && in_f ? *reinterpret_cast<const float4*>(b_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+};
+__device__ __forceinline__ void put_logit(float* logits, ErrorWord* err, int64_t flat, float x) {
+  if (!isfinite(x)) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
+  logits[flat] = x;
+}
+
 // F % 4 == 0 (every kind when d % 4 == 0): 128x128 tiles, 8x8 outputs per thread (rows 4 ty..
 // and 64 + 4 ty.., columns 4 tx.. and 64 + 4 tx..), k in steps of 8 through two shared buffers: the
 // next step's float4s are loaded into registers while this step's are multiplied, one barrier a
@@ -102,22 +133,11 @@ __global__ void __launch_bounds__(kBigLogitThreads, 2)
                             int heads_kv, ErrorWord* err) {
   __shared__ __align__(16) float a_tile[2][kBigTileK][kBigTile + 4];
   __shared__ __align__(16) float b_tile[2][kBigTileK][kBigTile + 4];
-  const int64_t z = blockIdx.z;
-  const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
-  const float* A = query_features + z * nq * F;
-  const float* B = key_features + zk * nk * F;
-  const int row0 = blockIdx.y * kBigTile, col0 = blockIdx.x * kBigTile;
+  const LogitTile tile(query_features, key_features, nq, nk, F, heads_q, group, heads_kv, kBigTile);
+  const int64_t z = tile.z;
+  const int row0 = tile.row0, col0 = tile.col0, load_row = tile.load_row, load_k = tile.load_k;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  // Loads: thread t brings row t / 2, k (t % 2) * 4 .. + 3 of both tiles.
-  const int load_row = threadIdx.x / 2, load_k = (threadIdx.x % 2) * 4;
-  const bool a_in = row0 + load_row < nq, b_in = col0 + load_row < nk;
-  const float* a_src = A + static_cast<int64_t>(row0 + load_row) * F + load_k;
-  const float* b_src = B + static_cast<int64_t>(col0 + load_row) * F + load_k;
-  auto load = [&](int64_t f0, float4& av, float4& bv) {
-    const bool in_f = f0 + load_k < F;  // F % 4 == 0: all four or none
-    av = a_in && in_f ? *reinterpret_cast<const float4*>(a_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
-    bv = b_in && in_f ? *reinterpret_cast<const float4*>(b_src + f0) : make_float4(0.f, 0.f, 0.f, 0.f);
-  };
+  auto load = [&](int64_t f0, float4& av, float4& bv) { tile.load(f0, av, bv); };
   auto store = [&](int buf, const float4& av, const float4& bv) {
     a_tile[buf][load_k + 0][load_row] = av.x;
     a_tile[buf][load_k + 1][load_row] = av.y;
@@ -162,9 +182,143 @@ __global__ void __launch_bounds__(kBigLogitThreads, 2)
     for (int j = 0; j < 8; ++j) {
       const int c = col0 + (j < 4 ? 4 * tx + j : 64 + 4 * tx + j - 4);
       if (c >= nk) continue;
-      const int64_t flat = (z * nq + r) * nk + c;
-      if (!isfinite(acc[i][j])) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
-      logits[flat] = acc[i][j];
+      put_logit(logits, err, (z * nq + r) * nk + c, acc[i][j]);
+    }
+  }
+}
+
+// ---- 4b. the same product on the tensor cores: 3xTF32 ------------------------------------------
+//
+// mma.sync m16n8k8 with tf32 operands, f32 accumulation. One tf32 keeps 10 of f32's 23 mantissa
+// bits, too few for logits the budgets compare; so every operand is split x = hi + lo with
+// hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in f32 and lo keeps its 11 leading bits), and
+// a b is accumulated as lo_a hi_b + hi_a lo_b + hi_a hi_b (the small terms first; lo_a lo_b, below
+// 2^-22 |a b|, is dropped). Each product is then within ~2^-21 |a b| of a b, and the f32
+// accumulation adds at most 2^-24 per addition as before, so a logit stays inside the bound the
+// tests check, 2 (block + F) 2^-24 M (tests/test_ba_att_cuda.cpp), though not bit-equal to the SIMT
+// kernels' (a different order of additions). Three tensor-core products per term still run well
+// above the SIMT kernel's FMAs (Ootomo and Yokota 2022, "Recovering single precision accuracy from
+// Tensor Cores while surpassing the FP32 theoretical peak performance", arXiv 2203.03341).
+//
+// grid (ceil(nk / 128), ceil(nq / 128), batch * heads_q), 8 warps: warp w computes rows
+// 32 (w % 4).. and columns 64 (w / 4).. of the 128x128 tile (2 x 8 m16n8 tiles, 64 accumulators
+// per thread). k advances 8 at a time through two shared buffers (the next step's float4s are
+// loaded into registers while this step's are multiplied, one barrier a step). Operands are split
+// into hi and lo once, as they are stored to shared memory (each A element is read by two warps,
+// each B element by four), so the inner loop is fragment loads and products only. Shared rows
+// are padded to 12 floats: a fragment read (rows g = 0..7, column c = 0..3) touches banks
+// 12 g + c mod 32, all different. F % 4 == 0; columns past F are zeros. 4 x 2 x 128 x 12 floats =
+// 48 KiB of static shared memory.
+constexpr int kTcTile = 128, kTcTileK = 8, kTcPad = 12, kTcThreads = 256;
+
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+// x = hi + lo to ~2^-22 relative: hi = tf32(x), lo = tf32(x - hi); both as f32 bit patterns.
+__device__ __forceinline__ void split_tf32(const float4& x, float4& hi, float4& lo) {
+  const float v[4] = {x.x, x.y, x.z, x.w};
+  float h[4], l[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    h[i] = __uint_as_float(tf32_bits(v[i]));
+    l[i] = __uint_as_float(tf32_bits(v[i] - h[i]));
+  }
+  hi = make_float4(h[0], h[1], h[2], h[3]);
+  lo = make_float4(l[0], l[1], l[2], l[3]);
+}
+// d += a b, m16n8k8, a row-major (4 x tf32), b column-major (2 x tf32), f32 accumulators.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__global__ void __launch_bounds__(kTcThreads, 2)
+    block_logits_tf32_kernel(const float* __restrict__ query_features, const float* __restrict__ key_features,
+                             float* __restrict__ logits, int nq, int nk, int64_t F, int heads_q, int group,
+                             int heads_kv, ErrorWord* err) {
+  // [part][buffer][row][k]: part 0 = hi, 1 = lo.
+  __shared__ __align__(16) float a_tile[2][2][kTcTile][kTcPad];
+  __shared__ __align__(16) float b_tile[2][2][kTcTile][kTcPad];
+  const LogitTile tile(query_features, key_features, nq, nk, F, heads_q, group, heads_kv, kTcTile);
+  const int64_t z = tile.z;
+  const int row0 = tile.row0, col0 = tile.col0, load_row = tile.load_row, load_k = tile.load_k;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int wm = (warp % 4) * 32, wn = (warp / 4) * 64;
+  auto load = [&](int64_t f0, float4& av, float4& bv) { tile.load(f0, av, bv); };
+  auto store = [&](int buf, const float4& av, const float4& bv) {
+    float4 hi, lo;
+    split_tf32(av, hi, lo);
+    *reinterpret_cast<float4*>(&a_tile[0][buf][load_row][load_k]) = hi;
+    *reinterpret_cast<float4*>(&a_tile[1][buf][load_row][load_k]) = lo;
+    split_tf32(bv, hi, lo);
+    *reinterpret_cast<float4*>(&b_tile[0][buf][load_row][load_k]) = hi;
+    *reinterpret_cast<float4*>(&b_tile[1][buf][load_row][load_k]) = lo;
+  };
+  auto bits = [](float x) { return __float_as_uint(x); };
+  float acc[2][8][4] = {};
+  float4 av, bv;
+  load(0, av, bv);
+  store(0, av, bv);
+  __syncthreads();
+  const int64_t steps = (F + kTcTileK - 1) / kTcTileK;
+  for (int64_t step = 0; step < steps; ++step) {
+    const int buf = static_cast<int>(step & 1);
+    const bool more = step + 1 < steps;
+    if (more) load((step + 1) * kTcTileK, av, bv);
+    uint32_t a[2][2][4];  // [part][m tile]: rows g, g + 8 and columns c, c + 4 of the m16k8 tile
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int r = wm + mt * 16 + g;
+        a[part][mt][0] = bits(a_tile[part][buf][r][c]);
+        a[part][mt][1] = bits(a_tile[part][buf][r + 8][c]);
+        a[part][mt][2] = bits(a_tile[part][buf][r][c + 4]);
+        a[part][mt][3] = bits(a_tile[part][buf][r + 8][c + 4]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int n = wn + nt * 8 + g;
+      const uint32_t bh0 = bits(b_tile[0][buf][n][c]), bh1 = bits(b_tile[0][buf][n][c + 4]);
+      const uint32_t bl0 = bits(b_tile[1][buf][n][c]), bl1 = bits(b_tile[1][buf][n][c + 4]);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        mma_tf32(acc[mt][nt], a[1][mt], bh0, bh1);  // lo_a hi_b
+        mma_tf32(acc[mt][nt], a[0][mt], bl0, bl1);  // hi_a lo_b
+        mma_tf32(acc[mt][nt], a[0][mt], bh0, bh1);  // hi_a hi_b
+      }
+    }
+    if (more) store(buf ^ 1, av, bv);  // buf ^ 1 was last read in the previous step, before its barrier
+    __syncthreads();
+  }
+  // Accumulator e of tile (mt, nt): row g + 8 (e / 2), column 2 c + e % 2.
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + wm + mt * 16 + g + 8 * half;
+      if (r >= nq) continue;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int col = col0 + wn + nt * 8 + 2 * c;
+        const float x0 = acc[mt][nt][2 * half], x1 = acc[mt][nt][2 * half + 1];
+        const int64_t flat = (z * nq + r) * nk + col;
+        if (col + 1 < nk && nk % 2 == 0) {  // flat is even: one 8-byte store
+          if (!isfinite(x0) || !isfinite(x1)) {
+            atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(isfinite(x0) ? flat + 1 : flat));
+          }
+          *reinterpret_cast<float2*>(logits + flat) = make_float2(x0, x1);
+        } else {
+          if (col < nk) put_logit(logits, err, flat, x0);
+          if (col + 1 < nk) put_logit(logits, err, flat + 1, x1);
+        }
+      }
     }
   }
 }

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -83,7 +84,6 @@ struct Case {
   int expect_splits = 0;    // split-KV: 1 = exactly one split; n > 1 = at least n splits; 0 = unchecked
   int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
   bool split_kv_tma = true;    // split-KV: allow rung 2 (wgmma + TMA); false forces rung 1 (mma.sync)
-  bool outlined_epilogue = false;  // flash rungs 2 and 3: the epilogue as a call (route.h)
   uint32_t seed = 1;
 };
 
@@ -365,11 +365,6 @@ TEST_P(Ops, MatchesReference) {
     ~TmaSwitch() { cuda::detail::set_split_kv_tma(saved); }
   } tma_switch;
   cuda::detail::set_split_kv_tma(c.split_kv_tma);
-  struct EpilogueSwitch {  // the case's flash epilogue, restored however the test ends
-    bool saved = cuda::detail::set_flash_outlined_epilogue(false);
-    ~EpilogueSwitch() { cuda::detail::set_flash_outlined_epilogue(saved); }
-  } epilogue_switch;
-  cuda::detail::set_flash_outlined_epilogue(c.outlined_epilogue);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -502,16 +497,6 @@ std::vector<Case> cases() {
   // Rung 2 on one split (direct write) and a 64-row m-tile that is only partly real (group 3 x 7).
   add({.name = "Small_splitkv_f16_d128_one_split_gqa3_7x600", .dtype = DType::f16, .heads_q = 6, .heads_kv = 2,
        .len_q = 7, .len_kv = 600, .head_dim = 128, .expect_splits = 1, .seed = 44});
-  // The flash rungs with the epilogue as a call: dense on rung 3, a permuted plan on rung 2
-  // (in-kernel gathers) and on rung 3 after the K/V gather, d 64 and 128, unaligned output.
-  add({.name = "Small_dense_outlined_bf16_d128_gqa2_130x300", .heads_q = 4, .heads_kv = 2, .len_q = 130,
-       .len_kv = 300, .head_dim = 128, .outlined_epilogue = true, .seed = 45});
-  add({.name = "Small_sparse_outlined_f16_d64_perm_unaligned", .dtype = DType::f16, .heads_q = 3, .heads_kv = 1,
-       .len_q = 131, .len_kv = 150, .sparse = true, .block_q = 17, .block_kv = 23, .keep = 0.5, .perms = true,
-       .seq_pad = 3, .outlined_epilogue = true, .seed = 46});
-  add({.name = "Medium_sparse_outlined_bf16_d128_b128_perm_gathered", .heads_q = 2, .heads_kv = 2, .len_q = 300,
-       .len_kv = 1500, .head_dim = 128, .sparse = true, .block_q = 128, .block_kv = 128, .keep = 0.5,
-       .perms = true, .outlined_epilogue = true, .seed = 47});
   // Medium.
   add({.name = "Medium_dense_bf16_d128_gqa4x1_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
        .len_kv = 1500, .head_dim = 128, .seed = 7});
@@ -632,7 +617,8 @@ TEST(CudaAttentionErrors, NameTheArgument) {
   st = block_sparse(q, k, v, plan.view(), out, lse, opt);
   EXPECT_NE(st.message().find("index.counts: expected a tensor on cuda:0"), std::string::npos) << st.to_string();
 
-  // Garbage index contents on the device are guarded: no fault, nothing out of bounds.
+  // Garbage index contents on the device: refused by the device check (the default), and, with
+  // the check off, guarded by the kernels: no fault, nothing out of bounds.
   BlockIndex bad = plan.view();
   HostArray counts(DType::i32, {1, 2, 2}), indices(DType::i32, {1, 2, 2, 2});
   for (int i = 0; i < 4; ++i) counts.ptr<int32_t>()[i] = 1000 * (i % 2 ? -1 : 1);
@@ -641,7 +627,117 @@ TEST(CudaAttentionErrors, NameTheArgument) {
   bad.counts = upload_i32(counts, cb);
   bad.indices = upload_i32(indices, ib);
   st = block_sparse(q, k, v, bad, out, lse, opt);
+  EXPECT_EQ(st.code(), StatusCode::invalid_argument) << st.to_string();
+  EXPECT_NE(st.message().find("index.counts[0, 0, 0]: 1000 is outside [0, capacity = 2]"), std::string::npos)
+      << st.to_string();
+  AttentionOptions trusting = opt;
+  trusting.check_index = false;
+  st = block_sparse(q, k, v, bad, out, lse, trusting);
   EXPECT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// The device check of a BlockIndex (src/cuda/attention/index_check.cu) reports exactly what the
+// host check (validate_block_index) reports, for every kind of wrong content, including the first
+// of several errors and repeated permutation entries (the second occurrence is named). Shape:
+// batch 2, 3 query heads over 1 kv head, 300 x 290 tokens in 17 x 23 blocks (18 x 13 blocks, the
+// last ones partial), capacity 5.
+TEST(CudaAttentionErrors, IndexContentsCheckedOnTheDeviceAsOnTheHost) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  constexpr int64_t B = 2, Hq = 3, Hkv = 1, Lq = 300, Lkv = 290, D = 64;
+  constexpr int bq = 17, bkv = 23;
+  const int64_t nq = (Lq + bq - 1) / bq, nkv = (Lkv + bkv - 1) / bkv, cap = 5;
+  const Device gpu{DeviceType::cuda, 0};
+  DeviceBuffer qb(B * Hq * Lq * D * 2), kb(B * Hkv * Lkv * D * 2), vb(B * Hkv * Lkv * D * 2),
+      ob(B * Hq * Lq * D * 2), lb(B * Hq * Lq * 4);
+  CUDA_OK(cudaMemset(qb.ptr, 0, qb.bytes));
+  CUDA_OK(cudaMemset(kb.ptr, 0, kb.bytes));
+  CUDA_OK(cudaMemset(vb.ptr, 0, vb.bytes));
+  const Tensor q = Tensor::contiguous(qb.ptr, DType::bf16, {B, Hq, Lq, D}, gpu);
+  const Tensor k = Tensor::contiguous(kb.ptr, DType::bf16, {B, Hkv, Lkv, D}, gpu);
+  const Tensor v = Tensor::contiguous(vb.ptr, DType::bf16, {B, Hkv, Lkv, D}, gpu);
+  const Tensor out = Tensor::contiguous(ob.ptr, DType::bf16, {B, Hq, Lq, D}, gpu);
+  const Tensor lse = Tensor::contiguous(lb.ptr, DType::f32, {B, Hq, Lq}, gpu);
+
+  // A valid plan: row r keeps 1 + r % cap ascending blocks; permutations are reversals.
+  struct Plan {
+    HostArray counts{DType::i32, {B, Hq, nq}}, indices{DType::i32, {B, Hq, nq, cap}};
+    HostArray perm_q{DType::i32, {B, Hq, Lq}}, perm_kv{DType::i32, {B, Hkv, Lkv}};
+    int32_t* c() { return counts.ptr<int32_t>(); }
+    int32_t* ix(int64_t r, int64_t s) { return indices.ptr<int32_t>() + r * cap + s; }
+  };
+  auto valid = [&] {
+    Plan p;
+    for (int64_t r = 0; r < B * Hq * nq; ++r) {
+      p.c()[r] = static_cast<int32_t>(1 + r % cap);
+      for (int64_t s = 0; s < cap; ++s) *p.ix(r, s) = static_cast<int32_t>(2 * s + r % 3);  // <= 10 < nkv
+    }
+    for (int64_t i = 0; i < B * Hq * Lq; ++i) p.perm_q.ptr<int32_t>()[i] = static_cast<int32_t>(Lq - 1 - i % Lq);
+    for (int64_t i = 0; i < B * Hkv * Lkv; ++i) p.perm_kv.ptr<int32_t>()[i] = static_cast<int32_t>(Lkv - 1 - i % Lkv);
+    return p;
+  };
+  const int64_t r = (1 * Hq + 2) * nq + 4;  // a row of batch 1, head 2 with count 5
+  auto pq = [&](Plan& p, int64_t b, int64_t h, int64_t i) -> int32_t& { return p.perm_q.ptr<int32_t>()[(b * Hq + h) * Lq + i]; };
+  auto pkv = [&](Plan& p, int64_t b, int64_t i) -> int32_t& { return p.perm_kv.ptr<int32_t>()[b * Lkv + i]; };
+  struct Mutation {
+    const char* what;
+    std::function<void(Plan&)> apply;
+  };
+  const Mutation mutations[] = {
+      {"valid", [](Plan&) {}},
+      {"count above capacity", [&](Plan& p) { p.c()[r] = 6; }},
+      {"negative count", [&](Plan& p) { p.c()[r] = -1; }},
+      {"key block past the end", [&](Plan& p) { *p.ix(r, 4) = 13; }},
+      {"negative key block", [&](Plan& p) { *p.ix(r, 0) = -3; }},
+      {"key blocks repeated", [&](Plan& p) { *p.ix(r, 2) = *p.ix(r, 1); }},
+      {"key blocks descending", [&](Plan& p) { std::swap(*p.ix(r, 1), *p.ix(r, 2)); }},
+      {"two errors: the earlier row's is named",
+       [&](Plan& p) {
+         p.c()[r + 5] = 9;
+         *p.ix(r, 3) = 1;
+       }},
+      {"a slot past the count is not looked at",
+       [&](Plan& p) {
+         p.c()[r] = 4;
+         *p.ix(r, 4) = 99;
+       }},
+      {"perm_q repeats an entry", [&](Plan& p) { pq(p, 1, 2, 250) = pq(p, 1, 2, 7); }},
+      {"perm_q out of range", [&](Plan& p) { pq(p, 0, 1, 11) = static_cast<int32_t>(Lq); }},
+      {"perm_kv negative", [&](Plan& p) { pkv(p, 1, Lkv - 1) = -1; }},
+      {"index and permutation errors: the index's is named",
+       [&](Plan& p) {
+         pq(p, 0, 0, 0) = 1;
+         p.c()[nq * Hq * B - 1] = 7;
+       }},
+  };
+  AttentionOptions opt;
+  opt.backend = Backend::cuda;
+  for (const Mutation& m : mutations) {
+    SCOPED_TRACE(m.what);
+    Plan p = valid();
+    m.apply(p);
+    BlockIndex host;
+    host.block_q = bq;
+    host.block_kv = bkv;
+    host.num_q_blocks = nq;
+    host.num_kv_blocks = nkv;
+    host.counts = p.counts.view();
+    host.indices = p.indices.view();
+    host.perm_q = p.perm_q.view();
+    host.perm_kv = p.perm_kv.view();
+    const Status expected = validate_block_index(host, B, Hq, Hkv, Lq, Lkv);
+    DeviceBuffer cb(0), ib(0), pqb(0), pkb(0);
+    BlockIndex dev = host;
+    dev.counts = upload_i32(p.counts, cb);
+    dev.indices = upload_i32(p.indices, ib);
+    dev.perm_q = upload_i32(p.perm_q, pqb);
+    dev.perm_kv = upload_i32(p.perm_kv, pkb);
+    const Status got = block_sparse(q, k, v, dev, out, lse, opt);
+    EXPECT_EQ(got.code(), expected.code()) << got.to_string() << " vs " << expected.to_string();
+    EXPECT_EQ(got.message(), expected.message());
+    const bool should_pass = std::string(m.what) == "valid" || std::string(m.what).starts_with("a slot past");
+    EXPECT_EQ(got.ok(), should_pass) << got.to_string();
+  }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 

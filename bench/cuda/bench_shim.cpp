@@ -23,9 +23,12 @@ struct Call {
   bool sparse = false;
 };
 
+bool g_check_index = true;  // sparsa_bench_set_check_index
+
 Status run(const Call& c) {
   AttentionOptions opt;
   opt.backend = Backend::cuda;
+  opt.check_index = g_check_index;
   return c.sparse ? block_sparse(c.q, c.k, c.v, c.index, c.out, c.lse, opt) : dense(c.q, c.k, c.v, c.out, c.lse, opt);
 }
 
@@ -220,8 +223,9 @@ int sparsa_bench_ba_att(void* q, void* k, void* v, void* out, void* lse, int is_
 
 // 0: the flash executor's TMA kernel (rung 3) is not used, so rung 2 runs; 1: the default.
 void sparsa_bench_set_flash_tma(int on) { sparsa::cuda::detail::set_flash_tma(on != 0); }
-// 1: the flash rungs' epilogue as a call (no ptxas C7515); 0: inlined, the default.
-void sparsa_bench_set_flash_outlined_epilogue(int on) { sparsa::cuda::detail::set_flash_outlined_epilogue(on != 0); }
+// 1: block_sparse checks the plan's contents on the device (AttentionOptions::check_index, the
+// default); 0: the plan is trusted (sparsa_bench_attention only).
+void sparsa_bench_set_check_index(int on) { g_check_index = on != 0; }
 // Allows (1) or forbids (0) the split-KV executor's wgmma + TMA kernel (rung 2); rung 1 otherwise.
 void sparsa_bench_set_split_kv_tma(int on) { sparsa::cuda::detail::set_split_kv_tma(on != 0); }
 

@@ -30,6 +30,12 @@ struct AttentionOptions {
   std::optional<float> scale;  // default 1/sqrt(head_dim)
   Backend backend = Backend::cpu;
   bool check_finite = false;   // refuse NaN/Inf in q, k, v with a clear error
+  // cuda backend, block_sparse: check the BlockIndex's contents (counts, key blocks, permutations)
+  // on the device before running, as the host backends always do: a few small kernels and one
+  // read-back that synchronises the default stream. false trusts the plan (for plans sparsa's own
+  // selectors just made; the kernels still never read or write out of bounds, but a malformed
+  // plan then gives wrong numbers instead of an error).
+  bool check_index = true;
   int num_threads = 0;         // cpu backend; 0 = hardware concurrency
 };
 

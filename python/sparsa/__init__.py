@@ -169,14 +169,19 @@ class BlockIndex:
 
 
 def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, backend: str = "auto",
-                 check_finite: bool = False, num_threads: int = 0, out=None, lse=None):
+                 check_finite: bool = False, num_threads: int = 0, check_index: bool = True, out=None, lse=None):
     """Attention over the key blocks a BlockIndex lists. Returns ``(out, lse)``; a
-    query whose block lists no key block gets out = 0 and lse = -inf."""
+    query whose block lists no key block gets out = 0 and lse = -inf.
+
+    ``check_index`` (cuda backend): check the index's contents on the device first (one
+    read-back that synchronises the stream); ``False`` trusts a plan sparsa's own selector just
+    made. A malformed plan then gives wrong numbers instead of an error, never an out-of-bounds
+    access. The host backends always check."""
     if not isinstance(index, BlockIndex):
         raise TypeError(f"index: expected sparsa.BlockIndex, got {type(index).__name__}")
     out, lse = _outputs(q, out, lse)
     _core.block_sparse(q, k, v, index.counts, index.indices, index.perm_q, index.perm_kv, index.block_q,
-                       index.block_kv, out, lse, scale, backend, check_finite, num_threads)
+                       index.block_kv, out, lse, scale, backend, check_finite, num_threads, check_index)
     return _finish(q, out), _finish(q, lse)
 
 
@@ -336,7 +341,7 @@ def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = Tru
                        top_kappa=top_kappa, density=density, tau=tau, scale=scale, backend=backend,
                        num_threads=num_threads, check_finite=check_finite)
     return block_sparse(q, k, v, plan, scale=scale, backend=backend, check_finite=check_finite,
-                        num_threads=num_threads, out=out, lse=lse)
+                        num_threads=num_threads, check_index=False, out=out, lse=lse)  # the plan just made
 
 
 def xattention_plan(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,

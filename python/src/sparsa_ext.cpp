@@ -231,18 +231,21 @@ NB_MODULE(_sparsa, m) {
       "block_sparse",
       [](InArray q, InArray k, InArray v, InArray counts, InArray indices, std::optional<InArray> perm_q,
          std::optional<InArray> perm_kv, int block_q, int block_kv, OutArray out, OutArray lse,
-         std::optional<float> scale, const std::string& backend, bool check_finite, int num_threads) {
+         std::optional<float> scale, const std::string& backend, bool check_finite, int num_threads,
+         bool check_index) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         BlockIndex ix = make_index(counts, indices, perm_q, perm_kv, block_q, block_kv);
         if (tk.ndim == 4) ix.num_kv_blocks = (tk.shape[2] + block_kv - 1) / std::max(block_kv, 1);
-        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq);
+        AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq);
+        o.check_index = check_index;
         nb::gil_scoped_release release;
         check(block_sparse(tq, tk, tv, ix, to, tl, o));
       },
       "q"_a, "k"_a, "v"_a, "counts"_a, "indices"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "block_q"_a,
       "block_kv"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto", "check_finite"_a = false,
-      "num_threads"_a = 0, "Block-sparse attention over a BlockIndex into caller-provided out and lse.");
+      "num_threads"_a = 0, "check_index"_a = true,
+      "Block-sparse attention over a BlockIndex into caller-provided out and lse.");
 
   m.def(
       "merge",

@@ -131,8 +131,10 @@ Status run(const AttentionParams& p, Backend backend) {
 }
 
 // The cuda backend's plan check: shapes, dtypes and devices on the host. The index contents
-// stay on the device; the kernel guards them (counts clamped, out-of-range blocks and
-// permutation entries skipped), so a malformed plan cannot read or write out of bounds.
+// stay on the device, where the backend checks them (src/cuda/attention/index_check.cu) unless
+// options.check_index is false; the kernels also guard them (counts clamped, out-of-range blocks
+// and permutation entries skipped), so even an unchecked malformed plan cannot read or write out
+// of bounds.
 Status check_device_index(const BlockIndex& ix, const AttentionParams& p, Device device) {
   auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   if (ix.block_q <= 0) return invalid_argument("index.block_q: expected > 0, got " + std::to_string(ix.block_q));
@@ -206,6 +208,7 @@ Status block_sparse(const Tensor& q, const Tensor& k, const Tensor& v, const Blo
   SPARSA_RETURN_IF_ERROR(build_params(q, k, v, out, lse, options, &p));
   if (options.backend == Backend::cuda) {
     SPARSA_RETURN_IF_ERROR(check_device_index(index, p, q.device));
+    p.check_index = options.check_index;
   } else {
     SPARSA_RETURN_IF_ERROR(validate_block_index(index, p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_kv));
   }

@@ -32,6 +32,7 @@ struct AttentionParams {
 
   // Block-sparse plan (nullptr for dense).
   const BlockIndex* index = nullptr;
+  bool check_index = true;  // AttentionOptions::check_index (the cuda backend's device check)
 
   int64_t group() const { return heads_q / heads_kv; }
   int64_t q_off(int64_t b, int64_t h, int64_t i) const {

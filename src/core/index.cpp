@@ -100,12 +100,7 @@ Status check_permutation(const char* name, const Tensor& perm, int64_t batch, in
       std::fill(seen.begin(), seen.end(), 0);
       for (int64_t p = 0; p < len; ++p) {
         const int32_t t = perm.ptr<const int32_t>()[perm.offset({b, h, p})];
-        if (t < 0 || t >= len || seen[t]) {
-          return invalid_argument(std::string(name) + ": row [" + std::to_string(b) + ", " + std::to_string(h) +
-                                  "] is not a permutation of 0.." + std::to_string(len - 1) + " (entry " +
-                                  std::to_string(p) + " is " + std::to_string(t) +
-                                  (t >= 0 && t < len ? ", repeated)" : ", out of range)"));
-        }
+        if (t < 0 || t >= len || seen[t]) return detail::permutation_error(name, b, h, len, p, t);
         seen[t] = 1;
       }
     }
@@ -149,25 +144,13 @@ Status validate_block_index(const BlockIndex& ix, int64_t batch, int64_t heads_q
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads_q; ++h) {
       for (int64_t qb = 0; qb < nq; ++qb) {
-        const std::string where = "[" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(qb);
         const int32_t count = detail::index_count(ix, b, h, qb);
-        if (count < 0 || count > capacity) {
-          return invalid_argument("index.counts" + where + "]: " + std::to_string(count) +
-                                  " is outside [0, capacity = " + std::to_string(capacity) + "]");
-        }
+        if (count < 0 || count > capacity) return detail::index_count_error(b, h, qb, count, capacity);
         int32_t prev = -1;
         for (int64_t s = 0; s < count; ++s) {
           const int32_t kb = detail::index_block(ix, b, h, qb, s);
-          if (kb < 0 || kb >= nkv) {
-            return invalid_argument("index.indices" + where + ", " + std::to_string(s) + "]: key block " +
-                                    std::to_string(kb) + " is outside [0, num_kv_blocks = " +
-                                    std::to_string(nkv) + ")");
-          }
-          if (kb <= prev) {
-            return invalid_argument("index.indices" + where + ", " + std::to_string(s) + "]: key blocks must be " +
-                                    "strictly ascending, got " + std::to_string(prev) + " then " +
-                                    std::to_string(kb));
-          }
+          if (kb < 0 || kb >= nkv) return detail::index_block_range_error(b, h, qb, s, kb, nkv);
+          if (kb <= prev) return detail::index_block_order_error(b, h, qb, s, prev, kb);
           prev = kb;
         }
       }

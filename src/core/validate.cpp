@@ -122,4 +122,33 @@ Status check_finite(const char* name, const Tensor& t) {
   return {};
 }
 
+namespace {
+std::string index_row(int64_t b, int64_t h, int64_t qb) {
+  return "[" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(qb);
+}
+}  // namespace
+
+Status index_count_error(int64_t b, int64_t h, int64_t qb, int32_t count, int64_t capacity) {
+  return invalid_argument("index.counts" + index_row(b, h, qb) + "]: " + std::to_string(count) +
+                          " is outside [0, capacity = " + std::to_string(capacity) + "]");
+}
+
+Status index_block_range_error(int64_t b, int64_t h, int64_t qb, int64_t s, int32_t block, int64_t num_kv_blocks) {
+  return invalid_argument("index.indices" + index_row(b, h, qb) + ", " + std::to_string(s) + "]: key block " +
+                          std::to_string(block) + " is outside [0, num_kv_blocks = " + std::to_string(num_kv_blocks) +
+                          ")");
+}
+
+Status index_block_order_error(int64_t b, int64_t h, int64_t qb, int64_t s, int32_t prev, int32_t block) {
+  return invalid_argument("index.indices" + index_row(b, h, qb) + ", " + std::to_string(s) +
+                          "]: key blocks must be strictly ascending, got " + std::to_string(prev) + " then " +
+                          std::to_string(block));
+}
+
+Status permutation_error(const char* name, int64_t b, int64_t h, int64_t len, int64_t p, int32_t t) {
+  return invalid_argument(std::string(name) + ": row [" + std::to_string(b) + ", " + std::to_string(h) +
+                          "] is not a permutation of 0.." + std::to_string(len - 1) + " (entry " + std::to_string(p) +
+                          " is " + std::to_string(t) + (t >= 0 && t < len ? ", repeated)" : ", out of range)"));
+}
+
 }  // namespace sparsa::detail

@@ -22,4 +22,12 @@ Status check_finite(const char* name, const Tensor& t);
 
 std::string shape_string(std::initializer_list<int64_t> shape);
 
+// The messages of a BlockIndex whose contents are wrong, shared by the host check
+// (validate_block_index) and the cuda backend's device check, so both name the same element the
+// same way. Row [b, h, qb]; slot s of that row; perm row [b, h], entry p holding t.
+Status index_count_error(int64_t b, int64_t h, int64_t qb, int32_t count, int64_t capacity);
+Status index_block_range_error(int64_t b, int64_t h, int64_t qb, int64_t s, int32_t block, int64_t num_kv_blocks);
+Status index_block_order_error(int64_t b, int64_t h, int64_t qb, int64_t s, int32_t prev, int32_t block);
+Status permutation_error(const char* name, int64_t b, int64_t h, int64_t len, int64_t p, int32_t t);
+
 }  // namespace sparsa::detail

@@ -230,6 +230,9 @@ def test_index_out_of_range(rng):
     index.indices[0, 0, 1, 1] = 5
     with pytest.raises(ValueError, match=r"index.indices\[0, 0, 1, 1\]: key block 5 is outside"):
         sparsa.block_sparse(q, q, q, index)
+    # check_index=False trusts device plans only: a host plan is always checked.
+    with pytest.raises(ValueError, match=r"index.indices\[0, 0, 1, 1\]: key block 5 is outside"):
+        sparsa.block_sparse(q, q, q, index, check_index=False)
 
 
 def test_index_wrong_type(rng):

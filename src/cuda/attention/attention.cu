@@ -16,6 +16,7 @@
 #include "cuda/attention/flash_tma_kernel.cuh"
 #include "cuda/attention/flash_wgmma_kernel.cuh"
 #include "cuda/attention/gather_kernel.cuh"
+#include "cuda/attention/index_check.h"
 #include "cuda/attention/route.h"
 #include "cuda/attention/split_kv_kernel.cuh"
 #include "cuda/attention/split_kv_tma_kernel.cuh"
@@ -37,7 +38,6 @@ using detail::SplitKvParams;
 constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
 constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
 std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
-std::atomic<bool> g_outlined_epilogue{false};  // route.h: the rungs' epilogue as a call
 
 using detail::check_pointer;
 
@@ -102,8 +102,8 @@ thread_local bool g_last_tma = false;
 
 // Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
 // the driver accepts; rung 2 (flash_wgmma_kernel.cuh) otherwise.
-template <class T, int D, int BN, bool OUTLINED>
-Status launch_rungs(const FlashParams& p, int device, cudaStream_t stream) {
+template <class T, int D, int BN>
+Status launch(const FlashParams& p, int device, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   detail::TmaMaps maps;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -112,24 +112,17 @@ Status launch_rungs(const FlashParams& p, int device, cudaStream_t stream) {
                encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16);
   if (g_last_tma) {
     using Shape = detail::TmaShape<D, BN, kStages>;
-    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages, OUTLINED>;
+    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages>;
     SPARSA_CUDA_CHECK(configure_once<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
   } else {
     using Shape = detail::WgmmaShape<D, BN, kStages>;
-    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages, OUTLINED>;
+    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
     SPARSA_CUDA_CHECK(configure_once<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   }
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
-}
-
-// The epilogue inlined (the default) or as a call (route.h: set_flash_outlined_epilogue).
-template <class T, int D, int BN>
-Status launch(const FlashParams& p, int device, cudaStream_t stream) {
-  return g_outlined_epilogue.load(std::memory_order_relaxed) ? launch_rungs<T, D, BN, true>(p, device, stream)
-                                                             : launch_rungs<T, D, BN, false>(p, device, stream);
 }
 
 template <class T, int D>
@@ -363,7 +356,6 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
 detail::Route detail::last_dense_route() { return g_last_route; }
 bool detail::last_flash_used_tma() { return g_last_tma; }
 bool detail::set_flash_tma(bool on) { return g_use_tma.exchange(on); }
-bool detail::set_flash_outlined_epilogue(bool on) { return g_outlined_epilogue.exchange(on); }
 int detail::last_split_kv_splits() { return g_last_splits; }
 bool detail::last_split_kv_used_tma() { return g_last_split_kv_tma; }
 bool detail::set_split_kv_tma(bool on) { return g_use_split_kv_tma.exchange(on); }
@@ -519,6 +511,10 @@ Status attention(const sparsa::detail::AttentionParams& a) {
     }
   }
   const cudaStream_t stream = nullptr;  // the default stream: callers synchronise as with any CUDA op
+  if (a.index != nullptr && a.check_index) {
+    SPARSA_RETURN_IF_ERROR(detail::check_index_on_device(*a.index, a.batch, a.heads_q, a.heads_kv, a.len_q, a.len_kv,
+                                                         device, stream));
+  }
   const int head_dim = static_cast<int>(a.head_dim);
   if (use_split_kv(a)) {
     g_last_route = detail::Route::split_kv;

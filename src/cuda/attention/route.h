@@ -20,9 +20,6 @@ Route last_dense_route();
 bool last_flash_used_tma();
 // Allows (true, the default) or forbids the TMA kernel, process-wide; returns the previous setting.
 bool set_flash_tma(bool on);
-// The flash rungs' epilogue as a call (true) or inlined (false, the default), process-wide; returns
-// the previous setting (flash_kernel.cuh: store_tile_rows_outlined).
-bool set_flash_outlined_epilogue(bool on);
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
 // Whether the last split-KV launch on this thread was the wgmma + TMA kernel (rung 2,

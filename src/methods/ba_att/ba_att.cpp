@@ -230,6 +230,7 @@ AttentionOptions executor_options(const BaAttOptions& options) {
   attention.backend = options.backend;
   attention.num_threads = options.num_threads;
   attention.check_finite = options.check_finite;
+  attention.check_index = false;  // the plan was just made by ba_att_plan, on this backend
   return attention;
 }
 }  // namespace

@@ -261,6 +261,7 @@ struct Case {
   int64_t seq_pad = 0;  // extra elements between token rows (strided views)
   bool run_executor = true;
   bool simt_logits = false;  // true: the SIMT logits kernel even where the tensor-core one applies
+  bool mma_sync_logits = false;  // true: the mma.sync tensor-core kernel instead of the wgmma one
   bool serial_sides = false;  // true: the key side's steps 1-3 after the query side's, on one stream
   uint32_t seed = 1;
 };
@@ -501,6 +502,11 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
     ~LogitsSwitch() { ba_att_cuda::set_tensor_core_logits(saved); }
   } logits_switch;
   ba_att_cuda::set_tensor_core_logits(!c.simt_logits);
+  struct WgmmaSwitch {
+    bool saved = ba_att_cuda::set_wgmma_logits(true);
+    ~WgmmaSwitch() { ba_att_cuda::set_wgmma_logits(saved); }
+  } wgmma_switch;
+  ba_att_cuda::set_wgmma_logits(!c.mma_sync_logits);
   struct SidesSwitch {  // the case's stream layout, restored however the test ends
     bool saved = ba_att_cuda::set_concurrent_sides(true);
     ~SidesSwitch() { ba_att_cuda::set_concurrent_sides(saved); }
@@ -511,9 +517,12 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
   auto dev = ba_att_scores(q.device_view, k.device_view, options_of(c, Backend::cuda));
   ASSERT_TRUE(dev.ok()) << dev.status().to_string();
   // The tensor-core (3xTF32) logits wherever F % 4 == 0 (d % 4 == 0 for every kind) unless the
-  // case asks for the SIMT kernel; both are held to the same f32 bound below.
+  // case asks for the SIMT kernel, on wgmma unless it asks for mma.sync; all are held to the same
+  // f32 bound below.
   EXPECT_EQ(ba_att_cuda::last_logits_used_tensor_cores(), !c.simt_logits && c.head_dim % 4 == 0)
       << "logits kernel";
+  EXPECT_EQ(ba_att_cuda::last_logits_used_wgmma(), !c.simt_logits && !c.mma_sync_logits && c.head_dim % 4 == 0)
+      << "wgmma logits kernel";
   EXPECT_EQ(ba_att_cuda::last_selection_concurrent(), !c.serial_sides) << "the key side on its own stream";
   auto cpu = ba_att_scores(q.host_view, k.host_view, options_of(c, Backend::cpu_ref));
   ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
@@ -706,11 +715,42 @@ std::vector<Case> cases() {
   add("serial_sides_exact", [](Case& c) {
     c.compensation = Compensation::exact; c.len_q = c.len_kv = 200; c.serial_sides = true;
   });
-  // The tensor-core kernel over several 128-block tiles in both directions with an odd nk (the
-  // scalar stores) and a large F (the exact kind: F = d + 2 d^2, 8256 at d 64).
+  // The tensor-core kernel (wgmma, the default) over several 128-block tiles in both directions
+  // with an odd nk (the scalar stores) and a large F (the exact kind: F = d + 2 d^2, 8256 at d 64).
   add("tc_logits_nq300_nk301_exact", [](Case& c) {
     c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16; c.heads_q = c.heads_kv = 1;
     c.compensation = Compensation::exact; c.budget = Budget::top_kappa(7); c.run_executor = false;
+  });
+  // The wgmma kernel where F is not a multiple of its 32-float K chunk (the plain kind: F = d;
+  // F = 4 is one chunk of zeros but four columns, F = 36 a full chunk and a nearly empty one; the
+  // diagonal kind at d 36: F = 108), partial tiles in both directions (nq, nk not multiples of
+  // 128, nk odd and even: the scalar and the 8-byte stores), and GQA (query head h reads kv head
+  // h / group).
+  add("wgmma_logits_plain_d4_nq300_nk301", [](Case& c) {
+    c.dtype = DType::f32; c.head_dim = 4; c.compensate = false; c.len_q = 300 * 16; c.len_kv = 301 * 16;
+    c.block_q = c.block_kv = 16; c.heads_q = c.heads_kv = 1; c.budget = Budget::top_kappa(7); c.run_executor = false;
+  });
+  add("wgmma_logits_plain_d36_gqa4_2", [](Case& c) {
+    c.head_dim = 36; c.compensate = false; c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16;
+    c.heads_q = 4; c.heads_kv = 2; c.budget = Budget::density(0.2); c.run_executor = false;
+  });
+  add("wgmma_logits_diagonal_d36_gqa3_1_nk130", [](Case& c) {
+    c.head_dim = 36; c.len_q = 129 * 16; c.len_kv = 130 * 16; c.block_q = c.block_kv = 16; c.heads_q = 3;
+    c.heads_kv = 1; c.budget = Budget::top_kappa(5); c.run_executor = false;
+  });
+  // The mma.sync tensor-core kernel, which the wgmma one replaced: kept reachable
+  // (set_wgmma_logits(false)) and held to the same bound, on the same awkward shapes.
+  add("mma_sync_logits_nq300_nk301_exact", [](Case& c) {
+    c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16; c.heads_q = c.heads_kv = 1;
+    c.compensation = Compensation::exact; c.budget = Budget::top_kappa(7); c.run_executor = false;
+    c.mma_sync_logits = true;
+  });
+  add("mma_sync_logits_plain_d36_gqa4_2", [](Case& c) {
+    c.head_dim = 36; c.compensate = false; c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16;
+    c.heads_q = 4; c.heads_kv = 2; c.budget = Budget::density(0.2); c.run_executor = false; c.mma_sync_logits = true;
+  });
+  add("mma_sync_logits_len1000_b128_d128", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.block_q = c.block_kv = 128; c.head_dim = 128; c.mma_sync_logits = true;
   });
   return v;
 }

@@ -825,6 +825,56 @@ TEST(BaAttCuda, NonFiniteInputsAreRefused) {
       << plan.status().to_string();
 }
 
+// A NaN in one key block makes that logit column non-finite in every query row of its head; each
+// logits kernel must report the lowest flat index, row 0 of that column. Column 201 sits in the
+// second 128-wide tile at an odd position: with nk = 300 the tensor-core kernels store it as the
+// second half of an 8-byte pair whose first half is finite, with nk = 301 through the scalar stores.
+TEST(BaAttCuda, NonFiniteLogitIsFoundByEveryLogitsKernel) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  struct Restore {  // the default kernels, however the test ends
+    bool tc = ba_att_cuda::set_tensor_core_logits(true);
+    bool wgmma = ba_att_cuda::set_wgmma_logits(true);
+    ~Restore() {
+      ba_att_cuda::set_tensor_core_logits(tc);
+      ba_att_cuda::set_wgmma_logits(wgmma);
+    }
+  } restore;
+  for (const int64_t nk : {300, 301}) {
+    Case c;
+    c.len_q = 300;
+    c.len_kv = nk * 16;
+    c.block_q = c.block_kv = 16;
+    c.sort_q = c.sort_k = false;  // no norm to catch it: the logit check must
+    const Input q = make_input(c, 2, c.len_q, 11, 0.5f);
+    Input k = make_input(c, 2, c.len_kv, 12, 0.5f);
+    const uint16_t nan_bits = float_to_bf16(std::nanf(""));
+    const int64_t token = 201 * 16 + 5;  // in key block 201 of head 1
+    ASSERT_EQ(cudaMemcpy(static_cast<char*>(k.device.data()) + ((1 * c.len_kv + token) * 64 + 3) * 2, &nan_bits, 2,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    for (int kernel = 0; kernel < 3; ++kernel) {  // wgmma, mma.sync, SIMT 128x128
+      ba_att_cuda::set_tensor_core_logits(kernel < 2);
+      ba_att_cuda::set_wgmma_logits(kernel == 0);
+      auto plan = ba_att_plan(q.device_view, k.device_view, options_of(c, Backend::cuda));
+      ASSERT_FALSE(plan.ok()) << "nk " << nk << ", kernel " << kernel;
+      EXPECT_EQ(ba_att_cuda::last_logits_used_tensor_cores(), kernel < 2) << "kernel " << kernel;
+      EXPECT_EQ(ba_att_cuda::last_logits_used_wgmma(), kernel == 0) << "kernel " << kernel;
+      EXPECT_EQ(plan.status().code(), StatusCode::non_finite);
+      EXPECT_NE(plan.status().message().find("ba_att: block logit [0, 1, 0, 201]"), std::string::npos)
+          << "nk " << nk << ", kernel " << kernel << ": " << plan.status().to_string();
+    }
+  }
+}
+
+// The logits switches return the previous setting (the tests and the benchmark restore through it).
+TEST(BaAttCuda, LogitsSwitchesReturnThePreviousSetting) {
+  const bool tc = ba_att_cuda::set_tensor_core_logits(false);
+  EXPECT_FALSE(ba_att_cuda::set_tensor_core_logits(tc));
+  const bool wgmma = ba_att_cuda::set_wgmma_logits(false);
+  EXPECT_FALSE(ba_att_cuda::set_wgmma_logits(true));
+  EXPECT_TRUE(ba_att_cuda::set_wgmma_logits(wgmma));
+}
+
 TEST(BaAttCuda, HostPointerLabelledCudaIsRefused) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
   HostArray q(DType::bf16, {1, 1, 16, 64});

@@ -62,7 +62,7 @@ struct Workspace {
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
-// The logits kernel switch (ba_att_hooks.h) and what the last call on this thread took.
+// The logits kernel switches (ba_att_hooks.h) and what the last call on this thread took.
 std::atomic<bool> g_tc_logits{true};
 thread_local bool g_last_tc_logits = false;
 std::atomic<bool> g_wgmma_logits{true};

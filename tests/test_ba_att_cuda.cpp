@@ -261,6 +261,7 @@ struct Case {
   int64_t seq_pad = 0;  // extra elements between token rows (strided views)
   bool run_executor = true;
   bool simt_logits = false;  // true: the SIMT logits kernel even where the tensor-core one applies
+  bool mma_sync_logits = false;  // true: the mma.sync tensor-core kernel instead of the wgmma one
   bool serial_sides = false;  // true: the key side's steps 1-3 after the query side's, on one stream
   uint32_t seed = 1;
 };
@@ -501,6 +502,11 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
     ~LogitsSwitch() { ba_att_cuda::set_tensor_core_logits(saved); }
   } logits_switch;
   ba_att_cuda::set_tensor_core_logits(!c.simt_logits);
+  struct WgmmaSwitch {
+    bool saved = ba_att_cuda::set_wgmma_logits(true);
+    ~WgmmaSwitch() { ba_att_cuda::set_wgmma_logits(saved); }
+  } wgmma_switch;
+  ba_att_cuda::set_wgmma_logits(!c.mma_sync_logits);
   struct SidesSwitch {  // the case's stream layout, restored however the test ends
     bool saved = ba_att_cuda::set_concurrent_sides(true);
     ~SidesSwitch() { ba_att_cuda::set_concurrent_sides(saved); }
@@ -511,9 +517,12 @@ TEST_P(BaAttCudaCase, MatchesTheCpuPath) {
   auto dev = ba_att_scores(q.device_view, k.device_view, options_of(c, Backend::cuda));
   ASSERT_TRUE(dev.ok()) << dev.status().to_string();
   // The tensor-core (3xTF32) logits wherever F % 4 == 0 (d % 4 == 0 for every kind) unless the
-  // case asks for the SIMT kernel; both are held to the same f32 bound below.
+  // case asks for the SIMT kernel, on wgmma unless it asks for mma.sync; all are held to the same
+  // f32 bound below.
   EXPECT_EQ(ba_att_cuda::last_logits_used_tensor_cores(), !c.simt_logits && c.head_dim % 4 == 0)
       << "logits kernel";
+  EXPECT_EQ(ba_att_cuda::last_logits_used_wgmma(), !c.simt_logits && !c.mma_sync_logits && c.head_dim % 4 == 0)
+      << "wgmma logits kernel";
   EXPECT_EQ(ba_att_cuda::last_selection_concurrent(), !c.serial_sides) << "the key side on its own stream";
   auto cpu = ba_att_scores(q.host_view, k.host_view, options_of(c, Backend::cpu_ref));
   ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
@@ -706,11 +715,42 @@ std::vector<Case> cases() {
   add("serial_sides_exact", [](Case& c) {
     c.compensation = Compensation::exact; c.len_q = c.len_kv = 200; c.serial_sides = true;
   });
-  // The tensor-core kernel over several 128-block tiles in both directions with an odd nk (the
-  // scalar stores) and a large F (the exact kind: F = d + 2 d^2, 8256 at d 64).
+  // The tensor-core kernel (wgmma, the default) over several 128-block tiles in both directions
+  // with an odd nk (the scalar stores) and a large F (the exact kind: F = d + 2 d^2, 8256 at d 64).
   add("tc_logits_nq300_nk301_exact", [](Case& c) {
     c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16; c.heads_q = c.heads_kv = 1;
     c.compensation = Compensation::exact; c.budget = Budget::top_kappa(7); c.run_executor = false;
+  });
+  // The wgmma kernel where F is not a multiple of its 32-float K chunk (the plain kind: F = d;
+  // F = 4 is one chunk of zeros but four columns, F = 36 a full chunk and a nearly empty one; the
+  // diagonal kind at d 36: F = 108), partial tiles in both directions (nq, nk not multiples of
+  // 128, nk odd and even: the scalar and the 8-byte stores), and GQA (query head h reads kv head
+  // h / group).
+  add("wgmma_logits_plain_d4_nq300_nk301", [](Case& c) {
+    c.dtype = DType::f32; c.head_dim = 4; c.compensate = false; c.len_q = 300 * 16; c.len_kv = 301 * 16;
+    c.block_q = c.block_kv = 16; c.heads_q = c.heads_kv = 1; c.budget = Budget::top_kappa(7); c.run_executor = false;
+  });
+  add("wgmma_logits_plain_d36_gqa4_2", [](Case& c) {
+    c.head_dim = 36; c.compensate = false; c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16;
+    c.heads_q = 4; c.heads_kv = 2; c.budget = Budget::density(0.2); c.run_executor = false;
+  });
+  add("wgmma_logits_diagonal_d36_gqa3_1_nk130", [](Case& c) {
+    c.head_dim = 36; c.len_q = 129 * 16; c.len_kv = 130 * 16; c.block_q = c.block_kv = 16; c.heads_q = 3;
+    c.heads_kv = 1; c.budget = Budget::top_kappa(5); c.run_executor = false;
+  });
+  // The mma.sync tensor-core kernel, which the wgmma one replaced: kept reachable
+  // (set_wgmma_logits(false)) and held to the same bound, on the same awkward shapes.
+  add("mma_sync_logits_nq300_nk301_exact", [](Case& c) {
+    c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16; c.heads_q = c.heads_kv = 1;
+    c.compensation = Compensation::exact; c.budget = Budget::top_kappa(7); c.run_executor = false;
+    c.mma_sync_logits = true;
+  });
+  add("mma_sync_logits_plain_d36_gqa4_2", [](Case& c) {
+    c.head_dim = 36; c.compensate = false; c.len_q = 300 * 16; c.len_kv = 301 * 16; c.block_q = c.block_kv = 16;
+    c.heads_q = 4; c.heads_kv = 2; c.budget = Budget::density(0.2); c.run_executor = false; c.mma_sync_logits = true;
+  });
+  add("mma_sync_logits_len1000_b128_d128", [](Case& c) {
+    c.len_q = c.len_kv = 1000; c.block_q = c.block_kv = 128; c.head_dim = 128; c.mma_sync_logits = true;
   });
   return v;
 }
@@ -783,6 +823,56 @@ TEST(BaAttCuda, NonFiniteInputsAreRefused) {
   ASSERT_FALSE(plan.ok());
   EXPECT_NE(plan.status().message().find("k: token [0, 1, 37] has a NaN/Inf norm"), std::string::npos)
       << plan.status().to_string();
+}
+
+// A NaN in one key block makes that logit column non-finite in every query row of its head; each
+// logits kernel must report the lowest flat index, row 0 of that column. Column 201 sits in the
+// second 128-wide tile at an odd position: with nk = 300 the tensor-core kernels store it as the
+// second half of an 8-byte pair whose first half is finite, with nk = 301 through the scalar stores.
+TEST(BaAttCuda, NonFiniteLogitIsFoundByEveryLogitsKernel) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  struct Restore {  // the default kernels, however the test ends
+    bool tc = ba_att_cuda::set_tensor_core_logits(true);
+    bool wgmma = ba_att_cuda::set_wgmma_logits(true);
+    ~Restore() {
+      ba_att_cuda::set_tensor_core_logits(tc);
+      ba_att_cuda::set_wgmma_logits(wgmma);
+    }
+  } restore;
+  for (const int64_t nk : {300, 301}) {
+    Case c;
+    c.len_q = 300;
+    c.len_kv = nk * 16;
+    c.block_q = c.block_kv = 16;
+    c.sort_q = c.sort_k = false;  // no norm to catch it: the logit check must
+    const Input q = make_input(c, 2, c.len_q, 11, 0.5f);
+    Input k = make_input(c, 2, c.len_kv, 12, 0.5f);
+    const uint16_t nan_bits = float_to_bf16(std::nanf(""));
+    const int64_t token = 201 * 16 + 5;  // in key block 201 of head 1
+    ASSERT_EQ(cudaMemcpy(static_cast<char*>(k.device.data()) + ((1 * c.len_kv + token) * 64 + 3) * 2, &nan_bits, 2,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    for (int kernel = 0; kernel < 3; ++kernel) {  // wgmma, mma.sync, SIMT 128x128
+      ba_att_cuda::set_tensor_core_logits(kernel < 2);
+      ba_att_cuda::set_wgmma_logits(kernel == 0);
+      auto plan = ba_att_plan(q.device_view, k.device_view, options_of(c, Backend::cuda));
+      ASSERT_FALSE(plan.ok()) << "nk " << nk << ", kernel " << kernel;
+      EXPECT_EQ(ba_att_cuda::last_logits_used_tensor_cores(), kernel < 2) << "kernel " << kernel;
+      EXPECT_EQ(ba_att_cuda::last_logits_used_wgmma(), kernel == 0) << "kernel " << kernel;
+      EXPECT_EQ(plan.status().code(), StatusCode::non_finite);
+      EXPECT_NE(plan.status().message().find("ba_att: block logit [0, 1, 0, 201]"), std::string::npos)
+          << "nk " << nk << ", kernel " << kernel << ": " << plan.status().to_string();
+    }
+  }
+}
+
+// The logits switches return the previous setting (the tests and the benchmark restore through it).
+TEST(BaAttCuda, LogitsSwitchesReturnThePreviousSetting) {
+  const bool tc = ba_att_cuda::set_tensor_core_logits(false);
+  EXPECT_FALSE(ba_att_cuda::set_tensor_core_logits(tc));
+  const bool wgmma = ba_att_cuda::set_wgmma_logits(false);
+  EXPECT_FALSE(ba_att_cuda::set_wgmma_logits(true));
+  EXPECT_TRUE(ba_att_cuda::set_wgmma_logits(wgmma));
 }
 
 TEST(BaAttCuda, HostPointerLabelledCudaIsRefused) {

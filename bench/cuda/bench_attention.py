@@ -244,6 +244,15 @@ def bench_ba_att(lib, sizes, densities, H=32, D=128, blk=128, iters=5):
             lib.sparsa_bench_set_ba_att_tensor_core_logits(1)
             if rc != 0:
                 raise RuntimeError(err.value.decode())
+            # The mma.sync tensor-core logits kernel (before the wgmma one), same call.
+            mma_sync = ctypes.c_float(float("nan"))
+            lib.sparsa_bench_set_ba_att_wgmma_logits(0)
+            rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, 1, H, H, N, D, blk,
+                   density, 2, iters, ctypes.byref(mma_sync), ctypes.byref(ctypes.c_float()),
+                   ctypes.byref(ctypes.c_float()), ctypes.byref(ctypes.c_double()), err, len(err))
+            lib.sparsa_bench_set_ba_att_wgmma_logits(1)
+            if rc != 0:
+                raise RuntimeError(err.value.decode())
             # Both sides on one stream (the key side after the query side), same call.
             serial = ctypes.c_float(float("nan"))
             lib.sparsa_bench_set_ba_att_concurrent_sides(0)
@@ -255,7 +264,8 @@ def bench_ba_att(lib, sizes, densities, H=32, D=128, blk=128, iters=5):
                 raise RuntimeError(err.value.decode())
             torch.cuda.synchronize()
             res = {"N": N, "density": density, "visited": visited.value, "select_ms": sel.value,
-                   "select_simt_logits_ms": simt.value, "select_serial_sides_ms": serial.value,
+                   "select_simt_logits_ms": simt.value, "select_mma_sync_logits_ms": mma_sync.value,
+                   "select_serial_sides_ms": serial.value,
                    "executor_ms": ex.value, "total_ms": tot.value, "cudnn_ms": cudnn, "peer": peer,
                    "rel_err_vs_dense": rel_err(out, ref), "finite": bool(torch.isfinite(out).all().item())}
             rows.append(res)
@@ -267,12 +277,13 @@ def bench_ba_att(lib, sizes, densities, H=32, D=128, blk=128, iters=5):
           f"compensation; times: median of {iters} CUDA-event-timed calls")
     print(f"{'N':>7} {'density':>7} {'visited':>7} {'select ms':>10} {'exec ms':>9} {'total ms':>9} "
           f"{'cuDNN ms':>9} {'speed-up':>8} {'select %':>8} {'err vs dense':>12} {'select ms, SIMT logits':>22} "
-          f"{'select ms, serial sides':>23}")
+          f"{'select ms, mma.sync logits':>26} {'select ms, serial sides':>23}")
     for r in rows:
         print(f"{r['N']:>7} {r['density']:>7.2f} {r['visited']:>7.3f} {r['select_ms']:>10.3f} {r['executor_ms']:>9.3f} "
               f"{r['total_ms']:>9.3f} {r['cudnn_ms']:>9.3f} {r['cudnn_ms'] / r['total_ms']:>7.2f}x "
               f"{r['select_ms'] / r['total_ms']:>8.2%} {r['rel_err_vs_dense']:>12.3e} "
-              f"{r['select_simt_logits_ms']:>22.3f} {r['select_serial_sides_ms']:>23.3f}"
+              f"{r['select_simt_logits_ms']:>22.3f} {r['select_mma_sync_logits_ms']:>26.3f} "
+              f"{r['select_serial_sides_ms']:>23.3f}"
               + ("" if r["peer"] == "cuDNN" else "  (peer: SDPA flash)"))
     print("(err vs dense: sparse attention's own approximation error on random inputs, not a defect; "
           "'finite' in the JSON must be true)")

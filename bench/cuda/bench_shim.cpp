@@ -231,6 +231,9 @@ void sparsa_bench_set_split_kv_tma(int on) { sparsa::cuda::detail::set_split_kv_
 
 // Allows (1) or forbids (0) BA-Att's tensor-core logits kernel; 0 takes the SIMT f32 kernel.
 void sparsa_bench_set_ba_att_tensor_core_logits(int on) { sparsa::ba_att_cuda::set_tensor_core_logits(on != 0); }
+// Allows (1) or forbids (0) the wgmma kernel among BA-Att's tensor-core logits kernels; 0 takes
+// the mma.sync one.
+void sparsa_bench_set_ba_att_wgmma_logits(int on) { sparsa::ba_att_cuda::set_wgmma_logits(on != 0); }
 
 // Allows (1) or forbids (0) BA-Att's key side on a second stream beside the query side.
 void sparsa_bench_set_ba_att_concurrent_sides(int on) { sparsa::ba_att_cuda::set_concurrent_sides(on != 0); }

@@ -2,7 +2,8 @@
 // so the flash kernel reads like the algorithm (STYLE.md 6). PTX ISA, "Asynchronous Warpgroup
 // Level Matrix Multiply-Accumulate".
 //
-// A warpgroup (4 consecutive warps, 128 threads) computes D[64 x N] (+)= A[64 x 16] * B[16 x N]:
+// A warpgroup (4 consecutive warps, 128 threads) computes D[64 x N] (+)= A[64 x 16] * B[16 x N]
+// (b16 inputs; WgmmaTf32 below: A[64 x 8] * B[8 x N] of tf32):
 //  - D (f32, N/2 registers per thread): warp w of the group owns rows 16w..16w+15, and within the
 //    warp the layout is mma.m16n8k16's accumulator repeated over N: d[4i + e] is row g + 8(e/2),
 //    column 8i + 2c + (e%2), where g = lane/4, c = lane%4.
@@ -17,6 +18,8 @@
 //  - MN-major (rows = K, the 64 columns = N; e.g. V [keys][head_dim] as the B of P V): start at
 //    key row 16 * step; SBO 1024 bytes between 8-key groups; LBO = the byte distance from one
 //    64-column sub-tile to the next along N.
+// A row of 128 bytes holds 32 f32 / tf32 values just as it holds 64 b16 ones, so a tf32 tile
+// [ROWS][32] uses the same bytes with chunk j = k / 4, and its k8 step is the same +32 bytes.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -211,4 +214,35 @@ struct Wgmma<__half, 128> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
   }
 };
+
+// wgmma m64nNk8 with tf32 inputs (f32 bit patterns; the tensor cores read sign, exponent and the
+// top 10 mantissa bits) and f32 accumulation, A and B both from shared memory. The .tf32 form has
+// no transpose immediates: both operands are K-major (rows = M or N, K contiguous), the layout of
+// Swizzle128 above with 32 tf32 per 128-byte row; a k8 step advances the descriptor by 32 bytes.
+// Operands: d, a-desc, b-desc, scale-d (predicate: 0 overwrites D), imm-scale-a, imm-scale-b.
+template <int N>
+struct WgmmaTf32;
+
+template <>
+struct WgmmaTf32<128> {
+  static __device__ __forceinline__ void ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32\n"
+        "{" "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63" "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+  }
+};
+
 }  // namespace sparsa::cuda::detail

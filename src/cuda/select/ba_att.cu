@@ -62,9 +62,11 @@ struct Workspace {
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
-// The logits kernel switch (ba_att_hooks.h) and what the last call on this thread took.
+// The logits kernel switches (ba_att_hooks.h) and what the last call on this thread took.
 std::atomic<bool> g_tc_logits{true};
 thread_local bool g_last_tc_logits = false;
+std::atomic<bool> g_wgmma_logits{true};
+thread_local bool g_last_wgmma_logits = false;
 // The concurrent key side switch (ba_att_hooks.h) and whether the last call on this thread used it.
 std::atomic<bool> g_concurrent_sides{true};
 thread_local bool g_last_concurrent = false;
@@ -545,7 +547,20 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   SPARSA_CUDA_CHECK(join.done());  // the logits need both sides' features
 
   g_last_tc_logits = s.F % 4 == 0 && g_tc_logits.load(std::memory_order_relaxed);
-  if (g_last_tc_logits) {
+  g_last_wgmma_logits = g_last_tc_logits && g_wgmma_logits.load(std::memory_order_relaxed);
+  if (g_last_wgmma_logits) {
+    const size_t smem = kWgLogitSmemBytes;
+    int sms = 0, per_sm = 0;  // raises the kernel's shared-memory limit on first use
+    SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(block_logits_wgmma_kernel),
+                                        kWgLogitThreads, smem, &sms, &per_sm));
+    const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kWgLogitTile - 1) / kWgLogitTile),
+                    static_cast<unsigned>((p.num_q_blocks + kWgLogitTile - 1) / kWgLogitTile),
+                    static_cast<unsigned>(p.batch * p.heads_q));
+    block_logits_wgmma_kernel<<<grid, kWgLogitThreads, smem>>>(
+        w.query_features, w.key_features, w.logits, static_cast<int>(p.num_q_blocks),
+        static_cast<int>(p.num_kv_blocks), s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
+        static_cast<int>(p.heads_kv), w.err);
+  } else if (g_last_tc_logits) {
     const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kTcTile - 1) / kTcTile),
                     static_cast<unsigned>((p.num_q_blocks + kTcTile - 1) / kTcTile),
                     static_cast<unsigned>(p.batch * p.heads_q));
@@ -718,6 +733,8 @@ Status token_norms(const Tensor& x, HostArray* norms) {
 
 bool set_tensor_core_logits(bool on) { return g_tc_logits.exchange(on); }
 bool last_logits_used_tensor_cores() { return g_last_tc_logits; }
+bool set_wgmma_logits(bool on) { return g_wgmma_logits.exchange(on); }
+bool last_logits_used_wgmma() { return g_last_wgmma_logits; }
 
 bool set_concurrent_sides(bool on) { return g_concurrent_sides.exchange(on); }
 bool last_selection_concurrent() { return g_last_concurrent; }

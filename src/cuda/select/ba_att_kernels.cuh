@@ -13,9 +13,9 @@
 //                            that every compensated logit is one inner product;
 //   4. block_logits_*kernel  per (batch, query head): logits = A [nq, F] x B [nk, F]' (GQA: query
 //                            head h reads kv head h / group): on the tensor cores with f32
-//                            accuracy (3xTF32, 128x128 tiles) when F % 4 == 0, else an f32 SIMT
-//                            product in 64x64 tiles (the SIMT 128x128 kernel stays reachable
-//                            through ba_att_hooks.h);
+//                            accuracy (3xTF32 on wgmma, 128x128 tiles) when F % 4 == 0, else an
+//                            f32 SIMT product in 64x64 tiles (the 3xTF32 mma.sync kernel and the
+//                            SIMT 128x128 kernel stay reachable through ba_att_hooks.h);
 //   5. select_top_warp_kernel fixed budgets (kappa, density), rows of up to 2048 key blocks: one
 //                            warp per query-block row, a radix select of the kappa-th (logit desc,
 //                            index asc) key and a compaction of the kept indices, ascending;

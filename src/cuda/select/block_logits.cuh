@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/wgmma.cuh"
 #include "cuda/select/ba_att_common.cuh"
 
 namespace sparsa::cuda::ba_att {
@@ -118,6 +119,22 @@ __device__ __forceinline__ void put_logit(float* logits, ErrorWord* err, int64_t
   if (!isfinite(x)) atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(flat));
   logits[flat] = x;
 }
+// Logits (r, col) and (r, col + 1) of query head z, col even, as the tensor-core accumulators hold
+// them: one 8-byte store when both are in range and nk is even (flat is even), else put_logit
+// for each column in range. r < nq is the caller's.
+__device__ __forceinline__ void put_logit_pair(float* logits, ErrorWord* err, int64_t z, int nq, int nk, int r,
+                                               int col, float x0, float x1) {
+  const int64_t flat = (z * nq + r) * nk + col;
+  if (col + 1 < nk && nk % 2 == 0) {
+    if (!isfinite(x0) || !isfinite(x1)) {
+      atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(isfinite(x0) ? flat + 1 : flat));
+    }
+    *reinterpret_cast<float2*>(logits + flat) = make_float2(x0, x1);
+  } else {
+    if (col < nk) put_logit(logits, err, flat, x0);
+    if (col + 1 < nk) put_logit(logits, err, flat + 1, x1);
+  }
+}
 
 // F % 4 == 0 (every kind when d % 4 == 0): 128x128 tiles, 8x8 outputs per thread (rows 4 ty..
 // and 64 + 4 ty.., columns 4 tx.. and 64 + 4 tx..), k in steps of 8 through two shared buffers: the
@@ -208,7 +225,8 @@ __global__ void __launch_bounds__(kBigLogitThreads, 2)
 // each B element by four), so the inner loop is fragment loads and products only. Shared rows
 // are padded to 12 floats: a fragment read (rows g = 0..7, column c = 0..3) touches banks
 // 12 g + c mod 32, all different. F % 4 == 0; columns past F are zeros. 4 x 2 x 128 x 12 floats =
-// 48 KiB of static shared memory.
+// 48 KiB of static shared memory. The default is now block_logits_wgmma_kernel (4c); this one
+// stays reachable through set_wgmma_logits(false) (ba_att_hooks.h).
 constexpr int kTcTile = 128, kTcTileK = 8, kTcPad = 12, kTcThreads = 256;
 
 __device__ __forceinline__ uint32_t tf32_bits(float x) {
@@ -306,19 +324,164 @@ __global__ void __launch_bounds__(kTcThreads, 2)
       if (r >= nq) continue;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
-        const int col = col0 + wn + nt * 8 + 2 * c;
-        const float x0 = acc[mt][nt][2 * half], x1 = acc[mt][nt][2 * half + 1];
-        const int64_t flat = (z * nq + r) * nk + col;
-        if (col + 1 < nk && nk % 2 == 0) {  // flat is even: one 8-byte store
-          if (!isfinite(x0) || !isfinite(x1)) {
-            atomicMin(&err->first[kErrLogit], static_cast<unsigned long long>(isfinite(x0) ? flat + 1 : flat));
-          }
-          *reinterpret_cast<float2*>(logits + flat) = make_float2(x0, x1);
-        } else {
-          if (col < nk) put_logit(logits, err, flat, x0);
-          if (col + 1 < nk) put_logit(logits, err, flat + 1, x1);
-        }
+        put_logit_pair(logits, err, z, nq, nk, r, col0 + wn + nt * 8 + 2 * c, acc[mt][nt][2 * half],
+                       acc[mt][nt][2 * half + 1]);
       }
+    }
+  }
+}
+
+// ---- 4c. the same 3xTF32 product on Hopper's warpgroup tensor cores (wgmma) --------------------
+//
+// block_logits_tf32_kernel's arithmetic (the split x = hi + lo, the three products lo_a hi_b,
+// hi_a lo_b, hi_a hi_b per k8 step in that order, f32 accumulation; its comment gives the accuracy
+// argument and the bound the tests check) on wgmma m64n128k8 .tf32 (WgmmaTf32 in wgmma.cuh), which
+// reads both operands straight from shared memory: no fragment loads, which kept the mma.sync
+// kernel's shared-memory pipe 75% busy with its tensor pipe at 44% (ncu, bench/RESULTS.md), and
+// wgmma's TF32 rate is the higher one. 3xTF32: Ootomo and Yokota 2022, arXiv 2203.03341.
+//
+// grid (ceil(nk / 128), ceil(nq / 128), batch * heads_q), 256 threads = two warpgroups; warpgroup
+// w computes q rows 64 w.. of the 128x128 tile against all 128 k rows (64 accumulators per thread,
+// wgmma.cuh's layout). K advances 32 floats at a time (one 128-byte swizzled row) through three
+// stages of [A_hi, A_lo, B_hi, B_lo], each [128 rows][32 floats] = 16 KiB (192 KiB + 1 KiB to align
+// the base to the 1024-byte swizzle atom; one CTA per SM). Every thread loads four float4s of A and
+// four of B per chunk (row threadIdx.x / 8 + 32 u, 16-byte chunk threadIdx.x % 8; zeros past nq,
+// nk and F, F % 4 == 0), splits them and stores hi and lo swizzled (WgLogitChunk). Per chunk t:
+//   load chunk t + 1 into registers -> issue chunk t's 4 x 3 wgmmas (async) -> split and store
+//   chunk t + 1 into its stage (last read by chunk t - 2, complete) -> wait for chunk t - 1 ->
+//   fence.proxy.async and one barrier (chunk t + 1 visible; every warpgroup done with chunk t - 1)
+// so one chunk's products are in flight while the next is stored and the barrier passes.
+constexpr int kWgLogitTile = 128, kWgLogitChunk = 32, kWgLogitStages = 3, kWgLogitThreads = 256;
+constexpr int kWgLogitPartBytes = kWgLogitTile * kWgLogitChunk * 4;  // one of A_hi, A_lo, B_hi, B_lo
+constexpr int kWgLogitStageBytes = 4 * kWgLogitPartBytes;
+constexpr int kWgLogitSmemBytes = kWgLogitStages * kWgLogitStageBytes + 1024;
+constexpr int kWgLogitLoads = kWgLogitTile * kWgLogitChunk / 4 / kWgLogitThreads;  // float4s per operand
+
+// One thread's share of a K chunk: float4 u of each operand is row `row` + 32 u of the tile,
+// floats 4 chunk .. 4 chunk + 3 of the K chunk; stored at 16-byte chunk `chunk ^ (row % 8)` of its
+// 128-byte row (Swizzle128; (row + 32 u) % 8 = row % 8).
+struct WgLogitChunk {
+  const float* a_src;  // A row (row0 + row), column 4 chunk; + 32 u F for float4 u
+  const float* b_src;
+  int64_t F;
+  int row, chunk;
+  unsigned a_rows = 0, b_rows = 0;  // bit u: row + 32 u is inside nq (A) / nk (B)
+  float4 a[kWgLogitLoads], b[kWgLogitLoads];
+
+  __device__ __forceinline__ WgLogitChunk(const float* query_features, const float* key_features, int nq, int nk,
+                                          int64_t F_, int heads_q, int group, int heads_kv)
+      : F(F_), row(threadIdx.x / 8), chunk(threadIdx.x % 8) {
+    const int64_t z = blockIdx.z;
+    const int64_t zk = (z / heads_q) * heads_kv + (z % heads_q) / group;
+    const int row0 = blockIdx.y * kWgLogitTile, col0 = blockIdx.x * kWgLogitTile;
+#pragma unroll
+    for (int u = 0; u < kWgLogitLoads; ++u) {
+      a_rows |= (row0 + row + 32 * u < nq ? 1u : 0u) << u;
+      b_rows |= (col0 + row + 32 * u < nk ? 1u : 0u) << u;
+    }
+    a_src = query_features + (z * nq + row0 + row) * F + 4 * chunk;
+    b_src = key_features + (zk * nk + col0 + row) * F + 4 * chunk;
+  }
+  // Chunk starting at column f0 into registers.
+  __device__ __forceinline__ void load(int64_t f0) {
+    const bool in_f = f0 + 4 * chunk < F;  // F % 4 == 0: all four or none
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < kWgLogitLoads; ++u) {
+      const int64_t at = 32 * u * F + f0;
+      a[u] = in_f && (a_rows >> u & 1u) ? *reinterpret_cast<const float4*>(a_src + at) : zero;
+      b[u] = in_f && (b_rows >> u & 1u) ? *reinterpret_cast<const float4*>(b_src + at) : zero;
+    }
+  }
+  // The registers, split into hi and lo, into the stage at `stage` ([A_hi, A_lo, B_hi, B_lo]).
+  __device__ __forceinline__ void store(uint8_t* stage) const {
+    float4 hi, lo;
+#pragma unroll
+    for (int u = 0; u < kWgLogitLoads; ++u) {
+      const int r = row + 32 * u;
+      const int offset = r * 128 + ((chunk ^ (r & 7)) << 4);
+      split_tf32(a[u], hi, lo);
+      *reinterpret_cast<float4*>(stage + 0 * kWgLogitPartBytes + offset) = hi;
+      *reinterpret_cast<float4*>(stage + 1 * kWgLogitPartBytes + offset) = lo;
+      split_tf32(b[u], hi, lo);
+      *reinterpret_cast<float4*>(stage + 2 * kWgLogitPartBytes + offset) = hi;
+      *reinterpret_cast<float4*>(stage + 3 * kWgLogitPartBytes + offset) = lo;
+    }
+  }
+};
+
+// K-major descriptor of `rows_from` .. of a [128][32]-float part at `part` (shared address), k8
+// step kk (0..3): +32 bytes per step, 1024 bytes between 8-row groups.
+__device__ __forceinline__ uint64_t wg_logit_desc(uint32_t part, int rows_from, int kk) {
+  return cuda::detail::make_desc(part + rows_from * 128 + kk * 32, 16, 1024);
+}
+
+__global__ void __launch_bounds__(kWgLogitThreads, 1)
+    block_logits_wgmma_kernel(const float* __restrict__ query_features, const float* __restrict__ key_features,
+                              float* __restrict__ logits, int nq, int nk, int64_t F, int heads_q, int group,
+                              int heads_kv, ErrorWord* err) {
+  using cuda::detail::fence_proxy_async;
+  using cuda::detail::fence_registers;
+  using cuda::detail::wgmma_commit;
+  using cuda::detail::wgmma_fence;
+  using cuda::detail::wgmma_wait;
+  using Mma = cuda::detail::WgmmaTf32<kWgLogitTile>;
+  extern __shared__ __align__(128) uint8_t wg_logit_smem[];
+  // Stages start 1024-byte aligned (the swizzle repeats every 8 rows of 128 bytes).
+  uint8_t* stages = wg_logit_smem + ((1024u - (cuda::detail::smem_addr(wg_logit_smem) & 1023u)) & 1023u);
+  const uint32_t stages_addr = cuda::detail::smem_addr(stages);
+  const int warpgroup = threadIdx.x / 128;
+
+  WgLogitChunk chunk(query_features, key_features, nq, nk, F, heads_q, group, heads_kv);
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+
+  chunk.load(0);
+  chunk.store(stages);
+  fence_proxy_async();
+  __syncthreads();
+  const int64_t chunks = (F + kWgLogitChunk - 1) / kWgLogitChunk;
+  int stage = 0;  // of chunk t
+  for (int64_t t = 0; t < chunks; ++t) {
+    const bool more = t + 1 < chunks;
+    if (more) chunk.load((t + 1) * kWgLogitChunk);
+    const uint32_t base = stages_addr + stage * kWgLogitStageBytes;
+    const uint32_t a_hi = base, a_lo = base + kWgLogitPartBytes;
+    const uint32_t b_hi = base + 2 * kWgLogitPartBytes, b_lo = base + 3 * kWgLogitPartBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgLogitChunk / 8; ++kk) {
+      const uint64_t ah = wg_logit_desc(a_hi, 64 * warpgroup, kk), al = wg_logit_desc(a_lo, 64 * warpgroup, kk);
+      const uint64_t bh = wg_logit_desc(b_hi, 0, kk), bl = wg_logit_desc(b_lo, 0, kk);
+      Mma::ss(acc, al, bh, 1);  // lo_a hi_b
+      Mma::ss(acc, ah, bl, 1);  // hi_a lo_b
+      Mma::ss(acc, ah, bh, 1);  // hi_a hi_b
+    }
+    wgmma_commit();
+    const int next = stage + 1 == kWgLogitStages ? 0 : stage + 1;
+    // Stage `next` was last read by chunk t - 2: complete in every warpgroup (previous barrier).
+    if (more) chunk.store(stages + next * kWgLogitStageBytes);
+    wgmma_wait<1>();  // this warpgroup's chunk t - 1 is complete (chunk t stays in flight)
+    fence_proxy_async();
+    __syncthreads();
+    stage = next;
+  }
+  wgmma_wait<0>();
+  fence_registers(acc);
+
+  // Accumulator 4 i + e: row 16 warp + g + 8 (e / 2) of the tile (warp 0..7; warpgroup w's four
+  // warps hold its rows 64 w..), column 8 i + 2 c + e % 2.
+  const int64_t z = blockIdx.z;
+  const int row0 = blockIdx.y * kWgLogitTile, col0 = blockIdx.x * kWgLogitTile;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + 16 * warp + g + 8 * half;
+    if (r >= nq) continue;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      put_logit_pair(logits, err, z, nq, nk, r, col0 + 8 * i + 2 * c, acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
     }
   }
 }

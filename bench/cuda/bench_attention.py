@@ -237,33 +237,20 @@ def bench_ba_att(lib, sizes, densities, H=32, D=128, blk=128, iters=5):
             if rc != 0:
                 raise RuntimeError(err.value.decode())
             torch.cuda.synchronize()
-            # The previous logits kernel (SIMT f32), same call: the selection time it gives.
-            simt = ctypes.c_float(float("nan"))
-            lib.sparsa_bench_set_ba_att_tensor_core_logits(0)
-            rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, 1, H, H, N, D, blk,
-                   density, 2, iters, ctypes.byref(simt), ctypes.byref(ctypes.c_float()),
-                   ctypes.byref(ctypes.c_float()), ctypes.byref(ctypes.c_double()), err, len(err))
-            lib.sparsa_bench_set_ba_att_tensor_core_logits(1)
-            if rc != 0:
-                raise RuntimeError(err.value.decode())
-            # The mma.sync tensor-core logits kernel (before the wgmma one), same call.
-            mma_sync = ctypes.c_float(float("nan"))
-            lib.sparsa_bench_set_ba_att_wgmma_logits(0)
-            rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, 1, H, H, N, D, blk,
-                   density, 2, iters, ctypes.byref(mma_sync), ctypes.byref(ctypes.c_float()),
-                   ctypes.byref(ctypes.c_float()), ctypes.byref(ctypes.c_double()), err, len(err))
-            lib.sparsa_bench_set_ba_att_wgmma_logits(1)
-            if rc != 0:
-                raise RuntimeError(err.value.decode())
-            # Both sides on one stream (the key side after the query side), same call.
-            serial = ctypes.c_float(float("nan"))
-            lib.sparsa_bench_set_ba_att_concurrent_sides(0)
-            rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, 1, H, H, N, D, blk,
-                   density, 2, iters, ctypes.byref(serial), ctypes.byref(ctypes.c_float()),
-                   ctypes.byref(ctypes.c_float()), ctypes.byref(ctypes.c_double()), err, len(err))
-            lib.sparsa_bench_set_ba_att_concurrent_sides(1)
-            if rc != 0:
-                raise RuntimeError(err.value.decode())
+            # The selection with one of its earlier variants switched in (same call, same tensors).
+            def select_with(switch):
+                ms = ctypes.c_float(float("nan"))
+                switch(0)
+                rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, 1, H, H, N, D,
+                       blk, density, 2, iters, ctypes.byref(ms), ctypes.byref(ctypes.c_float()),
+                       ctypes.byref(ctypes.c_float()), ctypes.byref(ctypes.c_double()), err, len(err))
+                switch(1)
+                if rc != 0:
+                    raise RuntimeError(err.value.decode())
+                return ms
+            simt = select_with(lib.sparsa_bench_set_ba_att_tensor_core_logits)  # SIMT f32 logits
+            mma_sync = select_with(lib.sparsa_bench_set_ba_att_wgmma_logits)  # mma.sync 3xTF32 logits
+            serial = select_with(lib.sparsa_bench_set_ba_att_concurrent_sides)  # key side after query side
             torch.cuda.synchronize()
             res = {"N": N, "density": density, "visited": visited.value, "select_ms": sel.value,
                    "select_simt_logits_ms": simt.value, "select_mma_sync_logits_ms": mma_sync.value,

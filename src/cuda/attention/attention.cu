@@ -321,29 +321,9 @@ bool use_split_kv(const sparsa::detail::AttentionParams& a) {
 
 Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cudaStream_t stream) {
   SplitKvParams p;
-  p.q = f.q;
-  p.k = f.k;
-  p.v = f.v;
-  p.out = f.out;
-  p.lse = f.lse;
-  for (int d = 0; d < 3; ++d) {
-    p.q_stride[d] = f.q_stride[d];
-    p.k_stride[d] = f.k_stride[d];
-    p.v_stride[d] = f.v_stride[d];
-    p.out_stride[d] = f.out_stride[d];
-    p.lse_stride[d] = f.lse_stride[d];
-  }
-  p.batch = f.batch;
-  p.heads_q = f.heads_q;
-  p.heads_kv = f.heads_kv;
-  p.group = f.group;
-  p.len_q = f.len_q;
-  p.len_kv = f.len_kv;
-  p.scale_log2 = f.scale_log2;
+  static_cast<detail::AttentionArgs&>(p) = f;  // the tensors, shapes and scale
   p.rows = f.group * f.len_q;
   p.num_kv_tiles = (f.len_kv + kSplitKvKeyTile - 1) / kSplitKvKeyTile;
-  p.aligned_loads = f.aligned_loads;
-  p.aligned_out = f.aligned_out;
   const bool bf16 = dtype == DType::bf16;
   if (head_dim == 64) {
     return bf16 ? launch_split_kv<__nv_bfloat16, 64>(p, device, stream) : launch_split_kv<__half, 64>(p, device, stream);

@@ -30,7 +30,10 @@
 
 namespace sparsa::cuda::detail {
 
-struct FlashParams {
+// What every executor kernel reads of a call: the tensors, their shapes and the scale. The flash
+// executor (FlashParams) and the split-KV one (SplitKvParams, split_kv_kernel.cuh) add their own
+// fields to it.
+struct AttentionArgs {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -39,7 +42,11 @@ struct FlashParams {
   int64_t q_stride[3] = {}, k_stride[3] = {}, v_stride[3] = {}, out_stride[3] = {}, lse_stride[3] = {};
   int batch = 0, heads_q = 0, heads_kv = 0, group = 1, len_q = 0, len_kv = 0;
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
+  bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
+  bool aligned_out = true;    // out base and strides allow 4-byte pair stores
+};
 
+struct FlashParams : AttentionArgs {
   // The plan. Dense: counts == nullptr, block_q = BM, block_kv = BN, every key tile visited.
   int block_q = 0, block_kv = 0, num_q_blocks = 0, num_kv_blocks = 0;
   int tiles_per_q_block = 1;   // ceil(block_q / BM)
@@ -50,9 +57,6 @@ struct FlashParams {
   const int32_t* perm_kv = nullptr;  // [batch, heads_kv, len_kv] or nullptr
   int64_t counts_stride[3] = {}, indices_stride[4] = {}, perm_q_stride[3] = {}, perm_kv_stride[3] = {};
   int capacity = 0;
-
-  bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
-  bool aligned_out = true;    // out base and strides allow 4-byte pair stores
 };
 
 template <int D, int WARPS, int BN, int MT>

@@ -62,16 +62,8 @@ struct alignas(128) SplitKvCounters {
   uint8_t orphan[kSplitKvMaxSplits];
 };
 
-struct SplitKvParams {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  void* out = nullptr;
-  float* lse = nullptr;
-  int64_t q_stride[3] = {}, k_stride[3] = {}, v_stride[3] = {}, out_stride[3] = {}, lse_stride[3] = {};
-  int batch = 0, heads_q = 0, heads_kv = 0, group = 1, len_q = 0, len_kv = 0, head_dim = 0;
-  float scale_log2 = 0.0f;  // softmax scale * log2(e)
-
+struct SplitKvParams : AttentionArgs {
+  int head_dim = 0;
   int rows = 0;          // group * len_q: stacked query rows per kv head
   int num_kv_tiles = 0;  // ceil(len_kv / BN)
   int num_splits = 1;    // CTAs per (m-tile, batch, kv head) along the keys, <= kSplitKvMaxSplits
@@ -81,9 +73,6 @@ struct SplitKvParams {
   float* part_lse = nullptr;
   SplitKvCounters* counters = nullptr;
   unsigned long long merge_wait_ns = kMergeWaitNs;  // the bound on waiting for the merge group
-
-  bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
-  bool aligned_out = true;    // out base and strides allow 4-byte pair stores
 };
 
 template <int D, int BN, int STAGES>

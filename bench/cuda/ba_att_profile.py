@@ -8,27 +8,16 @@ Run with the Python package on the path (PYTHONPATH=<build>/python):
 """
 import argparse
 import dataclasses
-import statistics
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparsa
+from bench_attention import time_torch  # the same directory: one timing loop for both
 
 
 def time_ms(fn, iters=5, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return time_torch(fn, iters, warmup=warmup)
 
 
 def timeline(fn):
@@ -86,8 +75,10 @@ def main():
         timeline(plan_fn)
         select = time_ms(plan_fn)
         no_perm = dataclasses.replace(plan, perm_q=None, perm_kv=None)
-        with_perm = time_ms(lambda: sparsa.block_sparse(q, k, v, plan, backend="cuda"))
-        without = time_ms(lambda: sparsa.block_sparse(q, k, v, no_perm, backend="cuda"))
+        # Both trusted (check_index=False, as ba_att does): the device check of the permutations
+        # would otherwise count against the permuted run only.
+        with_perm = time_ms(lambda: sparsa.block_sparse(q, k, v, plan, backend="cuda", check_index=False))
+        without = time_ms(lambda: sparsa.block_sparse(q, k, v, no_perm, backend="cuda", check_index=False))
         print(f"select {select:.3f} ms; executor with perms {with_perm:.3f} ms, same blocks without perms "
               f"{without:.3f} ms ({with_perm / without:.3f}x)")
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

@@ -32,6 +32,68 @@ Status run(const Call& c) {
   return c.sparse ? block_sparse(c.q, c.k, c.v, c.index, c.out, c.lse, opt) : dense(c.q, c.k, c.v, c.out, c.lse, opt);
 }
 
+// Contiguous [B, H, L, D] device tensors of one call (no plan yet).
+Call dense_call(void* q, void* k, void* v, void* out, void* lse, int is_f16, int64_t batch, int64_t heads_q,
+                int64_t heads_kv, int64_t len_q, int64_t len_kv, int64_t head_dim) {
+  const Device gpu{DeviceType::cuda, 0};
+  const DType dt = is_f16 ? DType::f16 : DType::bf16;
+  Call c;
+  c.q = Tensor::contiguous(q, dt, {batch, heads_q, len_q, head_dim}, gpu);
+  c.k = Tensor::contiguous(k, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
+  c.v = Tensor::contiguous(v, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
+  c.out = Tensor::contiguous(out, dt, {batch, heads_q, len_q, head_dim}, gpu);
+  c.lse = Tensor::contiguous(lse, DType::f32, {batch, heads_q, len_q}, gpu);
+  return c;
+}
+
+// The shim's error convention: the message into err, status 1.
+int report(char* err, int err_len, const std::string& msg) {
+  std::snprintf(err, err_len, "%s", msg.c_str());
+  return 1;
+}
+
+// The one timing loop of the shim: max(warmup, 1) untimed calls of f, then `iters` samples, each
+// the time of `reps` back-to-back calls between two CUDA events divided by reps; *median_ms gets
+// their median (untouched when iters = 0). Returns "" or the error.
+template <class F>
+std::string time_median(F&& f, int warmup, int iters, int reps, float* median_ms) {
+  for (int i = 0; i < std::max(warmup, 1); ++i) {
+    const Status st = f();
+    if (!st.ok()) return st.to_string();
+  }
+  if (cudaDeviceSynchronize() != cudaSuccess) return cudaGetErrorString(cudaGetLastError());
+  struct Events {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    Events() {
+      cudaEventCreate(&start);
+      cudaEventCreate(&stop);
+    }
+    ~Events() {
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+    }
+  } ev;
+  reps = std::max(reps, 1);
+  std::vector<float> times;
+  for (int i = 0; i < iters; ++i) {
+    cudaEventRecord(ev.start);
+    for (int r = 0; r < reps; ++r) {
+      const Status st = f();
+      if (!st.ok()) return st.to_string();
+    }
+    cudaEventRecord(ev.stop);
+    if (cudaEventSynchronize(ev.stop) != cudaSuccess) return cudaGetErrorString(cudaGetLastError());
+    float ms = 0;
+    cudaEventElapsedTime(&ms, ev.start, ev.stop);
+    times.push_back(ms / reps);
+  }
+  if (!times.empty()) {
+    std::sort(times.begin(), times.end());
+    *median_ms = times[times.size() / 2];
+  }
+  return {};
+}
+
 }  // namespace
 
 extern "C" {
@@ -43,13 +105,7 @@ int sparsa_bench_attention(void* q, void* k, void* v, void* out, void* lse, int 
                            const int32_t* counts, const int32_t* indices, int64_t capacity, int block_q,
                            int block_kv, int warmup, int iters, float* median_ms, char* err, int err_len) {
   const Device gpu{DeviceType::cuda, 0};
-  const DType dt = is_f16 ? DType::f16 : DType::bf16;
-  Call c;
-  c.q = Tensor::contiguous(q, dt, {batch, heads_q, len_q, head_dim}, gpu);
-  c.k = Tensor::contiguous(k, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
-  c.v = Tensor::contiguous(v, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
-  c.out = Tensor::contiguous(out, dt, {batch, heads_q, len_q, head_dim}, gpu);
-  c.lse = Tensor::contiguous(lse, DType::f32, {batch, heads_q, len_q}, gpu);
+  Call c = dense_call(q, k, v, out, lse, is_f16, batch, heads_q, heads_kv, len_q, len_kv, head_dim);
   if (counts != nullptr) {
     c.sparse = true;
     const int64_t nq = (len_q + block_q - 1) / block_q, nkv = (len_kv + block_kv - 1) / block_kv;
@@ -61,35 +117,9 @@ int sparsa_bench_attention(void* q, void* k, void* v, void* out, void* lse, int 
     c.index.indices =
         Tensor::contiguous(const_cast<int32_t*>(indices), DType::i32, {batch, heads_q, nq, capacity}, gpu);
   }
-  auto fail = [&](const std::string& msg) {
-    std::snprintf(err, err_len, "%s", msg.c_str());
-    return 1;
-  };
-  for (int i = 0; i < std::max(warmup, 1); ++i) {
-    const Status st = run(c);
-    if (!st.ok()) return fail(st.to_string());
-  }
-  if (cudaDeviceSynchronize() != cudaSuccess) return fail(cudaGetErrorString(cudaGetLastError()));
-  std::vector<float> times;
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  for (int i = 0; i < iters; ++i) {
-    cudaEventRecord(start);
-    const Status st = run(c);
-    cudaEventRecord(stop);
-    if (!st.ok()) return fail(st.to_string());
-    if (cudaEventSynchronize(stop) != cudaSuccess) return fail(cudaGetErrorString(cudaGetLastError()));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  if (!times.empty()) {
-    std::sort(times.begin(), times.end());
-    *median_ms = times[times.size() / 2];
-  }
+  auto fail = [&](const std::string& msg) { return report(err, err_len, msg); };
+  const std::string e = time_median([&] { return run(c); }, warmup, iters, 1, median_ms);
+  if (!e.empty()) return fail(e);
   return 0;
 }
 
@@ -99,45 +129,10 @@ int sparsa_bench_attention(void* q, void* k, void* v, void* out, void* lse, int 
 int sparsa_bench_dense_loop(void* q, void* k, void* v, void* out, void* lse, int is_f16, int64_t batch,
                             int64_t heads_q, int64_t heads_kv, int64_t len_q, int64_t len_kv, int64_t head_dim,
                             int warmup, int reps, int iters, float* median_ms, char* err, int err_len) {
-  const Device gpu{DeviceType::cuda, 0};
-  const DType dt = is_f16 ? DType::f16 : DType::bf16;
-  Call c;
-  c.q = Tensor::contiguous(q, dt, {batch, heads_q, len_q, head_dim}, gpu);
-  c.k = Tensor::contiguous(k, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
-  c.v = Tensor::contiguous(v, dt, {batch, heads_kv, len_kv, head_dim}, gpu);
-  c.out = Tensor::contiguous(out, dt, {batch, heads_q, len_q, head_dim}, gpu);
-  c.lse = Tensor::contiguous(lse, DType::f32, {batch, heads_q, len_q}, gpu);
-  auto fail = [&](const std::string& msg) {
-    std::snprintf(err, err_len, "%s", msg.c_str());
-    return 1;
-  };
-  for (int i = 0; i < std::max(warmup, 1); ++i) {
-    const Status st = run(c);
-    if (!st.ok()) return fail(st.to_string());
-  }
-  if (cudaDeviceSynchronize() != cudaSuccess) return fail(cudaGetErrorString(cudaGetLastError()));
-  std::vector<float> times;
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  for (int i = 0; i < iters; ++i) {
-    cudaEventRecord(start);
-    for (int r = 0; r < reps; ++r) {
-      const Status st = run(c);
-      if (!st.ok()) return fail(st.to_string());
-    }
-    cudaEventRecord(stop);
-    if (cudaEventSynchronize(stop) != cudaSuccess) return fail(cudaGetErrorString(cudaGetLastError()));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    times.push_back(ms / std::max(reps, 1));
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  if (!times.empty()) {
-    std::sort(times.begin(), times.end());
-    *median_ms = times[times.size() / 2];
-  }
+  Call c = dense_call(q, k, v, out, lse, is_f16, batch, heads_q, heads_kv, len_q, len_kv, head_dim);
+  auto fail = [&](const std::string& msg) { return report(err, err_len, msg); };
+  const std::string e = time_median([&] { return run(c); }, warmup, iters, reps, median_ms);
+  if (!e.empty()) return fail(e);
   return 0;
 }
 
@@ -147,59 +142,24 @@ int sparsa_bench_dense_loop(void* q, void* k, void* v, void* out, void* lse, int
 // otherwise (global norm sort of q and k, diagonal compensation, beta 1). Each time is the median
 // of `iters` CUDA-event-timed calls after `warmup` untimed ones:
 //   *select_ms   ba_att_plan(Backend::cuda) (it ends with one device synchronisation: its error check);
-//   *executor_ms block_sparse on that plan;
+//   *executor_ms block_sparse on that plan (trusted: no device check, as in ba_att);
 //   *total_ms    ba_att(q, k, v, out, lse) (plan + executor, what a caller pays);
 //   *visited     the fraction of (query, key) token pairs the plan visits.
 int sparsa_bench_ba_att(void* q, void* k, void* v, void* out, void* lse, int is_f16, int64_t batch, int64_t heads_q,
                         int64_t heads_kv, int64_t len, int64_t head_dim, int block, double density, int warmup,
                         int iters, float* select_ms, float* executor_ms, float* total_ms, double* visited, char* err,
                         int err_len) {
-  const Device gpu{DeviceType::cuda, 0};
-  const DType dt = is_f16 ? DType::f16 : DType::bf16;
-  const Tensor tq = Tensor::contiguous(q, dt, {batch, heads_q, len, head_dim}, gpu);
-  const Tensor tk = Tensor::contiguous(k, dt, {batch, heads_kv, len, head_dim}, gpu);
-  const Tensor tv = Tensor::contiguous(v, dt, {batch, heads_kv, len, head_dim}, gpu);
-  const Tensor tout = Tensor::contiguous(out, dt, {batch, heads_q, len, head_dim}, gpu);
-  const Tensor tlse = Tensor::contiguous(lse, DType::f32, {batch, heads_q, len}, gpu);
+  const Call c = dense_call(q, k, v, out, lse, is_f16, batch, heads_q, heads_kv, len, len, head_dim);
+  const Tensor &tq = c.q, &tk = c.k, &tv = c.v, &tout = c.out, &tlse = c.lse;
   BaAttOptions o;
   o.block_q = o.block_kv = block;
   o.budget = Budget::density(density);
   o.backend = Backend::cuda;
   AttentionOptions exec;
   exec.backend = Backend::cuda;
-  auto fail = [&](const std::string& msg) {
-    std::snprintf(err, err_len, "%s", msg.c_str());
-    return 1;
-  };
-  // Times f() as the median of `iters` event-timed calls after max(warmup, 1) untimed ones.
-  auto time = [&](auto&& f, float* median_ms) -> std::string {
-    for (int i = 0; i < std::max(warmup, 1); ++i) {
-      const Status st = f();
-      if (!st.ok()) return st.to_string();
-    }
-    if (cudaDeviceSynchronize() != cudaSuccess) return cudaGetErrorString(cudaGetLastError());
-    std::vector<float> times;
-    cudaEvent_t start, stop;
-    cudaEventCreate(&start);
-    cudaEventCreate(&stop);
-    for (int i = 0; i < iters; ++i) {
-      cudaEventRecord(start);
-      const Status st = f();
-      cudaEventRecord(stop);
-      if (!st.ok()) return st.to_string();
-      if (cudaEventSynchronize(stop) != cudaSuccess) return cudaGetErrorString(cudaGetLastError());
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      times.push_back(ms);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    if (!times.empty()) {
-      std::sort(times.begin(), times.end());
-      *median_ms = times[times.size() / 2];
-    }
-    return {};
-  };
+  exec.check_index = false;  // the plan ba_att_plan just made, trusted as ba_att does
+  auto fail = [&](const std::string& msg) { return report(err, err_len, msg); };
+  auto time = [&](auto&& f, float* median_ms) { return time_median(f, warmup, iters, 1, median_ms); };
   BlockIndexBuffer plan;
   std::string e = time(
       [&]() -> Status {

@@ -34,6 +34,8 @@
 //   accumulator), two consumer warpgroups of 64 rows, all threads copy K/V with cp.async into
 //   128-byte-swizzled stages; variants: key-tile width, 2 or 3 stages. Measured 2026-11-30:
 //     2a BN128 2 stages 354-358 / 369-372   2e BN128 3 stages 364 / 367   BN64 3 stages 311 / 322
+//   2g (2e with its epilogue as a call: no ptxas C7515), measured later: 340 / 378 against 2e's
+//     373-375 / 385-389 in the same runs — slower, so the executor keeps the epilogue inlined.
 //   (and, since removed: P V waited in its own tile 316 / 333; P V lagging one tile behind S,
 //   FlashAttention-3's intra-warpgroup overlap, 290 / 304 — slower: the copies and barriers still
 //   sit between the tensor-core bursts).

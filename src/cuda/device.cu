@@ -34,12 +34,9 @@ namespace {
 // Runs f with `device` current, restoring the caller's device afterwards.
 template <class F>
 Status on_device(int device, F&& f) {
-  int current = 0;
-  SPARSA_CUDA_CHECK(cudaGetDevice(&current));
-  if (current != device) SPARSA_CUDA_CHECK(cudaSetDevice(device));
-  const Status st = f();
-  if (current != device) cudaSetDevice(current);
-  return st;
+  detail::DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(device));
+  return f();
 }
 }  // namespace
 

@@ -81,9 +81,8 @@ EncodeTiled tensor_map_encoder() {
 
 // K or V as a [batch, heads_kv, len_kv, D] tensor map read in boxes of [BN rows][64 columns] with
 // the 128-byte swizzle; false when the driver refuses the layout (the cp.async kernel takes it).
-template <class P>  // FlashParams or SplitKvParams: len_kv, heads_kv, batch
-bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const P& p, int d, int bn,
-                   bool bf16) {
+bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const detail::AttentionArgs& p,
+                   int d, int bn, bool bf16) {
   const EncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(p.len_kv),
@@ -159,7 +158,7 @@ bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(pt
 
 // ---- split-KV prefix executor (split_kv_kernel.cuh) ----
 // Dense calls with at most kSplitKvMaxQueries queries and at least kSplitKvMinKeys keys take it:
-// there the flash executor's grid is one CTA per query head and its 256-row tiles are mostly empty.
+// there the flash executor's grid is one CTA per query head and its 128-row tiles are mostly empty.
 constexpr int kSplitKvMaxQueries = 64, kSplitKvMinKeys = 512;
 constexpr int kSplitKvKeyTile = 64, kSplitKvStages = 3;
 // Rung 2's K/V stages. Measured at the block-diffusion shape (bench/RESULTS.md): 4 stages (128 KB,
@@ -404,6 +403,7 @@ Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lo
 
 Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;
+  g_last_tma = false;
   g_last_splits = 0;
   g_last_split_kv_tma = false;
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {

@@ -258,11 +258,12 @@ __device__ __forceinline__ void store_tile_rows(const FlashParams& p, const Quer
   }
 }
 
-// The same epilogue as a call, not inlined: the wgmma kernels' option (OUTLINED = true). Inlined
-// into rungs 2 and 3, the epilogue's address arithmetic and LSE (log2f) make ptxas report C7515
-// (wgmma serialised: "non wgmma instructions defining accumulator registers ... between start and
-// end of the pipeline stage") for the whole kernel; out of line (O passed through the stack, once
-// per CTA) it does not (compile-only finding, bench/RESULTS.md).
+// The same epilogue as a call, not inlined: rung 2's OUTLINED option, kept for the ladder's rung 2g
+// only. Inlined into rungs 2 and 3, the epilogue's address arithmetic and LSE (log2f) make ptxas
+// report C7515 (wgmma serialised: "non wgmma instructions defining accumulator registers ...
+// between start and end of the pipeline stage") for the whole kernel; out of line (O passed
+// through the stack, once per CTA) it does not, but the kernel is slower (3.23 vs 2.93 ms at 8K,
+// bench/RESULTS.md), so the executor inlines it.
 template <class T, int kDT, int ROWS>
 __device__ __noinline__ void store_tile_rows_outlined(const FlashParams& p, const QueryTile<ROWS>& tile, int pos0,
                                                       const float (&o)[kDT][4], const float (&row_max)[2],

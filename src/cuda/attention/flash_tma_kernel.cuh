@@ -70,7 +70,7 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-template <class T, int D, int BN, int STAGES, bool OUTLINED = false>
+template <class T, int D, int BN, int STAGES>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
   using Shape = TmaShape<D, BN, STAGES>;
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
     if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
     consumer.accumulate(stage, valid, p.scale_log2);
   }
-  consumer.template store<OUTLINED>(p, tile, threadIdx.x / 32 - 4);
+  consumer.template store<false>(p, tile, threadIdx.x / 32 - 4);
 }
 
 }  // namespace sparsa::cuda::detail

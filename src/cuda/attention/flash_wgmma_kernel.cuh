@@ -9,15 +9,15 @@
 //
 // A CTA owns 128 query rows: two warpgroups of 64 rows each, 256 threads, all of which copy Q, K
 // and V tiles with cp.async into 128-byte-swizzled shared memory (wgmma.cuh) and compute. K and V
-// are double-buffered. Per key tile t:
+// go through STAGES stages (the executor uses 3; per key tile t, with 2 stages):
 //   wait for tile t -> barrier -> issue S_t (async) -> wait for S_t and for P V_{t-1}
 //   -> barrier (both warpgroups are done with stage t-1) -> prefetch tile t+1 into that stage
 //   -> softmax of S_t -> issue P V_t (async; it overlaps the next iteration's wait and S_{t+1}).
 // Measured (bench/cuda/flash_ladder.cu): letting P V lag one tile behind S so that the exponentials
 // overlap it (FlashAttention-3's intra-warpgroup pipelining, Shah et al. 2024, arXiv 2407.08608)
 // was slower here (290 vs 354 TFLOP/s at 8K), because without a producer warp the copies and two
-// CTA barriers per tile sit between the tensor-core bursts either way; the next rungs are a TMA
-// producer warp with mbarriers, then the overlap.
+// CTA barriers per tile sit between the tensor-core bursts either way. Rung 3 (flash_tma_kernel.cuh) adds a
+// TMA producer warp with mbarriers; the executor takes it whenever K and V are read in order.
 #pragma once
 
 #include <cstdint>

@@ -91,6 +91,7 @@ struct CheckState {
   Verdict* device = nullptr;
   Verdict* host = nullptr;  // pinned, else `pageable`
   Verdict pageable{};
+  int sms = 0;  // asked once
 };
 CheckState g_check[kMaxDevices];
 
@@ -149,8 +150,8 @@ Status check_index_on_device(const BlockIndex& ix, int64_t batch, int64_t heads_
       state.host = &state.pageable;
     }
   }
-  int sms = 0;
-  SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (state.sms == 0) SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&state.sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = state.sms;
   SPARSA_CUDA_CHECK(cudaMemsetAsync(state.device, 0xff, sizeof(Verdict), stream));
   if (rows > 0) {
     const Strided3 counts{static_cast<const int32_t*>(ix.counts.data), ix.counts.strides[0], ix.counts.strides[1],
@@ -185,10 +186,12 @@ Status check_index_on_device(const BlockIndex& ix, int64_t batch, int64_t heads_
     const int64_t row = static_cast<int64_t>(verdict.rows / (capacity + 1));
     const int64_t slot = static_cast<int64_t>(verdict.rows % (capacity + 1));
     const int64_t b = row / (heads_q * nq), h = (row / nq) % heads_q, qb = row % nq;
-    int32_t count = 0;
-    SPARSA_RETURN_IF_ERROR(
-        read_int(ix.counts, b * ix.counts.strides[0] + h * ix.counts.strides[1] + qb * ix.counts.strides[2], &count));
-    if (slot == 0) return sparsa::detail::index_count_error(b, h, qb, count, capacity);
+    if (slot == 0) {
+      int32_t count = 0;
+      SPARSA_RETURN_IF_ERROR(read_int(
+          ix.counts, b * ix.counts.strides[0] + h * ix.counts.strides[1] + qb * ix.counts.strides[2], &count));
+      return sparsa::detail::index_count_error(b, h, qb, count, capacity);
+    }
     const int64_t s = slot - 1;
     const auto& is = ix.indices.strides;
     const int64_t at = b * is[0] + h * is[1] + qb * is[2];

@@ -558,7 +558,9 @@ TEST(BaAtt, NonFiniteInputIsRefused) {
 
 // The count a fixed budget keeps, shared by the CPU selector and the GPU one (src/cuda/select).
 TEST(BaAttBudget, FixedBlockCount) {
-  EXPECT_EQ(fixed_block_count(Budget::density(0.7), 10), 7);  // 0.7 * 10 is 7.000000000000001 in binary
+  // 0.07 * 100 is 7.000000000000001 in binary: 7 blocks, not 8 (the tolerance in fixed_block_count).
+  EXPECT_EQ(fixed_block_count(Budget::density(0.07), 100), 7);
+  EXPECT_EQ(fixed_block_count(Budget::density(0.7), 10), 7);
   EXPECT_EQ(fixed_block_count(Budget::density(0.71), 10), 8);
   EXPECT_EQ(fixed_block_count(Budget::density(1e-6), 10), 1);  // never fewer than one block
   EXPECT_EQ(fixed_block_count(Budget::top_kappa(3), 10), 3);

@@ -651,16 +651,24 @@ std::vector<Case> cases() {
   add("strided_batch2", [](Case& c) { c.batch = 2; c.seq_pad = 8; c.len_kv = 513; });
   // Rows not 16-byte aligned: the scalar paths of the norm and statistics kernels.
   add("unaligned_rows", [](Case& c) { c.seq_pad = 3; c.len_q = 333; c.heads_q = 4; });
-  // d % 4 != 0: the scalar norm path and the 64x64 logits kernel (F % 4 != 0); the 128x128 one
-  // takes every other case.
+  // d % 4 != 0: the scalar norm path and the 64x64 SIMT logits kernel (F % 4 != 0); the wgmma one
+  // takes every other case unless a case switches it off.
   add("d6_f_not_multiple_of_4", [](Case& c) { c.head_dim = 6; c.len_q = 200; c.len_kv = 333; c.run_executor = false; });
-  // Many key blocks per row: 5000 (sorted in >48 KiB of shared memory) and 10000 (the global
-  // memory fallback of the row sort).
-  add("nk5000_shared", [](Case& c) {
+  // Many key blocks per row. A fixed budget up to 8192 blocks: one CTA per row (select_top_kernel);
+  // a mass budget of 5000 blocks: the row sorted in >48 KiB of shared memory (select_kernel<false>,
+  // the opt-in limit); 10000 blocks: the global-memory fallback of the row sort (select_kernel<true>),
+  // for a mass and for a fixed budget.
+  add("nk5000_top_cta", [](Case& c) {
     c.len_q = 64; c.len_kv = 5000; c.block_kv = 1; c.budget = Budget::density(0.1); c.heads_q = c.heads_kv = 1;
+  });
+  add("nk5000_shared", [](Case& c) {
+    c.len_q = 64; c.len_kv = 5000; c.block_kv = 1; c.budget = Budget::mass(0.8); c.heads_q = c.heads_kv = 1;
   });
   add("nk10000_global", [](Case& c) {
     c.len_q = 130; c.len_kv = 10000; c.block_kv = 1; c.budget = Budget::mass(0.8); c.heads_q = c.heads_kv = 1;
+  });
+  add("nk10000_global_density", [](Case& c) {
+    c.len_q = 130; c.len_kv = 10000; c.block_kv = 1; c.budget = Budget::density(0.05); c.heads_q = c.heads_kv = 1;
   });
   // Every lane count of the vector norm kernel (16-byte chunks per token: d * sizeof(T) / 16):
   // 1 (d 8), 2 (d 16), 4 (d 32), 8 with 3 idle lanes (d 40: 5 chunks), 32 (d 256), and 32 lanes

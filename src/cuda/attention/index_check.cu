@@ -197,7 +197,9 @@ Status check_index_on_device(const BlockIndex& ix, int64_t batch, int64_t heads_
     const int64_t at = b * is[0] + h * is[1] + qb * is[2];
     int32_t kb = 0;
     SPARSA_RETURN_IF_ERROR(read_int(ix.indices, at + s * is[3], &kb));
-    if (kb < 0 || kb >= ix.num_kv_blocks) return sparsa::detail::index_block_range_error(b, h, qb, s, kb, ix.num_kv_blocks);
+    if (kb < 0 || kb >= ix.num_kv_blocks) {
+      return sparsa::detail::index_block_range_error(b, h, qb, s, kb, ix.num_kv_blocks);
+    }
     int32_t prev = 0;
     SPARSA_RETURN_IF_ERROR(read_int(ix.indices, at + (s - 1) * is[3], &prev));
     return sparsa::detail::index_block_order_error(b, h, qb, s, prev, kb);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/backends.h"
+#include "core/validate.h"
 #include "cuda/common/check.h"
 #include "cuda/select/ba_att_hooks.h"
 #include "cuda/select/ba_att_kernels.cuh"
@@ -180,7 +181,6 @@ struct Sizes {
   int select_ctas = 0;
 };
 
-// The arrays of one run inside the workspace (null pointers while measuring).
 // The sort buffers of one side (Q or K). With the sides concurrent each has its own; serial, K
 // reuses Q's.
 struct SortScratch {
@@ -189,6 +189,7 @@ struct SortScratch {
   void* temp = nullptr;
 };
 
+// The arrays of one run inside the workspace (null pointers while measuring).
 struct Scratch {
   ErrorWord* err = nullptr;
   SortScratch sort_q, sort_k;
@@ -393,12 +394,6 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
   return {};
 }
 
-std::string where(std::initializer_list<int64_t> index) {
-  std::string s = "[";
-  for (int64_t i : index) s += (s.size() > 1 ? ", " : "") + std::to_string(i);
-  return s + "]";
-}
-
 // Reads the error word back into the pinned `host` (the one synchronisation) and names the first
 // offending item; *clean says whether the device word is still all ~0.
 Status check_errors(const ErrorWord* device_err, ErrorWord* host, const BaAttParams& p, bool* clean) {
@@ -409,7 +404,8 @@ Status check_errors(const ErrorWord* device_err, ErrorWord* host, const BaAttPar
   *clean = e.first[kErrQNorm] == kNone && e.first[kErrKNorm] == kNone && e.first[kErrLogit] == kNone;
   auto token = [](const char* name, unsigned long long g, int64_t heads, int64_t len) {
     const int64_t bh = static_cast<int64_t>(g) / len, i = static_cast<int64_t>(g) % len;
-    return Status(StatusCode::non_finite, std::string(name) + ": token " + where({bh / heads, bh % heads, i}) +
+    using sparsa::detail::shape_string;
+    return Status(StatusCode::non_finite, std::string(name) + ": token " + shape_string({bh / heads, bh % heads, i}) +
                                               " has a NaN/Inf norm; cannot sort by norm");
   };
   if (e.first[kErrQNorm] != kNone) return token("q", e.first[kErrQNorm], p.heads_q, p.len_q);
@@ -419,14 +415,14 @@ Status check_errors(const ErrorWord* device_err, ErrorWord* host, const BaAttPar
     const int64_t kb = i % p.num_kv_blocks, qb = (i / p.num_kv_blocks) % p.num_q_blocks,
                   h = (i / (p.num_kv_blocks * p.num_q_blocks)) % p.heads_q,
                   b = i / (p.num_kv_blocks * p.num_q_blocks * p.heads_q);
-    return Status(StatusCode::non_finite, "ba_att: block logit " + where({b, h, qb, kb}) +
+    return Status(StatusCode::non_finite, "ba_att: block logit " + sparsa::detail::shape_string({b, h, qb, kb}) +
                                               " is not finite (NaN/Inf or overflow in q or k)");
   }
   return {};
 }
 
 // Steps 1-3 (and 4 when plan != null). perm_q / perm_kv: device arrays (empty when not sorted);
-// the logits stay in the workspace, *logits points at them (valid until the next call).
+// host_logits (when not null) receives a copy of the logits.
 template <class T>
 Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, DeviceArray* perm_kv,
                  HostArray* host_logits) {
@@ -453,13 +449,10 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     ws.sort_sizes.push_back({items, begin_bit, end_bit, *bytes});
     return {};
   };
-  size_t temp_q = 0, temp_k = 0;
-  if (r.sort_q) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_q, s.index_bits_q, s.end_bit_q, &temp_q));
-  if (r.sort_k) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_k, s.index_bits_k, s.end_bit_k, &temp_k));
-  s.sort_temp_q = temp_q;
-  s.sort_temp_k = temp_k;
+  if (r.sort_q) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_q, s.index_bits_q, s.end_bit_q, &s.sort_temp_q));
+  if (r.sort_k) SPARSA_RETURN_IF_ERROR(sort_temp(s.tokens_k, s.index_bits_k, s.end_bit_k, &s.sort_temp_k));
   const bool concurrent = g_concurrent_sides.load(std::memory_order_relaxed);
-  g_last_concurrent = concurrent;
+  g_last_concurrent = false;  // until the side stream is forked below
 
   Carver measure;
   carve(measure, r, s, select, concurrent);
@@ -504,14 +497,15 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   }
   cudaStream_t key_stream = nullptr;
   if (concurrent) {
-    if (ws.side == nullptr) {
-      SPARSA_CUDA_CHECK(cudaStreamCreateWithFlags(&ws.side, cudaStreamNonBlocking));
-      SPARSA_CUDA_CHECK(cudaEventCreateWithFlags(&ws.fork, cudaEventDisableTiming));
-      SPARSA_CUDA_CHECK(cudaEventCreateWithFlags(&ws.join, cudaEventDisableTiming));
-    }
+    // Created on first use; each handle is kept only once created, so a failure part-way is
+    // retried by the next call instead of leaving a null event behind a non-null stream.
+    if (ws.side == nullptr) SPARSA_CUDA_CHECK(cudaStreamCreateWithFlags(&ws.side, cudaStreamNonBlocking));
+    if (ws.fork == nullptr) SPARSA_CUDA_CHECK(cudaEventCreateWithFlags(&ws.fork, cudaEventDisableTiming));
+    if (ws.join == nullptr) SPARSA_CUDA_CHECK(cudaEventCreateWithFlags(&ws.join, cudaEventDisableTiming));
     SPARSA_CUDA_CHECK(cudaEventRecord(ws.fork, nullptr));
     SPARSA_CUDA_CHECK(cudaStreamWaitEvent(ws.side, ws.fork, 0));
     key_stream = ws.side;
+    g_last_concurrent = true;
   }
   // Whatever happens below, the default stream (and so the next call) waits for the side stream.
   struct Join {
@@ -623,10 +617,9 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
       select_kernel<true><<<s.select_ctas, kSelectThreads>>>(a);
     } else {
       const size_t smem = select_bytes_per_row(s.sort_size, a.nk);
-      if (smem > 48 * 1024) {
-        SPARSA_CUDA_CHECK(cudaFuncSetAttribute(select_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(smem)));
-      }
+      int sms = 0, per_sm = 0;  // raises the kernel's shared-memory limit once per device
+      SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(select_kernel<false>),
+                                          kSelectThreads, smem, &sms, &per_sm));
       select_kernel<false><<<s.select_ctas, kSelectThreads, smem>>>(a);
     }
     SPARSA_CUDA_CHECK_LAUNCH();
@@ -711,6 +704,8 @@ Status token_norms(const Tensor& x, HostArray* norms) {
   SPARSA_RETURN_IF_ERROR(check_pointer("x", x.data, device));
   auto out = DeviceArray::allocate(DType::f32, {x.shape[0], x.shape[1], x.shape[2]}, x.device);
   if (!out.ok()) return out.status();
+  // The norm kernel records non-finite norms in an error word; this evaluation helper does not
+  // read it back: a NaN/Inf token comes back as a NaN/Inf norm in *norms.
   auto err = DeviceArray::allocate(DType::i32, {static_cast<int64_t>(sizeof(ErrorWord) / 4)}, x.device);
   if (!err.ok()) return err.status();
   SPARSA_CUDA_CHECK(cudaMemsetAsync(err->data(), 0xff, sizeof(ErrorWord), nullptr));

@@ -1,4 +1,4 @@
-// Internal: step 3 of BA-Att's cuda selector (ba_att_kernels.cuh): block statistics as feature
+// Internal: step 2 of BA-Att's cuda selector (ba_att_kernels.cuh): block statistics as feature
 // vectors.
 #pragma once
 

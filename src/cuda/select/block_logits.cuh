@@ -1,4 +1,4 @@
-// Internal: step 4 of BA-Att's cuda selector (ba_att_kernels.cuh): compensated block logits, a
+// Internal: step 3 of BA-Att's cuda selector (ba_att_kernels.cuh): compensated block logits, a
 // batched NT product of feature matrices.
 #pragma once
 

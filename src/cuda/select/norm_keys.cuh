@@ -1,4 +1,4 @@
-// Internal: steps 1-2 of BA-Att's cuda selector (ba_att_kernels.cuh): token norms and radix sort
+// Internal: step 1 of BA-Att's cuda selector (ba_att_kernels.cuh): token norms and radix sort
 // keys, and the permutation from the sorted keys.
 #pragma once
 

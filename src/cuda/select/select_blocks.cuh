@@ -1,4 +1,4 @@
-// Internal: step 5 of BA-Att's cuda selector (ba_att_kernels.cuh): the budget per query-block row.
+// Internal: step 4 of BA-Att's cuda selector (ba_att_kernels.cuh): the budget per query-block row.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "sparsa/attention.h"
+#include "sparsa/index.h"
 
 using namespace sparsa;
 
@@ -25,4 +26,16 @@ TEST(Smoke, DenseCpuMatchesRef) {
   EXPECT_LT(max_err, 1e-5);
   for (int64_t i = 0; i < ref->lse.numel(); ++i)
     EXPECT_NEAR(ref->lse.ptr<float>()[i], fast->lse.ptr<float>()[i], 1e-5);
+}
+
+// block_index_density reads the index on the host: a full plan visits everything, a device plan
+// (here host memory labelled cuda, never read) gives NaN instead of dereferencing device pointers.
+TEST(Smoke, BlockIndexDensityOfHostAndDevicePlans) {
+  BlockIndexBuffer plan = BlockIndexBuffer::full(1, 2, 100, 70, 32, 16);
+  EXPECT_DOUBLE_EQ(block_index_density(plan.view(), 100, 70), 1.0);
+  plan.counts.ptr<int32_t>()[0] = 1;  // row 0 keeps key block 0 only: 32 x 16 of its 32 x 70 pairs
+  EXPECT_DOUBLE_EQ(block_index_density(plan.view(), 100, 70), 1.0 - (32.0 * 54.0) / (2 * 100.0 * 70.0));
+  BlockIndex device = plan.view();
+  device.counts.device = device.indices.device = Device{DeviceType::cuda, 0};
+  EXPECT_TRUE(std::isnan(block_index_density(device, 100, 70)));
 }

@@ -75,7 +75,9 @@ Status validate_block_index(const BlockIndex& index, int64_t batch, int64_t head
                             int64_t heads_kv, int64_t len_q, int64_t len_kv);
 
 // Fraction of (query block, key block) pairs the plan visits, weighted by the real
-// size of partial blocks (tokens pairs visited / all token pairs).
+// size of partial blocks (tokens pairs visited / all token pairs). For a valid host index
+// (validate_block_index); an index whose counts or indices live in device memory gives NaN
+// (copy it with BlockIndexBuffer::to_host() first).
 double block_index_density(const BlockIndex& index, int64_t len_q, int64_t len_kv);
 
 }  // namespace sparsa

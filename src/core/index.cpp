@@ -1,6 +1,7 @@
 #include "sparsa/index.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -164,6 +165,9 @@ Status validate_block_index(const BlockIndex& ix, int64_t batch, int64_t heads_q
 }
 
 double block_index_density(const BlockIndex& ix, int64_t len_q, int64_t len_kv) {
+  if (!(ix.counts.device == Device{}) || (ix.indices.defined() && !(ix.indices.device == Device{}))) {
+    return std::numeric_limits<double>::quiet_NaN();  // device memory: not readable here
+  }
   const int64_t batch = ix.counts.shape[0], heads = ix.counts.shape[1];
   double pairs = 0;
   for (int64_t b = 0; b < batch; ++b) {

@@ -64,6 +64,33 @@ def test_eval_with_losa_scores_a_decode_trace(sparsa_bin):
     assert all(s["recomputed"] == 2 for s in d["methods"][2]["steps"][1:])
 
 
+def test_eval_with_losa_is_the_trace_with_its_defaults(sparsa_bin):
+    # Without --seed, eval runs the trace sparsa trace runs (its seed, not eval's workload seed);
+    # -P takes the trace's keys scoped (losa.k) or not.
+    a = run(sparsa_bin, "eval", "--methods", "dense,quest,losa", "-P", "losa.k=2", "--json")
+    b = run(sparsa_bin, "trace", "-P", "k=2", "--json")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    da, db = json.loads(a.stdout), json.loads(b.stdout)
+    assert da["params"] == db["params"] == {"k": 2}
+    pages = lambda d: [m["pages_per_kv_head"] for m in d["methods"]]
+    assert pages(da) == pages(db)
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["eval", "--methods", "losa", "--length", "512"], "--length"),
+        (["eval", "--methods", "losa", "--q", "missing.npy", "--k", "k.npy", "--v", "v.npy"], "--q"),
+        (["eval", "--methods", "dense,losa", "--densities", "0.1"], "--densities"),
+        (["bench", "--methods", "losa", "--heads", "4"], "--heads"),
+    ],
+)
+def test_trace_methods_refuse_flags_they_do_not_use(sparsa_bin, args, flag):
+    r = run(sparsa_bin, *args)
+    assert r.returncode == 2, r.stdout
+    assert f"{flag}: not used when --methods names losa or reuse" in r.stderr
+
+
 def test_bench_with_losa_times_each_prefix(sparsa_bin):
     r = run(sparsa_bin, "bench", "--methods", "dense,losa", "--lengths", "512,1024", "--repeats", "1")
     assert r.returncode == 0, r.stderr

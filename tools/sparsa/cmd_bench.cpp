@@ -1,4 +1,5 @@
 // `sparsa bench`: methods x lengths on the generated workload, side by side.
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <limits>
@@ -54,20 +55,24 @@ Status check_bench_options(const BenchOptions& o) {
 
 std::string cell(double v, const char* fmt) { return std::isfinite(v) ? format(fmt, v) : "-"; }
 
-}  // namespace
-
 // LoSA keeps state across denoising steps, so its benchmark is a decode trace: with
 // `--methods` naming losa (or reuse), each length is a prefix length and `sparsa trace`
-// times dense / quest / losa / reuse prefix attention per step over it.
+// times dense / quest / losa / reuse prefix attention per step over it (-P, --seed when given,
+// --backend, --threads and --repeats passed through; the other flags refused).
 Outcome bench_trace(const BenchOptions& o) {
+  if (Status s = check_trace_flags(o.given, {"--methods", "--lengths", "--param", "--seed", "--backend", "--threads",
+                                             "--repeats"});
+      !s.ok()) {
+    return usage_error(s);
+  }
   auto lengths = parse_lengths("--lengths", o.lengths);
   if (!lengths.ok()) return usage_error(lengths.status());
   for (int64_t length : *lengths) {
     TraceOptions trace;
     trace.methods = o.methods;
     trace.prefix = length;
-    trace.params = o.params;
-    trace.seed = o.seed;
+    trace.params = trace_params(o.params);
+    if (std::find(o.given.begin(), o.given.end(), "--seed") != o.given.end()) trace.seed = o.seed;
     trace.backend = o.backend;
     trace.threads = o.threads;
     trace.repeats = o.repeats;
@@ -79,17 +84,17 @@ Outcome bench_trace(const BenchOptions& o) {
   return success();
 }
 
+}  // namespace
+
 Outcome cmd_bench(const BenchOptions& o) {
-  if (Status s = check_bench_options(o); !s.ok()) return usage_error(s);
-  for (const std::string_view trace_method : {"losa", "reuse"}) {
-    if (("," + o.methods + ",").find("," + std::string(trace_method) + ",") != std::string::npos) {
-      if (!o.json_path.empty() || !o.plot_path.empty()) {
-        return usage_error(invalid_argument("--json/--plot: not available for the decode-trace methods (losa, reuse); "
-                                            "use `sparsa trace --json`"));
-      }
-      return bench_trace(o);
+  if (names_a_trace_method(o.methods)) {
+    if (!o.json_path.empty() || !o.plot_path.empty()) {
+      return usage_error(invalid_argument("--json/--plot: not available for the decode-trace methods (losa, reuse); "
+                                          "use `sparsa trace --json`"));
     }
+    return bench_trace(o);
   }
+  if (Status s = check_bench_options(o); !s.ok()) return usage_error(s);
   auto selected = select_methods(o.methods, /*demo_only=*/false);
   if (!selected.ok()) return usage_error(selected.status());
   auto lengths = parse_lengths("--lengths", o.lengths);

@@ -3,6 +3,7 @@
 // the method with -P density=<d> and reports the density it reached, the mass recall
 // mean_i exp(LSE_i - LSE_dense_i) (the share of each query's softmax mass its visible
 // keys hold) and the output error ||O - O_dense||_F / ||O_dense||_F.
+#include <algorithm>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -27,6 +28,7 @@ struct EvalOptions {
   int heads = 8, kv_heads = 2, head_dim = 64, threads = 0;
   std::uint64_t seed = 0;
   bool json = false;
+  std::vector<std::string> given;  // the flags set on the command line
 };
 
 Result<std::vector<double>> parse_densities(const std::string& csv) {
@@ -47,23 +49,19 @@ Result<std::vector<double>> parse_densities(const std::string& csv) {
 
 // The stateful block-diffusion methods (losa, reuse) are judged over a decode trace, not at
 // matched densities: `eval --methods losa,quest,dense` runs `sparsa trace` with those methods
-// (its defaults: a 16K-token prefix, one block of 16; docs/losa.md), passing -P, seed, backend,
-// threads and --json through.
-bool names_a_trace_method(const std::string& csv) {
-  std::stringstream ss(csv);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item == "losa" || item == "reuse") return true;
-  }
-  return false;
-}
-
+// (its defaults: a 16K-token prefix, one block of 16; docs/losa.md), passing -P, --seed (when
+// given; else the trace's own default), --backend, --threads and --json through and refusing the
+// flags a trace does not use (--q/--k/--v, --densities, the workload's shape).
 Outcome run_eval(const EvalOptions& o) {
   if (names_a_trace_method(o.methods)) {
+    if (Status s = check_trace_flags(o.given, {"--methods", "--param", "--seed", "--backend", "--threads", "--json"});
+        !s.ok()) {
+      return usage_error(s);
+    }
     TraceOptions trace;
     trace.methods = o.methods;
-    trace.params = o.params;
-    trace.seed = o.seed;
+    trace.params = trace_params(o.params);
+    if (std::find(o.given.begin(), o.given.end(), "--seed") != o.given.end()) trace.seed = o.seed;
     trace.backend = o.backend;
     trace.threads = o.threads;
     trace.json = o.json;
@@ -161,7 +159,10 @@ Subcommand add_eval_command(CLI::App& app) {
   cmd->add_option("--backend", o->backend, "cpu or cpu_ref")->capture_default_str();
   cmd->add_option("--threads", o->threads, "CPU threads (0 = all cores)");
   cmd->add_flag("--json", o->json, "print JSON instead of the table");
-  return {cmd, [o] { return run_eval(*o); }};
+  return {cmd, [o, cmd] {
+            o->given = flags_given(*cmd);
+            return run_eval(*o);
+          }};
 }
 
 }  // namespace sparsa::cli

@@ -1,7 +1,9 @@
 // `sparsa trace`: prefix-attention methods over a block-diffusion decode trace (docs/losa.md).
 #include "cmd_trace.h"
 
+#include <algorithm>
 #include <iostream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -183,6 +185,47 @@ Outcome cmd_trace(const TraceOptions& o) {
   }
   std::cout << table.render();
   return success();
+}
+
+bool names_a_trace_method(const std::string& methods) {
+  std::stringstream ss(methods);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item == "losa" || item == "reuse") return true;
+  }
+  return false;
+}
+
+std::vector<std::string> flags_given(const CLI::App& cmd) {
+  std::vector<std::string> given;
+  for (const CLI::Option* opt : cmd.get_options()) {
+    if (opt->count() > 0 && !opt->get_lnames().empty()) given.push_back("--" + opt->get_lnames().front());
+  }
+  return given;
+}
+
+Status check_trace_flags(const std::vector<std::string>& given, const std::vector<std::string>& carried) {
+  for (const std::string& flag : given) {
+    if (std::find(carried.begin(), carried.end(), flag) == carried.end()) {
+      return invalid_argument(flag + ": not used when --methods names losa or reuse (a decode trace; its own flags "
+                              "are those of `sparsa trace`)");
+    }
+  }
+  return {};
+}
+
+std::vector<std::string> trace_params(const std::vector<std::string>& params) {
+  std::vector<std::string> out;
+  for (const std::string& p : params) {
+    const size_t eq = p.find('='), dot = p.find('.');
+    std::string text = p;
+    if (dot != std::string::npos && dot < eq) {
+      const std::string scope = p.substr(0, dot);
+      if (scope == "dense" || scope == "quest" || scope == "losa" || scope == "reuse") text = p.substr(dot + 1);
+    }
+    out.push_back(text);
+  }
+  return out;
 }
 
 }  // namespace sparsa::cli

@@ -29,4 +29,16 @@ struct TraceOptions {
 CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions& options);
 Outcome cmd_trace(const TraceOptions& options);
 
+// `eval` and `bench` hand a --methods list that names a stateful decode method (losa or reuse)
+// to cmd_trace. names_a_trace_method: whether the comma-separated list does.
+bool names_a_trace_method(const std::string& methods);
+// The flags of `cmd` set on the command line (long names, "--length").
+std::vector<std::string> flags_given(const CLI::App& cmd);
+// Refuses a flag in `given` that the trace does not use (not in `carried`), naming it; the
+// trace's own flags are those of `sparsa trace`.
+Status check_trace_flags(const std::vector<std::string>& given, const std::vector<std::string>& carried);
+// -P for the trace: key=value as `sparsa trace` takes it, or method.key=value with the method one
+// of dense, quest, losa, reuse (the scope is dropped: the trace's parameters are shared).
+std::vector<std::string> trace_params(const std::vector<std::string>& params);
+
 }  // namespace sparsa::cli

@@ -52,6 +52,7 @@ struct BenchOptions {
   std::string backend = "cpu";
   std::vector<std::string> params;  // method.key=value
   std::string json_path, plot_path;
+  std::vector<std::string> given;  // the flags set on the command line
 };
 
 // The demo's default length: measured so the whole demo takes about a minute on a

@@ -171,7 +171,10 @@ int run_main(int argc, char** argv) {
   Outcome outcome;
   if (info_cmd->parsed()) outcome = cmd_info(info);
   if (run_cmd->parsed()) outcome = cmd_run(run);
-  if (bench_cmd->parsed()) outcome = cmd_bench(bench);
+  if (bench_cmd->parsed()) {
+    bench.given = flags_given(*bench_cmd);
+    outcome = cmd_bench(bench);
+  }
   if (demo_cmd->parsed()) outcome = cmd_demo(demo);
   if (plan_cmd.app->parsed()) outcome = plan_cmd.run();
   if (eval_cmd.app->parsed()) outcome = eval_cmd.run();

@@ -84,6 +84,7 @@ struct Case {
   int expect_splits = 0;    // split-KV: 1 = exactly one split; n > 1 = at least n splits; 0 = unchecked
   int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
   bool split_kv_tma = true;    // split-KV: allow rung 2 (wgmma + TMA); false forces rung 1 (mma.sync)
+  bool flash_tma = true;       // flash: allow rung 3 (TMA producer); false forces rung 2 (cp.async)
   uint32_t seed = 1;
 };
 
@@ -365,6 +366,11 @@ TEST_P(Ops, MatchesReference) {
     ~TmaSwitch() { cuda::detail::set_split_kv_tma(saved); }
   } tma_switch;
   cuda::detail::set_split_kv_tma(c.split_kv_tma);
+  struct FlashTmaSwitch {  // the case's flash rung, restored however the test ends
+    bool saved = cuda::detail::set_flash_tma(true);
+    ~FlashTmaSwitch() { cuda::detail::set_flash_tma(saved); }
+  } flash_tma_switch;
+  cuda::detail::set_flash_tma(c.flash_tma);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -386,7 +392,7 @@ TEST_P(Ops, MatchesReference) {
                                                 : cuda::detail::Route::flash_dense;
     ASSERT_EQ(static_cast<int>(cuda::detail::last_dense_route()), static_cast<int>(want)) << "executor taken";
     if (want != cuda::detail::Route::split_kv) {  // rung 3 (TMA) needs K, V in order and 16-byte aligned
-      const bool tma = (!c.perms || gathered) && c.seq_pad % 8 == 0;
+      const bool tma = c.flash_tma && (!c.perms || gathered) && c.seq_pad % 8 == 0;
       EXPECT_EQ(cuda::detail::last_flash_used_tma(), tma) << "flash kernel: TMA (rung 3) or cp.async (rung 2)";
     }
     if (want == cuda::detail::Route::split_kv) {  // rung 2 (wgmma + TMA) needs 16-byte aligned K, V
@@ -494,6 +500,12 @@ std::vector<Case> cases() {
   add({.name = "SplitKv_rung1_many_f16_d64_gqa8_16x40000", .dtype = DType::f16, .heads_q = 16, .heads_kv = 2,
        .len_q = 16, .len_kv = 40000, .repeats = 2, .interleave = true, .expect_splits = 16, .merge_wait_ns = 0,
        .split_kv_tma = false, .seed = 43});
+  // The flash executor's rung 2 (cp.async, no producer warp) on inputs rung 3 would take: what the
+  // benchmark's "rung 2" rows time, dense and over a plan, d 64 and 128, partial tiles.
+  add({.name = "Small_dense_rung2_bf16_d128_gqa2_130x300", .heads_q = 4, .heads_kv = 2, .len_q = 130,
+       .len_kv = 300, .head_dim = 128, .flash_tma = false, .seed = 48});
+  add({.name = "Small_sparse_rung2_f16_d64_b64", .dtype = DType::f16, .heads_q = 2, .heads_kv = 1, .len_q = 200,
+       .len_kv = 333, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.5, .flash_tma = false, .seed = 49});
   // Rung 2 on one split (direct write) and a 64-row m-tile that is only partly real (group 3 x 7).
   add({.name = "Small_splitkv_f16_d128_one_split_gqa3_7x600", .dtype = DType::f16, .heads_q = 6, .heads_kv = 2,
        .len_q = 7, .len_kv = 600, .head_dim = 128, .expect_splits = 1, .seed = 44});

@@ -89,7 +89,7 @@ Outcome run_eval(const EvalOptions& o) {
   c.len_q = c.len_kv = o.length;
   c.head_dim = o.head_dim;
   InputTensors inputs;
-  if (Outcome loaded = load_inputs_or_workload(given == 3 ? o.q : "", o.k, &o.v, c, &inputs); loaded.exit_code != 0) {
+  if (Outcome loaded = load_inputs_or_workload(o.q, o.k, &o.v, c, &inputs); loaded.exit_code != 0) {
     return loaded;
   }
   HostArray &q = inputs.q, &k = inputs.k, &v = inputs.v;

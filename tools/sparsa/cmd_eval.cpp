@@ -82,12 +82,7 @@ Outcome run_eval(const EvalOptions& o) {
     if (m->name == "dense") return usage_error(invalid_argument("--methods: dense is the reference of eval, not a method to score"));
   }
 
-  WorkloadConfig c;
-  c.seed = o.seed;
-  c.heads_q = o.heads;
-  c.heads_kv = o.kv_heads;
-  c.len_q = c.len_kv = o.length;
-  c.head_dim = o.head_dim;
+  const WorkloadConfig c = workload_of(o.seed, o.heads, o.kv_heads, o.length, o.head_dim);
   InputTensors inputs;
   if (Outcome loaded = load_inputs_or_workload(o.q, o.k, &o.v, c, &inputs); loaded.exit_code != 0) {
     return loaded;

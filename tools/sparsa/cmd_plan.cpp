@@ -108,12 +108,7 @@ Outcome run_plan(const PlanOptions& o) {
     Status s = check_output_path("--json", o.json_path, {".json"});
     if (!s.ok()) return usage_error(s);
   }
-  WorkloadConfig c;
-  c.seed = o.seed;
-  c.heads_q = o.heads;
-  c.heads_kv = o.kv_heads;
-  c.len_q = c.len_kv = o.length;
-  c.head_dim = o.head_dim;
+  const WorkloadConfig c = workload_of(o.seed, o.heads, o.kv_heads, o.length, o.head_dim);
   InputTensors inputs;
   if (Outcome loaded = load_inputs_or_workload(o.q, o.k, nullptr, c, &inputs); loaded.exit_code != 0) return loaded;
   const HostArray &q = inputs.q, &k = inputs.k;

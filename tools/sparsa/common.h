@@ -2,6 +2,7 @@
 // method selection, and comparison of an output with the dense reference.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -28,6 +29,17 @@ struct InputTensors {
 };
 Outcome load_inputs_or_workload(const std::string& q_path, const std::string& k_path, const std::string* v_path,
                                 const WorkloadConfig& config, InputTensors* inputs);
+// The workload of a self-attention command's flags (--seed, --heads, --kv-heads, --length,
+// --head-dim), the rest at WorkloadConfig's defaults.
+inline WorkloadConfig workload_of(std::uint64_t seed, int heads, int kv_heads, long long length, int head_dim) {
+  WorkloadConfig c;
+  c.seed = seed;
+  c.heads_q = heads;
+  c.heads_kv = kv_heads;
+  c.len_q = c.len_kv = length;
+  c.head_dim = head_dim;
+  return c;
+}
 
 // The output file can be created: a known extension (".npy", ".safetensors" for
 // tensors; `extensions` for others), an existing writable directory, not a directory.

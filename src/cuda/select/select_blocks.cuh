@@ -33,6 +33,17 @@ __host__ __device__ inline size_t select_bytes_per_row(int sort_size, int nk) {
   return static_cast<size_t>(sort_size) * sizeof(uint64_t) + (static_cast<size_t>(nk) + 7) / 8 * 8;
 }
 
+// Inclusive sum of v over the warp's lanes in order (Hillis-Steele, 5 shuffles).
+template <class T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
+  const int lane = threadIdx.x % 32;
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const T up = __shfl_up_sync(0xffffffffu, v, offset);
+    if (lane >= offset) v += up;
+  }
+  return v;
+}
+
 // Ascending bitonic sort of keys[0, n), n a power of two, by the whole CTA.
 __device__ inline void bitonic_sort(uint64_t* keys, int n) {
   for (int k = 2; k <= n; k <<= 1) {
@@ -65,11 +76,7 @@ __device__ inline int mass_keep(const uint64_t* keys, int nk, double tau) {
   for (int p = p_begin; p < p_end; ++p) local += exp(static_cast<double>(logit_of(keys[p])) - max_logit);
   // Inclusive scan of the per-thread sums over the CTA (threads in order = positions in order).
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  double inclusive = local;
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const double up = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += up;
-  }
+  const double inclusive = warp_inclusive_scan(local);
   if (lane == 31) warp_sums[warp] = inclusive;
   if (threadIdx.x == 0) first_reaching = nk;
   __syncthreads();
@@ -157,11 +164,7 @@ static_assert(kTopThreads == kRadixBins, "the bin scan gives each thread one bin
 // the next call overwrites it.
 __device__ inline int cta_inclusive_scan(int value, int* warp_totals) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int inclusive = value;
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += up;
-  }
+  int inclusive = warp_inclusive_scan(value);
   if (lane == 31) warp_totals[warp] = inclusive;
   __syncthreads();
   for (int w = 0; w < warp; ++w) inclusive += warp_totals[w];

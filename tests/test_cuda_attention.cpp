@@ -630,7 +630,8 @@ TEST(CudaAttentionErrors, NameTheArgument) {
   EXPECT_NE(st.message().find("index.counts: expected a tensor on cuda:0"), std::string::npos) << st.to_string();
 
   // Garbage index contents on the device: refused by the device check (the default), and, with
-  // the check off, guarded by the kernels: no fault, nothing out of bounds.
+  // the check off, guarded by the kernels: no fault here, and nothing out of bounds under
+  // compute-sanitizer memcheck, which scripts/gpu-check runs on this test ('*Errors*').
   BlockIndex bad = plan.view();
   HostArray counts(DType::i32, {1, 2, 2}), indices(DType::i32, {1, 2, 2, 2});
   for (int i = 0; i < 4; ++i) counts.ptr<int32_t>()[i] = 1000 * (i % 2 ? -1 : 1);

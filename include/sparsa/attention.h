@@ -37,6 +37,11 @@ struct AttentionOptions {
   // plan then gives wrong numbers instead of an error).
   bool check_index = true;
   int num_threads = 0;         // cpu backend; 0 = hardware concurrency
+  // cuda backend: the stream (a cudaStream_t) every kernel, allocation and read-back of the call is
+  // ordered on; null is the legacy default stream. As with any CUDA library call, the caller orders
+  // its own work on other streams against this one; outputs are ready for work queued on `stream`
+  // after the call. (The plan check's read-back synchronises this stream, not the device.)
+  void* stream = nullptr;
 };
 
 struct AttentionOutput {

@@ -82,6 +82,11 @@ struct BaAttOptions {
   Backend backend = Backend::cpu;
   int num_threads = 0;         // cpu backend; 0 = hardware concurrency
   bool check_finite = false;   // refuse NaN/Inf in q, k (and v in ba_att)
+  // cuda backend: the stream (a cudaStream_t) the selection and the executor are ordered on (the
+  // key side forks to a second stream and joins back to this one); null is the legacy default
+  // stream. The plan's arrays are allocated on it (DeviceArray). One read-back at the end (the
+  // selector's error word) synchronises this stream, not the device.
+  void* stream = nullptr;
 };
 
 // The selector's intermediate results, for tests, evaluation and `sparsa plan`.

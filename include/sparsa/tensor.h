@@ -98,15 +98,18 @@ class HostArray {
 };
 
 // An owning, contiguous array in the memory of a CUDA device (what the cuda backend's
-// selectors return their plans in). Allocated on the default stream from sparsa's stream-ordered
-// pool of that device (no device-wide synchronisation when freed), freed when the last copy goes:
-// copies share the storage (unlike HostArray, whose copies are deep). In a build without CUDA
-// allocate() reports `unsupported`.
+// selectors return their plans in). Allocated from sparsa's stream-ordered pool of that device on
+// `stream` (a cudaStream_t; null is the legacy default stream), and freed on that same stream when
+// the last copy goes (no device-wide synchronisation): the array is usable by work on `stream`,
+// and that stream must outlive it; work on other streams orders itself against `stream` as for
+// any CUDA memory. Copies share the storage (unlike HostArray, whose copies are deep). In a build
+// without CUDA allocate() reports `unsupported`.
 class DeviceArray {
  public:
   DeviceArray() = default;
-  // Uninitialised unless zero_fill.
-  static Result<DeviceArray> allocate(DType dtype, std::vector<int64_t> shape, Device device, bool zero_fill = false);
+  // Uninitialised unless zero_fill (a fill ordered on `stream`).
+  static Result<DeviceArray> allocate(DType dtype, std::vector<int64_t> shape, Device device, bool zero_fill = false,
+                                      void* stream = nullptr);
 
   Tensor view() const;
   DType dtype() const { return dtype_; }
@@ -117,7 +120,8 @@ class DeviceArray {
   bool empty() const { return storage_ == nullptr; }  // default-constructed (absent)
   void* data() const { return storage_.get(); }
   template <class T> T* ptr() const { return static_cast<T*>(storage_.get()); }
-  // A host copy (synchronises with the device's default stream).
+  void* stream() const { return stream_; }  // the stream it was allocated on
+  // A host copy, ordered on the array's stream (waits for the work queued there).
   Result<HostArray> to_host() const;
 
  private:
@@ -125,6 +129,7 @@ class DeviceArray {
   Device device_{DeviceType::cuda, 0};
   std::vector<int64_t> shape_;
   std::shared_ptr<void> storage_;
+  void* stream_ = nullptr;
 };
 
 // Conversions between storage dtypes and f32 (round to nearest even).

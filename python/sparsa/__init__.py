@@ -117,15 +117,51 @@ def _outputs(q: Any, out: Any, lse: Any, name: str = "q") -> Tuple[Any, Any]:
     return out, lse
 
 
+def _stream(like: Any, stream: Any) -> int:
+    """The CUDA stream a call on `like`'s device is ordered on, as an integer cudaStream_t.
+
+    ``None`` takes the framework's current stream of that device (torch's
+    ``torch.cuda.current_stream(device)``, cupy's current stream), so sparsa's kernels order with
+    the caller's work as any torch or cupy op would; 0 for host arrays and other frameworks (the
+    legacy default stream). Also accepted: a ``torch.cuda.Stream``, a cupy stream, or an integer
+    handle."""
+    if stream is not None:
+        if isinstance(stream, bool):
+            raise TypeError("stream: expected a CUDA stream or an integer handle, got bool")
+        if isinstance(stream, int):
+            if stream < 0:
+                raise ValueError(f"stream: expected a non-negative integer handle, got {stream}")
+            return stream
+        for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+            handle = getattr(stream, attr, None)
+            if isinstance(handle, int):
+                return handle
+        raise TypeError(f"stream: expected a torch.cuda.Stream, a cupy stream or an integer handle, "
+                        f"got {type(stream).__name__}")
+    fw = _framework(like)
+    if fw == "torch" and like.is_cuda:
+        import torch
+
+        return int(torch.cuda.current_stream(like.device).cuda_stream)
+    if fw == "cupy":
+        import cupy
+
+        return int(cupy.cuda.get_current_stream().ptr)
+    return 0
+
+
 # ---- executors ------------------------------------------------------------------------
 
 def dense(q, k, v, *, scale: Optional[float] = None, backend: str = "auto", check_finite: bool = False,
-          num_threads: int = 0, out=None, lse=None):
+          num_threads: int = 0, out=None, lse=None, stream=None):
     """Dense softmax attention. Returns ``(out, lse)``: out has q's dtype and shape,
     lse is float32 ``[batch, heads_q, len_q]`` (natural log). GQA when k/v have fewer
-    heads than q. Pass ``out=``/``lse=`` to write into existing arrays (zero copy)."""
+    heads than q. Pass ``out=``/``lse=`` to write into existing arrays (zero copy).
+
+    ``stream`` (cuda backend): the CUDA stream the call runs on; by default torch's (or cupy's)
+    current stream of q's device, so the call orders with the caller's work like any torch op."""
     out, lse = _outputs(q, out, lse)
-    _core.dense(q, k, v, out, lse, scale, backend, check_finite, num_threads)
+    _core.dense(q, k, v, out, lse, scale, backend, check_finite, num_threads, _stream(q, stream))
     return _finish(q, out), _finish(q, lse)
 
 
@@ -169,19 +205,21 @@ class BlockIndex:
 
 
 def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, backend: str = "auto",
-                 check_finite: bool = False, num_threads: int = 0, check_index: bool = True, out=None, lse=None):
+                 check_finite: bool = False, num_threads: int = 0, check_index: bool = True, out=None, lse=None,
+                 stream=None):
     """Attention over the key blocks a BlockIndex lists. Returns ``(out, lse)``; a
     query whose block lists no key block gets out = 0 and lse = -inf.
 
     ``check_index`` (cuda backend): check the index's contents on the device first (one
     read-back that synchronises the stream); ``False`` trusts a plan sparsa's own selector just
     made. A malformed plan then gives wrong numbers instead of an error, never an out-of-bounds
-    access. The host backends always check."""
+    access. The host backends always check. ``stream``: as in :func:`dense`."""
     if not isinstance(index, BlockIndex):
         raise TypeError(f"index: expected sparsa.BlockIndex, got {type(index).__name__}")
     out, lse = _outputs(q, out, lse)
     _core.block_sparse(q, k, v, index.counts, index.indices, index.perm_q, index.perm_kv, index.block_q,
-                       index.block_kv, out, lse, scale, backend, check_finite, num_threads, check_index)
+                       index.block_kv, out, lse, scale, backend, check_finite, num_threads, check_index,
+                       _stream(q, stream))
     return _finish(q, out), _finish(q, lse)
 
 
@@ -280,7 +318,7 @@ def ba_att_plan(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = T
                 sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
                 top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
                 scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
-                check_finite: bool = False) -> BlockIndex:
+                check_finite: bool = False, stream=None) -> BlockIndex:
     """The BA-Att plan (Block Approximate Sparse Attention, Algorithm 1; docs/ba_att.md).
 
     Per (batch, head): optional stable norm sort of q (per query head) and k (per kv
@@ -296,10 +334,13 @@ def ba_att_plan(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = T
 
     With ``backend="cuda"`` (or ``"auto"`` on CUDA arrays) the whole selection runs on q's
     device and the plan's arrays stay there: torch (or cupy) CUDA tensors for torch (cupy)
-    inputs, zero copy; block_sparse / ba_att take them as they are."""
+    inputs, zero copy; block_sparse / ba_att take them as they are. The selection runs on
+    ``stream`` (as in :func:`dense`: torch's current stream by default) and the plan's arrays are
+    allocated there."""
     kind, value = _budget(top_kappa, density, tau, ("density", 0.5))
     return _plan(_core.ba_att_plan(q, k, block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
-                                   beta, kind, value, scale, backend, num_threads, check_finite), like=q)
+                                   beta, kind, value, scale, backend, num_threads, check_finite,
+                                   _stream(q, stream)), like=q)
 
 
 @dataclass
@@ -321,11 +362,11 @@ class BaAttScores:
 def ba_att_scores(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
                   sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
                   scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
-                  check_finite: bool = False) -> BaAttScores:
+                  check_finite: bool = False, stream=None) -> BaAttScores:
     """BA-Att's block logits and permutations before the budget (for inspection and
     evaluation); the arguments are those of :func:`ba_att_plan`."""
     d = _core.ba_att_scores(q, k, block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation, beta,
-                            scale, backend, num_threads, check_finite)
+                            scale, backend, num_threads, check_finite, _stream(q, stream))
     return BaAttScores(d["block_q"], d["block_kv"], d["logits"], d["perm_q"], d["perm_kv"])
 
 
@@ -333,15 +374,17 @@ def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = Tru
            sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
            top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
            scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0, check_finite: bool = False,
-           out=None, lse=None):
+           out=None, lse=None, stream=None):
     """BA-Att attention: :func:`ba_att_plan` then :func:`block_sparse` on the same
-    backend. Returns ``(out, lse)`` in the original token order of q."""
+    backend (and the same ``stream``). Returns ``(out, lse)`` in the original token order of q."""
+    stream = _stream(q, stream)
     plan = ba_att_plan(q, k, block_q=block_q, block_kv=block_kv, sort_q=sort_q, sort_k=sort_k,
                        sort_window=sort_window, compensate=compensate, compensation=compensation, beta=beta,
                        top_kappa=top_kappa, density=density, tau=tau, scale=scale, backend=backend,
-                       num_threads=num_threads, check_finite=check_finite)
+                       num_threads=num_threads, check_finite=check_finite, stream=stream)
     return block_sparse(q, k, v, plan, scale=scale, backend=backend, check_finite=check_finite,
-                        num_threads=num_threads, check_index=False, out=out, lse=lse)  # the plan just made
+                        num_threads=num_threads, check_index=False, out=out, lse=lse,  # the plan just made
+                        stream=stream)
 
 
 def xattention_plan(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,

@@ -109,9 +109,12 @@ Backend resolve_backend(const std::string& backend, const Tensor& q) {
   return take(parse_backend(backend));
 }
 
+// `stream`: a cudaStream_t as an integer (the Python package passes torch's or cupy's current
+// stream of the inputs' device; 0 is the legacy default stream).
 AttentionOptions make_options(std::optional<float> scale, const std::string& backend, bool check_finite,
-                              int num_threads, const Tensor& q) {
+                              int num_threads, const Tensor& q, uintptr_t stream = 0) {
   AttentionOptions o;
+  o.stream = reinterpret_cast<void*>(stream);
   o.scale = scale;
   o.backend = resolve_backend(backend, q);
   o.check_finite = check_finite;
@@ -216,15 +219,15 @@ NB_MODULE(_sparsa, m) {
   m.def(
       "dense",
       [](InArray q, InArray k, InArray v, OutArray out, OutArray lse, std::optional<float> scale,
-         const std::string& backend, bool check_finite, int num_threads) {
+         const std::string& backend, bool check_finite, int num_threads, uintptr_t stream) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
-        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq);
+        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq, stream);
         nb::gil_scoped_release release;
         check(dense(tq, tk, tv, to, tl, o));
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto",
-      "check_finite"_a = false, "num_threads"_a = 0,
+      "check_finite"_a = false, "num_threads"_a = 0, "stream"_a = 0,
       "Dense attention into caller-provided out [b, hq, lq, d] and lse f32 [b, hq, lq].");
 
   m.def(
@@ -232,19 +235,19 @@ NB_MODULE(_sparsa, m) {
       [](InArray q, InArray k, InArray v, InArray counts, InArray indices, std::optional<InArray> perm_q,
          std::optional<InArray> perm_kv, int block_q, int block_kv, OutArray out, OutArray lse,
          std::optional<float> scale, const std::string& backend, bool check_finite, int num_threads,
-         bool check_index) {
+         bool check_index, uintptr_t stream) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         BlockIndex ix = make_index(counts, indices, perm_q, perm_kv, block_q, block_kv);
         if (tk.ndim == 4) ix.num_kv_blocks = (tk.shape[2] + block_kv - 1) / std::max(block_kv, 1);
-        AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq);
+        AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq, stream);
         o.check_index = check_index;
         nb::gil_scoped_release release;
         check(block_sparse(tq, tk, tv, ix, to, tl, o));
       },
       "q"_a, "k"_a, "v"_a, "counts"_a, "indices"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "block_q"_a,
       "block_kv"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto", "check_finite"_a = false,
-      "num_threads"_a = 0, "check_index"_a = true,
+      "num_threads"_a = 0, "check_index"_a = true, "stream"_a = 0,
       "Block-sparse attention over a BlockIndex into caller-provided out and lse.");
 
   m.def(
@@ -332,8 +335,10 @@ NB_MODULE(_sparsa, m) {
   auto ba_att_options = [](int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
                            bool compensate, const std::string& compensation, float beta,
                            const std::string& budget_kind, double budget_value, std::optional<float> scale,
-                           const std::string& backend, int num_threads, bool check_finite, const Tensor& q) {
+                           const std::string& backend, int num_threads, bool check_finite, const Tensor& q,
+                           uintptr_t stream) {
     BaAttOptions o;
+    o.stream = reinterpret_cast<void*>(stream);
     o.block_q = block_q;
     o.block_kv = block_kv;
     o.sort_q = sort_q;
@@ -354,11 +359,11 @@ NB_MODULE(_sparsa, m) {
       [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
                        bool compensate, const std::string& compensation, float beta, const std::string& budget_kind,
                        double budget_value, std::optional<float> scale, const std::string& backend, int num_threads,
-                       bool check_finite) {
+                       bool check_finite, uintptr_t stream) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
         const BaAttOptions o = ba_att_options(block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
                                               beta, budget_kind, budget_value, scale, backend, num_threads,
-                                              check_finite, tq);
+                                              check_finite, tq, stream);
         Result<BlockIndexBuffer> plan = [&] {
           nb::gil_scoped_release release;
           return ba_att_plan(tq, tk, o);
@@ -367,15 +372,16 @@ NB_MODULE(_sparsa, m) {
       },
       "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "sort_q"_a, "sort_k"_a, "sort_window"_a, "compensate"_a,
       "compensation"_a, "beta"_a, "budget_kind"_a, "budget_value"_a, "scale"_a.none(), "backend"_a,
-      "num_threads"_a, "check_finite"_a, "The BA-Att plan (Algorithm 1) as a dict of numpy arrays (DLPack device arrays with backend cuda).");
+      "num_threads"_a, "check_finite"_a, "stream"_a = 0, "The BA-Att plan (Algorithm 1) as a dict of numpy arrays (DLPack device arrays with backend cuda).");
   m.def(
       "ba_att_scores",
       [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
                        bool compensate, const std::string& compensation, float beta, std::optional<float> scale,
-                       const std::string& backend, int num_threads, bool check_finite) {
+                       const std::string& backend, int num_threads, bool check_finite, uintptr_t stream) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
         const BaAttOptions o = ba_att_options(block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
-                                              beta, "density", 1.0, scale, backend, num_threads, check_finite, tq);
+                                              beta, "density", 1.0, scale, backend, num_threads, check_finite, tq,
+                                              stream);
         Result<BaAttScores> r = [&] {
           nb::gil_scoped_release release;
           return ba_att_scores(tq, tk, o);
@@ -391,7 +397,7 @@ NB_MODULE(_sparsa, m) {
       },
       "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "sort_q"_a, "sort_k"_a, "sort_window"_a, "compensate"_a,
       "compensation"_a, "beta"_a, "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a,
-      "BA-Att steps 1-3: block logits (compensated) and the norm-sort permutations.");
+      "stream"_a = 0, "BA-Att steps 1-3: block logits (compensated) and the norm-sort permutations.");
 
   auto xattention_options = [](int block_q, int block_kv, int stride, const std::string& budget_kind,
                                double budget_value, bool force_first, bool force_diagonal,

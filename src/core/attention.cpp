@@ -118,6 +118,7 @@ Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   p->scale = scale;
   p->num_threads = options.num_threads;
   p->device_id = host.id;
+  p->stream = options.stream;
   return {};
 }
 

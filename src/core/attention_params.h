@@ -29,6 +29,7 @@ struct AttentionParams {
   float scale = 1.0f;
   int num_threads = 0;
   int device_id = 0;  // cuda backend: the device every tensor lives on
+  void* stream = nullptr;  // cuda backend: the cudaStream_t of the call (null: the legacy default stream)
 
   // Block-sparse plan (nullptr for dense).
   const BlockIndex* index = nullptr;

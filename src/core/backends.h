@@ -27,13 +27,14 @@ Status merge(const detail::MergeParams& params);
 namespace sparsa::cuda {
 bool compiled_in();
 // params.index == nullptr: dense; else the block-sparse plan. Every pointer (q, k, v, out, lse
-// and the index tensors) is device memory of params.device_id; runs on the default stream.
+// and the index tensors) is device memory of params.device_id; runs on params.stream.
 Status attention(const detail::AttentionParams& params);
-// Device memory behind DeviceArray: at least one byte is allocated (so an empty array still has a
-// distinct pointer), zero-filled on request; copies synchronise with the default stream.
-Status malloc_device(int device, size_t bytes, bool zero_fill, void** ptr);
-void free_device(int device, void* ptr);
-Status copy_to_host(int device, const void* src, size_t bytes, void* dst);
+// Device memory behind DeviceArray, ordered on `stream` (a cudaStream_t; null: the legacy
+// default stream): at least one byte is allocated (so an empty array still has a distinct
+// pointer), zero-filled on request; the copy waits for the work queued on `stream`.
+Status malloc_device(int device, size_t bytes, bool zero_fill, void* stream, void** ptr);
+void free_device(int device, void* ptr, void* stream);
+Status copy_to_host(int device, const void* src, size_t bytes, void* dst, void* stream);
 // Number of visible CUDA devices (0 when none or not compiled in), and a description.
 int device_count();
 std::string device_description(int device);

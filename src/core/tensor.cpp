@@ -95,7 +95,8 @@ Tensor HostArray::view() const {
   return Tensor::contiguous(const_cast<std::byte*>(bytes_.data()), dtype_, shape_);
 }
 
-Result<DeviceArray> DeviceArray::allocate(DType dtype, std::vector<int64_t> shape, Device device, bool zero_fill) {
+Result<DeviceArray> DeviceArray::allocate(DType dtype, std::vector<int64_t> shape, Device device, bool zero_fill,
+                                          void* stream) {
   if (device.type != DeviceType::cuda) {
     return invalid_argument("DeviceArray: expected a cuda device, got " + device_name(device));
   }
@@ -107,9 +108,10 @@ Result<DeviceArray> DeviceArray::allocate(DType dtype, std::vector<int64_t> shap
     if (s < 0) return invalid_argument("DeviceArray: negative extent in shape");
   }
   void* ptr = nullptr;
-  SPARSA_RETURN_IF_ERROR(cuda::malloc_device(device.id, a.nbytes(), zero_fill, &ptr));
+  SPARSA_RETURN_IF_ERROR(cuda::malloc_device(device.id, a.nbytes(), zero_fill, stream, &ptr));
   const int id = device.id;
-  a.storage_ = std::shared_ptr<void>(ptr, [id](void* p) { cuda::free_device(id, p); });
+  a.stream_ = stream;
+  a.storage_ = std::shared_ptr<void>(ptr, [id, stream](void* p) { cuda::free_device(id, p, stream); });
   return a;
 }
 
@@ -123,7 +125,7 @@ Tensor DeviceArray::view() const { return Tensor::contiguous(storage_.get(), dty
 
 Result<HostArray> DeviceArray::to_host() const {
   HostArray h(dtype_, shape_);
-  if (nbytes() > 0) SPARSA_RETURN_IF_ERROR(cuda::copy_to_host(device_.id, storage_.get(), nbytes(), h.data()));
+  if (nbytes() > 0) SPARSA_RETURN_IF_ERROR(cuda::copy_to_host(device_.id, storage_.get(), nbytes(), h.data(), stream_));
   return h;
 }
 

@@ -6,12 +6,12 @@ namespace sparsa::cuda {
 bool compiled_in() { return false; }
 int device_count() { return 0; }
 std::string device_description(int) { return "CUDA not compiled in"; }
-Status malloc_device(int, size_t, bool, void** ptr) {
+Status malloc_device(int, size_t, bool, void*, void** ptr) {
   *ptr = nullptr;
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build (no device memory)"};
 }
-void free_device(int, void*) {}
-Status copy_to_host(int, const void*, size_t, void*) {
+void free_device(int, void*, void*) {}
+Status copy_to_host(int, const void*, size_t, void*, void*) {
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
 }
 Status attention(const detail::AttentionParams&) {

@@ -306,3 +306,15 @@ def test_llsa_bad_block(rng):
     q = rand(rng, 1, 2, 64, 16)
     with pytest.raises(ValueError, match=r"block: expected >= 2, got 1"):
         sparsa.llsa(q, q, q, block=1)
+
+
+# The stream argument (cuda backend; resolved before anything runs, so host arrays show it too).
+@pytest.mark.parametrize("stream,error,match", [
+    (True, TypeError, r"stream: expected a CUDA stream or an integer handle, got bool"),
+    (-1, ValueError, r"stream: expected a non-negative integer handle, got -1"),
+    ("s", TypeError, r"stream: expected a torch.cuda.Stream, a cupy stream or an integer handle, got str"),
+])
+def test_a_bad_stream_names_the_argument(stream, error, match):
+    q = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(error, match=match):
+        sparsa.dense(q, q, q, stream=stream)

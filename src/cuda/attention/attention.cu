@@ -21,6 +21,8 @@
 #include "cuda/attention/split_kv_kernel.cuh"
 #include "cuda/attention/split_kv_tma_kernel.cuh"
 #include "cuda/common/check.h"
+#include "cuda/common/device_facts.h"
+#include "cuda/common/workspace.h"
 
 namespace sparsa::cuda {
 
@@ -41,24 +43,11 @@ std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
 
 using detail::check_pointer;
 
-constexpr int kMaxDevices = 64;
-
-// Shared-memory limit and carveout (all of the unified L1 as shared memory), once per kernel
-// instantiation and device: function attributes belong to the current device. Keyed by the kernel
-// itself (every instantiation of a kernel template has the same function type); the caller has
-// made `device` current.
+// The shared-memory limit of a kernel raised to what it launches with (device_facts.h); the
+// caller has made `device` current.
 template <auto kernel>
-cudaError_t configure_once(int device, int smem_bytes) {
-  static std::once_flag once[kMaxDevices];
-  static cudaError_t result[kMaxDevices];
-  std::call_once(once[device], [&] {
-    result[device] = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (result[device] == cudaSuccess) {
-      result[device] = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            cudaSharedmemCarveoutMaxShared);
-    }
-  });
-  return result[device];
+Status allow_smem(int device, size_t smem_bytes) {
+  return detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem_bytes);
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against the driver
@@ -112,12 +101,12 @@ Status launch(const FlashParams& p, int device, cudaStream_t stream) {
   if (g_last_tma) {
     using Shape = detail::TmaShape<D, BN, kStages>;
     constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages>;
-    SPARSA_CUDA_CHECK(configure_once<kernel>(device, Shape::kSmemBytes));
+    SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
   } else {
     using Shape = detail::WgmmaShape<D, BN, kStages>;
     constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
-    SPARSA_CUDA_CHECK(configure_once<kernel>(device, Shape::kSmemBytes));
+    SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   }
   SPARSA_CUDA_CHECK_LAUNCH();
@@ -189,19 +178,18 @@ int64_t split_count(int64_t wave, int64_t ctas_per_split, int64_t num_kv_tiles) 
   return std::max<int64_t>(splits, 1);
 }
 
-// Per-device facts and a grow-only workspace: the counters of every merge group one wave can
-// have (zeroed when allocated; each call leaves them zero), then the partials. Every launch is on
-// the default stream, so one workspace per device is never used by two calls at once; growing
-// frees the old one (cudaFree waits for the device).
-struct DeviceState {
+// Grow-only workspaces per (device, stream) (common/workspace.h): the counters of every merge
+// group one wave can have (zeroed when allocated; each call leaves them zero), then the partials;
+// and K, V gathered in a plan's key order. The calls of one stream run in order, so a state is
+// never used by two calls' kernels at once; its mutex keeps two host threads apart until their
+// kernels are queued.
+struct StreamState {
+  std::mutex mutex;
   int sms = 0;
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
-  void* gathered = nullptr;  // K and V in a plan's key order (gather_kernel.cuh)
-  size_t gathered_bytes = 0;
+  detail::StreamBuffer workspace;
+  detail::StreamBuffer gathered;  // K and V in a plan's key order (gather_kernel.cuh)
 };
-std::mutex g_state_mutex;
-DeviceState g_state[kMaxDevices];
+detail::PerStream<StreamState> g_states;
 // Programmatic dependent launch is asked for until a launch with it fails (then plain launches).
 std::atomic<bool> g_split_kv_pdl{true};
 std::atomic<unsigned long long> g_merge_wait_ns{detail::kMergeWaitNs};  // route.h: a test hook
@@ -214,29 +202,14 @@ thread_local int g_last_splits = 0;
 thread_local bool g_last_split_kv_tma = false;
 std::atomic<bool> g_use_split_kv_tma{true};  // route.h: a test and benchmark switch
 
-// Once per kernel and device (under g_state_mutex): the shared-memory attributes, then the number
-// of CTAs per SM they allow.
-template <auto kernel>
-cudaError_t ctas_per_sm_once(int device, int threads, int smem_bytes, int* ctas) {
-  static int cached[kMaxDevices] = {};
-  if (cached[device] == 0) {
-    cudaError_t err = configure_once<kernel>(device, smem_bytes);
-    int n = 0;
-    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes);
-    if (err != cudaSuccess) return err;
-    cached[device] = std::clamp(n, 1, kMaxCtasPerSm);
-  }
-  *ctas = cached[device];
-  return cudaSuccess;
-}
-
 // Sizes the splits and the workspace for `kernel` (rung 1 or 2: the same 64-row m-tiles,
 // partials and counters) and launches it with programmatic dependent launch when allowed.
 template <auto kernel, class Shape, class... Extra>
-Status run_split_kv(SplitKvParams p, int device, cudaStream_t stream, const Extra&... extra) {
-  DeviceState& state = g_state[device];
+Status run_split_kv(SplitKvParams p, StreamState& state, int device, cudaStream_t stream, const Extra&... extra) {
   int ctas_per_sm = 1;
-  SPARSA_CUDA_CHECK(ctas_per_sm_once<kernel>(device, Shape::kThreads, Shape::kSmemBytes, &ctas_per_sm));
+  SPARSA_RETURN_IF_ERROR(detail::resident_ctas(reinterpret_cast<const void*>(kernel), device, Shape::kThreads,
+                                               Shape::kSmemBytes, &ctas_per_sm));
+  ctas_per_sm = std::min(ctas_per_sm, kMaxCtasPerSm);
   auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   const int64_t m_tiles = ceil_div(p.rows, Shape::kBM);
   const int64_t merge_groups = m_tiles * p.batch * p.heads_kv;  // CTAs of one split
@@ -250,18 +223,21 @@ Status run_split_kv(SplitKvParams p, int device, cudaStream_t stream, const Extr
     const size_t partials = static_cast<size_t>(merge_groups) * Shape::kBM * p.num_splits;  // rows
     const size_t d = static_cast<size_t>(p.head_dim);
     const size_t bytes = counters + partials * d * sizeof(float) + partials * sizeof(float);
-    if (bytes > state.workspace_bytes) {
-      if (state.workspace != nullptr) SPARSA_CUDA_CHECK(cudaFree(state.workspace));
-      state.workspace = nullptr;
-      state.workspace_bytes = 0;
-      SPARSA_CUDA_CHECK(cudaMalloc(&state.workspace, bytes));
-      SPARSA_CUDA_CHECK(cudaMemset(state.workspace, 0, counters));  // the only zeroing: calls leave them zero
-      state.workspace_bytes = bytes;
+    bool grew = false;
+    SPARSA_RETURN_IF_ERROR(state.workspace.reserve(device, stream, bytes, &grew));
+    // The only zeroing (calls leave them zero); a failure leaves the buffer to be zeroed next time.
+    if (grew) {
+      const cudaError_t err = cudaMemsetAsync(state.workspace.data(), 0, counters, stream);
+      if (err != cudaSuccess) {
+        detail::stream_free(device, state.workspace.data(), stream);
+        state.workspace = {};
+        SPARSA_CUDA_CHECK(err);
+      }
     }
     // Counters first (a fixed region, so a call with another shape finds them zero), then the
     // partial O rows (128-byte aligned: the kernel drops them from L2 by whole lines), then the LSEs.
-    p.counters = static_cast<detail::SplitKvCounters*>(state.workspace);
-    p.part_o = reinterpret_cast<float*>(static_cast<char*>(state.workspace) + counters);
+    p.counters = static_cast<detail::SplitKvCounters*>(state.workspace.data());
+    p.part_o = reinterpret_cast<float*>(static_cast<char*>(state.workspace.data()) + counters);
     p.part_lse = p.part_o + partials * d;
   }
   p.merge_wait_ns = g_merge_wait_ns.load(std::memory_order_relaxed);
@@ -294,9 +270,9 @@ Status run_split_kv(SplitKvParams p, int device, cudaStream_t stream, const Extr
 // V (16-byte aligned bases and strides); rung 1 (split_kv_kernel.cuh: mma.sync, cp.async) otherwise.
 template <class T, int D>
 Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
-  std::lock_guard<std::mutex> lock(g_state_mutex);
-  DeviceState& state = g_state[device];
-  if (state.sms == 0) SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&state.sms, cudaDevAttrMultiProcessorCount, device));
+  StreamState& state = g_states.at(device, stream);
+  std::lock_guard<std::mutex> lock(state.mutex);
+  SPARSA_RETURN_IF_ERROR(detail::sm_count(device, &state.sms));
   p.head_dim = D;
   detail::TmaMaps maps;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -306,16 +282,16 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
   if (g_last_split_kv_tma) {
     using Shape = detail::SplitKvTmaShape<D, kSplitKvKeyTile, kSplitKvTmaStages>;
     constexpr auto kernel = detail::split_kv_tma_kernel<T, D, kSplitKvKeyTile, kSplitKvTmaStages>;
-    return run_split_kv<kernel, Shape>(p, device, stream, maps);
+    return run_split_kv<kernel, Shape>(p, state, device, stream, maps);
   }
   using Shape = detail::SplitKvShape<D, kSplitKvKeyTile, kSplitKvStages>;
   constexpr auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages>;
-  return run_split_kv<kernel, Shape>(p, device, stream);
+  return run_split_kv<kernel, Shape>(p, state, device, stream);
 }
 
 bool use_split_kv(const sparsa::detail::AttentionParams& a) {
   return a.index == nullptr && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries && a.len_kv >= kSplitKvMinKeys &&
-         a.batch * a.heads_kv <= 65535 && a.device_id >= 0 && a.device_id < kMaxDevices;
+         a.batch * a.heads_kv <= 65535;
 }
 
 Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cudaStream_t stream) {
@@ -340,26 +316,33 @@ bool detail::last_split_kv_used_tma() { return g_last_split_kv_tma; }
 bool detail::set_split_kv_tma(bool on) { return g_use_split_kv_tma.exchange(on); }
 unsigned long long detail::set_split_kv_merge_wait_ns(unsigned long long ns) { return g_merge_wait_ns.exchange(ns); }
 bool detail::split_kv_counters_zero(int device) {
-  std::lock_guard<std::mutex> lock(g_state_mutex);
-  if (device < 0 || device >= kMaxDevices) return false;
-  const DeviceState& state = g_state[device];
-  if (state.workspace == nullptr) return true;
-  std::vector<detail::SplitKvCounters> counters(counter_bytes(state.sms) / sizeof(detail::SplitKvCounters));
-  if (cudaMemcpy(counters.data(), state.workspace, counters.size() * sizeof(detail::SplitKvCounters),
-                 cudaMemcpyDeviceToHost) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return std::all_of(counters.begin(), counters.end(), [](const detail::SplitKvCounters& c) {
-    return c.arrive == 0 && c.depart == 0 && c.withdrawn == 0;
+  bool zero = true;
+  g_states.for_each([&](int d, cudaStream_t stream, StreamState& state) {
+    if (d != device || !zero) return;
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.workspace.data() == nullptr) return;
+    std::vector<detail::SplitKvCounters> counters(counter_bytes(state.sms) / sizeof(detail::SplitKvCounters));
+    detail::DeviceGuard guard;
+    if (!guard.enter(device).ok() ||
+        cudaMemcpyAsync(counters.data(), state.workspace.data(), counters.size() * sizeof(detail::SplitKvCounters),
+                        cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess) {
+      cudaGetLastError();
+      zero = false;
+      return;
+    }
+    zero = std::all_of(counters.begin(), counters.end(), [](const detail::SplitKvCounters& c) {
+      return c.arrive == 0 && c.depart == 0 && c.withdrawn == 0;
+    });
   });
+  return zero;
 }
 
 // Plans with a key permutation over at least kGatherMinKeys keys (and 16-byte-aligned K, V) have K
 // and V gathered once into permuted order in a grow-only per-device buffer, so the flash kernel
 // reads contiguous tiles (gather_kernel.cuh). Sets *gathered = false and leaves p as it was when
 // the shape does not qualify or the buffer cannot be allocated (the kernel then gathers in place). The
-// caller keeps `lock` (the device state's) until the flash kernel is launched, so that another
+// caller keeps `lock` (the stream state's) until the flash kernel is launched, so that another
 // host thread's gather cannot be queued between this one and the kernel that reads it.
 constexpr int64_t kGatherMinKeys = 1024;
 
@@ -370,20 +353,10 @@ Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lo
   if (p.perm_kv == nullptr || !p.aligned_loads || p.len_kv < kGatherMinKeys) return {};
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_kv;
   const size_t bytes = static_cast<size_t>(rows) * D * 2;
-  lock = std::unique_lock<std::mutex>(g_state_mutex);
-  DeviceState& state = g_state[device];
-  if (2 * bytes > state.gathered_bytes) {
-    if (state.gathered != nullptr) SPARSA_CUDA_CHECK(cudaFree(state.gathered));
-    state.gathered = nullptr;
-    state.gathered_bytes = 0;
-    if (cudaMalloc(&state.gathered, 2 * bytes) != cudaSuccess) {
-      cudaGetLastError();  // out of memory: fall back to the in-kernel gather
-      state.gathered = nullptr;
-      return {};
-    }
-    state.gathered_bytes = 2 * bytes;
-  }
-  auto* dst_k = static_cast<uint16_t*>(state.gathered);
+  StreamState& state = g_states.at(device, stream);
+  lock = std::unique_lock<std::mutex>(state.mutex);
+  if (!state.gathered.reserve(device, stream, 2 * bytes).ok()) return {};  // out of memory: the in-kernel gather
+  auto* dst_k = static_cast<uint16_t*>(state.gathered.data());
   uint16_t* dst_v = dst_k + rows * D;
   constexpr int kThreads = 256;
   const int64_t chunks = rows * (D / 8);
@@ -423,10 +396,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
                             std::to_string(a.heads_q) + " heads, batch " + std::to_string(a.batch));
   }
   const int device = a.device_id;
-  if (device < 0 || device >= kMaxDevices) {
-    return {StatusCode::unsupported, "q: cuda:" + std::to_string(device) + " is beyond the " +
-                                         std::to_string(kMaxDevices) + " devices the cuda backend keeps state for"};
-  }
+  SPARSA_RETURN_IF_ERROR(detail::check_device_id("q", device));
   detail::DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
   SPARSA_RETURN_IF_ERROR(check_pointer("q", a.q, device));
@@ -490,7 +460,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
       for (int d = 0; d < 3; ++d) p.perm_kv_stride[d] = ix.perm_kv.strides[d];
     }
   }
-  const cudaStream_t stream = nullptr;  // the default stream: callers synchronise as with any CUDA op
+  const auto stream = static_cast<cudaStream_t>(a.stream);  // AttentionOptions::stream
   if (a.index != nullptr && a.check_index) {
     SPARSA_RETURN_IF_ERROR(detail::check_index_on_device(*a.index, a.batch, a.heads_q, a.heads_kv, a.len_q, a.len_kv,
                                                          device, stream));

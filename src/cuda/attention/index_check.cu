@@ -14,15 +14,17 @@
 #include "core/validate.h"
 #include "cuda/attention/index_check.h"
 #include "cuda/common/check.h"
+#include "cuda/common/device_facts.h"
+#include "cuda/common/workspace.h"
 #include "sparsa/tensor.h"
 
 namespace sparsa::cuda::detail {
 
 namespace {
 
+
 constexpr unsigned long long kClean = ~0ull;
 constexpr int kThreads = 256;
-constexpr int kMaxDevices = 64;
 
 // The first wrong element of each section, as a flat position: rows: row * (capacity + 1) + slot
 // + 1 (0: the count); permutations: row * len + entry.
@@ -84,26 +86,26 @@ __global__ void permutation_errors_kernel(Strided3 perm, int64_t heads, int64_t 
   }
 }
 
-// Per device: the verdict in device memory and its pinned read-back buffer, allocated once; the
-// mutex keeps two host threads' checks of one device apart.
+// Per (device, stream) (common/workspace.h): the verdict in device memory and its pinned
+// read-back buffer, allocated once; the mutex keeps two host threads' checks apart.
+static_assert(sizeof(Verdict) <= kReadBackBytes);
 struct CheckState {
   std::mutex mutex;
-  Verdict* device = nullptr;
-  Verdict* host = nullptr;  // pinned, else `pageable`
-  Verdict pageable{};
-  int sms = 0;  // asked once
+  StreamBuffer verdict;
+  ReadBackBuffer host;
 };
-CheckState g_check[kMaxDevices];
+PerStream<CheckState> g_check;
 
 unsigned grid_for(int64_t work, int sms) {
   const int64_t ctas = (work + kThreads - 1) / kThreads;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ctas, static_cast<int64_t>(sms) * 8)));
 }
 
-// One int32 of a device array, by element offset.
-Status read_int(const Tensor& t, int64_t offset, int32_t* value) {
-  SPARSA_CUDA_CHECK(cudaMemcpy(value, static_cast<const int32_t*>(t.data) + offset, sizeof(int32_t),
-                               cudaMemcpyDeviceToHost));
+// One int32 of a device array, by element offset (after the work queued on `stream`).
+Status read_int(const Tensor& t, int64_t offset, int32_t* value, cudaStream_t stream) {
+  SPARSA_CUDA_CHECK(cudaMemcpyAsync(value, static_cast<const int32_t*>(t.data) + offset, sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, stream));
+  SPARSA_CUDA_CHECK(cudaStreamSynchronize(stream));
   return {};
 }
 
@@ -120,11 +122,12 @@ Status launch_permutation(const Tensor& perm, int64_t batch, int64_t heads, int6
   return {};
 }
 
-Status permutation_message(const char* name, const Tensor& perm, int64_t heads, int64_t len, unsigned long long at) {
+Status permutation_message(const char* name, const Tensor& perm, int64_t heads, int64_t len, unsigned long long at,
+                           cudaStream_t stream) {
   const int64_t row = static_cast<int64_t>(at) / len, p = static_cast<int64_t>(at) % len;
   const int64_t b = row / heads, h = row % heads;
   int32_t t = 0;
-  SPARSA_RETURN_IF_ERROR(read_int(perm, b * perm.strides[0] + h * perm.strides[1] + p * perm.strides[2], &t));
+  SPARSA_RETURN_IF_ERROR(read_int(perm, b * perm.strides[0] + h * perm.strides[1] + p * perm.strides[2], &t, stream));
   return sparsa::detail::permutation_error(name, b, h, len, p, t);
 }
 
@@ -138,28 +141,22 @@ Status check_index_on_device(const BlockIndex& ix, int64_t batch, int64_t heads_
     return invalid_argument("index.indices: capacity " + std::to_string(capacity) + " exceeds the cuda backend's " +
                             std::to_string(INT_MAX - 1));
   }
-  CheckState& state = g_check[device];
+  CheckState& state = g_check.at(device, stream);
   std::lock_guard<std::mutex> lock(state.mutex);
-  if (state.device == nullptr) {
-    SPARSA_CUDA_CHECK(cudaMalloc(&state.device, sizeof(Verdict)));
-    void* pinned = nullptr;
-    if (cudaMallocHost(&pinned, sizeof(Verdict)) == cudaSuccess) {
-      state.host = static_cast<Verdict*>(pinned);
-    } else {  // no pinned memory to be had: a pageable read-back still works
-      cudaGetLastError();
-      state.host = &state.pageable;
-    }
-  }
-  if (state.sms == 0) SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&state.sms, cudaDevAttrMultiProcessorCount, device));
-  const int sms = state.sms;
-  SPARSA_CUDA_CHECK(cudaMemsetAsync(state.device, 0xff, sizeof(Verdict), stream));
+  SPARSA_RETURN_IF_ERROR(state.verdict.reserve(device, stream, sizeof(Verdict)));
+  SPARSA_RETURN_IF_ERROR(state.host.reserve());
+  auto* verdict_device = static_cast<Verdict*>(state.verdict.data());
+  auto* verdict_host = static_cast<Verdict*>(state.host.data());
+  int sms = 0;
+  SPARSA_RETURN_IF_ERROR(sm_count(device, &sms));
+  SPARSA_CUDA_CHECK(cudaMemsetAsync(verdict_device, 0xff, sizeof(Verdict), stream));
   if (rows > 0) {
     const Strided3 counts{static_cast<const int32_t*>(ix.counts.data), ix.counts.strides[0], ix.counts.strides[1],
                           ix.counts.strides[2]};
     const auto& is = ix.indices.strides;
     check_rows_kernel<<<grid_for(rows * 32, sms), kThreads, 0, stream>>>(
         counts, static_cast<const int32_t*>(ix.indices.data), is[0], is[1], is[2], is[3], heads_q, nq, rows,
-        static_cast<int>(capacity), static_cast<int>(ix.num_kv_blocks), &state.device->rows);
+        static_cast<int>(capacity), static_cast<int>(ix.num_kv_blocks), &verdict_device->rows);
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   DeviceArray first_pos;
@@ -167,21 +164,21 @@ Status check_index_on_device(const BlockIndex& ix, int64_t batch, int64_t heads_
     const int64_t q_entries = ix.perm_q.defined() ? batch * heads_q * len_q : 0;
     const int64_t kv_entries = ix.perm_kv.defined() ? batch * heads_kv * len_kv : 0;
     auto scratch = DeviceArray::allocate(DType::i32, {std::max<int64_t>(1, std::max(q_entries, kv_entries))},
-                                         Device{DeviceType::cuda, device});
+                                         Device{DeviceType::cuda, device}, false, stream);
     if (!scratch.ok()) return scratch.status();
     first_pos = std::move(scratch).value();
   }
   if (ix.perm_q.defined()) {
     SPARSA_RETURN_IF_ERROR(launch_permutation(ix.perm_q, batch, heads_q, len_q, first_pos.ptr<int32_t>(), sms,
-                                              &state.device->perm_q, stream));
+                                              &verdict_device->perm_q, stream));
   }
   if (ix.perm_kv.defined()) {
     SPARSA_RETURN_IF_ERROR(launch_permutation(ix.perm_kv, batch, heads_kv, len_kv, first_pos.ptr<int32_t>(), sms,
-                                              &state.device->perm_kv, stream));
+                                              &verdict_device->perm_kv, stream));
   }
-  SPARSA_CUDA_CHECK(cudaMemcpyAsync(state.host, state.device, sizeof(Verdict), cudaMemcpyDeviceToHost, stream));
+  SPARSA_CUDA_CHECK(cudaMemcpyAsync(verdict_host, verdict_device, sizeof(Verdict), cudaMemcpyDeviceToHost, stream));
   SPARSA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const Verdict verdict = *state.host;
+  const Verdict verdict = *verdict_host;
   if (verdict.rows != kClean) {
     const int64_t row = static_cast<int64_t>(verdict.rows / (capacity + 1));
     const int64_t slot = static_cast<int64_t>(verdict.rows % (capacity + 1));
@@ -189,24 +186,24 @@ Status check_index_on_device(const BlockIndex& ix, int64_t batch, int64_t heads_
     if (slot == 0) {
       int32_t count = 0;
       SPARSA_RETURN_IF_ERROR(read_int(
-          ix.counts, b * ix.counts.strides[0] + h * ix.counts.strides[1] + qb * ix.counts.strides[2], &count));
+          ix.counts, b * ix.counts.strides[0] + h * ix.counts.strides[1] + qb * ix.counts.strides[2], &count, stream));
       return sparsa::detail::index_count_error(b, h, qb, count, capacity);
     }
     const int64_t s = slot - 1;
     const auto& is = ix.indices.strides;
     const int64_t at = b * is[0] + h * is[1] + qb * is[2];
     int32_t kb = 0;
-    SPARSA_RETURN_IF_ERROR(read_int(ix.indices, at + s * is[3], &kb));
+    SPARSA_RETURN_IF_ERROR(read_int(ix.indices, at + s * is[3], &kb, stream));
     if (kb < 0 || kb >= ix.num_kv_blocks) {
       return sparsa::detail::index_block_range_error(b, h, qb, s, kb, ix.num_kv_blocks);
     }
     int32_t prev = 0;
-    SPARSA_RETURN_IF_ERROR(read_int(ix.indices, at + (s - 1) * is[3], &prev));
+    SPARSA_RETURN_IF_ERROR(read_int(ix.indices, at + (s - 1) * is[3], &prev, stream));
     return sparsa::detail::index_block_order_error(b, h, qb, s, prev, kb);
   }
-  if (verdict.perm_q != kClean) return permutation_message("index.perm_q", ix.perm_q, heads_q, len_q, verdict.perm_q);
+  if (verdict.perm_q != kClean) return permutation_message("index.perm_q", ix.perm_q, heads_q, len_q, verdict.perm_q, stream);
   if (verdict.perm_kv != kClean) {
-    return permutation_message("index.perm_kv", ix.perm_kv, heads_kv, len_kv, verdict.perm_kv);
+    return permutation_message("index.perm_kv", ix.perm_kv, heads_kv, len_kv, verdict.perm_kv, stream);
   }
   return {};
 }

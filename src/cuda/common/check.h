@@ -11,8 +11,12 @@
 
 namespace sparsa::cuda::detail {
 
+// A failed call's error is also taken out of the runtime's last-error slot, so that it cannot
+// surface later in an unrelated check (CUB's launches read that slot; a leftover error from a
+// failed call once failed the next call's sort). Sticky errors (a faulted context) stay.
 inline Status cuda_status(cudaError_t err, const char* what, const char* file, int line) {
   if (err == cudaSuccess) return {};
+  cudaGetLastError();
   const StatusCode code = err == cudaErrorMemoryAllocation ? StatusCode::out_of_memory : StatusCode::internal;
   return {code, std::string("cuda: ") + what + " failed at " + file + ":" + std::to_string(line) + ": " +
                     cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")"};

@@ -1,6 +1,7 @@
 // The cuda backend of BA-Att's selector: steps 1-4 of Algorithm 1 on the device of q and k, into a
-// plan whose arrays are device memory (BlockIndexBuffer::device_*). Ordered on the default stream
-// (the key side's steps 1-3 run on a second stream forked from and joined back to it). The kernels
+// plan whose arrays are device memory (BlockIndexBuffer::device_*). Ordered on the caller's stream
+// (BaAttOptions::stream; the key side's steps 1-3 run on a second stream forked from and joined
+// back to it). The kernels
 // are listed in ba_att_kernels.cuh (one file per step); this file sizes the scratch, launches them
 // and turns the device-side error word into a Status (the one host synchronisation, at the end).
 #include <cuda_runtime.h>
@@ -19,6 +20,8 @@
 #include "core/backends.h"
 #include "core/validate.h"
 #include "cuda/common/check.h"
+#include "cuda/common/device_facts.h"
+#include "cuda/common/workspace.h"
 #include "cuda/select/ba_att_hooks.h"
 #include "cuda/select/ba_att_kernels.cuh"
 #include "methods/ba_att/ba_att_impl.h"
@@ -33,20 +36,25 @@ using detail::BaAttParams;
 constexpr int kMaxSharedSortSize = 8192;  // select rows up to this many key blocks sort in shared memory
 constexpr int64_t kInt32Max = 0x7fffffff;
 
-constexpr int kMaxDevices = 64;
+using sparsa::cuda::detail::allow_dynamic_smem;
+using sparsa::cuda::detail::ReadBackBuffer;
+using sparsa::cuda::detail::resident_ctas;
+using sparsa::cuda::detail::sm_count;
+using sparsa::cuda::detail::StreamBuffer;
 
-// Grow-only scratch per device. Every call is ordered on the default stream (its side stream is
-// joined back before it returns, also on errors), so the next call's kernels run after this
-// call's; the mutex keeps two host threads from sharing it at once. Nothing in a call's launch
-// sequence allocates, frees, synchronises or asks the device a question once the
-// workspace has grown to the shape (the plan's own arrays come from the stream-ordered pool): the
-// host stays ahead of the device queue, and the one synchronisation is the error word's read-back
-// at the end, into pinned memory (a pageable copy goes through a driver staging buffer).
+// Grow-only scratch per (device, stream) (common/workspace.h): the calls of one stream run in
+// order (the side stream is joined back before a call returns, also on errors), so the next
+// call's kernels run after this call's; the mutex keeps two host threads from sharing it at once.
+// Nothing in a call's launch sequence allocates, frees, synchronises or asks the device a
+// question once the workspace has grown to the shape (the plan's own arrays come from the
+// stream-ordered pool): the host stays ahead of the device queue, and the one synchronisation is
+// the error word's read-back at the end, into pinned memory.
+static_assert(sizeof(ErrorWord) <= sparsa::cuda::detail::kReadBackBytes);
+
 struct Workspace {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  ErrorWord* host_err = nullptr;  // pinned (else pageable_err), for the read-back
-  ErrorWord pageable_err{};
+  std::mutex mutex;
+  StreamBuffer memory;
+  ReadBackBuffer host_err;  // the error word's read-back
   // The device error word (the workspace's first bytes) is known to be all ~0: the last call read
   // it back clean, so this call need not reset it. False after a reallocation, an error found, or
   // a call that returned before its read-back.
@@ -59,7 +67,7 @@ struct Workspace {
   };
   std::vector<SortSize> sort_sizes;
   // The key side's stream (steps 1-3 of K beside those of Q) and the two events that fork it from
-  // and join it back to the default stream; created on first use.
+  // and join it back to the call's stream; created on first use.
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
@@ -71,66 +79,13 @@ thread_local bool g_last_wgmma_logits = false;
 // The concurrent key side switch (ba_att_hooks.h) and whether the last call on this thread used it.
 std::atomic<bool> g_concurrent_sides{true};
 thread_local bool g_last_concurrent = false;
-std::mutex g_mutex;
-Workspace g_workspace[kMaxDevices];
+sparsa::cuda::detail::PerStream<Workspace> g_workspaces;
 
-// Launch facts per (device, kernel, threads, shared memory): resident CTAs per SM, asked once; the
-// first time a kernel needs more than 48 KiB of dynamic shared memory on a device, its limit is
-// raised there (function attributes belong to the current device). The SM count once per device.
-struct Occupancy {
-  int device;
-  const void* kernel;
-  int threads;
-  size_t smem;
-  int per_sm;
-};
-std::mutex g_facts_mutex;
-std::vector<Occupancy> g_occupancy;
-std::vector<std::pair<int, const void*>> g_smem_raised;
-int g_sms[kMaxDevices] = {};
-
-Status sm_count_locked(int device, int* sms) {
-  if (g_sms[device] == 0) {
-    int n = 0;
-    SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    g_sms[device] = std::max(n, 1);
-  }
-  *sms = g_sms[device];
-  return {};
-}
-
-Status sm_count(int device, int* sms) {
-  std::lock_guard<std::mutex> lock(g_facts_mutex);
-  return sm_count_locked(device, sms);
-}
-
-// `device` is current (DeviceGuard). Host-side lookups only after the first call of a shape.
+// `device` is current (DeviceGuard). The SM count and the CTAs per SM (device_facts.h), which
+// also raises the kernel's shared-memory limit when smem needs it.
 Status launch_facts(int device, const void* kernel, int threads, size_t smem, int* sms, int* per_sm) {
-  std::lock_guard<std::mutex> lock(g_facts_mutex);
-  SPARSA_RETURN_IF_ERROR(sm_count_locked(device, sms));
-  for (const Occupancy& o : g_occupancy) {
-    if (o.device == device && o.kernel == kernel && o.threads == threads && o.smem == smem) {
-      *per_sm = o.per_sm;
-      return {};
-    }
-  }
-  if (smem > 48 * 1024 && std::find(g_smem_raised.begin(), g_smem_raised.end(), std::pair{device, kernel}) ==
-                              g_smem_raised.end()) {
-    int optin = 0;
-    SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    // All of the unified L1 as shared memory: these kernels read global memory through cp.async.cg
-    // (L2 only), and the carveout decides how many CTAs fit.
-    SPARSA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    g_smem_raised.emplace_back(device, kernel);
-  }
-  int n = 0;
-  SPARSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
-  *per_sm = std::max(n, 1);
-  if (g_occupancy.size() >= 256) g_occupancy.erase(g_occupancy.begin());  // many shapes: forget the oldest
-  g_occupancy.push_back({device, kernel, threads, smem, *per_sm});
-  return {};
+  SPARSA_RETURN_IF_ERROR(sm_count(device, sms));
+  return resident_ctas(kernel, device, threads, smem, per_sm);
 }
 
 // Carves aligned sub-buffers out of one allocation: a first pass with base = null measures.
@@ -382,11 +337,7 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
   } else {
     const auto kernel = block_features_kernel<T, kQuery>;
     const size_t smem = feature_smem_bytes(kind, d);
-    if (smem > 48 * 1024) {
-      int sms = 0, per_sm = 0;  // raises the kernel's shared-memory limit on this device, once
-      SPARSA_RETURN_IF_ERROR(
-          launch_facts(device, reinterpret_cast<const void*>(kernel), kFeatureThreads, smem, &sms, &per_sm));
-    }
+    SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
     const dim3 grid(static_cast<unsigned>(num_blocks), static_cast<unsigned>(bh));
     kernel<<<grid, kFeatureThreads, smem, stream>>>(input_of<T>(x), a);
   }
@@ -396,9 +347,10 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
 
 // Reads the error word back into the pinned `host` (the one synchronisation) and names the first
 // offending item; *clean says whether the device word is still all ~0.
-Status check_errors(const ErrorWord* device_err, ErrorWord* host, const BaAttParams& p, bool* clean) {
-  SPARSA_CUDA_CHECK(cudaMemcpyAsync(host, device_err, sizeof(ErrorWord), cudaMemcpyDeviceToHost, nullptr));
-  SPARSA_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+Status check_errors(const ErrorWord* device_err, ErrorWord* host, const BaAttParams& p, bool* clean,
+                    cudaStream_t stream) {
+  SPARSA_CUDA_CHECK(cudaMemcpyAsync(host, device_err, sizeof(ErrorWord), cudaMemcpyDeviceToHost, stream));
+  SPARSA_CUDA_CHECK(cudaStreamSynchronize(stream));
   const ErrorWord e = *host;
   constexpr unsigned long long kNone = ~0ull;
   *clean = e.first[kErrQNorm] == kNone && e.first[kErrKNorm] == kNone && e.first[kErrLogit] == kNone;
@@ -429,12 +381,13 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   const BaAttParams& p = r.params;
   const int device = p.q.device.id;
   const bool select = plan != nullptr;
+  const auto stream = static_cast<cudaStream_t>(r.stream);
   int sms = 0;
   SPARSA_RETURN_IF_ERROR(sm_count(device, &sms));
   Sizes s = size_run(r, sms);
 
-  std::lock_guard<std::mutex> lock(g_mutex);
-  Workspace& ws = g_workspace[device];
+  Workspace& ws = g_workspaces.at(device, stream);
+  std::lock_guard<std::mutex> lock(ws.mutex);
   // CUB's scratch size: a host-side computation (no launch), remembered per (items, bits).
   auto sort_temp = [&](int64_t items, int begin_bit, int end_bit, size_t* bytes) -> Status {
     for (const Workspace::SortSize& e : ws.sort_sizes) {
@@ -456,27 +409,14 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
 
   Carver measure;
   carve(measure, r, s, select, concurrent);
-  if (measure.used > ws.bytes) {
-    ws.err_clean = false;
-    if (ws.ptr != nullptr) SPARSA_CUDA_CHECK(cudaFree(ws.ptr));
-    ws.ptr = nullptr;
-    ws.bytes = 0;
-    SPARSA_CUDA_CHECK(cudaMalloc(&ws.ptr, measure.used));
-    ws.bytes = measure.used;
-  }
-  if (ws.host_err == nullptr) {
-    void* pinned = nullptr;
-    if (cudaMallocHost(&pinned, sizeof(ErrorWord)) == cudaSuccess) {
-      ws.host_err = static_cast<ErrorWord*>(pinned);
-    } else {  // no pinned memory to be had: a pageable word still works (a slower read-back)
-      cudaGetLastError();
-      ws.host_err = &ws.pageable_err;
-    }
-  }
-  Carver carver{static_cast<char*>(ws.ptr)};
+  bool grew = false;
+  SPARSA_RETURN_IF_ERROR(ws.memory.reserve(device, stream, measure.used, &grew));
+  if (grew) ws.err_clean = false;
+  SPARSA_RETURN_IF_ERROR(ws.host_err.reserve());
+  Carver carver{static_cast<char*>(ws.memory.data())};
   const Scratch w = carve(carver, r, s, select, concurrent);
   // The error word starts all ~0 (memset 0xff); after a clean read-back it still is.
-  if (!ws.err_clean) SPARSA_CUDA_CHECK(cudaMemsetAsync(w.err, 0xff, sizeof(ErrorWord), nullptr));
+  if (!ws.err_clean) SPARSA_CUDA_CHECK(cudaMemsetAsync(w.err, 0xff, sizeof(ErrorWord), stream));
   ws.err_clean = false;  // until this call's read-back finds it clean
 
   // Steps 1-3 per side: norms, the stable sort into the plan's permutation, block statistics as
@@ -484,41 +424,44 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   // beside Q's on the default stream: CUB's short, latency-bound passes and the kernels' ramps and
   // tails of one side overlap the other side's streaming kernels instead of leaving the GPU idle
   // between launches. (Serial when the switch in ba_att_hooks.h is off: K then reuses Q's sort
-  // buffers.) The plan's arrays are allocated on the default stream before the fork.
+  // buffers.) The plan's arrays are allocated on the call's stream before the fork.
   if (r.sort_q) {
-    auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.len_q}, p.q.device);
+    auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.len_q}, p.q.device, false, r.stream);
     if (!a.ok()) return a.status();
     *perm_q = std::move(a).value();
   }
   if (r.sort_k) {
-    auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_kv, p.len_kv}, p.q.device);
+    auto a = DeviceArray::allocate(DType::i32, {p.batch, p.heads_kv, p.len_kv}, p.q.device, false, r.stream);
     if (!a.ok()) return a.status();
     *perm_kv = std::move(a).value();
   }
-  cudaStream_t key_stream = nullptr;
+  cudaStream_t key_stream = stream;
   if (concurrent) {
     // Created on first use; each handle is kept only once created, so a failure part-way is
     // retried by the next call instead of leaving a null event behind a non-null stream.
     if (ws.side == nullptr) SPARSA_CUDA_CHECK(cudaStreamCreateWithFlags(&ws.side, cudaStreamNonBlocking));
     if (ws.fork == nullptr) SPARSA_CUDA_CHECK(cudaEventCreateWithFlags(&ws.fork, cudaEventDisableTiming));
     if (ws.join == nullptr) SPARSA_CUDA_CHECK(cudaEventCreateWithFlags(&ws.join, cudaEventDisableTiming));
-    SPARSA_CUDA_CHECK(cudaEventRecord(ws.fork, nullptr));
+    SPARSA_CUDA_CHECK(cudaEventRecord(ws.fork, stream));
     SPARSA_CUDA_CHECK(cudaStreamWaitEvent(ws.side, ws.fork, 0));
     key_stream = ws.side;
     g_last_concurrent = true;
   }
-  // Whatever happens below, the default stream (and so the next call) waits for the side stream.
+  // Whatever happens below, the call's stream (and so the next call) waits for the side stream.
   struct Join {
     Workspace* ws = nullptr;
+    cudaStream_t stream = nullptr;
     bool pending = false;
     cudaError_t done() {
       if (!pending) return cudaSuccess;
       pending = false;
       cudaError_t e = cudaEventRecord(ws->join, ws->side);
-      return e == cudaSuccess ? cudaStreamWaitEvent(nullptr, ws->join, 0) : e;
+      return e == cudaSuccess ? cudaStreamWaitEvent(stream, ws->join, 0) : e;
     }
-    ~Join() { done(); }
-  } join{&ws, concurrent};
+    ~Join() {
+      if (done() != cudaSuccess) cudaGetLastError();
+    }
+  } join{&ws, stream, concurrent};
 
   if (r.sort_k) {
     SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.k, s.tokens_k, s.window_k, s.windows_k, s.index_bits_k, s.end_bit_k,
@@ -532,11 +475,11 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   if (r.sort_q) {
     SPARSA_RETURN_IF_ERROR(sort_by_norm<T>(p.q, s.tokens_q, s.window_q, s.windows_q, s.index_bits_q, s.end_bit_q,
                                            kErrQNorm, w.err, w.sort_q, s.sort_temp_q, perm_q->ptr<int32_t>(),
-                                           device, nullptr));
+                                           device, stream));
   }
   const Status query_status = features<T, true>(p.q, p.block_q, p.num_q_blocks,
                                                 r.sort_q ? perm_q->ptr<int32_t>() : nullptr, p, s.kind, s.F,
-                                                w.query_features, device, nullptr);
+                                                w.query_features, device, stream);
   SPARSA_RETURN_IF_ERROR(query_status);
   SPARSA_CUDA_CHECK(join.done());  // the logits need both sides' features
 
@@ -544,13 +487,11 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   g_last_wgmma_logits = g_last_tc_logits && g_wgmma_logits.load(std::memory_order_relaxed);
   if (g_last_wgmma_logits) {
     const size_t smem = kWgLogitSmemBytes;
-    int sms = 0, per_sm = 0;  // raises the kernel's shared-memory limit on first use
-    SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(block_logits_wgmma_kernel),
-                                        kWgLogitThreads, smem, &sms, &per_sm));
+    SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(block_logits_wgmma_kernel), device, smem));
     const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kWgLogitTile - 1) / kWgLogitTile),
                     static_cast<unsigned>((p.num_q_blocks + kWgLogitTile - 1) / kWgLogitTile),
                     static_cast<unsigned>(p.batch * p.heads_q));
-    block_logits_wgmma_kernel<<<grid, kWgLogitThreads, smem>>>(
+    block_logits_wgmma_kernel<<<grid, kWgLogitThreads, smem, stream>>>(
         w.query_features, w.key_features, w.logits, static_cast<int>(p.num_q_blocks),
         static_cast<int>(p.num_kv_blocks), s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
         static_cast<int>(p.heads_kv), w.err);
@@ -558,7 +499,7 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kTcTile - 1) / kTcTile),
                     static_cast<unsigned>((p.num_q_blocks + kTcTile - 1) / kTcTile),
                     static_cast<unsigned>(p.batch * p.heads_q));
-    block_logits_tf32_kernel<<<grid, kTcThreads>>>(w.query_features, w.key_features, w.logits,
+    block_logits_tf32_kernel<<<grid, kTcThreads, 0, stream>>>(w.query_features, w.key_features, w.logits,
                                                    static_cast<int>(p.num_q_blocks), static_cast<int>(p.num_kv_blocks),
                                                    s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
                                                    static_cast<int>(p.heads_kv), w.err);
@@ -566,7 +507,7 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kBigTile - 1) / kBigTile),
                     static_cast<unsigned>((p.num_q_blocks + kBigTile - 1) / kBigTile),
                     static_cast<unsigned>(p.batch * p.heads_q));
-    block_logits_big_kernel<<<grid, kBigLogitThreads>>>(
+    block_logits_big_kernel<<<grid, kBigLogitThreads, 0, stream>>>(
         w.query_features, w.key_features, w.logits, static_cast<int>(p.num_q_blocks),
         static_cast<int>(p.num_kv_blocks), s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
         static_cast<int>(p.heads_kv), w.err);
@@ -574,7 +515,7 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     const dim3 grid(static_cast<unsigned>((p.num_kv_blocks + kTile - 1) / kTile),
                     static_cast<unsigned>((p.num_q_blocks + kTile - 1) / kTile),
                     static_cast<unsigned>(p.batch * p.heads_q));
-    block_logits_kernel<<<grid, kLogitThreads>>>(w.query_features, w.key_features, w.logits,
+    block_logits_kernel<<<grid, kLogitThreads, 0, stream>>>(w.query_features, w.key_features, w.logits,
                                                  static_cast<int>(p.num_q_blocks), static_cast<int>(p.num_kv_blocks),
                                                  s.F, static_cast<int>(p.heads_q), static_cast<int>(p.group()),
                                                  static_cast<int>(p.heads_kv), w.err);
@@ -586,9 +527,11 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     const int64_t nk = p.num_kv_blocks;
     const int64_t keep = fixed_block_count(r.budget, nk);
     const int64_t capacity = r.budget.kind == BudgetKind::mass ? nk : keep;
-    auto counts = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.num_q_blocks}, p.q.device);
+    auto counts = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.num_q_blocks}, p.q.device, false,
+                                        r.stream);
     if (!counts.ok()) return counts.status();
-    auto indices = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.num_q_blocks, capacity}, p.q.device);
+    auto indices = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.num_q_blocks, capacity}, p.q.device,
+                                         false, r.stream);
     if (!indices.ok()) return indices.status();
     SelectArgs a;
     a.logits = w.logits;
@@ -609,18 +552,16 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
                                           kWarpTopWarps * 32, smem, &sms, &per_sm));
       const int64_t grid = std::min<int64_t>((s.rows + kWarpTopWarps - 1) / kWarpTopWarps,
                                              static_cast<int64_t>(sms) * per_sm);
-      select_top_warp_kernel<<<static_cast<unsigned>(grid), kWarpTopWarps * 32, smem>>>(a);
+      select_top_warp_kernel<<<static_cast<unsigned>(grid), kWarpTopWarps * 32, smem, stream>>>(a);
     } else if (!a.mass && nk <= kMaxTopBlocks) {
-      const size_t smem = static_cast<size_t>(nk) * sizeof(uint32_t);
-      select_top_kernel<<<s.select_ctas, kTopThreads, smem>>>(a);
+      const size_t smem = static_cast<size_t>(nk) * sizeof(uint32_t);  // at most 32 KiB (kMaxTopBlocks)
+      select_top_kernel<<<s.select_ctas, kTopThreads, smem, stream>>>(a);
     } else if (s.global_select) {
-      select_kernel<true><<<s.select_ctas, kSelectThreads>>>(a);
+      select_kernel<true><<<s.select_ctas, kSelectThreads, 0, stream>>>(a);
     } else {
       const size_t smem = select_bytes_per_row(s.sort_size, a.nk);
-      int sms = 0, per_sm = 0;  // raises the kernel's shared-memory limit once per device
-      SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(select_kernel<false>),
-                                          kSelectThreads, smem, &sms, &per_sm));
-      select_kernel<false><<<s.select_ctas, kSelectThreads, smem>>>(a);
+      SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(select_kernel<false>), device, smem));
+      select_kernel<false><<<s.select_ctas, kSelectThreads, smem, stream>>>(a);
     }
     SPARSA_CUDA_CHECK_LAUNCH();
     plan->block_q = p.block_q;
@@ -632,9 +573,10 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   }
   if (host_logits != nullptr) {
     *host_logits = HostArray(DType::f32, {p.batch, p.heads_q, p.num_q_blocks, p.num_kv_blocks});
-    SPARSA_CUDA_CHECK(cudaMemcpy(host_logits->data(), w.logits, host_logits->nbytes(), cudaMemcpyDeviceToHost));
+    SPARSA_CUDA_CHECK(
+        cudaMemcpyAsync(host_logits->data(), w.logits, host_logits->nbytes(), cudaMemcpyDeviceToHost, stream));
   }
-  return check_errors(w.err, ws.host_err, p, &ws.err_clean);
+  return check_errors(w.err, static_cast<ErrorWord*>(ws.host_err.data()), p, &ws.err_clean, stream);
 }
 
 Status run(const Request& r, BlockIndexBuffer* plan, HostArray* host_logits, DeviceArray* perm_q,
@@ -642,9 +584,7 @@ Status run(const Request& r, BlockIndexBuffer* plan, HostArray* host_logits, Dev
   const BaAttParams& p = r.params;
   SPARSA_RETURN_IF_ERROR(check_request(r));
   const int device = p.q.device.id;
-  if (device < 0 || device >= kMaxDevices) {
-    return invalid_argument("q: device id " + std::to_string(device) + " out of range");
-  }
+  SPARSA_RETURN_IF_ERROR(sparsa::cuda::detail::check_device_id("q", device));
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
   SPARSA_RETURN_IF_ERROR(check_pointer("q", p.q.data, device));
@@ -696,9 +636,7 @@ Status token_norms(const Tensor& x, HostArray* norms) {
                             std::to_string(x.shape[0] * x.shape[1] * x.shape[2]));
   }
   const int device = x.device.id;
-  if (device < 0 || device >= kMaxDevices) {
-    return invalid_argument("x: device id " + std::to_string(device) + " out of range");
-  }
+  SPARSA_RETURN_IF_ERROR(sparsa::cuda::detail::check_device_id("x", device));
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
   SPARSA_RETURN_IF_ERROR(check_pointer("x", x.data, device));

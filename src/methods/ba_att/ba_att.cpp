@@ -140,6 +140,7 @@ ba_att_cuda::Request cuda_request(const Tensor& q, const Tensor& k, const BaAttO
   r.sort_k = options.sort_k;
   r.sort_window = options.sort_window;
   r.budget = options.budget;
+  r.stream = options.stream;
   return r;
 }
 
@@ -231,6 +232,7 @@ AttentionOptions executor_options(const BaAttOptions& options) {
   attention.num_threads = options.num_threads;
   attention.check_finite = options.check_finite;
   attention.check_index = false;  // the plan was just made by ba_att_plan, on this backend
+  attention.stream = options.stream;
   return attention;
 }
 }  // namespace
@@ -247,9 +249,9 @@ Result<AttentionOutput> ba_att(const Tensor& q, const Tensor& k, const Tensor& v
   if (!plan.ok()) return plan.status();
   if (options.backend != Backend::cuda) return block_sparse(q, k, v, plan->view(), executor_options(options));
   // cuda: outputs in device memory of q's device, then copied to the host arrays returned.
-  auto out = DeviceArray::allocate(q.dtype, q.shape_vector(), q.device);
+  auto out = DeviceArray::allocate(q.dtype, q.shape_vector(), q.device, false, options.stream);
   if (!out.ok()) return out.status();
-  auto lse = DeviceArray::allocate(DType::f32, {q.shape[0], q.shape[1], q.shape[2]}, q.device);
+  auto lse = DeviceArray::allocate(DType::f32, {q.shape[0], q.shape[1], q.shape[2]}, q.device, false, options.stream);
   if (!lse.ok()) return lse.status();
   SPARSA_RETURN_IF_ERROR(block_sparse(q, k, v, plan->view(), out->view(), lse->view(), executor_options(options)));
   AttentionOutput result;

@@ -55,6 +55,7 @@ struct Request {
   bool sort_q = true, sort_k = true;
   int64_t sort_window = 0;
   Budget budget;
+  void* stream = nullptr;  // cudaStream_t (null: the legacy default stream)
 };
 // Steps 1-4 on the device: a plan whose arrays live in device memory (BlockIndexBuffer::device_*).
 Status plan(const Request& request, BlockIndexBuffer* plan);

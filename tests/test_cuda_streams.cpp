@@ -227,8 +227,10 @@ void run_on_a_stream(Op op) {
   std::memcpy(up.ptr, q.host.data(), n * 2);
   std::memcpy(up_k, k.host.data(), n_kv * 2);
   std::memcpy(up_v, v.host.data(), n_kv * 2);
-  ASSERT_EQ(cudaLaunchHostFunc(other.s, hold_stream, reinterpret_cast<void*>(intptr_t{2000})), cudaSuccess);
+  // Host functions of every stream run one after the other on the driver's one callback thread:
+  // the work stream's hold is queued first, or it would wait behind the other's.
   ASSERT_EQ(cudaLaunchHostFunc(work.s, hold_stream, reinterpret_cast<void*>(intptr_t{100})), cudaSuccess);
+  ASSERT_EQ(cudaLaunchHostFunc(other.s, hold_stream, reinterpret_cast<void*>(intptr_t{2000})), cudaSuccess);
   ASSERT_EQ(cudaMemcpyAsync(zq->data(), up.ptr, n * 2, cudaMemcpyHostToDevice, work.s), cudaSuccess);
   ASSERT_EQ(cudaMemcpyAsync(zk->data(), up_k, n_kv * 2, cudaMemcpyHostToDevice, work.s), cudaSuccess);
   ASSERT_EQ(cudaMemcpyAsync(zv->data(), up_v, n_kv * 2, cudaMemcpyHostToDevice, work.s), cudaSuccess);

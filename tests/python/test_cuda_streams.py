@@ -36,8 +36,12 @@ def _run(op, q, k, v, **kw):
 def test_a_call_runs_on_torchs_current_stream(op, len_q):
     q, k, v = _inputs(len_q)
     expected, expected_lse = _run(op, q, k, v)
-    torch.cuda.synchronize()
     side, busy = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(side):  # torch's allocator takes its blocks for this stream now, not below
+        zq, zk, zv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        _run(op, zq, zk, zv)
+        del zq, zk, zv
+    torch.cuda.synchronize()
     with torch.cuda.stream(busy):
         torch.cuda._sleep(10 * HOLD_CYCLES)  # another stream, busy for longer than the call
     with torch.cuda.stream(side):

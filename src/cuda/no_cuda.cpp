@@ -25,3 +25,14 @@ Status plan(const Request&, BlockIndexBuffer*) { return not_compiled(); }
 Status scores(const Request&, BaAttScores*) { return not_compiled(); }
 Status token_norms(const Tensor&, HostArray*) { return not_compiled(); }
 }  // namespace sparsa::ba_att_cuda
+
+#include "methods/losa/device_impl.h"
+
+namespace sparsa::losa_cuda {
+static Status not_compiled() { return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"}; }
+Status append(const Pool&, int64_t, int64_t, const Tensor&, const Tensor&, void*) { return not_compiled(); }
+Status choose_rows(const StepArgs&) { return not_compiled(); }
+Status sparse_prefix(const StepArgs&) { return not_compiled(); }
+Status clear_plan(const StepArgs&) { return not_compiled(); }
+Status block_merge(const StepArgs&, bool) { return not_compiled(); }
+}  // namespace sparsa::losa_cuda

@@ -1,0 +1,159 @@
+// sparsa/device_losa.h — block-diffusion decoding on a CUDA device: the device paged KV cache
+// and LoSA / QUEST / dense prefix attention over it, for a batch of sequences, with no host
+// synchronisation inside a step (the semantics of sparsa/losa.h and sparsa/quest.h; the CPU
+// classes there are the specification these are tested against).
+//
+// DevicePagedKVCache: one pool of pages (page_size tokens each; K and V in bf16 or f16 as
+// [heads_kv, pool_pages * page_size, head_dim], per page and kv head the element-wise key
+// minimum and maximum as [heads_kv, pool_pages, head_dim] in the same dtype, exact since they are
+// keys). Each sequence owns a run of consecutive pages of the pool, reserved when it is added
+// (first fit), so its prefix is one strided [1, heads_kv, length, head_dim] view that the dense
+// executors read in place. append() writes tokens and recomputes, on the device, the min/max of
+// every page it touches.
+//
+// DevicePrefixAttention: the per-layer state of LoSA (O_p, L_p, Q_ref per batch entry; see
+// sparsa/losa.h) on the device. One step is a fixed sequence of kernel launches on the given
+// stream: the active rows (query MSE against Q_ref, top-K or a threshold, chosen on the device),
+// QUEST page scores and the top budget/page_size pages per (query head, active row), attention
+// of the active rows over their own pages (or, on a first step and for method dense, dense
+// prefix attention through the split-KV executor), then intra-block attention of every row over
+// the block's own keys merged with (O_p, L_p) by log-sum-exp. Stable rows' O_p, L_p and Q_ref are
+// not touched. No step allocates once the state has seen the largest prefix (the page scores'
+// scratch grows with it), so a step can be captured in a CUDA graph and replayed while the prefix
+// does not change (between commits).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "sparsa/losa.h"
+#include "sparsa/status.h"
+#include "sparsa/tensor.h"
+
+namespace sparsa {
+
+struct DeviceKVCacheConfig {
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;      // 64 or 128
+  int page_size = 16;        // 1 to 64
+  DType dtype = DType::bf16; // bf16 or f16
+  int64_t pool_pages = 0;    // pages in the pool, shared by every sequence
+  int device = 0;            // the cuda device
+};
+
+class DevicePagedKVCache {
+ public:
+  DevicePagedKVCache() = default;
+  // Validates the config and allocates the pool ("pool_pages: expected >= 1, got 0").
+  static Result<DevicePagedKVCache> create(const DeviceKVCacheConfig& config);
+
+  // A new empty sequence owning ceil(max_tokens / page_size) consecutive pages; a clear error
+  // when the pool has no free run that long.
+  Result<int> add_sequence(int64_t max_tokens);
+  // Frees the sequence's pages; its id is not reused.
+  Status remove_sequence(int seq);
+  // Length 0; the sequence keeps its pages.
+  Status reset(int seq);
+  // Appends n tokens: k and v [1, heads_kv, n, head_dim] in the cache's dtype on its device (any
+  // strides with a contiguous last dimension), ordered on `stream` (a cudaStream_t; null is the
+  // legacy default stream); more tokens than the sequence's pages hold is an error before any
+  // write.
+  Status append(int seq, const Tensor& k, const Tensor& v, void* stream = nullptr);
+
+  const DeviceKVCacheConfig& config() const { return config_; }
+  Result<int64_t> length(int seq) const;
+  Result<int64_t> capacity(int seq) const;  // tokens its pages hold
+  int64_t free_pages() const;
+  // [1, heads_kv, length, head_dim] views into the pool (undefined while empty).
+  Result<Tensor> keys(int seq) const;
+  Result<Tensor> values(int seq) const;
+  // [1, heads_kv, num_pages, head_dim]: the pages' key minimum / maximum.
+  Result<Tensor> page_min(int seq) const;
+  Result<Tensor> page_max(int seq) const;
+
+  // The pool: K, V [heads_kv, pool_pages * page_size, head_dim]; min, max [heads_kv, pool_pages,
+  // head_dim].
+  const DeviceArray& pool_keys() const { return k_; }
+  const DeviceArray& pool_values() const { return v_; }
+  const DeviceArray& pool_min() const { return min_; }
+  const DeviceArray& pool_max() const { return max_; }
+
+  // For the step: the sequence's first pool page and its length (no checks beyond the id).
+  struct SequenceView {
+    int64_t first_page = 0, pages = 0, length = 0;
+  };
+  Result<SequenceView> sequence(int seq) const;
+
+ private:
+  struct Sequence {
+    int64_t first_page = 0, pages = 0, length = 0;
+    bool live = false;
+  };
+  Result<Sequence*> find(int seq);
+  Result<const Sequence*> find(int seq) const;
+  Result<Tensor> view(int seq, const DeviceArray& pool, int64_t rows_per_head, bool per_page) const;
+
+  DeviceKVCacheConfig config_{};
+  DeviceArray k_, v_, min_, max_;
+  std::vector<Sequence> sequences_;
+};
+
+struct DeviceLosaConfig {
+  int64_t batch = 1;       // sequences stepped together, 1 to 64
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;    // 64 or 128
+  int64_t block_size = 16; // Bb, 1 to 64
+};
+
+class DevicePrefixAttention {
+ public:
+  DevicePrefixAttention() = default;
+  // options: method dense, quest or losa; selector quest, group per_head, attend_union false;
+  // options.attention.backend cuda (the others are the CPU's). The state lives on `device`.
+  static Result<DevicePrefixAttention> create(const DeviceLosaConfig& config, const LosaOptions& options,
+                                              int device = 0, DType dtype = DType::bf16);
+
+  // One denoising step of the current block for every batch entry i, whose prefix is sequence
+  // seqs[i] of `cache`. q [batch, heads_q, Bb, d]; k_block, v_block [batch, heads_kv, Bb, d] (the
+  // blocks' own keys and values this step); out [batch, heads_q, Bb, d] (q's dtype) and lse f32
+  // [batch, heads_q, Bb]: prefix + block. All on the state's device, in its dtype (lse f32).
+  Status step(const DevicePagedKVCache& cache, const std::vector<int>& seqs, const Tensor& q, const Tensor& k_block,
+              const Tensor& v_block, const Tensor& out, const Tensor& lse, void* stream = nullptr);
+  // Appends every entry's finished block (k_block, v_block [batch, heads_kv, Bb, d]) to its
+  // sequence and makes the next step a first step.
+  Status commit(DevicePagedKVCache& cache, const std::vector<int>& seqs, const Tensor& k_block, const Tensor& v_block,
+                void* stream = nullptr);
+  void begin_block() { steps_in_block_ = 0; }
+
+  const DeviceLosaConfig& config() const { return config_; }
+  const LosaOptions& options() const { return options_; }
+  int64_t steps_in_block() const { return steps_in_block_; }
+  // The device state (after a block's first step): O_p [batch, heads_q, Bb, d] (q's dtype), L_p
+  // f32 [batch, heads_q, Bb], Q_ref like O_p; the last step's active rows i32 [batch, Bb]
+  // (ascending, the first active_counts[b] valid) and counts i32 [batch]; its page plan i32
+  // [batch, heads_q, Bb, capacity] over the active slots (the slot's row is active_rows[b][slot])
+  // with counts i32 [batch, heads_q, Bb] (0 for unused slots and on dense steps).
+  const DeviceArray& o_p() const { return o_p_; }
+  const DeviceArray& l_p() const { return l_p_; }
+  const DeviceArray& q_ref() const { return q_ref_; }
+  const DeviceArray& active_rows() const { return active_; }
+  const DeviceArray& active_counts() const { return active_counts_; }
+  const DeviceArray& plan_pages() const { return plan_pages_; }
+  const DeviceArray& plan_counts() const { return plan_counts_; }
+  int64_t plan_capacity() const { return capacity_; }
+
+ private:
+  DeviceLosaConfig config_{};
+  LosaOptions options_{};
+  int device_ = 0;
+  DType dtype_ = DType::bf16;
+  int64_t steps_in_block_ = 0;
+  int64_t capacity_ = 0;  // budget / page_size
+  DeviceArray o_p_, l_p_, q_ref_, active_, active_counts_, plan_pages_, plan_counts_;
+  DeviceArray scores_;  // f32 [batch, heads_q, Bb, pages], grown with the prefix
+  int64_t score_pages_ = 0;
+};
+
+}  // namespace sparsa

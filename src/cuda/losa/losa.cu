@@ -1,0 +1,176 @@
+// The cuda backend of block-diffusion decoding (methods/losa/device_impl.h): sizes and launches
+// the kernels of losa_kernels.cuh on the caller's stream. Nothing here allocates, synchronises or
+// reads device memory back: a step is a fixed sequence of launches (CUDA-graph capturable).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "cuda/common/check.h"
+#include "cuda/common/device_facts.h"
+#include "cuda/losa/losa_kernels.cuh"
+#include "methods/losa/device_impl.h"
+
+namespace sparsa::losa_cuda {
+
+namespace {
+
+using cuda::detail::DeviceGuard;
+using namespace sparsa::cuda::losa;
+
+static_assert(cuda::losa::kMaxBatch == kMaxBatch, "one batch limit");
+
+template <class T>
+Rows4<const T> rows_of(const Tensor& t) {
+  return {static_cast<const T*>(t.data), t.strides[0], t.strides[1], t.strides[2]};
+}
+template <class T>
+Rows4<T> mutable_rows_of(const Tensor& t) {
+  return {static_cast<T*>(t.data), t.strides[0], t.strides[1], t.strides[2]};
+}
+
+PoolView pool_view(const StepArgs& a) {
+  PoolView p{};
+  p.k = a.pool.k;
+  p.v = a.pool.v;
+  p.min = a.pool.min;
+  p.max = a.pool.max;
+  p.pool_tokens = a.pool.pool_tokens();
+  p.pool_pages = a.pool.pool_pages;
+  p.page_size = a.pool.page_size;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    p.first_page[b] = a.seqs[b].first_page;
+    p.length[b] = a.seqs[b].length;
+  }
+  return p;
+}
+
+int group_of(const StepArgs& a) { return static_cast<int>(a.heads_q / a.pool.heads_kv); }
+
+// One dispatch place for (dtype, head_dim): calls f.template operator()<T, D>().
+template <class F>
+Status dispatch(DType dtype, int64_t head_dim, F&& f) {
+  const bool bf16 = dtype == DType::bf16;
+  if (head_dim == 64) return bf16 ? f.template operator()<__nv_bfloat16, 64>() : f.template operator()<__half, 64>();
+  return bf16 ? f.template operator()<__nv_bfloat16, 128>() : f.template operator()<__half, 128>();
+}
+
+unsigned elementwise_grid(int64_t total) {
+  return static_cast<unsigned>(std::clamp<int64_t>((total + 255) / 256, 1, 4096));
+}
+
+}  // namespace
+
+Status append(const Pool& pool, int64_t first_page, int64_t old_length, const Tensor& k, const Tensor& v,
+              void* stream) {
+  const int64_t n = k.shape[2];
+  if (n == 0) return {};
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(pool.device));
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int d = static_cast<int>(pool.head_dim);
+  const int64_t token0 = first_page * pool.page_size + old_length, length = old_length + n;
+  const int64_t page0 = old_length / pool.page_size, page_end = (length + pool.page_size - 1) / pool.page_size;
+  return dispatch(pool.dtype, pool.head_dim, [&]<class T, int D>() -> Status {
+    append_rows_kernel<T><<<elementwise_grid(pool.heads_kv * n * d), 256, 0, s>>>(
+        rows_of<T>(k), rows_of<T>(v), static_cast<T*>(pool.k), static_cast<T*>(pool.v), pool.pool_tokens(), token0, n,
+        pool.heads_kv, d);
+    SPARSA_CUDA_CHECK_LAUNCH();
+    const dim3 grid(static_cast<unsigned>(page_end - page0), static_cast<unsigned>(pool.heads_kv));
+    page_minmax_kernel<T><<<grid, D, 0, s>>>(static_cast<const T*>(pool.k), static_cast<T*>(pool.min),
+                                             static_cast<T*>(pool.max), pool.pool_tokens(), pool.pool_pages,
+                                             first_page, page0, length, pool.page_size, d);
+    SPARSA_CUDA_CHECK_LAUNCH();
+    return {};
+  });
+}
+
+Status choose_rows(const StepArgs& a) {
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
+  const auto s = static_cast<cudaStream_t>(a.stream);
+  return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
+    active_rows_kernel<T><<<static_cast<unsigned>(a.batch), 256, 0, s>>>(
+        rows_of<T>(a.q), static_cast<const T*>(a.q_ref), static_cast<int>(a.heads_q), static_cast<int>(a.block), D,
+        a.all_rows, a.active_k, a.use_threshold, a.threshold, a.active, a.active_counts);
+    SPARSA_CUDA_CHECK_LAUNCH();
+    return {};
+  });
+}
+
+// Dynamic shared memory of the score kernel: q+ and q- of every query of a group's active rows.
+size_t score_smem_bytes(const StepArgs& a) {
+  return static_cast<size_t>(group_of(a)) * a.block * 2 * a.pool.head_dim * sizeof(float);
+}
+
+Status sparse_prefix(const StepArgs& a) {
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
+  const int device = a.pool.device;
+  const auto s = static_cast<cudaStream_t>(a.stream);
+  const PoolView pool = pool_view(a);
+  int64_t max_pages = 0;
+  for (int64_t b = 0; b < a.batch; ++b) max_pages = std::max(max_pages, (a.seqs[b].length + a.pool.page_size - 1) / a.pool.page_size);
+  const int group = group_of(a), heads_q = static_cast<int>(a.heads_q), block = static_cast<int>(a.block);
+  const int batch = static_cast<int>(a.batch), capacity = static_cast<int>(a.capacity);
+  return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
+    if (max_pages > 0) {
+      const size_t smem = score_smem_bytes(a);
+      constexpr auto scores = quest_scores_kernel<T, D>;
+      SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(scores), device, smem));
+      const dim3 grid(static_cast<unsigned>((max_pages + kScoreThreads - 1) / kScoreThreads),
+                      static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.batch));
+      scores<<<grid, kScoreThreads, smem, s>>>(pool, rows_of<T>(a.q), a.active, a.active_counts, heads_q, group,
+                                               block, a.scores, a.score_pages);
+      SPARSA_CUDA_CHECK_LAUNCH();
+    }
+    // Selection: as many warps per CTA as fit their keys in shared memory (at most 4).
+    const size_t per_warp = (cuda::ba_att::kRadixBins + (max_pages + 3) / 4 * 4) * sizeof(uint32_t);
+    const int warps = static_cast<int>(std::clamp<size_t>((200 * 1024) / per_warp, 1, 4));
+    const size_t smem = per_warp * warps;
+    SPARSA_RETURN_IF_ERROR(
+        cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(quest_select_kernel), device, smem));
+    const int64_t rows = a.batch * a.heads_q * a.block;
+    int sms = 0;
+    SPARSA_RETURN_IF_ERROR(cuda::detail::sm_count(device, &sms));
+    const unsigned ctas = static_cast<unsigned>(std::min<int64_t>((rows + warps - 1) / warps, int64_t{sms} * 8));
+    quest_select_kernel<<<ctas, warps * 32, smem, s>>>(pool, a.active_counts, a.scores, batch, heads_q, block,
+                                                        a.score_pages, capacity, a.force_first, a.force_last,
+                                                        static_cast<int>(max_pages), a.plan_pages, a.plan_counts);
+    SPARSA_CUDA_CHECK_LAUNCH();
+    const dim3 grid(static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.block),
+                    static_cast<unsigned>(a.batch));
+    const int threads = std::min(group, 8) * 32;
+    paged_attention_kernel<T, D><<<grid, threads, 0, s>>>(
+        pool, rows_of<T>(a.q), a.active, a.active_counts, a.plan_pages, a.plan_counts, capacity, heads_q, group, block,
+        a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));
+    SPARSA_CUDA_CHECK_LAUNCH();
+    return {};
+  });
+}
+
+Status clear_plan(const StepArgs& a) {
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
+  SPARSA_CUDA_CHECK(cudaMemsetAsync(a.plan_counts, 0, static_cast<size_t>(a.batch * a.heads_q * a.block) * sizeof(int32_t),
+                                    static_cast<cudaStream_t>(a.stream)));
+  return {};
+}
+
+Status block_merge(const StepArgs& a, bool qref_all) {
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
+  const auto s = static_cast<cudaStream_t>(a.stream);
+  const PoolView pool = pool_view(a);
+  return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
+    const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.batch));
+    block_merge_kernel<T, D><<<grid, 128, 0, s>>>(
+        pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
+        mutable_rows_of<float>(a.lse), static_cast<const T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref),
+        static_cast<int>(a.heads_q), group_of(a), static_cast<int>(a.block), a.scale * kLog2e, qref_all);
+    SPARSA_CUDA_CHECK_LAUNCH();
+    return {};
+  });
+}
+
+}  // namespace sparsa::losa_cuda

@@ -1,0 +1,572 @@
+// Block-diffusion decoding on the device (sparsa/device_losa.h) against the CPU specification
+// (sparsa/losa.h, sparsa/quest.h, cpu_ref backend): the paged cache's contents and page min/max,
+// the active rows, QUEST's page plans (the same pages, ties aside) and the step outputs (within
+// the bf16 bound) for dense, quest and losa; a batch of sequences of different lengths; a step
+// captured in a CUDA graph and replayed equals the eager steps; every bad input is a clear error.
+// Tests that need a device skip without one; the config checks run everywhere.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sparsa/device_losa.h"
+#include "sparsa/kv_cache.h"
+#include "sparsa/losa.h"
+#include "sparsa/quest.h"
+#include "test_util.h"
+
+#if defined(SPARSA_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+using namespace sparsa;
+
+namespace {
+
+bool have_device() { return backend_available(Backend::cuda); }
+
+// ---- config checks (no device needed) ---------------------------------------------------------
+
+TEST(LosaCudaConfig, BadCacheConfigsNameTheField) {
+  struct Bad {
+    DeviceKVCacheConfig c;
+    const char* field;
+  };
+  auto good = [] {
+    DeviceKVCacheConfig c;
+    c.heads_kv = 2;
+    c.head_dim = 64;
+    c.pool_pages = 8;
+    return c;
+  };
+  std::vector<Bad> bad;
+  for (int i = 0; i < 6; ++i) bad.push_back({good(), ""});
+  bad[0].c.heads_kv = 0, bad[0].field = "heads_kv:";
+  bad[1].c.head_dim = 96, bad[1].field = "head_dim:";
+  bad[2].c.page_size = 0, bad[2].field = "page_size:";
+  bad[3].c.page_size = 65, bad[3].field = "page_size:";
+  bad[4].c.dtype = DType::f32, bad[4].field = "dtype:";
+  bad[5].c.pool_pages = 0, bad[5].field = "pool_pages:";
+  for (const Bad& b : bad) {
+    auto cache = DevicePagedKVCache::create(b.c);
+    ASSERT_FALSE(cache.ok()) << b.field;
+    EXPECT_EQ(cache.status().message().rfind(b.field, 0), 0u) << cache.status().to_string();
+  }
+}
+
+TEST(LosaCudaConfig, BadStateConfigsNameTheField) {
+  auto good = [] {
+    DeviceLosaConfig c;
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    c.head_dim = 64;
+    return c;
+  };
+  LosaOptions o;
+  o.attention.backend = Backend::cuda;
+  struct Bad {
+    DeviceLosaConfig c;
+    LosaOptions o;
+    const char* field;
+  };
+  std::vector<Bad> bad(9, Bad{good(), o, ""});
+  bad[0].c.batch = 0, bad[0].field = "batch:";
+  bad[1].c.batch = 65, bad[1].field = "batch:";
+  bad[2].c.heads_q = 7, bad[2].field = "heads_q:";
+  bad[3].c.block_size = 65, bad[3].field = "block_size:";
+  bad[4].o.method = PrefixMethod::reuse, bad[4].field = "method:";
+  bad[5].o.select.selector = PageSelector::pooled, bad[5].field = "selector:";
+  bad[6].o.attention.backend = Backend::cpu, bad[6].field = "backend:";
+  bad[7].o.active_k = 17, bad[7].field = "active_k:";
+  bad[8].o.mse_threshold = -1.0, bad[8].field = "mse_threshold:";
+  for (const Bad& b : bad) {
+    auto state = DevicePrefixAttention::create(b.c, b.o);
+    ASSERT_FALSE(state.ok()) << b.field;
+    EXPECT_EQ(state.status().message().rfind(b.field, 0), 0u) << state.status().to_string();
+  }
+  auto dtype = DevicePrefixAttention::create(good(), o, 0, DType::f32);
+  ASSERT_FALSE(dtype.ok());
+  EXPECT_EQ(dtype.status().message().rfind("dtype:", 0), 0u) << dtype.status().to_string();
+}
+
+#if defined(SPARSA_WITH_CUDA)
+
+// ---- host <-> device helpers -------------------------------------------------------------------
+
+// bf16-rounded N(0, sigma^2) values as f32 (what both paths compute on).
+HostArray bf16_values(std::vector<int64_t> shape, uint32_t seed, float sigma = 1.0f) {
+  HostArray a = sparsa_test::randn(std::move(shape), seed, sigma);
+  for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = bf16_to_float(float_to_bf16(a.ptr<float>()[i]));
+  return a;
+}
+
+DeviceArray to_device(const HostArray& f32) {
+  HostArray b(DType::bf16, f32.shape());
+  for (int64_t i = 0; i < f32.numel(); ++i) b.ptr<uint16_t>()[i] = float_to_bf16(f32.ptr<float>()[i]);
+  auto d = DeviceArray::allocate(DType::bf16, f32.shape(), {DeviceType::cuda, 0});
+  EXPECT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(cudaMemcpy(d->data(), b.data(), b.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  return std::move(d).value();
+}
+
+// A device tensor (any strides) as f32 on the host.
+std::vector<float> to_host_f32(const Tensor& t) {
+  std::vector<float> out(t.numel());
+  if (out.empty()) return out;
+  // Copy the whole strided extent, then gather.
+  int64_t extent = 1;
+  for (int d = 0; d < t.ndim; ++d) extent += (t.shape[d] - 1) * t.strides[d];
+  std::vector<std::byte> raw(extent * dtype_size(t.dtype));
+  EXPECT_EQ(cudaMemcpy(raw.data(), t.data, raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  const Tensor host = [&] {
+    Tensor h = t;
+    h.data = raw.data();
+    h.device = Device{};
+    return h;
+  }();
+  for (int64_t i = 0; i < host.numel(); ++i) out[i] = static_cast<float>(load_as_double(host, i));
+  return out;
+}
+
+Tensor row_block(const HostArray& a, int64_t b) {  // entry b of [B, ...] as [1, ...]
+  Tensor t = a.view();
+  t.data = static_cast<std::byte*>(const_cast<void*>(a.data())) + b * t.strides[0] * 4;
+  t.shape[0] = 1;
+  return t;
+}
+
+// Rows [begin, begin + n) of [1, H, L, D] as a view.
+Tensor tokens(const HostArray& a, int64_t begin, int64_t n) {
+  Tensor t = a.view();
+  t.data = static_cast<std::byte*>(const_cast<void*>(a.data())) + begin * t.strides[2] * 4;
+  t.shape[2] = n;
+  return t;
+}
+Tensor device_tokens(const DeviceArray& a, int64_t begin, int64_t n) {
+  Tensor t = a.view();
+  t.data = static_cast<std::byte*>(a.data()) + begin * t.strides[2] * 2;
+  t.shape[2] = n;
+  return t;
+}
+
+// ---- the cache ---------------------------------------------------------------------------------
+
+TEST(LosaCudaCache, AppendsAndPageMinMaxMatchTheHost) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  DeviceKVCacheConfig c;
+  c.heads_kv = 3;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.pool_pages = 40;
+  auto cache = DevicePagedKVCache::create(c);
+  ASSERT_TRUE(cache.ok()) << cache.status().to_string();
+  auto s0 = cache->add_sequence(300), s1 = cache->add_sequence(100);
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  const HostArray k = bf16_values({1, 3, 300, 64}, 1), v = bf16_values({1, 3, 300, 64}, 2);
+  const DeviceArray dk = to_device(k), dv = to_device(v);
+  int64_t at = 0;
+  for (int64_t n : {5, 16, 23, 1, 200}) {  // partial pages extended, whole pages, a long run
+    ASSERT_TRUE(cache->append(*s0, device_tokens(dk, at, n), device_tokens(dv, at, n)).ok());
+    at += n;
+  }
+  ASSERT_TRUE(cache->append(*s1, device_tokens(dk, 0, 40), device_tokens(dv, 0, 40)).ok());
+  EXPECT_EQ(cache->length(*s0).value(), 245);
+  EXPECT_EQ(cache->length(*s1).value(), 40);
+  const std::vector<float> keys = to_host_f32(cache->keys(*s0).value()), values = to_host_f32(cache->values(*s0).value());
+  auto host = PagedKVCache::create({3, 64, 16});
+  ASSERT_TRUE(host.ok());
+  ASSERT_TRUE(host->append(tokens(k, 0, 245), tokens(v, 0, 245)).ok());
+  for (int64_t h = 0; h < 3; ++h)
+    for (int64_t t = 0; t < 245; ++t)
+      for (int64_t e = 0; e < 64; ++e) {
+        ASSERT_EQ(keys[(h * 245 + t) * 64 + e], host->key(h, t)[e]);
+        ASSERT_EQ(values[(h * 245 + t) * 64 + e], host->value(h, t)[e]);
+      }
+  const std::vector<float> mn = to_host_f32(cache->page_min(*s0).value()), mx = to_host_f32(cache->page_max(*s0).value());
+  ASSERT_EQ(static_cast<int64_t>(mn.size()), 3 * host->num_pages() * 64);
+  for (int64_t h = 0; h < 3; ++h)
+    for (int64_t p = 0; p < host->num_pages(); ++p)
+      for (int64_t e = 0; e < 64; ++e) {
+        ASSERT_EQ(mn[(h * host->num_pages() + p) * 64 + e], host->page_min(h, p)[e]) << "page " << p;
+        ASSERT_EQ(mx[(h * host->num_pages() + p) * 64 + e], host->page_max(h, p)[e]) << "page " << p;
+      }
+  // The second sequence's pages are its own.
+  const std::vector<float> keys1 = to_host_f32(cache->keys(*s1).value());
+  for (int64_t e = 0; e < 64; ++e) ASSERT_EQ(keys1[e], host->key(0, 0)[e]);
+}
+
+TEST(LosaCudaCache, CapacityAndArgumentErrorsAreClear) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  DeviceKVCacheConfig c;
+  c.heads_kv = 2;
+  c.head_dim = 64;
+  c.pool_pages = 10;
+  auto cache = DevicePagedKVCache::create(c);
+  ASSERT_TRUE(cache.ok());
+  auto s0 = cache->add_sequence(100);  // 7 pages
+  ASSERT_TRUE(s0.ok());
+  auto big = cache->add_sequence(100);  // 7 more: only 3 free
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), StatusCode::out_of_memory);
+  EXPECT_NE(big.status().message().find("no free run"), std::string::npos) << big.status().to_string();
+  const DeviceArray k = to_device(bf16_values({1, 2, 120, 64}, 3));
+  auto over = cache->append(*s0, k.view(), k.view());
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.code(), StatusCode::out_of_memory);
+  EXPECT_EQ(cache->length(*s0).value(), 0) << "a refused append wrote nothing";
+  const DeviceArray wrong_heads = to_device(bf16_values({1, 3, 4, 64}, 4));
+  auto shape = cache->append(*s0, wrong_heads.view(), wrong_heads.view());
+  ASSERT_FALSE(shape.ok());
+  EXPECT_EQ(shape.message().rfind("k:", 0), 0u) << shape.to_string();
+  HostArray host(DType::bf16, {1, 2, 4, 64});
+  auto on_host = cache->append(*s0, host.view(), host.view());
+  ASSERT_FALSE(on_host.ok());
+  EXPECT_EQ(on_host.message().rfind("k:", 0), 0u) << on_host.to_string();
+  EXPECT_FALSE(cache->append(7, k.view(), k.view()).ok());
+  ASSERT_TRUE(cache->remove_sequence(*s0).ok());
+  EXPECT_FALSE(cache->length(*s0).ok()) << "a removed sequence is gone";
+  EXPECT_TRUE(cache->add_sequence(160).ok()) << "its pages are free again";
+}
+
+// ---- steps against the CPU -------------------------------------------------------------------
+
+struct Shape {
+  int64_t heads_q = 8, heads_kv = 2, d = 64, block = 16;
+  int64_t budget = 64;  // 4 pages of 16
+  std::vector<int64_t> prefix = {700};  // per batch entry
+  PrefixMethod method = PrefixMethod::losa;
+  int active_k = 4;
+};
+
+// One decode trace per batch entry: the prefix, then per step q (rows drifting slightly, two
+// rows jumping), k_block, v_block.
+struct Trace {
+  std::vector<HostArray> prefix_k, prefix_v;  // [1, Hkv, N, d]
+  std::vector<HostArray> q, k, v;             // per step: [B, H, Bb, d]
+};
+Trace make_trace(const Shape& s, int steps, uint32_t seed) {
+  Trace t;
+  const int64_t B = static_cast<int64_t>(s.prefix.size());
+  for (int64_t b = 0; b < B; ++b) {
+    t.prefix_k.push_back(bf16_values({1, s.heads_kv, s.prefix[b], s.d}, seed + 10 * b));
+    t.prefix_v.push_back(bf16_values({1, s.heads_kv, s.prefix[b], s.d}, seed + 10 * b + 1));
+  }
+  HostArray q = bf16_values({B, s.heads_q, s.block, s.d}, seed + 100);
+  std::mt19937 rng(seed + 200);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int step = 0; step < steps; ++step) {
+    if (step > 0) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t jump1 = (step * 5 + b) % s.block, jump2 = (step * 11 + 3 * b + 7) % s.block;
+        for (int64_t h = 0; h < s.heads_q; ++h)
+          for (int64_t i = 0; i < s.block; ++i) {
+            const float move = (i == jump1 || i == jump2) ? 1.0f : 0.02f;
+            float* row = q.ptr<float>() + ((b * s.heads_q + h) * s.block + i) * s.d;
+            for (int64_t e = 0; e < s.d; ++e) row[e] = bf16_to_float(float_to_bf16(row[e] + move * nd(rng)));
+          }
+      }
+    }
+    t.q.push_back(q);
+    t.k.push_back(bf16_values({B, s.heads_kv, s.block, s.d}, seed + 300 + step));
+    t.v.push_back(bf16_values({B, s.heads_kv, s.block, s.d}, seed + 400 + step));
+  }
+  return t;
+}
+
+LosaOptions options_of(const Shape& s, Backend backend) {
+  LosaOptions o;
+  o.method = s.method;
+  o.select.budget = s.budget;
+  o.select.force_first = true;
+  o.select.force_last = true;
+  o.active_k = s.active_k;
+  o.attention.backend = backend;
+  return o;
+}
+
+struct DeviceRun {
+  std::vector<std::vector<float>> out, lse;
+  std::vector<std::vector<int32_t>> active, active_counts, plan_pages, plan_counts;
+  int64_t capacity = 0;
+};
+
+std::vector<int32_t> ints(const DeviceArray& a) {
+  std::vector<int32_t> out(a.numel());
+  EXPECT_EQ(cudaMemcpy(out.data(), a.data(), a.nbytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+// bf16 bound: O is rounded to bf16 twice on the device (O_p is kept in bf16, then out), each at
+// most 2^-9 relative of |O| <= max |v|; 2^-7 * max|v| leaves a margin for the f32 sums' order.
+// LSE is f32 on both sides, differing by accumulation order and exp2f: 2e-3 absolute.
+constexpr double kOutTol = 1.0 / 128, kLseTol = 2e-3;
+
+void check_against_cpu(const Shape& s, int steps) {
+  const int64_t B = static_cast<int64_t>(s.prefix.size());
+  const Trace tr = make_trace(s, steps, 17);
+  // The device: one cache, B sequences.
+  DeviceKVCacheConfig cc;
+  cc.heads_kv = s.heads_kv;
+  cc.head_dim = s.d;
+  int64_t pages = 0;
+  for (int64_t n : s.prefix) pages += (n + s.block + 15) / 16;
+  cc.pool_pages = pages + 4;
+  auto cache = DevicePagedKVCache::create(cc);
+  ASSERT_TRUE(cache.ok()) << cache.status().to_string();
+  std::vector<int> seqs;
+  for (int64_t b = 0; b < B; ++b) {
+    auto id = cache->add_sequence(s.prefix[b] + s.block);
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    seqs.push_back(*id);
+    if (s.prefix[b] == 0) continue;
+    const DeviceArray k = to_device(tr.prefix_k[b]), v = to_device(tr.prefix_v[b]);
+    ASSERT_TRUE(cache->append(*id, k.view(), v.view()).ok());
+  }
+  DeviceLosaConfig dc;
+  dc.batch = B;
+  dc.heads_q = s.heads_q;
+  dc.heads_kv = s.heads_kv;
+  dc.head_dim = s.d;
+  dc.block_size = s.block;
+  auto dev = DevicePrefixAttention::create(dc, options_of(s, Backend::cuda));
+  ASSERT_TRUE(dev.ok()) << dev.status().to_string();
+  // The CPU: one cache and state per entry.
+  std::vector<PagedKVCache> host_cache;
+  std::vector<PrefixAttention> host_state;
+  for (int64_t b = 0; b < B; ++b) {
+    auto hc = PagedKVCache::create({s.heads_kv, s.d, 16});
+    ASSERT_TRUE(hc.ok());
+    if (s.prefix[b] > 0) ASSERT_TRUE(hc->append(tr.prefix_k[b].view(), tr.prefix_v[b].view()).ok());
+    host_cache.push_back(std::move(hc).value());
+    LosaConfig lc{s.heads_q, s.heads_kv, s.d, s.block};
+    auto hs = PrefixAttention::create(lc, options_of(s, Backend::cpu_ref));
+    ASSERT_TRUE(hs.ok()) << hs.status().to_string();
+    host_state.push_back(std::move(hs).value());
+  }
+  auto out = DeviceArray::allocate(DType::bf16, {B, s.heads_q, s.block, s.d}, {DeviceType::cuda, 0});
+  auto lse = DeviceArray::allocate(DType::f32, {B, s.heads_q, s.block}, {DeviceType::cuda, 0});
+  ASSERT_TRUE(out.ok() && lse.ok());
+  for (int step = 0; step < steps; ++step) {
+    const DeviceArray q = to_device(tr.q[step]), k = to_device(tr.k[step]), v = to_device(tr.v[step]);
+    const Status st = dev->step(*cache, seqs, q.view(), k.view(), v.view(), out->view(), lse->view());
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    const std::vector<float> o = to_host_f32(out->view()), l = to_host_f32(lse->view());
+    const std::vector<int32_t> active = ints(dev->active_rows()), counts = ints(dev->active_counts());
+    const bool sparse = s.method == PrefixMethod::quest || (s.method == PrefixMethod::losa && step > 0);
+    std::vector<int32_t> plan, plan_counts;
+    if (sparse) {
+      plan = ints(dev->plan_pages());
+      plan_counts = ints(dev->plan_counts());
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      HostArray ho(DType::f32, {1, s.heads_q, s.block, s.d}), hl(DType::f32, {1, s.heads_q, s.block});
+      StepStats stats;
+      const Status hs = host_state[b].step(host_cache[b], row_block(tr.q[step], b), row_block(tr.k[step], b),
+                                           row_block(tr.v[step], b), ho.view(), hl.view(), &stats);
+      ASSERT_TRUE(hs.ok()) << hs.to_string();
+      // The active rows: exactly the CPU's.
+      ASSERT_EQ(counts[b], static_cast<int32_t>(stats.recomputed.size())) << "step " << step << " entry " << b;
+      for (size_t i = 0; i < stats.recomputed.size(); ++i)
+        ASSERT_EQ(active[b * s.block + i], stats.recomputed[i]) << "step " << step << " entry " << b;
+      // The pages: the CPU's, up to pages whose scores tie with the kept boundary (the two paths
+      // sum the score in different orders: at most a few f32 ulps apart).
+      if (sparse) {
+        const PagePlan& cp = stats.plan;
+        for (int64_t h = 0; h < s.heads_q; ++h)
+          for (int64_t slot = 0; slot < static_cast<int64_t>(stats.recomputed.size()); ++slot) {
+            const int64_t row = (b * s.heads_q + h) * s.block + slot;
+            std::vector<int32_t> got(plan.begin() + row * dev->plan_capacity(),
+                                     plan.begin() + row * dev->plan_capacity() + plan_counts[row]);
+            std::vector<int32_t> want(cp.row_pages(h, slot), cp.row_pages(h, slot) + cp.count(h, slot));
+            if (got == want) continue;
+            // Scores of the differing pages, by the CPU's own function.
+            const int64_t r = stats.recomputed[slot], h_kv = h / (s.heads_q / s.heads_kv);
+            const float* qr = tr.q[step].ptr<float>() + ((b * s.heads_q + h) * s.block + r) * s.d;
+            auto score = [&](int32_t p) {
+              return quest_page_score(qr, host_cache[b].page_min(h_kv, p), host_cache[b].page_max(h_kv, p), s.d);
+            };
+            float boundary = INFINITY;
+            for (int32_t p : want) boundary = std::min(boundary, score(p));
+            std::vector<int32_t> diff;
+            std::set_symmetric_difference(got.begin(), got.end(), want.begin(), want.end(), std::back_inserter(diff));
+            for (int32_t p : diff)
+              ASSERT_LE(std::fabs(score(p) - boundary), 1e-4f * (std::fabs(boundary) + 1.0f))
+                  << "step " << step << " entry " << b << " head " << h << " slot " << slot << ": page " << p;
+          }
+      }
+      for (int64_t i = 0; i < ho.numel(); ++i) {
+        ASSERT_NEAR(o[b * ho.numel() + i], ho.ptr<float>()[i], kOutTol) << "out, step " << step << " entry " << b;
+      }
+      for (int64_t i = 0; i < hl.numel(); ++i) {
+        ASSERT_NEAR(l[b * hl.numel() + i], hl.ptr<float>()[i], kLseTol) << "lse, step " << step << " entry " << b;
+      }
+    }
+  }
+}
+
+TEST(LosaCudaStep, LosaMatchesTheCpu) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  check_against_cpu(Shape{}, 4);
+}
+
+TEST(LosaCudaStep, QuestEveryRowMatchesTheCpu) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.method = PrefixMethod::quest;
+  check_against_cpu(s, 3);
+}
+
+TEST(LosaCudaStep, DenseMatchesTheCpu) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.method = PrefixMethod::dense;
+  s.prefix = {1000};  // the split-KV route
+  check_against_cpu(s, 2);
+}
+
+TEST(LosaCudaStep, HeadDim128GqaFourAndAPartialLastPage) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.heads_q = 8;
+  s.heads_kv = 2;
+  s.d = 128;
+  s.prefix = {1234};
+  s.budget = 128;
+  check_against_cpu(s, 3);
+}
+
+TEST(LosaCudaStep, ABatchOfSequencesOfDifferentLengths) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.prefix = {700, 1500, 33, 16};  // the last two: budgets covering the whole prefix
+  check_against_cpu(s, 3);
+}
+
+TEST(LosaCudaStep, AnEmptyPrefixTakesTheBlockAlone) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.prefix = {0, 40};
+  check_against_cpu(s, 2);
+}
+
+// A LoSA step captured in a CUDA graph (the prefix does not change within a block) and replayed
+// on new queries gives the eager steps' outputs bit for bit.
+TEST(LosaCudaStep, AGraphReplayEqualsEagerSteps) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.prefix = {900, 400};
+  const int steps = 5;
+  const Trace tr = make_trace(s, steps, 29);
+  const int64_t B = 2;
+  DeviceKVCacheConfig cc;
+  cc.heads_kv = s.heads_kv;
+  cc.head_dim = s.d;
+  cc.pool_pages = 200;
+  auto cache = DevicePagedKVCache::create(cc);
+  ASSERT_TRUE(cache.ok());
+  std::vector<int> seqs;
+  for (int64_t b = 0; b < B; ++b) {
+    seqs.push_back(cache->add_sequence(s.prefix[b]).value());
+    const DeviceArray k = to_device(tr.prefix_k[b]), v = to_device(tr.prefix_v[b]);
+    ASSERT_TRUE(cache->append(seqs[b], k.view(), v.view()).ok());
+  }
+  DeviceLosaConfig dc{B, s.heads_q, s.heads_kv, s.d, s.block};
+  auto eager = DevicePrefixAttention::create(dc, options_of(s, Backend::cuda));
+  auto graphed = DevicePrefixAttention::create(dc, options_of(s, Backend::cuda));
+  ASSERT_TRUE(eager.ok() && graphed.ok());
+  const Device cuda0{DeviceType::cuda, 0};
+  auto q_in = DeviceArray::allocate(DType::bf16, {B, s.heads_q, s.block, s.d}, cuda0);
+  auto k_in = DeviceArray::allocate(DType::bf16, {B, s.heads_kv, s.block, s.d}, cuda0);
+  auto v_in = DeviceArray::allocate(DType::bf16, {B, s.heads_kv, s.block, s.d}, cuda0);
+  auto out = DeviceArray::allocate(DType::bf16, {B, s.heads_q, s.block, s.d}, cuda0);
+  auto lse = DeviceArray::allocate(DType::f32, {B, s.heads_q, s.block}, cuda0);
+  ASSERT_TRUE(q_in.ok() && k_in.ok() && v_in.ok() && out.ok() && lse.ok());
+  std::vector<std::vector<float>> eager_out, eager_lse;
+  for (int step = 0; step < steps; ++step) {
+    const DeviceArray q = to_device(tr.q[step]), k = to_device(tr.k[step]), v = to_device(tr.v[step]);
+    ASSERT_TRUE(eager->step(*cache, seqs, q.view(), k.view(), v.view(), out->view(), lse->view()).ok());
+    eager_out.push_back(to_host_f32(out->view()));
+    eager_lse.push_back(to_host_f32(lse->view()));
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto load = [&](int step) {  // the step's inputs into the captured buffers
+    const DeviceArray q = to_device(tr.q[step]), k = to_device(tr.k[step]), v = to_device(tr.v[step]);
+    ASSERT_EQ(cudaMemcpy(q_in->data(), q.data(), q.nbytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(k_in->data(), k.data(), k.nbytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(v_in->data(), v.data(), v.nbytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
+  };
+  // Steps 0 and 1 eager (the second sizes the page plan and scores), then step 2 captured.
+  for (int step = 0; step < 2; ++step) {
+    load(step);
+    ASSERT_TRUE(graphed->step(*cache, seqs, q_in->view(), k_in->view(), v_in->view(), out->view(), lse->view(), stream).ok());
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(to_host_f32(out->view()), eager_out[step]) << "eager step " << step;
+  }
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const Status captured =
+      graphed->step(*cache, seqs, q_in->view(), k_in->view(), v_in->view(), out->view(), lse->view(), stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(captured.ok()) << captured.to_string();
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int step = 2; step < steps; ++step) {
+    load(step);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(to_host_f32(out->view()), eager_out[step]) << "replayed step " << step;
+    EXPECT_EQ(to_host_f32(lse->view()), eager_lse[step]) << "replayed step " << step;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(LosaCudaStep, BadStepInputsNameTheArgument) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  DeviceKVCacheConfig cc;
+  cc.heads_kv = 2;
+  cc.head_dim = 64;
+  cc.pool_pages = 20;
+  auto cache = DevicePagedKVCache::create(cc);
+  ASSERT_TRUE(cache.ok());
+  const int seq = cache->add_sequence(200).value();
+  Shape s;
+  DeviceLosaConfig dc{1, s.heads_q, s.heads_kv, s.d, s.block};
+  auto dev = DevicePrefixAttention::create(dc, options_of(s, Backend::cuda));
+  ASSERT_TRUE(dev.ok());
+  const DeviceArray q = to_device(bf16_values({1, 8, 16, 64}, 1)), kv = to_device(bf16_values({1, 2, 16, 64}, 2));
+  const DeviceArray short_q = to_device(bf16_values({1, 8, 15, 64}, 3));
+  auto out = DeviceArray::allocate(DType::bf16, {1, 8, 16, 64}, {DeviceType::cuda, 0});
+  auto lse = DeviceArray::allocate(DType::f32, {1, 8, 16}, {DeviceType::cuda, 0});
+  ASSERT_TRUE(out.ok() && lse.ok());
+  auto expect = [](const Status& st, const char* prefix) {
+    ASSERT_FALSE(st.ok()) << prefix;
+    EXPECT_EQ(st.message().rfind(prefix, 0), 0u) << st.to_string();
+  };
+  expect(dev->step(*cache, {seq, seq}, q.view(), kv.view(), kv.view(), out->view(), lse->view()), "seqs:");
+  expect(dev->step(*cache, {9}, q.view(), kv.view(), kv.view(), out->view(), lse->view()), "seqs[0]:");
+  expect(dev->step(*cache, {seq}, short_q.view(), kv.view(), kv.view(), out->view(), lse->view()), "q:");
+  expect(dev->step(*cache, {seq}, q.view(), q.view(), kv.view(), out->view(), lse->view()), "k_block:");
+  expect(dev->step(*cache, {seq}, q.view(), kv.view(), kv.view(), out->view(), out->view()), "lse:");
+  HostArray host_out(DType::bf16, {1, 8, 16, 64});
+  expect(dev->step(*cache, {seq}, q.view(), kv.view(), kv.view(), host_out.view(), lse->view()), "out:");
+  // A commit that does not fit is refused before anything is written.
+  const int small = cache->add_sequence(10).value();
+  ASSERT_TRUE(cache->append(small, device_tokens(kv, 0, 10), device_tokens(kv, 0, 10)).ok());
+  auto small_state = DevicePrefixAttention::create(dc, options_of(s, Backend::cuda));
+  ASSERT_TRUE(small_state.ok());
+  const Status full = small_state->commit(*cache, {small}, kv.view(), kv.view());
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.code(), StatusCode::out_of_memory);
+  EXPECT_EQ(cache->length(small).value(), 10);
+}
+
+#endif  // SPARSA_WITH_CUDA
+
+}  // namespace

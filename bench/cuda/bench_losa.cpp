@@ -64,8 +64,9 @@ struct StepTime {
 };
 
 // `steps` timed steps after a first (dense) step, on `batch` sequences of the given lengths.
+// graph: the step captured once (after the timed eager steps) and its replays timed instead.
 StepTime run(DevicePagedKVCache& cache, const std::vector<int>& seqs, const std::vector<int64_t>& lengths,
-           PrefixMethod method, int64_t budget, int active_k, int steps) {
+           PrefixMethod method, int64_t budget, int active_k, int steps, bool graph = false) {
   const int64_t B = static_cast<int64_t>(seqs.size());
   LosaOptions o;
   o.method = method;
@@ -113,6 +114,29 @@ StepTime run(DevicePagedKVCache& cache, const std::vector<int>& seqs, const std:
     float ms = 0;
     cudaEventElapsedTime(&ms, start, stop);
     if (step >= 3) times.push_back(ms);  // after the first (dense) step and two warm-ups
+  }
+  if (graph) {
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    cudaGraph_t g;
+    cudaGraphExec_t exec;
+    cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
+    CHECK(state->step(cache, seqs, dq->view(), k.view(), v.view(), out->view(), lse->view(), stream));
+    cudaStreamEndCapture(stream, &g);
+    cudaGraphInstantiate(&exec, g, 0);
+    times.clear();
+    for (int i = 0; i < steps + 3; ++i) {
+      cudaEventRecord(start, stream);
+      cudaGraphLaunch(exec, stream);
+      cudaEventRecord(stop, stream);
+      cudaEventSynchronize(stop);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, start, stop);
+      if (i >= 3) times.push_back(ms);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(stream);
   }
   std::sort(times.begin(), times.end());
   r.ms = times[times.size() / 2];
@@ -212,10 +236,16 @@ int main() {
                 bare * 1e3, "", "1.000", lengths[i] * kHeadsKv * kD * 4.0 / 1e9,
                 100.0 * (lengths[i] * kHeadsKv * kD * 4.0 / kHbm) / (bare * 1e-3));
     const StepTime dense_r = run(*cache, one, len, PrefixMethod::dense, 256, 4, 20);
-    for (auto [name, method] : {std::pair{"dense (split-KV)", PrefixMethod::dense},
-                                std::pair{"quest every row", PrefixMethod::quest},
-                                std::pair{"losa K=4", PrefixMethod::losa}}) {
-      const StepTime r = method == PrefixMethod::dense ? dense_r : run(*cache, one, len, method, 256, 4, 20);
+    struct Row {
+      const char* name;
+      PrefixMethod method;
+      bool graph;
+    };
+    for (Row row : {Row{"dense (split-KV)", PrefixMethod::dense, false}, Row{"quest every row", PrefixMethod::quest, false},
+                    Row{"losa K=4", PrefixMethod::losa, false}, Row{"losa K=4, CUDA graph", PrefixMethod::losa, true}}) {
+      const char* name = row.name;
+      const StepTime r =
+          row.method == PrefixMethod::dense ? dense_r : run(*cache, one, len, row.method, 256, 4, 20, row.graph);
       std::printf("%8lld %-22s %9.1f %8.2fx %8.3f %10.3f %9.0f%%\n", static_cast<long long>(lengths[i]), name,
                   r.ms * 1e3, dense_r.ms / r.ms, r.pages_frac, r.bytes / 1e9, 100.0 * (r.bytes / kHbm) / (r.ms * 1e-3));
     }

@@ -98,9 +98,11 @@ Status choose_rows(const StepArgs& a) {
   });
 }
 
-// Dynamic shared memory of the score kernel: q+ and q- of every query of a group's active rows.
+// Dynamic shared memory of the score kernel: the tile's min and max rows, then q+ and q- of
+// every query of a group's active rows.
+template <class T, int D>
 size_t score_smem_bytes(const StepArgs& a) {
-  return static_cast<size_t>(group_of(a)) * a.block * 2 * a.pool.head_dim * sizeof(float);
+  return score_tile_bytes<T, D>() + static_cast<size_t>(group_of(a)) * a.block * 2 * D * sizeof(float);
 }
 
 Status sparse_prefix(const StepArgs& a) {
@@ -115,10 +117,10 @@ Status sparse_prefix(const StepArgs& a) {
   const int batch = static_cast<int>(a.batch), capacity = static_cast<int>(a.capacity);
   return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
     if (max_pages > 0) {
-      const size_t smem = score_smem_bytes(a);
+      const size_t smem = score_smem_bytes<T, D>(a);
       constexpr auto scores = quest_scores_kernel<T, D>;
       SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(scores), device, smem));
-      const dim3 grid(static_cast<unsigned>((max_pages + kScoreThreads - 1) / kScoreThreads),
+      const dim3 grid(static_cast<unsigned>((max_pages + kScorePages - 1) / kScorePages),
                       static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.batch));
       scores<<<grid, kScoreThreads, smem, s>>>(pool, rows_of<T>(a.q), a.active, a.active_counts, heads_q, group,
                                                block, a.scores, a.score_pages);
@@ -140,7 +142,7 @@ Status sparse_prefix(const StepArgs& a) {
     SPARSA_CUDA_CHECK_LAUNCH();
     const dim3 grid(static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.block),
                     static_cast<unsigned>(a.batch));
-    const int threads = std::min(group, 8) * 32;
+    const int threads = std::min(group, 8) * kPageSplit * 32;
     paged_attention_kernel<T, D><<<grid, threads, 0, s>>>(
         pool, rows_of<T>(a.q), a.active, a.active_counts, a.plan_pages, a.plan_counts, capacity, heads_q, group, block,
         a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));

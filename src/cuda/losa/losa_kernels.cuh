@@ -153,20 +153,45 @@ __global__ void active_rows_kernel(Rows4<const T> q, const T* q_ref, int heads_q
 // ---- QUEST: page scores, selection ------------------------------------------------------------
 
 // score(q, page) = sum_d max(q_d max_d, q_d min_d) = q+ . max + q- . min (q+ = max(q, 0), q- =
-// min(q, 0)). Grid (page tiles of blockDim.x, heads_kv, batch); one thread per page; the queries
-// of the kv head's group at the entry's active rows in shared memory as q+ and q- (f32). Scores
-// [batch, heads_q, block, score_pages] at (b, h, slot, page).
+// min(q, 0)). Grid (page tiles of kScorePages, heads_kv, batch); the tile's min and max rows are
+// staged in shared memory by coalesced 16-byte loads (rows padded by 16 bytes, so that the
+// threads' 16-byte reads of their own rows hit distinct banks), then one thread per page; the
+// queries of the kv head's group at the entry's active rows are in shared memory as q+ and q-
+// (f32, read by broadcast). Scores [batch, heads_q, block, score_pages] at (b, h, slot, page).
 constexpr int kScoreThreads = 128;
+constexpr int kScorePages = kScoreThreads;
 constexpr int kScoreQueries = 8;  // queries accumulated at once per pass over a page's metadata
+
+template <int D>
+__host__ __device__ constexpr int score_row_elems() { return D + 8; }  // a padded metadata row
+template <class T, int D>
+__host__ __device__ constexpr size_t score_tile_bytes() {
+  return static_cast<size_t>(2) * kScorePages * score_row_elems<D>() * sizeof(T);
+}
 
 template <class T, int D>
 __global__ void __launch_bounds__(kScoreThreads) quest_scores_kernel(PoolView pool, Rows4<const T> q,
                                                                      const int32_t* active, const int32_t* counts,
                                                                      int heads_q, int group, int block,
                                                                      float* scores, int64_t score_pages) {
-  extern __shared__ float query_smem[];  // [group * count][2][D]: q+ then q-
+  extern __shared__ __align__(16) unsigned char score_smem[];
+  T* tile_min = reinterpret_cast<T*>(score_smem);                       // [kScorePages][D + 8]
+  T* tile_max = tile_min + kScorePages * score_row_elems<D>();
+  float* query_smem = reinterpret_cast<float*>(score_smem + score_tile_bytes<T, D>());  // [queries][2][D]
   const int b = blockIdx.z, h_kv = blockIdx.y;
   const int queries = group * counts[b];
+  const int64_t pages = pool.pages(b), page0 = static_cast<int64_t>(blockIdx.x) * kScorePages;
+  if (page0 >= pages) return;
+  const int tile = static_cast<int>(min(static_cast<int64_t>(kScorePages), pages - page0));
+  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks of a row
+  const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
+  const uint4* src_min = reinterpret_cast<const uint4*>(static_cast<const T*>(pool.min) + at);
+  const uint4* src_max = reinterpret_cast<const uint4*>(static_cast<const T*>(pool.max) + at);
+  for (int e = threadIdx.x; e < tile * kChunks; e += blockDim.x) {
+    const int row = e / kChunks, chunk = e % kChunks;
+    *reinterpret_cast<uint4*>(tile_min + row * score_row_elems<D>() + chunk * 8) = src_min[e];
+    *reinterpret_cast<uint4*>(tile_max + row * score_row_elems<D>() + chunk * 8) = src_max[e];
+  }
   for (int e = threadIdx.x; e < queries * D; e += blockDim.x) {
     const int qi = e / D, c = e % D;
     const int g = qi % group, slot = qi / group;
@@ -175,27 +200,34 @@ __global__ void __launch_bounds__(kScoreThreads) quest_scores_kernel(PoolView po
     query_smem[(qi * 2 + 1) * D + c] = fminf(x, 0.0f);
   }
   __syncthreads();
-  const int64_t page = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (page >= pool.pages(b)) return;
-  const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page) * D;
-  const T* page_min = static_cast<const T*>(pool.min) + at;
-  const T* page_max = static_cast<const T*>(pool.max) + at;
+  const int p = threadIdx.x;
+  if (p >= tile) return;
+  const T* my_min = tile_min + p * score_row_elems<D>();
+  const T* my_max = tile_max + p * score_row_elems<D>();
   for (int q0 = 0; q0 < queries; q0 += kScoreQueries) {
     float acc[kScoreQueries] = {};
+#pragma unroll 2
     for (int c0 = 0; c0 < D; c0 += 8) {
+      const uint4 raw_min = *reinterpret_cast<const uint4*>(my_min + c0);
+      const uint4 raw_max = *reinterpret_cast<const uint4*>(my_max + c0);
+      const T* mn_t = reinterpret_cast<const T*>(&raw_min);
+      const T* mx_t = reinterpret_cast<const T*>(&raw_max);
       float mn[8], mx[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        mn[j] = to_float(page_min[c0 + j]);
-        mx[j] = to_float(page_max[c0 + j]);
+        mn[j] = to_float(mn_t[j]);
+        mx[j] = to_float(mx_t[j]);
       }
 #pragma unroll
       for (int qq = 0; qq < kScoreQueries; ++qq) {
         if (q0 + qq >= queries) break;
-        const float* pos = query_smem + ((q0 + qq) * 2) * D + c0;
-        const float* neg = pos + D;
+        const float4* pos = reinterpret_cast<const float4*>(query_smem + ((q0 + qq) * 2) * D + c0);
+        const float4* neg = reinterpret_cast<const float4*>(query_smem + ((q0 + qq) * 2 + 1) * D + c0);
+        const float4 p0 = pos[0], p1 = pos[1], n0 = neg[0], n1 = neg[1];
+        const float qp[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+        const float qn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[qq] = fmaf(pos[j], mx[j], fmaf(neg[j], mn[j], acc[qq]));
+        for (int j = 0; j < 8; ++j) acc[qq] = fmaf(qp[j], mx[j], fmaf(qn[j], mn[j], acc[qq]));
       }
     }
 #pragma unroll
@@ -203,7 +235,8 @@ __global__ void __launch_bounds__(kScoreThreads) quest_scores_kernel(PoolView po
       const int qi = q0 + qq;
       if (qi >= queries) break;
       const int g = qi % group, slot = qi / group;
-      scores[((static_cast<int64_t>(b) * heads_q + h_kv * group + g) * block + slot) * score_pages + page] = acc[qq];
+      scores[((static_cast<int64_t>(b) * heads_q + h_kv * group + g) * block + slot) * score_pages + page0 + p] =
+          acc[qq];
     }
   }
 }
@@ -252,18 +285,62 @@ template <int E>
 struct RowState {
   float m = -INFINITY, l = 0.0f;
   float acc[E] = {};
+
+  // Keys / values rows [0, n) (n <= kTile) at k + t * k_stride, v + t * v_stride: every load of the
+  // tile issued first (one memory round trip for the tile, not one per key), the logits' warp
+  // sums, one rescale of the state for the tile.
+  static constexpr int kTile = 16;
   template <class T>
-  __device__ __forceinline__ void add(const float (&q)[E], const T* k, const T* v, int lane) {
-    float s = 0.0f;
+  __device__ __forceinline__ void add_tile(const float (&q)[E], const T* k, int64_t k_stride, const T* v,
+                                           int64_t v_stride, int n, int lane) {
+    T kr[kTile][E], vr[kTile][E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) s = fmaf(q[e], to_float(k[lane * E + e]), s);
+    for (int t = 0; t < kTile; ++t) {
+      if (t < n) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
-    const float m_new = fmaxf(m, s);
-    const float correction = exp2f(m - m_new), p = exp2f(s - m_new);
-    l = l * correction + p;
+        for (int e = 0; e < E; ++e) {
+          kr[t][e] = k[t * k_stride + lane * E + e];
+          vr[t][e] = v[t * v_stride + lane * E + e];
+        }
+      }
+    }
+    float s[kTile];
+    float tile_max = -INFINITY;
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = fmaf(p, to_float(v[lane * E + e]), acc[e] * correction);
+    for (int t = 0; t < kTile; ++t) {
+      float x = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) x = fmaf(q[e], to_float(t < n ? kr[t][e] : kr[0][e]), x);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+      s[t] = t < n ? x : -INFINITY;
+      tile_max = fmaxf(tile_max, s[t]);
+    }
+    const float m_new = fmaxf(m, tile_max);
+    if (m_new == -INFINITY) return;  // nothing finite yet
+    const float correction = exp2f(m - m_new);
+    l *= correction;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] *= correction;
+#pragma unroll
+    for (int t = 0; t < kTile; ++t) {
+      if (t < n) {
+        const float p = exp2f(s[t] - m_new);
+        l += p;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = fmaf(p, to_float(vr[t][e]), acc[e]);
+      }
+    }
+    m = m_new;
+  }
+  // Folds another state (of disjoint keys) into this one.
+  __device__ __forceinline__ void merge(float m2, float l2, const float (&acc2)[E]) {
+    const float m_new = fmaxf(m, m2);
+    if (m_new == -INFINITY) return;
+    const float c1 = exp2f(m - m_new), c2 = exp2f(m2 - m_new);
+    l = l * c1 + l2 * c2;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = acc[e] * c1 + acc2[e] * c2;
     m = m_new;
   }
   // LSE in base 2 (-inf without keys).
@@ -276,48 +353,75 @@ __device__ __forceinline__ void load_query(const T* row, float scale_log2, int l
   for (int e = 0; e < E; ++e) q[e] = to_float(row[lane * E + e]) * scale_log2;
 }
 
-// Grid (heads_kv, block slots, batch), one warp per query head of the group (looping when the
-// group has more heads than warps): the active row of the slot attends over its plan's pages;
-// its O_p (T), L_p and Q_ref are written.
+// Grid (heads_kv, block slots, batch); kPageSplit warps per query head of the group (heads
+// looped when the group has more than blockDim.x / 32 / kPageSplit): the active row of the slot
+// attends over its plan's pages, each warp over every kPageSplit-th page a tile at a time, the
+// warps' states merged in shared memory; O_p (T), L_p and Q_ref of the row are written.
+constexpr int kPageSplit = 4;
+
 template <class T, int D>
 __global__ void paged_attention_kernel(PoolView pool, Rows4<const T> q, const int32_t* active, const int32_t* counts,
                                        const int32_t* plan_pages, const int32_t* plan_counts, int capacity,
                                        int heads_q, int group, int block, float scale_log2, T* o_p, float* l_p,
                                        T* q_ref) {
   constexpr int E = D / 32;
+  __shared__ float part_m[32], part_l[32];
+  __shared__ float part_acc[32][D];
   const int h_kv = blockIdx.x, slot = blockIdx.y, b = blockIdx.z;
   if (slot >= counts[b]) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int heads_per_pass = warps / kPageSplit, split = warp % kPageSplit;
   const int r = active[b * block + slot];
   const int64_t length = pool.length[b];
-  for (int g = warp; g < group; g += warps) {
-    const int h = h_kv * group + g;
-    const int64_t row = (static_cast<int64_t>(b) * heads_q + h) * block;
-    const T* q_row = q.row(b, h, r);
-    float qs[E];
-    load_query<T, E>(q_row, scale_log2, lane, qs);
+  for (int g0 = 0; g0 < group; g0 += heads_per_pass) {
+    const int g = g0 + warp / kPageSplit;
     RowState<E> st;
-    const int32_t* pages = plan_pages + (row + slot) * capacity;
-    const int n = plan_counts[row + slot];
-    for (int i = 0; i < n; ++i) {
-      const int64_t page = pages[i];
-      const int64_t begin = page * pool.page_size;
-      const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
-      const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
-      const T* k = static_cast<const T*>(pool.k) + at;
-      const T* v = static_cast<const T*>(pool.v) + at;
-#pragma unroll 4
-      for (int t = 0; t < tokens; ++t) st.add(qs, k + t * D, v + t * D, lane);
+    float qs[E] = {};
+    int h = 0;
+    int64_t row = 0;
+    if (g < group) {
+      h = h_kv * group + g;
+      row = (static_cast<int64_t>(b) * heads_q + h) * block;
+      load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
+      const int32_t* pages = plan_pages + (row + slot) * capacity;
+      const int n = plan_counts[row + slot];
+      for (int i = split; i < n; i += kPageSplit) {
+        const int64_t begin = static_cast<int64_t>(pages[i]) * pool.page_size;
+        const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
+        const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
+        const T* k = static_cast<const T*>(pool.k) + at;
+        const T* v = static_cast<const T*>(pool.v) + at;
+        for (int t0 = 0; t0 < tokens; t0 += RowState<E>::kTile) {
+          st.add_tile(qs, k + t0 * D, D, v + t0 * D, D, min(RowState<E>::kTile, tokens - t0), lane);
+        }
+      }
     }
-    const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
-    T* o = o_p + (row + r) * D;
-    T* qr = q_ref + (row + r) * D;
+    if (lane == 0) {
+      part_m[warp] = st.m;
+      part_l[warp] = st.l;
+    }
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      o[lane * E + e] = from_float<T>(st.acc[e] * inv);
-      qr[lane * E + e] = q_row[lane * E + e];
+    for (int e = 0; e < E; ++e) part_acc[warp][lane * E + e] = st.acc[e];
+    __syncthreads();
+    if (split == 0 && g < group) {
+      for (int w = warp + 1; w < warp + kPageSplit; ++w) {
+        float other[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) other[e] = part_acc[w][lane * E + e];
+        st.merge(part_m[w], part_l[w], other);
+      }
+      const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
+      const T* q_row = q.row(b, h, r);
+      T* o = o_p + (row + r) * D;
+      T* qr = q_ref + (row + r) * D;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        o[lane * E + e] = from_float<T>(st.acc[e] * inv);
+        qr[lane * E + e] = q_row[lane * E + e];
+      }
+      if (lane == 0) l_p[row + r] = st.lse2() * kLn2;
     }
-    if (lane == 0) l_p[row + r] = st.lse2() * kLn2;
+    __syncthreads();  // the partial states are reused by the next pass
   }
 }
 
@@ -337,7 +441,10 @@ __global__ void block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const 
     float qs[E];
     load_query<T, E>(q_row, scale_log2, lane, qs);
     RowState<E> st;
-    for (int t = 0; t < block; ++t) st.add(qs, k_block.row(b, h_kv, t), v_block.row(b, h_kv, t), lane);
+    for (int t0 = 0; t0 < block; t0 += RowState<E>::kTile) {
+      st.add_tile(qs, k_block.row(b, h_kv, t0), k_block.ss, v_block.row(b, h_kv, t0), v_block.ss,
+                  min(RowState<E>::kTile, block - t0), lane);
+    }
     const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
     float lb = st.lse2(), wb = 1.0f, wp = 0.0f, lp = -INFINITY;
     if (has_prefix) lp = l_p[at] * kLog2e;

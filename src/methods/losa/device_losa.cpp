@@ -240,7 +240,7 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   if (o.select.budget <= 0) return invalid_argument("budget: expected > 0 tokens per query, got " + str(o.select.budget));
   // The score kernel keeps the group's active queries (q+ and q-, f32) in shared memory.
   const int64_t group = c.heads_q / c.heads_kv;
-  if (group * c.block_size * 2 * c.head_dim * 4 > 200 * 1024) {
+  if (group * c.block_size * 2 * c.head_dim * 4 + 2 * 128 * (c.head_dim + 8) * 2 > 220 * 1024) {
     return Status(StatusCode::unsupported, "heads_q: a GQA group of " + str(group) + " heads times block_size " +
                                          str(c.block_size) + " is too many queries for the device selector");
   }

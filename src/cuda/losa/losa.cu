@@ -142,7 +142,7 @@ Status sparse_prefix(const StepArgs& a) {
     SPARSA_CUDA_CHECK_LAUNCH();
     const dim3 grid(static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.block),
                     static_cast<unsigned>(a.batch));
-    const int threads = std::min(group, 8) * kPageSplit * 32;
+    const int threads = std::min(group, kPagedThreads / 32 / kPageSplit) * kPageSplit * 32;
     paged_attention_kernel<T, D><<<grid, threads, 0, s>>>(
         pool, rows_of<T>(a.q), a.active, a.active_counts, a.plan_pages, a.plan_counts, capacity, heads_q, group, block,
         a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));

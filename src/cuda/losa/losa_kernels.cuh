@@ -358,15 +358,16 @@ __device__ __forceinline__ void load_query(const T* row, float scale_log2, int l
 // attends over its plan's pages, each warp over every kPageSplit-th page a tile at a time, the
 // warps' states merged in shared memory; O_p (T), L_p and Q_ref of the row are written.
 constexpr int kPageSplit = 4;
+constexpr int kPagedThreads = 256;  // 2 heads x 4 warps per pass (the tiles' registers allow 256 threads)
 
 template <class T, int D>
-__global__ void paged_attention_kernel(PoolView pool, Rows4<const T> q, const int32_t* active, const int32_t* counts,
+__global__ void __launch_bounds__(kPagedThreads) paged_attention_kernel(PoolView pool, Rows4<const T> q, const int32_t* active, const int32_t* counts,
                                        const int32_t* plan_pages, const int32_t* plan_counts, int capacity,
                                        int heads_q, int group, int block, float scale_log2, T* o_p, float* l_p,
                                        T* q_ref) {
   constexpr int E = D / 32;
-  __shared__ float part_m[32], part_l[32];
-  __shared__ float part_acc[32][D];
+  __shared__ float part_m[kPagedThreads / 32], part_l[kPagedThreads / 32];
+  __shared__ float part_acc[kPagedThreads / 32][D];
   const int h_kv = blockIdx.x, slot = blockIdx.y, b = blockIdx.z;
   if (slot >= counts[b]) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -429,7 +430,7 @@ __global__ void paged_attention_kernel(PoolView pool, Rows4<const T> q, const in
 // (k_block, v_block), merged with its prefix (o_p, l_p; nothing when the entry's prefix is empty)
 // by LSE into out and lse; with qref_all, q_ref = q.
 template <class T, int D>
-__global__ void block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
+__global__ void __launch_bounds__(128) block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
                                    Rows4<T> out, Rows4<float> lse, const T* o_p, const float* l_p, T* q_ref,
                                    int heads_q, int group, int block, float scale_log2, bool qref_all) {
   constexpr int E = D / 32;

@@ -202,13 +202,17 @@ double split_kv_ms(const DevicePagedKVCache& cache, int seq) {
 
 }  // namespace
 
-int main() {
+// --one: only LoSA at 64K (budget 256, K 4) for a few steps: the run to profile (ncu).
+int main(int argc, char** argv) {
+  const bool one = argc > 1 && std::string(argv[1]) == "--one";
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   std::printf("LoSA / QUEST / dense prefix attention on the device (%s): 32/8 heads, d 128, bf16, block 16, "
               "pages of 16; median step time after a block's first\n",
               prop.name);
-  const std::vector<int64_t> lengths = {32768, 65536, 131072, 8192, 16384, 24576, 40960, 49152, 57344};
+  const std::vector<int64_t> lengths = one ? std::vector<int64_t>{32768, 65536}
+                                           : std::vector<int64_t>{32768, 65536, 131072, 8192, 16384, 24576, 40960,
+                                                                  49152, 57344};
   int64_t pages = 0;
   for (int64_t n : lengths) pages += n / kPage + 2;
   DeviceKVCacheConfig cc;
@@ -226,6 +230,11 @@ int main() {
     CHECK(cache->append(ids[i], k.view(), v.view()));
   }
   cudaDeviceSynchronize();
+  if (one) {
+    const StepTime r = run(*cache, {ids[1]}, {lengths[1]}, PrefixMethod::losa, 256, 4, 3);
+    std::printf("losa at 64K: %.1f us\n", r.ms * 1e3);
+    return 0;
+  }
   std::printf("\n%8s %-22s %9s %9s %8s %10s %10s\n", "prefix", "method", "step us", "vs dense", "pages", "GB/step",
               "of floor");
   for (int i = 0; i < 3; ++i) {

@@ -90,8 +90,8 @@ Status choose_rows(const StepArgs& a) {
   SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
   const auto s = static_cast<cudaStream_t>(a.stream);
   return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
-    active_rows_kernel<T><<<static_cast<unsigned>(a.batch), 256, 0, s>>>(
-        rows_of<T>(a.q), static_cast<const T*>(a.q_ref), static_cast<int>(a.heads_q), static_cast<int>(a.block), D,
+    active_rows_kernel<T, D><<<static_cast<unsigned>(a.batch), 512, 0, s>>>(
+        rows_of<T>(a.q), static_cast<const T*>(a.q_ref), static_cast<int>(a.heads_q), static_cast<int>(a.block),
         a.all_rows, a.active_k, a.use_threshold, a.threshold, a.active, a.active_counts);
     SPARSA_CUDA_CHECK_LAUNCH();
     return {};
@@ -166,7 +166,8 @@ Status block_merge(const StepArgs& a, bool qref_all) {
   const PoolView pool = pool_view(a);
   return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
     const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.batch));
-    block_merge_kernel<T, D><<<grid, 128, 0, s>>>(
+    const int threads = static_cast<int>(std::min<int64_t>(a.block, 16)) * 32;  // a warp per row
+    block_merge_kernel<T, D><<<grid, threads, 0, s>>>(
         pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
         mutable_rows_of<float>(a.lse), static_cast<const T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref),
         static_cast<int>(a.heads_q), group_of(a), static_cast<int>(a.block), a.scale * kLog2e, qref_all);

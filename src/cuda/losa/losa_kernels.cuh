@@ -86,15 +86,16 @@ __global__ void page_minmax_kernel(const T* k_pool, T* min_pool, T* max_pool, in
 
 // ---- LoSA's active rows ------------------------------------------------------------------------
 
-// Per batch entry (blockIdx.x): mse_i = mean over heads and dims of (q_i - q_ref_i)^2 in f64,
-// then the active rows ascending: all rows, those with mse above the threshold (or NaN), or the
-// top active_k (NaN first, larger first, ties to the lower row) — sparsa::active_rows' order.
-template <class T>
-__global__ void active_rows_kernel(Rows4<const T> q, const T* q_ref, int heads_q, int block, int d, bool all_rows,
+// Per batch entry (blockIdx.x): mse_i = mean over heads and dims of (q_i - q_ref_i)^2 in f64 (a
+// warp per row, its lanes over the row's elements, the loads of several heads in flight), then
+// the active rows ascending: all rows, those with mse above the threshold (or NaN), or the top
+// active_k (NaN first, larger first, ties to the lower row) — sparsa::active_rows' order.
+template <class T, int D>
+__global__ void active_rows_kernel(Rows4<const T> q, const T* q_ref, int heads_q, int block, bool all_rows,
                                    int active_k, bool use_threshold, double threshold, int32_t* active,
                                    int32_t* counts) {
+  constexpr int E = D / 32;
   __shared__ double mse[64];
-  __shared__ double warp_sum[32];
   const int b = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   int32_t* out = active + static_cast<int64_t>(b) * block;
   if (all_rows) {
@@ -102,24 +103,22 @@ __global__ void active_rows_kernel(Rows4<const T> q, const T* q_ref, int heads_q
     if (threadIdx.x == 0) counts[b] = block;
     return;
   }
-  for (int i = 0; i < block; ++i) {
+  for (int i = warp; i < block; i += warps) {
     double sum = 0.0;
-    for (int e = threadIdx.x; e < heads_q * d; e += blockDim.x) {
-      const int h = e / d, c = e % d;
-      const double diff = static_cast<double>(to_float(q.row(b, h, i)[c])) -
-                          to_float(q_ref[((static_cast<int64_t>(b) * heads_q + h) * block + i) * d + c]);
-      sum += diff * diff;
+#pragma unroll 4
+    for (int h = 0; h < heads_q; ++h) {
+      const T* a = q.row(b, h, i) + lane * E;
+      const T* r = q_ref + ((static_cast<int64_t>(b) * heads_q + h) * block + i) * D + lane * E;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const double diff = static_cast<double>(to_float(a[e])) - to_float(r[e]);
+        sum += diff * diff;
+      }
     }
     for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) warp_sum[warp] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      double total = 0.0;
-      for (int w = 0; w < warps; ++w) total += warp_sum[w];
-      mse[i] = total / (static_cast<double>(heads_q) * d);
-    }
-    __syncthreads();
+    if (lane == 0) mse[i] = sum / (static_cast<double>(heads_q) * D);
   }
+  __syncthreads();
   if (threadIdx.x != 0) return;
   int n = 0;
   if (use_threshold) {
@@ -187,11 +186,13 @@ __global__ void __launch_bounds__(kScoreThreads) quest_scores_kernel(PoolView po
   const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
   const uint4* src_min = reinterpret_cast<const uint4*>(static_cast<const T*>(pool.min) + at);
   const uint4* src_max = reinterpret_cast<const uint4*>(static_cast<const T*>(pool.max) + at);
+#pragma unroll 8
   for (int e = threadIdx.x; e < tile * kChunks; e += blockDim.x) {
     const int row = e / kChunks, chunk = e % kChunks;
     *reinterpret_cast<uint4*>(tile_min + row * score_row_elems<D>() + chunk * 8) = src_min[e];
     *reinterpret_cast<uint4*>(tile_max + row * score_row_elems<D>() + chunk * 8) = src_max[e];
   }
+#pragma unroll 8
   for (int e = threadIdx.x; e < queries * D; e += blockDim.x) {
     const int qi = e / D, c = e % D;
     const int g = qi % group, slot = qi / group;
@@ -266,6 +267,7 @@ __global__ void quest_select_kernel(PoolView pool, const int32_t* counts, const 
       for (int j = lane; j < n; j += 32) out[j] = j;
     } else {
       const float* row_scores = scores + row * score_pages;
+#pragma unroll 8
       for (int j = lane; j < n; j += 32) {
         const bool forced = (force_first && j == 0) || (force_last && j == n - 1);
         const float s = row_scores[j];
@@ -386,8 +388,19 @@ __global__ void __launch_bounds__(kPagedThreads) paged_attention_kernel(PoolView
       load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
       const int32_t* pages = plan_pages + (row + slot) * capacity;
       const int n = plan_counts[row + slot];
-      for (int i = split; i < n; i += kPageSplit) {
-        const int64_t begin = static_cast<int64_t>(pages[i]) * pool.page_size;
+      // The warp's page ids in registers (lane j holds its j-th and (j + 32)-th), one load.
+      int32_t mine[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = split + (lane + 32 * u) * kPageSplit;
+        mine[u] = i < n ? pages[i] : 0;
+      }
+      for (int i = split, c = 0; i < n; i += kPageSplit, ++c) {
+        // (c is the same in every lane: the shuffles are uniform.)
+        const int32_t page = c < 32   ? __shfl_sync(0xffffffffu, mine[0], c)
+                             : c < 64 ? __shfl_sync(0xffffffffu, mine[1], c - 32)
+                                      : pages[i];
+        const int64_t begin = static_cast<int64_t>(page) * pool.page_size;
         const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
         const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
         const T* k = static_cast<const T*>(pool.k) + at;
@@ -430,7 +443,7 @@ __global__ void __launch_bounds__(kPagedThreads) paged_attention_kernel(PoolView
 // (k_block, v_block), merged with its prefix (o_p, l_p; nothing when the entry's prefix is empty)
 // by LSE into out and lse; with qref_all, q_ref = q.
 template <class T, int D>
-__global__ void __launch_bounds__(128) block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
+__global__ void __launch_bounds__(512) block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
                                    Rows4<T> out, Rows4<float> lse, const T* o_p, const float* l_p, T* q_ref,
                                    int heads_q, int group, int block, float scale_log2, bool qref_all) {
   constexpr int E = D / 32;

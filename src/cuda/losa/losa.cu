@@ -166,7 +166,7 @@ Status block_merge(const StepArgs& a, bool qref_all) {
   const PoolView pool = pool_view(a);
   return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
     const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.batch));
-    const int threads = static_cast<int>(std::min<int64_t>(a.block, 16)) * 32;  // a warp per row
+    const int threads = static_cast<int>(std::min<int64_t>(a.block, 8)) * 32;  // a warp per row, up to 8
     block_merge_kernel<T, D><<<grid, threads, 0, s>>>(
         pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
         mutable_rows_of<float>(a.lse), static_cast<const T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref),

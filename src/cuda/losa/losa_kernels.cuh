@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(kPagedThreads) paged_attention_kernel(PoolView
 // (k_block, v_block), merged with its prefix (o_p, l_p; nothing when the entry's prefix is empty)
 // by LSE into out and lse; with qref_all, q_ref = q.
 template <class T, int D>
-__global__ void __launch_bounds__(512) block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
+__global__ void __launch_bounds__(256) block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
                                    Rows4<T> out, Rows4<float> lse, const T* o_p, const float* l_p, T* q_ref,
                                    int heads_q, int group, int block, float scale_log2, bool qref_all) {
   constexpr int E = D / 32;

@@ -127,7 +127,7 @@ Status sparse_prefix(const StepArgs& a) {
       SPARSA_CUDA_CHECK_LAUNCH();
     }
     // Selection: as many warps per CTA as fit their keys in shared memory (at most 4).
-    const size_t per_warp = (cuda::ba_att::kRadixBins + (max_pages + 3) / 4 * 4) * sizeof(uint32_t);
+    const size_t per_warp = (cuda::ba_att::kRadixBins + 2 * ((max_pages + 3) / 4 * 4)) * sizeof(uint32_t);
     const int warps = static_cast<int>(std::clamp<size_t>((200 * 1024) / per_warp, 1, 4));
     const size_t smem = per_warp * warps;
     SPARSA_RETURN_IF_ERROR(

@@ -264,8 +264,8 @@ __host__ __device__ inline size_t warp_top_smem_bytes(int nk) {
 // One warp's fixed-count selection of one row whose keys (the high words of the row's order keys,
 // ascending = best first; the low word, the index, is the position j) are in keys[0, nk): the
 // `keep` smallest, ties to the lower index, written to out[0, keep) ascending. hist: 256 words of
-// the warp's own shared memory. Used by select_top_warp_kernel and by QUEST's page selection
-// (src/cuda/losa/), which builds its keys from page scores.
+// the warp's own shared memory. Used by select_top_warp_kernel and by QUEST's page selection of
+// larger budgets (src/cuda/losa/), which builds its keys from page scores.
 __device__ inline void warp_top_select(const uint32_t* keys, uint32_t* hist, int nk, int keep, int32_t* out) {
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1u;

@@ -172,7 +172,8 @@ Outcome run_generate(const DlmOptions& o) {
   }
   g.gen_len = o.gen_len;
   g.block_len = o.block_len;
-  g.steps = o.steps > 0 ? o.steps : (g.loop == dlm::Loop::block ? model->config().block_size : o.gen_len);
+  g.steps = o.steps > 0 ? o.steps
+                        : (g.loop == dlm::Loop::block ? std::max<int64_t>(model->config().block_size, 1) : o.gen_len);
   g.threshold = o.threshold;
   g.temperature = o.temperature;
   g.seed = o.seed;
@@ -184,6 +185,7 @@ Outcome run_generate(const DlmOptions& o) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<size_t> shown(prompts.size(), 0);
   std::vector<int64_t> made(prompts.size(), 0);
+  bool progress_shown = false;
   const bool stream = !o.json && prompts.size() == 1 && tok.has_value();
   auto on_block = [&](size_t r, std::span<const int32_t> generated) {
     made[r] = static_cast<int64_t>(generated.size());
@@ -195,6 +197,7 @@ Outcome run_generate(const DlmOptions& o) {
       }
     }
     if (!o.quiet) {
+      progress_shown = true;
       int64_t total = 0;
       for (int64_t m : made) total += m;
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -204,7 +207,7 @@ Outcome run_generate(const DlmOptions& o) {
     }
   };
   auto result = model->generate(prompts, g, on_block);
-  if (!o.quiet) std::fprintf(stderr, "\n");
+  if (progress_shown) std::fprintf(stderr, "\n");
   if (!result.ok()) return runtime_error(result.status());
   if (o.json) {
     nlohmann::json j = {{"loop", dlm::loop_name(g.loop)},

@@ -187,11 +187,12 @@ Status parse_sdar(const Fields& f, Config* c) {
 
 const char* arch_name(Arch arch) { return arch == Arch::llada ? "llada" : "sdar"; }
 
-Result<Config> parse_config(const std::string& json_text, const std::string& where) {
+namespace {
+Result<Config> parse_config_json(const std::string& json_text, const std::string& where) {
   Json j;
   try {
     j = Json::parse(json_text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
     return invalid_argument(where + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) return invalid_argument(where + ": expected a JSON object, got " + std::string(j.type_name()));
@@ -218,6 +219,15 @@ Result<Config> parse_config(const std::string& json_text, const std::string& whe
   c.mask_token_id = static_cast<int32_t>(mask);
   SPARSA_RETURN_IF_ERROR(parse_eos(f, &c));
   return c;
+}
+}  // namespace
+
+Result<Config> parse_config(const std::string& json_text, const std::string& where) {
+  try {
+    return parse_config_json(json_text, where);
+  } catch (const nlohmann::json::exception& e) {  // a value of an unexpected type deep inside
+    return invalid_argument(where + ": malformed: " + e.what());
+  }
 }
 
 }  // namespace sparsa::dlm

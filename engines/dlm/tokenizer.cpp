@@ -322,6 +322,14 @@ Result<Tokenizer> Tokenizer::load(const std::string& path) {
 }
 
 Result<Tokenizer> Tokenizer::parse(const std::string& json_text, const std::string& where) {
+  try {
+    return parse_json(json_text, where);
+  } catch (const nlohmann::json::exception& e) {  // a value of an unexpected type deep inside
+    return invalid_argument(where + ": malformed: " + e.what());
+  }
+}
+
+Result<Tokenizer> Tokenizer::parse_json(const std::string& json_text, const std::string& where) {
   auto bad = [&](const std::string& field, const std::string& problem) {
     return invalid_argument(where + ": '" + field + "' " + problem);
   };
@@ -331,7 +339,7 @@ Result<Tokenizer> Tokenizer::parse(const std::string& json_text, const std::stri
   Json j;
   try {
     j = Json::parse(json_text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
     return invalid_argument(where + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) return invalid_argument(where + ": expected a JSON object");

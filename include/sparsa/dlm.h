@@ -146,6 +146,7 @@ class Tokenizer {
 
  private:
   explicit Tokenizer(std::unique_ptr<Impl> impl);
+  static Result<Tokenizer> parse_json(const std::string& json_text, const std::string& where);
   std::unique_ptr<Impl> impl_;
 };
 

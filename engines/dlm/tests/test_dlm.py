@@ -337,3 +337,11 @@ def test_loop_and_option_errors(sparsa_bin, sdar_model, llada_model):
     assert p.returncode == 1 and "block_len" in p.stderr
     p = run(sparsa_bin, "generate", "--model", dl, "--prompt-ids", "1,x", "--json", check=False)
     assert p.returncode == 2 and "--prompt-ids" in p.stderr
+
+
+def test_number_beyond_double_range(sparsa_bin, tmp_path):
+    """Found by tests/fuzz/dlm_config_fuzz.cpp: a number JSON cannot hold in a double is an error."""
+    d = fresh(tmp_path)
+    text = (d / "config.json").read_text().replace('"block_size": 4', '"block_size": 4e475')
+    (d / "config.json").write_text(text)
+    expect_error(sparsa_bin, d, "config.json")

@@ -183,17 +183,22 @@ Outcome run_generate(const DlmOptions& o) {
   // Streaming: each request's text grows block by block (printed as it becomes final for a
   // single request; a batch prints at the end). The progress line goes to stderr.
   const auto start = std::chrono::steady_clock::now();
-  std::vector<size_t> shown(prompts.size(), 0);
+  std::string printed;  // the streamed text so far (one request)
   std::vector<int64_t> made(prompts.size(), 0);
   bool progress_shown = false;
   const bool stream = !o.json && prompts.size() == 1 && tok.has_value();
   auto on_block = [&](size_t r, std::span<const int32_t> generated) {
     made[r] = static_cast<int64_t>(generated.size());
     if (stream) {
+      // A block may end inside a multi-byte character (decoded as U+FFFD): hold those back.
       auto text = tok->decode(generated, true);
-      if (text.ok() && text->size() > shown[r] && text->compare(0, shown[r], text->substr(0, shown[r])) == 0) {
-        std::cout << text->substr(shown[r]) << std::flush;
-        shown[r] = text->size();
+      if (text.ok()) {
+        std::string t = text.value();
+        while (t.size() >= 3 && t.compare(t.size() - 3, 3, "\xEF\xBF\xBD") == 0) t.resize(t.size() - 3);
+        if (t.size() > printed.size() && t.compare(0, printed.size(), printed) == 0) {
+          std::cout << t.substr(printed.size()) << std::flush;
+          printed = t;
+        }
       }
     }
     if (!o.quiet) {
@@ -227,6 +232,10 @@ Outcome run_generate(const DlmOptions& o) {
     return success();
   }
   if (stream) {
+    auto text = tok->decode(result->tokens[0], true);  // the rest (held-back bytes, if any)
+    if (text.ok() && text->size() > printed.size() && text->compare(0, printed.size(), printed) == 0) {
+      std::cout << text->substr(printed.size());
+    }
     std::cout << "\n";
   } else {
     for (const auto& t : result->tokens) {

@@ -23,13 +23,32 @@ class CpuOps final : public Ops {
     Weight w;  // [rows, cols]; a norm's weight [dim] is [dim, 1]
     w.rows = t.shape[0];
     w.cols = t.ndim == 2 ? t.shape[1] : 1;
-    if (t.dtype == DType::f32) {
+    // f32 stays a view of the mapping unless the file placed it off 4-byte alignment (possible
+    // after an odd-length bf16 entry), which is copied.
+    if (t.dtype == DType::f32 && reinterpret_cast<uintptr_t>(t.data) % alignof(float) == 0) {
       w.data = t.ptr<const float>();
       return w;
     }
-    auto converted = convert(t, DType::f32);
-    if (!converted.ok()) return converted.status();
-    owned_.push_back(std::move(converted.value()));
+    // Mapped tensors are contiguous; entries are 2-byte aligned (every dtype's size is even and
+    // the data section starts 8-aligned), so u16 reads are aligned and f32 goes through memcpy.
+    HostArray converted(DType::f32, t.shape_vector());
+    float* dst = converted.ptr<float>();
+    const int64_t n = t.numel();
+    if (t.dtype == DType::bf16) {
+      const uint16_t* src = t.ptr<const uint16_t>();
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(dst + i, &bits, sizeof(float));
+      }
+    } else if (t.dtype == DType::f16) {
+      const uint16_t* src = t.ptr<const uint16_t>();
+      for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
+    } else if (t.dtype == DType::f32) {
+      std::memcpy(dst, t.data, sizeof(float) * n);
+    } else {
+      return Status(StatusCode::unsupported_dtype, "weights: expected F32, F16 or BF16");
+    }
+    owned_.push_back(std::move(converted));
     w.data = owned_.back().ptr<float>();
     return w;
   }

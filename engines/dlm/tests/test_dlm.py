@@ -50,6 +50,9 @@ SPECS = {
     "sdar_gqa_f32": R.Spec("sdar", dim=64, heads=4, kv_heads=2, layers=2, block=4, theta=1e6),
     "sdar_mixed_sharded_hd32": R.Spec("sdar", dim=48, heads=4, kv_heads=1, head_dim=32, layers=2, block=3,
                                       dtype="mixed", shards=2),
+    # an odd-length bf16 entry first: the f32 norms after it sit off 4-byte alignment in the file
+    "sdar_mixed_odd_unaligned": R.Spec("sdar", dim=33, heads=2, kv_heads=1, head_dim=16, hidden=40, vocab=41,
+                                       dtype="mixed"),
     "sdar_ntk_bf16": R.Spec("sdar", dim=64, heads=2, kv_heads=2, layers=2, block=5, dtype="BF16",
                             rope_scaling={"type": "dynamic", "factor": 2.0}),
 }

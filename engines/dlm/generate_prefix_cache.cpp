@@ -42,10 +42,12 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
     return top_k(k.confidence, std::max<int64_t>(want, 1));
   };
 
-  for (size_t r = 0; r < prompts.size(); ++r) {
-    Canvas& cv = canvas[r];
-    Sequence& seq = seqs[r];
-    for (int64_t b = 0; b < blocks && !cv.done; ++b) {
+  // Blocks outer, requests inner: every request decodes block b (its own cache) before block b + 1.
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      Canvas& cv = canvas[r];
+      Sequence& seq = seqs[r];
+      if (cv.done) continue;
       const int64_t begin = cv.prompt_len + b * o.block_len, end = begin + o.block_len;
       const std::vector<int64_t> schedule = transfer_schedule(cv.masks_in(begin, end), steps_per_block);
       // step 0: the whole canvas; keep the K/V of [0, begin) as the prefix cache
@@ -76,6 +78,8 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
       if (o.stop_at_eos && cv.eos_in(c, begin, end)) cv.done = true;
       if (cb) cb(r, cv.generated(c, end, o.stop_at_eos));
     }
+  }
+  for (const Canvas& cv : canvas) {
     res.tokens.push_back(cv.generated(c, static_cast<int64_t>(cv.x.size()), o.stop_at_eos));
   }
   return res;

@@ -272,11 +272,36 @@ def canvas_logits(s, w, tokens):
 # ---------------------------------------------------------------- reference loops (temperature 0)
 
 
-def softmax_pick(logits):
+MASK64 = (1 << 64) - 1
+
+
+class SplitMix64:
+    """The engine's sampler generator (sampler.cpp), so that sampling at temperature > 0 can be
+    compared draw for draw: request r of a batch starts at seed ^ (0x9E3779B97F4A7C15 * (r + 1))."""
+
+    def __init__(self, seed, request):
+        self.state = (seed ^ ((0x9E3779B97F4A7C15 * (request + 1)) & MASK64)) & MASK64
+
+    def uniform(self):  # (0, 1)
+        self.state = (self.state + 0x9E3779B97F4A7C15) & MASK64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        z = z ^ (z >> 31)
+        return ((z >> 11) + 0.5) / 9007199254740992.0
+
+
+def softmax_pick(logits, temperature=0.0, rng=None):
+    """LLaDA's sampler: argmax of the logits, or Gumbel-max argmax(l - T log(-log u)) at T > 0
+    (u drawn for every vocabulary entry in order); confidence = softmax probability of the pick."""
     z = logits - logits.max()
     p = np.exp(z)
     p /= p.sum()
-    t = int(np.argmax(logits))
+    if temperature > 0:
+        u = np.array([rng.uniform() for _ in range(len(logits))])
+        t = int(np.argmax(logits - temperature * np.log(-np.log(u))))
+    else:
+        t = int(np.argmax(logits))
     return t, float(p[t])
 
 
@@ -303,18 +328,19 @@ def cut(s, gen, stop=True):
     return out
 
 
-def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True):
+def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0.0, seed=0, request=0):
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
     P, nb = len(prompt), gen_len // block_len
     spb = steps // nb
+    rng = SplitMix64(seed, request)
     for b in range(nb):
         lo, hi = P + b * block_len, P + (b + 1) * block_len
         sched = schedule(sum(masked[lo:hi]), spb)
         for st in range(spb):
             logits = canvas_logits(s, w, x)
             pos = [i for i in range(lo, hi) if masked[i]]
-            picks = [softmax_pick(logits[i]) for i in pos]
+            picks = [softmax_pick(logits[i], temperature, rng) for i in pos]
             for j in top([p[1] for p in picks], sched[st]):
                 x[pos[j]] = picks[j][0]
                 masked[pos[j]] = False

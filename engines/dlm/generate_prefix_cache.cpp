@@ -31,15 +31,8 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
   std::vector<float> logits(static_cast<size_t>(o.block_len * c.vocab_size));
 
   auto choose = [&](const Candidates& k, const std::vector<int64_t>& schedule, int64_t step) {
-    if (o.threshold > 0) {
-      std::vector<int64_t> chosen = top_k(k.confidence, 1);
-      for (size_t j = 0; j < k.confidence.size(); ++j) {
-        if (static_cast<int64_t>(j) != chosen[0] && k.confidence[j] >= o.threshold) chosen.push_back(static_cast<int64_t>(j));
-      }
-      return chosen;
-    }
-    const int64_t want = step < static_cast<int64_t>(schedule.size()) ? schedule[step] : 1;
-    return top_k(k.confidence, std::max<int64_t>(want, 1));
+    return threshold_or_top_k(k.confidence, o.threshold,
+                              step < static_cast<int64_t>(schedule.size()) ? schedule[step] : 1);
   };
 
   // Blocks outer, requests inner: every request decodes block b (its own cache) before block b + 1.

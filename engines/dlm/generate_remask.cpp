@@ -6,6 +6,9 @@
 // (bidirectional, no cache), samples every masked position of the current block (argmax, or
 // Gumbel-max at the temperature), and commits the k most confident ones, k from LLaDA's
 // schedule (equal shares, the remainder to the first steps); the rest stay masked.
+// With threshold > 0 it is Fast-dLLM's parallel decoding without a cache: each step commits the
+// most confident masked token of the block and every other one with confidence >= threshold,
+// until the block has no mask (steps then only sets nothing; the block decides).
 #include "loop_common.h"
 
 namespace sparsa::dlm {
@@ -32,11 +35,14 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
       const int64_t begin = canvas[r].prompt_len + b * o.block_len;
       schedule[r] = transfer_schedule(canvas[r].masks_in(begin, begin + o.block_len), steps_per_block);
     }
-    for (int64_t step = 0; step < steps_per_block; ++step) {
+    for (int64_t step = 0;; ++step) {
+      bool any = false;
       for (size_t r = 0; r < prompts.size(); ++r) {
         Canvas& cv = canvas[r];
         if (cv.done) continue;
         const int64_t begin = cv.prompt_len + b * o.block_len;
+        if (o.threshold > 0 ? cv.masks_in(begin, begin + o.block_len) == 0 : step >= steps_per_block) continue;
+        any = true;
         ForwardOptions fo;
         fo.logits_begin = begin;
         fo.logits_count = o.block_len;
@@ -45,8 +51,13 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
         res.steps++;
         res.forward_tokens += static_cast<int64_t>(cv.x.size());
         const Candidates k = candidates(c, o, cv, logits.data(), begin, o.block_len);
-        commit(cv, k, top_k(k.confidence, schedule[r][step]));
+        if (o.threshold > 0) {
+          commit(cv, k, threshold_or_top_k(k.confidence, o.threshold, 1));
+        } else {
+          commit(cv, k, top_k(k.confidence, schedule[r][step]));
+        }
       }
+      if (!any) break;
     }
     for (size_t r = 0; r < prompts.size(); ++r) {
       Canvas& cv = canvas[r];

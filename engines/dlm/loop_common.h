@@ -61,6 +61,20 @@ inline Candidates candidates(const Config& c, const GenerateOptions& o, Canvas& 
   }
   return k;
 }
+// Fast-dLLM's parallel decoding rule: with threshold > 0 the most confident candidate and every
+// other one with confidence >= threshold; else the `want` most confident (at least one).
+inline std::vector<int64_t> threshold_or_top_k(const std::vector<double>& confidence, double threshold,
+                                               int64_t want) {
+  if (threshold > 0) {
+    std::vector<int64_t> chosen = top_k(confidence, 1);
+    for (size_t j = 0; j < confidence.size(); ++j) {
+      if (static_cast<int64_t>(j) != chosen[0] && confidence[j] >= threshold) chosen.push_back(static_cast<int64_t>(j));
+    }
+    return chosen;
+  }
+  return top_k(confidence, std::max<int64_t>(want, 1));
+}
+
 inline void commit(Canvas& cv, const Candidates& k, const std::vector<int64_t>& chosen) {
   for (int64_t j : chosen) {
     cv.x[k.position[j]] = k.pick[j].token;

@@ -112,7 +112,7 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
                               std::to_string(o.block_len));
     }
     const int64_t blocks = o.gen_len / o.block_len;
-    if ((o.loop == Loop::remask || o.threshold == 0) && o.steps % blocks != 0) {
+    if (o.threshold == 0 && o.steps % blocks != 0) {  // with a threshold the blocks set the pace
       return invalid_argument("steps: expected a multiple of the number of blocks (" + std::to_string(blocks) +
                               "), got " + std::to_string(o.steps));
     }

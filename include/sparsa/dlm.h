@@ -77,12 +77,13 @@ struct GenerateOptions {
   int64_t gen_len = 128;     // tokens generated after the prompt
   int64_t block_len = 32;    // remask / prefix_cache: tokens per block (gen_len a multiple of it);
                              // block: ignored, the model's block_size rules
-  int64_t steps = 128;       // remask: total steps (a multiple of gen_len / block_len);
+  int64_t steps = 128;       // remask: total steps (a multiple of gen_len / block_len; unused with a threshold);
                              // prefix_cache: the same schedule when threshold is 0;
                              // block: steps per block
   double threshold = 0;      // > 0: commit every masked token of the block whose confidence is
-                             // >= threshold (prefix_cache: at least one per step; block: at least
-                             // the step's scheduled count, SDAR's low_confidence_dynamic); 0: top-k
+                             // >= threshold (remask, prefix_cache: and at least the most confident
+                             // one, Fast-dLLM; block: > threshold, and at least the step's scheduled
+                             // count, SDAR's low_confidence_dynamic); 0: the scheduled top-k
   double temperature = 0;    // 0: argmax; > 0: Gumbel-max sampling at this temperature
   uint64_t seed = 0;
   bool stop_at_eos = true;   // after a block holding an EOS is done, stop; the output ends before the EOS

@@ -328,7 +328,8 @@ def cut(s, gen, stop=True):
     return out
 
 
-def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0.0, seed=0, request=0):
+def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0.0, seed=0, request=0,
+               threshold=0.0):
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
     P, nb = len(prompt), gen_len // block_len
@@ -337,11 +338,19 @@ def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0
     for b in range(nb):
         lo, hi = P + b * block_len, P + (b + 1) * block_len
         sched = schedule(sum(masked[lo:hi]), spb)
-        for st in range(spb):
+        st = 0
+        while (any(masked[lo:hi]) if threshold > 0 else st < spb):
             logits = canvas_logits(s, w, x)
             pos = [i for i in range(lo, hi) if masked[i]]
             picks = [softmax_pick(logits[i], temperature, rng) for i in pos]
-            for j in top([p[1] for p in picks], sched[st]):
+            conf = [p[1] for p in picks]
+            if threshold > 0:  # Fast-dLLM's parallel decoding, no cache
+                first = top(conf, 1)
+                chosen = first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
+            else:
+                chosen = top(conf, sched[st])
+            st += 1
+            for j in chosen:
                 x[pos[j]] = picks[j][0]
                 masked[pos[j]] = False
     return cut(s, x[P:], stop)

@@ -137,6 +137,15 @@ def test_remask_loop_matches_reference(sparsa_bin, llada_model, stop):
         assert all(len(g) == 16 for g in got)
 
 
+def test_remask_with_threshold_matches_reference(sparsa_bin, llada_model):
+    """remask + threshold: Fast-dLLM's parallel decoding without a cache."""
+    s, w, d = llada_model
+    got = generate_ids(sparsa_bin, d, PROMPTS, "--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps", 8,
+                       "--threshold", 0.3, "--no-stop-at-eos")
+    for p, g in zip(PROMPTS, got):
+        assert g == R.ref_remask(s, w, p, 16, 8, 8, False, threshold=0.3)
+
+
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
 @pytest.mark.parametrize("stop", STOP)
 def test_prefix_cache_loop_matches_reference(sparsa_bin, llada_model, threshold, stop):

@@ -17,7 +17,7 @@ namespace sparsa::dlm {
 
 Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                       const GenerateOptions& o, const BlockCallback& cb) {
-  const Config& c = m.config;
+  const Config c = loop_config(m.config, o);  // the EOS ids of this request set
   const int64_t B = c.block_size;
   GenerateResult res;
   State s;

@@ -15,7 +15,7 @@ namespace sparsa::dlm {
 
 Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                        const GenerateOptions& o, const BlockCallback& cb) {
-  const Config& c = m.config;
+  const Config c = loop_config(m.config, o);  // the EOS ids of this request set
   const int64_t blocks = o.gen_len / o.block_len, steps_per_block = o.steps / blocks;
   GenerateResult res;
   std::vector<Canvas> canvas;

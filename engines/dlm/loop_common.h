@@ -8,6 +8,14 @@
 
 namespace sparsa::dlm {
 
+// The config the sampler and the EOS checks see: GenerateOptions::eos_ids, when given, replace
+// the config's eos_token_id list.
+inline Config loop_config(const Config& model, const GenerateOptions& o) {
+  Config c = model;
+  if (!o.eos_ids.empty()) c.eos_token_ids = o.eos_ids;
+  return c;
+}
+
 struct Canvas {
   std::vector<int32_t> x;     // prompt, then the generated / masked positions
   std::vector<char> masked;   // 1 where x is still [MASK]

@@ -117,6 +117,11 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
                               "), got " + std::to_string(o.steps));
     }
   }
+  for (int32_t t : o.eos_ids) {
+    if (t < 0 || t >= c.vocab_size) {
+      return invalid_argument("eos_ids: id " + std::to_string(t) + " outside [0, " + std::to_string(c.vocab_size) + ")");
+    }
+  }
   for (size_t r = 0; r < prompts.size(); ++r) {
     const auto& p = prompts[r];
     const std::string who = "prompt " + std::to_string(r);

@@ -88,6 +88,8 @@ struct GenerateOptions {
   uint64_t seed = 0;
   bool stop_at_eos = true;   // after a block holding an EOS is done, stop; the output ends before the EOS
   bool ban_eos = false;      // EOS logits set to -inf before sampling (LLaDA's logits_eos_inf)
+  std::vector<int32_t> eos_ids;  // when not empty, the EOS ids instead of config.json's eos_token_id
+                                 // (e.g. LLaDA-Instruct's EOS 126081 and EoT 126348)
 };
 
 struct GenerateResult {

@@ -699,7 +699,7 @@ class Model:
 
     def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
-                 ban_eos: bool = False):
+                 ban_eos: bool = False, eos_ids=()):
         """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
         list of either (a batch; returns a list)."""
         batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
@@ -709,6 +709,6 @@ class Model:
             raise ValueError("prompt: text needs the model directory's tokenizer.json (or pass token ids)")
         ids = [self.tokenizer.encode(p) if t else [int(i) for i in p] for p, t in zip(prompts, text)]
         out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
-                                  ban_eos)
+                                  ban_eos, [int(i) for i in eos_ids])
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]

@@ -90,7 +90,7 @@ void bind_dlm(nb::module_& m) {
           "generate",
           [](const dlm::Model& m, const std::vector<std::vector<int32_t>>& prompts, int64_t gen_len,
              int64_t block_len, int64_t steps, double threshold, double temperature, uint64_t seed,
-             const std::string& loop, bool stop_at_eos, bool ban_eos) {
+             const std::string& loop, bool stop_at_eos, bool ban_eos, const std::vector<int32_t>& eos_ids) {
             dlm::GenerateOptions o;
             o.loop = loop.empty() ? m.default_loop() : take(dlm::parse_loop(loop));
             o.gen_len = gen_len;
@@ -101,6 +101,7 @@ void bind_dlm(nb::module_& m) {
             o.seed = seed;
             o.stop_at_eos = stop_at_eos;
             o.ban_eos = ban_eos;
+            o.eos_ids = eos_ids;
             Result<dlm::GenerateResult> r = Status(StatusCode::internal, "not run");
             {
               nb::gil_scoped_release release;
@@ -110,6 +111,7 @@ void bind_dlm(nb::module_& m) {
           },
           "prompts"_a, "gen_len"_a = 128, "block_len"_a = 32, "steps"_a = 0, "threshold"_a = 0.0,
           "temperature"_a = 0.0, "seed"_a = 0, "loop"_a = "", "stop_at_eos"_a = true, "ban_eos"_a = false,
+          "eos_ids"_a = std::vector<int32_t>{},
           "Generate for a batch of prompts (lists of ids); returns the generated ids of each.");
 
   nb::class_<dlm::Tokenizer>(m, "Tokenizer", "Hugging Face tokenizer.json, byte-level BPE.")

@@ -18,7 +18,7 @@ namespace sparsa::cli {
 namespace {
 
 struct DlmOptions {
-  std::string model, out, tokenizer, text, decode, backend = "cpu", loop, ids;
+  std::string model, out, tokenizer, text, decode, backend = "cpu", loop, ids, eos_ids;
   std::vector<std::string> prompts, prompt_ids;
   int64_t gen_len = 128, block_len = 32, steps = 0;
   double threshold = 0, temperature = 0;
@@ -179,6 +179,11 @@ Outcome run_generate(const DlmOptions& o) {
   g.seed = o.seed;
   g.stop_at_eos = !o.no_stop;
   g.ban_eos = o.ban_eos;
+  if (!o.eos_ids.empty()) {
+    auto eos = parse_ids("--eos-ids", o.eos_ids);
+    if (!eos.ok()) return usage_error(eos.status());
+    g.eos_ids = eos.value();
+  }
 
   // Streaming: each request's text grows block by block (printed as it becomes final for a
   // single request; a batch prints at the end). The progress line goes to stderr.
@@ -274,6 +279,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
   gen->add_flag("--no-stop-at-eos", o->no_stop, "keep decoding after an EOS (the output still ends before it)");
   gen->add_flag("--ban-eos", o->ban_eos, "never sample EOS");
+  gen->add_option("--eos-ids", o->eos_ids, "EOS ids 1,2 (default: config.json's eos_token_id)");
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");
   gen->add_flag("--quiet", o->quiet, "no progress line");
   out.push_back({gen, [o] { return run_generate(*o); }});

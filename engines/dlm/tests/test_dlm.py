@@ -168,6 +168,19 @@ def test_block_loop_matches_reference(sparsa_bin, sdar_model, threshold, stop):
         assert all(len(g) == 10 for g in got)
 
 
+def test_eos_ids_override(sparsa_bin, llada_model):
+    """--eos-ids replaces config.json's EOS: the output stops before the first of them."""
+    s, w, d = llada_model
+    flags = ["--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps", 8]
+    full = generate_ids(sparsa_bin, d, PROMPTS[:1], *flags, "--no-stop-at-eos")[0]
+    stop_at = full[3]
+    got = generate_ids(sparsa_bin, d, PROMPTS[:1], *flags, "--eos-ids", f"{stop_at},{s.vocab - 3}")[0]
+    assert got == full[:full.index(stop_at)]
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1", *flags, "--eos-ids", "999", "--json",
+            check=False)
+    assert p.returncode == 1 and "eos_ids" in p.stderr
+
+
 def test_batch_equals_single_requests(sparsa_bin, sdar_model, llada_model):
     for model, flags in ((sdar_model, ["--gen-len", 9, "--steps", 4]),
                          (llada_model, ["--loop", "prefix_cache", "--gen-len", 16, "--block-len", 8, "--steps", 4])):
@@ -315,6 +328,12 @@ def test_index_problems(sparsa_bin, tmp_path):
     bad["weight_map"] = {k: "../evil.safetensors" for k in good["weight_map"]}
     idx.write_text(json.dumps(bad))
     expect_error(sparsa_bin, d, "index.json", "file name")
+    moved = dict(good)  # a tensor the index places in a shard that does not hold it
+    first = sorted(good["weight_map"])[0]
+    other = [f for f in set(good["weight_map"].values()) if f != good["weight_map"][first]][0]
+    moved["weight_map"] = dict(good["weight_map"], **{first: other})
+    idx.write_text(json.dumps(moved))
+    expect_error(sparsa_bin, d, first, other)
     idx.write_text("[1, 2")
     expect_error(sparsa_bin, d, "index.json", "JSON")
     idx.write_text(json.dumps({"metadata": {}}))

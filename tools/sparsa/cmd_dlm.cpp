@@ -270,14 +270,14 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--loop", o->loop, "remask, prefix_cache or block (default: remask for llada, block for sdar)");
   gen->add_option("--gen-len", o->gen_len, "tokens to generate")->capture_default_str();
   gen->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
-  gen->add_option("--steps", o->steps, "remask: total steps; block: steps per block (default gen-len / block_size)");
+  gen->add_option("--steps", o->steps, "remask, prefix_cache: total steps (default gen-len); block: steps per block (default block_size)");
   gen->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding (0: top-k schedule)")
       ->capture_default_str();
   gen->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
   gen->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   gen->add_option("--backend", o->backend, "cpu (cuda: not yet)")->capture_default_str();
   gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
-  gen->add_flag("--no-stop-at-eos", o->no_stop, "keep decoding after an EOS (the output still ends before it)");
+  gen->add_flag("--no-stop-at-eos", o->no_stop, "decode every block even after an EOS (the output then keeps the EOS and what follows)");
   gen->add_flag("--ban-eos", o->ban_eos, "never sample EOS");
   gen->add_option("--eos-ids", o->eos_ids, "EOS ids 1,2 (default: config.json's eos_token_id)");
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");

@@ -33,9 +33,8 @@ class DenseAttention final : public LayerAttention {
     const Tensor pre_out = Tensor::contiguous(pre_out_.ptr<float>(), DType::f32, {1, heads_q, n, hd});
     const Tensor pre_lse = Tensor::contiguous(pre_lse_.ptr<float>(), DType::f32, {1, heads_q, n});
     SPARSA_RETURN_IF_ERROR(dense(call.q, call.prefix->keys(), call.prefix->values(), pre_out, pre_lse, options_));
-    return merge(call.out, own_lse, pre_out, pre_lse, call.out, own_lse, options_.backend == Backend::cuda
-                                                                            ? Backend::cuda
-                                                                            : Backend::cpu);
+    return merge(call.out, own_lse, pre_out, pre_lse, call.out, own_lse,
+                 options_.backend == Backend::cuda ? Backend::cuda : Backend::cpu);
   }
 
  private:
@@ -73,7 +72,8 @@ class DenseAttention final : public LayerAttention {
 
 Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer) {
   if (policy.method == "dense") return std::unique_ptr<LayerAttention>(new DenseAttention(policy));
-  return invalid_argument("attention method '" + policy.method + "' is not available in the engine yet (expected dense)");
+  return invalid_argument("attention method '" + policy.method +
+                          "' is not available in the engine yet (expected dense)");
 }
 
 }  // namespace sparsa::dlm

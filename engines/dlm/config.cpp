@@ -32,8 +32,7 @@ struct Fields {
   bool has(const char* f) const { return j.contains(f) && !j[f].is_null(); }
 
   // An integer in [lo, hi].
-  Status integer(const char* f, int64_t* out, int64_t lo = 1,
-                 int64_t hi = std::numeric_limits<int32_t>::max()) const {
+  Status integer(const char* f, int64_t* out, int64_t lo = 1, int64_t hi = std::numeric_limits<int32_t>::max()) const {
     if (!j.contains(f)) return error(f, "is missing (expected an integer)");
     const Json& v = j[f];
     if (!v.is_number_integer()) return error(f, "must be an integer, got " + v.dump());
@@ -66,9 +65,8 @@ struct Fields {
   Status must_be(const char* f, const Json& expected, const std::string& why) const {
     if (!has(f)) return Status::Ok();
     if (j[f] != expected) {
-      return Status(StatusCode::unsupported,
-                    where + ": '" + f + "' = " + j[f].dump() + " is not supported (expected " + expected.dump() +
-                        "): " + why);
+      return Status(StatusCode::unsupported, where + ": '" + f + "' = " + j[f].dump() + " is not supported (expected " +
+                                                 expected.dump() + "): " + why);
     }
     return Status::Ok();
   }
@@ -136,14 +134,16 @@ Status parse_llada(const Fields& f, Config* c) {
   if (f.has("embedding_size")) {
     int64_t e = 0;
     SPARSA_RETURN_IF_ERROR(f.integer("embedding_size", &e));
-    if (e < c->vocab_size) return f.error("embedding_size", "must be >= vocab_size (" + std::to_string(c->vocab_size) + ")");
+    if (e < c->vocab_size)
+      return f.error("embedding_size", "must be >= vocab_size (" + std::to_string(c->vocab_size) + ")");
     c->vocab_size = e;
   }
   if (f.j.contains("rms_norm_eps")) SPARSA_RETURN_IF_ERROR(f.number("rms_norm_eps", &c->norm_eps));
   SPARSA_RETURN_IF_ERROR(f.integer("max_sequence_length", &c->max_seq_len));
   if (f.j.contains("weight_tying")) SPARSA_RETURN_IF_ERROR(f.boolean("weight_tying", &c->tied_embeddings));
   if (c->dim % c->n_heads != 0) {
-    return f.error("n_heads", "must divide d_model (" + std::to_string(c->dim) + "), got " + std::to_string(c->n_heads));
+    return f.error("n_heads",
+                   "must divide d_model (" + std::to_string(c->dim) + "), got " + std::to_string(c->n_heads));
   }
   c->head_dim = c->dim / c->n_heads;
   SPARSA_RETURN_IF_ERROR(f.must_be("rope", true, "the engine implements RoPE models only"));
@@ -169,7 +169,8 @@ Status parse_sdar(const Fields& f, Config* c) {
   if (f.has("head_dim")) {
     SPARSA_RETURN_IF_ERROR(f.integer("head_dim", &c->head_dim, 1, 4096));
   } else {
-    if (c->dim % c->n_heads != 0) return f.error("num_attention_heads", "must divide hidden_size when head_dim is absent");
+    if (c->dim % c->n_heads != 0)
+      return f.error("num_attention_heads", "must divide hidden_size when head_dim is absent");
     c->head_dim = c->dim / c->n_heads;
   }
   SPARSA_RETURN_IF_ERROR(f.integer("intermediate_size", &c->hidden_dim));
@@ -177,7 +178,8 @@ Status parse_sdar(const Fields& f, Config* c) {
   SPARSA_RETURN_IF_ERROR(f.number("rms_norm_eps", &c->norm_eps));
   SPARSA_RETURN_IF_ERROR(f.integer("max_position_embeddings", &c->max_seq_len));
   SPARSA_RETURN_IF_ERROR(f.integer("block_size", &c->block_size, 1, 1 << 20));
-  if (f.j.contains("tie_word_embeddings")) SPARSA_RETURN_IF_ERROR(f.boolean("tie_word_embeddings", &c->tied_embeddings));
+  if (f.j.contains("tie_word_embeddings"))
+    SPARSA_RETURN_IF_ERROR(f.boolean("tie_word_embeddings", &c->tied_embeddings));
   SPARSA_RETURN_IF_ERROR(f.must_be("attention_bias", false, "attention biases are not implemented"));
   SPARSA_RETURN_IF_ERROR(f.must_be("hidden_act", "silu", "only SwiGLU (silu) is implemented"));
   return Status::Ok();
@@ -209,8 +211,9 @@ Result<Config> parse_config_json(const std::string& json_text, const std::string
                   where + ": 'model_type' = \"" + model_type + "\" is not supported (expected llada or sdar)");
   }
   if (c.n_heads % c.n_kv_heads != 0) {
-    return f.error(c.arch == Arch::llada ? "n_kv_heads" : "num_key_value_heads",
-                   "must divide the query heads (" + std::to_string(c.n_heads) + "), got " + std::to_string(c.n_kv_heads));
+    return f.error(
+        c.arch == Arch::llada ? "n_kv_heads" : "num_key_value_heads",
+        "must divide the query heads (" + std::to_string(c.n_heads) + "), got " + std::to_string(c.n_kv_heads));
   }
   if (c.head_dim % 2 != 0) return f.error("head_dim", "must be even for RoPE, got " + std::to_string(c.head_dim));
   SPARSA_RETURN_IF_ERROR(parse_rope(f, &c));

@@ -83,11 +83,11 @@ std::unique_ptr<Ops> make_cpu_ops();
 struct AttentionCall {
   int layer = 0;
   int64_t pos0 = 0;
-  Tensor q;     // f32 [1, heads_q, n, head_dim], RoPE applied (strided views are fine)
-  Tensor k, v;  // f32 [1, heads_kv, n, head_dim]: the chunk's own keys and values
+  Tensor q;                              // f32 [1, heads_q, n, head_dim], RoPE applied (strided views are fine)
+  Tensor k, v;                           // f32 [1, heads_kv, n, head_dim]: the chunk's own keys and values
   const PagedKVCache* prefix = nullptr;  // positions [0, pos0); null or empty: none
   int64_t block_causal = 0;
-  Tensor out;   // f32 [1, heads_q, n, head_dim]
+  Tensor out;     // f32 [1, heads_q, n, head_dim]
   int step = -1;  // denoising step inside the current block (0 = first); -1: prefill, commit, logits
 };
 
@@ -108,12 +108,12 @@ Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPoli
 
 // ---- weights, sequence, state --------------------------------------------------------------
 struct LayerWeights {
-  Weight attn_norm, wq, wk, wv, wo;  // wq [heads*hd, dim], wk/wv [kv_heads*hd, dim], wo [dim, heads*hd]
-  Weight q_norm, k_norm;             // sdar: [head_dim]
+  Weight attn_norm, wq, wk, wv, wo;       // wq [heads*hd, dim], wk/wv [kv_heads*hd, dim], wo [dim, heads*hd]
+  Weight q_norm, k_norm;                  // sdar: [head_dim]
   Weight ffn_norm, w_gate, w_up, w_down;  // w_gate/w_up [hidden, dim], w_down [dim, hidden]
 };
 struct Weights {
-  Weight embed;       // [vocab, dim]
+  Weight embed;  // [vocab, dim]
   std::vector<LayerWeights> layers;
   Weight final_norm;  // [dim]
   Weight lm_head;     // [vocab, dim]
@@ -147,9 +147,9 @@ struct State {
 };
 
 struct ForwardOptions {
-  int64_t block_causal = 0;       // inside the chunk (see AttentionCall)
-  int64_t store_kv = 0;           // append the K/V of the chunk's first store_kv tokens to the cache
-  int64_t logits_begin = 0;       // logits of chunk rows [logits_begin, logits_begin + logits_count)
+  int64_t block_causal = 0;  // inside the chunk (see AttentionCall)
+  int64_t store_kv = 0;      // append the K/V of the chunk's first store_kv tokens to the cache
+  int64_t logits_begin = 0;  // logits of chunk rows [logits_begin, logits_begin + logits_count)
   int64_t logits_count = 0;
   int step = -1;
 };

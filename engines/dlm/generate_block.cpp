@@ -39,8 +39,13 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
     const int64_t blocks = (p + o.gen_len + B - 1) / B;
     auto seq = make_sequence(c, m.policy);
     if (!seq.ok()) return seq.status();
-    reqs.push_back({Canvas(prompts[r], blocks * B, c.mask_token_id, o.seed, r), std::move(seq.value()), p / B, blocks,
-                    0, {}, false});
+    reqs.push_back({Canvas(prompts[r], blocks * B, c.mask_token_id, o.seed, r),
+                    std::move(seq.value()),
+                    p / B,
+                    blocks,
+                    0,
+                    {},
+                    false});
     Request& q = reqs.back();
     if (q.block > 0) {  // prefill the prompt's whole blocks (block-causal, exact)
       ForwardOptions fo;
@@ -86,7 +91,8 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
       res.steps++;
       res.forward_tokens += B;
       const Candidates k = candidates(c, o, q.cv, logits.data(), begin, B);
-      const int64_t want = std::max<int64_t>(q.step < static_cast<int64_t>(q.schedule.size()) ? q.schedule[q.step] : 1, 1);
+      const int64_t want =
+          std::max<int64_t>(q.step < static_cast<int64_t>(q.schedule.size()) ? q.schedule[q.step] : 1, 1);
       std::vector<int64_t> chosen;
       if (o.threshold > 0) {
         for (size_t j = 0; j < k.confidence.size(); ++j) {

@@ -17,14 +17,16 @@ inline Config loop_config(const Config& model, const GenerateOptions& o) {
 }
 
 struct Canvas {
-  std::vector<int32_t> x;     // prompt, then the generated / masked positions
-  std::vector<char> masked;   // 1 where x is still [MASK]
+  std::vector<int32_t> x;    // prompt, then the generated / masked positions
+  std::vector<char> masked;  // 1 where x is still [MASK]
   int64_t prompt_len = 0;
-  bool done = false;          // stopped at EOS
+  bool done = false;  // stopped at EOS
   uint64_t rng = 0;
 
   Canvas(const std::vector<int32_t>& prompt, int64_t total, int32_t mask_id, uint64_t seed, size_t request)
-      : x(prompt), masked(prompt.size(), 0), prompt_len(static_cast<int64_t>(prompt.size())),
+      : x(prompt),
+        masked(prompt.size(), 0),
+        prompt_len(static_cast<int64_t>(prompt.size())),
         rng(seed ^ (0x9E3779B97F4A7C15ull * (request + 1))) {
     x.resize(static_cast<size_t>(total), mask_id);
     masked.resize(static_cast<size_t>(total), 1);
@@ -71,8 +73,7 @@ inline Candidates candidates(const Config& c, const GenerateOptions& o, Canvas& 
 }
 // Fast-dLLM's parallel decoding rule: with threshold > 0 the most confident candidate and every
 // other one with confidence >= threshold; else the `want` most confident (at least one).
-inline std::vector<int64_t> threshold_or_top_k(const std::vector<double>& confidence, double threshold,
-                                               int64_t want) {
+inline std::vector<int64_t> threshold_or_top_k(const std::vector<double>& confidence, double threshold, int64_t want) {
   if (threshold > 0) {
     std::vector<int64_t> chosen = top_k(confidence, 1);
     for (size_t j = 0; j < confidence.size(); ++j) {

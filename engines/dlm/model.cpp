@@ -11,9 +11,12 @@ namespace sparsa::dlm {
 
 const char* loop_name(Loop loop) {
   switch (loop) {
-    case Loop::remask: return "remask";
-    case Loop::prefix_cache: return "prefix_cache";
-    case Loop::block: return "block";
+    case Loop::remask:
+      return "remask";
+    case Loop::prefix_cache:
+      return "prefix_cache";
+    case Loop::block:
+      return "block";
   }
   return "?";
 }
@@ -42,7 +45,8 @@ Result<Model> Model::load(const std::string& dir, const LoadOptions& options) {
   if (!fs::is_directory(dir, ec)) return Status(StatusCode::io_error, dir + ": not a model directory");
   const std::string config_path = (fs::path(dir) / "config.json").string();
   std::ifstream in(config_path, std::ios::binary);
-  if (!in) return Status(StatusCode::io_error, config_path + ": missing or unreadable (a model directory needs config.json)");
+  if (!in)
+    return Status(StatusCode::io_error, config_path + ": missing or unreadable (a model directory needs config.json)");
   std::stringstream ss;
   ss << in.rdbuf();
   auto config = parse_config(ss.str(), config_path);
@@ -119,7 +123,8 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   }
   for (int32_t t : o.eos_ids) {
     if (t < 0 || t >= c.vocab_size) {
-      return invalid_argument("eos_ids: id " + std::to_string(t) + " outside [0, " + std::to_string(c.vocab_size) + ")");
+      return invalid_argument("eos_ids: id " + std::to_string(t) + " outside [0, " + std::to_string(c.vocab_size) +
+                              ")");
     }
   }
   for (size_t r = 0; r < prompts.size(); ++r) {
@@ -131,11 +136,13 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
     if (total > c.max_seq_len) {
       return invalid_argument(who + ": " + std::to_string(p.size()) + " prompt tokens + " + std::to_string(o.gen_len) +
                               " generated" + (o.loop == Loop::block ? " (rounded up to whole blocks)" : "") + " = " +
-                              std::to_string(total) + " exceed the model's context of " + std::to_string(c.max_seq_len));
+                              std::to_string(total) + " exceed the model's context of " +
+                              std::to_string(c.max_seq_len));
     }
     for (int32_t t : p) {
       if (t < 0 || t >= c.vocab_size) {
-        return invalid_argument(who + ": token id " + std::to_string(t) + " outside [0, " + std::to_string(c.vocab_size) + ")");
+        return invalid_argument(who + ": token id " + std::to_string(t) + " outside [0, " +
+                                std::to_string(c.vocab_size) + ")");
       }
     }
   }

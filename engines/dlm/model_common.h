@@ -13,11 +13,11 @@ Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t
 void head(const Config& c, const Weights& w, State& s, const ForwardOptions& o, float* logits);
 Result<Weight> load_weight(const TensorStore& store, Ops& ops, const std::string& name, std::vector<int64_t> shape);
 
-#define SPARSA_ASSIGN_WEIGHT(dst, expr)  \
-  do {                                   \
-    auto weight_ = (expr);               \
+#define SPARSA_ASSIGN_WEIGHT(dst, expr)         \
+  do {                                          \
+    auto weight_ = (expr);                      \
     if (!weight_.ok()) return weight_.status(); \
-    dst = weight_.value();               \
+    dst = weight_.value();                      \
   } while (0)
 
 }  // namespace sparsa::dlm

@@ -119,9 +119,7 @@ class CpuOps final : public Ops {
     }
   }
 
-  void to_host(float* dst, const float* src, int64_t count) override {
-    std::memcpy(dst, src, sizeof(float) * count);
-  }
+  void to_host(float* dst, const float* src, int64_t count) override { std::memcpy(dst, src, sizeof(float) * count); }
 
  private:
   std::list<HostArray> owned_;  // converted weights (stable addresses)

@@ -21,12 +21,13 @@ Result<std::map<std::string, std::string>> parse_safetensors_index(const std::st
   std::map<std::string, std::string> out;
   for (const auto& [name, file] : wm.items()) {
     if (!file.is_string()) {
-      return Status(StatusCode::malformed_file, where + ": 'weight_map' entry '" + name + "' must be a file name string");
+      return Status(StatusCode::malformed_file,
+                    where + ": 'weight_map' entry '" + name + "' must be a file name string");
     }
     const std::string f = file.get<std::string>();
     if (f.empty() || f.find('/') != std::string::npos || f.find('\\') != std::string::npos || f == "." || f == "..") {
-      return Status(StatusCode::malformed_file,
-                    where + ": 'weight_map' entry '" + name + "' names '" + f + "', expected a file name in the directory");
+      return Status(StatusCode::malformed_file, where + ": 'weight_map' entry '" + name + "' names '" + f +
+                                                    "', expected a file name in the directory");
     }
     out[name] = f;
   }

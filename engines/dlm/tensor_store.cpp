@@ -99,7 +99,8 @@ Result<TensorStore> TensorStore::open(const std::string& dir) {
         if (it == weight_map.end() || it->second != file_name) continue;  // the index decides where a tensor lives
       }
       if (e.offset + e.nbytes > m->size) {
-        return Status(StatusCode::malformed_file, path + ": tensor '" + e.name + "' runs beyond the file (truncated shard)");
+        return Status(StatusCode::malformed_file,
+                      path + ": tensor '" + e.name + "' runs beyond the file (truncated shard)");
       }
       if (store.tensors_.count(e.name)) {
         return Status(StatusCode::malformed_file, path + ": tensor '" + e.name + "' appears in two files");

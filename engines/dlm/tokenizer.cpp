@@ -91,15 +91,15 @@ std::string utf8_lossy(const std::string& bytes) {
 
 // ---- character classes -----------------------------------------------------------------------
 bool is_space(uint32_t c) {
-  return c == ' ' || (c >= 0x09 && c <= 0x0D) || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
-         c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+  return c == ' ' || (c >= 0x09 && c <= 0x0D) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 bool is_number(uint32_t c) {
   return (c >= '0' && c <= '9') || c == 0xB2 || c == 0xB3 || c == 0xB9 || (c >= 0xBC && c <= 0xBE) ||
          (c >= 0x660 && c <= 0x669) || (c >= 0x6F0 && c <= 0x6F9) || (c >= 0x966 && c <= 0x96F) ||
          (c >= 0x2070 && c <= 0x2079 && c != 0x2071 && c != 0x2072 && c != 0x2073) || (c >= 0x2080 && c <= 0x2089) ||
-         (c >= 0x2150 && c <= 0x2189) || (c >= 0x2460 && c <= 0x249B) || (c >= 0xFF10 && c <= 0xFF19) ||
-         c == 0x3007 || (c >= 0x3021 && c <= 0x3029);
+         (c >= 0x2150 && c <= 0x2189) || (c >= 0x2460 && c <= 0x249B) || (c >= 0xFF10 && c <= 0xFF19) || c == 0x3007 ||
+         (c >= 0x3021 && c <= 0x3029);
 }
 bool is_letter(uint32_t c) {
   if (c < 0x80) return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
@@ -162,9 +162,7 @@ size_t match_gpt2(const std::vector<uint32_t>& cp, size_t i) {
   const uint32_t c = cp[j0];
   if (!is_space(c)) {
     const int cls = is_letter(c) ? 0 : is_number(c) ? 1 : 2;
-    auto same = [&](uint32_t x) {
-      return !is_space(x) && (is_letter(x) ? 0 : is_number(x) ? 1 : 2) == cls;
-    };
+    auto same = [&](uint32_t x) { return !is_space(x) && (is_letter(x) ? 0 : is_number(x) ? 1 : 2) == cls; };
     size_t j = j0;
     while (j < n && same(cp[j])) ++j;
     return j - i;
@@ -353,10 +351,12 @@ Result<Tokenizer> Tokenizer::parse_json(const std::string& json_text, const std:
     return unsupported("model.type", "= " + (m.contains("type") ? m["type"].dump() : std::string("(missing)")) +
                                          ": only byte-level BPE is supported");
   }
-  if (m.contains("byte_fallback") && m["byte_fallback"] == true) return unsupported("model.byte_fallback", "= true is not supported");
+  if (m.contains("byte_fallback") && m["byte_fallback"] == true)
+    return unsupported("model.byte_fallback", "= true is not supported");
   if (m.contains("dropout") && !m["dropout"].is_null()) return unsupported("model.dropout", "is not supported");
   for (const char* f : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    if (m.contains(f) && !m[f].is_null() && m[f] != "") return unsupported(std::string("model.") + f, "is not supported");
+    if (m.contains(f) && !m[f].is_null() && m[f] != "")
+      return unsupported(std::string("model.") + f, "is not supported");
   }
   if (m.contains("ignore_merges")) {
     if (!m["ignore_merges"].is_boolean()) return bad("model.ignore_merges", "must be true or false");
@@ -389,7 +389,8 @@ Result<Tokenizer> Tokenizer::parse_json(const std::string& json_text, const std:
     } else if (mg.is_array() && mg.size() == 2 && mg[0].is_string() && mg[1].is_string()) {
       p = {mg[0].get<std::string>(), mg[1].get<std::string>()};
     } else {
-      return bad("model.merges", "entry " + std::to_string(rank) + " must be \"a b\" or [\"a\", \"b\"], got " + mg.dump());
+      return bad("model.merges",
+                 "entry " + std::to_string(rank) + " must be \"a b\" or [\"a\", \"b\"], got " + mg.dump());
     }
     impl->ranks.emplace(p, rank++);
   }
@@ -461,7 +462,8 @@ Result<Tokenizer> Tokenizer::parse_json(const std::string& json_text, const std:
         bool use_regex = true;
         SPARSA_RETURN_IF_ERROR(byte_level(p, &use_regex));
         if (use_regex) {
-          if (have_split) return unsupported("pre_tokenizer.ByteLevel.use_regex", "= true after a Split is not supported");
+          if (have_split)
+            return unsupported("pre_tokenizer.ByteLevel.use_regex", "= true after a Split is not supported");
           impl->split = Split::gpt2;
           have_split = true;
         }

@@ -48,9 +48,9 @@ struct Config {
   int64_t max_seq_len = 0;  // max_sequence_length / max_position_embeddings
   int32_t mask_token_id = -1;
   std::vector<int32_t> eos_token_ids;  // eos_token_id (an id or a list); may be empty
-  int64_t block_size = 0;   // sdar: block_size; llada: 0 (no blocks in the architecture)
-  bool qk_norm = false;     // sdar: true (q_norm / k_norm per head)
-  bool tied_embeddings = false;  // weight_tying / tie_word_embeddings: the head is the embedding
+  int64_t block_size = 0;              // sdar: block_size; llada: 0 (no blocks in the architecture)
+  bool qk_norm = false;                // sdar: true (q_norm / k_norm per head)
+  bool tied_embeddings = false;        // weight_tying / tie_word_embeddings: the head is the embedding
 };
 
 // Parses and validates config.json's text; `where` prefixes messages ("DIR/config.json").
@@ -65,9 +65,9 @@ struct LoadOptions {
 
 // Denoising loops (one file each in engines/dlm/).
 enum class Loop : uint8_t {
-  remask,       // LLaDA: semi-autoregressive low-confidence remasking, full canvas every step
-  prefix_cache, // Fast-dLLM: prefix KV refreshed once per block, confidence-threshold decoding
-  block,        // block diffusion (SDAR): exact prefix KV cache, block by block
+  remask,        // LLaDA: semi-autoregressive low-confidence remasking, full canvas every step
+  prefix_cache,  // Fast-dLLM: prefix KV refreshed once per block, confidence-threshold decoding
+  block,         // block diffusion (SDAR): exact prefix KV cache, block by block
 };
 const char* loop_name(Loop loop);
 Result<Loop> parse_loop(const std::string& name);
@@ -86,8 +86,8 @@ struct GenerateOptions {
                              // count, SDAR's low_confidence_dynamic); 0: the scheduled top-k
   double temperature = 0;    // 0: argmax; > 0: Gumbel-max sampling at this temperature
   uint64_t seed = 0;
-  bool stop_at_eos = true;   // after a block holding an EOS is done, stop; the output ends before the EOS
-  bool ban_eos = false;      // EOS logits set to -inf before sampling (LLaDA's logits_eos_inf)
+  bool stop_at_eos = true;       // after a block holding an EOS is done, stop; the output ends before the EOS
+  bool ban_eos = false;          // EOS logits set to -inf before sampling (LLaDA's logits_eos_inf)
   std::vector<int32_t> eos_ids;  // when not empty, the EOS ids instead of config.json's eos_token_id
                                  // (e.g. LLaDA-Instruct's EOS 126081 and EoT 126348)
 };

@@ -88,14 +88,15 @@ void bind_dlm(nb::module_& m) {
           "ids"_a, "Logits f32 [len(ids), vocab] of one forward pass with the architecture's own attention pattern.")
       .def(
           "generate",
-          [](const dlm::Model& m, const std::vector<std::vector<int32_t>>& prompts, int64_t gen_len,
-             int64_t block_len, int64_t steps, double threshold, double temperature, uint64_t seed,
-             const std::string& loop, bool stop_at_eos, bool ban_eos, const std::vector<int32_t>& eos_ids) {
+          [](const dlm::Model& m, const std::vector<std::vector<int32_t>>& prompts, int64_t gen_len, int64_t block_len,
+             int64_t steps, double threshold, double temperature, uint64_t seed, const std::string& loop,
+             bool stop_at_eos, bool ban_eos, const std::vector<int32_t>& eos_ids) {
             dlm::GenerateOptions o;
             o.loop = loop.empty() ? m.default_loop() : take(dlm::parse_loop(loop));
             o.gen_len = gen_len;
             o.block_len = block_len;
-            o.steps = steps > 0 ? steps : (o.loop == dlm::Loop::block ? std::max<int64_t>(m.config().block_size, 1) : gen_len);
+            o.steps = steps > 0 ? steps
+                                : (o.loop == dlm::Loop::block ? std::max<int64_t>(m.config().block_size, 1) : gen_len);
             o.threshold = threshold;
             o.temperature = temperature;
             o.seed = seed;
@@ -109,13 +110,14 @@ void bind_dlm(nb::module_& m) {
             }
             return take(std::move(r)).tokens;
           },
-          "prompts"_a, "gen_len"_a = 128, "block_len"_a = 32, "steps"_a = 0, "threshold"_a = 0.0,
-          "temperature"_a = 0.0, "seed"_a = 0, "loop"_a = "", "stop_at_eos"_a = true, "ban_eos"_a = false,
+          "prompts"_a, "gen_len"_a = 128, "block_len"_a = 32, "steps"_a = 0, "threshold"_a = 0.0, "temperature"_a = 0.0,
+          "seed"_a = 0, "loop"_a = "", "stop_at_eos"_a = true, "ban_eos"_a = false,
           "eos_ids"_a = std::vector<int32_t>{},
           "Generate for a batch of prompts (lists of ids); returns the generated ids of each.");
 
   nb::class_<dlm::Tokenizer>(m, "Tokenizer", "Hugging Face tokenizer.json, byte-level BPE.")
-      .def_static("load", [](const std::string& path) { return take(dlm::Tokenizer::load(path)); }, "path"_a)
+      .def_static(
+          "load", [](const std::string& path) { return take(dlm::Tokenizer::load(path)); }, "path"_a)
       .def("encode", &dlm::Tokenizer::encode, "text"_a)
       .def(
           "decode",

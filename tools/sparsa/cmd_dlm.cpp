@@ -108,15 +108,16 @@ Outcome run_info(const DlmOptions& o) {
     return success();
   }
   for (const auto& [k, v] : j.items()) {
-    std::cout << k << std::string(k.size() < 16 ? 16 - k.size() : 1, ' ') << (v.is_string() ? v.get<std::string>() : v.dump())
-              << "\n";
+    std::cout << k << std::string(k.size() < 16 ? 16 - k.size() : 1, ' ')
+              << (v.is_string() ? v.get<std::string>() : v.dump()) << "\n";
   }
   return success();
 }
 
 Outcome run_tokenize(const DlmOptions& o) {
   if (o.tokenizer.empty()) return usage_error(invalid_argument("--tokenizer: required"));
-  if (o.text.empty() == o.decode.empty()) return usage_error(invalid_argument("give exactly one of --text and --decode"));
+  if (o.text.empty() == o.decode.empty())
+    return usage_error(invalid_argument("give exactly one of --text and --decode"));
   auto tok = dlm::Tokenizer::load(o.tokenizer);
   if (!tok.ok()) return runtime_error(tok.status());
   if (!o.decode.empty()) {
@@ -143,7 +144,8 @@ Outcome run_tokenize(const DlmOptions& o) {
 
 Outcome run_generate(const DlmOptions& o) {
   if (o.prompts.empty() == o.prompt_ids.empty()) {
-    return usage_error(invalid_argument("give --prompt TEXT or --prompt-ids IDS (each repeatable for a batch), not both"));
+    return usage_error(
+        invalid_argument("give --prompt TEXT or --prompt-ids IDS (each repeatable for a batch), not both"));
   }
   std::vector<std::vector<int32_t>> prompts;
   for (const std::string& p : o.prompt_ids) {
@@ -265,19 +267,22 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   CLI::App* gen = app.add_subcommand("generate", "generate text with a diffusion LM (model directory of HF files)");
   gen->add_option("--model", o->model, "model directory (config.json, safetensors, tokenizer.json)")->required();
   gen->add_option("--prompt", o->prompts, "prompt text (repeatable: a batch)")->allow_extra_args(false);
-  gen->add_option("--prompt-ids", o->prompt_ids, "prompt token ids 1,2,3 (repeatable: a batch)")->allow_extra_args(false);
+  gen->add_option("--prompt-ids", o->prompt_ids, "prompt token ids 1,2,3 (repeatable: a batch)")
+      ->allow_extra_args(false);
   gen->add_option("--tokenizer", o->tokenizer, "tokenizer.json (default: the model directory's)");
   gen->add_option("--loop", o->loop, "remask, prefix_cache or block (default: remask for llada, block for sdar)");
   gen->add_option("--gen-len", o->gen_len, "tokens to generate")->capture_default_str();
   gen->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
-  gen->add_option("--steps", o->steps, "remask, prefix_cache: total steps (default gen-len); block: steps per block (default block_size)");
+  gen->add_option("--steps", o->steps,
+                  "remask, prefix_cache: total steps (default gen-len); block: steps per block (default block_size)");
   gen->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding (0: top-k schedule)")
       ->capture_default_str();
   gen->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
   gen->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   gen->add_option("--backend", o->backend, "cpu (cuda: not yet)")->capture_default_str();
   gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
-  gen->add_flag("--no-stop-at-eos", o->no_stop, "decode every block even after an EOS (the output then keeps the EOS and what follows)");
+  gen->add_flag("--no-stop-at-eos", o->no_stop,
+                "decode every block even after an EOS (the output then keeps the EOS and what follows)");
   gen->add_flag("--ban-eos", o->ban_eos, "never sample EOS");
   gen->add_option("--eos-ids", o->eos_ids, "EOS ids 1,2 (default: config.json's eos_token_id)");
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");

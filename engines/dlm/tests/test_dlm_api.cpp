@@ -29,20 +29,21 @@ fs::path write_model(const std::string& arch, const Tiny& t, const std::string& 
   const int64_t hd = t.dim / t.heads;
   std::ofstream(dir / "config.json")
       << (arch == "sdar"
-              ? "{\"model_type\": \"sdar\", \"hidden_size\": " + std::to_string(t.dim) +
-                    ", \"num_hidden_layers\": " + std::to_string(t.layers) + ", \"num_attention_heads\": " +
-                    std::to_string(t.heads) + ", \"num_key_value_heads\": " + std::to_string(t.kv_heads) +
-                    ", \"intermediate_size\": " + std::to_string(t.hidden) + ", \"vocab_size\": " +
-                    std::to_string(t.vocab) + ", \"rms_norm_eps\": 1e-6, \"rope_theta\": 1000000, "
-                    "\"max_position_embeddings\": 128, \"block_size\": " + std::to_string(t.block) +
-                    ", \"mask_token_id\": " + std::to_string(t.vocab - 1) + ", \"eos_token_id\": " +
-                    std::to_string(t.vocab - 2) + "}"
-              : "{\"model_type\": \"llada\", \"d_model\": " + std::to_string(t.dim) + ", \"n_layers\": " +
-                    std::to_string(t.layers) + ", \"n_heads\": " + std::to_string(t.heads) + ", \"n_kv_heads\": " +
-                    std::to_string(t.kv_heads) + ", \"mlp_hidden_size\": " + std::to_string(t.hidden) +
-                    ", \"vocab_size\": " + std::to_string(t.vocab) + ", \"rope_theta\": 500000.0, "
-                    "\"max_sequence_length\": 128, \"mask_token_id\": " + std::to_string(t.vocab - 1) +
-                    ", \"eos_token_id\": " + std::to_string(t.vocab - 2) + "}");
+              ? "{\"model_type\": \"sdar\", \"hidden_size\": " + std::to_string(t.dim) + ", \"num_hidden_layers\": " +
+                    std::to_string(t.layers) + ", \"num_attention_heads\": " + std::to_string(t.heads) +
+                    ", \"num_key_value_heads\": " + std::to_string(t.kv_heads) + ", \"intermediate_size\": " +
+                    std::to_string(t.hidden) + ", \"vocab_size\": " + std::to_string(t.vocab) +
+                    ", \"rms_norm_eps\": 1e-6, \"rope_theta\": 1000000, "
+                    "\"max_position_embeddings\": 128, \"block_size\": " +
+                    std::to_string(t.block) + ", \"mask_token_id\": " + std::to_string(t.vocab - 1) +
+                    ", \"eos_token_id\": " + std::to_string(t.vocab - 2) + "}"
+              : "{\"model_type\": \"llada\", \"d_model\": " + std::to_string(t.dim) +
+                    ", \"n_layers\": " + std::to_string(t.layers) + ", \"n_heads\": " + std::to_string(t.heads) +
+                    ", \"n_kv_heads\": " + std::to_string(t.kv_heads) + ", \"mlp_hidden_size\": " +
+                    std::to_string(t.hidden) + ", \"vocab_size\": " + std::to_string(t.vocab) +
+                    ", \"rope_theta\": 500000.0, "
+                    "\"max_sequence_length\": 128, \"mask_token_id\": " +
+                    std::to_string(t.vocab - 1) + ", \"eos_token_id\": " + std::to_string(t.vocab - 2) + "}");
   std::mt19937 rng(7);
   std::vector<HostArray> arrays;
   std::vector<std::pair<std::string, Tensor>> tensors;

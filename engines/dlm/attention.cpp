@@ -71,9 +71,11 @@ class DenseAttention final : public LayerAttention {
 }  // namespace
 
 Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer) {
-  if (policy.method == "dense") return std::unique_ptr<LayerAttention>(new DenseAttention(policy));
-  return invalid_argument("attention method '" + policy.method +
-                          "' is not available in the engine yet (expected dense)");
+  const std::string& method =
+      layer < static_cast<int>(policy.layer_methods.size()) ? policy.layer_methods[layer] : policy.method;
+  if (method == "dense") return std::unique_ptr<LayerAttention>(new DenseAttention(policy));
+  return invalid_argument("attention method '" + method + "' (layer " + std::to_string(layer) +
+                          ") is not available in the engine yet (expected dense)");
 }
 
 }  // namespace sparsa::dlm

@@ -97,10 +97,13 @@ class LayerAttention {
   virtual Status forward(const AttentionCall& call) = 0;
   // The chunk's K/V were appended to the prefix cache (a block was committed).
   virtual void on_commit() {}
+  // The prefix cache was emptied (prefix_cache refreshes it every block): drop cached state.
+  virtual void on_reset() {}
 };
 // The method of each layer: builds one LayerAttention per (sequence, layer).
 struct AttentionPolicy {
-  std::string method = "dense";
+  std::string method = "dense";            // every layer's, unless layer_methods names it
+  std::vector<std::string> layer_methods;  // optional: layer l runs layer_methods[l] (e.g. dense first layers)
   Backend backend = Backend::cpu;
   int num_threads = 0;
 };
@@ -138,7 +141,6 @@ struct State {
   int64_t capacity = 0;
   float *x = nullptr, *xb = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr;
   float *hb = nullptr, *hb2 = nullptr, *logits = nullptr;
-  std::vector<float> host_k, host_v;  // K/V rows handed to the cache
   State() = default;
   State(const State&) = delete;
   State& operator=(const State&) = delete;

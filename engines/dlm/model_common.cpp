@@ -45,6 +45,7 @@ Status reset_cache(const Config& c, Sequence& seq) {
     if (!cache.ok()) return cache.status();
     seq.cache.push_back(std::move(cache.value()));
   }
+  for (auto& a : seq.attention) a->on_reset();
   return Status::Ok();
 }
 

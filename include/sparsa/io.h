@@ -44,6 +44,18 @@ Result<std::vector<NamedArray>> read_safetensors(const std::string& path);
 // bytes. Names must be non-empty, unique, valid UTF-8 and not "__metadata__".
 Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors);
 
+// The validated header of a .safetensors file (the same checks as read_safetensors) without
+// reading the data, for callers that map the file: offset is from the start of the file and
+// [offset, offset + nbytes) lies inside it. Entries in the order of the header.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::f32;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;
+  uint64_t nbytes = 0;
+};
+Result<std::vector<SafetensorsEntry>> read_safetensors_header(const std::string& path);
+
 // By extension: "x.npy", "x.safetensors" (the single entry; a file of several entries
 // is refused with invalid_argument naming them) or "x.safetensors:name".
 Result<HostArray> read_tensor(const std::string& path_and_name);

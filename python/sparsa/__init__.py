@@ -49,6 +49,8 @@ __all__ = [
     "generate_workload",
     "version",
     "backends",
+    "Model",
+    "Tokenizer",
 ]
 
 __version__ = _core.version()
@@ -699,3 +701,57 @@ def generate_workload(seed: int = 0, batch: int = 1, heads_q: int = 8, heads_kv:
                       len_kv: int = 4096, head_dim: int = 64, dtype: str = "f32"):
     """The seeded default workload (docs/workload.md): returns numpy ``(q, k, v)``."""
     return _core.generate_workload(seed, batch, heads_q, heads_kv, len_q, len_kv, head_dim, dtype)
+
+
+# ---- the diffusion-LM engine (docs/dlm.md) ---------------------------------------------
+
+Tokenizer = _core.Tokenizer
+
+
+class Model:
+    """A diffusion LM (``llada`` or ``sdar``) loaded from a Hugging Face model directory.
+
+    ``Model.load(dir)`` reads ``config.json``, ``model.safetensors`` (or the sharded index) and, when
+    present, ``tokenizer.json``. ``logits(ids)`` is one forward pass (f32 ``[len, vocab]``, the
+    architecture's own attention pattern); ``generate(prompt, ...)`` runs a denoising loop
+    (``loop="remask" | "prefix_cache" | "block"``; default: remask for llada, block for sdar).
+    """
+
+    def __init__(self, core, tokenizer=None):
+        self._core = core
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def load(dir, backend: str = "cpu", num_threads: int = 0) -> "Model":
+        import os
+
+        core = _core.Model.load(str(dir), backend, num_threads)
+        path = os.path.join(str(dir), "tokenizer.json")
+        return Model(core, Tokenizer.load(path) if os.path.exists(path) else None)
+
+    @property
+    def config(self) -> dict:
+        return self._core.config
+
+    @property
+    def default_loop(self) -> str:
+        return self._core.default_loop
+
+    def logits(self, ids) -> np.ndarray:
+        return self._core.logits([int(i) for i in ids])
+
+    def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
+                 temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
+                 ban_eos: bool = False, eos_ids=()):
+        """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
+        list of either (a batch; returns a list)."""
+        batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
+        prompts = list(prompt) if batch else [prompt]
+        text = [isinstance(p, str) for p in prompts]
+        if any(text) and self.tokenizer is None:
+            raise ValueError("prompt: text needs the model directory's tokenizer.json (or pass token ids)")
+        ids = [self.tokenizer.encode(p) if t else [int(i) for i in p] for p, t in zip(prompts, text)]
+        out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
+                                  ban_eos, [int(i) for i in eos_ids])
+        out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
+        return out if batch else out[0]

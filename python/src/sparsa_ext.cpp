@@ -213,8 +213,11 @@ Tensor host_tensor(const A& a, const char* name) {
 
 }  // namespace
 
+void bind_dlm(nb::module_& m);  // dlm_bindings.cpp: the DLM engine's Model and Tokenizer
+
 NB_MODULE(_sparsa, m) {
   m.doc() = "sparsa core (C++): attention executors on DLPack arrays, zero copy";
+  bind_dlm(m);
 
   m.def(
       "dense",

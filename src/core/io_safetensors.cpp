@@ -310,6 +310,18 @@ Result<std::vector<NamedArray>> read_safetensors(const std::string& path) {
   return out;
 }
 
+Result<std::vector<SafetensorsEntry>> read_safetensors_header(const std::string& path) {
+  auto opened = detail::InputFile::open(path);
+  if (!opened.ok()) return opened.status();
+  auto header = read_header(*opened);
+  if (!header.ok()) return header.status();
+  std::vector<SafetensorsEntry> out;
+  for (const EntryInfo& e : header->entries) {
+    out.push_back({e.name, e.dtype, e.shape, header->data_start + e.begin, e.end - e.begin});
+  }
+  return out;
+}
+
 Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors) {
   Json header = Json::object();
   std::set<std::string> names;

@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cmd_dlm.h"
 #include "cmd_selectors.h"
 #include "commands.h"
 #include "cmd_trace.h"
@@ -142,6 +143,7 @@ int run_main(int argc, char** argv) {
   const Subcommand eval_cmd = add_eval_command(app);
   TraceOptions trace;
   CLI::App* trace_cmd = add_trace_command(app, "trace", trace);
+  const std::vector<Subcommand> dlm_cmds = add_dlm_commands(app);
 
   // CLI11 reads an unknown first word as a stray argument ("A subcommand is required");
   // name it instead.
@@ -150,7 +152,7 @@ int run_main(int argc, char** argv) {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == word;
     if (!known) {
-      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo, plan, eval or trace)"),
+      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo, plan, eval, trace, generate, logits, tokenize or model)"),
                   kExitUsage);
     }
   }
@@ -179,6 +181,9 @@ int run_main(int argc, char** argv) {
   if (plan_cmd.app->parsed()) outcome = plan_cmd.run();
   if (eval_cmd.app->parsed()) outcome = eval_cmd.run();
   if (trace_cmd->parsed()) outcome = cmd_trace(trace);
+  for (const Subcommand& sub : dlm_cmds) {
+    if (sub.app->parsed()) outcome = sub.run();
+  }
   if (!outcome.status.ok()) return fail(outcome.status, outcome.exit_code ? outcome.exit_code : kExitRuntime);
   return 0;
 }

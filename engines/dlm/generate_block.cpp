@@ -1,0 +1,115 @@
+// Block diffusion with an exact prefix KV cache (SDAR, JetAstra 2025; the semantics of BD3-LM,
+// Arriola et al., "Block Diffusion", ICLR 2025).
+//
+// The canvas is prompt | [MASK]... rounded up to whole blocks of block_size. The prompt's whole
+// blocks are prefilled in one block-causal pass that writes their K/V to the cache; the
+// prompt's tail shares the first decoded block with masks. Each block then runs up to `steps`
+// steps: the block's tokens against the cached prefix plus the block itself (bidirectional
+// inside the block); with threshold > 0 every masked token whose confidence is > threshold is
+// committed, or, when fewer qualify than the step's scheduled count, the top scheduled count
+// (SDAR's low_confidence_dynamic); with threshold 0 the scheduled top-k (low_confidence_static).
+// When the block has no mask left, one more pass writes its final K/V into the cache — the
+// prefix is therefore exact: every cached K/V is that of committed tokens under the model's
+// own block-causal attention.
+#include "loop_common.h"
+
+namespace sparsa::dlm {
+
+Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
+                                      const GenerateOptions& o, const BlockCallback& cb) {
+  const Config c = loop_config(m.config, o);  // the EOS ids of this request set
+  const int64_t B = c.block_size;
+  GenerateResult res;
+  State s;
+  s.ops = m.ops.get();
+  std::vector<float> logits(static_cast<size_t>(B * c.vocab_size));
+
+  // Each request advances one forward per round, so a batch interleaves (the shape a batched
+  // backend runs as one launch sequence).
+  struct Request {
+    Canvas cv;
+    Sequence seq;
+    int64_t block = 0, blocks = 0, step = 0;
+    std::vector<int64_t> schedule;
+    bool finished = false;
+  };
+  std::vector<Request> reqs;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    const int64_t p = static_cast<int64_t>(prompts[r].size());
+    const int64_t blocks = (p + o.gen_len + B - 1) / B;
+    auto seq = make_sequence(c, m.policy);
+    if (!seq.ok()) return seq.status();
+    reqs.push_back({Canvas(prompts[r], blocks * B, c.mask_token_id, o.seed, r),
+                    std::move(seq.value()),
+                    p / B,
+                    blocks,
+                    0,
+                    {},
+                    false});
+    Request& q = reqs.back();
+    if (q.block > 0) {  // prefill the prompt's whole blocks (block-causal, exact)
+      ForwardOptions fo;
+      fo.block_causal = B;
+      fo.store_kv = q.block * B;
+      const std::span<const int32_t> prefill(q.cv.x.data(), static_cast<size_t>(q.block * B));
+      SPARSA_RETURN_IF_ERROR(m.forward(s, q.seq, prefill, fo, nullptr));
+      res.steps++;
+      res.forward_tokens += q.block * B;
+    }
+    const int64_t begin = q.block * B;
+    q.schedule = transfer_schedule(q.cv.masks_in(begin, begin + B), o.steps);
+  }
+
+  for (bool active = true; active;) {
+    active = false;
+    for (size_t r = 0; r < reqs.size(); ++r) {
+      Request& q = reqs[r];
+      if (q.finished) continue;
+      active = true;
+      const int64_t begin = q.block * B, end = begin + B;
+      const std::span<const int32_t> chunk(q.cv.x.data() + begin, static_cast<size_t>(B));
+      ForwardOptions fo;
+      if (q.cv.masks_in(begin, end) == 0) {  // the block is final: write its K/V, move on
+        fo.store_kv = B;
+        SPARSA_RETURN_IF_ERROR(m.forward(s, q.seq, chunk, fo, nullptr));
+        res.steps++;
+        res.forward_tokens += B;
+        const bool eos = o.stop_at_eos && q.cv.eos_in(c, begin, end);
+        if (cb) cb(r, q.cv.generated(c, std::min(end, q.cv.prompt_len + o.gen_len), o.stop_at_eos));
+        q.block++;
+        q.step = 0;
+        if (eos || q.block == q.blocks) {
+          q.finished = true;
+        } else {
+          q.schedule = transfer_schedule(q.cv.masks_in(q.block * B, q.block * B + B), o.steps);
+        }
+        continue;
+      }
+      fo.logits_count = B;
+      fo.step = static_cast<int>(q.step);
+      SPARSA_RETURN_IF_ERROR(m.forward(s, q.seq, chunk, fo, logits.data()));
+      res.steps++;
+      res.forward_tokens += B;
+      const Candidates k = candidates(c, o, q.cv, logits.data(), begin, B);
+      const int64_t want =
+          std::max<int64_t>(q.step < static_cast<int64_t>(q.schedule.size()) ? q.schedule[q.step] : 1, 1);
+      std::vector<int64_t> chosen;
+      if (o.threshold > 0) {
+        for (size_t j = 0; j < k.confidence.size(); ++j) {
+          if (k.confidence[j] > o.threshold) chosen.push_back(static_cast<int64_t>(j));
+        }
+        if (static_cast<int64_t>(chosen.size()) < want) chosen = top_k(k.confidence, want);
+      } else {
+        chosen = top_k(k.confidence, want);
+      }
+      commit(q.cv, k, chosen);
+      q.step++;
+    }
+  }
+  for (const Request& q : reqs) {
+    res.tokens.push_back(q.cv.generated(c, q.cv.prompt_len + o.gen_len, o.stop_at_eos));
+  }
+  return res;
+}
+
+}  // namespace sparsa::dlm

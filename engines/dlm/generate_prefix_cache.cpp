@@ -1,0 +1,81 @@
+// Fast-dLLM's prefix cache with confidence-threshold parallel decoding (Wu et al.,
+// "Fast-dLLM: Training-free Acceleration of Diffusion LLM by Enabling KV Cache and Parallel
+// Decoding", 2025).
+//
+// Blocks as in the remasking loop. The first step of a block runs the whole canvas and keeps
+// the K/V of the positions before the block (the prefix cache, refreshed here once per block,
+// so it is approximate: it was computed while later tokens were still masked). Later steps run
+// only the suffix (the block and every position after it) against that cached prefix. Each step
+// commits every masked token of the block whose confidence is >= threshold, and always the most
+// confident one; with threshold 0 it commits LLaDA's scheduled top-k instead.
+#include "loop_common.h"
+
+namespace sparsa::dlm {
+
+Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
+                                             const GenerateOptions& o, const BlockCallback& cb) {
+  const Config c = loop_config(m.config, o);  // the EOS ids of this request set
+  const int64_t blocks = o.gen_len / o.block_len;
+  const int64_t steps_per_block = std::max<int64_t>(o.steps / blocks, 1);
+  GenerateResult res;
+  std::vector<Canvas> canvas;
+  std::vector<Sequence> seqs;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    canvas.emplace_back(prompts[r], static_cast<int64_t>(prompts[r].size()) + o.gen_len, c.mask_token_id, o.seed, r);
+    auto seq = make_sequence(c, m.policy);
+    if (!seq.ok()) return seq.status();
+    seqs.push_back(std::move(seq.value()));
+  }
+  State s;
+  s.ops = m.ops.get();
+  std::vector<float> logits(static_cast<size_t>(o.block_len * c.vocab_size));
+
+  auto choose = [&](const Candidates& k, const std::vector<int64_t>& schedule, int64_t step) {
+    return threshold_or_top_k(k.confidence, o.threshold,
+                              step < static_cast<int64_t>(schedule.size()) ? schedule[step] : 1);
+  };
+
+  // Blocks outer, requests inner: every request decodes block b (its own cache) before block b + 1.
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      Canvas& cv = canvas[r];
+      Sequence& seq = seqs[r];
+      if (cv.done) continue;
+      const int64_t begin = cv.prompt_len + b * o.block_len, end = begin + o.block_len;
+      const std::vector<int64_t> schedule = transfer_schedule(cv.masks_in(begin, end), steps_per_block);
+      // step 0: the whole canvas; keep the K/V of [0, begin) as the prefix cache
+      SPARSA_RETURN_IF_ERROR(reset_cache(c, seq));
+      ForwardOptions fo;
+      fo.store_kv = begin;
+      fo.logits_begin = begin;
+      fo.logits_count = o.block_len;
+      fo.step = 0;
+      SPARSA_RETURN_IF_ERROR(m.forward(s, seq, cv.x, fo, logits.data()));
+      res.steps++;
+      res.forward_tokens += static_cast<int64_t>(cv.x.size());
+      Candidates k = candidates(c, o, cv, logits.data(), begin, o.block_len);
+      if (!k.position.empty()) commit(cv, k, choose(k, schedule, 0));
+      // later steps: the suffix [begin, end of canvas) against the cached prefix
+      for (int64_t step = 1; cv.masks_in(begin, end) > 0; ++step) {
+        ForwardOptions so;
+        so.logits_begin = 0;
+        so.logits_count = o.block_len;
+        so.step = static_cast<int>(step);
+        const std::span<const int32_t> suffix(cv.x.data() + begin, cv.x.size() - begin);
+        SPARSA_RETURN_IF_ERROR(m.forward(s, seq, suffix, so, logits.data()));
+        res.steps++;
+        res.forward_tokens += static_cast<int64_t>(suffix.size());
+        k = candidates(c, o, cv, logits.data(), begin, o.block_len);
+        commit(cv, k, choose(k, schedule, step));
+      }
+      if (o.stop_at_eos && cv.eos_in(c, begin, end)) cv.done = true;
+      if (cb) cb(r, cv.generated(c, end, o.stop_at_eos));
+    }
+  }
+  for (const Canvas& cv : canvas) {
+    res.tokens.push_back(cv.generated(c, static_cast<int64_t>(cv.x.size()), o.stop_at_eos));
+  }
+  return res;
+}
+
+}  // namespace sparsa::dlm

@@ -1,0 +1,94 @@
+// Pieces the three loops share: a request's canvas and its EOS-aware output.
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "engine.h"
+
+namespace sparsa::dlm {
+
+// The config the sampler and the EOS checks see: GenerateOptions::eos_ids, when given, replace
+// the config's eos_token_id list.
+inline Config loop_config(const Config& model, const GenerateOptions& o) {
+  Config c = model;
+  if (!o.eos_ids.empty()) c.eos_token_ids = o.eos_ids;
+  return c;
+}
+
+struct Canvas {
+  std::vector<int32_t> x;    // prompt, then the generated / masked positions
+  std::vector<char> masked;  // 1 where x is still [MASK]
+  int64_t prompt_len = 0;
+  bool done = false;  // stopped at EOS
+  uint64_t rng = 0;
+
+  Canvas(const std::vector<int32_t>& prompt, int64_t total, int32_t mask_id, uint64_t seed, size_t request)
+      : x(prompt),
+        masked(prompt.size(), 0),
+        prompt_len(static_cast<int64_t>(prompt.size())),
+        rng(seed ^ (0x9E3779B97F4A7C15ull * (request + 1))) {
+    x.resize(static_cast<size_t>(total), mask_id);
+    masked.resize(static_cast<size_t>(total), 1);
+  }
+  int64_t masks_in(int64_t begin, int64_t end) const {
+    return std::count(masked.begin() + begin, masked.begin() + end, 1);
+  }
+  // The committed tokens after the prompt up to `end` (cut before the first EOS when asked).
+  std::vector<int32_t> generated(const Config& c, int64_t end, bool cut_at_eos) const {
+    std::vector<int32_t> g;
+    for (int64_t i = prompt_len; i < end && i < static_cast<int64_t>(x.size()); ++i) {
+      if (masked[i]) break;
+      if (cut_at_eos && is_eos(c, x[i])) break;
+      g.push_back(x[i]);
+    }
+    return g;
+  }
+  bool eos_in(const Config& c, int64_t begin, int64_t end) const {
+    for (int64_t i = std::max(begin, prompt_len); i < end; ++i) {
+      if (!masked[i] && is_eos(c, x[i])) return true;
+    }
+    return false;
+  }
+};
+
+// Samples every masked position of rows [begin, begin + count) of the canvas from `logits`
+// (row i of logits is canvas position begin + i): positions, picks and confidences.
+struct Candidates {
+  std::vector<int64_t> position;
+  std::vector<Pick> pick;
+  std::vector<double> confidence;
+};
+inline Candidates candidates(const Config& c, const GenerateOptions& o, Canvas& cv, const float* logits, int64_t begin,
+                             int64_t count) {
+  Candidates k;
+  for (int64_t i = 0; i < count; ++i) {
+    if (!cv.masked[begin + i]) continue;
+    const Pick p = sample(logits + i * c.vocab_size, c.vocab_size, o.temperature, &cv.rng, c, o.ban_eos);
+    k.position.push_back(begin + i);
+    k.pick.push_back(p);
+    k.confidence.push_back(p.confidence);
+  }
+  return k;
+}
+// Fast-dLLM's parallel decoding rule: with threshold > 0 the most confident candidate and every
+// other one with confidence >= threshold; else the `want` most confident (at least one).
+inline std::vector<int64_t> threshold_or_top_k(const std::vector<double>& confidence, double threshold, int64_t want) {
+  if (threshold > 0) {
+    std::vector<int64_t> chosen = top_k(confidence, 1);
+    for (size_t j = 0; j < confidence.size(); ++j) {
+      if (static_cast<int64_t>(j) != chosen[0] && confidence[j] >= threshold) chosen.push_back(static_cast<int64_t>(j));
+    }
+    return chosen;
+  }
+  return top_k(confidence, std::max<int64_t>(want, 1));
+}
+
+inline void commit(Canvas& cv, const Candidates& k, const std::vector<int64_t>& chosen) {
+  for (int64_t j : chosen) {
+    cv.x[k.position[j]] = k.pick[j].token;
+    cv.masked[k.position[j]] = 0;
+  }
+}
+
+}  // namespace sparsa::dlm

@@ -1,0 +1,157 @@
+// Model: load a model directory (config.json, the tensor files), logits of one canvas, and
+// generate (validation of the requests, then the chosen loop).
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "engine.h"
+
+namespace sparsa::dlm {
+
+const char* loop_name(Loop loop) {
+  switch (loop) {
+    case Loop::remask:
+      return "remask";
+    case Loop::prefix_cache:
+      return "prefix_cache";
+    case Loop::block:
+      return "block";
+  }
+  return "?";
+}
+
+Result<Loop> parse_loop(const std::string& name) {
+  if (name == "remask") return Loop::remask;
+  if (name == "prefix_cache") return Loop::prefix_cache;
+  if (name == "block") return Loop::block;
+  return invalid_argument("loop: expected remask, prefix_cache or block, got '" + name + "'");
+}
+
+Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Model::Model(Model&&) noexcept = default;
+Model& Model::operator=(Model&&) noexcept = default;
+Model::~Model() = default;
+
+const Config& Model::config() const { return impl_->config; }
+const std::string& Model::dir() const { return impl_->dir; }
+Loop Model::default_loop() const { return impl_->config.arch == Arch::sdar ? Loop::block : Loop::remask; }
+int64_t Model::parameter_count() const { return impl_->parameters; }
+std::string Model::weight_dtypes() const { return impl_->store.dtypes(); }
+
+Result<Model> Model::load(const std::string& dir, const LoadOptions& options) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return Status(StatusCode::io_error, dir + ": not a model directory");
+  const std::string config_path = (fs::path(dir) / "config.json").string();
+  std::ifstream in(config_path, std::ios::binary);
+  if (!in)
+    return Status(StatusCode::io_error, config_path + ": missing or unreadable (a model directory needs config.json)");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto config = parse_config(ss.str(), config_path);
+  if (!config.ok()) return config.status();
+
+  auto impl = std::make_unique<Impl>();
+  impl->dir = dir;
+  impl->config = config.value();
+  impl->options = options;
+  if (options.backend == "cpu") {
+    impl->ops = make_cpu_ops();
+    impl->policy.backend = Backend::cpu;
+  } else if (options.backend == "cuda") {
+    return Status(StatusCode::unsupported, "backend: the engine's cuda backend is not built yet (use cpu)");
+  } else {
+    return invalid_argument("backend: expected cpu or cuda, got '" + options.backend + "'");
+  }
+  impl->policy.num_threads = options.num_threads;
+  auto store = TensorStore::open(dir);
+  if (!store.ok()) return store.status();
+  impl->store = std::move(store.value());
+  auto weights = impl->config.arch == Arch::llada ? load_llada_weights(impl->config, impl->store, *impl->ops)
+                                                  : load_sdar_weights(impl->config, impl->store, *impl->ops);
+  if (!weights.ok()) return weights.status();
+  impl->weights = std::move(weights.value());
+  const Config& c = impl->config;
+  const int64_t per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim +
+                            3 * c.dim * c.hidden_dim + 2 * c.dim + (c.qk_norm ? 2 * c.head_dim : 0);
+  impl->parameters = c.n_layers * per_layer + c.vocab_size * c.dim * (c.tied_embeddings ? 1 : 2) + c.dim;
+  return Model(std::move(impl));
+}
+
+Result<std::vector<float>> Model::logits(std::span<const int32_t> ids) const {
+  const Config& c = impl_->config;
+  auto seq = make_sequence(c, impl_->policy);
+  if (!seq.ok()) return seq.status();
+  State s;
+  s.ops = impl_->ops.get();
+  const int64_t n = static_cast<int64_t>(ids.size());
+  ForwardOptions o;
+  o.block_causal = c.arch == Arch::sdar ? c.block_size : 0;
+  o.logits_count = n;
+  std::vector<float> out(static_cast<size_t>(n * c.vocab_size));
+  SPARSA_RETURN_IF_ERROR(impl_->forward(s, seq.value(), ids, o, out.data()));
+  return out;
+}
+
+Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& o,
+                                       const BlockCallback& on_block) const {
+  const Config& c = impl_->config;
+  if (prompts.empty()) return invalid_argument("prompts: expected at least one request");
+  if (o.gen_len < 1) return invalid_argument("gen_len: expected >= 1, got " + std::to_string(o.gen_len));
+  if (o.steps < 1) return invalid_argument("steps: expected >= 1, got " + std::to_string(o.steps));
+  if (!(o.temperature >= 0)) return invalid_argument("temperature: expected >= 0");
+  if (!(o.threshold >= 0 && o.threshold <= 1)) return invalid_argument("threshold: expected in [0, 1]");
+  if (o.loop == Loop::block && c.arch != Arch::sdar) {
+    return invalid_argument("loop: block diffusion needs a block-diffusion model (sdar); this model is " +
+                            std::string(arch_name(c.arch)));
+  }
+  if (o.loop != Loop::block && c.arch == Arch::sdar) {
+    return invalid_argument("loop: " + std::string(loop_name(o.loop)) +
+                            " runs a bidirectional canvas; an sdar model decodes with the block loop");
+  }
+  if (o.loop != Loop::block) {
+    if (o.block_len < 1 || o.gen_len % o.block_len != 0) {
+      return invalid_argument("block_len: expected a divisor of gen_len (" + std::to_string(o.gen_len) + "), got " +
+                              std::to_string(o.block_len));
+    }
+    const int64_t blocks = o.gen_len / o.block_len;
+    if (o.threshold == 0 && o.steps % blocks != 0) {  // with a threshold the blocks set the pace
+      return invalid_argument("steps: expected a multiple of the number of blocks (" + std::to_string(blocks) +
+                              "), got " + std::to_string(o.steps));
+    }
+  }
+  for (int32_t t : o.eos_ids) {
+    if (t < 0 || t >= c.vocab_size) {
+      return invalid_argument("eos_ids: id " + std::to_string(t) + " outside [0, " + std::to_string(c.vocab_size) +
+                              ")");
+    }
+  }
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    const auto& p = prompts[r];
+    const std::string who = "prompt " + std::to_string(r);
+    if (p.empty()) return invalid_argument(who + ": empty");
+    int64_t total = static_cast<int64_t>(p.size()) + o.gen_len;
+    if (o.loop == Loop::block) total = (total + c.block_size - 1) / c.block_size * c.block_size;
+    if (total > c.max_seq_len) {
+      return invalid_argument(who + ": " + std::to_string(p.size()) + " prompt tokens + " + std::to_string(o.gen_len) +
+                              " generated" + (o.loop == Loop::block ? " (rounded up to whole blocks)" : "") + " = " +
+                              std::to_string(total) + " exceed the model's context of " +
+                              std::to_string(c.max_seq_len));
+    }
+    for (int32_t t : p) {
+      if (t < 0 || t >= c.vocab_size) {
+        return invalid_argument(who + ": token id " + std::to_string(t) + " outside [0, " +
+                                std::to_string(c.vocab_size) + ")");
+      }
+    }
+  }
+  const auto start = std::chrono::steady_clock::now();
+  Result<GenerateResult> r = o.loop == Loop::remask         ? generate_remask(*impl_, prompts, o, on_block)
+                             : o.loop == Loop::prefix_cache ? generate_prefix_cache(*impl_, prompts, o, on_block)
+                                                            : generate_block(*impl_, prompts, o, on_block);
+  if (r.ok()) r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+}  // namespace sparsa::dlm

@@ -1,0 +1,381 @@
+"""Golden tests of the DLM engine through the CLI (sparsa logits / generate / model info /
+tokenize), against the independent numpy reference in dlm_ref.py on tiny random models that
+the tests write as safetensors.
+
+Tolerance of the logits (LOGIT_TOL, relative to the largest |logit| of the reference): the
+engine computes in f32 (OpenBLAS sgemm, f32 attention with f32 accumulation), the reference in
+f64 on the very same (already rounded) weights, so the only difference is f32 rounding. A dot
+product of length K has a relative error of about sqrt(K)·u (u = 2^-24 ≈ 6e-8), K ≤ 128 here:
+about 1e-6 per GEMM; 2-3 layers of residual adds, norms and softmax amplify that by at most
+~10-30 with these gains, so 5e-5 is a bound with margin that still catches any real mistake —
+the negative controls below show that a wrong mask or a RoPE off by one position moves the
+logits by 100x more than the tolerance.
+"""
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import dlm_ref as R
+
+LOGIT_TOL = 5e-5
+
+
+def run(sparsa_bin, *args, check=True):
+    p = subprocess.run([sparsa_bin, *map(str, args)], capture_output=True, text=True, timeout=120)
+    if check and p.returncode != 0:
+        raise AssertionError(f"sparsa {' '.join(map(str, args))} failed ({p.returncode}): {p.stderr}")
+    return p
+
+
+def engine_logits(sparsa_bin, model_dir, ids, tmp_path):
+    out = tmp_path / "logits.npy"
+    run(sparsa_bin, "logits", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--out", out, "--quiet")
+    return np.load(out)
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(a - b)) / max(1.0, float(np.max(np.abs(b)))))
+
+
+SPECS = {
+    "llada_mha_f32": R.Spec("llada", dim=64, heads=4, layers=2),
+    "llada_gqa_bf16_sharded": R.Spec("llada", dim=64, heads=4, kv_heads=2, layers=3, dtype="BF16", shards=3),
+    "llada_linear_rope_f16": R.Spec("llada", dim=48, heads=3, layers=2, hidden=80, dtype="F16", theta=500000.0,
+                                    rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "llada_tied": R.Spec("llada", dim=32, heads=2, layers=1, tied=True),
+    "sdar_gqa_f32": R.Spec("sdar", dim=64, heads=4, kv_heads=2, layers=2, block=4, theta=1e6),
+    "sdar_mixed_sharded_hd32": R.Spec("sdar", dim=48, heads=4, kv_heads=1, head_dim=32, layers=2, block=3,
+                                      dtype="mixed", shards=2),
+    # an odd-length bf16 entry first: the f32 norms after it sit off 4-byte alignment in the file
+    "sdar_mixed_odd_unaligned": R.Spec("sdar", dim=33, heads=2, kv_heads=1, head_dim=16, hidden=40, vocab=41,
+                                       dtype="mixed"),
+    "sdar_ntk_bf16": R.Spec("sdar", dim=64, heads=2, kv_heads=2, layers=2, block=5, dtype="BF16",
+                            rope_scaling={"type": "dynamic", "factor": 2.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_logits_match_reference(sparsa_bin, tmp_path, name):
+    s = SPECS[name]
+    d = tmp_path / "model"
+    w = R.write_model(d, s, seed=hash(name) % 1000)
+    rng = np.random.default_rng(1)
+    for n in (1, 7, 13):
+        ids = rng.integers(0, s.vocab, n)
+        got = engine_logits(sparsa_bin, d, ids, tmp_path)
+        assert got.shape == (n, s.vocab) and got.dtype == np.float32
+        ref = R.canvas_logits(s, w, ids)
+        assert rel_err(got, ref) < LOGIT_TOL, (name, n, rel_err(got, ref))
+
+
+def test_negative_controls_are_far_outside_the_tolerance(sparsa_bin, tmp_path):
+    """The golden comparison can fail: a bidirectional sdar, or a RoPE shifted by one, is far off."""
+    s = SPECS["sdar_gqa_f32"]
+    d = tmp_path / "sdar"
+    w = R.write_model(d, s, seed=3)
+    ids = np.arange(11) % s.vocab
+    got = engine_logits(sparsa_bin, d, ids, tmp_path)
+    wrong_mask = R.forward(s, w, ids, None, 0)[0]
+    assert rel_err(got, wrong_mask) > 100 * LOGIT_TOL
+    s2 = SPECS["llada_mha_f32"]
+    d2 = tmp_path / "llada"
+    w2 = R.write_model(d2, s2, seed=4)
+    got2 = engine_logits(sparsa_bin, d2, ids, tmp_path)
+    past = [(np.zeros((1, s2.kv_heads, s2.head_dim)), np.zeros((1, s2.kv_heads, s2.head_dim)))] * s2.layers
+    # positions shifted by one (an extra zero key also joins the softmax: both must show)
+    shifted = R.forward(s2, w2, ids, past)[0]
+    assert rel_err(got2, shifted) > 100 * LOGIT_TOL
+
+
+# ---------------------------------------------------------------- generation loops
+
+
+def generate_ids(sparsa_bin, model_dir, prompts, *flags):
+    args = ["generate", "--model", model_dir, "--json", "--quiet", *flags]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    out = json.loads(run(sparsa_bin, *args).stdout)
+    return out["tokens"]
+
+
+@pytest.fixture(scope="module")
+def llada_model(tmp_path_factory):
+    s = R.Spec("llada", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63)
+    d = tmp_path_factory.mktemp("llada_gen")
+    return s, R.write_model(d, s, seed=11), d
+
+
+@pytest.fixture(scope="module")
+def sdar_model(tmp_path_factory):
+    s = R.Spec("sdar", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63, block=4)
+    d = tmp_path_factory.mktemp("sdar_gen")
+    return s, R.write_model(d, s, seed=12), d
+
+
+PROMPTS = [[3, 17, 5, 9, 30], [8, 1, 44, 2, 19, 27, 33, 12, 6]]
+
+
+STOP = [True, False]  # stop at EOS (the default) or --no-stop-at-eos
+
+
+def stop_flags(stop):
+    return [] if stop else ["--no-stop-at-eos"]
+
+
+@pytest.mark.parametrize("stop", STOP)
+def test_remask_loop_matches_reference(sparsa_bin, llada_model, stop):
+    s, w, d = llada_model
+    got = generate_ids(sparsa_bin, d, PROMPTS, "--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps", 8,
+                       *stop_flags(stop))
+    for p, g in zip(PROMPTS, got):
+        assert g == R.ref_remask(s, w, p, 16, 8, 8, stop)
+    if not stop:
+        assert all(len(g) == 16 for g in got)
+
+
+def test_remask_with_threshold_matches_reference(sparsa_bin, llada_model):
+    """remask + threshold: Fast-dLLM's parallel decoding without a cache."""
+    s, w, d = llada_model
+    got = generate_ids(sparsa_bin, d, PROMPTS, "--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps", 8,
+                       "--threshold", 0.3, "--no-stop-at-eos")
+    for p, g in zip(PROMPTS, got):
+        assert g == R.ref_remask(s, w, p, 16, 8, 8, False, threshold=0.3)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+@pytest.mark.parametrize("stop", STOP)
+def test_prefix_cache_loop_matches_reference(sparsa_bin, llada_model, threshold, stop):
+    s, w, d = llada_model
+    got = generate_ids(sparsa_bin, d, PROMPTS, "--loop", "prefix_cache", "--gen-len", 16, "--block-len", 8,
+                       "--steps", 8, "--threshold", threshold, *stop_flags(stop))
+    for p, g in zip(PROMPTS, got):
+        assert g == R.ref_prefix_cache(s, w, p, 16, 8, 8, threshold, stop)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+@pytest.mark.parametrize("stop", STOP)
+def test_block_loop_matches_reference(sparsa_bin, sdar_model, threshold, stop):
+    s, w, d = sdar_model
+    got = generate_ids(sparsa_bin, d, PROMPTS, "--loop", "block", "--gen-len", 10, "--steps", 2,
+                       "--threshold", threshold, *stop_flags(stop))
+    for p, g in zip(PROMPTS, got):
+        assert g == R.ref_block(s, w, p, 10, 2, threshold, stop)
+    if not stop:
+        assert all(len(g) == 10 for g in got)
+
+
+def test_eos_ids_override(sparsa_bin, llada_model):
+    """--eos-ids replaces config.json's EOS: the output stops before the first of them."""
+    s, w, d = llada_model
+    flags = ["--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps", 8]
+    full = generate_ids(sparsa_bin, d, PROMPTS[:1], *flags, "--no-stop-at-eos")[0]
+    stop_at = full[3]
+    got = generate_ids(sparsa_bin, d, PROMPTS[:1], *flags, "--eos-ids", f"{stop_at},{s.vocab - 3}")[0]
+    assert got == full[:full.index(stop_at)]
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1", *flags, "--eos-ids", "999", "--json",
+            check=False)
+    assert p.returncode == 1 and "eos_ids" in p.stderr
+
+
+def test_batch_equals_single_requests(sparsa_bin, sdar_model, llada_model):
+    for model, flags in ((sdar_model, ["--gen-len", 9, "--steps", 4]),
+                         (llada_model, ["--loop", "prefix_cache", "--gen-len", 16, "--block-len", 8, "--steps", 4])):
+        _, _, d = model
+        both = generate_ids(sparsa_bin, d, PROMPTS, *flags)
+        singles = [generate_ids(sparsa_bin, d, [p], *flags)[0] for p in PROMPTS]
+        assert both == singles
+
+
+def test_gumbel_sampling_matches_reference(sparsa_bin, llada_model):
+    """Temperature > 0: Gumbel-max with the engine's seeded generator, draw for draw (the reference
+    re-implements splitmix64), per request of a batch; another seed gives other tokens."""
+    s, w, d = llada_model
+    flags = ["--gen-len", 8, "--block-len", 4, "--steps", 4, "--temperature", 1.5, "--no-stop-at-eos"]
+    got = generate_ids(sparsa_bin, d, PROMPTS, *flags, "--seed", 5)
+    for r, (p, g) in enumerate(zip(PROMPTS, got)):
+        assert g == R.ref_remask(s, w, p, 8, 4, 4, False, temperature=1.5, seed=5, request=r)
+    greedy = generate_ids(sparsa_bin, d, PROMPTS, "--gen-len", 8, "--block-len", 4, "--steps", 4, "--no-stop-at-eos")
+    other = generate_ids(sparsa_bin, d, PROMPTS, *flags, "--seed", 6)
+    assert got != greedy and got != other
+
+
+# ---------------------------------------------------------------- bad model directories
+
+
+def fresh(tmp_path, spec=None, name="m"):
+    s = spec or R.Spec("sdar", dim=32, heads=2, kv_heads=1, layers=1, vocab=40, block=4)
+    d = tmp_path / name
+    R.write_model(d, s, seed=0)
+    return d
+
+
+def edit_config(d, **changes):
+    p = d / "config.json"
+    c = json.loads(p.read_text())
+    for k, v in changes.items():
+        if v is None:
+            c.pop(k, None)
+        else:
+            c[k] = v
+    p.write_text(json.dumps(c))
+
+
+def expect_error(sparsa_bin, d, *words):
+    p = run(sparsa_bin, "model", "info", d, check=False)
+    assert p.returncode == 1, p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sparsa: error: "), p.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def test_model_info(sparsa_bin, tmp_path):
+    d = fresh(tmp_path)
+    info = json.loads(run(sparsa_bin, "model", "info", d, "--json").stdout)
+    assert info["arch"] == "sdar" and info["kv_heads"] == 1 and info["block_size"] == 4
+    assert info["default_loop"] == "block" and info["weight_dtypes"] == "f32"
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("model_type", "llama", ["model_type", "llama"]),
+    ("model_type", None, ["model_type", "missing"]),
+    ("hidden_size", None, ["hidden_size", "missing"]),
+    ("hidden_size", "32", ["hidden_size", "integer"]),
+    ("num_key_value_heads", 3, ["num_key_value_heads", "divide"]),
+    ("rope_theta", -1, ["rope_theta"]),
+    ("block_size", 0, ["block_size"]),
+    ("mask_token_id", 40, ["mask_token_id"]),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2}, ["rope_scaling.rope_type", "yarn"]),
+    ("attention_bias", True, ["attention_bias"]),
+])
+def test_bad_config(sparsa_bin, tmp_path, field, value, words):
+    d = fresh(tmp_path)
+    edit_config(d, **{field: value})
+    expect_error(sparsa_bin, d, "config.json", *words)
+
+
+def test_missing_and_malformed_config(sparsa_bin, tmp_path):
+    d = fresh(tmp_path)
+    (d / "config.json").write_text("{ not json")
+    expect_error(sparsa_bin, d, "config.json", "JSON")
+    (d / "config.json").unlink()
+    expect_error(sparsa_bin, d, "config.json")
+
+
+def rewrite_tensors(d, change):
+    """Re-writes model.safetensors with change(name, arr, dtype) -> (name, arr, dtype) or None."""
+    import struct
+    path = d / "model.safetensors"
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    tensors = []
+    for name, info in header.items():
+        b, e = info["data_offsets"]
+        arr = np.frombuffer(raw[8 + n + b:8 + n + e], dtype="<f4").reshape(info["shape"])
+        t = change(name, arr, info["dtype"])
+        if t is not None:
+            tensors.append(t)
+    R.write_safetensors(path, tensors)
+
+
+def test_missing_tensor(sparsa_bin, tmp_path):
+    d = fresh(tmp_path)
+    rewrite_tensors(d, lambda n, a, t: None if n == "model.layers.0.self_attn.k_norm.weight" else (n, a, t))
+    expect_error(sparsa_bin, d, "model.layers.0.self_attn.k_norm.weight", "missing")
+
+
+def test_wrong_shape(sparsa_bin, tmp_path):
+    d = fresh(tmp_path)
+    rewrite_tensors(d, lambda n, a, t: (n, a[:-1], t) if n == "model.layers.0.mlp.up_proj.weight" else (n, a, t))
+    expect_error(sparsa_bin, d, "model.layers.0.mlp.up_proj.weight", "shape")
+
+
+def test_wrong_dtype(sparsa_bin, tmp_path):
+    d = fresh(tmp_path)
+    rewrite_tensors(d, lambda n, a, t: (n, a.astype(np.int32), "I32") if n == "model.norm.weight" else (n, a, t))
+    expect_error(sparsa_bin, d, "model.norm.weight", "i32")
+
+
+def test_unsupported_dtype_f64(sparsa_bin, tmp_path):
+    d = fresh(tmp_path)
+    rewrite_tensors(d, lambda n, a, t: (n, a.astype(np.float64), "F64") if n == "model.norm.weight" else (n, a, t))
+    expect_error(sparsa_bin, d, "model.norm.weight", "F64")
+
+
+def test_truncated_shard(sparsa_bin, tmp_path):
+    s = R.Spec("sdar", dim=32, heads=2, kv_heads=1, layers=1, vocab=40, block=4, shards=2)
+    d = fresh(tmp_path, s)
+    shard = d / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    expect_error(sparsa_bin, d, "model-00002-of-00002.safetensors", "truncated")
+
+
+def test_index_problems(sparsa_bin, tmp_path):
+    s = R.Spec("llada", dim=32, heads=2, layers=1, vocab=40, shards=2)
+    d = fresh(tmp_path, s)
+    idx = d / "model.safetensors.index.json"
+    good = json.loads(idx.read_text())
+    (d / "model-00001-of-00002.safetensors").unlink()
+    expect_error(sparsa_bin, d, "model-00001-of-00002.safetensors")
+    d = fresh(tmp_path, s, "m2")
+    idx = d / "model.safetensors.index.json"
+    bad = dict(good)
+    bad["weight_map"] = {k: "../evil.safetensors" for k in good["weight_map"]}
+    idx.write_text(json.dumps(bad))
+    expect_error(sparsa_bin, d, "index.json", "file name")
+    moved = dict(good)  # a tensor the index places in a shard that does not hold it
+    first = sorted(good["weight_map"])[0]
+    other = [f for f in set(good["weight_map"].values()) if f != good["weight_map"][first]][0]
+    moved["weight_map"] = dict(good["weight_map"], **{first: other})
+    idx.write_text(json.dumps(moved))
+    expect_error(sparsa_bin, d, first, other)
+    idx.write_text("[1, 2")
+    expect_error(sparsa_bin, d, "index.json", "JSON")
+    idx.write_text(json.dumps({"metadata": {}}))
+    expect_error(sparsa_bin, d, "weight_map")
+
+
+def test_no_weights(sparsa_bin, tmp_path):
+    d = fresh(tmp_path)
+    (d / "model.safetensors").unlink()
+    expect_error(sparsa_bin, d, "model.safetensors")
+
+
+def test_prompt_longer_than_context(sparsa_bin, tmp_path):
+    s = R.Spec("llada", dim=32, heads=2, layers=1, vocab=40, max_len=24)
+    d = fresh(tmp_path, s)
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", ",".join(["1"] * 20), "--gen-len", 8,
+            "--block-len", 8, "--steps", 8, "--json", check=False)
+    assert p.returncode == 1 and "context of 24" in p.stderr, p.stderr
+    p = run(sparsa_bin, "logits", "--model", d, "--ids", ",".join(["1"] * 25), "--out", tmp_path / "x.npy",
+            check=False)
+    assert p.returncode == 1 and "context of 24" in p.stderr, p.stderr
+    p = run(sparsa_bin, "logits", "--model", d, "--ids", "1,99", "--out", tmp_path / "x.npy", check=False)
+    assert p.returncode == 1 and "99" in p.stderr, p.stderr
+
+
+def test_loop_and_option_errors(sparsa_bin, sdar_model, llada_model):
+    _, _, ds = sdar_model
+    _, _, dl = llada_model
+    p = run(sparsa_bin, "generate", "--model", dl, "--prompt-ids", "1,2", "--loop", "block", "--json", check=False)
+    assert p.returncode == 1 and "block" in p.stderr
+    p = run(sparsa_bin, "generate", "--model", ds, "--prompt-ids", "1,2", "--loop", "remask", "--json", check=False)
+    assert p.returncode == 1 and "sdar" in p.stderr
+    p = run(sparsa_bin, "generate", "--model", dl, "--prompt-ids", "1,2", "--gen-len", 10, "--block-len", 4,
+            "--json", check=False)
+    assert p.returncode == 1 and "block_len" in p.stderr
+    p = run(sparsa_bin, "generate", "--model", dl, "--prompt-ids", "1,x", "--json", check=False)
+    assert p.returncode == 2 and "--prompt-ids" in p.stderr
+
+
+def test_number_beyond_double_range(sparsa_bin, tmp_path):
+    """Found by tests/fuzz/dlm_config_fuzz.cpp: a number JSON cannot hold in a double is an error."""
+    d = fresh(tmp_path)
+    text = (d / "config.json").read_text().replace('"block_size": 4', '"block_size": 4e475')
+    (d / "config.json").write_text(text)
+    expect_error(sparsa_bin, d, "config.json")

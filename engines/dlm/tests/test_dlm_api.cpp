@@ -1,0 +1,183 @@
+// The C++ API of the DLM engine (include/sparsa/dlm.h) on tiny random models written here with
+// sparsa's own safetensors writer: properties that hold whatever the weights are (the numbers
+// themselves are checked against the numpy reference in test_dlm.py).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <unistd.h>
+
+#include "sparsa/dlm.h"
+#include "sparsa/io.h"
+
+namespace fs = std::filesystem;
+using namespace sparsa;
+
+namespace {
+
+struct Tiny {
+  int64_t dim = 32, layers = 2, heads = 4, kv_heads = 2, hidden = 48, vocab = 50, block = 4;
+};
+
+// An sdar (or llada) model directory with N(0, 1/fan_in) weights.
+fs::path write_model(const std::string& arch, const Tiny& t, const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("sparsa_dlm_api_" + name + "_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const int64_t hd = t.dim / t.heads;
+  std::ofstream(dir / "config.json")
+      << (arch == "sdar"
+              ? "{\"model_type\": \"sdar\", \"hidden_size\": " + std::to_string(t.dim) + ", \"num_hidden_layers\": " +
+                    std::to_string(t.layers) + ", \"num_attention_heads\": " + std::to_string(t.heads) +
+                    ", \"num_key_value_heads\": " + std::to_string(t.kv_heads) + ", \"intermediate_size\": " +
+                    std::to_string(t.hidden) + ", \"vocab_size\": " + std::to_string(t.vocab) +
+                    ", \"rms_norm_eps\": 1e-6, \"rope_theta\": 1000000, "
+                    "\"max_position_embeddings\": 128, \"block_size\": " +
+                    std::to_string(t.block) + ", \"mask_token_id\": " + std::to_string(t.vocab - 1) +
+                    ", \"eos_token_id\": " + std::to_string(t.vocab - 2) + "}"
+              : "{\"model_type\": \"llada\", \"d_model\": " + std::to_string(t.dim) +
+                    ", \"n_layers\": " + std::to_string(t.layers) + ", \"n_heads\": " + std::to_string(t.heads) +
+                    ", \"n_kv_heads\": " + std::to_string(t.kv_heads) + ", \"mlp_hidden_size\": " +
+                    std::to_string(t.hidden) + ", \"vocab_size\": " + std::to_string(t.vocab) +
+                    ", \"rope_theta\": 500000.0, "
+                    "\"max_sequence_length\": 128, \"mask_token_id\": " +
+                    std::to_string(t.vocab - 1) + ", \"eos_token_id\": " + std::to_string(t.vocab - 2) + "}");
+  std::mt19937 rng(7);
+  std::vector<HostArray> arrays;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  auto add = [&](const std::string& n, std::vector<int64_t> shape, float scale) {
+    HostArray a(DType::f32, shape);
+    std::normal_distribution<float> dist(0.f, scale);
+    for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] = shape.size() == 1 ? 1.f + 0.1f * dist(rng) : dist(rng);
+    arrays.push_back(std::move(a));
+  };
+  std::vector<std::pair<std::string, size_t>> order;
+  auto lin = [&](const std::string& n, int64_t o, int64_t i, float gain = 1.f) {
+    add(n, {o, i}, gain / std::sqrt(static_cast<float>(i)));
+    order.push_back({n, arrays.size() - 1});
+  };
+  auto norm = [&](const std::string& n, int64_t d) {
+    add(n, {d}, 1.f);
+    order.push_back({n, arrays.size() - 1});
+  };
+  const int64_t qd = t.heads * hd, kvd = t.kv_heads * hd;
+  if (arch == "sdar") {
+    lin("model.embed_tokens.weight", t.vocab, t.dim, std::sqrt(static_cast<float>(t.dim)));
+    for (int64_t l = 0; l < t.layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      norm(p + "input_layernorm.weight", t.dim);
+      lin(p + "self_attn.q_proj.weight", qd, t.dim, 2.f);
+      lin(p + "self_attn.k_proj.weight", kvd, t.dim, 2.f);
+      lin(p + "self_attn.v_proj.weight", kvd, t.dim);
+      norm(p + "self_attn.q_norm.weight", hd);
+      norm(p + "self_attn.k_norm.weight", hd);
+      lin(p + "self_attn.o_proj.weight", t.dim, qd);
+      norm(p + "post_attention_layernorm.weight", t.dim);
+      lin(p + "mlp.gate_proj.weight", t.hidden, t.dim);
+      lin(p + "mlp.up_proj.weight", t.hidden, t.dim);
+      lin(p + "mlp.down_proj.weight", t.dim, t.hidden);
+    }
+    norm("model.norm.weight", t.dim);
+    lin("lm_head.weight", t.vocab, t.dim, 4.f);
+  } else {
+    const std::string p = "model.transformer.";
+    lin(p + "wte.weight", t.vocab, t.dim, std::sqrt(static_cast<float>(t.dim)));
+    for (int64_t l = 0; l < t.layers; ++l) {
+      const std::string b = p + "blocks." + std::to_string(l) + ".";
+      norm(b + "attn_norm.weight", t.dim);
+      lin(b + "q_proj.weight", qd, t.dim, 2.f);
+      lin(b + "k_proj.weight", kvd, t.dim, 2.f);
+      lin(b + "v_proj.weight", kvd, t.dim);
+      lin(b + "attn_out.weight", t.dim, qd);
+      norm(b + "ff_norm.weight", t.dim);
+      lin(b + "ff_proj.weight", t.hidden, t.dim);
+      lin(b + "up_proj.weight", t.hidden, t.dim);
+      lin(b + "ff_out.weight", t.dim, t.hidden);
+    }
+    norm(p + "ln_f.weight", t.dim);
+    lin(p + "ff_out.weight", t.vocab, t.dim, 4.f);
+  }
+  for (const auto& [n, i] : order) tensors.push_back({n, arrays[i].view()});
+  const Status st = write_safetensors((dir / "model.safetensors").string(), tensors);
+  EXPECT_TRUE(st.ok()) << st.message();
+  return dir;
+}
+
+}  // namespace
+
+TEST(DlmApi, SdarLogitsAreBlockCausal) {
+  // Block-causal attention: the logits of the first k whole blocks do not depend on what follows.
+  const Tiny t;
+  const fs::path dir = write_model("sdar", t, "causal");
+  auto model = dlm::Model::load(dir.string());
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  EXPECT_EQ(model->config().arch, dlm::Arch::sdar);
+  std::vector<int32_t> ids = {1, 5, 9, 2, 7, 7, 3, 11, 4, 6, 8};
+  auto full = model->logits(ids);
+  ASSERT_TRUE(full.ok()) << full.status().message();
+  ASSERT_EQ(full->size(), ids.size() * static_cast<size_t>(t.vocab));
+  const std::vector<int32_t> head(ids.begin(), ids.begin() + 8);  // two whole blocks
+  auto part = model->logits(head);
+  ASSERT_TRUE(part.ok());
+  for (size_t i = 0; i < part->size(); ++i) ASSERT_NEAR((*part)[i], (*full)[i], 1e-4f) << i;
+  // ...while a change inside the last block changes that block's logits everywhere in it
+  ids[10] = 12;
+  auto changed = model->logits(ids);
+  ASSERT_TRUE(changed.ok());
+  EXPECT_GT(std::abs((*changed)[8 * t.vocab] - (*full)[8 * t.vocab]), 1e-6f);
+  fs::remove_all(dir);
+}
+
+TEST(DlmApi, LladaIsBidirectional) {
+  const Tiny t;
+  const fs::path dir = write_model("llada", t, "bidir");
+  auto model = dlm::Model::load(dir.string());
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  std::vector<int32_t> ids = {1, 5, 9, 2, 7};
+  auto a = model->logits(ids);
+  ids[4] = 3;
+  auto b = model->logits(ids);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_GT(std::abs((*a)[0] - (*b)[0]), 1e-6f);  // position 0 sees position 4
+  fs::remove_all(dir);
+}
+
+TEST(DlmApi, GenerateCallsBackPerBlockAndBatchesMatchSingles) {
+  const Tiny t;
+  const fs::path dir = write_model("sdar", t, "gen");
+  auto model = dlm::Model::load(dir.string());
+  ASSERT_TRUE(model.ok());
+  dlm::GenerateOptions o;
+  o.loop = model->default_loop();
+  o.gen_len = 9;
+  o.steps = 2;
+  o.stop_at_eos = false;
+  const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3}, {4, 5, 6, 7, 8, 9}};
+  std::vector<int> calls(2, 0);
+  auto both = model->generate(prompts, o, [&](size_t r, std::span<const int32_t>) { calls[r]++; });
+  ASSERT_TRUE(both.ok()) << both.status().message();
+  ASSERT_EQ(both->tokens.size(), 2u);
+  EXPECT_EQ(both->tokens[0].size(), 9u);
+  EXPECT_EQ(calls[0], 3);  // prompt 3 + 9 = 12 tokens: blocks 0..2 decoded
+  EXPECT_EQ(calls[1], 3);  // prompt 6 + 9 = 15 -> 4 blocks, 1 prefilled, 3 decoded
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    auto one = model->generate({prompts[r]}, o);
+    ASSERT_TRUE(one.ok());
+    EXPECT_EQ(one->tokens[0], both->tokens[r]);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(DlmApi, Errors) {
+  EXPECT_FALSE(dlm::Model::load("/nonexistent/model").ok());
+  auto c = dlm::parse_config(R"({"model_type": "llada", "d_model": 64})", "cfg");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("'n_layers'"), std::string::npos) << c.status().message();
+  auto tok = dlm::Tokenizer::parse(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+                                       "pre_tokenizer": {"type": "ByteLevel"}})");
+  ASSERT_FALSE(tok.ok());
+  EXPECT_NE(tok.status().message().find("merges"), std::string::npos);
+  EXPECT_FALSE(dlm::parse_loop("beam").ok());
+}

@@ -1,0 +1,156 @@
+// sparsa/dlm.h — the diffusion-LM engine: load a Hugging Face model directory, run one
+// forward pass over a canvas (logits), generate with one of three denoising loops, and the
+// byte-level BPE tokenizer of tokenizer.json. docs/dlm.md is the guide.
+//
+// A model directory holds config.json, model.safetensors or model.safetensors.index.json
+// plus its shards (F32, F16 or BF16), and usually tokenizer.json. Two architectures:
+//   llada — LLaDA-8B and its family (model_type "llada"): MHA, fully bidirectional.
+//   sdar  — SDAR / TraDo block diffusion (model_type "sdar", Qwen3 shape): GQA, per-head QK
+//           RMSNorm, causal across blocks of block_size tokens, bidirectional inside one.
+// Every failure is a Status whose message names the file, field or tensor at fault.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "sparsa/status.h"
+
+namespace sparsa::dlm {
+
+enum class Arch : uint8_t { llada, sdar };
+const char* arch_name(Arch arch);
+
+// RoPE as the config asks for it. rope_scaling {"rope_type"/"type": "linear", "factor": f}
+// divides positions by f; "dynamic"/"ntk" multiplies theta by f^(d/(d-2)) (NTK-aware, fixed);
+// absent, null or "default": plain RoPE. LongLLaDA-style variants change rope_theta itself.
+struct RopeConfig {
+  double theta = 10000.0;
+  std::string scaling = "default";  // default | linear | ntk
+  double factor = 1.0;
+};
+
+// The fields the engine runs on, named after the HF fields in the comments (llada / sdar).
+struct Config {
+  Arch arch = Arch::llada;
+  int64_t dim = 0;          // d_model / hidden_size
+  int64_t n_layers = 0;     // n_layers / num_hidden_layers
+  int64_t n_heads = 0;      // n_heads / num_attention_heads
+  int64_t n_kv_heads = 0;   // n_kv_heads (null: n_heads) / num_key_value_heads
+  int64_t head_dim = 0;     // d_model / n_heads / head_dim (default hidden_size / heads)
+  int64_t hidden_dim = 0;   // mlp_hidden_size / intermediate_size
+  int64_t vocab_size = 0;   // embedding_size (else vocab_size) / vocab_size: rows of the embedding and the head
+  double norm_eps = 1e-5;   // rms_norm_eps
+  RopeConfig rope;          // rope_theta, rope_scaling
+  int64_t max_seq_len = 0;  // max_sequence_length / max_position_embeddings
+  int32_t mask_token_id = -1;
+  std::vector<int32_t> eos_token_ids;  // eos_token_id (an id or a list); may be empty
+  int64_t block_size = 0;              // sdar: block_size; llada: 0 (no blocks in the architecture)
+  bool qk_norm = false;                // sdar: true (q_norm / k_norm per head)
+  bool tied_embeddings = false;        // weight_tying / tie_word_embeddings: the head is the embedding
+};
+
+// Parses and validates config.json's text; `where` prefixes messages ("DIR/config.json").
+Result<Config> parse_config(const std::string& json_text, const std::string& where = "config.json");
+
+// The engine's compute backend for GEMMs and elementwise work: "cpu" (OpenBLAS) now; a CUDA
+// backend is the next step (docs/dlm.md).
+struct LoadOptions {
+  std::string backend = "cpu";
+  int num_threads = 0;  // attention threads on the CPU; 0 = all cores
+};
+
+// Denoising loops (one file each in engines/dlm/).
+enum class Loop : uint8_t {
+  remask,        // LLaDA: semi-autoregressive low-confidence remasking, full canvas every step
+  prefix_cache,  // Fast-dLLM: prefix KV refreshed once per block, confidence-threshold decoding
+  block,         // block diffusion (SDAR): exact prefix KV cache, block by block
+};
+const char* loop_name(Loop loop);
+Result<Loop> parse_loop(const std::string& name);
+
+struct GenerateOptions {
+  Loop loop = Loop::remask;  // Model::default_loop(): remask for llada, block for sdar
+  int64_t gen_len = 128;     // tokens generated after the prompt
+  int64_t block_len = 32;    // remask / prefix_cache: tokens per block (gen_len a multiple of it);
+                             // block: ignored, the model's block_size rules
+  int64_t steps = 128;       // remask: total steps (a multiple of gen_len / block_len; unused with a threshold);
+                             // prefix_cache: the same schedule when threshold is 0;
+                             // block: steps per block
+  double threshold = 0;      // > 0: commit every masked token of the block whose confidence is
+                             // >= threshold (remask, prefix_cache: and at least the most confident
+                             // one, Fast-dLLM; block: > threshold, and at least the step's scheduled
+                             // count, SDAR's low_confidence_dynamic); 0: the scheduled top-k
+  double temperature = 0;    // 0: argmax; > 0: Gumbel-max sampling at this temperature
+  uint64_t seed = 0;
+  bool stop_at_eos = true;       // after a block holding an EOS is done, stop; the output ends before the EOS
+  bool ban_eos = false;          // EOS logits set to -inf before sampling (LLaDA's logits_eos_inf)
+  std::vector<int32_t> eos_ids;  // when not empty, the EOS ids instead of config.json's eos_token_id
+                                 // (e.g. LLaDA-Instruct's EOS 126081 and EoT 126348)
+};
+
+struct GenerateResult {
+  std::vector<std::vector<int32_t>> tokens;  // per request: the generated ids (after the prompt)
+  int64_t forward_tokens = 0;                // tokens pushed through the model (all requests)
+  int64_t steps = 0;                         // forward passes (all requests)
+  double seconds = 0;
+};
+
+// Called when a block of a request is final: the request, its generated ids so far.
+using BlockCallback = std::function<void(size_t request, std::span<const int32_t> generated)>;
+
+class Model {
+ public:
+  static Result<Model> load(const std::string& dir, const LoadOptions& options = {});
+  Model(Model&&) noexcept;
+  Model& operator=(Model&&) noexcept;
+  ~Model();
+
+  const Config& config() const;
+  const std::string& dir() const;
+  Loop default_loop() const;
+  int64_t parameter_count() const;
+  std::string weight_dtypes() const;  // "bf16", "f32", "bf16+f32", ...
+
+  // One forward pass over the canvas `ids` with the architecture's own attention pattern
+  // (bidirectional for llada, block-causal with block_size for sdar): f32 [len, vocab_size].
+  Result<std::vector<float>> logits(std::span<const int32_t> ids) const;
+
+  // A batch of requests (each its own prompt and KV cache) through the chosen loop.
+  Result<GenerateResult> generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& options,
+                                  const BlockCallback& on_block = {}) const;
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  explicit Model(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Hugging Face tokenizer.json, byte-level BPE (GPT-2 / Qwen / Llama-3 style pre-tokenizers).
+class Tokenizer {
+ public:
+  static Result<Tokenizer> load(const std::string& path);
+  static Result<Tokenizer> parse(const std::string& json_text, const std::string& where = "tokenizer.json");
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+  std::vector<int32_t> encode(const std::string& text) const;
+  // Ids outside the vocabulary are refused; skip_special drops added tokens marked special.
+  Result<std::string> decode(std::span<const int32_t> ids, bool skip_special = false) const;
+  int64_t vocab_size() const;  // largest id + 1
+
+  struct Impl;
+
+ private:
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  static Result<Tokenizer> parse_json(const std::string& json_text, const std::string& where);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sparsa::dlm

@@ -1,0 +1,131 @@
+// The DLM engine's part of the binding (sparsa._sparsa.Model, sparsa._sparsa.Tokenizer): kept in
+// its own file so the engine's bindings do not grow the attention ones; sparsa_ext.cpp calls
+// bind_dlm() from its module. Status errors become ValueError (bad input) or RuntimeError (files).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "sparsa/dlm.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace sparsa {
+
+namespace {
+
+[[noreturn]] void raise_dlm(const Status& s) {
+  if (s.code() == StatusCode::io_error || s.code() == StatusCode::malformed_file ||
+      s.code() == StatusCode::unsupported) {
+    throw std::runtime_error(s.message());
+  }
+  throw nb::value_error(s.message().c_str());
+}
+
+template <class T>
+T take(Result<T>&& r) {
+  if (!r.ok()) raise_dlm(r.status());
+  return std::move(r).value();
+}
+
+nb::dict config_dict(const dlm::Config& c) {
+  nb::dict d;
+  d["arch"] = dlm::arch_name(c.arch);
+  d["dim"] = c.dim;
+  d["layers"] = c.n_layers;
+  d["heads"] = c.n_heads;
+  d["kv_heads"] = c.n_kv_heads;
+  d["head_dim"] = c.head_dim;
+  d["hidden_dim"] = c.hidden_dim;
+  d["vocab_size"] = c.vocab_size;
+  d["max_seq_len"] = c.max_seq_len;
+  d["rope_theta"] = c.rope.theta;
+  d["rope_scaling"] = c.rope.scaling;
+  d["rope_factor"] = c.rope.factor;
+  d["mask_token_id"] = c.mask_token_id;
+  d["eos_token_ids"] = c.eos_token_ids;
+  d["block_size"] = c.block_size;
+  d["tied_embeddings"] = c.tied_embeddings;
+  return d;
+}
+
+}  // namespace
+
+void bind_dlm(nb::module_& m) {
+  nb::class_<dlm::Model>(m, "Model", "A diffusion LM loaded from a Hugging Face model directory (docs/dlm.md).")
+      .def_static(
+          "load",
+          [](const std::string& dir, const std::string& backend, int num_threads) {
+            dlm::LoadOptions o;
+            o.backend = backend;
+            o.num_threads = num_threads;
+            return take(dlm::Model::load(dir, o));
+          },
+          "dir"_a, "backend"_a = "cpu", "num_threads"_a = 0,
+          "Load config.json and model.safetensors (or the sharded index) from `dir`.")
+      .def_prop_ro("config", [](const dlm::Model& m) { return config_dict(m.config()); })
+      .def_prop_ro("default_loop", [](const dlm::Model& m) { return std::string(dlm::loop_name(m.default_loop())); })
+      .def(
+          "logits",
+          [](const dlm::Model& m, const std::vector<int32_t>& ids) {
+            std::vector<float> v;
+            {
+              nb::gil_scoped_release release;
+              auto r = m.logits(ids);
+              if (!r.ok()) {
+                nb::gil_scoped_acquire acquire;
+                raise_dlm(r.status());
+              }
+              v = std::move(r.value());
+            }
+            auto* owned = new std::vector<float>(std::move(v));
+            nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+            const size_t shape[2] = {ids.size(), static_cast<size_t>(m.config().vocab_size)};
+            return nb::ndarray<nb::numpy, float, nb::ndim<2>>(owned->data(), 2, shape, owner);
+          },
+          "ids"_a, "Logits f32 [len(ids), vocab] of one forward pass with the architecture's own attention pattern.")
+      .def(
+          "generate",
+          [](const dlm::Model& m, const std::vector<std::vector<int32_t>>& prompts, int64_t gen_len, int64_t block_len,
+             int64_t steps, double threshold, double temperature, uint64_t seed, const std::string& loop,
+             bool stop_at_eos, bool ban_eos, const std::vector<int32_t>& eos_ids) {
+            dlm::GenerateOptions o;
+            o.loop = loop.empty() ? m.default_loop() : take(dlm::parse_loop(loop));
+            o.gen_len = gen_len;
+            o.block_len = block_len;
+            o.steps = steps > 0 ? steps
+                                : (o.loop == dlm::Loop::block ? std::max<int64_t>(m.config().block_size, 1) : gen_len);
+            o.threshold = threshold;
+            o.temperature = temperature;
+            o.seed = seed;
+            o.stop_at_eos = stop_at_eos;
+            o.ban_eos = ban_eos;
+            o.eos_ids = eos_ids;
+            Result<dlm::GenerateResult> r = Status(StatusCode::internal, "not run");
+            {
+              nb::gil_scoped_release release;
+              r = m.generate(prompts, o);
+            }
+            return take(std::move(r)).tokens;
+          },
+          "prompts"_a, "gen_len"_a = 128, "block_len"_a = 32, "steps"_a = 0, "threshold"_a = 0.0, "temperature"_a = 0.0,
+          "seed"_a = 0, "loop"_a = "", "stop_at_eos"_a = true, "ban_eos"_a = false,
+          "eos_ids"_a = std::vector<int32_t>{},
+          "Generate for a batch of prompts (lists of ids); returns the generated ids of each.");
+
+  nb::class_<dlm::Tokenizer>(m, "Tokenizer", "Hugging Face tokenizer.json, byte-level BPE.")
+      .def_static(
+          "load", [](const std::string& path) { return take(dlm::Tokenizer::load(path)); }, "path"_a)
+      .def("encode", &dlm::Tokenizer::encode, "text"_a)
+      .def(
+          "decode",
+          [](const dlm::Tokenizer& t, const std::vector<int32_t>& ids, bool skip_special) {
+            return take(t.decode(ids, skip_special));
+          },
+          "ids"_a, "skip_special"_a = false)
+      .def_prop_ro("vocab_size", &dlm::Tokenizer::vocab_size);
+}
+
+}  // namespace sparsa

@@ -1,0 +1,317 @@
+// The diffusion-LM engine's commands (docs/dlm.md): generate, logits, tokenize, model info.
+#include <chrono>
+#include <climits>
+#include <optional>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "cmd_dlm.h"
+#include "common.h"
+#include "sparsa/dlm.h"
+#include "sparsa/io.h"
+
+namespace sparsa::cli {
+
+namespace {
+
+struct DlmOptions {
+  std::string model, out, tokenizer, text, decode, backend = "cpu", loop, ids, eos_ids;
+  std::vector<std::string> prompts, prompt_ids;
+  int64_t gen_len = 128, block_len = 32, steps = 0;
+  double threshold = 0, temperature = 0;
+  uint64_t seed = 0;
+  int threads = 0;
+  bool json = false, no_stop = false, ban_eos = false, quiet = false;
+};
+
+Result<std::vector<int32_t>> parse_ids(const std::string& flag, const std::string& text) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i <= text.size()) {
+    const size_t j = std::min(text.find(',', i), text.size());
+    const std::string item = text.substr(i, j - i);
+    try {
+      size_t used = 0;
+      const long long v = std::stoll(item, &used);
+      if (used != item.size() || v < 0 || v > INT32_MAX) throw std::invalid_argument("range");
+      ids.push_back(static_cast<int32_t>(v));
+    } catch (const std::exception&) {
+      return invalid_argument(flag + ": expected comma-separated token ids, got '" + item + "'");
+    }
+    i = j + 1;
+  }
+  return ids;
+}
+
+std::string tokenizer_path(const DlmOptions& o) {
+  if (!o.tokenizer.empty()) return o.tokenizer;
+  return (std::filesystem::path(o.model) / "tokenizer.json").string();
+}
+
+Result<dlm::Model> load_model(const DlmOptions& o) {
+  dlm::LoadOptions lo;
+  lo.backend = o.backend;
+  lo.num_threads = o.threads;
+  return dlm::Model::load(o.model, lo);
+}
+
+Outcome run_logits(const DlmOptions& o) {
+  auto ids = parse_ids("--ids", o.ids);
+  if (!ids.ok()) return usage_error(ids.status());
+  if (Status st = check_output_path("--out", o.out, {".npy"}); !st.ok()) return usage_error(st);
+  auto model = load_model(o);
+  if (!model.ok()) return runtime_error(model.status());
+  auto logits = model->logits(ids.value());
+  if (!logits.ok()) return runtime_error(logits.status());
+  const int64_t n = static_cast<int64_t>(ids->size()), vocab = model->config().vocab_size;
+  const Tensor t = Tensor::contiguous(logits->data(), DType::f32, {n, vocab});
+  if (Status st = write_npy(o.out, t); !st.ok()) return runtime_error(st);
+  if (!o.quiet) {
+    std::cout << "logits [" << n << ", " << vocab << "] f32 (" << dlm::arch_name(model->config().arch) << ", "
+              << (model->config().arch == dlm::Arch::sdar
+                      ? "block-causal, block " + std::to_string(model->config().block_size)
+                      : std::string("bidirectional"))
+              << ") -> " << o.out << "\n";
+  }
+  return success();
+}
+
+Outcome run_info(const DlmOptions& o) {
+  auto model = load_model(o);
+  if (!model.ok()) return runtime_error(model.status());
+  const dlm::Config& c = model->config();
+  nlohmann::json j = {{"dir", o.model},
+                      {"arch", dlm::arch_name(c.arch)},
+                      {"layers", c.n_layers},
+                      {"dim", c.dim},
+                      {"heads", c.n_heads},
+                      {"kv_heads", c.n_kv_heads},
+                      {"head_dim", c.head_dim},
+                      {"hidden_dim", c.hidden_dim},
+                      {"vocab_size", c.vocab_size},
+                      {"max_seq_len", c.max_seq_len},
+                      {"rope_theta", c.rope.theta},
+                      {"rope_scaling", c.rope.scaling},
+                      {"rope_factor", c.rope.factor},
+                      {"mask_token_id", c.mask_token_id},
+                      {"eos_token_ids", c.eos_token_ids},
+                      {"block_size", c.block_size},
+                      {"tied_embeddings", c.tied_embeddings},
+                      {"parameters", model->parameter_count()},
+                      {"weight_dtypes", model->weight_dtypes()},
+                      {"default_loop", dlm::loop_name(model->default_loop())}};
+  if (o.json) {
+    std::cout << json_text(j) << "\n";
+    return success();
+  }
+  for (const auto& [k, v] : j.items()) {
+    std::cout << k << std::string(k.size() < 16 ? 16 - k.size() : 1, ' ')
+              << (v.is_string() ? v.get<std::string>() : v.dump()) << "\n";
+  }
+  return success();
+}
+
+Outcome run_tokenize(const DlmOptions& o) {
+  if (o.tokenizer.empty()) return usage_error(invalid_argument("--tokenizer: required"));
+  if (o.text.empty() == o.decode.empty())
+    return usage_error(invalid_argument("give exactly one of --text and --decode"));
+  auto tok = dlm::Tokenizer::load(o.tokenizer);
+  if (!tok.ok()) return runtime_error(tok.status());
+  if (!o.decode.empty()) {
+    auto ids = parse_ids("--decode", o.decode);
+    if (!ids.ok()) return usage_error(ids.status());
+    auto text = tok->decode(ids.value());
+    if (!text.ok()) return runtime_error(text.status());
+    if (o.json) {
+      std::cout << json_text(nlohmann::json{{"text", text.value()}}, -1) << "\n";
+    } else {
+      std::cout << text.value() << "\n";
+    }
+    return success();
+  }
+  const std::vector<int32_t> ids = tok->encode(o.text);
+  if (o.json) {
+    std::cout << json_text(nlohmann::json{{"ids", ids}}, -1) << "\n";
+    return success();
+  }
+  for (size_t i = 0; i < ids.size(); ++i) std::cout << (i ? "," : "") << ids[i];
+  std::cout << "\n";
+  return success();
+}
+
+Outcome run_generate(const DlmOptions& o) {
+  if (o.prompts.empty() == o.prompt_ids.empty()) {
+    return usage_error(
+        invalid_argument("give --prompt TEXT or --prompt-ids IDS (each repeatable for a batch), not both"));
+  }
+  std::vector<std::vector<int32_t>> prompts;
+  for (const std::string& p : o.prompt_ids) {
+    auto ids = parse_ids("--prompt-ids", p);
+    if (!ids.ok()) return usage_error(ids.status());
+    prompts.push_back(ids.value());
+  }
+  std::optional<dlm::Tokenizer> tok;
+  if (!o.prompts.empty() || !o.json) {
+    auto t = dlm::Tokenizer::load(tokenizer_path(o));
+    if (!t.ok()) {
+      if (!o.prompts.empty()) return runtime_error(t.status());
+    } else {
+      tok.emplace(std::move(t.value()));
+    }
+  }
+  for (const std::string& text : o.prompts) prompts.push_back(tok->encode(text));
+  auto model = load_model(o);
+  if (!model.ok()) return runtime_error(model.status());
+  dlm::GenerateOptions g;
+  g.loop = model->default_loop();
+  if (!o.loop.empty()) {
+    auto loop = dlm::parse_loop(o.loop);
+    if (!loop.ok()) return usage_error(loop.status());
+    g.loop = loop.value();
+  }
+  g.gen_len = o.gen_len;
+  g.block_len = o.block_len;
+  g.steps = o.steps > 0 ? o.steps
+                        : (g.loop == dlm::Loop::block ? std::max<int64_t>(model->config().block_size, 1) : o.gen_len);
+  g.threshold = o.threshold;
+  g.temperature = o.temperature;
+  g.seed = o.seed;
+  g.stop_at_eos = !o.no_stop;
+  g.ban_eos = o.ban_eos;
+  if (!o.eos_ids.empty()) {
+    auto eos = parse_ids("--eos-ids", o.eos_ids);
+    if (!eos.ok()) return usage_error(eos.status());
+    g.eos_ids = eos.value();
+  }
+
+  // Streaming: each request's text grows block by block (printed as it becomes final for a
+  // single request; a batch prints at the end). The progress line goes to stderr.
+  const auto start = std::chrono::steady_clock::now();
+  std::string printed;  // the streamed text so far (one request)
+  std::vector<int64_t> made(prompts.size(), 0);
+  bool progress_shown = false;
+  const bool stream = !o.json && prompts.size() == 1 && tok.has_value();
+  auto on_block = [&](size_t r, std::span<const int32_t> generated) {
+    made[r] = static_cast<int64_t>(generated.size());
+    if (stream) {
+      // A block may end inside a multi-byte character (decoded as U+FFFD): hold those back.
+      auto text = tok->decode(generated, true);
+      if (text.ok()) {
+        std::string t = text.value();
+        while (t.size() >= 3 && t.compare(t.size() - 3, 3, "\xEF\xBF\xBD") == 0) t.resize(t.size() - 3);
+        if (t.size() > printed.size() && t.compare(0, printed.size(), printed) == 0) {
+          std::cout << t.substr(printed.size()) << std::flush;
+          printed = t;
+        }
+      }
+    }
+    if (!o.quiet) {
+      progress_shown = true;
+      int64_t total = 0;
+      for (int64_t m : made) total += m;
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::fprintf(stderr, "\r[sparsa generate] %lld tokens, %.1f tokens/s   ", static_cast<long long>(total),
+                   s > 0 ? total / s : 0.0);
+      std::fflush(stderr);
+    }
+  };
+  auto result = model->generate(prompts, g, on_block);
+  if (progress_shown) std::fprintf(stderr, "\n");
+  if (!result.ok()) return runtime_error(result.status());
+  if (o.json) {
+    nlohmann::json j = {{"loop", dlm::loop_name(g.loop)},
+                        {"tokens", result->tokens},
+                        {"steps", result->steps},
+                        {"forward_tokens", result->forward_tokens},
+                        {"seconds", result->seconds}};
+    if (tok) {
+      nlohmann::json texts = nlohmann::json::array();
+      for (const auto& t : result->tokens) {
+        auto text = tok->decode(t, true);
+        texts.push_back(text.ok() ? text.value() : std::string());
+      }
+      j["text"] = texts;
+    }
+    std::cout << json_text(j, -1) << "\n";
+    return success();
+  }
+  if (stream) {
+    auto text = tok->decode(result->tokens[0], true);  // the rest (held-back bytes, if any)
+    if (text.ok() && text->size() > printed.size() && text->compare(0, printed.size(), printed) == 0) {
+      std::cout << text->substr(printed.size());
+    }
+    std::cout << "\n";
+  } else {
+    for (const auto& t : result->tokens) {
+      if (tok) {
+        auto text = tok->decode(t, true);
+        std::cout << (text.ok() ? text.value() : std::string()) << "\n";
+      } else {
+        for (size_t i = 0; i < t.size(); ++i) std::cout << (i ? "," : "") << t[i];
+        std::cout << "\n";
+      }
+    }
+  }
+  return success();
+}
+
+}  // namespace
+
+std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
+  auto o = std::make_shared<DlmOptions>();
+  std::vector<Subcommand> out;
+
+  CLI::App* gen = app.add_subcommand("generate", "generate text with a diffusion LM (model directory of HF files)");
+  gen->add_option("--model", o->model, "model directory (config.json, safetensors, tokenizer.json)")->required();
+  gen->add_option("--prompt", o->prompts, "prompt text (repeatable: a batch)")->allow_extra_args(false);
+  gen->add_option("--prompt-ids", o->prompt_ids, "prompt token ids 1,2,3 (repeatable: a batch)")
+      ->allow_extra_args(false);
+  gen->add_option("--tokenizer", o->tokenizer, "tokenizer.json (default: the model directory's)");
+  gen->add_option("--loop", o->loop, "remask, prefix_cache or block (default: remask for llada, block for sdar)");
+  gen->add_option("--gen-len", o->gen_len, "tokens to generate")->capture_default_str();
+  gen->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
+  gen->add_option("--steps", o->steps,
+                  "remask, prefix_cache: total steps (default gen-len); block: steps per block (default block_size)");
+  gen->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding (0: top-k schedule)")
+      ->capture_default_str();
+  gen->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
+  gen->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
+  gen->add_option("--backend", o->backend, "cpu (cuda: not yet)")->capture_default_str();
+  gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
+  gen->add_flag("--no-stop-at-eos", o->no_stop,
+                "decode every block even after an EOS (the output then keeps the EOS and what follows)");
+  gen->add_flag("--ban-eos", o->ban_eos, "never sample EOS");
+  gen->add_option("--eos-ids", o->eos_ids, "EOS ids 1,2 (default: config.json's eos_token_id)");
+  gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");
+  gen->add_flag("--quiet", o->quiet, "no progress line");
+  out.push_back({gen, [o] { return run_generate(*o); }});
+
+  CLI::App* lg = app.add_subcommand("logits", "logits of one forward pass over a canvas (f32 [len, vocab] .npy)");
+  lg->add_option("--model", o->model, "model directory")->required();
+  lg->add_option("--ids", o->ids, "the canvas as token ids 1,2,3")->required();
+  lg->add_option("--out", o->out, "output .npy")->required();
+  lg->add_option("--backend", o->backend, "cpu")->capture_default_str();
+  lg->add_option("--threads", o->threads, "attention threads (0 = all cores)");
+  lg->add_flag("--quiet", o->quiet, "no summary line");
+  out.push_back({lg, [o] { return run_logits(*o); }});
+
+  CLI::App* tk = app.add_subcommand("tokenize", "encode text (or --decode ids) with a tokenizer.json");
+  tk->add_option("--tokenizer", o->tokenizer, "tokenizer.json")->required();
+  tk->add_option("--text", o->text, "text to encode");
+  tk->add_option("--decode", o->decode, "ids 1,2,3 to decode");
+  tk->add_flag("--json", o->json, "print JSON");
+  out.push_back({tk, [o] { return run_tokenize(*o); }});
+
+  CLI::App* model = app.add_subcommand("model", "inspect a model directory");
+  CLI::App* info = model->add_subcommand("info", "architecture, shapes, dtypes and parameters of a model directory");
+  model->require_subcommand(1);
+  info->add_option("dir", o->model, "model directory")->required();
+  info->add_flag("--json", o->json, "print JSON");
+  out.push_back({model, [o] { return run_info(*o); }});
+  return out;
+}
+
+}  // namespace sparsa::cli

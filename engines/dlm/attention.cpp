@@ -1,16 +1,120 @@
-// The per-layer attention of the engine. `dense` is exact softmax attention through sparsa's
-// own executors: the chunk's own keys (dense, or block_sparse over the block-causal plan),
-// the cached prefix (dense), and the two merged by their log-sum-exp (DESIGN.md §1) — the same
-// split LoSA uses, so a sparse method replaces the prefix half without touching the model.
+// The per-layer attention of the engine, one method per layer from a spec `name[:key=value,...]`:
+// `dense` is exact softmax attention through sparsa's own executors: the chunk's own keys (dense,
+// or block_sparse over the block-causal plan), the cached prefix (dense), and the two merged by
+// their log-sum-exp — the same split LoSA uses, so a sparse method replaces one half without
+// touching the model: `ba_att` the chunk's own keys of long bidirectional canvases, `quest` the
+// prefix, `losa` the prefix on a block's denoising steps.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "engine.h"
+#include "sparsa/ba_att.h"
+#include "sparsa/losa.h"
+#include "sparsa/quest.h"
 
 namespace sparsa::dlm {
 
 namespace {
 
-class DenseAttention final : public LayerAttention {
+// `name[:key=value,key=value]`.
+struct MethodSpec {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> params;
+};
+
+Result<MethodSpec> parse_spec(const std::string& text, const std::string& where) {
+  MethodSpec m;
+  const size_t colon = text.find(':');
+  m.name = text.substr(0, colon);
+  if (colon == std::string::npos) return m;
+  const std::string rest = text.substr(colon + 1);
+  size_t i = 0;
+  while (i <= rest.size()) {
+    const size_t j = std::min(rest.find(',', i), rest.size());
+    const std::string item = rest.substr(i, j - i);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == item.size()) {
+      return invalid_argument(where + ": expected key=value after '" + m.name + ":', got '" + item + "'");
+    }
+    m.params.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+    i = j + 1;
+  }
+  return m;
+}
+
+// The parameters of one method: each key read once, the rest an error naming it.
+class Params {
  public:
-  explicit DenseAttention(const AttentionPolicy& policy) {
+  Params(const MethodSpec& m, std::string where) : m_(m), where_(std::move(where)) {}
+  Status number(const char* key, double lo, double hi, double* value) {
+    for (auto& [k, v] : m_.params) {
+      if (k != key) continue;
+      used_.push_back(k);
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      if (end != v.c_str() + v.size() || !(x >= lo && x <= hi)) {
+        return invalid_argument(where_ + ": " + m_.name + " " + key + ": expected a number in [" + fmt(lo) + ", " +
+                                fmt(hi) + "], got '" + v + "'");
+      }
+      *value = x;
+    }
+    return Status::Ok();
+  }
+  Status integer(const char* key, int64_t lo, int64_t hi, int64_t* value) {
+    double x = static_cast<double>(*value);
+    SPARSA_RETURN_IF_ERROR(number(key, static_cast<double>(lo), static_cast<double>(hi), &x));
+    if (x != std::floor(x)) return invalid_argument(where_ + ": " + m_.name + " " + key + ": expected an integer");
+    *value = static_cast<int64_t>(x);
+    return Status::Ok();
+  }
+  Status flag(const char* key, bool* value) {
+    for (auto& [k, v] : m_.params) {
+      if (k != key) continue;
+      used_.push_back(k);
+      if (v != "true" && v != "false" && v != "1" && v != "0") {
+        return invalid_argument(where_ + ": " + m_.name + " " + key + ": expected true or false, got '" + v + "'");
+      }
+      *value = v == "true" || v == "1";
+    }
+    return Status::Ok();
+  }
+  bool has(const char* key) const {
+    for (auto& kv : m_.params)
+      if (kv.first == key) return true;
+    return false;
+  }
+  Status done(const char* keys) const {
+    for (auto& kv : m_.params) {
+      if (std::find(used_.begin(), used_.end(), kv.first) == used_.end()) {
+        return invalid_argument(where_ + ": " + m_.name + " has no parameter '" + kv.first + "' (" + keys + ")");
+      }
+    }
+    return Status::Ok();
+  }
+
+ private:
+  static std::string fmt(double x) {
+    std::string s = std::to_string(x);
+    s.erase(s.find_last_not_of('0') + 1);
+    if (!s.empty() && s.back() == '.') s.pop_back();
+    return s;
+  }
+  const MethodSpec& m_;
+  std::string where_;
+  std::vector<std::string> used_;
+};
+
+// Exact softmax attention through sparsa's own executors, in two halves merged by their
+// log-sum-exp: the chunk's own keys (own(): dense, or block_sparse over the block-causal plan)
+// and the cached prefix (prefix(): dense). The sparse methods replace one half.
+class SplitAttention : public LayerAttention {
+ public:
+  explicit SplitAttention(const AttentionPolicy& policy) {
     options_.backend = policy.backend;
     options_.num_threads = policy.num_threads;
   }
@@ -23,19 +127,32 @@ class DenseAttention final : public LayerAttention {
       pre_lse_ = HostArray(DType::f32, {1, heads_q, n});
     }
     const Tensor own_lse = Tensor::contiguous(own_lse_.ptr<float>(), DType::f32, {1, heads_q, n});
-    if (call.block_causal > 0) {
-      SPARSA_RETURN_IF_ERROR(block_causal_plan(n, call.block_causal, heads_q, call.pos0));
-      SPARSA_RETURN_IF_ERROR(block_sparse(call.q, call.k, call.v, plan_.view(), call.out, own_lse, options_));
-    } else {
-      SPARSA_RETURN_IF_ERROR(dense(call.q, call.k, call.v, call.out, own_lse, options_));
-    }
+    SPARSA_RETURN_IF_ERROR(own(call, own_lse));
     if (call.prefix == nullptr || call.prefix->length() == 0) return Status::Ok();
     const Tensor pre_out = Tensor::contiguous(pre_out_.ptr<float>(), DType::f32, {1, heads_q, n, hd});
     const Tensor pre_lse = Tensor::contiguous(pre_lse_.ptr<float>(), DType::f32, {1, heads_q, n});
-    SPARSA_RETURN_IF_ERROR(dense(call.q, call.prefix->keys(), call.prefix->values(), pre_out, pre_lse, options_));
+    SPARSA_RETURN_IF_ERROR(prefix(call, pre_out, pre_lse));
     return merge(call.out, own_lse, pre_out, pre_lse, call.out, own_lse,
                  options_.backend == Backend::cuda ? Backend::cuda : Backend::cpu);
   }
+
+ protected:
+  // The chunk's own keys into call.out and lse.
+  virtual Status own(const AttentionCall& call, const Tensor& lse) { return dense_own(call, lse); }
+  // The prefix (non-empty) into out and lse.
+  virtual Status prefix(const AttentionCall& call, const Tensor& out, const Tensor& lse) {
+    return dense(call.q, call.prefix->keys(), call.prefix->values(), out, lse, options_);
+  }
+
+  Status dense_own(const AttentionCall& call, const Tensor& lse) {
+    if (call.block_causal > 0) {
+      SPARSA_RETURN_IF_ERROR(block_causal_plan(call.q.shape[2], call.block_causal, call.q.shape[1], call.pos0));
+      return block_sparse(call.q, call.k, call.v, plan_.view(), call.out, lse, options_);
+    }
+    return dense(call.q, call.k, call.v, call.out, lse, options_);
+  }
+
+  AttentionOptions options_;
 
  private:
   // Query block qb of the chunk sees key blocks 0..qb (causal across blocks, all of a block).
@@ -62,20 +179,190 @@ class DenseAttention final : public LayerAttention {
     return Status::Ok();
   }
 
-  AttentionOptions options_;
   HostArray own_lse_, pre_out_, pre_lse_;
   BlockIndexBuffer plan_;
   int64_t plan_n_ = -1, plan_b_ = -1, plan_heads_ = -1;
 };
 
+class DenseAttention final : public SplitAttention {
+ public:
+  using SplitAttention::SplitAttention;
+};
+
+// BA-Att over the chunk's own keys where the chunk is one bidirectional canvas of at least
+// min_tokens tokens (LLaDA's full-canvas steps, Fast-dLLM's block-and-suffix chunks); dense
+// below that and for block-causal chunks (block-diffusion prefill); the prefix stays dense.
+class BaAttAttention final : public SplitAttention {
+ public:
+  BaAttAttention(const AttentionPolicy& policy, const BaAttOptions& ba, int64_t min_tokens)
+      : SplitAttention(policy), ba_(ba), min_tokens_(min_tokens) {
+    ba_.backend = policy.backend;
+    ba_.num_threads = policy.num_threads;
+  }
+
+ protected:
+  Status own(const AttentionCall& call, const Tensor& lse) override {
+    if (call.block_causal > 0 || call.q.shape[2] < min_tokens_) return dense_own(call, lse);
+    return ba_att(call.q, call.k, call.v, call.out, lse, ba_);
+  }
+
+ private:
+  BaAttOptions ba_;
+  int64_t min_tokens_;
+};
+
+// QUEST over the cached prefix: every query row's top budget / 16 pages by the page bound, then
+// attention over them (sparsa/quest.h); the chunk's own keys stay exact.
+class QuestAttention final : public SplitAttention {
+ public:
+  QuestAttention(const AttentionPolicy& policy, const PageSelectOptions& select)
+      : SplitAttention(policy), select_(select) {}
+
+ protected:
+  Status prefix(const AttentionCall& call, const Tensor& out, const Tensor& lse) override {
+    // select_pages takes contiguous-row f32 queries: the call's q is a strided view.
+    auto plan = select_pages(call.q, *call.prefix, select_, options_.num_threads);
+    if (!plan.ok()) return plan.status();
+    PagedAttentionOptions po;
+    po.attention = options_;
+    return paged_attention(call.q, *call.prefix, *plan, out, lse, po);
+  }
+
+ private:
+  PageSelectOptions select_;
+};
+
+// LoSA on the denoising steps of a block (call.step >= 0, the chunk one bidirectional block over
+// a non-empty prefix): PrefixAttention keeps O_p, L_p, Q_ref per layer, recomputes the prefix
+// attention of the top-K changed rows by QUEST and merges the intra-block attention (sparsa/losa.h);
+// a block's first step is dense. Prefill, commit and logits passes stay exact (the base class).
+class LosaAttention final : public SplitAttention {
+ public:
+  LosaAttention(const AttentionPolicy& policy, const LosaOptions& losa) : SplitAttention(policy), losa_(losa) {
+    losa_.attention.backend = policy.backend == Backend::cuda ? Backend::cpu : policy.backend;
+    losa_.attention.num_threads = policy.num_threads;
+  }
+
+  Status forward(const AttentionCall& call) override {
+    const int64_t heads_q = call.q.shape[1], n = call.q.shape[2], hd = call.q.shape[3];
+    const bool block_step = call.step >= 0 && call.prefix != nullptr && call.prefix->length() > 0 &&
+                            (call.block_causal == 0 || call.block_causal >= n);
+    if (!block_step) return SplitAttention::forward(call);
+    if (!state_ || state_->config().block_size != n || state_->config().heads_q != heads_q) {
+      LosaConfig lc{heads_q, call.k.shape[1], hd, n};
+      auto s = PrefixAttention::create(lc, losa_);
+      if (!s.ok()) return s.status();
+      state_ = std::make_unique<PrefixAttention>(std::move(s).value());
+    }
+    if (call.step == 0) state_->begin_block();
+    if (lse_.empty() || lse_.shape()[1] != heads_q || lse_.shape()[2] != n) lse_ = HostArray(DType::f32, {1, heads_q, n});
+    return state_->step(*call.prefix, call.q, call.k, call.v, call.out, lse_.view());
+  }
+  void on_commit() override {
+    if (state_) state_->begin_block();
+  }
+  void on_reset() override {
+    if (state_) state_->begin_block();
+  }
+
+ private:
+  LosaOptions losa_;
+  std::unique_ptr<PrefixAttention> state_;
+  HostArray lse_;
+};
+
+Status page_options(Params& p, PageSelectOptions* s) {
+  SPARSA_RETURN_IF_ERROR(p.integer("budget", 16, int64_t{1} << 30, &s->budget));
+  SPARSA_RETURN_IF_ERROR(p.flag("force_first", &s->force_first));
+  SPARSA_RETURN_IF_ERROR(p.flag("force_last", &s->force_last));
+  return validate(*s, 16);
+}
+
 }  // namespace
 
 Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer) {
-  const std::string& method =
-      layer < static_cast<int>(policy.layer_methods.size()) ? policy.layer_methods[layer] : policy.method;
-  if (method == "dense") return std::unique_ptr<LayerAttention>(new DenseAttention(policy));
-  return invalid_argument("attention method '" + method + "' (layer " + std::to_string(layer) +
-                          ") is not available in the engine yet (expected dense)");
+  const std::string& text =
+      layer < static_cast<int>(policy.layer_methods.size()) && !policy.layer_methods[layer].empty()
+          ? policy.layer_methods[layer]
+          : policy.method;
+  const std::string where = "attention (layer " + std::to_string(layer) + ")";
+  auto spec = parse_spec(text, where);
+  if (!spec.ok()) return spec.status();
+  Params p(*spec, where);
+  if (spec->name == "dense") {
+    SPARSA_RETURN_IF_ERROR(p.done("dense takes none"));
+    return std::unique_ptr<LayerAttention>(new DenseAttention(policy));
+  }
+  if (spec->name == "ba_att") {
+    BaAttOptions ba;
+    double density = 0.5, tau = 0.9, beta = 1.0;
+    int64_t top_kappa = 0, block = 64, min_tokens = 1024;
+    const int budgets = int{p.has("density")} + int{p.has("top_kappa")} + int{p.has("tau")};
+    if (budgets > 1) return invalid_argument(where + ": ba_att takes one of density, top_kappa, tau");
+    SPARSA_RETURN_IF_ERROR(p.number("density", 1e-9, 1.0, &density));
+    SPARSA_RETURN_IF_ERROR(p.number("tau", 1e-9, 1.0, &tau));
+    SPARSA_RETURN_IF_ERROR(p.integer("top_kappa", 1, int64_t{1} << 30, &top_kappa));
+    SPARSA_RETURN_IF_ERROR(p.integer("block", 1, 4096, &block));
+    SPARSA_RETURN_IF_ERROR(p.integer("min_tokens", 0, int64_t{1} << 40, &min_tokens));
+    SPARSA_RETURN_IF_ERROR(p.number("beta", 0.0, 16.0, &beta));
+    bool compensate = true;
+    SPARSA_RETURN_IF_ERROR(p.flag("compensate", &compensate));
+    SPARSA_RETURN_IF_ERROR(p.done("density, top_kappa, tau, block, min_tokens, beta, compensate"));
+    ba.budget = p.has("top_kappa") ? Budget::top_kappa(static_cast<double>(top_kappa))
+                : p.has("tau")     ? Budget::mass(tau)
+                                   : Budget::density(density);
+    ba.block_q = ba.block_kv = static_cast<int>(block);
+    ba.beta = static_cast<float>(beta);
+    ba.compensate = compensate;
+    return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens));
+  }
+  if (spec->name == "quest") {
+    PageSelectOptions s;
+    SPARSA_RETURN_IF_ERROR(page_options(p, &s));
+    SPARSA_RETURN_IF_ERROR(p.done("budget, force_first, force_last"));
+    return std::unique_ptr<LayerAttention>(new QuestAttention(policy, s));
+  }
+  if (spec->name == "losa") {
+    LosaOptions o;
+    SPARSA_RETURN_IF_ERROR(page_options(p, &o.select));
+    int64_t k = o.active_k;
+    SPARSA_RETURN_IF_ERROR(p.integer("k", 0, 1024, &k));
+    o.active_k = static_cast<int>(k);
+    if (p.has("threshold")) {
+      double t = 0;
+      SPARSA_RETURN_IF_ERROR(p.number("threshold", 0.0, 1e30, &t));
+      o.mse_threshold = t;
+    }
+    SPARSA_RETURN_IF_ERROR(p.done("budget, k, threshold, force_first, force_last"));
+    return std::unique_ptr<LayerAttention>(new LosaAttention(policy, o));
+  }
+  return invalid_argument(where + ": unknown method '" + spec->name + "' (expected dense, ba_att, quest or losa)");
+}
+
+Status expand_layer_methods(const std::vector<std::string>& overrides, int n_layers,
+                            std::vector<std::string>* layer_methods) {
+  layer_methods->assign(static_cast<size_t>(n_layers), "");
+  for (const std::string& o : overrides) {
+    const size_t eq = o.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == o.size()) {
+      return invalid_argument("attention_layers: expected LAYERS=METHOD such as 0,1,31=dense, got '" + o + "'");
+    }
+    const std::string layers = o.substr(0, eq), method = o.substr(eq + 1);
+    size_t i = 0;
+    while (i <= layers.size()) {
+      const size_t j = std::min(layers.find(',', i), layers.size());
+      const std::string item = layers.substr(i, j - i);
+      char* end = nullptr;
+      const long l = std::strtol(item.c_str(), &end, 10);
+      if (item.empty() || end != item.c_str() + item.size() || l < 0 || l >= n_layers) {
+        return invalid_argument("attention_layers: layer '" + item + "' in '" + o + "' is not in [0, " +
+                                std::to_string(n_layers) + ")");
+      }
+      (*layer_methods)[static_cast<size_t>(l)] = method;
+      i = j + 1;
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace sparsa::dlm

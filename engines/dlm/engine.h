@@ -100,14 +100,20 @@ class LayerAttention {
   // The prefix cache was emptied (prefix_cache refreshes it every block): drop cached state.
   virtual void on_reset() {}
 };
-// The method of each layer: builds one LayerAttention per (sequence, layer).
+// The method of each layer: builds one LayerAttention per (sequence, layer). A method is a spec
+// `name[:key=value,...]`: dense; ba_att[:density=|top_kappa=|tau=, block=64, min_tokens=1024,
+// beta=1, compensate=true]; quest[:budget=256, force_first=false, force_last=true];
+// losa[:budget=256, k=4, threshold=, force_first=false, force_last=true].
 struct AttentionPolicy {
   std::string method = "dense";            // every layer's, unless layer_methods names it
-  std::vector<std::string> layer_methods;  // optional: layer l runs layer_methods[l] (e.g. dense first layers)
+  std::vector<std::string> layer_methods;  // optional: layer l runs layer_methods[l] when not empty
   Backend backend = Backend::cpu;
   int num_threads = 0;
 };
 Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer);
+// "0,1,31=dense" entries into one method per layer ("" where the policy's method applies).
+Status expand_layer_methods(const std::vector<std::string>& overrides, int n_layers,
+                            std::vector<std::string>* layer_methods);
 
 // ---- weights, sequence, state --------------------------------------------------------------
 struct LayerWeights {

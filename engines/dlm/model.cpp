@@ -65,6 +65,13 @@ Result<Model> Model::load(const std::string& dir, const LoadOptions& options) {
     return invalid_argument("backend: expected cpu or cuda, got '" + options.backend + "'");
   }
   impl->policy.num_threads = options.num_threads;
+  impl->policy.method = options.attention;
+  SPARSA_RETURN_IF_ERROR(
+      expand_layer_methods(options.attention_layers, static_cast<int>(impl->config.n_layers), &impl->policy.layer_methods));
+  for (int l = 0; l < impl->config.n_layers; ++l) {  // every layer's spec checked now, not at the first forward
+    auto a = make_layer_attention(impl->policy, l);
+    if (!a.ok()) return a.status();
+  }
   auto store = TensorStore::open(dir);
   if (!store.ok()) return store.status();
   impl->store = std::move(store.value());

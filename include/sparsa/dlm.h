@@ -61,6 +61,14 @@ Result<Config> parse_config(const std::string& json_text, const std::string& whe
 struct LoadOptions {
   std::string backend = "cpu";
   int num_threads = 0;  // attention threads on the CPU; 0 = all cores
+  // Every layer's attention method, `name[:key=value,...]`: dense (exact), ba_att[:density=0.5 |
+  // top_kappa=K | tau=T, block=64, min_tokens=1024, beta=1, compensate=true] (the chunk's own keys
+  // of bidirectional canvases of at least min_tokens), quest[:budget=256, force_first=false,
+  // force_last=true] (the cached prefix), losa[:budget=256, k=4, threshold=X, ...] (the prefix on
+  // a block's denoising steps; docs/dlm.md).
+  std::string attention = "dense";
+  // Per-layer overrides "LAYERS=METHOD", e.g. "0,1,31=dense".
+  std::vector<std::string> attention_layers;
 };
 
 // Denoising loops (one file each in engines/dlm/).

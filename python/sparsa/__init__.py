@@ -722,10 +722,14 @@ class Model:
         self.tokenizer = tokenizer
 
     @staticmethod
-    def load(dir, backend: str = "cpu", num_threads: int = 0) -> "Model":
+    def load(dir, backend: str = "cpu", num_threads: int = 0, attention: str = "dense",
+             attention_layers=()) -> "Model":
+        """``attention``: every layer's method, ``"dense"``, ``"ba_att:density=0.5"``,
+        ``"quest:budget=256"`` or ``"losa:budget=256,k=4"``; ``attention_layers``: overrides
+        such as ``["0,1,31=dense"]`` (docs/dlm.md)."""
         import os
 
-        core = _core.Model.load(str(dir), backend, num_threads)
+        core = _core.Model.load(str(dir), backend, num_threads, attention, list(attention_layers))
         path = os.path.join(str(dir), "tokenizer.json")
         return Model(core, Tokenizer.load(path) if os.path.exists(path) else None)
 

@@ -57,13 +57,17 @@ void bind_dlm(nb::module_& m) {
   nb::class_<dlm::Model>(m, "Model", "A diffusion LM loaded from a Hugging Face model directory (docs/dlm.md).")
       .def_static(
           "load",
-          [](const std::string& dir, const std::string& backend, int num_threads) {
+          [](const std::string& dir, const std::string& backend, int num_threads, const std::string& attention,
+             const std::vector<std::string>& attention_layers) {
             dlm::LoadOptions o;
             o.backend = backend;
             o.num_threads = num_threads;
+            o.attention = attention;
+            o.attention_layers = attention_layers;
             return take(dlm::Model::load(dir, o));
           },
-          "dir"_a, "backend"_a = "cpu", "num_threads"_a = 0,
+          "dir"_a, "backend"_a = "cpu", "num_threads"_a = 0, "attention"_a = "dense",
+          "attention_layers"_a = std::vector<std::string>{},
           "Load config.json and model.safetensors (or the sharded index) from `dir`.")
       .def_prop_ro("config", [](const dlm::Model& m) { return config_dict(m.config()); })
       .def_prop_ro("default_loop", [](const dlm::Model& m) { return std::string(dlm::loop_name(m.default_loop())); })

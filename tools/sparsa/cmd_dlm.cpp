@@ -20,6 +20,8 @@ namespace {
 struct DlmOptions {
   std::string model, out, tokenizer, text, decode, backend = "cpu", loop, ids, eos_ids;
   std::vector<std::string> prompts, prompt_ids;
+  std::string attention = "dense";
+  std::vector<std::string> attention_layers;
   int64_t gen_len = 128, block_len = 32, steps = 0;
   double threshold = 0, temperature = 0;
   uint64_t seed = 0;
@@ -55,6 +57,8 @@ Result<dlm::Model> load_model(const DlmOptions& o) {
   dlm::LoadOptions lo;
   lo.backend = o.backend;
   lo.num_threads = o.threads;
+  lo.attention = o.attention;
+  lo.attention_layers = o.attention_layers;
   return dlm::Model::load(o.model, lo);
 }
 
@@ -281,6 +285,12 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   gen->add_option("--backend", o->backend, "cpu (cuda: not yet)")->capture_default_str();
   gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
+  gen->add_option("--attention", o->attention,
+                  "every layer's attention: dense, ba_att[:density=0.5,block=64,min_tokens=1024], "
+                  "quest[:budget=256], losa[:budget=256,k=4] (docs/dlm.md)")
+      ->capture_default_str();
+  gen->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD, e.g. 0,1,31=dense")
+      ->allow_extra_args(false);
   gen->add_flag("--no-stop-at-eos", o->no_stop,
                 "decode every block even after an EOS (the output then keeps the EOS and what follows)");
   gen->add_flag("--ban-eos", o->ban_eos, "never sample EOS");
@@ -295,6 +305,12 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   lg->add_option("--out", o->out, "output .npy")->required();
   lg->add_option("--backend", o->backend, "cpu")->capture_default_str();
   lg->add_option("--threads", o->threads, "attention threads (0 = all cores)");
+  lg->add_option("--attention", o->attention,
+                  "every layer's attention: dense, ba_att[:density=0.5,block=64,min_tokens=1024], "
+                  "quest[:budget=256], losa[:budget=256,k=4] (docs/dlm.md)")
+      ->capture_default_str();
+  lg->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD, e.g. 0,1,31=dense")
+      ->allow_extra_args(false);
   lg->add_flag("--quiet", o->quiet, "no summary line");
   out.push_back({lg, [o] { return run_logits(*o); }});
 

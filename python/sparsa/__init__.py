@@ -44,6 +44,8 @@ __all__ = [
     "quest_plan",
     "quest",
     "LosaState",
+    "DevicePagedKVCache",
+    "DeviceLosaState",
     "read_tensor",
     "write_tensor",
     "generate_workload",
@@ -683,6 +685,96 @@ class LosaState:
     def q_ref(self) -> np.ndarray:
         """The query each row's prefix part was computed with (a copy)."""
         return self._state.q_ref
+
+
+# ---- block-diffusion decoding on a CUDA device ----------------------------------------------
+
+class DevicePagedKVCache:
+    """A pool of KV pages on a CUDA device shared by several sequences (docs/losa.md §10):
+    K and V in bfloat16 or float16, pages of ``page_size`` tokens with their key min/max (QUEST's
+    metadata) computed on the device when tokens are appended. Each sequence owns a run of
+    pages reserved by :meth:`add_sequence`; a full pool or sequence raises ``MemoryError``.
+    Arrays are torch (or cupy) CUDA arrays, read in place."""
+
+    def __init__(self, heads_kv: int, head_dim: int, pool_pages: int, *, page_size: int = 16,
+                 dtype: str = "bfloat16", device: int = 0):
+        self._core = _core.DevicePagedKVCache.create(heads_kv, head_dim, pool_pages, page_size, dtype, device)
+
+    def add_sequence(self, max_tokens: int) -> int:
+        """A new empty sequence with room for ``max_tokens`` tokens; its id."""
+        return self._core.add_sequence(max_tokens)
+
+    def remove_sequence(self, seq: int) -> None:
+        self._core.remove_sequence(seq)
+
+    def reset(self, seq: int) -> None:
+        """Length 0 (the sequence keeps its pages)."""
+        self._core.reset(seq)
+
+    def append(self, seq: int, k, v, *, stream=None) -> None:
+        """Append ``k``, ``v`` ``[1, heads_kv, n, head_dim]`` (the cache's dtype, on its device) to
+        sequence ``seq``, on ``stream`` (torch's current stream by default)."""
+        self._core.append(seq, k, v, _stream(k, stream))
+
+    def length(self, seq: int) -> int:
+        return self._core.length(seq)
+
+    def capacity(self, seq: int) -> int:
+        return self._core.capacity(seq)
+
+    @property
+    def free_pages(self) -> int:
+        return self._core.free_pages
+
+
+class DeviceLosaState:
+    """Per-layer LoSA state on a CUDA device for a batch of sequences (docs/losa.md §10): the
+    semantics of :class:`LosaState` (``method`` ``"losa"``, ``"quest"`` or ``"dense"``; QUEST
+    pages, per-head selection), with O_p, L_p and Q_ref kept on the device and no host
+    synchronisation inside :meth:`step`. Arrays are torch (or cupy) CUDA arrays: q
+    ``[batch, heads_q, block_size, head_dim]``, k/v blocks ``[batch, heads_kv, block_size,
+    head_dim]`` in ``dtype``."""
+
+    def __init__(self, batch: int, heads_q: int, heads_kv: int, head_dim: int, *, block_size: int = 16,
+                 method: str = "losa", budget: int = 256, force_first: bool = False, force_last: bool = True,
+                 active_k: int = 4, mse_threshold: Optional[float] = None, scale: Optional[float] = None,
+                 dtype: str = "bfloat16", device: int = 0):
+        self._core = _core.DevicePrefixAttention.create(batch, heads_q, heads_kv, head_dim, block_size, method, budget,
+                                                       force_first, force_last, active_k, mse_threshold, scale, dtype,
+                                                       device)
+
+    def step(self, cache: DevicePagedKVCache, seqs, q, k_block, v_block, *, out=None, lse=None, stream=None):
+        """One denoising step of every entry's block (entry i's prefix is sequence ``seqs[i]``):
+        ``(out, lse)`` over prefix + block, on ``stream`` (torch's current stream by default)."""
+        if not isinstance(cache, DevicePagedKVCache):
+            raise TypeError(f"cache: expected sparsa.DevicePagedKVCache, got {type(cache).__name__}")
+        out, lse = _outputs(q, out, lse)
+        self._core.step(cache._core, list(seqs), q, k_block, v_block, out, lse, _stream(q, stream))
+        return out, lse
+
+    def commit(self, cache: DevicePagedKVCache, seqs, k_block, v_block, *, stream=None) -> None:
+        """Append every entry's finished block to its sequence; the next step starts a new block."""
+        if not isinstance(cache, DevicePagedKVCache):
+            raise TypeError(f"cache: expected sparsa.DevicePagedKVCache, got {type(cache).__name__}")
+        self._core.commit(cache._core, list(seqs), k_block, v_block, _stream(k_block, stream))
+
+    def begin_block(self) -> None:
+        self._core.begin_block()
+
+    @property
+    def steps_in_block(self) -> int:
+        return self._core.steps_in_block
+
+    def _array(self, a, like):
+        return _from_dlpack(like, a)
+
+    def active_rows(self, like=None):
+        """The last step's active rows int32 ``[batch, block_size]`` (the first ``active_counts[b]``
+        of row b valid) and their counts ``[batch]``, as arrays of ``like``'s framework (torch)."""
+        import torch
+
+        like = like if like is not None else torch.empty(0, device="cuda")
+        return self._array(self._core.active_rows, like), self._array(self._core.active_counts, like)
 
 
 # ---- files and workloads -----------------------------------------------------------------

@@ -214,10 +214,12 @@ Tensor host_tensor(const A& a, const char* name) {
 }  // namespace
 
 void bind_dlm(nb::module_& m);  // dlm_bindings.cpp: the DLM engine's Model and Tokenizer
+void bind_losa_device(nb::module_& m);  // losa_device_bindings.cpp: the device paged cache and LoSA
 
 NB_MODULE(_sparsa, m) {
   m.doc() = "sparsa core (C++): attention executors on DLPack arrays, zero copy";
   bind_dlm(m);
+  bind_losa_device(m);
 
   m.def(
       "dense",

@@ -318,3 +318,13 @@ def test_a_bad_stream_names_the_argument(stream, error, match):
     q = np.zeros((1, 1, 4, 8), np.float32)
     with pytest.raises(error, match=match):
         sparsa.dense(q, q, q, stream=stream)
+
+
+# The device LoSA classes check their configuration before asking for a device.
+def test_device_losa_config_errors_without_a_device():
+    with pytest.raises(TypeError, match=r"dtype: expected bfloat16 or float16"):
+        sparsa.DevicePagedKVCache(2, 64, 8, dtype="float32")
+    with pytest.raises(ValueError, match=r"^heads_kv:"):
+        sparsa.DevicePagedKVCache(0, 64, 8)
+    with pytest.raises(ValueError, match=r"^block_size:"):
+        sparsa.DeviceLosaState(1, 8, 2, 64, block_size=100)

@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "cuda/select/ba_att_common.cuh"
-#include "cuda/select/select_blocks.cuh"
+#include "cuda/select/warp_select.cuh"
 
 namespace sparsa::cuda::losa {
 

@@ -774,7 +774,7 @@ class DeviceLosaState:
         import torch
 
         like = like if like is not None else torch.empty(0, device="cuda")
-        return self._array(self._core.active_rows, like), self._array(self._core.active_counts, like)
+        return self._array(self._core.active_rows(), like), self._array(self._core.active_counts(), like)
 
 
 # ---- files and workloads -----------------------------------------------------------------

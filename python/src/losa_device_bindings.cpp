@@ -161,12 +161,11 @@ void bind_losa_device(nb::module_& m) {
           "cache"_a, "seqs"_a, "k_block"_a, "v_block"_a, "stream"_a = 0)
       .def("begin_block", &DevicePrefixAttention::begin_block)
       .def_prop_ro("steps_in_block", &DevicePrefixAttention::steps_in_block)
-      .def_prop_ro("o_p", [](const DevicePrefixAttention& s) { return owned_device_array(s.o_p()); })
-      .def_prop_ro("l_p", [](const DevicePrefixAttention& s) { return owned_device_array(s.l_p()); })
-      .def_prop_ro("q_ref", [](const DevicePrefixAttention& s) { return owned_device_array(s.q_ref()); })
-      .def_prop_ro("active_rows", [](const DevicePrefixAttention& s) { return owned_device_array(s.active_rows()); })
-      .def_prop_ro("active_counts",
-                   [](const DevicePrefixAttention& s) { return owned_device_array(s.active_counts()); });
+      .def("o_p", [](const DevicePrefixAttention& s) { return owned_device_array(s.o_p()); })
+      .def("l_p", [](const DevicePrefixAttention& s) { return owned_device_array(s.l_p()); })
+      .def("q_ref", [](const DevicePrefixAttention& s) { return owned_device_array(s.q_ref()); })
+      .def("active_rows", [](const DevicePrefixAttention& s) { return owned_device_array(s.active_rows()); })
+      .def("active_counts", [](const DevicePrefixAttention& s) { return owned_device_array(s.active_counts()); });
 }
 
 }  // namespace sparsa

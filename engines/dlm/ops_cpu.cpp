@@ -1,7 +1,9 @@
-// The CPU backend of the engine: f32 activations, GEMMs through OpenBLAS (cblas_sgemm),
-// plain loops for the elementwise work. bf16/f16 weights are converted to f32 once at load;
-// f32 weights stay views of the mapped files (never copied).
+// The CPU backend of the engine: f32 activations, GEMMs through OpenBLAS (cblas_sgemm; a plain
+// loop when the build has no OpenBLAS), plain loops for the elementwise work. bf16/f16 weights are
+// converted to f32 once at load; f32 weights stay views of the mapped files (never copied).
+#if defined(SPARSA_DLM_CBLAS)
 #include <cblas.h>
+#endif
 
 #include <cmath>
 #include <cstdlib>
@@ -60,9 +62,27 @@ class CpuOps final : public Ops {
 
   void matmul(float* y, const float* x, int64_t n, const Weight& w) override {
     // y[n, rows] = x[n, cols] · W[rows, cols]ᵀ
+#if defined(SPARSA_DLM_CBLAS)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n), static_cast<int>(w.rows),
                 static_cast<int>(w.cols), 1.0f, x, static_cast<int>(w.cols), w.data, static_cast<int>(w.cols), 0.0f, y,
                 static_cast<int>(w.rows));
+#else
+    // Without OpenBLAS: dot products in 8 interleaved f32 partial sums (vectorisable).
+    for (int64_t i = 0; i < n; ++i) {
+      const float* xi = x + i * w.cols;
+      for (int64_t r = 0; r < w.rows; ++r) {
+        const float* wr = w.data + r * w.cols;
+        float lanes[8] = {};
+        int64_t c = 0;
+        for (; c + 8 <= w.cols; c += 8)
+          for (int j = 0; j < 8; ++j) lanes[j] += xi[c + j] * wr[c + j];
+        float sum = 0.0f;
+        for (int j = 0; j < 8; ++j) sum += lanes[j];
+        for (; c < w.cols; ++c) sum += xi[c] * wr[c];
+        y[i * w.rows + r] = sum;
+      }
+    }
+#endif
   }
 
   void rms_norm(float* out, const float* x, const Weight& weight, int64_t rows, int64_t dim, double eps) override {

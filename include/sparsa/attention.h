@@ -25,6 +25,10 @@ enum class Backend : uint8_t {
 const char* backend_name(Backend backend);
 Result<Backend> parse_backend(const std::string& name);
 bool backend_available(Backend backend);
+// Why a backend cannot run here, or ok: cuda is either not compiled into this build
+// (configure with -DSPARSA_CUDA=ON) or compiled in with no CUDA device visible. Every entry
+// point that refuses a backend returns this status.
+Status backend_status(Backend backend);
 
 struct AttentionOptions {
   std::optional<float> scale;  // default 1/sqrt(head_dim)

@@ -49,6 +49,7 @@ __all__ = [
     "generate_workload",
     "version",
     "backends",
+    "backend_status",
 ]
 
 __version__ = _core.version()
@@ -60,8 +61,15 @@ def version() -> str:
 
 
 def backends() -> list:
-    """Backends available in this build: cpu_ref, cpu (and cuda when compiled in)."""
+    """Backends that can run here: cpu_ref, cpu, and cuda when it is compiled in and a CUDA
+    device is visible (backend_status("cuda") says which of the two is missing)."""
     return _core.backends()
+
+
+def backend_status(name: str) -> str:
+    """Why backend `name` cannot run here ('' when it can): for cuda, either "not compiled
+    into this build" or "compiled into this build, but no CUDA device is visible"."""
+    return _core.backend_status(name)
 
 
 # ---- allocation by array type -------------------------------------------------------

@@ -785,6 +785,9 @@ NB_MODULE(_sparsa, m) {
       if (backend_available(b)) names.push_back(backend_name(b));
     return names;
   });
+  m.def("backend_status", [](const std::string& name) {
+    return backend_status(take(parse_backend(name))).message();
+  });
   m.def("cuda_device_count", [] { return cuda::device_count(); });
 }
 

@@ -187,11 +187,21 @@ Outcome cmd_trace(const TraceOptions& o) {
   return success();
 }
 
+const std::vector<TraceMethod>& trace_methods() {
+  static const std::vector<TraceMethod> list = {
+      {"losa", "LoSA: per decode step only the k tokens whose queries moved most recompute sparse prefix attention "
+               "(QUEST pages, the union per kv head loaded once); the others reuse cached O and LSE"},
+      {"reuse", "LoSA's active/stable split with the active rows dense (the error of reuse alone)"},
+  };
+  return list;
+}
+
 bool names_a_trace_method(const std::string& methods) {
   std::stringstream ss(methods);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    if (item == "losa" || item == "reuse") return true;
+    for (const TraceMethod& m : trace_methods())
+      if (item == m.name) return true;
   }
   return false;
 }

@@ -29,6 +29,13 @@ struct TraceOptions {
 CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions& options);
 Outcome cmd_trace(const TraceOptions& options);
 
+// The stateful decode methods, which run on a decode trace (`trace`, or `eval` / `bench` with
+// --methods naming one), not on a single q, k, v: `info` lists them beside the registered methods.
+struct TraceMethod {
+  std::string name, summary;
+};
+const std::vector<TraceMethod>& trace_methods();
+
 // `eval` and `bench` hand a --methods list that names a stateful decode method (losa or reuse)
 // to cmd_trace. names_a_trace_method: whether the comma-separated list does.
 bool names_a_trace_method(const std::string& methods);

@@ -100,6 +100,10 @@ int run_main(int argc, char** argv) {
   run_cmd->add_option("--threads", run.threads, "CPU threads (0 = all cores)");
   run_cmd->add_option("--out", run.out, "output O (.npy or .safetensors), dtype of q")->required();
   run_cmd->add_option("--lse", run.lse, "output LSE, f32 [batch, heads_q, len_q]");
+  run_cmd->add_option("--layout", run.layout,
+                      "bhsd: files are [batch, heads, seq, head_dim]; bshd: [batch, seq, heads, head_dim] "
+                      "(FlashAttention's; --out is written the same way, LSE stays [batch, heads_q, len_q])")
+      ->capture_default_str();
   run_cmd->add_flag("--quiet", run.quiet, "no summary line on stdout");
   run_cmd->footer(std::string(kIndexFormatHelp) + "\n" + methods_help());
 
@@ -134,7 +138,8 @@ int run_main(int argc, char** argv) {
   demo_cmd->add_option("-P,--param", demo.params, "method.key=value (repeatable)")->allow_extra_args(false);
   demo_cmd->add_option("--plot", demo.plot_path, "SVG bar chart of time and error ('' for none)")->capture_default_str();
   demo_cmd->add_flag("--json", demo.json, "print JSON on stdout instead of the table");
-  demo_cmd->add_flag("!--no-trace", demo.trace,
+  bool demo_no_trace = false;  // a plain flag: CLI11 prints a negated one as "--no-trace{false}"
+  demo_cmd->add_flag("--no-trace", demo_no_trace,
                      "skip the block-diffusion decode section (LoSA, QUEST, dense prefix attention; see `trace`)");
   demo_cmd->footer(methods_help());
 
@@ -175,7 +180,10 @@ int run_main(int argc, char** argv) {
     bench.given = flags_given(*bench_cmd);
     outcome = cmd_bench(bench);
   }
-  if (demo_cmd->parsed()) outcome = cmd_demo(demo);
+  if (demo_cmd->parsed()) {
+    demo.trace = !demo_no_trace;
+    outcome = cmd_demo(demo);
+  }
   if (plan_cmd.app->parsed()) outcome = plan_cmd.run();
   if (eval_cmd.app->parsed()) outcome = eval_cmd.run();
   if (trace_cmd->parsed()) outcome = cmd_trace(trace);

@@ -1,0 +1,129 @@
+# What a new user of the CLI relies on: `info` lists every method the README names and says
+# why a backend cannot run; --layout reads FlashAttention's [batch, seq, heads, dim] files;
+# `plan --index` writes the file `run --index` reads; the mask SVG says which order its axes
+# are in; help text has no stray defaults.
+import json
+import subprocess
+
+import numpy as np
+
+
+def run_cli(sparsa_bin, *args, timeout=600):
+    return subprocess.run([sparsa_bin, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def write_qkv(tmp_path, layout, seed=0, b=1, hq=4, hkv=2, n=200, d=32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, hq, n, d), dtype=np.float32)
+    k = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
+    v = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
+    paths = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        path = tmp_path / f"{name}_{layout}.npy"
+        np.save(path, np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if layout == "bshd" else x)
+        paths.append(path)
+    return (q, k, v), paths
+
+
+def test_info_lists_the_decode_methods(sparsa_bin):
+    r = run_cli(sparsa_bin, "info")
+    assert r.returncode == 0, r.stderr
+    assert "decode methods" in r.stdout
+    assert any(line.split()[:1] == ["losa"] for line in r.stdout.splitlines())
+    j = json.loads(run_cli(sparsa_bin, "info", "--json").stdout)
+    assert [m["name"] for m in j["trace_methods"]] == ["losa", "reuse"]
+
+
+def test_info_says_why_cuda_cannot_run(sparsa_bin):
+    j = json.loads(run_cli(sparsa_bin, "info", "--json").stdout)
+    cuda = next(b for b in j["backends"] if b["name"] == "cuda")
+    if cuda["available"]:
+        assert cuda["reason"] == ""
+    elif cuda["compiled_in"]:
+        assert "compiled into this build, but no CUDA device is visible" in cuda["reason"]
+    else:
+        assert "not compiled into this build" in cuda["reason"]
+    text = run_cli(sparsa_bin, "info").stdout
+    cuda_line = next(line for line in text.splitlines() if line.strip().startswith("cuda"))
+    assert ("not available: " in cuda_line) != cuda["available"]
+
+
+def test_run_on_a_cuda_backend_that_cannot_run_names_the_reason(sparsa_bin, tmp_path):
+    j = json.loads(run_cli(sparsa_bin, "info", "--json").stdout)
+    cuda = next(b for b in j["backends"] if b["name"] == "cuda")
+    if cuda["available"]:
+        return  # a GPU machine: the message under test is not produced there
+    _, (q, k, v) = write_qkv(tmp_path, "bhsd")
+    r = run_cli(sparsa_bin, "run", "--method", "dense", "--backend", "cuda", "--q", q, "--k", k, "--v", v,
+                "--out", tmp_path / "o.npy")
+    assert r.returncode != 0
+    assert cuda["reason"] in r.stderr
+
+
+def test_layout_bshd_reads_and_writes_the_other_order(sparsa_bin, tmp_path):
+    _, (q, k, v) = write_qkv(tmp_path, "bhsd")
+    _, (qs, ks, vs) = write_qkv(tmp_path, "bshd")
+    for method in ("dense", "ba_att"):
+        base = run_cli(sparsa_bin, "run", "--method", method, "--q", q, "--k", k, "--v", v,
+                       "--out", tmp_path / "o.npy", "--lse", tmp_path / "l.npy")
+        assert base.returncode == 0, base.stderr
+        other = run_cli(sparsa_bin, "run", "--method", method, "--layout", "bshd", "--q", qs, "--k", ks, "--v", vs,
+                        "--out", tmp_path / "os.npy", "--lse", tmp_path / "ls.npy")
+        assert other.returncode == 0, other.stderr
+        o, o_s = np.load(tmp_path / "o.npy"), np.load(tmp_path / "os.npy")
+        assert o_s.shape == (1, 200, 4, 32)
+        np.testing.assert_allclose(o_s.transpose(0, 2, 1, 3), o, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(np.load(tmp_path / "ls.npy"), np.load(tmp_path / "l.npy"), rtol=0, atol=1e-6)
+    # Without the flag the bshd files read as 200 heads of 4 tokens: another computation (the
+    # silent misreading --layout exists for).
+    wrong = run_cli(sparsa_bin, "run", "--method", "dense", "--q", qs, "--k", ks, "--v", vs, "--out", tmp_path / "x.npy")
+    assert wrong.returncode == 0, wrong.stderr
+    base = run_cli(sparsa_bin, "run", "--method", "dense", "--q", q, "--k", k, "--v", v, "--out", tmp_path / "o.npy")
+    assert not np.allclose(np.load(tmp_path / "x.npy").transpose(0, 2, 1, 3), np.load(tmp_path / "o.npy"), atol=1e-3)
+
+
+def test_layout_rejects_an_unknown_order(sparsa_bin, tmp_path):
+    _, (q, k, v) = write_qkv(tmp_path, "bhsd")
+    r = run_cli(sparsa_bin, "run", "--method", "dense", "--layout", "bsdh", "--q", q, "--k", k, "--v", v,
+                "--out", tmp_path / "o.npy")
+    assert r.returncode == 2
+    assert "--layout: expected bhsd" in r.stderr and "'bsdh'" in r.stderr
+
+
+def test_plan_index_round_trips_through_run(sparsa_bin, tmp_path):
+    _, (q, k, v) = write_qkv(tmp_path, "bhsd", n=300)
+    for method, params in (("ba_att", ["-P", "density=0.3", "-P", "block=32"]),
+                           ("xattention", ["-P", "density=0.3", "-P", "block=32"])):
+        plan = run_cli(sparsa_bin, "plan", "--method", method, *params, "--q", q, "--k", k,
+                       "--index", tmp_path / f"{method}.safetensors")
+        assert plan.returncode == 0, plan.stderr
+        replay = run_cli(sparsa_bin, "run", "--method", "block_sparse", "--index", tmp_path / f"{method}.safetensors",
+                         "--q", q, "--k", k, "--v", v, "--out", tmp_path / "replay.npy")
+        assert replay.returncode == 0, replay.stderr
+        direct = run_cli(sparsa_bin, "run", "--method", method, *params, "--q", q, "--k", k, "--v", v,
+                         "--out", tmp_path / "direct.npy")
+        assert direct.returncode == 0, direct.stderr
+        np.testing.assert_array_equal(np.load(tmp_path / "replay.npy"), np.load(tmp_path / "direct.npy"))
+
+
+def test_plan_index_refuses_another_extension(sparsa_bin, tmp_path):
+    r = run_cli(sparsa_bin, "plan", "--method", "ba_att", "--length", 256, "--index", tmp_path / "plan.json")
+    assert r.returncode == 2
+    assert "--index" in r.stderr
+
+
+def test_mask_svg_names_the_order_of_its_axes(sparsa_bin, tmp_path):
+    r = run_cli(sparsa_bin, "plan", "--method", "ba_att", "--length", 512, "--svg", tmp_path / "ba.svg")
+    assert r.returncode == 0, r.stderr
+    sorted_svg = (tmp_path / "ba.svg").read_text()
+    assert "key blocks (8, norm-sorted order)" in sorted_svg and "query blocks (8, norm-sorted order)" in sorted_svg
+    r = run_cli(sparsa_bin, "plan", "--method", "xattention", "--length", 512, "--svg", tmp_path / "xa.svg")
+    assert r.returncode == 0, r.stderr
+    plain = (tmp_path / "xa.svg").read_text()
+    assert "key blocks (8, token order)" in plain and "norm-sorted" not in plain
+
+
+def test_help_shows_no_flag_defaults_in_braces(sparsa_bin):
+    r = run_cli(sparsa_bin, "demo", "--help")
+    assert r.returncode == 0
+    assert "--no-trace" in r.stdout and "{false}" not in r.stdout

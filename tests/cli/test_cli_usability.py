@@ -127,3 +127,47 @@ def test_help_shows_no_flag_defaults_in_braces(sparsa_bin):
     r = run_cli(sparsa_bin, "demo", "--help")
     assert r.returncode == 0
     assert "--no-trace" in r.stdout and "{false}" not in r.stdout
+
+
+def morton_order(height, width):
+    """perm[p] = row-major index of the p-th cell in Z-order (col bits even, row bits odd)."""
+    def code(r, c):
+        x = 0
+        for bit in range(16):
+            x |= ((c >> bit) & 1) << (2 * bit) | ((r >> bit) & 1) << (2 * bit + 1)
+        return x
+    cells = sorted(range(height * width), key=lambda i: code(i // width, i % width))
+    return np.array(cells, dtype=np.int64)
+
+
+def test_llsa_image_layout_runs_in_z_order_and_answers_in_row_major(sparsa_bin, tmp_path):
+    (q, k, v), (qp, kp, vp) = write_qkv(tmp_path, "bhsd", n=256)
+    perm = morton_order(16, 16)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        np.save(tmp_path / f"{name}_z.npy", np.ascontiguousarray(x[:, :, perm]))
+    by_hand = run_cli(sparsa_bin, "run", "--method", "llsa", "--q", tmp_path / "q_z.npy", "--k", tmp_path / "k_z.npy",
+                      "--v", tmp_path / "v_z.npy", "--out", tmp_path / "o_z.npy", "--lse", tmp_path / "l_z.npy")
+    assert by_hand.returncode == 0, by_hand.stderr
+    flag = run_cli(sparsa_bin, "run", "--method", "llsa", "-P", "layout=z_order", "-P", "height=16", "-P", "width=16",
+                   "--q", qp, "--k", kp, "--v", vp, "--out", tmp_path / "o.npy", "--lse", tmp_path / "l.npy")
+    assert flag.returncode == 0, flag.stderr
+    inverse = np.argsort(perm)
+    np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), np.load(tmp_path / "o_z.npy")[:, :, inverse])
+    np.testing.assert_array_equal(np.load(tmp_path / "l.npy"), np.load(tmp_path / "l_z.npy")[:, :, inverse])
+    hilbert = run_cli(sparsa_bin, "run", "--method", "llsa", "-P", "layout=hilbert", "-P", "height=16", "-P", "width=16",
+                      "--q", qp, "--k", kp, "--v", vp, "--out", tmp_path / "oh.npy")
+    assert hilbert.returncode == 0, hilbert.stderr
+    plan = run_cli(sparsa_bin, "plan", "--method", "llsa", "-P", "layout=hilbert", "-P", "height=16", "-P", "width=16",
+                   "--q", qp, "--k", kp)
+    assert plan.returncode == 0, plan.stderr
+
+
+def test_llsa_image_layout_checks_its_sides(sparsa_bin, tmp_path):
+    _, (q, k, v) = write_qkv(tmp_path, "bhsd", n=256)
+    for params, needle in ((["-P", "layout=z_order"], "needs -P height=H -P width=W"),
+                           (["-P", "layout=z_order", "-P", "height=8", "-P", "width=16"], "height x width"),
+                           (["-P", "layout=peano", "-P", "height=16", "-P", "width=16"], "layout: expected row_major")):
+        r = run_cli(sparsa_bin, "run", "--method", "llsa", *params, "--q", q, "--k", k, "--v", v,
+                    "--out", tmp_path / "o.npy")
+        assert r.returncode == 2, (params, r.stderr)
+        assert needle in r.stderr, (params, r.stderr)

@@ -8,7 +8,7 @@
 #include "cmd_selectors.h"
 #include "common.h"
 #include "index_file.h"
-#include "layout.h"
+#include "file_layout.h"
 #include "methods/selectors.h"
 #include "sparsa/workload.h"
 #include "svg.h"
@@ -146,6 +146,16 @@ Outcome run_plan(const PlanOptions& o) {
     // coarse levels it also attends to (KV enrichment) are listed in the printout.
     auto options = llsa_options_from(in);
     if (!options.ok()) return method_error(options.status());
+    // An image layout (-P layout=z_order ...): the plan is over the tokens in that order.
+    auto order = llsa_token_order(in);
+    if (!order.ok()) return method_error(order.status());
+    HostArray q_perm, k_perm;
+    if (!order->empty()) {
+      if (Status s = permuted_copy(in.q, *order, &q_perm); !s.ok()) return method_error(s);
+      if (Status s = permuted_copy(in.k, *order, &k_perm); !s.ok()) return method_error(s);
+      in.q = q_perm.view();
+      in.k = k_perm.view();
+    }
     Result<LlsaPlan> llsa = llsa_plan(in.q, in.k, *options);
     if (!llsa.ok()) return method_error(llsa.status());
     if (o.batch >= 0 && o.batch < llsa->batch && o.head >= 0 && o.head < llsa->heads_q) {

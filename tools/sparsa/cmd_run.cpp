@@ -4,7 +4,7 @@
 
 #include "commands.h"
 #include "common.h"
-#include "layout.h"
+#include "file_layout.h"
 #include "methods.h"
 #include "sparsa/io.h"
 #include "util.h"

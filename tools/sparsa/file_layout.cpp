@@ -1,4 +1,4 @@
-#include "layout.h"
+#include "file_layout.h"
 
 #include <utility>
 

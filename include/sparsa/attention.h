@@ -60,7 +60,7 @@ Result<AttentionOutput> dense(const Tensor& q, const Tensor& k, const Tensor& v,
 Result<AttentionOutput> block_sparse(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const BlockIndex& index, const AttentionOptions& options = {});
 
-// Merge two partial results over disjoint key sets (DESIGN.md §1):
+// Merge two partial results over disjoint key sets (docs/architecture.md, Contracts):
 //   m = max(L1, L2); w1 = exp(L1 - m); w2 = exp(L2 - m)
 //   O = (w1*O1 + w2*O2) / (w1 + w2);  L = m + log(w1 + w2)
 // A side with L = -inf contributes nothing; both -inf gives O = 0, L = -inf.

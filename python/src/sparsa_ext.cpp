@@ -1,4 +1,4 @@
-// The one binding file (STYLE.md 3): turns DLPack arrays (numpy, torch, cupy, jax)
+// The one binding file (only it knows Python): turns DLPack arrays (numpy, torch, cupy, jax)
 // into the core's Tensor views without copying, and the core's Status into Python
 // exceptions carrying its message. Output allocation by array type lives in the
 // Python package (sparsa/__init__.py); this file only sees views.

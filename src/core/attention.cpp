@@ -1,5 +1,5 @@
 // Public entry points of the executors: validate, fill the params struct, dispatch
-// to one backend (the one dispatch place, STYLE.md 8).
+// to one backend (the one dispatch place).
 #include "sparsa/attention.h"
 
 #include <cmath>

@@ -163,19 +163,32 @@ struct TransposedBounds {
   // the scoring's limit).
   template <int R>
   void score(const float* const* q, int64_t h_kv, int64_t num_pages, float* const* sc) const {
+    if (has_nan[h_kv]) {
+      score_rows<R, true>(q, h_kv, num_pages, sc);
+    } else {
+      score_rows<R, false>(q, h_kv, num_pages, sc);
+    }
+  }
+
+  template <int R, bool kExactMax>
+  void score_rows(const float* const* q, int64_t h_kv, int64_t num_pages, float* const* sc) const {
     constexpr int W = simd::kLanes;
     using simd::Vec;
-    const bool exact_max = has_nan[h_kv] != 0;
     const int64_t full = d / kLanes * kLanes;
+    // Where each row's chosen bound of dim t sits in a group: t * 2W (max) or t * 2W + W (min).
+    std::vector<int32_t> offset(R * d);
+    for (int r = 0; r < R; ++r)
+      for (int64_t t = 0; t < d; ++t) offset[r * d + t] = static_cast<int32_t>(t * 2 * W + (q[r][t] >= 0.0f ? 0 : W));
     auto term = [&](const float* b, int r, int64_t t) {
       const Vec qv = simd::splat(q[r][t]);
-      if (exact_max) {
+      if constexpr (kExactMax) {
         const Vec x = qv * simd::load(b + t * 2 * W), y = qv * simd::load(b + t * 2 * W + W);
         return x < y ? y : x;
+      } else {
+        Vec product = qv * simd::load(b + offset[r * d + t]);
+        asm("" : "+v"(product));  // a rounded product: keeps the add below from fusing with it
+        return product;
       }
-      Vec product = qv * simd::load(b + t * 2 * W + (q[r][t] >= 0.0f ? 0 : W));
-      asm("" : "+v"(product));  // a rounded product: keeps the add below from fusing with it
-      return product;
     };
     for (int64_t g = 0; g < groups; ++g) {
       const float* b = bounds.data() + (h_kv * groups + g) * d * 2 * W;
@@ -318,7 +331,7 @@ Result<PagePlan> select_pages(const Tensor& q, const PagedKVCache& cache, const 
     int64_t n = 0;
     if (options.force_first) out[n++] = 0;
     if (options.force_last && !(options.force_first && num_pages == 1)) out[n++] = static_cast<int32_t>(num_pages - 1);
-    int64_t nans = 0;
+    int32_t nans = 0;
     for (int64_t p = 0; p < num_pages; ++p) nans += sc[p] != sc[p];
     if (nans == 0) {
       // The candidates are a range: the forced pages are the first and the last.
@@ -737,10 +750,16 @@ Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tens
     SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
     SPARSA_RETURN_IF_ERROR(detail::check_finite("v", v));
   }
-  auto as_f32 = [](const Tensor& t) -> Result<HostArray> {
-    return t.dtype == DType::f32 ? Result<HostArray>(HostArray::copy_of(t)) : convert(t, DType::f32);
+  // f32 inputs are read in place (the cache copies k and v anyway); others are converted once.
+  HostArray converted[3];
+  auto as_f32 = [&converted](const Tensor& t, int i) -> Result<Tensor> {
+    if (t.dtype == DType::f32) return t;
+    auto c = convert(t, DType::f32);
+    if (!c.ok()) return c.status();
+    converted[i] = std::move(c).value();
+    return converted[i].view();
   };
-  auto q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v);
+  auto q32 = as_f32(q, 0), k32 = as_f32(k, 1), v32 = as_f32(v, 2);
   if (!q32.ok()) return q32.status();
   if (!k32.ok()) return k32.status();
   if (!v32.ok()) return v32.status();
@@ -749,9 +768,8 @@ Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tens
   QuestOutput result;
   double pairs = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    auto slice = [b](const HostArray& a) {
-      Tensor t = a.view();
-      t.data = const_cast<float*>(a.ptr<float>()) + b * t.strides[0];
+    auto slice = [b](Tensor t) {
+      t.data = static_cast<float*>(t.data) + b * t.strides[0];
       t.shape[0] = 1;
       return t;
     };
@@ -763,7 +781,8 @@ Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tens
     result.select_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!plan.ok()) return plan.status();
     PagedAttentionStats stats;
-    SPARSA_RETURN_IF_ERROR(paged_attention(slice(*q32), *cache, *plan, slice(out), slice(lse), options, &stats));
+    SPARSA_RETURN_IF_ERROR(
+        paged_attention(slice(*q32), *cache, *plan, slice(out.view()), slice(lse.view()), options, &stats));
     result.pages_loaded += stats.pages_loaded;
     const int64_t group = heads_q / heads_kv;
     for (int64_t h = 0; h < heads_q; ++h) {

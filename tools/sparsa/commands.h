@@ -55,8 +55,8 @@ struct BenchOptions {
   std::vector<std::string> given;  // the flags set on the command line
 };
 
-// The demo's default length: measured so the whole demo takes about a minute on a
-// 2-core machine (docs/cli.md records the measurement).
+// The demo's default length: dense dominates the demo's time and is quadratic in it; the run
+// docs/cli.md cites shows the table 10 s after start on the 2-core build machine.
 inline constexpr long long kDemoDefaultLength = 16384;
 
 struct DemoOptions {

@@ -128,7 +128,7 @@ int run_main(int argc, char** argv) {
 
   DemoOptions demo;
   CLI::App* demo_cmd = app.add_subcommand("demo", "every demo method on the default workload, against dense");
-  demo_cmd->add_option("--length", demo.length, "sequence length (the default takes about a minute on 2 cores)")
+  demo_cmd->add_option("--length", demo.length, "sequence length (dense, the slowest method, grows with its square)")
       ->capture_default_str();
   demo_cmd->add_option("--methods", demo.methods, "comma-separated methods (default: all demo methods)");
   demo_cmd->add_option("--repeats", demo.repeats, "timed runs per method (the median is reported)")

@@ -171,3 +171,15 @@ def test_llsa_image_layout_checks_its_sides(sparsa_bin, tmp_path):
                     "--out", tmp_path / "o.npy")
         assert r.returncode == 2, (params, r.stderr)
         assert needle in r.stderr, (params, r.stderr)
+
+
+def test_demo_takes_plain_param_keys_for_every_method_that_has_them(sparsa_bin):
+    r = run_cli(sparsa_bin, "demo", "--length", 512, "--methods", "ba_att,xattention,llsa", "--no-trace", "--plot", "",
+                "--json", "-P", "density=0.25", "-P", "llsa.topk=4")
+    assert r.returncode == 0, r.stderr
+    params = {row["method"]: row["params"] for row in json.loads(r.stdout)["results"]}
+    assert params["ba_att"]["density"] == 0.25 and params["xattention"]["density"] == 0.25
+    assert "density" not in params["llsa"] and params["llsa"]["topk"] == 4
+    r = run_cli(sparsa_bin, "demo", "--length", 512, "--methods", "llsa", "--no-trace", "--plot", "", "-P", "density=0.2")
+    assert r.returncode == 2
+    assert "-P: no method run takes 'density'" in r.stderr

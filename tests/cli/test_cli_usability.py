@@ -183,3 +183,17 @@ def test_demo_takes_plain_param_keys_for_every_method_that_has_them(sparsa_bin):
     r = run_cli(sparsa_bin, "demo", "--length", 512, "--methods", "llsa", "--no-trace", "--plot", "", "-P", "density=0.2")
     assert r.returncode == 2
     assert "-P: no method run takes 'density'" in r.stderr
+
+
+def test_trace_and_demo_plot_the_decode_section(sparsa_bin, tmp_path):
+    r = run_cli(sparsa_bin, "trace", "--prefix", 512, "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
+                "--plot", tmp_path / "trace.svg")
+    assert r.returncode == 0, r.stderr
+    svg = (tmp_path / "trace.svg").read_text()
+    for needle in ("CPU ms per step", "% of prefix pages loaded", "error vs dense", "dense", "quest", "losa"):
+        assert needle in svg
+    r = run_cli(sparsa_bin, "trace", "--prefix", 512, "--plot", tmp_path / "trace.png")
+    assert r.returncode == 2 and "--plot" in r.stderr
+    r = run_cli(sparsa_bin, "demo", "--length", 256, "--methods", "ba_att", "--plot", tmp_path / "demo.svg")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "demo.svg").exists() and (tmp_path / "demo-decode.svg").exists()

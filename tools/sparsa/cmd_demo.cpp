@@ -157,6 +157,11 @@ Outcome cmd_demo(const DemoOptions& o) {
     TraceOptions trace;
     trace.threads = o.threads;
     trace.backend = o.backend == "cuda" ? "cpu" : o.backend;
+    if (!o.plot_path.empty()) {  // demo.svg -> demo-decode.svg beside it
+      const size_t dot = o.plot_path.rfind('.');
+      const bool has_ext = dot != std::string::npos && o.plot_path.find('/', dot) == std::string::npos;
+      trace.plot_path = (has_ext ? o.plot_path.substr(0, dot) : o.plot_path) + "-decode.svg";
+    }
     const Outcome t = cmd_trace(trace);
     if (t.exit_code != 0) return t;
   }

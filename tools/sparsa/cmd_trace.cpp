@@ -11,6 +11,7 @@
 #include "params.h"
 #include "sparsa/decode_trace.h"
 #include "sparsa/losa.h"
+#include "svg.h"
 #include "table.h"
 #include "util.h"
 
@@ -40,6 +41,7 @@ CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions
   cmd->add_option("--threads", o.threads, "CPU threads (0 = all cores)");
   cmd->add_option("--repeats", o.repeats, "passes; CPU time is the median per step")->capture_default_str();
   cmd->add_flag("--json", o.json, "print JSON instead of the table");
+  cmd->add_option("--plot", o.plot_path, "write an SVG bar chart (CPU time, pages loaded, error per method)");
   return cmd;
 }
 
@@ -94,6 +96,10 @@ Outcome cmd_trace(const TraceOptions& o) {
   }
   auto params = parse_params(o.params);
   if (!params.ok()) return usage_error(params.status());
+  if (!o.plot_path.empty()) {
+    Status s = check_output_path("--plot", o.plot_path, {".svg"});
+    if (!s.ok()) return usage_error(s);
+  }
   auto base = method_options(*params, *backend, o.threads);
   if (!base.ok()) return usage_error(base.status());
 
@@ -184,6 +190,23 @@ Outcome cmd_trace(const TraceOptions& o) {
                    format("%.2f", s.block_cpu_ms), dense_cpu > 0 ? format("%.2f", dense_cpu / s.cpu_ms) : "-"});
   }
   std::cout << table.render();
+  if (!o.plot_path.empty()) {
+    BarChart chart;
+    chart.title = format("sparsa trace: prefix %lld, block %lld, %d/%d heads, d %d", o.prefix, o.block, o.heads,
+                         o.kv_heads, o.head_dim);
+    BarPanel cpu{"CPU ms per step", {}, false}, pages{"% of prefix pages loaded", {}, false},
+        err{"error vs dense", {}, false};
+    for (size_t i = 0; i < configs.size(); ++i) {
+      chart.categories.push_back(names[i]);
+      cpu.values.push_back(sums[i].cpu_ms);
+      pages.values.push_back(100 * sums[i].pages_frac);
+      err.values.push_back(sums[i].err);
+    }
+    chart.panels = {cpu, pages, err};
+    Status s = write_text_file("--plot", o.plot_path, render_svg(chart));
+    if (!s.ok()) return runtime_error(s);
+    std::cout << "\nplot: " << o.plot_path << "\n";
+  }
   return success();
 }
 

@@ -23,6 +23,7 @@ struct TraceOptions {
   std::string backend = "cpu";
   int threads = 0, repeats = 1;
   bool json = false;
+  std::string plot_path;  // an SVG bar chart of the table ('' for none)
 };
 
 // Adds the subcommand `name` to app, bound to `options`.

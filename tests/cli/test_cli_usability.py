@@ -197,3 +197,25 @@ def test_trace_and_demo_plot_the_decode_section(sparsa_bin, tmp_path):
     r = run_cli(sparsa_bin, "demo", "--length", 256, "--methods", "ba_att", "--plot", tmp_path / "demo.svg")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "demo.svg").exists() and (tmp_path / "demo-decode.svg").exists()
+
+
+def test_json_means_the_same_in_every_command(sparsa_bin, tmp_path):
+    # Bare --json: JSON on stdout instead of the table; --json FILE: JSON there, the table printed.
+    commands = {
+        "demo": ["demo", "--length", 256, "--methods", "ba_att", "--no-trace", "--plot", ""],
+        "eval": ["eval", "--length", 256, "--methods", "ba_att", "--densities", 0.5],
+        "trace": ["trace", "--prefix", 256, "--heads", 4, "--kv-heads", 2, "--head-dim", 32],
+        "bench": ["bench", "--methods", "dense", "--lengths", 128, "--repeats", 1, "--warmup", 0],
+        "plan": ["plan", "--method", "ba_att", "--length", 256],
+    }
+    for name, args in commands.items():
+        bare = run_cli(sparsa_bin, *args, "--json")
+        assert bare.returncode == 0, (name, bare.stderr)
+        json.loads(bare.stdout if name != "plan" else bare.stdout[bare.stdout.index("{"):])
+        path = tmp_path / f"{name}.json"
+        to_file = run_cli(sparsa_bin, *args, "--json", path)
+        assert to_file.returncode == 0, (name, to_file.stderr)
+        json.loads(path.read_text())
+        assert "{" not in to_file.stdout.split("\n")[0], name  # the usual output, not JSON
+        bad = run_cli(sparsa_bin, *args, "--json", tmp_path / f"{name}.txt")
+        assert bad.returncode == 2 and "--json" in bad.stderr, (name, bad.stderr)

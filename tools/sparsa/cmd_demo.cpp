@@ -58,6 +58,10 @@ Outcome cmd_demo(const DemoOptions& o) {
     Status s = check_output_path("--plot", o.plot_path, {".svg"});
     if (!s.ok()) return s.code() == StatusCode::invalid_argument ? usage_error(s) : runtime_error(s);
   }
+  if (!o.json_path.empty()) {
+    Status s = check_output_path("--json", o.json_path, {".json"});
+    if (!s.ok()) return s.code() == StatusCode::invalid_argument ? usage_error(s) : runtime_error(s);
+  }
 
   WorkloadConfig config;  // the embedded default workload, seed 0
   config.len_q = config.len_kv = length;
@@ -89,7 +93,7 @@ Outcome cmd_demo(const DemoOptions& o) {
   const double dense_s = rows.front().median_s;
   const MachineInfo machine = machine_info();
 
-  if (o.json) {
+  if (o.json || !o.json_path.empty()) {
     nlohmann::json j;
     j["workload"] = describe(config);
     j["length"] = length;
@@ -112,8 +116,14 @@ Outcome cmd_demo(const DemoOptions& o) {
     }
     j["results"] = results;
     j["plot"] = o.plot_path;
-    std::cout << json_text(j) << "\n";
-  } else {
+    if (o.json) {
+      std::cout << json_text(j) << "\n";
+    } else {
+      Status s = write_text_file("--json", o.json_path, json_text(j) + "\n");
+      if (!s.ok()) return runtime_error(s);
+    }
+  }
+  if (!o.json) {
     std::cout << "sparsa demo: " << describe(config) << "\n"
               << "machine: " << machine.cpu_model << ", " << machine.logical_cores << " logical cores, backend "
               << backend_name(*backend) << "\n"
@@ -147,6 +157,7 @@ Outcome cmd_demo(const DemoOptions& o) {
     if (!s.ok()) return runtime_error(s);
     if (!o.json) std::cout << "\nplot: " << o.plot_path << "\n";
   }
+  if (!o.json_path.empty()) std::cout << "json: " << o.json_path << "\n";
 
   // Block diffusion: LoSA keeps state across denoising steps, so it is shown on a decode
   // trace (the `trace` command's defaults) rather than as a row of the table above.

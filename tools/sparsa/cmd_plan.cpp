@@ -237,7 +237,10 @@ Subcommand add_plan_command(CLI::App& app) {
   cmd->add_option("--threads", o->threads, "CPU threads (0 = all cores)");
   cmd->add_option("--index", o->index_path,
                   "write the plan as the .safetensors index file that `run --method block_sparse --index` reads");
-  cmd->add_option("--json", o->json_path, "write the plan as JSON to this file ('-' for stdout)");
+  cmd->add_option_function<std::string>(
+         "--json", [o](const std::string& v) { o->json_path = v.empty() ? "-" : v; },
+         "[FILE] write the plan as JSON to FILE (bare or '-': on stdout)")
+      ->expected(0, 1);
   cmd->add_option("--svg", o->svg_path, "write the block mask of one (batch, head) as SVG");
   cmd->add_option("--batch", o->batch, "batch of the SVG mask")->capture_default_str();
   cmd->add_option("--head", o->head, "query head of the SVG mask")->capture_default_str();

@@ -40,7 +40,14 @@ CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions
   cmd->add_option("--backend", o.backend, "cpu or cpu_ref")->capture_default_str();
   cmd->add_option("--threads", o.threads, "CPU threads (0 = all cores)");
   cmd->add_option("--repeats", o.repeats, "passes; CPU time is the median per step")->capture_default_str();
-  cmd->add_flag("--json", o.json, "print JSON instead of the table");
+  cmd->add_option_function<std::string>(
+         "--json",
+         [&o](const std::string& v) {
+           if (v.empty() || v == "-") o.json = true;
+           else o.json_path = v;
+         },
+         "[FILE] print JSON instead of the table (with FILE: write it there, the table printed too)")
+      ->expected(0, 1);
   cmd->add_option("--plot", o.plot_path, "write an SVG bar chart (CPU time, pages loaded, error per method)");
   return cmd;
 }
@@ -100,6 +107,10 @@ Outcome cmd_trace(const TraceOptions& o) {
     Status s = check_output_path("--plot", o.plot_path, {".svg"});
     if (!s.ok()) return usage_error(s);
   }
+  if (!o.json_path.empty()) {
+    Status s = check_output_path("--json", o.json_path, {".json"});
+    if (!s.ok()) return usage_error(s);
+  }
   auto base = method_options(*params, *backend, o.threads);
   if (!base.ok()) return usage_error(base.status());
 
@@ -152,7 +163,7 @@ Outcome cmd_trace(const TraceOptions& o) {
       if (configs[i].method == PrefixMethod::dense) return sums[i].cpu_ms;
     return 0.0;
   }();
-  if (o.json) {
+  if (o.json || !o.json_path.empty()) {
     nlohmann::json out;
     out["trace"] = {{"prefix", o.prefix}, {"block", o.block}, {"blocks", o.blocks}, {"steps_per_block", trace->steps_per_block()},
                     {"tokens_per_step", o.tokens_per_step}, {"unmask", o.unmask}, {"neighbour", o.neighbour},
@@ -172,8 +183,12 @@ Outcome cmd_trace(const TraceOptions& o) {
                                 {"err_max", s.err_max}, {"mass_kept", s.recall}, {"cpu_ms", s.cpu_ms},
                                 {"block_cpu_ms", s.block_cpu_ms}, {"steps", steps}});
     }
-    std::cout << json_text(out) << std::endl;
-    return success();
+    if (o.json) {
+      std::cout << json_text(out) << std::endl;
+      return success();
+    }
+    Status s = write_text_file("--json", o.json_path, json_text(out) + "\n");
+    if (!s.ok()) return runtime_error(s);
   }
   std::cout << format("decode trace: prefix %lld (%lld pages of 16 per kv head), block %lld x %lld steps, %d/%d heads, d %d; ",
                       o.prefix, (o.prefix + 15) / 16, o.block, static_cast<long long>(trace->steps_per_block()),

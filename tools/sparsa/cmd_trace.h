@@ -22,7 +22,8 @@ struct TraceOptions {
   std::vector<std::string> params;  // budget=, k=, threshold=, selector=, group=, union=, force_first=, force_last=
   std::string backend = "cpu";
   int threads = 0, repeats = 1;
-  bool json = false;
+  bool json = false;      // JSON on stdout instead of the table
+  std::string json_path;  // JSON to this file (the table still printed)
   std::string plot_path;  // an SVG bar chart of the table ('' for none)
 };
 

@@ -27,6 +27,9 @@ struct Outcome {
 inline Outcome success() { return {}; }
 inline Outcome usage_error(Status status) { return {std::move(status), kExitUsage}; }
 inline Outcome runtime_error(Status status) { return {std::move(status), kExitRuntime}; }
+
+// `--json [FILE]` means one thing in every command: bare (or "-"), JSON on stdout instead of
+// the table; with FILE, the JSON written there and the usual output printed.
 // A method's failure: its parameter errors ("params: ...") are usage errors.
 Outcome method_error(Status status);
 
@@ -51,7 +54,7 @@ struct BenchOptions {
   std::uint64_t seed = 0;
   std::string backend = "cpu";
   std::vector<std::string> params;  // method.key=value
-  std::string json_path, plot_path;
+  std::string json_path, plot_path;  // json_path "-": JSON on stdout instead of the table
   std::vector<std::string> given;  // the flags set on the command line
 };
 
@@ -66,7 +69,8 @@ struct DemoOptions {
   std::string backend = "cpu";
   std::vector<std::string> params;  // method.key=value
   std::string plot_path = "demo.svg";
-  bool json = false;
+  bool json = false;      // JSON on stdout instead of the table
+  std::string json_path;  // JSON to this file (the table still printed)
   bool trace = true;  // also run the default decode trace (LoSA vs QUEST vs dense prefix attention)
 };
 

@@ -122,7 +122,10 @@ int run_main(int argc, char** argv) {
   bench_cmd->add_option("--threads", bench.threads, "CPU threads (0 = all cores)");
   bench_cmd->add_option("-P,--param", bench.params, "method.key=value, e.g. block_sparse.density=0.2 (repeatable)")
       ->allow_extra_args(false);
-  bench_cmd->add_option("--json", bench.json_path, "write results as JSON to this file");
+  bench_cmd->add_option_function<std::string>(
+              "--json", [&bench](const std::string& v) { bench.json_path = v.empty() ? "-" : v; },
+              "[FILE] write results as JSON to FILE (bare or '-': JSON on stdout instead of the table)")
+      ->expected(0, 1);
   bench_cmd->add_option("--plot", bench.plot_path, "write an SVG plot (time vs length, log-log) to this file");
   bench_cmd->footer(methods_help());
 
@@ -137,7 +140,14 @@ int run_main(int argc, char** argv) {
   demo_cmd->add_option("--threads", demo.threads, "CPU threads (0 = all cores)");
   demo_cmd->add_option("-P,--param", demo.params, "method.key=value (repeatable)")->allow_extra_args(false);
   demo_cmd->add_option("--plot", demo.plot_path, "SVG bar chart of time and error ('' for none)")->capture_default_str();
-  demo_cmd->add_flag("--json", demo.json, "print JSON on stdout instead of the table");
+  demo_cmd->add_option_function<std::string>(
+              "--json",
+              [&demo](const std::string& v) {
+                if (v.empty() || v == "-") demo.json = true;
+                else demo.json_path = v;
+              },
+              "[FILE] print JSON instead of the table (with FILE: write it there, the table printed too)")
+      ->expected(0, 1);
   bool demo_no_trace = false;  // a plain flag: CLI11 prints a negated one as "--no-trace{false}"
   demo_cmd->add_flag("--no-trace", demo_no_trace,
                      "skip the block-diffusion decode section (LoSA, QUEST, dense prefix attention; see `trace`)");

@@ -1,9 +1,9 @@
-// The cuda backend of dense and block-sparse attention against cpu_ref (DESIGN.md §3).
+// The cuda backend of dense and block-sparse attention against cpu_ref (docs/testing.md).
 //
 // Runs where a CUDA device is visible (scripts/gpu-check); elsewhere the device cases skip and
 // only the "not available" contract is checked.
 //
-// Error bound (DESIGN.md §3): the reference is cpu_ref on the exact f32 values of the bf16/f16
+// Error bound (docs/testing.md): the reference is cpu_ref on the exact f32 values of the bf16/f16
 // inputs (f64 accumulation). A "naive" half-precision implementation rounds the logits, the
 // normalised probabilities and the output to the input dtype (f32 accumulation in between); the
 // cuda output's relative L2 error must be at most twice the naive one. LSE is computed from f32

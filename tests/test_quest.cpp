@@ -5,6 +5,7 @@
 #include <cmath>
 #include <random>
 #include <set>
+#include <tuple>
 #include <cstring>
 
 #include "sparsa/quest.h"
@@ -108,6 +109,88 @@ TEST(Quest, SelectionMatchesBruteForceTopKWithForcedPages) {
           EXPECT_EQ(got, std::vector<int32_t>(expect.begin(), expect.end())) << "h " << h << " r " << r;
         }
       }
+    }
+  }
+}
+
+// The cpu selection scores several rows at once with pages in vector lanes and keeps only the
+// candidates above a threshold; none of that may change a pick. Brute force over
+// quest_page_score (the one order every backend uses), with what those paths special-case:
+// full row blocks and leftover rows, head_dims with and without a tail of dims, duplicated
+// pages (ties go to the lower page), a NaN key (its kv head scores with both products; NaN
+// scores rank last), every forced-page combination.
+TEST(Quest, CpuSelectionMatchesBruteForceOnEveryPath) {
+  const int64_t Hq = 4, Hkv = 2, rows = 19, len = 16 * 70 + 5;
+  for (int64_t d : {int64_t{37}, int64_t{64}, int64_t{80}}) {
+    HostArray k = randn({1, Hkv, len, d}, 41), v = randn({1, Hkv, len, d}, 42);
+    for (int64_t j = 0; j < 16; ++j)  // page 10 of kv head 0 repeats page 3: equal scores
+      std::copy_n(k.ptr<float>() + (3 * 16 + j) * d, d, k.ptr<float>() + (10 * 16 + j) * d);
+    k.ptr<float>()[(len + 20 * 16 + 2) * d + 5] = NAN;  // kv head 1, page 20
+    auto created = PagedKVCache::create({Hkv, d, 16});
+    ASSERT_TRUE(created.ok());
+    PagedKVCache cache = std::move(created).value();
+    ASSERT_TRUE(cache.append(k.view(), v.view()).ok());
+    HostArray q = randn({1, Hq, rows, d}, 43);
+    q.ptr<float>()[3] = 0.0f;
+    q.ptr<float>()[d + 4] = -0.0f;
+    for (auto [first, last] : {std::pair{false, false}, std::pair{true, true}, std::pair{true, false}}) {
+      PageSelectOptions o;
+      o.budget = 16 * 9;
+      o.force_first = first;
+      o.force_last = last;
+      auto plan = select_pages(q.view(), cache, o);
+      ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+      for (int64_t h = 0; h < Hq; ++h) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = q.ptr<float>() + (h * rows + r) * d;
+          std::set<int32_t> expect;
+          if (first) expect.insert(0);
+          if (last) expect.insert(static_cast<int32_t>(cache.num_pages() - 1));
+          std::vector<std::tuple<bool, float, int32_t>> scored;  // NaN last, higher score, lower page
+          for (int32_t p = 0; p < cache.num_pages(); ++p) {
+            if (expect.count(p)) continue;
+            const float s = quest_page_score(qr, cache.page_min(h / 2, p), cache.page_max(h / 2, p), d);
+            scored.push_back({std::isnan(s), std::isnan(s) ? 0.0f : -s, p});
+          }
+          std::sort(scored.begin(), scored.end());
+          for (size_t i = 0; expect.size() < 9; ++i) expect.insert(std::get<2>(scored[i]));
+          ASSERT_EQ(plan->count(h, r), 9);
+          EXPECT_EQ(std::vector<int32_t>(plan->row_pages(h, r), plan->row_pages(h, r) + 9),
+                    std::vector<int32_t>(expect.begin(), expect.end()))
+              << "d " << d << " h " << h << " r " << r << " first " << first << " last " << last;
+        }
+      }
+    }
+  }
+}
+
+// The cpu executor (one row per work item, keys in vector lanes) against cpu_ref (block_sparse
+// over a gathered copy) on the head_dims its accumulator special-cases and one it does not,
+// with a partial last page, a custom scale and the union mode.
+TEST(Quest, CpuExecutorMatchesCpuRef) {
+  const int64_t Hq = 4, Hkv = 2, rows = 9, len = 16 * 31 + 11;
+  for (int64_t d : {int64_t{20}, int64_t{64}, int64_t{128}}) {
+    PagedKVCache cache = filled_cache(Hkv, len, d, 51);
+    HostArray q = randn({1, Hq, rows, d}, 52);
+    PageSelectOptions o;
+    o.budget = 16 * 5;
+    auto plan = select_pages(q.view(), cache, o);
+    ASSERT_TRUE(plan.ok());
+    for (bool uni : {false, true}) {
+      HostArray out[2] = {HostArray(DType::f32, {1, Hq, rows, d}), HostArray(DType::f32, {1, Hq, rows, d})};
+      HostArray lse[2] = {HostArray(DType::f32, {1, Hq, rows}), HostArray(DType::f32, {1, Hq, rows})};
+      for (int b = 0; b < 2; ++b) {
+        PagedAttentionOptions po;
+        po.attention.backend = b == 0 ? Backend::cpu_ref : Backend::cpu;
+        po.attention.scale = 0.3f;
+        po.attend_union = uni;
+        ASSERT_TRUE(paged_attention(q.view(), cache, *plan, out[b].view(), lse[b].view(), po).ok());
+      }
+      // f32 sums of up to ~500 products against the f64 reference: 1e-5 absolute on O ~ N(0, 1/n).
+      for (int64_t i = 0; i < out[0].numel(); ++i)
+        ASSERT_NEAR(out[1].ptr<float>()[i], out[0].ptr<float>()[i], 1e-5) << "d " << d << " union " << uni << " i " << i;
+      for (int64_t i = 0; i < lse[0].numel(); ++i)
+        ASSERT_NEAR(lse[1].ptr<float>()[i], lse[0].ptr<float>()[i], 1e-5) << "d " << d << " union " << uni;
     }
   }
 }

@@ -25,6 +25,10 @@ enum class Backend : uint8_t {
 const char* backend_name(Backend backend);
 Result<Backend> parse_backend(const std::string& name);
 bool backend_available(Backend backend);
+// Why a backend cannot run here, or ok: cuda is either not compiled into this build
+// (configure with -DSPARSA_CUDA=ON) or compiled in with no CUDA device visible. Every entry
+// point that refuses a backend returns this status.
+Status backend_status(Backend backend);
 
 struct AttentionOptions {
   std::optional<float> scale;  // default 1/sqrt(head_dim)
@@ -61,7 +65,7 @@ Result<AttentionOutput> dense(const Tensor& q, const Tensor& k, const Tensor& v,
 Result<AttentionOutput> block_sparse(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const BlockIndex& index, const AttentionOptions& options = {});
 
-// Merge two partial results over disjoint key sets (DESIGN.md §1):
+// Merge two partial results over disjoint key sets (docs/architecture.md, Contracts):
 //   m = max(L1, L2); w1 = exp(L1 - m); w2 = exp(L2 - m)
 //   O = (w1*O1 + w2*O2) / (w1 + w2);  L = m + log(w1 + w2)
 // A side with L = -inf contributes nothing; both -inf gives O = 0, L = -inf.

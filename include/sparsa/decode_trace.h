@@ -1,5 +1,5 @@
 // sparsa/decode_trace.h — a synthetic block-diffusion decode trace on the workload
-// generator (DESIGN.md §5): the inputs one attention layer sees while a block-diffusion
+// generator (docs/workload.md): the inputs one attention layer sees while a block-diffusion
 // LM decodes blocks of tokens against a long prefix.
 //
 // The workload generator supplies the clean tensors of a sequence of prefix_len +

@@ -41,8 +41,10 @@ struct NamedArray {
 // Entries in the order of the file's header.
 Result<std::vector<NamedArray>> read_safetensors(const std::string& path);
 // Entries are written in the given order, back to back after a header padded to 8
-// bytes. Names must be non-empty, unique, valid UTF-8 and not "__metadata__".
-Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors);
+// bytes. Names must be non-empty, unique, valid UTF-8 and not "__metadata__". metadata: the
+// header's free-form "__metadata__" strings (omitted when empty).
+Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                         const std::vector<std::pair<std::string, std::string>>& metadata = {});
 
 // The validated header of a .safetensors file (the same checks as read_safetensors) without
 // reading the data, for callers that map the file: offset is from the start of the file and

@@ -1,5 +1,5 @@
 // sparsa/losa.h — LoSA, Locality-aware Sparse Attention for block-diffusion decoding
-// (seed 003; DESIGN.md §2), and its baselines in the same API.
+// (docs/losa.md), and its baselines in the same API.
 //
 // A block of Bb tokens is denoised in several steps against a frozen prefix cache.
 // Per layer, PrefixAttention keeps for the current block

@@ -6,7 +6,7 @@
 //     score(q, p) = sum_d max(q_d * max_d(p), q_d * min_d(p)),
 // and each (query head, query row) keeps the top budget/page_size pages. Forced pages
 // (first, last) count against the budget, as in QUEST's reference code (last page on).
-// Pooled (BA-Att style, seed 000): score(q, p) = q · mean_k(p), the page-mean logit.
+// Pooled (BA-Att style): score(q, p) = q · mean_k(p), the page-mean logit.
 //
 // Plan, then run: select_pages() returns a PagePlan that can be inspected and
 // tested; paged_attention() follows it. Query head h reads kv head h / (heads_q /

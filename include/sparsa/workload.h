@@ -1,4 +1,4 @@
-// sparsa/workload.h — the seeded generator of attention inputs (DESIGN.md §5).
+// sparsa/workload.h — the seeded generator of attention inputs (docs/workload.md).
 //
 // The embedded default of `sparsa demo`, `bench` and `eval`. It reproduces the
 // documented structure of real long-context attention: heavy-tailed token norms,

@@ -4,11 +4,18 @@ Every function takes the arrays you already have (numpy, torch, cupy or jax; CPU
 CUDA once the CUDA backend is built) through DLPack without copying them, and returns
 outputs of the same array type on the same device. Attention inputs are
 ``[batch, heads, seq, head_dim]`` with a contiguous last dimension; other dimensions
-may be strided. Errors carry the core's message, which names the argument:
-``ValueError`` for bad arguments, ``TypeError`` for dtypes.
+may be strided. Arrays in FlashAttention's / FlashInfer's ``[batch, seq, heads, head_dim]``
+layout are passed as a view in sparsa's order, without a copy: ``x.transpose(1, 2)`` (torch)
+or ``x.transpose(0, 2, 1, 3)`` (numpy, cupy, jax); ``out`` then comes back
+``[batch, heads, seq, head_dim]`` (``out.transpose(1, 2)`` is the other layout again) and
+``lse`` is ``[batch, heads, seq]`` as FlashAttention's. A bshd array passed as it is would be
+read as bhsd: wrong, and undetectable when the shapes happen to fit. Errors carry the core's
+message, which names the argument: ``ValueError`` for bad arguments, ``TypeError`` for dtypes.
 """
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -53,6 +60,9 @@ __all__ = [
     "backends",
     "Model",
     "Tokenizer",
+    "backend_status",
+    "token_permutation",
+    "inverse_permutation",
 ]
 
 __version__ = _core.version()
@@ -64,11 +74,30 @@ def version() -> str:
 
 
 def backends() -> list:
-    """Backends available in this build: cpu_ref, cpu (and cuda when compiled in)."""
+    """Backends that can run here: cpu_ref, cpu, and cuda when it is compiled in and a CUDA
+    device is visible (backend_status("cuda") says which of the two is missing)."""
     return _core.backends()
 
 
+def backend_status(name: str) -> str:
+    """Why backend `name` cannot run here ('' when it can): for cuda, either "not compiled
+    into this build" or "compiled into this build, but no CUDA device is visible"."""
+    return _core.backend_status(name)
+
+
 # ---- allocation by array type -------------------------------------------------------
+
+def _to_host(a: Any) -> np.ndarray:
+    """A numpy copy (or view) of a numpy, torch, cupy or jax array."""
+    if isinstance(a, np.ndarray):
+        return a
+    module = type(a).__module__.split(".")[0]
+    if module == "torch":
+        return a.detach().cpu().numpy()
+    if module == "cupy":
+        return a.get()
+    return np.asarray(a)
+
 
 def _framework(x: Any, name: str = "array") -> str:
     module = type(x).__module__.split(".")[0]
@@ -197,6 +226,70 @@ class BlockIndex:
     def density(self, len_q: int, len_kv: int) -> float:
         """Fraction of (query, key) token pairs this plan visits."""
         return _core.block_index_density(self.counts, self.indices, self.block_q, self.block_kv, len_q, len_kv)
+
+    def __repr__(self) -> str:
+        def arr(a):
+            return "None" if a is None else f"{getattr(a, 'dtype', '?')}{list(_shape(a))}"
+        return (f"BlockIndex(block_q={self.block_q}, block_kv={self.block_kv}, counts={arr(self.counts)}, "
+                f"indices={arr(self.indices)}, perm_q={arr(self.perm_q)}, perm_kv={arr(self.perm_kv)})")
+
+    def save(self, path: str) -> None:
+        """Write the plan as the .safetensors index file that ``sparsa run --index`` reads
+        (entries counts, indices and the present permutations, int32; block sizes in the
+        header's ``__metadata__``). Device arrays are copied to the host."""
+        header = {"__metadata__": {"block_q": str(int(self.block_q)), "block_kv": str(int(self.block_kv))}}
+        blobs, offset = [], 0
+        for name in ("counts", "indices", "perm_q", "perm_kv"):
+            a = getattr(self, name)
+            if a is None:
+                continue
+            a = np.ascontiguousarray(_to_host(a), dtype=np.int32)
+            header[name] = {"dtype": "I32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+            blobs.append(a.astype("<i4", copy=False).tobytes())
+            offset += a.nbytes
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+    @staticmethod
+    def load(path: str, block_q: Optional[int] = None, block_kv: Optional[int] = None) -> "BlockIndex":
+        """Read an index file (``BlockIndex.save``, ``sparsa plan --index``) as numpy arrays.
+        Block sizes come from the arguments, else from the header's ``__metadata__``."""
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) < 8:
+            raise ValueError(f"path: {path}: shorter than the 8-byte safetensors header length")
+        (n,) = struct.unpack("<Q", data[:8])
+        if n > len(data) - 8:
+            raise ValueError(f"path: {path}: header length {n} exceeds the file ({len(data)} bytes)")
+        try:
+            header = json.loads(data[8:8 + n])
+        except ValueError as e:
+            raise ValueError(f"path: {path}: the header is not JSON ({e})") from None
+        meta = header.pop("__metadata__", {}) or {}
+        entries = {}
+        for name, e in header.items():
+            if name not in ("counts", "indices", "perm_q", "perm_kv"):
+                raise ValueError(f"path: {path}: unknown entry '{name}' (expected counts, indices, perm_q, perm_kv)")
+            if e.get("dtype") != "I32":
+                raise ValueError(f"index.{name}: expected dtype I32, got {e.get('dtype')}")
+            begin, end = e["data_offsets"]
+            count = int(np.prod(e["shape"], dtype=np.int64))
+            if not 0 <= begin <= end <= len(data) - 8 - n or end - begin != 4 * count:
+                raise ValueError(f"index.{name}: data_offsets {e['data_offsets']} do not fit shape {e['shape']}")
+            entries[name] = np.frombuffer(data, dtype="<i4", count=count, offset=8 + n + begin) \
+                .reshape(e["shape"]).astype(np.int32)
+        for name in ("counts", "indices"):
+            if name not in entries:
+                raise ValueError(f"path: {path}: missing entry '{name}'")
+        bq = block_q if block_q is not None else meta.get("block_q")
+        bkv = block_kv if block_kv is not None else meta.get("block_kv")
+        if bq is None or bkv is None:
+            raise ValueError(f"path: {path}: block sizes unknown; pass block_q and block_kv "
+                             "or store them in the header's __metadata__")
+        return BlockIndex(int(bq), int(bkv), entries["counts"], entries["indices"],
+                          entries.get("perm_q"), entries.get("perm_kv"))
 
     @staticmethod
     def full(batch: int, heads_q: int, len_q: int, len_kv: int, block_q: int, block_kv: int) -> "BlockIndex":
@@ -778,6 +871,27 @@ class DeviceLosaState:
 
 
 # ---- files and workloads -----------------------------------------------------------------
+
+def token_permutation(height: int, width: int, layout: str = "z_order") -> np.ndarray:
+    """Token order of an image of ``height x width`` tokens stored row-major: ``perm[p]`` is the
+    row-major index of the token at position ``p`` of the layout (``"z_order"`` (Morton),
+    ``"hilbert"`` or ``"row_major"``), int32. In Z-order or Hilbert order LLSA's pooled blocks of
+    consecutive tokens are square patches instead of strips of one row. Reorder with
+    ``x[:, :, perm]`` before attention and restore with ``out[:, :, inverse_permutation(perm)]``
+    (numpy, torch, cupy and jax index alike). Any sides: for sides that are not powers of two the
+    order is the curve's order restricted to the grid."""
+    return _core.token_permutation(height, width, layout)
+
+
+def inverse_permutation(perm) -> np.ndarray:
+    """``inv[perm[p]] = p`` (int32): undoes ``token_permutation``'s reordering."""
+    perm = np.asarray(_to_host(perm))
+    if perm.ndim != 1 or not np.array_equal(np.sort(perm), np.arange(perm.size)):
+        raise ValueError(f"perm: expected a permutation of 0..n-1 (1-d), got shape {list(perm.shape)}")
+    inv = np.empty(perm.size, dtype=np.int32)
+    inv[perm] = np.arange(perm.size, dtype=np.int32)
+    return inv
+
 
 def read_tensor(path: str) -> np.ndarray:
     """Read ``x.npy``, ``x.safetensors`` (single entry) or ``x.safetensors:name``."""

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as e:  # the one sparsa module that needs torch: say how to get it
+    raise ModuleNotFoundError("sparsa.torch needs PyTorch, which is not installed: pip install torch "
+                              "(or install sparsa with its extra: pip install 'sparsa[torch]')", name="torch") from e
 
 import sparsa
 from . import BlockIndex

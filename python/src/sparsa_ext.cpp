@@ -1,4 +1,4 @@
-// The one binding file (STYLE.md 3): turns DLPack arrays (numpy, torch, cupy, jax)
+// The one binding file (only it knows Python): turns DLPack arrays (numpy, torch, cupy, jax)
 // into the core's Tensor views without copying, and the core's Status into Python
 // exceptions carrying its message. Output allocation by array type lives in the
 // Python package (sparsa/__init__.py); this file only sees views.
@@ -16,6 +16,7 @@
 #include "sparsa/index.h"
 #include "sparsa/io.h"
 #include "sparsa/kv_cache.h"
+#include "sparsa/layout.h"
 #include "sparsa/losa.h"
 #include "sparsa/quest.h"
 #include "sparsa/llsa.h"
@@ -74,7 +75,7 @@ Tensor to_tensor(const A& a, const char* name) {
     t.dtype = DType::i32;
   } else {
     throw nb::type_error((std::string(name) + ": unsupported dtype " + dlpack_dtype_name(dt) +
-                          " (expected float32, float16, bfloat16 or int32)")
+                          " (attention tensors: float32, float16 or bfloat16; plan arrays: int32)")
                              .c_str());
   }
   if (a.ndim() > static_cast<size_t>(kMaxDims)) {
@@ -588,7 +589,13 @@ NB_MODULE(_sparsa, m) {
       "out"_a, "reference"_a, "||out - reference||_F / ||reference||_F (f64 sums).");
 
   // ---- block-diffusion decoding: the paged prefix cache, QUEST pages, LoSA state ----
-  nb::class_<PagedKVCache>(m, "PagedKVCache")
+  nb::class_<PagedKVCache>(m, "PagedKVCache",
+                           "The paged prefix K/V cache of block-diffusion decoding (one sequence, float32, CPU).\n\n"
+                           "PagedKVCache(heads_kv, head_dim, page_size=16). append(k, v) copies f32 [1, heads_kv, n, "
+                           "head_dim] keys and values in and updates each page's key min / max / sum (QUEST's "
+                           "metadata); page p holds tokens [p * page_size, (p + 1) * page_size), the last page may "
+                           "be partial. length, num_pages, page_size, heads_kv, head_dim; keys() / values() return "
+                           "numpy copies [1, heads_kv, length, head_dim]. quest_plan and LosaState read it.")
       .def(
           "__init__",
           [](PagedKVCache* self, int64_t heads_kv, int64_t head_dim, int page_size) {
@@ -795,6 +802,19 @@ NB_MODULE(_sparsa, m) {
     for (Backend b : {Backend::cpu_ref, Backend::cpu, Backend::cuda})
       if (backend_available(b)) names.push_back(backend_name(b));
     return names;
+  });
+  m.def(
+      "token_permutation",
+      [](int64_t height, int64_t width, const std::string& layout) {
+        const std::vector<int32_t> perm = take(layout_permutation(height, width, take(parse_token_layout(layout))));
+        HostArray out(DType::i32, {static_cast<int64_t>(perm.size())});
+        std::copy(perm.begin(), perm.end(), out.ptr<int32_t>());
+        return to_numpy(std::move(out));
+      },
+      "height"_a, "width"_a, "layout"_a = "z_order",
+      "perm[p] = row-major index of the token at position p of the layout (row_major, z_order, hilbert).");
+  m.def("backend_status", [](const std::string& name) {
+    return backend_status(take(parse_backend(name))).message();
   });
   m.def("cuda_device_count", [] { return cuda::device_count(); });
 }

@@ -1,5 +1,5 @@
 // Public entry points of the executors: validate, fill the params struct, dispatch
-// to one backend (the one dispatch place, STYLE.md 8).
+// to one backend (the one dispatch place).
 #include "sparsa/attention.h"
 
 #include <cmath>
@@ -26,9 +26,18 @@ Result<Backend> parse_backend(const std::string& name) {
   return invalid_argument("backend: expected cpu_ref, cpu or cuda, got '" + name + "'");
 }
 
-bool backend_available(Backend backend) {
-  if (backend == Backend::cuda) return cuda::compiled_in() && cuda::device_count() > 0;
-  return true;
+bool backend_available(Backend backend) { return backend_status(backend).ok(); }
+
+Status backend_status(Backend backend) {
+  if (backend != Backend::cuda) return {};
+  if (!cuda::compiled_in()) {
+    return {StatusCode::unsupported,
+            "backend: 'cuda' is not compiled into this build (configure with -DSPARSA_CUDA=ON on a machine with nvcc)"};
+  }
+  if (cuda::device_count() == 0) {
+    return {StatusCode::unsupported, "backend: 'cuda' is compiled into this build, but no CUDA device is visible"};
+  }
+  return {};
 }
 
 namespace {
@@ -38,13 +47,7 @@ using detail::check_attention_tensor;
 using detail::check_dtype;
 using detail::check_shape;
 
-Status check_backend(Backend backend) {
-  if (!backend_available(backend)) {
-    return {StatusCode::unsupported, std::string("backend: '") + backend_name(backend) +
-                                         "' is not available in this build"};
-  }
-  return {};
-}
+Status check_backend(Backend backend) { return backend_status(backend); }
 
 Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                     const Tensor& lse, const AttentionOptions& options, AttentionParams* p) {

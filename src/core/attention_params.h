@@ -1,4 +1,4 @@
-// Internal: the plain params struct every attention backend takes (STYLE.md 3).
+// Internal: the plain params struct every attention backend takes (framework-free: pointers, shapes, strides).
 // Built once by the validated public entry points; backends trust it.
 #pragma once
 

@@ -322,8 +322,14 @@ Result<std::vector<SafetensorsEntry>> read_safetensors_header(const std::string&
   return out;
 }
 
-Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors) {
+Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                         const std::vector<std::pair<std::string, std::string>>& metadata) {
   Json header = Json::object();
+  if (!metadata.empty()) {
+    Json meta = Json::object();
+    for (const auto& [key, value] : metadata) meta[key] = value;
+    header[kMetadataKey] = std::move(meta);
+  }
   std::set<std::string> names;
   uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {

@@ -1,4 +1,4 @@
-// The seeded workload generator (DESIGN.md §5, docs/workload.md).
+// The seeded workload generator (docs/workload.md).
 //
 // Bit-identical output on every machine rests on three things:
 //   1. our own PRNG (xoshiro256** seeded through splitmix64), never <random>, whose

@@ -1,6 +1,6 @@
 // cpu attention: the fast CPU path of dense and block-sparse attention.
 //
-// One mainloop (STYLE.md 5): a tile of up to kTileQ query rows walks a sequence of
+// One mainloop (hooks, not forks: docs/architecture.md): a tile of up to kTileQ query rows walks a sequence of
 // key chunks of up to kTileK keys with an online softmax in base 2 (FlashAttention's
 // recurrence), f32 accumulation. The two hooks are
 //   - which query rows form a tile (dense: consecutive rows; block-sparse: the rows

@@ -20,6 +20,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace sparsa::cpu::simd {
 
 #if defined(__AVX512F__)
@@ -46,6 +50,20 @@ inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 // plain broadcast.
 inline Vec splat(float x) { return x - Vec{}; }
 inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
+// Whether any lane of a comparison result (a < b, ...) is set.
+inline bool any(IVec mask) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask(reinterpret_cast<__m512i>(mask), reinterpret_cast<__m512i>(mask)) != 0;
+#elif defined(__AVX__)
+  return _mm256_movemask_ps(reinterpret_cast<__m256>(mask)) != 0;
+#else
+  uint64_t words[sizeof(IVec) / sizeof(uint64_t)];
+  std::memcpy(words, &mask, sizeof mask);
+  uint64_t set = 0;
+  for (uint64_t w : words) set |= w;
+  return set != 0;
+#endif
+}
 
 // 2^x for x <= 0 (arguments below -126 give 2^-126, effectively 0 against any real
 // term). Rounds x to the nearest integer n (1.5*2^23 trick) and evaluates 2^f,

@@ -1,5 +1,5 @@
 // test-ops: one harness that checks every backend against cpu_ref, and cpu_ref
-// against independent f64 oracles written here from the definitions (STYLE.md 2).
+// against independent f64 oracles written here from the definitions (docs/testing.md).
 //
 // A case is a name, a printable parameter string and a seeded `prepare()` that
 // builds the inputs and returns how to run the op on a backend into caller-provided
@@ -142,7 +142,7 @@ std::vector<Case> make_cases(uint64_t seed, bool full, bool perf);
 // Attention over the keys j with mask[b, h, i, j] != 0 (mask empty: every key visible).
 Results oracle_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
                          const std::vector<uint8_t>& mask);
-// The merge formula of DESIGN.md §1 in f64.
+// The merge formula (docs/architecture.md, Contracts) in f64.
 Results oracle_merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor& lse2);
 
 }  // namespace ops

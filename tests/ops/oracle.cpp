@@ -1,5 +1,5 @@
 // The harness's own oracles: f64, plain loops, written from the definitions in
-// DESIGN.md §1 and nothing else (they share no code with src/cpu/ref).
+// docs/architecture.md (Contracts) and nothing else (they share no code with src/cpu/ref).
 #include <cmath>
 #include <limits>
 

@@ -103,8 +103,9 @@ Outcome cmd_bench(const BenchOptions& o) {
   if (!backend.ok()) return usage_error(backend.status());
   auto params = parse_scoped_params(o.params, *selected);
   if (!params.ok()) return usage_error(params.status());
+  const bool json_stdout = o.json_path == "-";  // bare --json: JSON instead of the table
   for (auto [flag, path, ext] : {std::tuple{"--json", &o.json_path, ".json"}, std::tuple{"--plot", &o.plot_path, ".svg"}}) {
-    if (path->empty()) continue;
+    if (path->empty() || (json_stdout && *path == "-")) continue;
     Status s = check_output_path(flag, *path, {ext});
     if (!s.ok()) return s.code() == StatusCode::invalid_argument ? usage_error(s) : runtime_error(s);
   }
@@ -156,18 +157,20 @@ Outcome cmd_bench(const BenchOptions& o) {
   auto speedup = [&](const Row& r) { return dense_time.count(r.length) ? dense_time[r.length] / r.median_s : nan; };
   auto gflops = [&](const Row& r, double pairs) { return attention_flops(pairs, o.head_dim) / r.median_s / 1e9; };
 
-  std::cout << "workload: " << describe(config) << " (shown at the last length)\n"
-            << "machine:  " << machine.cpu_model << ", " << machine.logical_cores << " logical cores, backend "
-            << backend_name(*backend) << (o.threads ? ", " + std::to_string(o.threads) + " threads" : "") << "\n"
-            << "time: median of " << o.repeats << " runs after " << o.warmup
-            << " warm-up; GFLOP/s eff = dense FLOPs / time, act = visited pairs' FLOPs / time\n\n";
-  Table table({"method", "length", "time_ms", "select_ms", "GFLOP/s_eff", "GFLOP/s_act", "speedup", "density"});
-  for (const Row& r : rows) {
-    table.add_row({r.method, std::to_string(r.length), format("%.3f", r.median_s * 1e3), format("%.3f", r.select_s * 1e3),
-                   format("%.2f", gflops(r, r.dense_pairs)), format("%.2f", gflops(r, r.dense_pairs * r.density)),
-                   cell(speedup(r), "%.2fx"), format("%.4f", r.density)});
+  if (!json_stdout) {
+    std::cout << "workload: " << describe(config) << " (shown at the last length)\n"
+              << "machine:  " << machine.cpu_model << ", " << machine.logical_cores << " logical cores, backend "
+              << backend_name(*backend) << (o.threads ? ", " + std::to_string(o.threads) + " threads" : "") << "\n"
+              << "time: median of " << o.repeats << " runs after " << o.warmup
+              << " warm-up; GFLOP/s eff = dense FLOPs / time, act = visited pairs' FLOPs / time\n\n";
+    Table table({"method", "length", "time_ms", "select_ms", "GFLOP/s_eff", "GFLOP/s_act", "speedup", "density"});
+    for (const Row& r : rows) {
+      table.add_row({r.method, std::to_string(r.length), format("%.3f", r.median_s * 1e3), format("%.3f", r.select_s * 1e3),
+                     format("%.2f", gflops(r, r.dense_pairs)), format("%.2f", gflops(r, r.dense_pairs * r.density)),
+                     cell(speedup(r), "%.2fx"), format("%.4f", r.density)});
+    }
+    std::cout << table.render();
   }
-  std::cout << table.render();
 
   if (!o.json_path.empty()) {
     nlohmann::json j;
@@ -195,8 +198,12 @@ Outcome cmd_bench(const BenchOptions& o) {
                          {"density", r.density}});
     }
     j["results"] = results;
-    Status s = write_text_file("--json", o.json_path, json_text(j) + "\n");
-    if (!s.ok()) return runtime_error(s);
+    if (json_stdout) {
+      std::cout << json_text(j) << "\n";
+    } else {
+      Status s = write_text_file("--json", o.json_path, json_text(j) + "\n");
+      if (!s.ok()) return runtime_error(s);
+    }
   }
   if (!o.plot_path.empty()) {
     LinePlot plot;

@@ -13,6 +13,7 @@
 #include "common.h"
 #include "sparsa/oracle.h"
 #include "sparsa/workload.h"
+#include "svg.h"
 #include "table.h"
 #include "util.h"
 
@@ -27,7 +28,8 @@ struct EvalOptions {
   long long length = 4096;
   int heads = 8, kv_heads = 2, head_dim = 64, threads = 0;
   std::uint64_t seed = 0;
-  bool json = false;
+  bool json = false;      // JSON on stdout instead of the table
+  std::string json_path;  // JSON to this file (the table still printed)
   std::vector<std::string> given;  // the flags set on the command line
 };
 
@@ -65,10 +67,15 @@ Outcome run_eval(const EvalOptions& o) {
     trace.backend = o.backend;
     trace.threads = o.threads;
     trace.json = o.json;
+    trace.json_path = o.json_path;
     return cmd_trace(trace);
   }
   auto selected = select_methods(o.methods, /*demo_only=*/false);
   if (!selected.ok()) return usage_error(selected.status());
+  if (!o.json_path.empty()) {
+    Status s = check_output_path("--json", o.json_path, {".json"});
+    if (!s.ok()) return s.code() == StatusCode::invalid_argument ? usage_error(s) : runtime_error(s);
+  }
   auto densities = parse_densities(o.densities);
   if (!densities.ok()) return usage_error(densities.status());
   auto scoped = parse_scoped_params(o.params, *selected);
@@ -122,6 +129,10 @@ Outcome run_eval(const EvalOptions& o) {
                       {"params", in.params}});
     }
   }
+  if (!o.json_path.empty()) {
+    Status s = write_text_file("--json", o.json_path, json_text({{"source", source}, {"results", rows}}) + "\n");
+    if (!s.ok()) return runtime_error(s);
+  }
   if (o.json) {
     std::cout << json_text({{"source", source}, {"results", rows}}) << "\n";
   } else {
@@ -153,7 +164,14 @@ Subcommand add_eval_command(CLI::App& app) {
   cmd->add_option("--seed", o->seed, "workload seed")->capture_default_str();
   cmd->add_option("--backend", o->backend, "cpu or cpu_ref")->capture_default_str();
   cmd->add_option("--threads", o->threads, "CPU threads (0 = all cores)");
-  cmd->add_flag("--json", o->json, "print JSON instead of the table");
+  cmd->add_option_function<std::string>(
+         "--json",
+         [o](const std::string& v) {
+           if (v.empty() || v == "-") o->json = true;
+           else o->json_path = v;
+         },
+         "[FILE] print JSON instead of the table (with FILE: write it there, the table printed too)")
+      ->expected(0, 1);
   return {cmd, [o, cmd] {
             o->given = flags_given(*cmd);
             return run_eval(*o);

@@ -7,6 +7,8 @@
 
 #include "cmd_selectors.h"
 #include "common.h"
+#include "index_file.h"
+#include "file_layout.h"
 #include "methods/selectors.h"
 #include "sparsa/workload.h"
 #include "svg.h"
@@ -17,7 +19,7 @@ namespace {
 
 
 struct PlanOptions {
-  std::string method = "ba_att", q, k, json_path, svg_path, backend = "cpu";
+  std::string method = "ba_att", q, k, json_path, svg_path, index_path, backend = "cpu", layout = "bhsd";
   std::vector<std::string> params;
   long long length = 4096;
   int heads = 8, kv_heads = 2, head_dim = 64, threads = 0, head = 0, batch = 0;
@@ -25,13 +27,18 @@ struct PlanOptions {
 };
 
 // The kept blocks of one (batch, head) as a grid: rows are query blocks, columns key
-// blocks (both in the plan's permuted order), a filled cell is a visited pair.
+// blocks, a filled cell is a visited pair. A plan with perm_q / perm_kv (BA-Att's norm sort)
+// forms its blocks over sorted tokens, so block i is not tokens [i*B, (i+1)*B): the axes
+// and a note below the grid say which order each axis is in.
 std::string mask_svg(const BlockIndexBuffer& plan, int64_t batch, int64_t head, const std::string& title) {
   const int64_t nq = plan.num_q_blocks, nk = plan.num_kv_blocks, heads = plan.counts.shape()[1];
   const double cell = std::max(1.0, std::min(12.0, 640.0 / static_cast<double>(std::max(nq, nk))));
   const double left = 40, top = 40, width = cell * nk, height = cell * nq;
-  std::string s = format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\">\n", left + width + 20,
-                         top + height + 30);
+  const bool sorted_q = !plan.perm_q.empty(), sorted_kv = !plan.perm_kv.empty();
+  const char* kv_order = sorted_kv ? "norm-sorted order" : "token order";
+  const char* q_order = sorted_q ? "norm-sorted order" : "token order";
+  std::string s = format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\">\n",
+                         std::max(left + width + 20, 560.0), top + height + (sorted_q || sorted_kv ? 50 : 30));
   s += "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   s += format("<text x=\"%.0f\" y=\"20\" font-family=\"sans-serif\" font-size=\"13\">", left) + title + "</text>\n";
   s += format("<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#f4f4f4\" stroke=\"#999\"/>\n", left, top,
@@ -46,11 +53,16 @@ std::string mask_svg(const BlockIndexBuffer& plan, int64_t batch, int64_t head, 
                   top + qb * cell, cell, cell);
     }
   }
-  s += format("<text x=\"%.0f\" y=\"%.0f\" font-family=\"sans-serif\" font-size=\"11\">key blocks (%lld) &#8594;</text>\n",
-              left, top + height + 18, static_cast<long long>(nk));
+  s += format("<text x=\"%.0f\" y=\"%.0f\" font-family=\"sans-serif\" font-size=\"11\">key blocks (%lld, %s) &#8594;</text>\n",
+              left, top + height + 18, static_cast<long long>(nk), kv_order);
   s += format("<text x=\"12\" y=\"%.0f\" font-family=\"sans-serif\" font-size=\"11\" transform=\"rotate(-90 12 %.0f)\">"
-              "query blocks (%lld) &#8594;</text>\n",
-              top + height, top + height, static_cast<long long>(nq));
+              "query blocks (%lld, %s) &#8594;</text>\n",
+              top + height, top + height, static_cast<long long>(nq), q_order);
+  if (sorted_q || sorted_kv) {
+    s += format("<text x=\"%.0f\" y=\"%.0f\" font-family=\"sans-serif\" font-size=\"11\">blocks group tokens sorted "
+                "by norm (perm_q / perm_kv), not consecutive positions: block i is the i-th group of the sort</text>\n",
+                left, top + height + 36);
+  }
   return s + "</svg>\n";
 }
 
@@ -98,10 +110,16 @@ Outcome run_plan(const PlanOptions& o) {
   if (!params.ok()) return usage_error(params.status());
   Result<Backend> backend = parse_backend_flag(o.backend);
   if (!backend.ok()) return usage_error(backend.status());
+  Result<FileLayout> layout = parse_layout(o.layout);
+  if (!layout.ok()) return usage_error(layout.status());
   if (o.threads < 0 || o.threads > kMaxThreads) return usage_error(invalid_argument("--threads: expected 0.." + std::to_string(kMaxThreads)));
   if (o.q.empty() != o.k.empty()) return usage_error(invalid_argument("--q and --k: give both or neither (neither: the generated workload)"));
   if (!o.svg_path.empty()) {
     Status s = check_output_path("--svg", o.svg_path, {".svg"});
+    if (!s.ok()) return usage_error(s);
+  }
+  if (!o.index_path.empty()) {
+    Status s = check_output_path("--index", o.index_path, {".safetensors"});
     if (!s.ok()) return usage_error(s);
   }
   if (!o.json_path.empty() && o.json_path != "-") {
@@ -114,8 +132,8 @@ Outcome run_plan(const PlanOptions& o) {
   const HostArray &q = inputs.q, &k = inputs.k;
   const std::string& source = inputs.source;
   MethodInputs in;
-  in.q = q.view();
-  in.k = k.view();
+  in.q = swap_layout(q.view(), *layout);
+  in.k = swap_layout(k.view(), *layout);
   in.options.backend = *backend;
   in.options.num_threads = o.threads;
   in.params = *params;
@@ -128,6 +146,16 @@ Outcome run_plan(const PlanOptions& o) {
     // coarse levels it also attends to (KV enrichment) are listed in the printout.
     auto options = llsa_options_from(in);
     if (!options.ok()) return method_error(options.status());
+    // An image layout (-P layout=z_order ...): the plan is over the tokens in that order.
+    auto order = llsa_token_order(in);
+    if (!order.ok()) return method_error(order.status());
+    HostArray q_perm, k_perm;
+    if (!order->empty()) {
+      if (Status s = permuted_copy(in.q, *order, &q_perm); !s.ok()) return method_error(s);
+      if (Status s = permuted_copy(in.k, *order, &k_perm); !s.ok()) return method_error(s);
+      in.q = q_perm.view();
+      in.k = k_perm.view();
+    }
     Result<LlsaPlan> llsa = llsa_plan(in.q, in.k, *options);
     if (!llsa.ok()) return method_error(llsa.status());
     if (o.batch >= 0 && o.batch < llsa->batch && o.head >= 0 && o.head < llsa->heads_q) {
@@ -155,7 +183,7 @@ Outcome run_plan(const PlanOptions& o) {
     return usage_error(invalid_argument(format("--batch/--head: (%d, %d) is outside the plan's [%lld, %lld]", o.batch,
                                                o.head, static_cast<long long>(batch), static_cast<long long>(heads))));
   }
-  const double density = block_index_density(plan->view(), q.shape()[2], k.shape()[2]);
+  const double density = block_index_density(plan->view(), in.q.shape[2], in.k.shape[2]);
   std::cout << o.method << " plan (" << params_text(*params) << ") on " << source << "\n"
             << format("  blocks %dx%d, %lld x %lld per head, capacity %lld, density %.4f, perm_q %s, perm_kv %s, %.4f s\n",
                       plan->block_q, plan->block_kv, static_cast<long long>(plan->num_q_blocks),
@@ -174,6 +202,12 @@ Outcome run_plan(const PlanOptions& o) {
       std::cout << "  plan -> " << o.json_path << "\n";
     }
   }
+  if (!o.index_path.empty()) {
+    Status s = write_index_file(o.index_path, *plan);
+    if (!s.ok()) return runtime_error(Status{s.code(), "--index: " + s.message()});
+    std::cout << "  index -> " << o.index_path << " (sparsa run --method block_sparse --index " << o.index_path
+              << ")\n";
+  }
   if (!o.svg_path.empty()) {
     const std::string title = format("%s, batch %d head %d, density %.3f", o.method.c_str(), o.batch, o.head, density);
     Status s = write_text_file("--svg", o.svg_path, mask_svg(*plan, o.batch, o.head, title));
@@ -191,6 +225,8 @@ Subcommand add_plan_command(CLI::App& app) {
   cmd->add_option("--method", o->method, "ba_att, mean_pool, xattention or llsa")->capture_default_str();
   cmd->add_option("--q", o->q, "queries (.npy/.safetensors); default: the generated workload");
   cmd->add_option("--k", o->k, "keys (with --q)");
+  cmd->add_option("--layout", o->layout, "bhsd ([batch, heads, seq, head_dim]) or bshd ([batch, seq, heads, head_dim])")
+      ->capture_default_str();
   cmd->add_option("-P,--param", o->params, "method parameter key=value (repeatable)")->allow_extra_args(false);
   cmd->add_option("--length", o->length, "workload length (without --q/--k)")->capture_default_str();
   cmd->add_option("--heads", o->heads, "workload query heads")->capture_default_str();
@@ -199,7 +235,12 @@ Subcommand add_plan_command(CLI::App& app) {
   cmd->add_option("--seed", o->seed, "workload seed")->capture_default_str();
   cmd->add_option("--backend", o->backend, "cpu or cpu_ref")->capture_default_str();
   cmd->add_option("--threads", o->threads, "CPU threads (0 = all cores)");
-  cmd->add_option("--json", o->json_path, "write the plan as JSON to this file ('-' for stdout)");
+  cmd->add_option("--index", o->index_path,
+                  "write the plan as the .safetensors index file that `run --method block_sparse --index` reads");
+  cmd->add_option_function<std::string>(
+         "--json", [o](const std::string& v) { o->json_path = v.empty() ? "-" : v; },
+         "[FILE] write the plan as JSON to FILE (bare or '-': on stdout)")
+      ->expected(0, 1);
   cmd->add_option("--svg", o->svg_path, "write the block mask of one (batch, head) as SVG");
   cmd->add_option("--batch", o->batch, "batch of the SVG mask")->capture_default_str();
   cmd->add_option("--head", o->head, "query head of the SVG mask")->capture_default_str();

@@ -4,6 +4,7 @@
 
 #include "commands.h"
 #include "common.h"
+#include "file_layout.h"
 #include "methods.h"
 #include "sparsa/io.h"
 #include "util.h"
@@ -25,6 +26,8 @@ Outcome cmd_run(const RunOptions& options) {
   }
   Result<Backend> backend = parse_backend_flag(options.backend);
   if (!backend.ok()) return usage_error(backend.status());
+  Result<FileLayout> layout = parse_layout(options.layout);
+  if (!layout.ok()) return usage_error(layout.status());
   // The scale is used as an f32: 1e39 would become inf and 1e-50 zero.
   const float scale_f32 = static_cast<float>(options.scale);
   if (options.scale_given && !(std::isfinite(scale_f32) && scale_f32 > 0)) {
@@ -61,9 +64,9 @@ Outcome cmd_run(const RunOptions& options) {
   }
 
   MethodInputs inputs;
-  inputs.q = q->view();
-  inputs.k = k->view();
-  inputs.v = v->view();
+  inputs.q = swap_layout(q->view(), *layout);
+  inputs.k = swap_layout(k->view(), *layout);
+  inputs.v = swap_layout(v->view(), *layout);
   inputs.options.backend = *backend;
   inputs.options.check_finite = options.check_finite;
   inputs.options.num_threads = options.threads;
@@ -75,7 +78,7 @@ Outcome cmd_run(const RunOptions& options) {
   const double seconds = now_seconds() - t0;
   if (!output.ok()) return method_error(output.status());
 
-  Status written = write_tensor(options.out, output->attention.out.view());
+  Status written = write_tensor(options.out, swap_layout(output->attention.out.view(), *layout));
   if (!written.ok()) return runtime_error(Status{written.code(), "--out: " + written.message()});
   if (!options.lse.empty()) {
     written = write_tensor(options.lse, output->attention.lse.view());

@@ -11,6 +11,7 @@
 #include "params.h"
 #include "sparsa/decode_trace.h"
 #include "sparsa/losa.h"
+#include "svg.h"
 #include "table.h"
 #include "util.h"
 
@@ -39,7 +40,15 @@ CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions
   cmd->add_option("--backend", o.backend, "cpu or cpu_ref")->capture_default_str();
   cmd->add_option("--threads", o.threads, "CPU threads (0 = all cores)");
   cmd->add_option("--repeats", o.repeats, "passes; CPU time is the median per step")->capture_default_str();
-  cmd->add_flag("--json", o.json, "print JSON instead of the table");
+  cmd->add_option_function<std::string>(
+         "--json",
+         [&o](const std::string& v) {
+           if (v.empty() || v == "-") o.json = true;
+           else o.json_path = v;
+         },
+         "[FILE] print JSON instead of the table (with FILE: write it there, the table printed too)")
+      ->expected(0, 1);
+  cmd->add_option("--plot", o.plot_path, "write an SVG bar chart (CPU time, pages loaded, error per method)");
   return cmd;
 }
 
@@ -94,6 +103,14 @@ Outcome cmd_trace(const TraceOptions& o) {
   }
   auto params = parse_params(o.params);
   if (!params.ok()) return usage_error(params.status());
+  if (!o.plot_path.empty()) {
+    Status s = check_output_path("--plot", o.plot_path, {".svg"});
+    if (!s.ok()) return usage_error(s);
+  }
+  if (!o.json_path.empty()) {
+    Status s = check_output_path("--json", o.json_path, {".json"});
+    if (!s.ok()) return usage_error(s);
+  }
   auto base = method_options(*params, *backend, o.threads);
   if (!base.ok()) return usage_error(base.status());
 
@@ -146,7 +163,7 @@ Outcome cmd_trace(const TraceOptions& o) {
       if (configs[i].method == PrefixMethod::dense) return sums[i].cpu_ms;
     return 0.0;
   }();
-  if (o.json) {
+  if (o.json || !o.json_path.empty()) {
     nlohmann::json out;
     out["trace"] = {{"prefix", o.prefix}, {"block", o.block}, {"blocks", o.blocks}, {"steps_per_block", trace->steps_per_block()},
                     {"tokens_per_step", o.tokens_per_step}, {"unmask", o.unmask}, {"neighbour", o.neighbour},
@@ -166,8 +183,12 @@ Outcome cmd_trace(const TraceOptions& o) {
                                 {"err_max", s.err_max}, {"mass_kept", s.recall}, {"cpu_ms", s.cpu_ms},
                                 {"block_cpu_ms", s.block_cpu_ms}, {"steps", steps}});
     }
-    std::cout << json_text(out) << std::endl;
-    return success();
+    if (o.json) {
+      std::cout << json_text(out) << std::endl;
+      return success();
+    }
+    Status s = write_text_file("--json", o.json_path, json_text(out) + "\n");
+    if (!s.ok()) return runtime_error(s);
   }
   std::cout << format("decode trace: prefix %lld (%lld pages of 16 per kv head), block %lld x %lld steps, %d/%d heads, d %d; ",
                       o.prefix, (o.prefix + 15) / 16, o.block, static_cast<long long>(trace->steps_per_block()),
@@ -184,14 +205,41 @@ Outcome cmd_trace(const TraceOptions& o) {
                    format("%.2f", s.block_cpu_ms), dense_cpu > 0 ? format("%.2f", dense_cpu / s.cpu_ms) : "-"});
   }
   std::cout << table.render();
+  if (!o.plot_path.empty()) {
+    BarChart chart;
+    chart.title = format("sparsa trace: prefix %lld, block %lld, %d/%d heads, d %d", o.prefix, o.block, o.heads,
+                         o.kv_heads, o.head_dim);
+    BarPanel cpu{"CPU ms per step", {}, false}, pages{"% of prefix pages loaded", {}, false},
+        err{"error vs dense", {}, false};
+    for (size_t i = 0; i < configs.size(); ++i) {
+      chart.categories.push_back(names[i]);
+      cpu.values.push_back(sums[i].cpu_ms);
+      pages.values.push_back(100 * sums[i].pages_frac);
+      err.values.push_back(sums[i].err);
+    }
+    chart.panels = {cpu, pages, err};
+    Status s = write_text_file("--plot", o.plot_path, render_svg(chart));
+    if (!s.ok()) return runtime_error(s);
+    std::cout << "\nplot: " << o.plot_path << "\n";
+  }
   return success();
+}
+
+const std::vector<TraceMethod>& trace_methods() {
+  static const std::vector<TraceMethod> list = {
+      {"losa", "LoSA: per decode step only the k tokens whose queries moved most recompute sparse prefix attention "
+               "(QUEST pages, the union per kv head loaded once); the others reuse cached O and LSE"},
+      {"reuse", "LoSA's active/stable split with the active rows dense (the error of reuse alone)"},
+  };
+  return list;
 }
 
 bool names_a_trace_method(const std::string& methods) {
   std::stringstream ss(methods);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    if (item == "losa" || item == "reuse") return true;
+    for (const TraceMethod& m : trace_methods())
+      if (item == m.name) return true;
   }
   return false;
 }

@@ -22,12 +22,21 @@ struct TraceOptions {
   std::vector<std::string> params;  // budget=, k=, threshold=, selector=, group=, union=, force_first=, force_last=
   std::string backend = "cpu";
   int threads = 0, repeats = 1;
-  bool json = false;
+  bool json = false;      // JSON on stdout instead of the table
+  std::string json_path;  // JSON to this file (the table still printed)
+  std::string plot_path;  // an SVG bar chart of the table ('' for none)
 };
 
 // Adds the subcommand `name` to app, bound to `options`.
 CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions& options);
 Outcome cmd_trace(const TraceOptions& options);
+
+// The stateful decode methods, which run on a decode trace (`trace`, or `eval` / `bench` with
+// --methods naming one), not on a single q, k, v: `info` lists them beside the registered methods.
+struct TraceMethod {
+  std::string name, summary;
+};
+const std::vector<TraceMethod>& trace_methods();
 
 // `eval` and `bench` hand a --methods list that names a stateful decode method (losa or reuse)
 // to cmd_trace. names_a_trace_method: whether the comma-separated list does.

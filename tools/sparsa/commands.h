@@ -27,6 +27,9 @@ struct Outcome {
 inline Outcome success() { return {}; }
 inline Outcome usage_error(Status status) { return {std::move(status), kExitUsage}; }
 inline Outcome runtime_error(Status status) { return {std::move(status), kExitRuntime}; }
+
+// `--json [FILE]` means one thing in every command: bare (or "-"), JSON on stdout instead of
+// the table; with FILE, the JSON written there and the usual output printed.
 // A method's failure: its parameter errors ("params: ...") are usage errors.
 Outcome method_error(Status status);
 
@@ -35,7 +38,7 @@ struct InfoOptions {
 };
 
 struct RunOptions {
-  std::string method, q, k, v, index, out, lse, backend = "cpu";
+  std::string method, q, k, v, index, out, lse, backend = "cpu", layout = "bhsd";
   std::vector<std::string> params;
   double scale = 0;
   bool scale_given = false;
@@ -51,12 +54,12 @@ struct BenchOptions {
   std::uint64_t seed = 0;
   std::string backend = "cpu";
   std::vector<std::string> params;  // method.key=value
-  std::string json_path, plot_path;
+  std::string json_path, plot_path;  // json_path "-": JSON on stdout instead of the table
   std::vector<std::string> given;  // the flags set on the command line
 };
 
-// The demo's default length: measured so the whole demo takes about a minute on a
-// 2-core machine (docs/cli.md records the measurement).
+// The demo's default length: dense dominates the demo's time and is quadratic in it; the run
+// docs/cli.md cites shows the table 10 s after start on the 2-core build machine.
 inline constexpr long long kDemoDefaultLength = 16384;
 
 struct DemoOptions {
@@ -66,7 +69,8 @@ struct DemoOptions {
   std::string backend = "cpu";
   std::vector<std::string> params;  // method.key=value
   std::string plot_path = "demo.svg";
-  bool json = false;
+  bool json = false;      // JSON on stdout instead of the table
+  std::string json_path;  // JSON to this file (the table still printed)
   bool trace = true;  // also run the default decode trace (LoSA vs QUEST vs dense prefix attention)
 };
 

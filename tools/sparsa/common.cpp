@@ -98,6 +98,25 @@ Result<Params> parse_params(const std::vector<std::string>& texts) {
   return params;
 }
 
+namespace {
+
+// Whether `m` takes -P `key`: a key of its demo parameters, or one its help lines start with
+// ("density=0.1  ...", "force_first=false, force_last=true  ...", "block_q, block_kv  ...").
+bool method_takes(const Method& m, const std::string& key) {
+  if (m.demo_params.is_object() && m.demo_params.contains(key)) return true;
+  for (const std::string& line : m.param_help) {
+    std::stringstream names(line.substr(0, line.find("  ")));
+    std::string name;
+    while (std::getline(names, name, ',')) {
+      name.erase(0, name.find_first_not_of(' '));
+      if (name.substr(0, name.find('=')) == key) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 Result<std::map<std::string, Params>> parse_scoped_params(const std::vector<std::string>& texts,
                                                           const std::vector<const Method*>& selected) {
   std::map<std::string, Params> per_method;
@@ -109,7 +128,19 @@ Result<std::map<std::string, Params>> parse_scoped_params(const std::vector<std:
   for (const std::string& t : texts) {
     const size_t dot = t.find('.'), eq = t.find('=');
     if (dot == std::string::npos || (eq != std::string::npos && dot > eq)) {
-      return invalid_argument("-P: expected method.key=value (e.g. block_sparse.density=0.2), got '" + t + "'");
+      // A plain key=value (as `trace` and `run` take it) goes to every method run that takes it.
+      const std::string key = t.substr(0, eq);
+      bool taken = false;
+      for (const Method* m : selected) {
+        if (!method_takes(*m, key)) continue;
+        SPARSA_RETURN_IF_ERROR(parse_param(t, &given[m->name]));
+        taken = true;
+      }
+      if (!taken) {
+        return invalid_argument("-P: no method run takes '" + key + "' (" + t +
+                                "); scope it as method.key=value, e.g. block_sparse.density=0.2");
+      }
+      continue;
     }
     const std::string name = t.substr(0, dot);
     if (!per_method.count(name)) {

@@ -101,6 +101,10 @@ int run_main(int argc, char** argv) {
   run_cmd->add_option("--threads", run.threads, "CPU threads (0 = all cores)");
   run_cmd->add_option("--out", run.out, "output O (.npy or .safetensors), dtype of q")->required();
   run_cmd->add_option("--lse", run.lse, "output LSE, f32 [batch, heads_q, len_q]");
+  run_cmd->add_option("--layout", run.layout,
+                      "bhsd: files are [batch, heads, seq, head_dim]; bshd: [batch, seq, heads, head_dim] "
+                      "(FlashAttention's; --out is written the same way, LSE stays [batch, heads_q, len_q])")
+      ->capture_default_str();
   run_cmd->add_flag("--quiet", run.quiet, "no summary line on stdout");
   run_cmd->footer(std::string(kIndexFormatHelp) + "\n" + methods_help());
 
@@ -119,13 +123,16 @@ int run_main(int argc, char** argv) {
   bench_cmd->add_option("--threads", bench.threads, "CPU threads (0 = all cores)");
   bench_cmd->add_option("-P,--param", bench.params, "method.key=value, e.g. block_sparse.density=0.2 (repeatable)")
       ->allow_extra_args(false);
-  bench_cmd->add_option("--json", bench.json_path, "write results as JSON to this file");
+  bench_cmd->add_option_function<std::string>(
+              "--json", [&bench](const std::string& v) { bench.json_path = v.empty() ? "-" : v; },
+              "[FILE] write results as JSON to FILE (bare or '-': JSON on stdout instead of the table)")
+      ->expected(0, 1);
   bench_cmd->add_option("--plot", bench.plot_path, "write an SVG plot (time vs length, log-log) to this file");
   bench_cmd->footer(methods_help());
 
   DemoOptions demo;
   CLI::App* demo_cmd = app.add_subcommand("demo", "every demo method on the default workload, against dense");
-  demo_cmd->add_option("--length", demo.length, "sequence length (the default takes about a minute on 2 cores)")
+  demo_cmd->add_option("--length", demo.length, "sequence length (dense, the slowest method, grows with its square)")
       ->capture_default_str();
   demo_cmd->add_option("--methods", demo.methods, "comma-separated methods (default: all demo methods)");
   demo_cmd->add_option("--repeats", demo.repeats, "timed runs per method (the median is reported)")
@@ -134,8 +141,16 @@ int run_main(int argc, char** argv) {
   demo_cmd->add_option("--threads", demo.threads, "CPU threads (0 = all cores)");
   demo_cmd->add_option("-P,--param", demo.params, "method.key=value (repeatable)")->allow_extra_args(false);
   demo_cmd->add_option("--plot", demo.plot_path, "SVG bar chart of time and error ('' for none)")->capture_default_str();
-  demo_cmd->add_flag("--json", demo.json, "print JSON on stdout instead of the table");
-  demo_cmd->add_flag("!--no-trace", demo.trace,
+  demo_cmd->add_option_function<std::string>(
+              "--json",
+              [&demo](const std::string& v) {
+                if (v.empty() || v == "-") demo.json = true;
+                else demo.json_path = v;
+              },
+              "[FILE] print JSON instead of the table (with FILE: write it there, the table printed too)")
+      ->expected(0, 1);
+  bool demo_no_trace = false;  // a plain flag: CLI11 prints a negated one as "--no-trace{false}"
+  demo_cmd->add_flag("--no-trace", demo_no_trace,
                      "skip the block-diffusion decode section (LoSA, QUEST, dense prefix attention; see `trace`)");
   demo_cmd->footer(methods_help());
 
@@ -177,7 +192,10 @@ int run_main(int argc, char** argv) {
     bench.given = flags_given(*bench_cmd);
     outcome = cmd_bench(bench);
   }
-  if (demo_cmd->parsed()) outcome = cmd_demo(demo);
+  if (demo_cmd->parsed()) {
+    demo.trace = !demo_no_trace;
+    outcome = cmd_demo(demo);
+  }
   if (plan_cmd.app->parsed()) outcome = plan_cmd.run();
   if (eval_cmd.app->parsed()) outcome = eval_cmd.run();
   if (trace_cmd->parsed()) outcome = cmd_trace(trace);

@@ -41,9 +41,7 @@ Status check_inputs(const Tensor& q, const Tensor& k, const BaAttOptions& o) {
     return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
   }
   SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, q.device));
-  if (!backend_available(Backend::cuda)) {
-    return {StatusCode::unsupported, "backend: 'cuda' is not available in this build (not compiled in or no device)"};
-  }
+  SPARSA_RETURN_IF_ERROR(backend_status(Backend::cuda));
   if (o.check_finite) {
     return {StatusCode::unsupported,
             "check_finite: not available on the cuda backend (the cuda selector refuses NaN/Inf norms and "

@@ -121,10 +121,7 @@ std::vector<int64_t> active_rows(const std::vector<double>& mse, int active_k, s
 
 Result<PrefixAttention> PrefixAttention::create(const LosaConfig& config, const LosaOptions& options) {
   SPARSA_RETURN_IF_ERROR(validate(config, options));
-  if (!backend_available(options.attention.backend)) {
-    return Status(StatusCode::unsupported, std::string("backend: '") + backend_name(options.attention.backend) +
-                                               "' is not available in this build");
-  }
+  SPARSA_RETURN_IF_ERROR(backend_status(options.attention.backend));
   PrefixAttention pa;
   pa.config_ = config;
   pa.options_ = options;

@@ -2,16 +2,23 @@
 #include "sparsa/quest.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <string>
 
 #include "core/attention_params.h"
 #include "core/validate.h"
 #include "cpu/parallel.h"
+#include "cpu/simd.h"
 
 namespace sparsa {
+
+namespace simd = cpu::simd;
 
 const char* page_selector_name(PageSelector selector) {
   switch (selector) {
@@ -112,6 +119,165 @@ struct ScoreOrder {
   }
 };
 
+// QUEST scores of W = simd::kLanes pages at once (pages in vector lanes), bit for bit those
+// of quest_page_score: lane accumulator j takes dims j, j + kLanes, ..., the accumulators are
+// added in order 0..15, then the tail dims. Scoring one page at a time spends most of its time
+// in that ordered 16-term horizontal sum (a dependent chain per page); with pages in lanes it
+// is 16 vector adds per W pages. The page bounds are transposed once per call:
+// [heads_kv][page group][d][W].
+//
+// Each term max(q_t * max_t, q_t * min_t) is q_t * max_t when q_t >= 0 and q_t * min_t
+// otherwise (rounding is monotonic and max_t >= min_t), so one product per term is computed;
+// the product is kept apart from the add (no fused multiply-add) so it is rounded as there.
+// That identity needs bounds without NaN: a kv head whose bounds hold a NaN takes both products.
+struct TransposedBounds {
+  int64_t groups = 0, d = 0;
+  std::vector<float> bounds;  // [heads_kv][page group][d][max, min][W]
+  std::vector<char> has_nan;  // per kv head
+
+  explicit TransposedBounds(const PagedKVCache& cache)
+      : groups((cache.num_pages() + simd::kLanes - 1) / simd::kLanes), d(cache.head_dim()) {
+    constexpr int W = simd::kLanes;
+    const int64_t H = cache.heads_kv(), pages = cache.num_pages();
+    bounds.assign(H * groups * d * 2 * W, 0.0f);
+    has_nan.assign(H, 0);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t p = 0; p < pages; ++p) {
+        const int64_t base = (h * groups + p / W) * d * 2 * W + p % W;
+        const float *mn = cache.page_min(h, p), *mx = cache.page_max(h, p);
+        for (int64_t t = 0; t < d; ++t) {
+          bounds[base + t * 2 * W] = mx[t];
+          bounds[base + t * 2 * W + W] = mn[t];
+          has_nan[h] |= std::isnan(mn[t]) || std::isnan(mx[t]);
+        }
+      }
+    }
+  }
+
+  // sc[r][0 .. num_pages) for R query rows q[r] (head_dim d) against kv head h_kv.
+  //
+  // Lane accumulator j is complete after its d / kLanes terms, so the ordered sum of the
+  // lanes can take lane j as soon as it is done: per row two registers (the lane being summed
+  // and the total) instead of sixteen, which lets R rows share every bound vector while it
+  // is in L1 (the bounds of a kv head do not fit in L1, and streaming them once per row was
+  // the scoring's limit).
+  template <int R>
+  void score(const float* const* q, int64_t h_kv, int64_t num_pages, float* const* sc) const {
+    if (has_nan[h_kv]) {
+      score_rows<R, true>(q, h_kv, num_pages, sc);
+    } else {
+      score_rows<R, false>(q, h_kv, num_pages, sc);
+    }
+  }
+
+  template <int R, bool kExactMax>
+  void score_rows(const float* const* q, int64_t h_kv, int64_t num_pages, float* const* sc) const {
+    constexpr int W = simd::kLanes;
+    using simd::Vec;
+    const int64_t full = d / kLanes * kLanes;
+    // Where each row's chosen bound of dim t sits in a group: t * 2W (max) or t * 2W + W (min).
+    std::vector<int32_t> offset(R * d);
+    for (int r = 0; r < R; ++r)
+      for (int64_t t = 0; t < d; ++t) offset[r * d + t] = static_cast<int32_t>(t * 2 * W + (q[r][t] >= 0.0f ? 0 : W));
+    auto term = [&](const float* b, int r, int64_t t) {
+      const Vec qv = simd::splat(q[r][t]);
+      if constexpr (kExactMax) {
+        const Vec x = qv * simd::load(b + t * 2 * W), y = qv * simd::load(b + t * 2 * W + W);
+        return x < y ? y : x;
+      } else {
+        Vec product = qv * simd::load(b + offset[r * d + t]);
+        asm("" : "+v"(product));  // a rounded product: keeps the add below from fusing with it
+        return product;
+      }
+    };
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* b = bounds.data() + (h_kv * groups + g) * d * 2 * W;
+      Vec total[R] = {};
+      for (int j = 0; j < kLanes && j < full; ++j) {
+        Vec lane[R] = {};
+        for (int64_t t = j; t < full; t += kLanes)
+          for (int r = 0; r < R; ++r) lane[r] += term(b, r, t);
+        for (int r = 0; r < R; ++r) total[r] += lane[r];
+      }
+      for (int64_t t = full; t < d; ++t)
+        for (int r = 0; r < R; ++r) total[r] += term(b, r, t);
+      const int64_t n = std::min<int64_t>(W, num_pages - g * W);
+      for (int r = 0; r < R; ++r) {
+        alignas(64) float out[W];
+        simd::store(out, total[r]);
+        std::copy_n(out, n, sc[r] + g * W);
+      }
+    }
+  }
+};
+
+// Per-thread scratch of the page choice.
+struct ChoiceScratch {
+  std::vector<int32_t> survivors;
+  std::vector<float> chunk_max, scores, rows;
+  std::vector<uint64_t> bits;
+};
+
+// The best `take` of the candidate pages [lo, hi) by ScoreOrder, when no score is NaN. Deal
+// the candidates round-robin into C chunks (C a multiple of the vector width and about twice
+// `take`, so the chunk maxima are element-wise vector maxima): the chunk maxima are
+// distinct candidates, so the take-th largest of them is a score that `take` candidates reach,
+// and any candidate below it cannot be among the best. Of what survives that threshold
+// (usually little more than `take`) the best `take` are found exactly (nth_element). Appends
+// the picks to out (unordered).
+int64_t top_pages_no_nan(const float* sc, int64_t lo, int64_t hi, int64_t take, ChoiceScratch& scratch,
+                         int32_t* out) {
+  const int64_t m = hi - lo;
+  if (take <= 0 || m <= 0) return 0;
+  if (take >= m) {
+    for (int64_t p = lo; p < hi; ++p) *out++ = static_cast<int32_t>(p);
+    return m;
+  }
+  float threshold = -std::numeric_limits<float>::infinity();
+  const int64_t C = (2 * take + simd::kLanes - 1) / simd::kLanes * simd::kLanes;
+  if (m >= C) {
+    std::vector<float>& cmax = scratch.chunk_max;
+    cmax.assign(sc + lo, sc + lo + C);
+    const int64_t full = m / C;
+    for (int64_t i = 1; i < full; ++i) {
+      const float* x = sc + lo + i * C;
+      for (int64_t c = 0; c < C; ++c) cmax[c] = x[c] > cmax[c] ? x[c] : cmax[c];
+    }
+    std::nth_element(cmax.begin(), cmax.begin() + (take - 1), cmax.end(), std::greater<float>());
+    threshold = cmax[take - 1];
+  }
+  std::vector<int32_t>& survivors = scratch.survivors;
+  survivors.resize(m);
+  int64_t kept = 0, p = lo;
+  // Most candidates fall below the threshold: a vector of W of them is skipped by one test.
+  const simd::Vec t = simd::splat(threshold);
+  for (; p + simd::kLanes <= hi; p += simd::kLanes) {
+    const simd::Vec x = simd::load(sc + p);
+    if (!simd::any(x >= t)) continue;
+    for (int64_t w = p; w < p + simd::kLanes; ++w)
+      if (sc[w] >= threshold) survivors[kept++] = static_cast<int32_t>(w);
+  }
+  for (; p < hi; ++p)
+    if (sc[p] >= threshold) survivors[kept++] = static_cast<int32_t>(p);
+  // Only the set matters (the caller orders it by page): higher score, then lower page.
+  const auto better = [sc](int32_t a, int32_t b) { return sc[a] != sc[b] ? sc[a] > sc[b] : a < b; };
+  std::nth_element(survivors.begin(), survivors.begin() + (take - 1), survivors.begin() + kept, better);
+  std::copy_n(survivors.begin(), take, out);
+  return take;
+}
+
+// Sorts n distinct pages in [0, num_pages) ascending through a bitmap.
+void sort_pages(int32_t* pages, int64_t n, int64_t num_pages, std::vector<uint64_t>& bits) {
+  bits.assign((num_pages + 63) / 64, 0);
+  for (int64_t i = 0; i < n; ++i) bits[pages[i] >> 6] |= uint64_t{1} << (pages[i] & 63);
+  int64_t k = 0;
+  for (size_t w = 0; w < bits.size(); ++w) {
+    for (uint64_t word = bits[w]; word != 0; word &= word - 1) {
+      pages[k++] = static_cast<int32_t>(w * 64 + std::countr_zero(word));
+    }
+  }
+}
+
 }  // namespace
 
 Result<PagePlan> select_pages(const Tensor& q, const PagedKVCache& cache, const PageSelectOptions& options,
@@ -135,11 +301,21 @@ Result<PagePlan> select_pages(const Tensor& q, const PagedKVCache& cache, const 
   const int threads = cpu::resolve_threads(num_threads);
   std::vector<std::vector<float>> scores(threads, std::vector<float>(num_pages)), tmp(threads, std::vector<float>(num_pages));
   std::vector<std::vector<int32_t>> order(threads);
+  std::vector<ChoiceScratch> choice(threads);
   std::vector<std::vector<float>> qrow(threads, std::vector<float>(d));
+  const bool transposed = options.selector == PageSelector::quest && keep < num_pages;
+  std::optional<TransposedBounds> bounds;
+  if (transposed) bounds.emplace(cache);
   auto score_row = [&](int64_t h, int64_t r, int thread, float* sc) {
     const int64_t h_kv = h / group;
     float* qr = qrow[thread].data();
     detail::load_row(q.data, DType::f32, q.offset({0, h, r, 0}), d, qr);
+    if (transposed) {
+      const float* qs[1] = {qr};
+      float* scs[1] = {sc};
+      bounds->score<1>(qs, h_kv, num_pages, scs);
+      return;
+    }
     for (int64_t p = 0; p < num_pages; ++p) {
       sc[p] = options.selector == PageSelector::quest
                   ? quest_page_score(qr, cache.page_min(h_kv, p), cache.page_max(h_kv, p), d)
@@ -155,6 +331,15 @@ Result<PagePlan> select_pages(const Tensor& q, const PagedKVCache& cache, const 
     int64_t n = 0;
     if (options.force_first) out[n++] = 0;
     if (options.force_last && !(options.force_first && num_pages == 1)) out[n++] = static_cast<int32_t>(num_pages - 1);
+    int32_t nans = 0;
+    for (int64_t p = 0; p < num_pages; ++p) nans += sc[p] != sc[p];
+    if (nans == 0) {
+      // The candidates are a range: the forced pages are the first and the last.
+      const int64_t lo = options.force_first ? 1 : 0, hi = options.force_last ? num_pages - 1 : num_pages;
+      n += top_pages_no_nan(sc, lo, std::max(lo, hi), keep - n, choice[thread], out + n);
+      sort_pages(out, n, num_pages, choice[thread].bits);
+      return n;
+    }
     std::vector<int32_t>& cand = order[thread];
     cand.clear();
     for (int64_t p = 0; p < num_pages; ++p) {
@@ -168,11 +353,32 @@ Result<PagePlan> select_pages(const Tensor& q, const PagedKVCache& cache, const 
     return n;
   };
   if (options.group == GroupPolicy::per_head) {
-    cpu::parallel_for(heads_q * rows, threads, [&](int64_t item, int thread) {
-      const int64_t h = item / rows, r = item % rows;
-      float* sc = scores[thread].data();
-      if (keep < num_pages) score_row(h, r, thread, sc);
-      plan.counts[item] = static_cast<int32_t>(choose(sc, thread, plan.pages.data() + item * keep));
+    // Work items of kRows consecutive rows of one head: the quest scores of a full item are
+    // computed together (they share the kv head's bounds, see TransposedBounds::score).
+    constexpr int kRows = 8;
+    const int64_t blocks = (rows + kRows - 1) / kRows;
+    for (ChoiceScratch& c : choice) c.scores.resize(kRows * num_pages), c.rows.resize(kRows * d);
+    cpu::parallel_for(heads_q * blocks, threads, [&](int64_t item, int thread) {
+      const int64_t h = item / blocks, r0 = (item % blocks) * kRows, n = std::min<int64_t>(kRows, rows - r0);
+      ChoiceScratch& c = choice[thread];
+      const float* qs[kRows];
+      float* scs[kRows];
+      for (int64_t i = 0; i < n; ++i) {
+        qs[i] = c.rows.data() + i * d;
+        scs[i] = c.scores.data() + i * num_pages;
+      }
+      if (keep < num_pages) {
+        if (transposed && n == kRows) {
+          for (int64_t i = 0; i < n; ++i) detail::load_row(q.data, DType::f32, q.offset({0, h, r0 + i, 0}), d, c.rows.data() + i * d);
+          bounds->score<kRows>(qs, h / group, num_pages, scs);
+        } else {
+          for (int64_t i = 0; i < n; ++i) score_row(h, r0 + i, thread, scs[i]);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = h * rows + r0 + i;
+        plan.counts[row] = static_cast<int32_t>(choose(scs[i], thread, plan.pages.data() + row * keep));
+      }
     });
     return plan;
   }
@@ -202,12 +408,24 @@ std::vector<std::vector<int32_t>> page_union(const PagePlan& plan, int64_t heads
   std::vector<std::vector<int32_t>> loaded(heads_kv);
   if (heads_kv <= 0 || plan.heads_q % heads_kv != 0) return loaded;
   const int64_t group = plan.heads_q / heads_kv;
+  // A page mark per page seen (plans over long prefixes list millions of (row, page) pairs:
+  // marking is linear where sorting them was not).
+  int32_t highest = -1;
+  for (int64_t h = 0; h < plan.heads_q; ++h)
+    for (int64_t r = 0; r < plan.rows; ++r)
+      for (int32_t s = 0; s < plan.count(h, r); ++s) highest = std::max(highest, plan.row_pages(h, r)[s]);
+  std::vector<char> seen;
   for (int64_t h_kv = 0; h_kv < heads_kv; ++h_kv) {
-    std::vector<int32_t>& u = loaded[h_kv];
+    seen.assign(static_cast<size_t>(highest) + 1, 0);
     for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h)
-      for (int64_t r = 0; r < plan.rows; ++r) u.insert(u.end(), plan.row_pages(h, r), plan.row_pages(h, r) + plan.count(h, r));
-    std::sort(u.begin(), u.end());
-    u.erase(std::unique(u.begin(), u.end()), u.end());
+      for (int64_t r = 0; r < plan.rows; ++r)
+        for (int32_t s = 0; s < plan.count(h, r); ++s) {
+          const int32_t page = plan.row_pages(h, r)[s];
+          if (page >= 0) seen[page] = 1;  // an unchecked plan's negative entries are not pages
+        }
+    std::vector<int32_t>& u = loaded[h_kv];
+    for (int32_t page = 0; page <= highest; ++page)
+      if (seen[page]) u.push_back(page);
   }
   return loaded;
 }
@@ -243,6 +461,156 @@ Status check_plan(const PagePlan& plan, int64_t heads_q, int64_t rows, int64_t n
       }
     }
   }
+  return {};
+}
+
+// The cpu backend's executor for page plans. block_sparse's mainloop works on tiles of query
+// rows that share one key list; here every (head, row) has its own pages, so through it each
+// row became a one-row tile padded to a vector of rows (most of its work wasted) over keys
+// gathered anew. This path keeps one query row per work item and its W = simd::kLanes keys in
+// vector lanes: the loaded pages' keys are transposed once per call ([page][d][W-padded page]),
+// a page's logits are d broadcast FMAs, the softmax is exact over the row's few hundred logits
+// (no online rescaling), and values are read in place from the cache.
+Status paged_attention_cpu(const Tensor& q, const PagedKVCache& cache, const PagePlan& plan,
+                           const std::vector<std::vector<int32_t>>& loaded, const Tensor& out, const Tensor& lse,
+                           const PagedAttentionOptions& options) {
+  using simd::Vec;
+  constexpr int W = simd::kLanes;
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  const int64_t heads_q = q.shape[1], rows = q.shape[2], d = q.shape[3], heads_kv = cache.heads_kv();
+  const int64_t group = heads_q / heads_kv, P = cache.page_size(), Pp = (P + W - 1) / W * W;
+  if (options.attention.check_finite) {
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("k", cache.keys()));
+    SPARSA_RETURN_IF_ERROR(detail::check_finite("v", cache.values()));
+  }
+  const float scale = options.attention.scale.value_or(1.0f / std::sqrt(static_cast<float>(d))) * kLog2e;
+  const int threads = cpu::resolve_threads(options.attention.num_threads);
+
+  // Keys of the loaded pages, transposed: kt[h_kv][slot][t][w], pad keys 0.
+  int64_t max_union = 0;
+  for (const auto& u : loaded) max_union = std::max<int64_t>(max_union, static_cast<int64_t>(u.size()));
+  std::vector<float> kt(heads_kv * max_union * d * Pp, 0.0f);
+  std::vector<std::vector<int32_t>> slot_of(heads_kv, std::vector<int32_t>(cache.num_pages(), -1));
+  cpu::parallel_for(heads_kv * max_union, threads, [&](int64_t item, int) {
+    const int64_t h_kv = item / max_union, slot = item % max_union;
+    if (slot >= static_cast<int64_t>(loaded[h_kv].size())) return;
+    const int32_t page = loaded[h_kv][slot];
+    slot_of[h_kv][page] = static_cast<int32_t>(slot);
+    float* dst = kt.data() + (h_kv * max_union + slot) * d * Pp;
+    for (int64_t w = 0; w < cache.page_length(page); ++w) {
+      const float* key = cache.key(h_kv, page * P + w);
+      for (int64_t t = 0; t < d; ++t) dst[t * Pp + w] = key[t];
+    }
+  });
+
+  int64_t most_pages = plan.capacity;
+  if (options.attend_union) most_pages = max_union;
+  struct Scratch {
+    std::vector<float> q, logits, o;
+  };
+  std::vector<Scratch> scratch(threads);
+  for (Scratch& sc : scratch) {
+    sc.q.resize(d);
+    sc.logits.resize(std::max<int64_t>(most_pages, 1) * Pp);
+    sc.o.resize((d + W - 1) / W * W);
+  }
+  const int64_t dv = d / W * W;
+  cpu::parallel_for(heads_q * rows, threads, [&](int64_t item, int thread) {
+    const int64_t h = item / rows, r = item % rows, h_kv = h / group;
+    Scratch& sc = scratch[thread];
+    const int32_t* pages = options.attend_union ? loaded[h_kv].data() : plan.row_pages(h, r);
+    const int64_t count = options.attend_union ? static_cast<int64_t>(loaded[h_kv].size()) : plan.count(h, r);
+    detail::load_row(q.data, DType::f32, q.offset({0, h, r, 0}), d, sc.q.data());
+    for (int64_t t = 0; t < d; ++t) sc.q[t] *= scale;
+    float* logits = sc.logits.data();
+    const float* qs = sc.q.data();
+    // Logits, W keys per vector: kPar key vectors at a time, so that kPar independent FMA
+    // chains hide the FMA latency (one chain over d would wait on it at every step).
+    constexpr int kPar = 4;
+    const int64_t per_page = Pp / W, vectors = count * per_page;
+    auto key_vector = [&](int64_t i) {
+      return kt.data() + (h_kv * max_union + slot_of[h_kv][pages[i / per_page]]) * d * Pp + (i % per_page) * W;
+    };
+    int64_t i = 0;
+    for (; i + kPar <= vectors; i += kPar) {
+      const float* kp[kPar];
+      Vec acc[kPar] = {};
+      for (int u = 0; u < kPar; ++u) kp[u] = key_vector(i + u);
+      for (int64_t t = 0; t < d; ++t) {
+        const Vec qv = simd::splat(qs[t]);
+        for (int u = 0; u < kPar; ++u) acc[u] += qv * simd::load(kp[u] + t * Pp);
+      }
+      for (int u = 0; u < kPar; ++u) simd::store(logits + (i + u) * W, acc[u]);
+    }
+    for (; i < vectors; ++i) {
+      const float* kp = key_vector(i);
+      Vec acc = {};
+      for (int64_t t = 0; t < d; ++t) acc += simd::splat(qs[t]) * simd::load(kp + t * Pp);
+      simd::store(logits + i * W, acc);
+    }
+    // Pad keys of a partial page (and of a page size that is not a multiple of W) see -inf.
+    Vec vmax = simd::splat(-std::numeric_limits<float>::infinity());
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t n = cache.page_length(pages[s]);
+      for (int64_t w = n; w < Pp; ++w) logits[s * Pp + w] = -std::numeric_limits<float>::infinity();
+      for (int64_t w0 = 0; w0 < Pp; w0 += W) vmax = simd::max(vmax, simd::load(logits + s * Pp + w0));
+    }
+    float m = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < W; ++j) m = std::max(m, vmax[j]);
+    float* o = out.ptr<float>() + out.offset({0, h, r, 0});
+    float& row_lse = lse.ptr<float>()[lse.offset({0, h, r})];
+    if (m == -std::numeric_limits<float>::infinity()) {  // no key: O = 0, LSE = -inf
+      for (int64_t t = 0; t < d; ++t) o[t] = 0.0f;
+      row_lse = -std::numeric_limits<float>::infinity();
+      return;
+    }
+    Vec vsum = {};
+    const Vec vm = simd::splat(m), ninf = simd::splat(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < count * Pp; j += W) {
+      const Vec l = simd::load(logits + j);
+      const Vec e = l == ninf ? Vec{} : simd::exp2_nonpositive(l - vm);
+      simd::store(logits + j, e);
+      vsum += e;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < W; ++j) sum += vsum[j];
+    // O = sum_j p_j v_j: the row's accumulator stays in registers for the common head_dims.
+    auto accumulate = [&]<int NV>(std::integral_constant<int, NV>) {
+      Vec acc[NV] = {};
+      for (int64_t s = 0; s < count; ++s) {
+        const int64_t n = cache.page_length(pages[s]);
+        const float* v = cache.value(h_kv, pages[s] * P);
+        for (int64_t w = 0; w < n; ++w) {
+          const Vec pv = simd::splat(logits[s * Pp + w]);
+          for (int c = 0; c < NV; ++c) acc[c] += pv * simd::load(v + w * d + c * W);
+        }
+      }
+      const Vec inv = simd::splat(1.0f / sum);
+      for (int c = 0; c < NV; ++c) simd::store(o + c * W, acc[c] * inv);
+    };
+    if (d == 4 * W) {
+      accumulate(std::integral_constant<int, 4>{});
+    } else if (d == 8 * W) {
+      accumulate(std::integral_constant<int, 8>{});
+    } else {
+      float* acc = sc.o.data();
+      std::fill(sc.o.begin(), sc.o.end(), 0.0f);
+      for (int64_t s = 0; s < count; ++s) {
+        const int64_t n = cache.page_length(pages[s]);
+        for (int64_t w = 0; w < n; ++w) {
+          const float pw = logits[s * Pp + w];
+          const float* v = cache.value(h_kv, pages[s] * P + w);
+          const Vec pv = simd::splat(pw);
+          for (int64_t t = 0; t < dv; t += W) simd::store(acc + t, simd::load(acc + t) + pv * simd::load(v + t));
+          for (int64_t t = dv; t < d; ++t) acc[t] += pw * v[t];
+        }
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t t = 0; t < d; ++t) o[t] = acc[t] * inv;
+    }
+    row_lse = (m + std::log2(sum)) * kLn2;
+  });
   return {};
 }
 
@@ -282,6 +650,14 @@ Status paged_attention(const Tensor& q, const PagedKVCache& cache, const PagePla
     return {};
   }
 
+  if (options.attention.backend == Backend::cpu) {
+    SPARSA_RETURN_IF_ERROR(paged_attention_cpu(q, cache, plan, loaded, out, lse, options));
+    local.loaded = std::move(loaded);
+    if (stats) *stats = std::move(local);
+    return {};
+  }
+
+  // cpu_ref (the specification) and any other backend: block_sparse over a gathered copy.
   // Gather the unions into a compact [1, heads_kv, len, d] buffer. Full pages fill
   // slots 0.. in ascending page order; a partial last page (the highest page index)
   // goes to the one final slot, so the executor's length cut-off is exactly its end.
@@ -374,10 +750,16 @@ Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tens
     SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
     SPARSA_RETURN_IF_ERROR(detail::check_finite("v", v));
   }
-  auto as_f32 = [](const Tensor& t) -> Result<HostArray> {
-    return t.dtype == DType::f32 ? Result<HostArray>(HostArray::copy_of(t)) : convert(t, DType::f32);
+  // f32 inputs are read in place (the cache copies k and v anyway); others are converted once.
+  HostArray converted[3];
+  auto as_f32 = [&converted](const Tensor& t, int i) -> Result<Tensor> {
+    if (t.dtype == DType::f32) return t;
+    auto c = convert(t, DType::f32);
+    if (!c.ok()) return c.status();
+    converted[i] = std::move(c).value();
+    return converted[i].view();
   };
-  auto q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v);
+  auto q32 = as_f32(q, 0), k32 = as_f32(k, 1), v32 = as_f32(v, 2);
   if (!q32.ok()) return q32.status();
   if (!k32.ok()) return k32.status();
   if (!v32.ok()) return v32.status();
@@ -386,9 +768,8 @@ Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tens
   QuestOutput result;
   double pairs = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    auto slice = [b](const HostArray& a) {
-      Tensor t = a.view();
-      t.data = const_cast<float*>(a.ptr<float>()) + b * t.strides[0];
+    auto slice = [b](Tensor t) {
+      t.data = static_cast<float*>(t.data) + b * t.strides[0];
       t.shape[0] = 1;
       return t;
     };
@@ -400,7 +781,8 @@ Result<QuestOutput> quest_attention(const Tensor& q, const Tensor& k, const Tens
     result.select_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!plan.ok()) return plan.status();
     PagedAttentionStats stats;
-    SPARSA_RETURN_IF_ERROR(paged_attention(slice(*q32), *cache, *plan, slice(out), slice(lse), options, &stats));
+    SPARSA_RETURN_IF_ERROR(
+        paged_attention(slice(*q32), *cache, *plan, slice(out.view()), slice(lse.view()), options, &stats));
     result.pages_loaded += stats.pages_loaded;
     const int64_t group = heads_q / heads_kv;
     for (int64_t h = 0; h < heads_q; ++h) {

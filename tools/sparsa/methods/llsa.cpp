@@ -5,6 +5,7 @@
 #include "methods.h"
 #include "methods/selectors.h"
 #include "params.h"
+#include "sparsa/layout.h"
 #include "sparsa/llsa.h"
 #include "util.h"
 
@@ -17,7 +18,8 @@ constexpr int64_t kMaxPlanRowsShown = 64;
 
 Result<LlsaOptions> llsa_options_from(const MethodInputs& in) {
   const Params& p = in.params;
-  SPARSA_RETURN_IF_ERROR(check_known_params("llsa", p, {"block", "topk", "levels", "enrich", "dedupe"}));
+  SPARSA_RETURN_IF_ERROR(
+      check_known_params("llsa", p, {"block", "topk", "levels", "enrich", "dedupe", "layout", "height", "width"}));
   auto block = param_int(p, "block", 16, 2, 4096);
   if (!block.ok()) return block.status();
   auto topk = param_int(p, "topk", 8, 1, 1 << 20);
@@ -43,12 +45,56 @@ Result<LlsaOptions> llsa_options_from(const MethodInputs& in) {
   return o;
 }
 
+Result<std::vector<int32_t>> llsa_token_order(const MethodInputs& in) {
+  const Params& p = in.params;
+  auto name = param_string(p, "layout", "row_major");
+  if (!name.ok()) return name.status();
+  auto layout = parse_token_layout(*name);
+  if (!layout.ok()) return invalid_argument("params: " + layout.status().message());
+  const bool sides = p.contains("height") || p.contains("width");
+  if (*layout == TokenLayout::row_major && !sides) return std::vector<int32_t>{};
+  auto height = param_int(p, "height", 0, 1, int64_t{1} << 30);
+  if (!height.ok()) return height.status();
+  auto width = param_int(p, "width", 0, 1, int64_t{1} << 30);
+  if (!width.ok()) return width.status();
+  if (!p.contains("height") || !p.contains("width")) {
+    return invalid_argument("params: layout: an image layout needs -P height=H -P width=W (the tokens are an H x W "
+                            "image in row-major order)");
+  }
+  const int64_t n = *height * *width;
+  if (in.q.shape[2] != n || in.k.shape[2] != n) {
+    return invalid_argument("params: height x width: " + std::to_string(*height) + " x " + std::to_string(*width) +
+                            " = " + std::to_string(n) + " tokens, but len_q is " + std::to_string(in.q.shape[2]) +
+                            " and len_kv " + std::to_string(in.k.shape[2]) + " (they must all be equal)");
+  }
+  return layout_permutation(*height, *width, *layout);
+}
+
+Status permuted_copy(const Tensor& in, const std::vector<int32_t>& perm, HostArray* out) {
+  *out = HostArray(in.dtype, in.shape_vector());
+  return permute_tokens(in, perm, out->view());
+}
+
 namespace {
 
-Result<MethodOutput> run_llsa(const MethodInputs& in) {
-  Result<LlsaOptions> options = llsa_options_from(in);
+Result<MethodOutput> run_llsa(const MethodInputs& given) {
+  Result<LlsaOptions> options = llsa_options_from(given);
   if (!options.ok()) return options.status();
   const LlsaOptions& o = *options;
+  // An image layout: LLSA runs on the tokens in Z-order / Hilbert order (its pooled blocks are
+  // then square patches) and O and LSE come back in the input's row-major order.
+  Result<std::vector<int32_t>> order = llsa_token_order(given);
+  if (!order.ok()) return order.status();
+  MethodInputs in = given;
+  HostArray q_perm, k_perm, v_perm;
+  if (!order->empty()) {
+    SPARSA_RETURN_IF_ERROR(permuted_copy(given.q, *order, &q_perm));
+    SPARSA_RETURN_IF_ERROR(permuted_copy(given.k, *order, &k_perm));
+    SPARSA_RETURN_IF_ERROR(permuted_copy(given.v, *order, &v_perm));
+    in.q = q_perm.view();
+    in.k = k_perm.view();
+    in.v = v_perm.view();
+  }
 
   const double t0 = now_seconds();
   Result<LlsaPlan> plan = llsa_plan(in.q, in.k, o);
@@ -58,6 +104,17 @@ Result<MethodOutput> run_llsa(const MethodInputs& in) {
   attention.out = HostArray(in.q.dtype, in.q.shape_vector());
   attention.lse = HostArray(DType::f32, {in.q.shape[0], in.q.shape[1], in.q.shape[2]});
   SPARSA_RETURN_IF_ERROR(llsa_forward(in.q, in.k, in.v, *plan, attention.out.view(), attention.lse.view(), o));
+  if (!order->empty()) {  // back to row-major: position p of the layout is token order[p]
+    const std::vector<int32_t> inverse = inverse_permutation(*order);
+    HostArray out_rows;
+    SPARSA_RETURN_IF_ERROR(permuted_copy(attention.out.view(), inverse, &out_rows));
+    HostArray lse_rows(DType::f32, attention.lse.shape());
+    const int64_t rows = in.q.shape[0] * in.q.shape[1], n = in.q.shape[2];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < n; ++i) lse_rows.ptr<float>()[r * n + i] = attention.lse.ptr<float>()[r * n + inverse[i]];
+    attention.out = std::move(out_rows);
+    attention.lse = std::move(lse_rows);
+  }
 
   MethodOutput output;
   output.attention = std::move(attention);
@@ -98,7 +155,9 @@ SPARSA_REGISTER_METHOD(Method{
                    "topk=8         picks per query token at every level",
                    "levels=-1      pyramid levels L; -1 = floor(log_block N) - 1, at least 1",
                    "enrich=true    attend to the coarse levels too (KV enrichment)",
-                   "dedupe=false   leave out coarse tokens already attended at a finer level"},
+                   "dedupe=false   leave out coarse tokens already attended at a finer level",
+                   "layout=row_major  z_order or hilbert with height=H width=W: the tokens are an H x W image "
+                   "(row-major); LLSA runs in that order (square pooled patches), O comes back row-major"},
     .run = run_llsa,
     .in_demo = true,
     .demo_params = Params{{"block", 16}, {"topk", 8}},

@@ -20,5 +20,9 @@ Result<MethodOutput> execute_plan(const MethodInputs& in, const BlockIndexBuffer
 
 // `llsa` parameters (block, topk, levels, enrich, dedupe).
 Result<LlsaOptions> llsa_options_from(const MethodInputs& in);
+// `llsa` -P layout=z_order|hilbert -P height=H -P width=W: the token order to run in (perm[p]
+// = row-major index of position p), empty for row-major; and a copy of `in` in that order.
+Result<std::vector<int32_t>> llsa_token_order(const MethodInputs& in);
+Status permuted_copy(const Tensor& in, const std::vector<int32_t>& perm, HostArray* out);
 
 }  // namespace sparsa::cli

@@ -413,6 +413,13 @@ struct BadFile {
 std::vector<BadFile> bad_files() {
   const std::string f32x6(24, '\x01');
   auto entry = [](const std::string& body) { return "{\"t\": {" + body + "}}"; };
+  auto entry_body = [](const std::string& body) { return "\"t\": {" + body + "}"; };
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  std::string deep_objects;
+  for (int i = 0; i < 50000; ++i) deep_objects += "{\"a\": ";
+  deep_objects += "1" + std::string(50000, '}');
+  std::string long_list = "0";
+  for (int i = 1; i < 10000; ++i) long_list += ", " + std::to_string(i);
   return {
       // .npy
       {"empty file", ".npy", "", StatusCode::malformed_file, "truncated header"},
@@ -531,6 +538,78 @@ std::vector<BadFile> bad_files() {
       {"too many dims", ".safetensors",
        st_file(entry(R"("dtype": "F32", "shape": [1, 1, 1, 1, 1, 1, 6], "data_offsets": [0, 24])"), f32x6),
        StatusCode::unsupported, "at most 6 dimensions"},
+      // Deep nesting (issue 14): 100,000 levels overflowed the stack while parsing, copying an
+      // earlier member, or dumping a nested value into a message; now refused before parsing.
+      {"deep earlier member", ".safetensors",
+       st_file("{\"a\": " + deep + ", " + entry_body(R"("dtype": "F32", "shape": [6], "data_offsets": [0, 24])") + "}",
+               f32x6),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      {"deep dtype", ".safetensors",
+       st_file(entry(R"("dtype": )" + deep + R"(, "shape": [6], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      {"deep shape", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": )" + deep + R"(, "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      {"deep offsets", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [6], "data_offsets": )" + deep), f32x6), StatusCode::malformed_file,
+       "nests deeper than 32 levels"},
+      {"deep metadata", ".safetensors", st_file(R"({"__metadata__": {"k": )" + deep_objects + "}}"),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      {"deep unclosed", ".safetensors", st_file("{\"a\": " + std::string(100000, '[')), StatusCode::malformed_file,
+       "nests deeper than 32 levels"},
+      {"33 levels", ".safetensors", st_file("{\"a\": " + std::string(32, '[') + std::string(32, ']') + "}"),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      // Brackets inside strings do not count as nesting: this is only a bad dtype.
+      {"brackets in a string", ".safetensors",
+       st_file(entry(R"("dtype": ")" + std::string(1000, '[') + R"(\"[", "shape": [6], "data_offsets": [0, 24])"),
+               f32x6),
+       StatusCode::malformed_file, "unknown dtype"},
+      // A nested value in a message is clipped, and invalid UTF-8 in it does not throw.
+      {"nested dtype", ".safetensors",
+       st_file(entry(R"("dtype": [[[[1, 2, 3]]]], "shape": [6], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "'dtype' is not a string: [[[[1,2,3]]]]"},
+      {"long dtype list", ".safetensors",
+       st_file(entry(R"("dtype": [)" + long_list + R"(], "shape": [6], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "..."},
+      {"bad utf-8 in a dtype list", ".safetensors",
+       st_file(entry("\"dtype\": [\"\xff\"], \"shape\": [6], \"data_offsets\": [0, 24]"), f32x6),
+       StatusCode::malformed_file, "bad JSON header"},
+      {"bad utf-8 dtype", ".safetensors",
+       st_file(entry("\"dtype\": \"F\xc3\", \"shape\": [6], \"data_offsets\": [0, 24]"), f32x6),
+       StatusCode::malformed_file, "bad JSON header"},
+      {"shape an object", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": {"a": [1]}, "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "'shape' is not a list: {\"a\":[1]}"},
+      {"offsets nested", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [6], "data_offsets": [[0], [24]])"), f32x6),
+       StatusCode::malformed_file, "'data_offsets' entry is not an integer: [0]"},
+      // Numbers beyond a double (issue 14): nlohmann threw out_of_range out of the Status API.
+      {"1e400 in shape", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [1e400], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "(in 't' > 'shape'): expected a number that fits a double"},
+      {"-1e400 in shape", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [-1e400], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "expected a number that fits a double"},
+      {"1e400 in offsets", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [6], "data_offsets": [0, 1e400])"), f32x6),
+       StatusCode::malformed_file, "(in 't' > 'data_offsets')"},
+      {"1e400 as dtype", ".safetensors", st_file(entry(R"("dtype": 1e400, "shape": [6], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "(in 't' > 'dtype')"},
+      {"1e400 in metadata", ".safetensors", st_file(R"({"__metadata__": {"block_q": 1e400}})"),
+       StatusCode::malformed_file, "(in '__metadata__' > 'block_q')"},
+      {"1e400 as a member", ".safetensors", st_file(R"({"x": 1e400})"), StatusCode::malformed_file,
+       "(in 'x')"},
+      {"1e99999 in shape", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [1e99999], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "fits a double"},
+      {"integer of 400 digits", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [)" + std::string(400, '9') + R"(], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "fits a double"},
+      {"huge exponent in offsets", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [6], "data_offsets": [0e-99999, 24])"), f32x6),
+       StatusCode::malformed_file, "not an integer"},
+      {"nan literal", ".safetensors", st_file(entry(R"("dtype": "F32", "shape": [NaN], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "bad JSON header"},
   };
 }
 

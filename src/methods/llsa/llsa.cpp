@@ -25,7 +25,9 @@ Status check_options(const LlsaOptions& o) {
     return invalid_argument("levels: expected -1 (automatic) or 1.." + std::to_string(kMaxLevels) + ", got " +
                             std::to_string(o.levels));
   }
-  if (o.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.num_threads));
+  if (o.num_threads < 0 || o.num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(o.num_threads));
+  }
   if (o.scale && (!std::isfinite(*o.scale) || *o.scale <= 0.0f)) {
     return invalid_argument("scale: expected a finite positive number, got " + std::to_string(*o.scale));
   }
@@ -195,6 +197,7 @@ Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Lls
   SPARSA_RETURN_IF_ERROR(check_like("out", out, q));
   if (out.dtype != q.dtype) return unsupported_dtype(std::string("out: expected dtype ") + dtype_name(q.dtype) + ", got " + dtype_name(out.dtype));
   SPARSA_RETURN_IF_ERROR(check_lse(lse, q));
+  SPARSA_RETURN_IF_ERROR(detail::check_outputs("out", out, "lse", lse));
   const float scale = resolve_scale(q, options);
   // The reference in f64: cpu_ref's path, and the cpu path's answer when f32 overflowed.
   auto reference = [&]() -> Status {
@@ -249,6 +252,12 @@ Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ll
   SPARSA_RETURN_IF_ERROR(check_like("dq", dq, q));
   SPARSA_RETURN_IF_ERROR(check_like("dk", dk, k));
   SPARSA_RETURN_IF_ERROR(check_like("dv", dv, k));
+  for (auto [name, t] : {std::pair{"dq", &dq}, std::pair{"dk", &dk}, std::pair{"dv", &dv}}) {
+    SPARSA_RETURN_IF_ERROR(detail::check_no_self_overlap(name, *t));
+  }
+  SPARSA_RETURN_IF_ERROR(detail::check_disjoint("dk", dk, "dq", dq));
+  SPARSA_RETURN_IF_ERROR(detail::check_disjoint("dv", dv, "dq", dq));
+  SPARSA_RETURN_IF_ERROR(detail::check_disjoint("dv", dv, "dk", dk));
   if (options.check_finite) {
     SPARSA_RETURN_IF_ERROR(detail::check_finite("d_o", d_o));
     SPARSA_RETURN_IF_ERROR(detail::check_finite("out", out));

@@ -41,6 +41,21 @@ Outcome load_inputs_or_workload(const std::string& q_path, const std::string& k_
     inputs->source = v_path != nullptr ? q_path : q_path + ", " + k_path;
     return success();
   }
+  // The generated workload is allocated from these flags: bound them before it is
+  // (--length 2^40 died in the allocator). The same bound as demo's --length.
+  constexpr long long kMaxLength = 1 << 22;
+  if (config.len_q < 1 || config.len_q > kMaxLength) {
+    return usage_error(invalid_argument("--length: expected an integer in [1, " + std::to_string(kMaxLength) +
+                                        "], got " + std::to_string(config.len_q)));
+  }
+  // q, k and v of the workload in f32; 2^31 elements each (8 GiB) is beyond any machine this runs on.
+  constexpr long long kMaxElements = 1LL << 31;
+  const long long heads = std::max<long long>(config.heads_q, 1), dim = std::max<long long>(config.head_dim, 1);
+  if (config.len_q * dim > kMaxElements / heads) {
+    return usage_error(invalid_argument("--length: the workload of " + std::to_string(heads) + " heads x " +
+                                        std::to_string(config.len_q) + " tokens x head_dim " + std::to_string(dim) +
+                                        " exceeds 2^31 elements per tensor; lower --length, --heads or --head-dim"));
+  }
   auto w = generate_workload(config);
   if (!w.ok()) return usage_error(w.status());
   inputs->q = std::move(w->q);

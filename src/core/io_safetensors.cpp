@@ -234,21 +234,22 @@ Result<Header> read_header(detail::InputFile& file) {
   try {
     header = Json::parse(text, on_event);
   } catch (const nlohmann::json::parse_error& e) {
-    std::string what = e.what();
+    std::string what = detail::printable(e.what());
     const size_t bracket = what.find("] ");
     if (bracket != std::string::npos) what = what.substr(bracket + 2);
-    if (what.find("; expected end of input") != std::string::npos) {
-      return malformed(path, "trailing garbage after the JSON header (" + what + ")");
-    }
+    const bool trailing = what.find("; expected end of input") != std::string::npos;
+    what = detail::clip(what, 300);
+    if (trailing) return malformed(path, "trailing garbage after the JSON header (" + what + ")");
     return malformed(path, "bad JSON header: " + what + field());
   } catch (const nlohmann::json::out_of_range& e) {
     // 406: a number beyond the range of a double (1e400).
-    std::string what = e.what();
+    std::string what = detail::printable(e.what());
     const size_t bracket = what.find("] ");
     if (bracket != std::string::npos) what = what.substr(bracket + 2);
-    return malformed(path, "bad JSON header: " + what + field() + ": expected a number that fits a double");
+    return malformed(path, "bad JSON header: " + detail::clip(what, 300) + field() +
+                               ": expected a number that fits a double");
   } catch (const nlohmann::json::exception& e) {
-    return malformed(path, std::string("bad JSON header: ") + e.what() + field());
+    return malformed(path, "bad JSON header: " + detail::clip(detail::printable(e.what()), 200) + field());
   }
   if (!duplicate.empty()) return malformed(path, "duplicate key " + entry_label(duplicate) + " in the JSON header");
   if (!header.is_object()) {

@@ -33,6 +33,22 @@ int json_nesting_depth(std::string_view text, int max_depth, size_t* at) {
   return deepest;
 }
 
+std::string printable(const std::string& s) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(s.size());
+  for (unsigned char c : s) {
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return out;
+}
+
 std::string clip(const std::string& s, size_t max_chars) {
   if (s.size() <= max_chars) return s;
   return s.substr(0, max_chars) + "...";

@@ -22,6 +22,10 @@ inline constexpr int kMaxJsonDepth = 32;
 // parser would nest before it stops.
 int json_nesting_depth(std::string_view text, int max_depth, size_t* at);
 
+// Bytes of a parser's message made printable ASCII: bytes outside 0x20..0x7e become \xNN
+// (nlohmann quotes the raw bytes it last read, which may be invalid UTF-8).
+std::string printable(const std::string& s);
+
 // s shortened for a message: at most max_chars characters, "..." appended when cut.
 std::string clip(const std::string& s, size_t max_chars = 80);
 

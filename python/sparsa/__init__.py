@@ -698,7 +698,7 @@ def _argument_problem(name: str, value: Any, annotation: str, keyword_only: bool
     if value is None and default is None:
         return None
     ann = annotation.replace(" ", "")
-    if ann in ("int",):
+    if ann in ("int", "Optional[int]"):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             return TypeError, f"{name}: expected an integer, got {_describe(value)}"
         bits = 63 if name in _INT64_ARGS else 31

@@ -34,7 +34,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // the nearest integer n and evaluates 2^f, |f| <= 1/2, by its degree-7 Taylor series
 // (truncation < 1e-8, below f32 rounding); branch-free so loops over it vectorise.
 inline float exp2_nonpositive(float x) {
-  x = std::clamp(x, -126.0f, 0.0f);
+  // max(-126, NaN) is -126 (std::clamp would keep NaN, and casting NaN to int below is
+  // undefined): a NaN logit gives ~0 here and its row is caught as not finite by the caller.
+  x = std::min(std::max(-126.0f, x), 0.0f);
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
   const float n = (x + kRound) - kRound;
   const float f = x - n;

@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstring>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -773,6 +774,21 @@ TEST(Io, WriteThroughASymlinkReplacesItsTarget) {
   ASSERT_TRUE(write_tensor(dir.file("link.npy"), a.view()).ok());
   EXPECT_TRUE(fs::is_symlink(dir.file("link.npy")));
   EXPECT_EQ(read_npy(dir.file("target.npy")).value().nbytes(), a.nbytes());
+}
+
+TEST(Io, ReplacedFilesKeepTheirModeAndNewOnesFollowTheUmask) {
+  TempDir dir;
+  HostArray a = filled(DType::f32, {5}, 8);
+  const mode_t mask = ::umask(022);
+  ASSERT_TRUE(write_tensor(dir.file("new.npy"), a.view()).ok());
+  struct stat st;
+  ASSERT_EQ(::stat(dir.file("new.npy").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0644u);  // 0666 & ~umask, as for any new file (not mkstemp's 0600)
+  ASSERT_EQ(::chmod(dir.file("new.npy").c_str(), 0640), 0);
+  ASSERT_TRUE(write_tensor(dir.file("new.npy"), a.view()).ok());
+  ASSERT_EQ(::stat(dir.file("new.npy").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  ::umask(mask);
 }
 
 TEST(Safetensors, Metadata) {

@@ -1,13 +1,17 @@
 #include "core/io_file.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <random>
+#include <string>
 #include <utility>
-
-#include <sys/stat.h>
-#include <unistd.h>
 
 namespace sparsa::detail {
 
@@ -110,25 +114,27 @@ Result<OutputFile> OutputFile::create(const std::string& path) {
     return f;
   }
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::string temp = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
-  const int fd = ::mkstemp(temp.data());
+  // A fresh name next to the target, created exclusively with mode 0666 so the process's
+  // umask applies as for any new file (mkstemp would make it 0600); an existing target's
+  // own mode is kept.
+  static std::atomic<unsigned> counter{0};
+  std::random_device entropy;
+  int fd = -1;
+  std::string temp;
+  for (int attempt = 0; attempt < 64 && fd < 0; ++attempt) {
+    temp = (dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
+                   std::to_string(counter++) + "-" + std::to_string(entropy() % 1000000)))
+               .string();
+    fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) {
     return file_error(StatusCode::io_error, path,
                       std::string("cannot create a temporary file in its folder: ") + std::strerror(errno));
   }
   f.temporary_ = temp;
-  // mkstemp makes the file private (0600); give it the mode a newly created file gets
-  // (an existing file keeps its own).
-  mode_t mode = 0;
   struct stat existing;
-  if (::stat(f.target_.c_str(), &existing) == 0) {
-    mode = existing.st_mode & 07777;
-  } else {
-    const mode_t mask = ::umask(0);
-    ::umask(mask);
-    mode = 0666 & ~mask;
-  }
-  (void)::fchmod(fd, mode);
+  if (::stat(f.target_.c_str(), &existing) == 0) (void)::fchmod(fd, existing.st_mode & 07777);
   f.file_ = ::fdopen(fd, "wb");
   if (f.file_ == nullptr) {
     const std::string reason = std::strerror(errno);

@@ -2,7 +2,10 @@
 // catalogue of malformed files that must be refused with the right code and message.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cstring>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -413,6 +416,13 @@ struct BadFile {
 std::vector<BadFile> bad_files() {
   const std::string f32x6(24, '\x01');
   auto entry = [](const std::string& body) { return "{\"t\": {" + body + "}}"; };
+  auto entry_body = [](const std::string& body) { return "\"t\": {" + body + "}"; };
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  std::string deep_objects;
+  for (int i = 0; i < 50000; ++i) deep_objects += "{\"a\": ";
+  deep_objects += "1" + std::string(50000, '}');
+  std::string long_list = "0";
+  for (int i = 1; i < 10000; ++i) long_list += ", " + std::to_string(i);
   return {
       // .npy
       {"empty file", ".npy", "", StatusCode::malformed_file, "truncated header"},
@@ -531,6 +541,78 @@ std::vector<BadFile> bad_files() {
       {"too many dims", ".safetensors",
        st_file(entry(R"("dtype": "F32", "shape": [1, 1, 1, 1, 1, 1, 6], "data_offsets": [0, 24])"), f32x6),
        StatusCode::unsupported, "at most 6 dimensions"},
+      // Deep nesting (issue 14): 100,000 levels overflowed the stack while parsing, copying an
+      // earlier member, or dumping a nested value into a message; now refused before parsing.
+      {"deep earlier member", ".safetensors",
+       st_file("{\"a\": " + deep + ", " + entry_body(R"("dtype": "F32", "shape": [6], "data_offsets": [0, 24])") + "}",
+               f32x6),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      {"deep dtype", ".safetensors",
+       st_file(entry(R"("dtype": )" + deep + R"(, "shape": [6], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      {"deep shape", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": )" + deep + R"(, "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      {"deep offsets", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [6], "data_offsets": )" + deep), f32x6), StatusCode::malformed_file,
+       "nests deeper than 32 levels"},
+      {"deep metadata", ".safetensors", st_file(R"({"__metadata__": {"k": )" + deep_objects + "}}"),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      {"deep unclosed", ".safetensors", st_file("{\"a\": " + std::string(100000, '[')), StatusCode::malformed_file,
+       "nests deeper than 32 levels"},
+      {"33 levels", ".safetensors", st_file("{\"a\": " + std::string(32, '[') + std::string(32, ']') + "}"),
+       StatusCode::malformed_file, "nests deeper than 32 levels"},
+      // Brackets inside strings do not count as nesting: this is only a bad dtype.
+      {"brackets in a string", ".safetensors",
+       st_file(entry(R"("dtype": ")" + std::string(1000, '[') + R"(\"[", "shape": [6], "data_offsets": [0, 24])"),
+               f32x6),
+       StatusCode::malformed_file, "unknown dtype"},
+      // A nested value in a message is clipped, and invalid UTF-8 in it does not throw.
+      {"nested dtype", ".safetensors",
+       st_file(entry(R"("dtype": [[[[1, 2, 3]]]], "shape": [6], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "'dtype' is not a string: [[[[1,2,3]]]]"},
+      {"long dtype list", ".safetensors",
+       st_file(entry(R"("dtype": [)" + long_list + R"(], "shape": [6], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "..."},
+      {"bad utf-8 in a dtype list", ".safetensors",
+       st_file(entry("\"dtype\": [\"\xff\"], \"shape\": [6], \"data_offsets\": [0, 24]"), f32x6),
+       StatusCode::malformed_file, "bad JSON header"},
+      {"bad utf-8 dtype", ".safetensors",
+       st_file(entry("\"dtype\": \"F\xc3\", \"shape\": [6], \"data_offsets\": [0, 24]"), f32x6),
+       StatusCode::malformed_file, "bad JSON header"},
+      {"shape an object", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": {"a": [1]}, "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "'shape' is not a list: {\"a\":[1]}"},
+      {"offsets nested", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [6], "data_offsets": [[0], [24]])"), f32x6),
+       StatusCode::malformed_file, "'data_offsets' entry is not an integer: [0]"},
+      // Numbers beyond a double (issue 14): nlohmann threw out_of_range out of the Status API.
+      {"1e400 in shape", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [1e400], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "(in 't' > 'shape'): expected a number that fits a double"},
+      {"-1e400 in shape", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [-1e400], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "expected a number that fits a double"},
+      {"1e400 in offsets", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [6], "data_offsets": [0, 1e400])"), f32x6),
+       StatusCode::malformed_file, "(in 't' > 'data_offsets')"},
+      {"1e400 as dtype", ".safetensors", st_file(entry(R"("dtype": 1e400, "shape": [6], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "(in 't' > 'dtype')"},
+      {"1e400 in metadata", ".safetensors", st_file(R"({"__metadata__": {"block_q": 1e400}})"),
+       StatusCode::malformed_file, "(in '__metadata__' > 'block_q')"},
+      {"1e400 as a member", ".safetensors", st_file(R"({"x": 1e400})"), StatusCode::malformed_file,
+       "(in 'x')"},
+      {"1e99999 in shape", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [1e99999], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "fits a double"},
+      {"integer of 400 digits", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [)" + std::string(400, '9') + R"(], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "fits a double"},
+      {"huge exponent in offsets", ".safetensors",
+       st_file(entry(R"("dtype": "F32", "shape": [6], "data_offsets": [0e-99999, 24])"), f32x6),
+       StatusCode::malformed_file, "not an integer"},
+      {"nan literal", ".safetensors", st_file(entry(R"("dtype": "F32", "shape": [NaN], "data_offsets": [0, 24])"), f32x6),
+       StatusCode::malformed_file, "bad JSON header"},
   };
 }
 
@@ -570,3 +652,160 @@ TEST(Io, TruncationAtEveryByteIsRefused) {
     }
   }
 }
+
+// ---- atomic writes, write_tensors, metadata (issue 14) -------------------------------------
+
+namespace {
+
+// Runs f with the file-size limit set to `bytes` (a write beyond it fails with EFBIG: a
+// stand-in for a full disk), then restores the limit.
+template <class F>
+void with_file_size_limit(rlim_t bytes, F&& f) {
+  struct rlimit old;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit lim = old;
+  lim.rlim_cur = bytes;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &lim), 0);
+  f();
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+}
+
+std::vector<std::string> temporaries_in(const fs::path& dir) {
+  std::vector<std::string> found;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().filename().string().find(".tmp-") != std::string::npos) found.push_back(e.path().string());
+  }
+  return found;
+}
+
+}  // namespace
+
+TEST(Io, FailedWriteKeepsTheExistingFile) {
+  TempDir dir;
+  HostArray big = filled(DType::f32, {256, 256}, 3);  // 256 KiB
+  for (const char* name : {"o.npy", "o.safetensors"}) {
+    SCOPED_TRACE(name);
+    const std::string path = dir.file(name);
+    write_bytes(path, "the old contents");
+    with_file_size_limit(64 * 1024, [&] {
+      Status s = write_tensor(path, big.view());
+      EXPECT_EQ(s.code(), StatusCode::io_error) << s.to_string();
+      EXPECT_EQ(s.message().rfind(path, 0), 0u) << s.message();
+    });
+    EXPECT_EQ(read_bytes(path), "the old contents");
+    EXPECT_TRUE(temporaries_in(dir.path()).empty());
+    // A new file that fails leaves nothing.
+    const std::string fresh = dir.file(std::string("new_") + name);
+    with_file_size_limit(64 * 1024, [&] { EXPECT_FALSE(write_tensor(fresh, big.view()).ok()); });
+    EXPECT_FALSE(fs::exists(fresh));
+  }
+  // Without the limit the same write replaces the file.
+  ASSERT_TRUE(write_tensor(dir.file("o.npy"), big.view()).ok());
+  EXPECT_EQ(read_npy(dir.file("o.npy")).value().nbytes(), big.nbytes());
+}
+
+TEST(Io, WriteTensorsIsAllOrNothing) {
+  TempDir dir;
+  HostArray small = filled(DType::f32, {4}, 1), big = filled(DType::f32, {256, 256}, 2);
+  write_bytes(dir.file("a.npy"), "old a");
+  write_bytes(dir.file("b.npy"), "old b");
+  with_file_size_limit(64 * 1024, [&] {
+    // a (small) is written to its temporary, b fails: neither replaces its path.
+    const char* labels[] = {"--out", "--lse"};
+    Status s = write_tensors({{dir.file("a.npy"), small.view()}, {dir.file("b.npy"), big.view()}}, labels);
+    EXPECT_EQ(s.code(), StatusCode::io_error);
+    EXPECT_EQ(s.message().rfind("--lse: ", 0), 0u) << s.message();
+  });
+  EXPECT_EQ(read_bytes(dir.file("a.npy")), "old a");
+  EXPECT_EQ(read_bytes(dir.file("b.npy")), "old b");
+  EXPECT_TRUE(temporaries_in(dir.path()).empty());
+}
+
+TEST(Io, WriteTensorsGroupsEntriesOfOneSafetensorsFile) {
+  TempDir dir;
+  HostArray o = filled(DType::f32, {2, 3}, 4), lse = filled(DType::f32, {2}, 5);
+  const std::string file = dir.file("r.safetensors");
+  ASSERT_TRUE(write_tensors({{file + ":o", o.view()}, {dir.path().string() + "/./r.safetensors:lse", lse.view()}}).ok());
+  auto entries = read_safetensors(file);
+  ASSERT_TRUE(entries.ok()) << entries.status().to_string();
+  ASSERT_EQ(entries->size(), 2u);
+  EXPECT_EQ((*entries)[0].name, "o");
+  EXPECT_EQ((*entries)[1].name, "lse");
+  EXPECT_EQ(std::memcmp((*entries)[1].array.data(), lse.data(), lse.nbytes()), 0);
+}
+
+TEST(Io, WriteTensorsRefusesTwoOutputsInOneFile) {
+  TempDir dir;
+  HostArray a = filled(DType::f32, {3}, 6);
+  write_bytes(dir.file("x.npy"), "keep");
+  fs::create_directories(dir.path() / "sub");
+  fs::create_hard_link(dir.file("x.npy"), dir.file("x_hard.npy"));
+  fs::create_symlink(dir.file("x.npy"), dir.file("x_link.npy"));
+  const std::string d = dir.path().string();
+  const std::vector<std::pair<std::string, std::string>> pairs = {
+      {d + "/x.npy", d + "/x.npy"},
+      {d + "/x.npy", d + "/./x.npy"},
+      {d + "/x.npy", d + "/sub/../x.npy"},
+      {d + "/x.npy", d + "/x_hard.npy"},
+      {d + "/x.npy", d + "/x_link.npy"},
+      {d + "/n.npy", d + "/./n.npy"},  // neither exists yet
+      {d + "/r.safetensors", d + "/r.safetensors"},
+      {d + "/r.safetensors:a", d + "/r.safetensors"},
+      {d + "/r.safetensors:a", d + "/./r.safetensors:a"},
+  };
+  for (const auto& [first, second] : pairs) {
+    SCOPED_TRACE(first + " / " + second);
+    Status s = write_tensors({{first, a.view()}, {second, a.view()}});
+    EXPECT_EQ(s.code(), StatusCode::invalid_argument) << s.to_string();
+    EXPECT_NE(s.message().find("outputs[1]: "), std::string::npos) << s.message();
+  }
+  EXPECT_EQ(read_bytes(dir.file("x.npy")), "keep");
+  EXPECT_FALSE(fs::exists(dir.file("n.npy")));
+  EXPECT_FALSE(fs::exists(dir.file("r.safetensors")));
+}
+
+TEST(Io, WriteThroughASymlinkReplacesItsTarget) {
+  TempDir dir;
+  HostArray a = filled(DType::f32, {5}, 7);
+  write_bytes(dir.file("target.npy"), "old");
+  fs::create_symlink(dir.file("target.npy"), dir.file("link.npy"));
+  ASSERT_TRUE(write_tensor(dir.file("link.npy"), a.view()).ok());
+  EXPECT_TRUE(fs::is_symlink(dir.file("link.npy")));
+  EXPECT_EQ(read_npy(dir.file("target.npy")).value().nbytes(), a.nbytes());
+}
+
+TEST(Io, ReplacedFilesKeepTheirModeAndNewOnesFollowTheUmask) {
+  TempDir dir;
+  HostArray a = filled(DType::f32, {5}, 8);
+  const mode_t mask = ::umask(022);
+  ASSERT_TRUE(write_tensor(dir.file("new.npy"), a.view()).ok());
+  struct stat st;
+  ASSERT_EQ(::stat(dir.file("new.npy").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0644u);  // 0666 & ~umask, as for any new file (not mkstemp's 0600)
+  ASSERT_EQ(::chmod(dir.file("new.npy").c_str(), 0640), 0);
+  ASSERT_TRUE(write_tensor(dir.file("new.npy"), a.view()).ok());
+  ASSERT_EQ(::stat(dir.file("new.npy").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  ::umask(mask);
+}
+
+TEST(Safetensors, Metadata) {
+  TempDir dir;
+  const std::string path = dir.file("m.safetensors");
+  write_bytes(path, st_file(R"({"__metadata__": {"block_q": "64", "n": 16, "x": [1, 2]}})"));
+  auto meta = read_safetensors_metadata(path);
+  ASSERT_TRUE(meta.ok()) << meta.status().to_string();
+  ASSERT_EQ(meta->size(), 3u);
+  EXPECT_EQ((*meta)[0], (std::pair<std::string, std::string>{"block_q", "64"}));
+  EXPECT_EQ((*meta)[1], (std::pair<std::string, std::string>{"n", "16"}));
+  EXPECT_EQ((*meta)[2], (std::pair<std::string, std::string>{"x", "[1,2]"}));
+  write_bytes(path, st_file(R"({"__metadata__": [1]})"));
+  EXPECT_EQ(read_safetensors_metadata(path).status().code(), StatusCode::malformed_file);
+  EXPECT_TRUE(read_safetensors(path).ok());  // read_safetensors ignores __metadata__
+  write_bytes(path, st_file("{}"));
+  EXPECT_TRUE(read_safetensors_metadata(path).value().empty());
+  EXPECT_EQ(read_safetensors_metadata(dir.file("none.safetensors")).status().code(), StatusCode::io_error);
+}
+

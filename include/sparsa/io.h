@@ -3,7 +3,8 @@
 // .npy: f32 ('<f4'), f16 ('<f2'), i32 ('<i4'), C order, versions 1.0-3.0 read,
 // 1.0 written (byte for byte what np.save writes). '=' and '|' byte orders read as
 // little-endian.
-// .safetensors: F32, F16, BF16, I32; "__metadata__" is accepted and ignored.
+// .safetensors: F32, F16, BF16, I32; "__metadata__" is accepted (read_safetensors_metadata).
+// A header nesting deeper than 32 levels is refused (malformed_file) before it is parsed.
 //
 // Errors (docs/io.md lists them):
 //  - io_error: the file is missing, a directory, or cannot be read or written.
@@ -16,7 +17,8 @@
 //    big-endian, F64, ...); the message suggests the conversion.
 //  - unsupported: Fortran order (with more than one dimension above 1), more than
 //    kMaxDims dimensions.
-// Every message starts with the file's path. Nothing is allocated from a size that
+// Every message starts with the file's path. Writers replace a file atomically (a
+// temporary in the same folder, then a rename): a failed write leaves the path as it was. Nothing is allocated from a size that
 // has not been checked against the file's real size.
 #pragma once
 
@@ -40,6 +42,10 @@ struct NamedArray {
 };
 // Entries in the order of the file's header.
 Result<std::vector<NamedArray>> read_safetensors(const std::string& path);
+// The header's "__metadata__" in header order (empty when absent); the whole header is
+// checked as read_safetensors checks it. Values are strings in the format; any other
+// value is given as its JSON text. malformed_file when "__metadata__" is not an object.
+Result<std::vector<std::pair<std::string, std::string>>> read_safetensors_metadata(const std::string& path);
 // Entries are written in the given order, back to back after a header padded to 8
 // bytes. Names must be non-empty, unique, valid UTF-8 and not "__metadata__". metadata: the
 // header's free-form "__metadata__" strings (omitted when empty).
@@ -63,5 +69,12 @@ Result<std::vector<SafetensorsEntry>> read_safetensors_header(const std::string&
 Result<HostArray> read_tensor(const std::string& path_and_name);
 // "x.npy", "x.safetensors:name", or "x.safetensors" (one entry named "tensor").
 Status write_tensor(const std::string& path, const Tensor& tensor);
+// Several outputs (path as for write_tensor, tensor), all or nothing: outputs naming
+// entries of one .safetensors file (the same file by identity, however spelt) become
+// one file of those entries; two outputs that would otherwise land in one file are
+// refused (invalid_argument) before anything is written. Every file is written to a
+// temporary next to it, and the temporaries replace the paths only once all were
+// written. labels (optional, one per output, e.g. "--out") name the outputs in messages.
+Status write_tensors(const std::vector<std::pair<std::string, Tensor>>& outputs, const char* const* labels = nullptr);
 
 }  // namespace sparsa

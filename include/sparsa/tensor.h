@@ -35,6 +35,9 @@ struct Device {
 std::string device_name(Device device);  // "cpu", "cuda:0"
 
 inline constexpr int kMaxDims = 6;
+// The most CPU threads any call takes (num_threads; 0 = hardware concurrency). Each
+// thread gets its own scratch, so an unbounded request would allocate without bound.
+inline constexpr int kMaxNumThreads = 256;
 
 struct Tensor {
   void* data = nullptr;

@@ -965,3 +965,136 @@ class Model:
                                   ban_eos, [int(i) for i in eos_ids])
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]
+
+
+# ---- argument errors that name the argument ----------------------------------------------
+#
+# The extension's functions take typed arguments; a value nanobind cannot convert (k=None, a
+# read-only out=, scale="a", an int beyond the C++ type) makes it raise a TypeError listing
+# every overload ("incompatible function arguments"), which names nothing. Each public
+# function below is wrapped: on that error, its own arguments are checked by annotation and
+# name, and the first that cannot be what the core takes is named in the error instead.
+
+import functools as _functools
+import inspect as _inspect
+
+_INT64_ARGS = {"sort_window", "max_rows", "budget", "seed", "batch", "heads_q", "heads_kv", "len_q", "len_kv",
+               "head_dim", "len", "len_kv"}
+_OUTPUT_ARGS = {"out", "lse"}  # keyword-only outputs; positional out/lse are inputs (llsa_backward)
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "None"
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:40] + "..."
+    return f"{type(value).__name__} {text}" if not isinstance(value, (int, float)) else text
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) or hasattr(value, "__dlpack__")
+
+
+def _writable(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return bool(value.flags.writeable)
+    return True
+
+
+def _argument_problem(name: str, value: Any, annotation: str, keyword_only: bool, default: Any):
+    """(exception type, message) when `value` cannot be what `name` takes, else None."""
+    if value is None and default is None:
+        return None
+    ann = annotation.replace(" ", "")
+    if ann in ("int", "Optional[int]"):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            return TypeError, f"{name}: expected an integer, got {_describe(value)}"
+        bits = 63 if name in _INT64_ARGS else 31
+        if not -(2 ** bits) <= int(value) < 2 ** bits:
+            return ValueError, f"{name}: expected an integer in [-2^{bits}, 2^{bits}), got {int(value)}"
+        return None
+    if "float" in ann:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            none = " or None" if default is None else ""
+            return TypeError, f"{name}: expected a number{none}, got {_describe(value)}"
+        return None
+    if ann == "bool":
+        if not isinstance(value, (bool, np.bool_)):
+            return TypeError, f"{name}: expected True or False, got {_describe(value)}"
+        return None
+    if ann == "str":
+        if not isinstance(value, str):
+            return TypeError, f"{name}: expected a string, got {_describe(value)}"
+        return None
+    if ann == "BlockIndex":
+        if not isinstance(value, BlockIndex):
+            return TypeError, f"{name}: expected sparsa.BlockIndex, got {_describe(value)}"
+        for field in ("counts", "indices"):
+            if not _is_array(getattr(value, field)):
+                return TypeError, f"{name}.{field}: expected an int32 array, got {_describe(getattr(value, field))}"
+        for field in ("perm_q", "perm_kv"):
+            v = getattr(value, field)
+            if v is not None and not _is_array(v):
+                return TypeError, f"{name}.{field}: expected an int32 array or None, got {_describe(v)}"
+        for field in ("block_q", "block_kv"):
+            problem = _argument_problem(f"{name}.{field}", getattr(value, field), "int", False, 0)
+            if problem:
+                return problem
+        return None
+    if ann == "PagedKVCache":
+        if not isinstance(value, PagedKVCache):
+            return TypeError, f"{name}: expected sparsa.PagedKVCache, got {_describe(value)}"
+        return None
+    if ann == "":  # an array
+        if not _is_array(value):
+            what = "an output array" if keyword_only and name in _OUTPUT_ARGS else "an array"
+            return TypeError, f"{name}: expected {what} (numpy, torch, cupy or jax), got {_describe(value)}"
+        if keyword_only and name in _OUTPUT_ARGS and not _writable(value):
+            return ValueError, f"{name}: expected a writable array, got a read-only one"
+    return None
+
+
+def _named_errors(function):
+    signature = _inspect.signature(function)
+
+    @_functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except TypeError as error:
+            if "incompatible function arguments" not in str(error):
+                raise
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                raise error from None
+            bound.apply_defaults()
+            for name, value in bound.arguments.items():
+                if name == "self":
+                    continue
+                parameter = signature.parameters[name]
+                annotation = parameter.annotation
+                annotation = "" if annotation is _inspect.Parameter.empty else str(annotation)
+                default = None if parameter.default is _inspect.Parameter.empty else parameter.default
+                if parameter.default is _inspect.Parameter.empty:
+                    default = 0  # required: None is not allowed
+                problem = _argument_problem(name, value, annotation,
+                                            parameter.kind == _inspect.Parameter.KEYWORD_ONLY, default)
+                if problem:
+                    kind, message = problem
+                    raise kind(message) from None
+            raise
+
+    return wrapper
+
+
+for _name in ("dense", "block_sparse", "merge", "llsa", "llsa_backward", "llsa_plan", "ba_att", "ba_att_plan",
+              "ba_att_scores", "xattention", "xattention_plan", "xattention_scores", "oracle_blocks",
+              "deviation_bound", "mass_recall", "mass_recall_from_lse", "relative_error", "quest_plan", "quest",
+              "read_tensor", "write_tensor", "generate_workload"):
+    globals()[_name] = _named_errors(globals()[_name])
+LosaState.__init__ = _named_errors(LosaState.__init__)
+LosaState.step = _named_errors(LosaState.step)
+LosaState.commit = _named_errors(LosaState.commit)
+del _name

@@ -33,12 +33,37 @@ namespace {
 using InArray = nb::ndarray<nb::ro>;
 using OutArray = nb::ndarray<>;
 
+// The message as valid UTF-8 (Python decodes exception text as UTF-8; a path or a file's
+// bytes quoted in a message may not be): each byte of an invalid sequence becomes \xNN.
+std::string utf8_message(const std::string& m) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(m.size());
+  for (size_t i = 0; i < m.size();) {
+    const auto c = static_cast<unsigned char>(m[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    bool ok = n > 0 && i + n <= m.size() && !(n == 2 && c < 0xc2);
+    for (size_t j = 1; ok && j < n; ++j) ok = (static_cast<unsigned char>(m[i + j]) >> 6) == 0x2;
+    if (ok) {
+      out.append(m, i, n);
+      i += n;
+    } else {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+      ++i;
+    }
+  }
+  return out;
+}
+
 [[noreturn]] void raise(const Status& s) {
+  const std::string m = utf8_message(s.message());
   switch (s.code()) {
-    case StatusCode::unsupported_dtype: throw nb::type_error(s.message().c_str());
-    case StatusCode::io_error: throw std::runtime_error(s.message());  // RuntimeError
-    case StatusCode::unsupported: throw nb::builtin_exception(nb::exception_type::runtime_error, s.message().c_str());
-    default: throw nb::value_error(s.message().c_str());
+    case StatusCode::unsupported_dtype: throw nb::type_error(m.c_str());
+    case StatusCode::io_error: throw std::runtime_error(m);  // RuntimeError
+    case StatusCode::unsupported: throw nb::builtin_exception(nb::exception_type::runtime_error, m.c_str());
+    default: throw nb::value_error(m.c_str());
   }
 }
 void check(const Status& s) {

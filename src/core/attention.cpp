@@ -82,12 +82,13 @@ Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (!(lse.device == host)) {
     return invalid_argument("lse: expected a tensor on " + device_name(host) + ", got " + device_name(lse.device));
   }
+  SPARSA_RETURN_IF_ERROR(detail::check_outputs("out", out, "lse", lse));
   const float scale = options.scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
   if (!std::isfinite(scale) || scale <= 0.0f) {
     return invalid_argument("scale: expected a finite positive number, got " + std::to_string(scale));
   }
-  if (options.num_threads < 0) {
-    return invalid_argument("num_threads: expected >= 0, got " + std::to_string(options.num_threads));
+  if (options.num_threads < 0 || options.num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(options.num_threads));
   }
   if (options.check_finite && on_gpu) {
     return {StatusCode::unsupported, "check_finite: not available on the cuda backend (scan on the host first)"};
@@ -258,6 +259,8 @@ Status merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tenso
     SPARSA_RETURN_IF_ERROR(check_dtype(name, *t, DType::f32));
     if (!(t->device == host)) return invalid_argument(std::string(name) + ": expected a tensor on cpu");
   }
+  // out / lse may alias o1 / lse1 (each row is read before it is written), not each other.
+  SPARSA_RETURN_IF_ERROR(detail::check_outputs("out", out, "lse", lse));
   detail::MergeParams p{o1, lse1, o2, lse2, out, lse};
   switch (backend) {
     case Backend::cpu_ref: return cpu_ref::merge(p);

@@ -2,6 +2,9 @@
 // validate, fill the params struct and call exactly one of these.
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "core/attention_params.h"
 #include "sparsa/status.h"
 
@@ -14,8 +17,18 @@ struct MergeParams {
 }  // namespace sparsa::detail
 
 namespace sparsa::cpu_ref {
-// params.index == nullptr: dense over all keys; else the block-sparse plan.
+// params.index == nullptr: dense over all keys; else the block-sparse plan. A query row
+// whose log-sum-exp exceeds the f32 range (the scaled logits overflow; no finite LSE
+// exists) is reported as non_finite, naming the row.
 Status attention(const detail::AttentionParams& params);
+// One query row (batch b, query head h, original position i_q) over the given original
+// key positions, in f64: writes its O row and LSE. Returns false when the LSE does not
+// fit f32 (it is then stored as +inf). The cpu backend hands it the rows whose f32
+// arithmetic overflowed, so both backends give the same answer.
+bool attend_row(const detail::AttentionParams& params, int64_t b, int64_t h, int64_t i_q,
+                const std::vector<int64_t>& keys);
+// The error for such a row.
+Status lse_overflow(const detail::AttentionParams& params, int64_t b, int64_t h, int64_t i_q);
 Status merge(const detail::MergeParams& params);
 }  // namespace sparsa::cpu_ref
 

@@ -1,9 +1,16 @@
 #include "core/io_file.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <random>
+#include <string>
 #include <utility>
 
 namespace sparsa::detail {
@@ -86,47 +93,127 @@ Status InputFile::read_at(uint64_t offset, void* dst, uint64_t n, const char* wh
 Result<OutputFile> OutputFile::create(const std::string& path) {
   OutputFile f;
   f.path_ = path;
-  f.file_ = std::fopen(path.c_str(), "wb");
+  std::error_code ec;
+  fs::path target(path);
+  const fs::file_status link = fs::symlink_status(target, ec);
+  if (link.type() == fs::file_type::symlink) {
+    target = fs::weakly_canonical(target, ec);
+    if (ec) return file_error(StatusCode::io_error, path, "cannot resolve the symlink: " + ec.message());
+  }
+  const fs::file_status st = fs::status(target, ec);
+  if (st.type() == fs::file_type::directory) {
+    return file_error(StatusCode::io_error, path, "is a directory, expected a file name");
+  }
+  f.target_ = target.string();
+  if (st.type() != fs::file_type::not_found && st.type() != fs::file_type::regular) {
+    // A device or FIFO cannot be replaced by a rename; write into it.
+    f.file_ = std::fopen(f.target_.c_str(), "wb");
+    if (f.file_ == nullptr) {
+      return file_error(StatusCode::io_error, path, std::string("cannot open for writing: ") + std::strerror(errno));
+    }
+    return f;
+  }
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  // A fresh name next to the target, created exclusively with mode 0666 so the process's
+  // umask applies as for any new file (mkstemp would make it 0600); an existing target's
+  // own mode is kept.
+  static std::atomic<unsigned> counter{0};
+  std::random_device entropy;
+  int fd = -1;
+  std::string temp;
+  for (int attempt = 0; attempt < 64 && fd < 0; ++attempt) {
+    temp = (dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
+                   std::to_string(counter++) + "-" + std::to_string(entropy() % 1000000)))
+               .string();
+    fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
+    return file_error(StatusCode::io_error, path,
+                      std::string("cannot create a temporary file in its folder: ") + std::strerror(errno));
+  }
+  f.temporary_ = temp;
+  struct stat existing;
+  if (::stat(f.target_.c_str(), &existing) == 0) (void)::fchmod(fd, existing.st_mode & 07777);
+  f.file_ = ::fdopen(fd, "wb");
   if (f.file_ == nullptr) {
-    return file_error(StatusCode::io_error, path, std::string("cannot open for writing: ") + std::strerror(errno));
+    const std::string reason = std::strerror(errno);
+    ::close(fd);
+    f.remove_temporary();
+    return file_error(StatusCode::io_error, path, "cannot open for writing: " + reason);
   }
   return f;
 }
 
 OutputFile::OutputFile(OutputFile&& other) noexcept
-    : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+    : path_(std::move(other.path_)),
+      target_(std::move(other.target_)),
+      temporary_(std::exchange(other.temporary_, std::string())),
+      file_(std::exchange(other.file_, nullptr)),
+      finished_(other.finished_) {}
 
 OutputFile::~OutputFile() {
-  if (file_) {  // never closed successfully: leave nothing half-written behind
-    std::fclose(file_);
-    remove_partial();
-  }
+  if (file_) std::fclose(file_);
+  remove_temporary();  // never committed: the path keeps what it held
 }
 
-void OutputFile::remove_partial() {
-  // Only a regular file we wrote to; never a device or other special file.
+void OutputFile::remove_temporary() {
+  if (temporary_.empty()) return;
   std::error_code ec;
-  if (fs::symlink_status(path_, ec).type() == fs::file_type::regular) fs::remove(path_, ec);
+  fs::remove(temporary_, ec);
+  temporary_.clear();
 }
 
 Status OutputFile::write(const void* src, uint64_t n) {
   if (n == 0) return Status::Ok();
+  if (file_ == nullptr) return file_error(StatusCode::io_error, path_, "write after close");
   if (std::fwrite(src, 1, static_cast<size_t>(n), file_) != n) {
     return file_error(StatusCode::io_error, path_, std::string("write failed: ") + std::strerror(errno));
   }
   return Status::Ok();
 }
 
-Status OutputFile::close() {
+Status OutputFile::finish() {
+  if (finished_) return Status::Ok();
+  if (file_ == nullptr) return file_error(StatusCode::io_error, path_, "finish after a failed write");
   const bool failed = std::ferror(file_) != 0;
+  const int flushed = std::fflush(file_);
   const int rc = std::fclose(file_);
   file_ = nullptr;
-  if (failed || rc != 0) {
+  if (failed || flushed != 0 || rc != 0) {
     const std::string reason = std::strerror(errno);
-    remove_partial();
+    remove_temporary();
     return file_error(StatusCode::io_error, path_, "write failed on close: " + reason);
   }
+  finished_ = true;
   return Status::Ok();
+}
+
+Status OutputFile::commit() {
+  SPARSA_RETURN_IF_ERROR(finish());
+  if (temporary_.empty()) return Status::Ok();  // written in place
+  if (std::rename(temporary_.c_str(), target_.c_str()) != 0) {
+    const std::string reason = std::strerror(errno);
+    remove_temporary();
+    return file_error(StatusCode::io_error, path_, "cannot replace the file: " + reason);
+  }
+  temporary_.clear();
+  return Status::Ok();
+}
+
+Status OutputFile::close() { return commit(); }
+
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ec_a, ec_b;
+  if (fs::exists(a, ec_a) && fs::exists(b, ec_b)) {
+    std::error_code ec;
+    const bool same = fs::equivalent(a, b, ec);
+    if (!ec) return same;
+  }
+  std::error_code ec;
+  const fs::path ca = fs::weakly_canonical(fs::absolute(a, ec), ec);
+  const fs::path cb = fs::weakly_canonical(fs::absolute(b, ec), ec);
+  return ca.lexically_normal() == cb.lexically_normal();
 }
 
 // ---- shapes and tensors ---------------------------------------------------------

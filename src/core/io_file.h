@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sparsa/status.h"
@@ -44,8 +45,12 @@ class InputFile {
   uint64_t size_ = 0;
 };
 
-// A file written from scratch; close() reports deferred write errors. A file that
-// was not closed successfully is removed, so no half-written tensor file remains.
+// A file written atomically: the bytes go to a temporary file in the same folder, which
+// commit() renames over the path only when every write succeeded, so an existing file
+// is never truncated or lost by a failed write (disk full), and a reader never sees a
+// half-written file. A file that was not committed is removed; the path is untouched.
+// A symlink is followed (the file it points to is replaced). A path that exists and is
+// not a regular file (/dev/null, a FIFO) is written in place.
 class OutputFile {
  public:
   static Result<OutputFile> create(const std::string& path);
@@ -56,14 +61,35 @@ class OutputFile {
   ~OutputFile();
 
   Status write(const void* src, uint64_t n);
+  // Flushes and closes the temporary file, reporting deferred write errors; the path is
+  // not touched yet.
+  Status finish();
+  // Renames the finished temporary file over the path.
+  Status commit();
+  // finish(), then commit().
   Status close();
 
  private:
   OutputFile() = default;
-  void remove_partial();
-  std::string path_;
+  void remove_temporary();
+  std::string path_;       // as given (messages)
+  std::string target_;     // the file replaced: path_ with symlinks resolved
+  std::string temporary_;  // empty when writing in place
   std::FILE* file_ = nullptr;
+  bool finished_ = false;
 };
+
+// The writers' bodies: the file written to its temporary and finished, not committed
+// (write_tensors commits several together).
+Result<OutputFile> write_npy_uncommitted(const std::string& path, const Tensor& tensor);
+Result<OutputFile> write_safetensors_uncommitted(
+    const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+    const std::vector<std::pair<std::string, std::string>>& metadata = {});
+
+// Whether two paths name the same file: by identity (device and inode) when both exist,
+// else by their absolute paths with symlinks, "." and ".." resolved. Used to refuse an
+// output that would replace an input, or two outputs that would replace each other.
+bool same_file(const std::string& a, const std::string& b);
 
 // numel of `shape` and its size in bytes at elem_size bytes per element; false if a
 // dimension is negative, or the product of the non-zero dimensions times elem_size

@@ -30,6 +30,8 @@ constexpr size_t kGrowthAxisMaxDigits = 21;  // numpy's spare room for growing t
 
 // ---- Python literal parser ------------------------------------------------------------
 
+struct PyDictEntry;  // a vector of pair<string, PyValue> inside PyValue would need it complete (clang refuses)
+
 struct PyValue {
   enum class Kind { string, boolean, none, integer, non_integer, tuple, list, dict };
   Kind kind = Kind::none;
@@ -38,7 +40,12 @@ struct PyValue {
   int64_t integer = 0;
   bool integer_overflow = false;  // an integer literal beyond int64
   std::vector<PyValue> items;                           // tuple, list
-  std::vector<std::pair<std::string, PyValue>> entries;  // dict (string keys only)
+  std::vector<PyDictEntry> entries;  // dict (string keys only)
+};
+
+struct PyDictEntry {
+  std::string key;
+  PyValue value;
 };
 
 class PyLiteralParser {
@@ -217,7 +224,7 @@ class PyLiteralParser {
       if (!consume(':')) return fail_at("':'");
       PyValue value;
       if (!parse_value(&value, depth + 1)) return false;
-      out->entries.emplace_back(key.text, std::move(value));
+      out->entries.push_back({key.text, std::move(value)});
       if (!consume(',')) {
         if (consume('}')) return true;
         return fail_at("',' or '}'");
@@ -429,6 +436,12 @@ Result<HostArray> read_npy(const std::string& path) {
 }
 
 Status write_npy(const std::string& path, const Tensor& tensor) {
+  auto out = detail::write_npy_uncommitted(path, tensor);
+  if (!out.ok()) return out.status();
+  return out->commit();
+}
+
+Result<detail::OutputFile> detail::write_npy_uncommitted(const std::string& path, const Tensor& tensor) {
   SPARSA_RETURN_IF_ERROR(detail::check_writable("tensor", tensor));
   const char* descr = npy_descr(tensor.dtype);
   if (descr == nullptr) {
@@ -460,7 +473,8 @@ Status write_npy(const std::string& path, const Tensor& tensor) {
   SPARSA_RETURN_IF_ERROR(out->write(prefix.data(), prefix.size()));
   SPARSA_RETURN_IF_ERROR(out->write(header.data(), header.size()));
   SPARSA_RETURN_IF_ERROR(detail::write_c_order(*out, tensor));
-  return out->close();
+  SPARSA_RETURN_IF_ERROR(out->finish());
+  return out;
 }
 
 }  // namespace sparsa

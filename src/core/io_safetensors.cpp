@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/io_file.h"
+#include "core/json_guard.h"
 #include "sparsa/io.h"
 
 namespace sparsa {
@@ -35,6 +36,10 @@ struct EntryInfo {
 struct Header {
   std::vector<EntryInfo> entries;  // in header order
   uint64_t data_start = 0;         // file offset of the data section
+  // "__metadata__" as key -> text (a string value as is, anything else as its JSON
+  // text, clipped); metadata_error is set when "__metadata__" is present but not an object.
+  std::vector<std::pair<std::string, std::string>> metadata;
+  std::string metadata_error;
 };
 
 const char* st_dtype_name(DType dtype) {
@@ -45,6 +50,12 @@ const char* st_dtype_name(DType dtype) {
     case DType::i32: return "I32";
   }
   return "?";
+}
+
+// A value from the file, for a message: its JSON text, clipped, with invalid UTF-8
+// replaced (dump() would throw on it).
+std::string brief(const Json& v) {
+  return detail::clip(v.dump(-1, ' ', false, Json::error_handler_t::replace));
 }
 
 // The JSON value as an int64, or an explanation of why it is not one.
@@ -62,7 +73,7 @@ bool json_int64(const Json& v, int64_t* out, std::string* why) {
     *out = v.get<int64_t>();
     return true;
   }
-  *why = "not an integer: " + v.dump();
+  *why = "not an integer: " + brief(v);
   return false;
 }
 
@@ -83,7 +94,7 @@ Result<EntryInfo> parse_entry(const std::string& path, const std::string& name, 
   e.name = name;
 
   const Json& dtype = info["dtype"];
-  if (!dtype.is_string()) return malformed(path, where + ": 'dtype' is not a string: " + dtype.dump());
+  if (!dtype.is_string()) return malformed(path, where + ": 'dtype' is not a string: " + brief(dtype));
   const std::string d = dtype.get<std::string>();
   if (d == "F32") {
     e.dtype = DType::f32;
@@ -108,7 +119,7 @@ Result<EntryInfo> parse_entry(const std::string& path, const std::string& name, 
   }
 
   const Json& shape = info["shape"];
-  if (!shape.is_array()) return malformed(path, where + ": 'shape' is not a list: " + shape.dump());
+  if (!shape.is_array()) return malformed(path, where + ": 'shape' is not a list: " + brief(shape));
   for (size_t i = 0; i < shape.size(); ++i) {
     int64_t dim = 0;
     std::string why;
@@ -126,28 +137,28 @@ Result<EntryInfo> parse_entry(const std::string& path, const std::string& name, 
   }
   int64_t numel = 0, nbytes = 0;
   if (!detail::checked_nbytes(e.shape, dtype_size(e.dtype), &numel, &nbytes)) {
-    return malformed(path, where + ": shape " + shape.dump() + " of " + d +
+    return malformed(path, where + ": shape " + brief(shape) + " of " + d +
                                " overflows: its element count or byte size exceeds int64");
   }
 
   const Json& offsets = info["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2) {
-    return malformed(path, where + ": 'data_offsets' is not a pair [begin, end]: " + offsets.dump());
+    return malformed(path, where + ": 'data_offsets' is not a pair [begin, end]: " + brief(offsets));
   }
   int64_t begin = 0, end = 0;
   std::string why;
   if (!json_int64(offsets[0], &begin, &why) || !json_int64(offsets[1], &end, &why)) {
     return malformed(path, where + ": 'data_offsets' entry is " + why);
   }
-  if (begin < 0 || end < 0) return malformed(path, where + ": negative 'data_offsets' " + offsets.dump());
-  if (end < begin) return malformed(path, where + ": 'data_offsets' end < begin: " + offsets.dump());
+  if (begin < 0 || end < 0) return malformed(path, where + ": negative 'data_offsets' " + brief(offsets));
+  if (end < begin) return malformed(path, where + ": 'data_offsets' end < begin: " + brief(offsets));
   if (static_cast<uint64_t>(end) > data_size) {
-    return malformed(path, where + ": 'data_offsets' " + offsets.dump() + " run beyond the data section of " +
+    return malformed(path, where + ": 'data_offsets' " + brief(offsets) + " run beyond the data section of " +
                                std::to_string(data_size) + " bytes (truncated data?)");
   }
   if (end - begin != nbytes) {
-    return malformed(path, where + ": 'data_offsets' " + offsets.dump() + " span " + std::to_string(end - begin) +
-                               " bytes but shape " + shape.dump() + " of " + d + " needs " +
+    return malformed(path, where + ": 'data_offsets' " + brief(offsets) + " span " + std::to_string(end - begin) +
+                               " bytes but shape " + brief(shape) + " of " + d + " needs " +
                                std::to_string(nbytes));
   }
   e.begin = static_cast<uint64_t>(begin);
@@ -184,32 +195,61 @@ Result<Header> read_header(detail::InputFile& file) {
                            ".safetensors file)");
   }
 
+  size_t too_deep_at = 0;
+  if (detail::json_nesting_depth(text, detail::kMaxJsonDepth, &too_deep_at) > detail::kMaxJsonDepth) {
+    return malformed(path, "JSON header nests deeper than " + std::to_string(detail::kMaxJsonDepth) +
+                               " levels (at byte " + std::to_string(too_deep_at) + " of the header)");
+  }
+
   // Duplicate keys are legal JSON but ambiguous here; the parser callback spots them.
+  // It also keeps the key path, so an error names the field it happened in.
   std::vector<std::set<std::string>> open_objects;
+  std::vector<std::string> key_path;  // the current key of each open object ("" before the first)
   std::string duplicate;
   auto on_event = [&](int /*depth*/, nlohmann::json::parse_event_t event, Json& parsed) {
     using E = nlohmann::json::parse_event_t;
     if (event == E::object_start) {
       open_objects.emplace_back();
+      key_path.emplace_back();
     } else if (event == E::object_end) {
       if (!open_objects.empty()) open_objects.pop_back();
+      if (!key_path.empty()) key_path.pop_back();
     } else if (event == E::key && !open_objects.empty()) {
       const std::string key = parsed.get<std::string>();
       if (!open_objects.back().insert(key).second && duplicate.empty()) duplicate = key;
+      key_path.back() = key;
     }
     return true;
+  };
+  auto field = [&]() {
+    std::string where;
+    for (const std::string& key : key_path) {
+      if (key.empty()) break;
+      where += where.empty() ? " (in " : " > ";
+      where += entry_label(key);
+    }
+    return where.empty() ? where : where + ")";
   };
   Json header;
   try {
     header = Json::parse(text, on_event);
   } catch (const nlohmann::json::parse_error& e) {
-    std::string what = e.what();
+    std::string what = detail::printable(e.what());
     const size_t bracket = what.find("] ");
     if (bracket != std::string::npos) what = what.substr(bracket + 2);
-    if (what.find("; expected end of input") != std::string::npos) {
-      return malformed(path, "trailing garbage after the JSON header (" + what + ")");
-    }
-    return malformed(path, "bad JSON header: " + what);
+    const bool trailing = what.find("; expected end of input") != std::string::npos;
+    what = detail::clip(what, 300);
+    if (trailing) return malformed(path, "trailing garbage after the JSON header (" + what + ")");
+    return malformed(path, "bad JSON header: " + what + field());
+  } catch (const nlohmann::json::out_of_range& e) {
+    // 406: a number beyond the range of a double (1e400).
+    std::string what = detail::printable(e.what());
+    const size_t bracket = what.find("] ");
+    if (bracket != std::string::npos) what = what.substr(bracket + 2);
+    return malformed(path, "bad JSON header: " + detail::clip(what, 300) + field() +
+                               ": expected a number that fits a double");
+  } catch (const nlohmann::json::exception& e) {
+    return malformed(path, "bad JSON header: " + detail::clip(detail::printable(e.what()), 200) + field());
   }
   if (!duplicate.empty()) return malformed(path, "duplicate key " + entry_label(duplicate) + " in the JSON header");
   if (!header.is_object()) {
@@ -220,7 +260,16 @@ Result<Header> read_header(detail::InputFile& file) {
   h.data_start = 8 + header_len;
   const uint64_t data_size = size - h.data_start;
   for (const auto& [name, info] : header.items()) {
-    if (name == kMetadataKey) continue;  // free-form string metadata: allowed, ignored
+    if (name == kMetadataKey) {  // string -> string metadata: kept for read_safetensors_metadata
+      if (!info.is_object()) {
+        h.metadata_error = std::string("'__metadata__' is not an object, got ") + info.type_name();
+        continue;
+      }
+      for (const auto& [key, value] : info.items()) {
+        h.metadata.emplace_back(key, value.is_string() ? value.get<std::string>() : brief(value));
+      }
+      continue;
+    }
     auto entry = parse_entry(path, name, info, data_size);
     if (!entry.ok()) return entry.status();
     h.entries.push_back(std::move(entry.value()));
@@ -322,8 +371,25 @@ Result<std::vector<SafetensorsEntry>> read_safetensors_header(const std::string&
   return out;
 }
 
+Result<std::vector<std::pair<std::string, std::string>>> read_safetensors_metadata(const std::string& path) {
+  auto opened = detail::InputFile::open(path);
+  if (!opened.ok()) return opened.status();
+  auto header = read_header(*opened);
+  if (!header.ok()) return header.status();
+  if (!header->metadata_error.empty()) return malformed(path, header->metadata_error);
+  return std::move(header->metadata);
+}
+
 Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                          const std::vector<std::pair<std::string, std::string>>& metadata) {
+  auto out = detail::write_safetensors_uncommitted(path, tensors, metadata);
+  if (!out.ok()) return out.status();
+  return out->commit();
+}
+
+Result<detail::OutputFile> detail::write_safetensors_uncommitted(
+    const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+    const std::vector<std::pair<std::string, std::string>>& metadata) {
   Json header = Json::object();
   if (!metadata.empty()) {
     Json meta = Json::object();
@@ -360,7 +426,8 @@ Status write_safetensors(const std::string& path, const std::vector<std::pair<st
   SPARSA_RETURN_IF_ERROR(out->write(length_bytes, 8));
   SPARSA_RETURN_IF_ERROR(out->write(text.data(), text.size()));
   for (const auto& [name, tensor] : tensors) SPARSA_RETURN_IF_ERROR(detail::write_c_order(*out, tensor));
-  return out->close();
+  SPARSA_RETURN_IF_ERROR(out->finish());
+  return out;
 }
 
 Result<HostArray> read_tensor(const std::string& path_and_name) {
@@ -393,6 +460,55 @@ Status write_tensor(const std::string& path, const Tensor& tensor) {
   if (!p.ok()) return p.status();
   if (!p->safetensors) return write_npy(p->file, tensor);
   return write_safetensors(p->file, {{p->name.empty() ? kDefaultEntryName : p->name, tensor}});
+}
+
+Status write_tensors(const std::vector<std::pair<std::string, Tensor>>& outputs, const char* const* labels) {
+  auto label = [&](size_t i) { return labels ? std::string(labels[i]) : "outputs[" + std::to_string(i) + "]"; };
+  // One group per file: an .npy takes one tensor, a .safetensors file the entries named for it.
+  struct Group {
+    TensorPath path;
+    size_t first = 0;  // the output that opened the group (messages)
+    std::vector<std::pair<std::string, Tensor>> entries;
+  };
+  std::vector<Group> groups;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    auto p = split_tensor_path(outputs[i].first);
+    if (!p.ok()) return Status{p.status().code(), label(i) + ": " + p.status().message()};
+    Group* group = nullptr;
+    for (Group& g : groups) {
+      if (detail::same_file(g.path.file, p->file)) group = &g;
+    }
+    if (group != nullptr && (!group->path.safetensors || !p->safetensors || p->name.empty() ||
+                             group->entries.front().first == kDefaultEntryName)) {
+      return invalid_argument(label(i) + ": '" + outputs[i].first + "' is the same file as " + label(group->first) +
+                              " ('" + outputs[group->first].first + "'); give each output its own file, or " +
+                              "name entries of one .safetensors file (x.safetensors:a, x.safetensors:b)");
+    }
+    if (group == nullptr) {
+      groups.push_back({p.value(), i, {}});
+      group = &groups.back();
+    }
+    const std::string name = p->name.empty() ? kDefaultEntryName : p->name;
+    for (const auto& entry : group->entries) {
+      if (entry.first == name) {
+        return invalid_argument(label(i) + ": entry " + entry_label(name) + " of " + p->file + " is given twice");
+      }
+    }
+    group->entries.emplace_back(name, outputs[i].second);
+  }
+  // Every file is written (to its temporary) before any replaces what its path held.
+  std::vector<detail::OutputFile> files;
+  for (const Group& g : groups) {
+    auto file = g.path.safetensors ? detail::write_safetensors_uncommitted(g.path.file, g.entries)
+                                   : detail::write_npy_uncommitted(g.path.file, g.entries.front().second);
+    if (!file.ok()) return Status{file.status().code(), label(g.first) + ": " + file.status().message()};
+    files.push_back(std::move(file.value()));
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    Status s = files[i].commit();
+    if (!s.ok()) return Status{s.code(), label(groups[i].first) + ": " + s.message()};
+  }
+  return Status::Ok();
 }
 
 }  // namespace sparsa

@@ -1,6 +1,10 @@
 #include "core/validate.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace sparsa::detail {
 
@@ -99,6 +103,62 @@ Status check_dtype(const char* name, const Tensor& t, DType dtype) {
                              dtype_name(t.dtype));
   }
   return {};
+}
+
+Status check_no_self_overlap(const char* name, const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (|stride|, size) of dimensions longer than 1
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] == 0) return {};  // no element at all
+    if (t.shape[d] > 1) dims.emplace_back(t.strides[d] < 0 ? -t.strides[d] : t.strides[d], t.shape[d]);
+  }
+  std::sort(dims.begin(), dims.end());
+  std::string strides = "(";
+  for (int d = 0; d < t.ndim; ++d) strides += (d ? ", " : "") + std::to_string(t.strides[d]);
+  strides += ")";
+  int64_t span = 1;  // elements covered by the dimensions so far
+  for (auto [stride, size] : dims) {
+    if (stride < span) {
+      return invalid_argument(std::string(name) + ": its elements overlap (strides " + strides +
+                              " over shape " + t.shape_string() + "; a stride of " + std::to_string(stride) +
+                              " repeats addresses): expected a writable view whose elements are distinct");
+    }
+    span = stride * (size - 1) + span;
+  }
+  return {};
+}
+
+namespace {
+// [first, last] byte addresses a tensor's elements occupy; false when it has no element.
+bool byte_range(const Tensor& t, uintptr_t* first, uintptr_t* last) {
+  int64_t lo = 0, hi = 0;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] == 0) return false;
+    const int64_t reach = (t.shape[d] - 1) * t.strides[d];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  *first = base + static_cast<uintptr_t>(lo * elem);
+  *last = base + static_cast<uintptr_t>(hi * elem + elem - 1);
+  return true;
+}
+}  // namespace
+
+Status check_disjoint(const char* name, const Tensor& t, const char* other_name, const Tensor& other) {
+  uintptr_t a0 = 0, a1 = 0, b0 = 0, b1 = 0;
+  if (t.data == nullptr || other.data == nullptr || !(t.device == other.device)) return {};
+  if (!byte_range(t, &a0, &a1) || !byte_range(other, &b0, &b1)) return {};
+  if (a0 <= b1 && b0 <= a1) {
+    return invalid_argument(std::string(name) + ": shares memory with " + other_name +
+                            " (both are outputs; one would overwrite the other): expected separate arrays");
+  }
+  return {};
+}
+
+Status check_outputs(const char* out_name, const Tensor& out, const char* lse_name, const Tensor& lse) {
+  SPARSA_RETURN_IF_ERROR(check_no_self_overlap(out_name, out));
+  SPARSA_RETURN_IF_ERROR(check_no_self_overlap(lse_name, lse));
+  return check_disjoint(lse_name, lse, out_name, out);
 }
 
 Status check_finite(const char* name, const Tensor& t) {

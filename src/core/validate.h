@@ -20,6 +20,17 @@ Status check_dtype(const char* name, const Tensor& t, DType dtype);
 // NaN/Inf scan (CPU tensors); the message names the first bad element.
 Status check_finite(const char* name, const Tensor& t);
 
+// An output whose elements overlap each other (a stride of 0 over a dimension longer
+// than 1, or strides that interleave) would have several results written to one
+// address: refused. Conservative: dimensions sorted by |stride| must each step past
+// everything the smaller ones span.
+Status check_no_self_overlap(const char* name, const Tensor& t);
+// Two outputs whose memory ranges intersect (lse= a view into out=) would overwrite each
+// other: refused, naming both.
+Status check_disjoint(const char* name, const Tensor& t, const char* other_name, const Tensor& other);
+// Both of the above for an (out, lse) pair.
+Status check_outputs(const char* out_name, const Tensor& out, const char* lse_name, const Tensor& lse);
+
 std::string shape_string(std::initializer_list<int64_t> shape);
 
 // The messages of a BlockIndex whose contents are wrong, shared by the host check

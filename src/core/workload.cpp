@@ -571,8 +571,8 @@ Status validate(const WorkloadConfig& config) {
   SPARSA_RETURN_IF_ERROR(check_range("retrieval_strength", config.retrieval_strength, 0.0f, 1e4f));
   SPARSA_RETURN_IF_ERROR(check_range("noise", config.noise, 0.0f, 1e4f));
   SPARSA_RETURN_IF_ERROR(check_range("head_variation", config.head_variation, 0.0f, 8.0f));
-  if (config.num_threads < 0)
-    return invalid_argument("num_threads: expected >= 0 (0 = hardware concurrency), got " +
+  if (config.num_threads < 0 || config.num_threads > kMaxNumThreads)
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " +
                             std::to_string(config.num_threads));
   return Status::Ok();
 }

@@ -29,6 +29,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <tuple>
 #include <new>
 #include <utility>
 #include <vector>
@@ -106,6 +108,9 @@ struct TileScratch {
   AlignedFloats st;      // [kTileK, kTileQ] scores, then probabilities (one head at a time)
   AlignedFloats row;     // [d] one query row being loaded
   int64_t key_pos[kTileK];
+  // Rows (head g of the tile, row r) whose f32 result is not finite: redone in f64.
+  std::vector<std::pair<int, int>> redo;
+  std::vector<int64_t> keys;  // the key list of a redone row
   // The current chunk: rows j of K and V at k + j * ldk, v + j * ldv.
   const float* k = nullptr;
   const float* v = nullptr;
@@ -235,7 +240,9 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
     std::fill(hs.acc_t.data, hs.acc_t.data + d * kTileQ, 0.0f);
   }
 
+  int64_t visited = 0;  // keys seen: a row is empty (O = 0, LSE = -inf) only when none was
   for (int keys = next_chunk(ts.key_pos); keys > 0; keys = next_chunk(ts.key_pos)) {
+    visited += keys;
     load_chunk(p, ts, b, h_kv, keys);
     for (int g = 0; g < heads; ++g) {
       scores(ts, ts.heads[g], rows, keys);
@@ -244,14 +251,25 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
     }
   }
 
+  ts.redo.clear();
   for (int g = 0; g < heads; ++g) {
     const HeadState& hs = ts.heads[g];
     const int64_t h = h0 + g;
     for (int r = 0; r < rows; ++r) {
       const int64_t i = row_pos[r];
-      const bool empty = hs.l[r] == 0.0f;
+      const bool empty = visited == 0;
       const float inv_l = empty ? 0.0f : 1.0f / hs.l[r];
       const float* a = hs.acc_t.data + r;  // column r of [d, kTileQ]
+      const float lse = empty ? -std::numeric_limits<float>::infinity() : (hs.m[r] + std::log2(hs.l[r])) * kLn2;
+      // Logits or sums beyond f32 (inputs near FLT_MAX, a huge scale) turn into inf - inf =
+      // NaN here, and a NaN input must come out NaN, not as an empty row (LSE -inf): such a
+      // row is redone in f64 (cpu_ref's row), which gives the reference's answer for both.
+      bool finite = empty || std::isfinite(lse);
+      for (int64_t t = 0; t < d && finite; ++t) finite = std::isfinite(a[t * kTileQ] * inv_l);
+      if (!finite) {
+        ts.redo.emplace_back(g, r);
+        continue;
+      }
       if (p.dtype == DType::f32) {
         float* o = static_cast<float*>(p.out) + p.out_off(b, h, i);
         for (int64_t t = 0; t < d; ++t) o[t] = a[t * kTileQ] * inv_l;
@@ -259,8 +277,26 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
         for (int64_t t = 0; t < d; ++t)
           detail::store_element(p.out, p.dtype, p.out_off(b, h, i) + t, a[t * kTileQ] * inv_l);
       }
-      p.lse_at(b, h, i) = empty ? -std::numeric_limits<float>::infinity() : (hs.m[r] + std::log2(hs.l[r])) * kLn2;
+      p.lse_at(b, h, i) = lse;
     }
+  }
+}
+
+// The first row whose LSE has no finite f32 value (see cpu_ref::attend_row), over all threads.
+struct Overflow {
+  std::mutex mutex;
+  int64_t b = -1, h = -1, i = -1;
+  void note(int64_t b_, int64_t h_, int64_t i_) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (b < 0 || std::tie(b_, h_, i_) < std::tie(b, h, i)) std::tie(b, h, i) = std::tie(b_, h_, i_);
+  }
+};
+
+// Redoes the rows attend_tile left in ts.redo through cpu_ref's f64 row over ts.keys.
+void redo_rows(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h0, const int64_t* row_pos,
+               Overflow& overflow) {
+  for (auto [g, r] : ts.redo) {
+    if (!cpu_ref::attend_row(p, b, h0 + g, row_pos[r], ts.keys)) overflow.note(b, h0 + g, row_pos[r]);
   }
 }
 
@@ -274,6 +310,11 @@ Status attention(const AttentionParams& p) {
   std::vector<TileScratch> scratch;
   scratch.reserve(threads);
   for (int t = 0; t < threads; ++t) scratch.emplace_back(p.head_dim, group_heads);
+  Overflow overflow;
+  auto result = [&]() -> Status {
+    if (overflow.b >= 0) return cpu_ref::lse_overflow(p, overflow.b, overflow.h, overflow.i);
+    return {};
+  };
 
   if (p.index == nullptr) {
     // Dense: tiles of kTileQ consecutive rows x up to kMaxHeads heads of one group, all
@@ -289,14 +330,20 @@ Status attention(const AttentionParams& p) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileQ, p.len_q - tile * kTileQ));
       for (int r = 0; r < rows; ++r) row_pos[r] = tile * kTileQ + r;
       int64_t next = 0;
-      attend_tile(p, scratch[thread], b, h0, heads, row_pos, rows, [&](int64_t* key_pos) {
+      TileScratch& ts = scratch[thread];
+      attend_tile(p, ts, b, h0, heads, row_pos, rows, [&](int64_t* key_pos) {
         const int n = static_cast<int>(std::min<int64_t>(kTileK, p.len_kv - next));
         for (int j = 0; j < n; ++j) key_pos[j] = next + j;
         next += n;
         return n;
       });
+      if (!ts.redo.empty()) {
+        ts.keys.resize(p.len_kv);
+        for (int64_t j = 0; j < p.len_kv; ++j) ts.keys[j] = j;
+        redo_rows(p, ts, b, h0, row_pos, overflow);
+      }
     });
-    return {};
+    return result();
   }
 
   // Block-sparse: one work item per (b, h, query block); a block larger than kTileQ
@@ -314,7 +361,8 @@ Status attention(const AttentionParams& p) {
       for (int r = 0; r < rows; ++r) row_pos[r] = detail::perm_q_at(ix, b, h, t0 + r);
       int32_t slot = 0;
       int64_t pos = count > 0 ? detail::index_block(ix, b, h, qb, 0) * int64_t{ix.block_kv} : 0;
-      attend_tile(p, scratch[thread], b, h, 1, row_pos, rows, [&](int64_t* key_pos) {
+      TileScratch& ts = scratch[thread];
+      attend_tile(p, ts, b, h, 1, row_pos, rows, [&](int64_t* key_pos) {
         int n = 0;
         while (n < kTileK && slot < count) {
           const int64_t kb = detail::index_block(ix, b, h, qb, slot);
@@ -324,9 +372,19 @@ Status attention(const AttentionParams& p) {
         }
         return n;
       });
+      if (!ts.redo.empty()) {  // the block's keys, as cpu_ref lists them
+        ts.keys.clear();
+        for (int32_t s = 0; s < count; ++s) {
+          const int64_t kb = detail::index_block(ix, b, h, qb, s);
+          for (int64_t pk = kb * ix.block_kv; pk < std::min<int64_t>((kb + 1) * ix.block_kv, p.len_kv); ++pk) {
+            ts.keys.push_back(detail::perm_kv_at(ix, b, h_kv, pk));
+          }
+        }
+        redo_rows(p, ts, b, h, row_pos, overflow);
+      }
     }
   });
-  return {};
+  return result();
 }
 
 Status merge(const detail::MergeParams& p) {

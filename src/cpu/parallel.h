@@ -8,10 +8,13 @@
 #include <thread>
 #include <vector>
 
+#include "sparsa/tensor.h"
+
 namespace sparsa::cpu {
 
 inline int resolve_threads(int requested) {
-  if (requested > 0) return requested;
+  // The public entries refuse more than kMaxNumThreads; internal callers are clamped too.
+  if (requested > 0) return std::min(requested, kMaxNumThreads);
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : static_cast<int>(hw);
 }

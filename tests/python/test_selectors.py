@@ -477,7 +477,7 @@ def qk(rng):
     (dict(sort_window=-8), r"sort_window: expected 0 \(global sort\) or a positive window, got -8"),
     (dict(beta=float("inf")), r"beta: expected a finite number"),
     (dict(scale=0.0), r"scale: expected a finite positive number"),
-    (dict(num_threads=-1), r"num_threads: expected >= 0, got -1"),
+    (dict(num_threads=-1), r"num_threads: expected 0..256 \(0 = hardware concurrency\), got -1"),
     (dict(backend="tpu"), r"backend: expected cpu_ref, cpu or cuda"),
 ])
 def test_ba_att_plan_errors(qk, kwargs, message):

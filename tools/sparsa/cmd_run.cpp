@@ -43,9 +43,14 @@ Outcome cmd_run(const RunOptions& options) {
     Status s = check_output_path(flag, *path, {".npy", ".safetensors"});
     if (!s.ok()) return s.code() == StatusCode::invalid_argument ? usage_error(s) : runtime_error(s);
   }
-  if (!options.lse.empty() && options.lse == options.out) {
-    return usage_error(invalid_argument("--lse: must differ from --out ('" + options.out + "')"));
+  std::vector<std::pair<std::string, std::string>> outputs = {{"--out", options.out}};
+  if (!options.lse.empty()) outputs.emplace_back("--lse", options.lse);
+  std::vector<std::pair<std::string, std::string>> input_files = {
+      {"--q", options.q}, {"--k", options.k}, {"--v", options.v}};
+  if (params->contains("index") && (*params)["index"].is_string()) {
+    input_files.emplace_back(options.index.empty() ? "-P index" : "--index", (*params)["index"].get<std::string>());
   }
+  if (Status distinct = check_outputs_distinct(outputs, input_files); !distinct.ok()) return usage_error(distinct);
 
   Result<HostArray> q = load_input("--q", options.q);
   if (!q.ok()) return runtime_error(q.status());
@@ -78,12 +83,17 @@ Outcome cmd_run(const RunOptions& options) {
   const double seconds = now_seconds() - t0;
   if (!output.ok()) return method_error(output.status());
 
-  Status written = write_tensor(options.out, swap_layout(output->attention.out.view(), *layout));
-  if (!written.ok()) return runtime_error(Status{written.code(), "--out: " + written.message()});
+  // Both files are written before either replaces what was there: a failure leaves
+  // neither a new O without its LSE nor a lost old file. O goes back in the inputs' layout.
+  std::vector<std::pair<std::string, Tensor>> files = {
+      {options.out, swap_layout(output->attention.out.view(), *layout)}};
+  std::vector<const char*> labels = {"--out"};
   if (!options.lse.empty()) {
-    written = write_tensor(options.lse, output->attention.lse.view());
-    if (!written.ok()) return runtime_error(Status{written.code(), "--lse: " + written.message()});
+    files.emplace_back(options.lse, output->attention.lse.view());
+    labels.push_back("--lse");
   }
+  Status written = write_tensors(files, labels.data());
+  if (!written.ok()) return runtime_error(written);
   if (!options.quiet) {
     std::cout << method->name << ": q " << inputs.q.shape_string() << " k " << inputs.k.shape_string() << " "
               << dtype_name(inputs.q.dtype) << ", backend " << backend_name(*backend) << ", "

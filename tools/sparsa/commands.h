@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "sparsa/status.h"
+#include "sparsa/tensor.h"
 
 namespace sparsa::cli {
 
@@ -18,7 +19,7 @@ inline constexpr int kExitUsage = 2;
 
 // --threads above this is refused: the CPU backend starts one thread per unit of
 // work up to the request, and thread creation failing mid-way is not recoverable.
-inline constexpr int kMaxThreads = 256;
+inline constexpr int kMaxThreads = kMaxNumThreads;  // the library's bound
 
 struct Outcome {
   Status status;

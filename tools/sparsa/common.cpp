@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include "core/io_file.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -38,6 +40,21 @@ Outcome load_inputs_or_workload(const std::string& q_path, const std::string& k_
     }
     inputs->source = v_path != nullptr ? q_path : q_path + ", " + k_path;
     return success();
+  }
+  // The generated workload is allocated from these flags: bound them before it is
+  // (--length 2^40 died in the allocator). The same bound as demo's --length.
+  constexpr long long kMaxLength = 1 << 22;
+  if (config.len_q < 1 || config.len_q > kMaxLength) {
+    return usage_error(invalid_argument("--length: expected an integer in [1, " + std::to_string(kMaxLength) +
+                                        "], got " + std::to_string(config.len_q)));
+  }
+  // q, k and v of the workload in f32; 2^31 elements each (8 GiB) is beyond any machine this runs on.
+  constexpr long long kMaxElements = 1LL << 31;
+  const long long heads = std::max<long long>(config.heads_q, 1), dim = std::max<long long>(config.head_dim, 1);
+  if (config.len_q * dim > kMaxElements / heads) {
+    return usage_error(invalid_argument("--length: the workload of " + std::to_string(heads) + " heads x " +
+                                        std::to_string(config.len_q) + " tokens x head_dim " + std::to_string(dim) +
+                                        " exceeds 2^31 elements per tensor; lower --length, --heads or --head-dim"));
   }
   auto w = generate_workload(config);
   if (!w.ok()) return usage_error(w.status());
@@ -88,6 +105,39 @@ Status check_output_path(const std::string& flag, const std::string& path_and_na
   }
   if (::access(dir.c_str(), W_OK) != 0 || (fs::exists(p, ec) && ::access(p.c_str(), W_OK) != 0)) {
     return {StatusCode::io_error, flag + ": '" + path + "' is not writable"};
+  }
+  return {};
+}
+
+// The file of "x.safetensors:name" (the path itself otherwise) and the entry name ("" if none).
+static std::pair<std::string, std::string> file_and_entry(const std::string& path_and_name) {
+  const std::string kSt = ".safetensors";
+  const size_t at = path_and_name.rfind(kSt + ":");
+  if (at == std::string::npos) return {path_and_name, ""};
+  return {path_and_name.substr(0, at + kSt.size()), path_and_name.substr(at + kSt.size() + 1)};
+}
+
+Status check_outputs_distinct(const std::vector<std::pair<std::string, std::string>>& outputs,
+                              const std::vector<std::pair<std::string, std::string>>& inputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [flag, path] = outputs[i];
+    const auto [file, entry] = file_and_entry(path);
+    for (const auto& [in_flag, in_path] : inputs) {
+      if (in_path.empty()) continue;
+      if (detail::same_file(file, file_and_entry(in_path).first)) {
+        return invalid_argument(flag + ": '" + path + "' is the same file as the input " + in_flag + " ('" + in_path +
+                                "'); writing it would replace the input: choose another output file");
+      }
+    }
+    for (size_t j = 0; j < i; ++j) {
+      const auto [other_file, other_entry] = file_and_entry(outputs[j].second);
+      if (!detail::same_file(file, other_file)) continue;
+      // Two named entries of one .safetensors file are written together as one file.
+      if (!entry.empty() && !other_entry.empty() && entry != other_entry) continue;
+      return invalid_argument(flag + ": '" + path + "' is the same file as " + outputs[j].first + " ('" +
+                              outputs[j].second + "'); give each its own file, or name two entries of one "
+                              ".safetensors file (x.safetensors:o and x.safetensors:lse)");
+    }
   }
   return {};
 }

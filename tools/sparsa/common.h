@@ -43,6 +43,12 @@ inline WorkloadConfig workload_of(std::uint64_t seed, int heads, int kv_heads, l
 
 // The output file can be created: a known extension (".npy", ".safetensors" for
 // tensors; `extensions` for others), an existing writable directory, not a directory.
+// Refuses (invalid_argument, naming both flags) an output that is the same file as an
+// input, or as another output — by file identity (symlinks, hard links, "./x" and "x"
+// alike), not by spelling; two distinct named entries of one .safetensors file are
+// allowed (write_tensors writes them as one file). Pairs are (flag, path[:entry]).
+Status check_outputs_distinct(const std::vector<std::pair<std::string, std::string>>& outputs,
+                              const std::vector<std::pair<std::string, std::string>>& inputs);
 Status check_output_path(const std::string& flag, const std::string& path,
                          const std::vector<std::string>& extensions);
 

@@ -1,13 +1,11 @@
 #include "index_file.h"
 
+#include <algorithm>
 #include <cerrno>
-#include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <fstream>
+#include <filesystem>
+#include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "sparsa/io.h"
 
@@ -15,50 +13,19 @@ namespace sparsa::cli {
 
 namespace {
 
-constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the safetensors format's own limit
+using Metadata = std::vector<std::pair<std::string, std::string>>;
 
-// The header's __metadata__ (string -> string); an empty object when absent. The tensor
-// data is read by read_safetensors, which checks the rest of the file.
-Result<nlohmann::json> read_metadata(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return Status{StatusCode::io_error, path + ": cannot open for reading"};
-  file.seekg(0, std::ios::end);
-  const auto file_size = static_cast<uint64_t>(file.tellg());
-  file.seekg(0);
-  unsigned char len_bytes[8];
-  if (file_size < 8 || !file.read(reinterpret_cast<char*>(len_bytes), 8)) {
-    return Status{StatusCode::malformed_file, path + ": shorter than the 8-byte safetensors header length"};
-  }
-  uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];  // little-endian
-  if (header_len > kMaxHeaderBytes || header_len > file_size - 8) {
-    return Status{StatusCode::malformed_file, path + ": header length " + std::to_string(header_len) +
-                                                  " exceeds the file (" + std::to_string(file_size) + " bytes)"};
-  }
-  std::string header(header_len, '\0');
-  if (!file.read(header.data(), static_cast<std::streamsize>(header_len))) {
-    return Status{StatusCode::io_error, path + ": cannot read the header"};
-  }
-  nlohmann::json json = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded() || !json.is_object()) {
-    return Status{StatusCode::malformed_file, path + ": the header is not a JSON object"};
-  }
-  if (!json.contains("__metadata__")) return nlohmann::json::object();
-  const nlohmann::json& meta = json["__metadata__"];
-  if (!meta.is_object()) return Status{StatusCode::malformed_file, path + ": __metadata__ is not an object"};
-  return meta;
-}
-
-Result<std::optional<int>> metadata_block(const std::string& path, const nlohmann::json& meta, const char* key) {
-  if (!meta.contains(key)) return std::optional<int>{};
-  const nlohmann::json& v = meta[key];
-  std::string text = v.is_string() ? v.get<std::string>() : v.dump();
+Result<std::optional<int>> metadata_block(const std::string& path, const Metadata& meta, const char* key) {
+  auto found = std::find_if(meta.begin(), meta.end(), [&](const auto& kv) { return kv.first == key; });
+  if (found == meta.end()) return std::optional<int>{};
+  const std::string& text = found->second;
   char* end = nullptr;
   errno = 0;
   const long long x = std::strtoll(text.c_str(), &end, 10);
   if (text.empty() || errno != 0 || end != text.c_str() + text.size() || x <= 0 || x > (1 << 20)) {
     return invalid_argument("index: " + path + ": __metadata__ " + key + " must be an integer in [1, " +
-                            std::to_string(1 << 20) + "], got '" + text + "'");
+                            std::to_string(1 << 20) + "], got '" +
+                            (text.size() > 80 ? text.substr(0, 80) + "..." : text) + "'");
   }
   return std::optional<int>(static_cast<int>(x));
 }
@@ -67,7 +34,13 @@ Result<std::optional<int>> metadata_block(const std::string& path, const nlohman
 
 Result<BlockIndexBuffer> read_index_file(const std::string& path, std::optional<int> block_q,
                                          std::optional<int> block_kv) {
-  Result<nlohmann::json> meta = read_metadata(path);
+  // The library's reader checks the whole header (nesting depth, numbers, offsets) and
+  // hands back the metadata as strings: nothing from the file is copied recursively.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return Status{StatusCode::io_error, "index: " + path + ": is a directory, expected a .safetensors index file"};
+  }
+  Result<Metadata> meta = read_safetensors_metadata(path);
   if (!meta.ok()) return Status{meta.status().code(), "index: " + meta.status().message()};
   auto meta_q = metadata_block(path, *meta, "block_q");
   if (!meta_q.ok()) return meta_q.status();

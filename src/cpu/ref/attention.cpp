@@ -8,6 +8,8 @@
 // tokens of key blocks indices[b, h, qb, 0..counts), read through perm_kv; the row is
 // written at original position perm_q[p].
 #include <cmath>
+#include <cstdio>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -17,11 +19,9 @@ namespace sparsa::cpu_ref {
 
 using detail::AttentionParams;
 
-namespace {
-
 // One query row against a list of key positions (original token indices).
 // q_row: [head_dim]; keys: positions into K/V of kv head h_kv; writes out row and lse.
-void attend_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i_q, const std::vector<int64_t>& keys) {
+bool attend_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i_q, const std::vector<int64_t>& keys) {
   const int64_t d = p.head_dim;
   const int64_t h_kv = h / p.group();
   std::vector<double> q(d), logits(keys.size()), o(d, 0.0);
@@ -46,18 +46,36 @@ void attend_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i_q, con
   }
   for (int64_t t = 0; t < d; ++t) detail::store_element(p.out, p.dtype, p.out_off(b, h, i_q) + t, static_cast<float>(o[t]));
   p.lse_at(b, h, i_q) = static_cast<float>(lse);
+  // f64 holds every logit of finite f32 inputs (|s| <= scale * d * FLT_MAX^2 < 1e120), so an
+  // LSE beyond f32 is the only way finite inputs have no finite answer. NaN stays NaN.
+  return !(lse > static_cast<double>(std::numeric_limits<float>::max()));
 }
 
-}  // namespace
+Status lse_overflow(const AttentionParams& p, int64_t b, int64_t h, int64_t i_q) {
+  char scale[32];
+  std::snprintf(scale, sizeof scale, "%g", static_cast<double>(p.scale));
+  return {StatusCode::non_finite,
+          "lse[" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(i_q) +
+              "]: the log-sum-exp of the scaled logits exceeds the f32 range (3.4e38): the logits overflow "
+              "(scale " + std::string(scale) + "); lower the scale or the magnitude of q and k"};
+}
 
 Status attention(const AttentionParams& p) {
   std::vector<int64_t> keys;
+  int64_t bad[3] = {-1, -1, -1};  // the first row whose LSE overflowed
+  auto row = [&](int64_t b, int64_t h, int64_t i) {
+    if (!attend_row(p, b, h, i, keys) && bad[0] < 0) {
+      bad[0] = b;
+      bad[1] = h;
+      bad[2] = i;
+    }
+  };
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.heads_q; ++h) {
       if (p.index == nullptr) {  // dense: every key is visible
         keys.resize(p.len_kv);
         for (int64_t j = 0; j < p.len_kv; ++j) keys[j] = j;
-        for (int64_t i = 0; i < p.len_q; ++i) attend_row(p, b, h, i, keys);
+        for (int64_t i = 0; i < p.len_q; ++i) row(b, h, i);
         continue;
       }
       const BlockIndex& ix = *p.index;
@@ -72,11 +90,12 @@ Status attention(const AttentionParams& p) {
           }
         }
         for (int64_t pq = qb * ix.block_q; pq < std::min<int64_t>((qb + 1) * ix.block_q, p.len_q); ++pq) {
-          attend_row(p, b, h, detail::perm_q_at(ix, b, h, pq), keys);
+          row(b, h, detail::perm_q_at(ix, b, h, pq));
         }
       }
     }
   }
+  if (bad[0] >= 0) return lse_overflow(p, bad[0], bad[1], bad[2]);
   return {};
 }
 

@@ -73,7 +73,9 @@ Status check_options(const BaAttOptions& o, int64_t head_dim) {
   if (!std::isfinite(scale) || scale <= 0.0f) {
     return invalid_argument("scale: expected a finite positive number, got " + std::to_string(scale));
   }
-  if (o.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.num_threads));
+  if (o.num_threads < 0 || o.num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(o.num_threads));
+  }
   if (o.backend != Backend::cpu && o.backend != Backend::cpu_ref && o.backend != Backend::cuda) {
     return invalid_argument("backend: unknown value " + std::to_string(static_cast<int>(o.backend)));
   }

@@ -11,6 +11,7 @@
 // one contiguous chunk per thread, accumulates dK/dV of the pyramid per chunk
 // (O(threads * N * d)), sums the chunks in order, then pools them down to level 0.
 // Logits are kept in base 2 (q pre-scaled by scale*log2(e)); f32 throughout.
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -33,7 +34,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // the nearest integer n and evaluates 2^f, |f| <= 1/2, by its degree-7 Taylor series
 // (truncation < 1e-8, below f32 rounding); branch-free so loops over it vectorise.
 inline float exp2_nonpositive(float x) {
-  x = std::clamp(x, -126.0f, 0.0f);
+  // max(-126, NaN) is -126 (std::clamp would keep NaN, and casting NaN to int below is
+  // undefined): a NaN logit gives ~0 here and its row is caught as not finite by the caller.
+  x = std::min(std::max(-126.0f, x), 0.0f);
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
   const float n = (x + kRound) - kRound;
   const float f = x - n;
@@ -214,7 +217,8 @@ int64_t block_logits(const Slice& sl, BlockScratch& sc, int R) {
 
 }  // namespace
 
-Status cpu_forward(const CpuArgs& a, const LlsaPlan& plan) {
+Status cpu_forward(const CpuArgs& a, const LlsaPlan& plan, bool* not_finite) {
+  std::atomic<bool> any_not_finite{false};
   const int64_t d = a.q.shape[3], N = plan.len, group = plan.heads_q / plan.heads_kv;
   const int B = plan.block;
   // No more threads (and per-thread buffers) than there are query-block items.
@@ -255,7 +259,11 @@ Status cpu_forward(const CpuArgs& a, const LlsaPlan& plan) {
           const bool empty = !(sum > 0.0f);
           const float inv = empty ? 0.0f : 1.0f / sum;
           for (int64_t j = 0; j < M; ++j) row[j] *= inv;
-          a.lse.ptr<float>()[a.lse.offset({b, h, qb * B + r})] = empty ? kNegInf : (m + std::log2(sum)) * kLn2;
+          const float lse = empty ? kNegInf : (m + std::log2(sum)) * kLn2;
+          // Every row sees the coarsest level, so a row is never empty: an LSE that is not
+          // finite means f32 overflowed (or an input is NaN); the caller redoes it in f64.
+          if (!std::isfinite(lse)) any_not_finite.store(true, std::memory_order_relaxed);
+          a.lse.ptr<float>()[a.lse.offset({b, h, qb * B + r})] = lse;
         }
         std::fill(sc.acc.begin(), sc.acc.begin() + R * d, 0.0f);
         for (size_t g = 0; g < sc.segs.size(); ++g) {
@@ -263,10 +271,16 @@ Status cpu_forward(const CpuArgs& a, const LlsaPlan& plan) {
           accumulate(sc.s.data() + g * sl.W, M, R, seg.lo, seg.hi, sl.v_rows[seg.level].data() + seg.group * B * d, d,
                      sc.acc.data());
         }
-        for (int r = 0; r < R; ++r) store_row(a.out, a.out.offset({b, h, qb * B + r, 0}), d, sc.acc.data() + r * d);
+        for (int r = 0; r < R; ++r) {
+          for (int64_t t = 0; t < d; ++t) {
+            if (!std::isfinite(sc.acc[r * d + t])) any_not_finite.store(true, std::memory_order_relaxed);
+          }
+          store_row(a.out, a.out.offset({b, h, qb * B + r, 0}), d, sc.acc.data() + r * d);
+        }
       });
     }
   }
+  *not_finite = any_not_finite.load();
   return {};
 }
 

@@ -136,7 +136,9 @@ struct CpuArgs {
   float scale = 1.0f;
   int num_threads = 0;
 };
-Status cpu_forward(const CpuArgs& args, const LlsaPlan& plan);
+// *not_finite is set when some row's f32 result is not finite (logits beyond f32, or a NaN
+// input): the caller then computes the forward in f64 (ref_forward), as cpu_ref does.
+Status cpu_forward(const CpuArgs& args, const LlsaPlan& plan, bool* not_finite);
 Status cpu_backward(const CpuArgs& args, const LlsaPlan& plan);
 
 }  // namespace sparsa::llsa_detail

@@ -3,6 +3,7 @@
 #include "sparsa/llsa.h"
 
 #include <cmath>
+#include <limits>
 
 #include "core/attention_params.h"
 #include "core/validate.h"
@@ -24,7 +25,9 @@ Status check_options(const LlsaOptions& o) {
     return invalid_argument("levels: expected -1 (automatic) or 1.." + std::to_string(kMaxLevels) + ", got " +
                             std::to_string(o.levels));
   }
-  if (o.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.num_threads));
+  if (o.num_threads < 0 || o.num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(o.num_threads));
+  }
   if (o.scale && (!std::isfinite(*o.scale) || *o.scale <= 0.0f)) {
     return invalid_argument("scale: expected a finite positive number, got " + std::to_string(*o.scale));
   }
@@ -194,20 +197,38 @@ Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Lls
   SPARSA_RETURN_IF_ERROR(check_like("out", out, q));
   if (out.dtype != q.dtype) return unsupported_dtype(std::string("out: expected dtype ") + dtype_name(q.dtype) + ", got " + dtype_name(out.dtype));
   SPARSA_RETURN_IF_ERROR(check_lse(lse, q));
+  SPARSA_RETURN_IF_ERROR(detail::check_outputs("out", out, "lse", lse));
   const float scale = resolve_scale(q, options);
-  if (options.backend == Backend::cpu_ref) {
+  // The reference in f64: cpu_ref's path, and the cpu path's answer when f32 overflowed.
+  auto reference = [&]() -> Status {
     const auto qd = to_double(q), kd = to_double(k), vd = to_double(v);
     std::vector<double> od(q.numel()), ld(q.numel() / q.shape[3]);
     llsa_detail::ref_forward(ref_shape(q, k, scale), plan, qd.data(), kd.data(), vd.data(), od.data(), ld.data());
     from_double(od, out);
     lse_from_double(ld, lse);
+    // f64 holds every logit of finite f32 inputs; an LSE beyond f32 has no finite answer.
+    for (size_t n = 0; n < ld.size(); ++n) {
+      if (ld[n] > static_cast<double>(std::numeric_limits<float>::max())) {
+        const int64_t len = q.shape[2], heads = q.shape[1];
+        const int64_t i = static_cast<int64_t>(n) % len, h = static_cast<int64_t>(n) / len % heads,
+                      b = static_cast<int64_t>(n) / (len * heads);
+        return {StatusCode::non_finite,
+                "lse[" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(i) +
+                    "]: the log-sum-exp of the scaled logits exceeds the f32 range (3.4e38): the logits overflow; "
+                    "lower the scale or the magnitude of q and k"};
+      }
+    }
     return {};
-  }
+  };
+  if (options.backend == Backend::cpu_ref) return reference();
   llsa_detail::CpuArgs args;
   args.q = q, args.k = k, args.v = v, args.out = out, args.lse = lse;
   args.scale = scale;
   args.num_threads = options.num_threads;
-  return llsa_detail::cpu_forward(args, plan);
+  bool not_finite = false;
+  SPARSA_RETURN_IF_ERROR(llsa_detail::cpu_forward(args, plan, &not_finite));
+  if (not_finite) return reference();
+  return {};
 }
 
 Result<AttentionOutput> llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaOptions& options) {
@@ -231,6 +252,12 @@ Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ll
   SPARSA_RETURN_IF_ERROR(check_like("dq", dq, q));
   SPARSA_RETURN_IF_ERROR(check_like("dk", dk, k));
   SPARSA_RETURN_IF_ERROR(check_like("dv", dv, k));
+  for (auto [name, t] : {std::pair{"dq", &dq}, std::pair{"dk", &dk}, std::pair{"dv", &dv}}) {
+    SPARSA_RETURN_IF_ERROR(detail::check_no_self_overlap(name, *t));
+  }
+  SPARSA_RETURN_IF_ERROR(detail::check_disjoint("dk", dk, "dq", dq));
+  SPARSA_RETURN_IF_ERROR(detail::check_disjoint("dv", dv, "dq", dq));
+  SPARSA_RETURN_IF_ERROR(detail::check_disjoint("dv", dv, "dk", dk));
   if (options.check_finite) {
     SPARSA_RETURN_IF_ERROR(detail::check_finite("d_o", d_o));
     SPARSA_RETURN_IF_ERROR(detail::check_finite("out", out));

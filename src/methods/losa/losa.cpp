@@ -71,8 +71,8 @@ Status validate(const LosaConfig& c, const LosaOptions& o, int page_size) {
     return Status(StatusCode::unsupported, std::string("backend: prefix attention state runs on cpu_ref or cpu, got ") +
                                                backend_name(o.attention.backend));
   }
-  if (o.attention.num_threads < 0) {
-    return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.attention.num_threads));
+  if (o.attention.num_threads < 0 || o.attention.num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(o.attention.num_threads));
   }
   return {};
 }

@@ -82,7 +82,9 @@ Status make_problem(const Tensor& q, const Tensor& k, const BlockPartition& part
     return {StatusCode::unsupported, std::string("backend: the oracle runs on cpu or cpu_ref, got ") +
                                          backend_name(o.backend)};
   }
-  if (o.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.num_threads));
+  if (o.num_threads < 0 || o.num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(o.num_threads));
+  }
   p->q = q;
   p->k = k;
   p->batch = q.shape[0];

@@ -284,7 +284,9 @@ Result<PagePlan> select_pages(const Tensor& q, const PagedKVCache& cache, const 
                               int num_threads) {
   SPARSA_RETURN_IF_ERROR(check_query("q", q, cache));
   SPARSA_RETURN_IF_ERROR(validate(options, cache.page_size()));
-  if (num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(num_threads));
+  if (num_threads < 0 || num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(num_threads));
+  }
   const int64_t heads_q = q.shape[1], rows = q.shape[2], d = q.shape[3];
   const int64_t group = heads_q / cache.heads_kv();
   const int64_t num_pages = cache.num_pages();

@@ -48,7 +48,9 @@ Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o
     return {StatusCode::unsupported, std::string("backend: xattention has no ") + backend_name(o.backend) +
                                          " selector yet; use cpu or cpu_ref"};
   }
-  if (o.num_threads < 0) return invalid_argument("num_threads: expected >= 0, got " + std::to_string(o.num_threads));
+  if (o.num_threads < 0 || o.num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(o.num_threads));
+  }
   p->scale = o.scale.value_or(1.0f / std::sqrt(static_cast<float>(q.shape[3])));
   if (!std::isfinite(p->scale) || p->scale <= 0) return invalid_argument("scale: expected a finite positive number");
   if (o.check_finite) {

@@ -171,7 +171,10 @@ def _stream(like: Any, stream: Any) -> int:
                 return handle
         raise TypeError(f"stream: expected a torch.cuda.Stream, a cupy stream or an integer handle, "
                         f"got {type(stream).__name__}")
-    fw = _framework(like)
+    try:
+        fw = _framework(like)
+    except TypeError:
+        return 0  # not an array: the call's own check names the argument
     if fw == "torch" and like.is_cuda:
         import torch
 

@@ -627,6 +627,15 @@ Status paged_attention(const Tensor& q, const PagedKVCache& cache, const PagePla
   SPARSA_RETURN_IF_ERROR(detail::check_shape("lse", lse, {1, heads_q, rows}));
   SPARSA_RETURN_IF_ERROR(detail::check_dtype("lse", lse, DType::f32));
   SPARSA_RETURN_IF_ERROR(check_plan(plan, heads_q, rows, cache.num_pages()));
+  // The executors below check these too, but the cpu fast path runs before any of them.
+  const float scale = options.attention.scale.value_or(1.0f / std::sqrt(static_cast<float>(d)));
+  if (!std::isfinite(scale) || scale <= 0.0f) {
+    return invalid_argument("scale: expected a finite positive number, got " + std::to_string(scale));
+  }
+  if (options.attention.num_threads < 0 || options.attention.num_threads > kMaxNumThreads) {
+    return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) +
+                            " (0 = hardware concurrency), got " + std::to_string(options.attention.num_threads));
+  }
   const int64_t P = cache.page_size(), group = heads_q / heads_kv;
 
   // The pages each kv head loads, once.
@@ -654,12 +663,27 @@ Status paged_attention(const Tensor& q, const PagedKVCache& cache, const PagePla
 
   if (options.attention.backend == Backend::cpu) {
     SPARSA_RETURN_IF_ERROR(paged_attention_cpu(q, cache, plan, loaded, out, lse, options));
-    local.loaded = std::move(loaded);
-    if (stats) *stats = std::move(local);
-    return {};
+    // A row whose f32 result overflowed (O or LSE not finite although it saw keys: a row with
+    // keys has a finite LSE) takes the general path below, whose cpu executor redoes such rows
+    // in f64 as cpu_ref computes them, or reports the LSE beyond f32 as cpu_ref does.
+    bool finite = true;
+    for (int64_t h = 0; h < heads_q && finite; ++h) {
+      for (int64_t r = 0; r < rows && finite; ++r) {
+        const bool has_keys = options.attend_union ? !loaded[h / group].empty() : plan.count(h, r) > 0;
+        if (!has_keys) continue;
+        finite = std::isfinite(lse.ptr<float>()[lse.offset({0, h, r})]);
+        for (int64_t t = 0; t < d && finite; ++t) finite = std::isfinite(out.ptr<float>()[out.offset({0, h, r, t})]);
+      }
+    }
+    if (finite) {
+      local.loaded = std::move(loaded);
+      if (stats) *stats = std::move(local);
+      return {};
+    }
   }
 
-  // cpu_ref (the specification) and any other backend: block_sparse over a gathered copy.
+  // cpu_ref (the specification), any other backend, and the cpu backend's overflowing calls:
+  // block_sparse over a gathered copy.
   // Gather the unions into a compact [1, heads_kv, len, d] buffer. Full pages fill
   // slots 0.. in ascending page order; a partial last page (the highest page index)
   // goes to the one final slot, so the executor's length cut-off is exactly its end.

@@ -109,57 +109,116 @@ class Params {
   std::vector<std::string> used_;
 };
 
+// Scratch tensors of one LayerAttention on the call's device (host arrays on the CPU; device
+// arrays ordered on the engine's stream on CUDA), kept while the shape fits.
+class Scratch {
+ public:
+  Result<Tensor> get(int slot, DType dtype, std::vector<int64_t> shape, Device device, void* stream) {
+    Slot& s = slots_[slot];
+    int64_t need = 1;
+    for (int64_t x : shape) need *= x;
+    if (s.dtype != dtype || s.device != device || s.elements < need) {
+      s = Slot{};
+      if (device.type == DeviceType::cuda) {
+        auto a = DeviceArray::allocate(dtype, {need}, device, false, stream);
+        if (!a.ok()) return a.status();
+        s.device_array = std::move(a.value());
+        s.data = s.device_array.data();
+      } else {
+        s.host = HostArray(dtype, {need});
+        s.data = s.host.data();
+      }
+      s.dtype = dtype;
+      s.device = device;
+      s.elements = need;
+    }
+    return Tensor::contiguous(s.data, dtype, std::span<const int64_t>(shape), device);
+  }
+
+ private:
+  struct Slot {
+    HostArray host;
+    DeviceArray device_array;
+    void* data = nullptr;
+    DType dtype = DType::f32;
+    Device device{};
+    int64_t elements = 0;
+  };
+  Slot slots_[3];
+};
+
+// A [1, heads, rows, d] (or [1, heads, rows]) window of t starting at row `begin`.
+Tensor rows_view(const Tensor& t, int64_t begin, int64_t rows) {
+  Tensor v = t;
+  v.data = static_cast<char*>(t.data) + begin * t.strides[2] * static_cast<int64_t>(dtype_size(t.dtype));
+  v.shape[2] = rows;
+  return v;
+}
+
 // Exact softmax attention through sparsa's own executors, in two halves merged by their
-// log-sum-exp: the chunk's own keys (own(): dense, or block_sparse over the block-causal plan)
-// and the cached prefix (prefix(): dense). The sparse methods replace one half.
+// log-sum-exp: the chunk's own keys (own(): dense, or the block-causal pattern) and the cached
+// prefix (prefix(): dense). The sparse methods replace one half.
 class SplitAttention : public LayerAttention {
  public:
   explicit SplitAttention(const AttentionPolicy& policy) {
     options_.backend = policy.backend;
     options_.num_threads = policy.num_threads;
+    options_.stream = policy.stream;
   }
 
   Status forward(const AttentionCall& call) override {
     const int64_t heads_q = call.q.shape[1], n = call.q.shape[2], hd = call.q.shape[3];
-    if (own_lse_.empty() || own_lse_.shape()[2] < n || own_lse_.shape()[1] != heads_q) {
-      own_lse_ = HostArray(DType::f32, {1, heads_q, n});
-      pre_out_ = HostArray(DType::f32, {1, heads_q, n, hd});
-      pre_lse_ = HostArray(DType::f32, {1, heads_q, n});
-    }
-    const Tensor own_lse = Tensor::contiguous(own_lse_.ptr<float>(), DType::f32, {1, heads_q, n});
-    SPARSA_RETURN_IF_ERROR(own(call, own_lse));
-    if (call.prefix == nullptr || call.prefix->length() == 0) return Status::Ok();
-    const Tensor pre_out = Tensor::contiguous(pre_out_.ptr<float>(), DType::f32, {1, heads_q, n, hd});
-    const Tensor pre_lse = Tensor::contiguous(pre_lse_.ptr<float>(), DType::f32, {1, heads_q, n});
-    SPARSA_RETURN_IF_ERROR(prefix(call, pre_out, pre_lse));
-    return merge(call.out, own_lse, pre_out, pre_lse, call.out, own_lse,
+    const Device dev = call.q.device;
+    auto own_lse = scratch_.get(0, DType::f32, {1, heads_q, n}, dev, options_.stream);
+    if (!own_lse.ok()) return own_lse.status();
+    SPARSA_RETURN_IF_ERROR(own(call, own_lse.value()));
+    if (call.pos0 == 0) return Status::Ok();
+    auto pre_out = scratch_.get(1, call.q.dtype, {1, heads_q, n, hd}, dev, options_.stream);
+    auto pre_lse = scratch_.get(2, DType::f32, {1, heads_q, n}, dev, options_.stream);
+    if (!pre_out.ok()) return pre_out.status();
+    if (!pre_lse.ok()) return pre_lse.status();
+    SPARSA_RETURN_IF_ERROR(prefix(call, pre_out.value(), pre_lse.value()));
+    return merge(call.out, own_lse.value(), pre_out.value(), pre_lse.value(), call.out, own_lse.value(),
                  options_.backend == Backend::cuda ? Backend::cuda : Backend::cpu);
   }
 
  protected:
   // The chunk's own keys into call.out and lse.
   virtual Status own(const AttentionCall& call, const Tensor& lse) { return dense_own(call, lse); }
-  // The prefix (non-empty) into out and lse.
+  // The prefix (pos0 > 0) into out and lse.
   virtual Status prefix(const AttentionCall& call, const Tensor& out, const Tensor& lse) {
-    return dense(call.q, call.prefix->keys(), call.prefix->values(), out, lse, options_);
+    return dense(call.q, call.prefix_k, call.prefix_v, out, lse, options_);
   }
 
   Status dense_own(const AttentionCall& call, const Tensor& lse) {
-    if (call.block_causal > 0) {
-      SPARSA_RETURN_IF_ERROR(block_causal_plan(call.q.shape[2], call.block_causal, call.q.shape[1], call.pos0));
-      return block_sparse(call.q, call.k, call.v, plan_.view(), call.out, lse, options_);
+    const int64_t n = call.q.shape[2], b = call.block_causal;
+    if (b > 0 && b < n) {
+      if (call.pos0 % b != 0) {
+        return Status(StatusCode::internal, "attention: a block-causal chunk must start at a block boundary");
+      }
+      if (options_.backend != Backend::cuda) {
+        SPARSA_RETURN_IF_ERROR(block_causal_plan(n, b, call.q.shape[1]));
+        return block_sparse(call.q, call.k, call.v, plan_.view(), call.out, lse, options_);
+      }
+      // cuda: the executor has no element mask yet, so block by block: the queries of block j
+      // against the chunk's keys of blocks 0..j (exact).
+      for (int64_t begin = 0; begin < n; begin += b) {
+        const int64_t rows = std::min(b, n - begin);
+        SPARSA_RETURN_IF_ERROR(dense(rows_view(call.q, begin, rows), rows_view(call.k, 0, begin + rows),
+                                     rows_view(call.v, 0, begin + rows), rows_view(call.out, begin, rows),
+                                     rows_view(lse, begin, rows), options_));
+      }
+      return Status::Ok();
     }
     return dense(call.q, call.k, call.v, call.out, lse, options_);
   }
 
   AttentionOptions options_;
+  Scratch scratch_;
 
  private:
   // Query block qb of the chunk sees key blocks 0..qb (causal across blocks, all of a block).
-  Status block_causal_plan(int64_t n, int64_t b, int64_t heads_q, int64_t pos0) {
-    if (pos0 % b != 0) {
-      return Status(StatusCode::internal, "attention: a block-causal chunk must start at a block boundary");
-    }
+  Status block_causal_plan(int64_t n, int64_t b, int64_t heads_q) {
     if (plan_n_ == n && plan_b_ == b && plan_heads_ == heads_q) return Status::Ok();
     const int64_t nb = (n + b - 1) / b;
     std::vector<int32_t> counts(static_cast<size_t>(heads_q * nb));
@@ -179,7 +238,6 @@ class SplitAttention : public LayerAttention {
     return Status::Ok();
   }
 
-  HostArray own_lse_, pre_out_, pre_lse_;
   BlockIndexBuffer plan_;
   int64_t plan_n_ = -1, plan_b_ = -1, plan_heads_ = -1;
 };
@@ -245,7 +303,7 @@ class LosaAttention final : public SplitAttention {
 
   Status forward(const AttentionCall& call) override {
     const int64_t heads_q = call.q.shape[1], n = call.q.shape[2], hd = call.q.shape[3];
-    const bool block_step = call.step >= 0 && call.prefix != nullptr && call.prefix->length() > 0 &&
+    const bool block_step = call.step >= 0 && call.prefix != nullptr && call.pos0 > 0 &&
                             (call.block_causal == 0 || call.block_causal >= n);
     if (!block_step) return SplitAttention::forward(call);
     if (!state_ || state_->config().block_size != n || state_->config().heads_q != heads_q) {
@@ -315,6 +373,11 @@ Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPoli
     ba.beta = static_cast<float>(beta);
     ba.compensate = compensate;
     return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens));
+  }
+  if ((spec->name == "quest" || spec->name == "losa") && policy.backend == Backend::cuda) {
+    return Status(StatusCode::unsupported, where + ": " + spec->name +
+                                               " runs on the engine's cpu backend only for now (use dense or ba_att with "
+                                               "--backend cuda)");
   }
   if (spec->name == "quest") {
     PageSelectOptions s;

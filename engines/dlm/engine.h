@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "sparsa/attention.h"
+#include "sparsa/device_losa.h"
 #include "sparsa/dlm.h"
 #include "sparsa/kv_cache.h"
 #include "sparsa/tensor.h"
@@ -40,13 +41,18 @@ Result<std::map<std::string, std::string>> parse_safetensors_index(const std::st
                                                                    const std::string& where);
 
 // ---- backend seam -------------------------------------------------------------------------
-// Everything the forwards compute besides attention. The CPU backend keeps activations and
-// weights in host f32 (weights converted once at load; f32 files stay views of the mapping) and
-// runs GEMMs through OpenBLAS; a CUDA backend implements the same calls on device buffers
-// (cuBLAS for matmul, small kernels for the rest). Pointers are the backend's memory.
+// Everything the forwards compute besides attention. Buffers are the backend's memory: the
+// residual stream is f32 everywhere; every other activation (the normed rows, q/k/v, attention
+// output, the MLP's hidden rows) is in the backend's act_dtype(): f32 on the CPU (weights
+// converted to f32 once at load, f32 files stay views of the mapping, GEMMs through OpenBLAS),
+// bf16 on CUDA (weights uploaded as bf16, GEMMs through cuBLAS with f32 accumulation, small
+// kernels for the rest, everything ordered on the backend's one stream).
 struct Weight {
-  const float* data = nullptr;  // [rows, cols] row-major, backend memory
+  const void* data = nullptr;  // [rows, cols] row-major, backend memory
+  DType dtype = DType::f32;    // CPU: f32; CUDA: bf16 (matrices), f32 (norm vectors)
   int64_t rows = 0, cols = 0;
+  template <class T>
+  const T* ptr() const { return static_cast<const T*>(data); }
 };
 
 class Ops {
@@ -54,25 +60,48 @@ class Ops {
   virtual ~Ops() = default;
   virtual const char* name() const = 0;
   virtual Device device() const = 0;
-  // The weight in the backend's layout (CPU: f32; a view when the file is f32 already).
-  virtual Result<Weight> prepare(const Tensor& host_view) = 0;
-  virtual float* alloc(int64_t floats) = 0;  // zeroed scratch owned by the caller through free()
-  virtual void free(float* p) = 0;
-  // y[n, w.rows] = x[n, w.cols] · wᵀ
-  virtual void matmul(float* y, const float* x, int64_t n, const Weight& w) = 0;
-  // out[rows, dim] = x / rms(x) * weight (weight [dim]); out may alias x.
-  virtual void rms_norm(float* out, const float* x, const Weight& weight, int64_t rows, int64_t dim, double eps) = 0;
-  // x[n, heads, head_dim] rotated in place, NeoX (rotate-half) pairing, positions pos0 + i.
-  virtual void rope(float* x, int64_t n, int64_t heads, int64_t head_dim, int64_t pos0, const RopeConfig& rope) = 0;
-  // gate[i] = silu(gate[i]) * up[i]
-  virtual void swiglu(float* gate, const float* up, int64_t count) = 0;
-  virtual void add(float* x, const float* y, int64_t count) = 0;  // x += y
-  // out[n, dim] = table rows of tokens
-  virtual void embed(float* out, const Weight& table, std::span<const int32_t> tokens) = 0;
-  // dst[count] (host) = src[count] (backend memory): the sampler's read-back.
+  virtual DType act_dtype() const = 0;
+  virtual void* stream() const { return nullptr; }  // CUDA: the cudaStream_t of every call
+  // The matrix stacking `parts` by rows (one part: the tensor itself; CPU f32: a view when the file
+  // is f32 already). Host views of the mapped files, all with the same number of columns.
+  virtual Result<Weight> prepare(std::span<const Tensor> parts) = 0;
+  // A norm's weight [dim] (kept in f32 on every backend).
+  virtual Result<Weight> prepare_vector(const Tensor& part) = 0;
+  // Random weights made by the backend itself (benchmarks: the engine does not care what the
+  // weights are): a [rows, cols] matrix uniform in [-scale, scale), and a norm's weight of `dim`
+  // copies of `value`.
+  virtual Result<Weight> random(int64_t rows, int64_t cols, double scale, uint64_t seed) = 0;
+  virtual Result<Weight> constant_vector(int64_t dim, float value) = 0;
+  virtual void* alloc(int64_t elements, DType dtype) = 0;  // zeroed scratch, released by free()
+  virtual void free(void* p) = 0;
+  // y[n, w.rows] = x[n, w.cols] · wᵀ (act -> act).
+  virtual void matmul(void* y, const void* x, int64_t n, const Weight& w) = 0;
+  // The residual update r[n, w.rows] += x[n, w.cols] · wᵀ (r f32).
+  virtual void matmul_add(float* r, const void* x, int64_t n, const Weight& w) = 0;
+  // y[n, w.rows] = x · wᵀ into f32 (the logits).
+  virtual void matmul_f32(float* y, const void* x, int64_t n, const Weight& w) = 0;
+  // out[rows, dim] (act) = x / rms(x) * weight, x f32 [rows, dim].
+  virtual void rms_norm(void* out, const float* x, const Weight& weight, int64_t rows, int64_t dim, double eps) = 0;
+  // The same over every head of an act matrix, in place: row t's head h is x[t * row_stride +
+  // h * head_dim, + head_dim) (sdar's q_norm / k_norm).
+  virtual void head_norm(void* x, int64_t n, int64_t heads, int64_t head_dim, int64_t row_stride, const Weight& weight,
+                         double eps) = 0;
+  // The heads of x (laid out as in head_norm) rotated in place, NeoX (rotate-half) pairing,
+  // positions pos0 + t.
+  virtual void rope(void* x, int64_t n, int64_t heads, int64_t head_dim, int64_t row_stride, int64_t pos0,
+                    const RopeConfig& rope) = 0;
+  // h[n, hidden] = silu(gu[:, :hidden]) * gu[:, hidden:], gu [n, 2 * hidden] (act).
+  virtual void swiglu(void* h, const void* gu, int64_t n, int64_t hidden) = 0;
+  // x[n, dim] (f32) = rows `tokens` of the table.
+  virtual void embed(float* x, const Weight& table, std::span<const int32_t> tokens) = 0;
+  // dst[count] (host) = src[count] (backend f32): the sampler's read-back.
   virtual void to_host(float* dst, const float* src, int64_t count) = 0;
+  // The first error any call since the last check met (CUDA: launches and cuBLAS), then cleared.
+  virtual Status check() { return Status::Ok(); }
 };
 std::unique_ptr<Ops> make_cpu_ops();
+// CUDA (a build with the cuda backend; otherwise the error says so). `device` is the CUDA device.
+Result<std::unique_ptr<Ops>> make_cuda_ops(int device, const Config& c);
 
 // ---- attention ----------------------------------------------------------------------------
 // Attention of one layer over one chunk of consecutive tokens at positions [pos0, pos0 + n):
@@ -83,11 +112,17 @@ std::unique_ptr<Ops> make_cpu_ops();
 struct AttentionCall {
   int layer = 0;
   int64_t pos0 = 0;
-  Tensor q;                              // f32 [1, heads_q, n, head_dim], RoPE applied (strided views are fine)
-  Tensor k, v;                           // f32 [1, heads_kv, n, head_dim]: the chunk's own keys and values
-  const PagedKVCache* prefix = nullptr;  // positions [0, pos0); null or empty: none
+  Tensor q;     // act dtype [1, heads_q, n, head_dim] on the backend's device, RoPE applied (strided views)
+  Tensor k, v;  // [1, heads_kv, n, head_dim]: the chunk's own keys and values
+  // The cached prefix, positions [0, pos0): its K/V as [1, heads_kv, pos0, head_dim] views on the
+  // backend's device (undefined when pos0 is 0), and the cache itself for the methods that read
+  // its pages (CPU: prefix; CUDA: device_prefix, whose sequence device_seq this request is).
+  Tensor prefix_k, prefix_v;
+  const PagedKVCache* prefix = nullptr;
+  const DevicePagedKVCache* device_prefix = nullptr;
+  int device_seq = 0;
   int64_t block_causal = 0;
-  Tensor out;     // f32 [1, heads_q, n, head_dim]
+  Tensor out;     // like q
   int step = -1;  // denoising step inside the current block (0 = first); -1: prefill, commit, logits
 };
 
@@ -109,6 +144,8 @@ struct AttentionPolicy {
   std::vector<std::string> layer_methods;  // optional: layer l runs layer_methods[l] when not empty
   Backend backend = Backend::cpu;
   int num_threads = 0;
+  int device = 0;           // cuda: the device
+  void* stream = nullptr;   // cuda: the engine's stream
 };
 Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer);
 // "0,1,31=dense" entries into one method per layer ("" where the policy's method applies).
@@ -116,10 +153,12 @@ Status expand_layer_methods(const std::vector<std::string>& overrides, int n_lay
                             std::vector<std::string>* layer_methods);
 
 // ---- weights, sequence, state --------------------------------------------------------------
+// The projections of one layer are stacked so that each is one GEMM: wqkv = [q; k; v] rows
+// [heads*hd + 2*kv_heads*hd, dim], w_gate_up = [gate; up] rows [2*hidden, dim].
 struct LayerWeights {
-  Weight attn_norm, wq, wk, wv, wo;       // wq [heads*hd, dim], wk/wv [kv_heads*hd, dim], wo [dim, heads*hd]
-  Weight q_norm, k_norm;                  // sdar: [head_dim]
-  Weight ffn_norm, w_gate, w_up, w_down;  // w_gate/w_up [hidden, dim], w_down [dim, hidden]
+  Weight attn_norm, wqkv, wo;   // wo [dim, heads*hd]
+  Weight q_norm, k_norm;        // sdar: [head_dim]
+  Weight ffn_norm, w_gate_up, w_down;  // w_down [dim, hidden]
 };
 struct Weights {
   Weight embed;  // [vocab, dim]
@@ -127,31 +166,53 @@ struct Weights {
   Weight final_norm;  // [dim]
   Weight lm_head;     // [vocab, dim]
 };
-// The tensors of each architecture, by their Hugging Face names (model_llada.cpp, model_sdar.cpp).
-Result<Weights> load_llada_weights(const Config& c, const TensorStore& store, Ops& ops);
-Result<Weights> load_sdar_weights(const Config& c, const TensorStore& store, Ops& ops);
+// Where the loaders take each weight from: the model's files (by their Hugging Face names,
+// each tensor checked against its shape) or random weights made by the backend.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  // The matrices `names` (each [rows[i], cols]) stacked by rows.
+  virtual Result<Weight> matrix(std::span<const std::string> names, std::span<const int64_t> rows, int64_t cols) = 0;
+  virtual Result<Weight> vector(const std::string& name, int64_t dim) = 0;
+  Result<Weight> matrix(const std::string& name, int64_t rows, int64_t cols) {
+    return matrix(std::span<const std::string>(&name, 1), std::span<const int64_t>(&rows, 1), cols);
+  }
+};
+std::unique_ptr<WeightSource> file_weights(const TensorStore& store, Ops& ops);
+std::unique_ptr<WeightSource> random_weights(Ops& ops, uint64_t seed);
+// The tensors of each architecture (model_llada.cpp, model_sdar.cpp).
+Result<Weights> load_llada_weights(const Config& c, WeightSource& source);
+Result<Weights> load_sdar_weights(const Config& c, WeightSource& source);
 
-// One request: its KV cache (one PagedKVCache per layer, the prefix of positions [0, length))
-// and the per-layer attention state.
+// One request: its KV cache of the prefix of positions [0, length) (one cache per layer: CPU
+// PagedKVCache, or on CUDA a DevicePagedKVCache holding this one sequence) and the per-layer
+// attention state.
 struct Sequence {
   std::vector<PagedKVCache> cache;
+  std::vector<DevicePagedKVCache> device_cache;
   std::vector<std::unique_ptr<LayerAttention>> attention;
-  int64_t length() const { return cache.empty() ? 0 : cache[0].length(); }
+  int64_t length() const;
 };
-Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy);
+// A sequence whose caches hold up to max_tokens tokens (the CUDA caches reserve them up front;
+// 0: no cache, for forwards that store nothing).
+Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy, int64_t max_tokens);
 Status reset_cache(const Config& c, Sequence& seq);  // empty caches, keep the attention objects
 
-// Scratch activations for chunks of up to `capacity` tokens (grown on demand).
+// Scratch activations for chunks of up to `capacity` tokens (grown on demand): x the f32
+// residual stream [n, dim]; the rest in the backend's act dtype: xb [n, dim] (normed rows),
+// qkv [n, heads*hd + 2*kv_heads*hd], att [n, heads*hd], gu [n, 2*hidden], h [n, hidden]; logits
+// f32 [logit_rows, vocab].
 struct State {
   Ops* ops = nullptr;
-  int64_t capacity = 0;
-  float *x = nullptr, *xb = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr;
-  float *hb = nullptr, *hb2 = nullptr, *logits = nullptr;
+  int64_t capacity = 0, logit_rows = 0;
+  float* x = nullptr;
+  void *xb = nullptr, *qkv = nullptr, *att = nullptr, *gu = nullptr, *h = nullptr;
+  float* logits = nullptr;
   State() = default;
   State(const State&) = delete;
   State& operator=(const State&) = delete;
   ~State();
-  void reserve(const Config& c, int64_t tokens);
+  void reserve(const Config& c, int64_t tokens, int64_t logit_rows);
 };
 
 struct ForwardOptions {
@@ -172,7 +233,7 @@ struct Model::Impl {
   std::string dir;
   Config config;
   LoadOptions options;
-  TensorStore store;
+  TensorStore store;  // empty for Model::random
   std::unique_ptr<Ops> ops;
   Weights weights;
   AttentionPolicy policy;

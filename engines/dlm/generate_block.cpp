@@ -37,7 +37,7 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
   for (size_t r = 0; r < prompts.size(); ++r) {
     const int64_t p = static_cast<int64_t>(prompts[r].size());
     const int64_t blocks = (p + o.gen_len + B - 1) / B;
-    auto seq = make_sequence(c, m.policy);
+    auto seq = make_sequence(c, m.policy, blocks * B);
     if (!seq.ok()) return seq.status();
     reqs.push_back({Canvas(prompts[r], blocks * B, c.mask_token_id, o.seed, r),
                     std::move(seq.value()),

@@ -22,7 +22,7 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
   std::vector<Sequence> seqs;
   for (size_t r = 0; r < prompts.size(); ++r) {
     canvas.emplace_back(prompts[r], static_cast<int64_t>(prompts[r].size()) + o.gen_len, c.mask_token_id, o.seed, r);
-    auto seq = make_sequence(c, m.policy);
+    auto seq = make_sequence(c, m.policy, static_cast<int64_t>(prompts[r].size()) + o.gen_len);
     if (!seq.ok()) return seq.status();
     seqs.push_back(std::move(seq.value()));
   }

@@ -1,6 +1,7 @@
 // Model: load a model directory (config.json, the tensor files), logits of one canvas, and
 // generate (validation of the requests, then the chosen loop).
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -39,6 +40,61 @@ Loop Model::default_loop() const { return impl_->config.arch == Arch::sdar ? Loo
 int64_t Model::parameter_count() const { return impl_->parameters; }
 std::string Model::weight_dtypes() const { return impl_->store.dtypes(); }
 
+namespace {
+
+// The backend's Ops and the attention policy of every layer (each layer's spec checked now, not
+// at the first forward).
+Status init_backend(Model::Impl& impl, const LoadOptions& options) {
+  const Config& c = impl.config;
+  if (options.backend == "cpu") {
+    impl.ops = make_cpu_ops();
+    impl.policy.backend = Backend::cpu;
+  } else if (options.backend == "cuda" || options.backend.rfind("cuda:", 0) == 0) {
+    int device = 0;
+    if (options.backend.size() > 5) {
+      const std::string id = options.backend.substr(5);
+      char* end = nullptr;
+      const long d = std::strtol(id.c_str(), &end, 10);
+      if (id.empty() || end != id.c_str() + id.size() || d < 0 || d > 1023) {
+        return invalid_argument("backend: expected cuda or cuda:N, got '" + options.backend + "'");
+      }
+      device = static_cast<int>(d);
+    }
+    auto ops = make_cuda_ops(device, c);
+    if (!ops.ok()) return ops.status();
+    impl.ops = std::move(ops.value());
+    impl.policy.backend = Backend::cuda;
+    impl.policy.device = device;
+    impl.policy.stream = impl.ops->stream();
+  } else {
+    return invalid_argument("backend: expected cpu or cuda, got '" + options.backend + "'");
+  }
+  impl.policy.num_threads = options.num_threads;
+  impl.policy.method = options.attention;
+  SPARSA_RETURN_IF_ERROR(
+      expand_layer_methods(options.attention_layers, static_cast<int>(c.n_layers), &impl.policy.layer_methods));
+  for (int l = 0; l < c.n_layers; ++l) {
+    auto a = make_layer_attention(impl.policy, l);
+    if (!a.ok()) return a.status();
+  }
+  return Status::Ok();
+}
+
+Status load_weights(Model::Impl& impl, WeightSource& source) {
+  auto weights = impl.config.arch == Arch::llada ? load_llada_weights(impl.config, source)
+                                                 : load_sdar_weights(impl.config, source);
+  if (!weights.ok()) return weights.status();
+  impl.weights = std::move(weights.value());
+  SPARSA_RETURN_IF_ERROR(impl.ops->check());
+  const Config& c = impl.config;
+  const int64_t per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim +
+                            3 * c.dim * c.hidden_dim + 2 * c.dim + (c.qk_norm ? 2 * c.head_dim : 0);
+  impl.parameters = c.n_layers * per_layer + c.vocab_size * c.dim * (c.tied_embeddings ? 1 : 2) + c.dim;
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<Model> Model::load(const std::string& dir, const LoadOptions& options) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -56,39 +112,45 @@ Result<Model> Model::load(const std::string& dir, const LoadOptions& options) {
   impl->dir = dir;
   impl->config = config.value();
   impl->options = options;
-  if (options.backend == "cpu") {
-    impl->ops = make_cpu_ops();
-    impl->policy.backend = Backend::cpu;
-  } else if (options.backend == "cuda") {
-    return Status(StatusCode::unsupported, "backend: the engine's cuda backend is not built yet (use cpu)");
-  } else {
-    return invalid_argument("backend: expected cpu or cuda, got '" + options.backend + "'");
-  }
-  impl->policy.num_threads = options.num_threads;
-  impl->policy.method = options.attention;
-  SPARSA_RETURN_IF_ERROR(
-      expand_layer_methods(options.attention_layers, static_cast<int>(impl->config.n_layers), &impl->policy.layer_methods));
-  for (int l = 0; l < impl->config.n_layers; ++l) {  // every layer's spec checked now, not at the first forward
-    auto a = make_layer_attention(impl->policy, l);
-    if (!a.ok()) return a.status();
-  }
+  SPARSA_RETURN_IF_ERROR(init_backend(*impl, options));
   auto store = TensorStore::open(dir);
   if (!store.ok()) return store.status();
   impl->store = std::move(store.value());
-  auto weights = impl->config.arch == Arch::llada ? load_llada_weights(impl->config, impl->store, *impl->ops)
-                                                  : load_sdar_weights(impl->config, impl->store, *impl->ops);
-  if (!weights.ok()) return weights.status();
-  impl->weights = std::move(weights.value());
-  const Config& c = impl->config;
-  const int64_t per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim +
-                            3 * c.dim * c.hidden_dim + 2 * c.dim + (c.qk_norm ? 2 * c.head_dim : 0);
-  impl->parameters = c.n_layers * per_layer + c.vocab_size * c.dim * (c.tied_embeddings ? 1 : 2) + c.dim;
+  auto source = file_weights(impl->store, *impl->ops);
+  SPARSA_RETURN_IF_ERROR(load_weights(*impl, *source));
+  return Model(std::move(impl));
+}
+
+Result<Model> Model::random(const Config& config, const LoadOptions& options, uint64_t seed) {
+  const Config& c = config;
+  auto positive = [](const char* field, int64_t v) -> Status {
+    return v >= 1 ? Status::Ok() : invalid_argument(std::string("config: ") + field + ": expected >= 1, got " +
+                                                    std::to_string(v));
+  };
+  SPARSA_RETURN_IF_ERROR(positive("dim", c.dim));
+  SPARSA_RETURN_IF_ERROR(positive("n_layers", c.n_layers));
+  SPARSA_RETURN_IF_ERROR(positive("n_heads", c.n_heads));
+  SPARSA_RETURN_IF_ERROR(positive("n_kv_heads", c.n_kv_heads));
+  SPARSA_RETURN_IF_ERROR(positive("head_dim", c.head_dim));
+  SPARSA_RETURN_IF_ERROR(positive("hidden_dim", c.hidden_dim));
+  SPARSA_RETURN_IF_ERROR(positive("vocab_size", c.vocab_size));
+  SPARSA_RETURN_IF_ERROR(positive("max_seq_len", c.max_seq_len));
+  if (c.n_heads % c.n_kv_heads != 0) return invalid_argument("config: n_heads: expected a multiple of n_kv_heads");
+  if (c.head_dim % 2 != 0) return invalid_argument("config: head_dim: expected an even number (RoPE pairs)");
+  if (c.arch == Arch::sdar) SPARSA_RETURN_IF_ERROR(positive("block_size", c.block_size));
+  auto impl = std::make_unique<Impl>();
+  impl->dir = "(random weights)";
+  impl->config = config;
+  impl->options = options;
+  SPARSA_RETURN_IF_ERROR(init_backend(*impl, options));
+  auto source = random_weights(*impl->ops, seed);
+  SPARSA_RETURN_IF_ERROR(load_weights(*impl, *source));
   return Model(std::move(impl));
 }
 
 Result<std::vector<float>> Model::logits(std::span<const int32_t> ids) const {
   const Config& c = impl_->config;
-  auto seq = make_sequence(c, impl_->policy);
+  auto seq = make_sequence(c, impl_->policy, 0);
   if (!seq.ok()) return seq.status();
   State s;
   s.ops = impl_->ops.get();

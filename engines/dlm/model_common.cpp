@@ -1,35 +1,132 @@
-// What both architectures share: the scratch State, a Sequence's caches, and the attention
-// step of a layer (views over the row-major activations, the layer's LayerAttention, the
-// K/V append of committed tokens).
+// What both architectures share: the weight sources, the scratch State, a Sequence's caches, and
+// the attention step of a layer (views over the fused q/k/v rows, the layer's LayerAttention,
+// the K/V append of committed tokens).
+#include <algorithm>
+#include <cmath>
+
 #include "engine.h"
 #include "model_common.h"
 
 namespace sparsa::dlm {
 
+namespace {
+
+class FileWeights final : public WeightSource {
+ public:
+  FileWeights(const TensorStore& store, Ops& ops) : store_(store), ops_(ops) {}
+  Result<Weight> matrix(std::span<const std::string> names, std::span<const int64_t> rows, int64_t cols) override {
+    std::vector<Tensor> parts;
+    for (size_t i = 0; i < names.size(); ++i) {
+      auto t = store_.get(names[i], {rows[i], cols});
+      if (!t.ok()) return t.status();
+      parts.push_back(t.value());
+    }
+    return ops_.prepare(parts);
+  }
+  Result<Weight> vector(const std::string& name, int64_t dim) override {
+    auto t = store_.get(name, {dim});
+    if (!t.ok()) return t.status();
+    return ops_.prepare_vector(t.value());
+  }
+
+ private:
+  const TensorStore& store_;
+  Ops& ops_;
+};
+
+// Uniform in ±1/sqrt(cols) (the embedding ±1), norm weights 1: activations of a sane size through
+// every layer, so the timings are those of real numbers (no NaN or denormal paths).
+class RandomWeights final : public WeightSource {
+ public:
+  RandomWeights(Ops& ops, uint64_t seed) : ops_(ops), seed_(seed) {}
+  Result<Weight> matrix(std::span<const std::string> names, std::span<const int64_t> rows, int64_t cols) override {
+    int64_t total = 0;
+    for (int64_t r : rows) total += r;
+    const bool embedding = names[0].find("embed") != std::string::npos || names[0].find("wte") != std::string::npos;
+    return ops_.random(total, cols, embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(cols)),
+                       seed_ ^ (0x9E3779B97F4A7C15ull * ++count_));
+  }
+  Result<Weight> vector(const std::string&, int64_t dim) override { return ops_.constant_vector(dim, 1.0f); }
+
+ private:
+  Ops& ops_;
+  uint64_t seed_;
+  uint64_t count_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<WeightSource> file_weights(const TensorStore& store, Ops& ops) {
+  return std::make_unique<FileWeights>(store, ops);
+}
+std::unique_ptr<WeightSource> random_weights(Ops& ops, uint64_t seed) {
+  return std::make_unique<RandomWeights>(ops, seed);
+}
+
 State::~State() {
   if (ops == nullptr) return;
-  for (float* p : {x, xb, q, k, v, att, hb, hb2, logits}) ops->free(p);
+  ops->free(x);
+  for (void* p : {xb, qkv, att, gu, h}) ops->free(p);
+  ops->free(logits);
 }
 
-void State::reserve(const Config& c, int64_t tokens) {
-  if (tokens <= capacity) return;
-  for (float* p : {x, xb, q, k, v, att, hb, hb2, logits}) ops->free(p);
-  const int64_t n = tokens;
-  x = ops->alloc(n * c.dim);
-  xb = ops->alloc(n * std::max(c.dim, c.n_heads * c.head_dim));
-  q = ops->alloc(n * c.n_heads * c.head_dim);
-  k = ops->alloc(n * c.n_kv_heads * c.head_dim);
-  v = ops->alloc(n * c.n_kv_heads * c.head_dim);
-  att = ops->alloc(n * c.n_heads * c.head_dim);
-  hb = ops->alloc(n * c.hidden_dim);
-  hb2 = ops->alloc(n * c.hidden_dim);
-  logits = ops->alloc(n * c.vocab_size);
-  capacity = n;
+void State::reserve(const Config& c, int64_t tokens, int64_t rows) {
+  const DType act = ops->act_dtype();
+  if (tokens > capacity) {
+    ops->free(x);
+    for (void* p : {xb, qkv, att, gu, h}) ops->free(p);
+    const int64_t n = tokens;
+    x = static_cast<float*>(ops->alloc(n * c.dim, DType::f32));
+    xb = ops->alloc(n * c.dim, act);
+    qkv = ops->alloc(n * qkv_width(c), act);
+    att = ops->alloc(n * c.n_heads * c.head_dim, act);
+    gu = ops->alloc(n * 2 * c.hidden_dim, act);
+    h = ops->alloc(n * c.hidden_dim, act);
+    capacity = n;
+  }
+  if (rows > logit_rows) {
+    ops->free(logits);
+    logits = static_cast<float*>(ops->alloc(rows * c.vocab_size, DType::f32));
+    logit_rows = rows;
+  }
 }
 
-Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy) {
+namespace {
+// The cached length of one layer (the layers of a forward that stores K/V grow one by one).
+int64_t layer_length(const Sequence& seq, size_t layer) {
+  if (layer < seq.cache.size()) return seq.cache[layer].length();
+  if (layer < seq.device_cache.size()) {
+    auto n = seq.device_cache[layer].length(0);
+    return n.ok() ? n.value() : 0;
+  }
+  return 0;
+}
+}  // namespace
+
+int64_t Sequence::length() const { return layer_length(*this, 0); }
+
+Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy, int64_t max_tokens) {
   Sequence seq;
-  SPARSA_RETURN_IF_ERROR(reset_cache(c, seq));
+  if (policy.backend == Backend::cuda) {
+    if (max_tokens > 0) {
+      DeviceKVCacheConfig kc;
+      kc.heads_kv = c.n_kv_heads;
+      kc.head_dim = c.head_dim;
+      kc.page_size = 16;
+      kc.dtype = DType::bf16;
+      kc.pool_pages = (max_tokens + kc.page_size - 1) / kc.page_size;
+      kc.device = policy.device;
+      for (int64_t l = 0; l < c.n_layers; ++l) {
+        auto cache = DevicePagedKVCache::create(kc);
+        if (!cache.ok()) return cache.status();
+        auto id = cache->add_sequence(max_tokens);
+        if (!id.ok()) return id.status();
+        seq.device_cache.push_back(std::move(cache.value()));
+      }
+    }
+  } else {
+    SPARSA_RETURN_IF_ERROR(reset_cache(c, seq));
+  }
   for (int l = 0; l < c.n_layers; ++l) {
     auto a = make_layer_attention(policy, l);
     if (!a.ok()) return a.status();
@@ -39,45 +136,77 @@ Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy) {
 }
 
 Status reset_cache(const Config& c, Sequence& seq) {
-  seq.cache.clear();
-  for (int64_t l = 0; l < c.n_layers; ++l) {
-    auto cache = PagedKVCache::create({c.n_kv_heads, c.head_dim, 16});
-    if (!cache.ok()) return cache.status();
-    seq.cache.push_back(std::move(cache.value()));
+  if (!seq.device_cache.empty()) {
+    for (auto& cache : seq.device_cache) SPARSA_RETURN_IF_ERROR(cache.reset(0));
+  } else {
+    seq.cache.clear();
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      auto cache = PagedKVCache::create({c.n_kv_heads, c.head_dim, 16});
+      if (!cache.ok()) return cache.status();
+      seq.cache.push_back(std::move(cache.value()));
+    }
   }
   for (auto& a : seq.attention) a->on_reset();
   return Status::Ok();
 }
 
 namespace {
-// [n, heads, head_dim] row-major as the [1, heads, n, head_dim] view attention takes.
-Tensor heads_view(float* data, int64_t n, int64_t heads, int64_t head_dim) {
-  Tensor t = Tensor::contiguous(data, DType::f32, {1, heads, n, head_dim});
-  t.strides[0] = n * heads * head_dim;
+// Rows [n, row_stride] holding `heads` heads of head_dim from column `col` as the [1, heads, n,
+// head_dim] view attention takes.
+Tensor heads_view(void* data, DType dtype, Device device, int64_t n, int64_t heads, int64_t head_dim,
+                  int64_t row_stride, int64_t col) {
+  Tensor t = Tensor::contiguous(static_cast<char*>(data) + col * dtype_size(dtype), dtype, {1, heads, n, head_dim},
+                                device);
+  t.strides[0] = n * row_stride;
   t.strides[1] = head_dim;
-  t.strides[2] = heads * head_dim;
+  t.strides[2] = row_stride;
   t.strides[3] = 1;
   return t;
 }
 }  // namespace
 
 Status attend(const Config& c, State& s, Sequence& seq, int layer, int64_t n, const ForwardOptions& o) {
+  const DType act = s.ops->act_dtype();
+  const Device dev = s.ops->device();
+  const int64_t hd = c.head_dim, qd = c.n_heads * hd, kvd = c.n_kv_heads * hd, w = qkv_width(c);
   AttentionCall call;
   call.layer = layer;
-  call.pos0 = seq.cache[layer].length();
-  call.q = heads_view(s.q, n, c.n_heads, c.head_dim);
-  call.k = heads_view(s.k, n, c.n_kv_heads, c.head_dim);
-  call.v = heads_view(s.v, n, c.n_kv_heads, c.head_dim);
-  call.out = heads_view(s.att, n, c.n_heads, c.head_dim);
-  call.prefix = &seq.cache[layer];
+  call.pos0 = layer_length(seq, static_cast<size_t>(layer));
+  call.q = heads_view(s.qkv, act, dev, n, c.n_heads, hd, w, 0);
+  call.k = heads_view(s.qkv, act, dev, n, c.n_kv_heads, hd, w, qd);
+  call.v = heads_view(s.qkv, act, dev, n, c.n_kv_heads, hd, w, qd + kvd);
+  call.out = heads_view(s.att, act, dev, n, c.n_heads, hd, qd, 0);
   call.block_causal = o.block_causal;
   call.step = o.step;
-  call.q.device = call.k.device = call.v.device = call.out.device = s.ops->device();
+  if (!seq.cache.empty()) {
+    call.prefix = &seq.cache[layer];
+    if (call.pos0 > 0) {
+      call.prefix_k = seq.cache[layer].keys();
+      call.prefix_v = seq.cache[layer].values();
+    }
+  } else if (!seq.device_cache.empty()) {
+    call.device_prefix = &seq.device_cache[layer];
+    if (call.pos0 > 0) {
+      auto k = seq.device_cache[layer].keys(0);
+      auto v = seq.device_cache[layer].values(0);
+      if (!k.ok()) return k.status();
+      if (!v.ok()) return v.status();
+      call.prefix_k = k.value();
+      call.prefix_v = v.value();
+    }
+  }
   SPARSA_RETURN_IF_ERROR(seq.attention[layer]->forward(call));
   if (o.store_kv > 0) {
     const int64_t m = o.store_kv;
-    SPARSA_RETURN_IF_ERROR(seq.cache[layer].append(heads_view(s.k, m, c.n_kv_heads, c.head_dim),
-                                                   heads_view(s.v, m, c.n_kv_heads, c.head_dim)));
+    const Tensor k = heads_view(s.qkv, act, dev, m, c.n_kv_heads, hd, w, qd);
+    const Tensor v = heads_view(s.qkv, act, dev, m, c.n_kv_heads, hd, w, qd + kvd);
+    if (!seq.cache.empty()) {
+      SPARSA_RETURN_IF_ERROR(seq.cache[layer].append(k, v));
+    } else if (!seq.device_cache.empty()) {
+      SPARSA_RETURN_IF_ERROR(seq.device_cache[layer].append(0, k, v, s.ops->stream()));
+    } else {
+      return Status(StatusCode::internal, "forward: store_kv on a sequence made without a cache");
+    }
     seq.attention[layer]->on_commit();
   }
   return Status::Ok();
@@ -103,18 +232,13 @@ Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t
   return Status::Ok();
 }
 
-void head(const Config& c, const Weights& w, State& s, const ForwardOptions& o, float* logits) {
-  if (logits == nullptr || o.logits_count == 0) return;
+Status head(const Config& c, const Weights& w, State& s, const ForwardOptions& o, float* logits) {
+  if (logits == nullptr || o.logits_count == 0) return s.ops->check();
   const int64_t rows = o.logits_count;
   s.ops->rms_norm(s.xb, s.x + o.logits_begin * c.dim, w.final_norm, rows, c.dim, c.norm_eps);
-  s.ops->matmul(s.logits, s.xb, rows, w.lm_head);
+  s.ops->matmul_f32(s.logits, s.xb, rows, w.lm_head);
   s.ops->to_host(logits, s.logits, rows * c.vocab_size);
-}
-
-Result<Weight> load_weight(const TensorStore& store, Ops& ops, const std::string& name, std::vector<int64_t> shape) {
-  auto t = store.get(name, std::move(shape));
-  if (!t.ok()) return t.status();
-  return ops.prepare(t.value());
+  return s.ops->check();
 }
 
 }  // namespace sparsa::dlm

@@ -23,31 +23,33 @@
 
 namespace sparsa::dlm {
 
-Result<Weights> load_sdar_weights(const Config& c, const TensorStore& store, Ops& ops) {
+Result<Weights> load_sdar_weights(const Config& c, WeightSource& src) {
   const int64_t d = c.dim, hd = c.head_dim, qd = c.n_heads * hd, kvd = c.n_kv_heads * hd, f = c.hidden_dim;
   Weights w;
-  SPARSA_ASSIGN_WEIGHT(w.embed, load_weight(store, ops, "model.embed_tokens.weight", {c.vocab_size, d}));
+  SPARSA_ASSIGN_WEIGHT(w.embed, src.matrix("model.embed_tokens.weight", c.vocab_size, d));
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const std::string b = "model.layers." + std::to_string(l) + ".";
     LayerWeights L;
-    SPARSA_ASSIGN_WEIGHT(L.attn_norm, load_weight(store, ops, b + "input_layernorm.weight", {d}));
-    SPARSA_ASSIGN_WEIGHT(L.wq, load_weight(store, ops, b + "self_attn.q_proj.weight", {qd, d}));
-    SPARSA_ASSIGN_WEIGHT(L.wk, load_weight(store, ops, b + "self_attn.k_proj.weight", {kvd, d}));
-    SPARSA_ASSIGN_WEIGHT(L.wv, load_weight(store, ops, b + "self_attn.v_proj.weight", {kvd, d}));
-    SPARSA_ASSIGN_WEIGHT(L.q_norm, load_weight(store, ops, b + "self_attn.q_norm.weight", {hd}));
-    SPARSA_ASSIGN_WEIGHT(L.k_norm, load_weight(store, ops, b + "self_attn.k_norm.weight", {hd}));
-    SPARSA_ASSIGN_WEIGHT(L.wo, load_weight(store, ops, b + "self_attn.o_proj.weight", {d, qd}));
-    SPARSA_ASSIGN_WEIGHT(L.ffn_norm, load_weight(store, ops, b + "post_attention_layernorm.weight", {d}));
-    SPARSA_ASSIGN_WEIGHT(L.w_gate, load_weight(store, ops, b + "mlp.gate_proj.weight", {f, d}));
-    SPARSA_ASSIGN_WEIGHT(L.w_up, load_weight(store, ops, b + "mlp.up_proj.weight", {f, d}));
-    SPARSA_ASSIGN_WEIGHT(L.w_down, load_weight(store, ops, b + "mlp.down_proj.weight", {d, f}));
+    SPARSA_ASSIGN_WEIGHT(L.attn_norm, src.vector(b + "input_layernorm.weight", d));
+    const std::string qkv[] = {b + "self_attn.q_proj.weight", b + "self_attn.k_proj.weight",
+                               b + "self_attn.v_proj.weight"};
+    const int64_t qkv_rows[] = {qd, kvd, kvd};
+    SPARSA_ASSIGN_WEIGHT(L.wqkv, src.matrix(qkv, qkv_rows, d));
+    SPARSA_ASSIGN_WEIGHT(L.q_norm, src.vector(b + "self_attn.q_norm.weight", hd));
+    SPARSA_ASSIGN_WEIGHT(L.k_norm, src.vector(b + "self_attn.k_norm.weight", hd));
+    SPARSA_ASSIGN_WEIGHT(L.wo, src.matrix(b + "self_attn.o_proj.weight", d, qd));
+    SPARSA_ASSIGN_WEIGHT(L.ffn_norm, src.vector(b + "post_attention_layernorm.weight", d));
+    const std::string gate_up[] = {b + "mlp.gate_proj.weight", b + "mlp.up_proj.weight"};
+    const int64_t gate_up_rows[] = {f, f};
+    SPARSA_ASSIGN_WEIGHT(L.w_gate_up, src.matrix(gate_up, gate_up_rows, d));
+    SPARSA_ASSIGN_WEIGHT(L.w_down, src.matrix(b + "mlp.down_proj.weight", d, f));
     w.layers.push_back(L);
   }
-  SPARSA_ASSIGN_WEIGHT(w.final_norm, load_weight(store, ops, "model.norm.weight", {d}));
+  SPARSA_ASSIGN_WEIGHT(w.final_norm, src.vector("model.norm.weight", d));
   if (c.tied_embeddings) {
     w.lm_head = w.embed;
   } else {
-    SPARSA_ASSIGN_WEIGHT(w.lm_head, load_weight(store, ops, "lm_head.weight", {c.vocab_size, d}));
+    SPARSA_ASSIGN_WEIGHT(w.lm_head, src.matrix("lm_head.weight", c.vocab_size, d));
   }
   return w;
 }
@@ -57,33 +59,27 @@ Status forward_sdar(const Config& c, const Weights& w, State& s, Sequence& seq, 
   SPARSA_RETURN_IF_ERROR(check_chunk(c, seq, tokens, o));
   Ops& ops = *s.ops;
   const int64_t n = static_cast<int64_t>(tokens.size()), d = c.dim, hd = c.head_dim;
-  const int64_t pos0 = seq.length();
-  s.reserve(c, n);
+  const int64_t pos0 = seq.length(), qkv = qkv_width(c), qd = c.n_heads * hd;
+  s.reserve(c, n, o.logits_count);
   ops.embed(s.x, w.embed, tokens);
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w.layers[l];
-    // attention block, with RMSNorm of every query and key head before RoPE
+    // attention block: q, k, v in one GEMM, then RMSNorm of every query and key head before RoPE
     ops.rms_norm(s.xb, s.x, L.attn_norm, n, d, c.norm_eps);
-    ops.matmul(s.q, s.xb, n, L.wq);
-    ops.matmul(s.k, s.xb, n, L.wk);
-    ops.matmul(s.v, s.xb, n, L.wv);
-    ops.rms_norm(s.q, s.q, L.q_norm, n * c.n_heads, hd, c.norm_eps);
-    ops.rms_norm(s.k, s.k, L.k_norm, n * c.n_kv_heads, hd, c.norm_eps);
-    ops.rope(s.q, n, c.n_heads, hd, pos0, c.rope);
-    ops.rope(s.k, n, c.n_kv_heads, hd, pos0, c.rope);
+    ops.matmul(s.qkv, s.xb, n, L.wqkv);
+    ops.head_norm(s.qkv, n, c.n_heads, hd, qkv, L.q_norm, c.norm_eps);
+    ops.head_norm(static_cast<char*>(s.qkv) + qd * dtype_size(ops.act_dtype()), n, c.n_kv_heads, hd, qkv, L.k_norm,
+                  c.norm_eps);
+    ops.rope(s.qkv, n, c.n_heads + c.n_kv_heads, hd, qkv, pos0, c.rope);
     SPARSA_RETURN_IF_ERROR(attend(c, s, seq, l, n, o));
-    ops.matmul(s.xb, s.att, n, L.wo);
-    ops.add(s.x, s.xb, n * d);
-    // SwiGLU MLP
+    ops.matmul_add(s.x, s.att, n, L.wo);
+    // SwiGLU MLP: gate and up in one GEMM
     ops.rms_norm(s.xb, s.x, L.ffn_norm, n, d, c.norm_eps);
-    ops.matmul(s.hb, s.xb, n, L.w_gate);
-    ops.matmul(s.hb2, s.xb, n, L.w_up);
-    ops.swiglu(s.hb, s.hb2, n * c.hidden_dim);
-    ops.matmul(s.xb, s.hb, n, L.w_down);
-    ops.add(s.x, s.xb, n * d);
+    ops.matmul(s.gu, s.xb, n, L.w_gate_up);
+    ops.swiglu(s.h, s.gu, n, c.hidden_dim);
+    ops.matmul_add(s.x, s.h, n, L.w_down);
   }
-  head(c, w, s, o, logits);
-  return Status::Ok();
+  return head(c, w, s, o, logits);
 }
 
 }  // namespace sparsa::dlm

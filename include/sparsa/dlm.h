@@ -56,8 +56,8 @@ struct Config {
 // Parses and validates config.json's text; `where` prefixes messages ("DIR/config.json").
 Result<Config> parse_config(const std::string& json_text, const std::string& where = "config.json");
 
-// The engine's compute backend for GEMMs and elementwise work: "cpu" (OpenBLAS) now; a CUDA
-// backend is the next step (docs/dlm.md).
+// The engine's compute backend for GEMMs and elementwise work: "cpu" (f32, OpenBLAS) or "cuda"
+// / "cuda:N" (bf16 activations and weights with f32 accumulation, cuBLAS, one stream; docs/dlm.md).
 struct LoadOptions {
   std::string backend = "cpu";
   int num_threads = 0;  // attention threads on the CPU; 0 = all cores
@@ -113,6 +113,10 @@ using BlockCallback = std::function<void(size_t request, std::span<const int32_t
 class Model {
  public:
   static Result<Model> load(const std::string& dir, const LoadOptions& options = {});
+  // A model of this shape with random weights made by the backend itself (uniform in
+  // ±1/sqrt(fan-in), norms 1), for benchmarks and smoke tests: the engine's speed does not
+  // depend on the weights. weight_dtypes() is "" (no files).
+  static Result<Model> random(const Config& config, const LoadOptions& options = {}, uint64_t seed = 0);
   Model(Model&&) noexcept;
   Model& operator=(Model&&) noexcept;
   ~Model();

@@ -1,0 +1,455 @@
+// The CUDA backend of the engine: bf16 weights and activations with f32 accumulation, the f32
+// residual stream, GEMMs through cuBLAS (bf16 inputs, f32 compute; the residual update is the
+// GEMM's own beta = 1 into the f32 residual, the logits an f32-output GEMM), and one small kernel
+// for each elementwise step. Everything is ordered on one non-blocking stream of the device; the
+// only host synchronisations are to_host (the sampler's read-back) and the weight uploads.
+//
+// RoPE reads a cos/sin table computed on the host in f64 (the CPU backend's formula), grown on
+// demand to the largest position seen, so both backends rotate by the same angles.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <list>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+
+namespace sparsa::dlm {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One block of kRowThreads per row: x f32 [rows, dim] -> out bf16, weight f32 [dim].
+constexpr int kRowThreads = 256;
+__global__ void rms_norm_kernel(bf16* __restrict__ out, const float* __restrict__ x, const float* __restrict__ w,
+                                int64_t dim, float eps) {
+  const float* xr = x + blockIdx.x * dim;
+  bf16* o = out + blockIdx.x * dim;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < dim; i += kRowThreads) ss += xr[i] * xr[i];
+  __shared__ float partial[kRowThreads / 32];
+  ss = warp_sum(ss);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float total = 0.0f;
+  for (int i = 0; i < kRowThreads / 32; ++i) total += partial[i];
+  const float inv = rsqrtf(total / static_cast<float>(dim) + eps);
+  for (int64_t i = threadIdx.x; i < dim; i += kRowThreads) o[i] = __float2bfloat16(xr[i] * inv * w[i]);
+}
+
+// One warp per (token, head): the head's head_dim values normalised in place.
+__global__ void head_norm_kernel(bf16* x, int64_t n, int64_t heads, int64_t head_dim, int64_t row_stride,
+                                 const float* __restrict__ w, float eps) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= n * heads) return;
+  bf16* v = x + (warp / heads) * row_stride + (warp % heads) * head_dim;
+  float ss = 0.0f;
+  for (int64_t i = lane; i < head_dim; i += 32) {
+    const float a = __bfloat162float(v[i]);
+    ss += a * a;
+  }
+  const float inv = rsqrtf(warp_sum(ss) / static_cast<float>(head_dim) + eps);
+  for (int64_t i = lane; i < head_dim; i += 32) v[i] = __float2bfloat16(__bfloat162float(v[i]) * inv * w[i]);
+}
+
+// One thread per (token, head, pair i < head_dim / 2): rotate_half with the table's angle.
+__global__ void rope_kernel(bf16* x, int64_t n, int64_t heads, int64_t head_dim, int64_t row_stride, int64_t pos0,
+                            const float2* __restrict__ table) {
+  const int64_t half = head_dim / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * heads * half) return;
+  const int64_t i = idx % half, h = (idx / half) % heads, t = idx / (half * heads);
+  bf16* v = x + t * row_stride + h * head_dim;
+  const float2 cs = table[(pos0 + t) * half + i];  // (cos, sin)
+  const float a = __bfloat162float(v[i]), b = __bfloat162float(v[i + half]);
+  v[i] = __float2bfloat16(a * cs.x - b * cs.y);
+  v[i + half] = __float2bfloat16(b * cs.x + a * cs.y);
+}
+
+__global__ void swiglu_kernel(bf16* __restrict__ h, const bf16* __restrict__ gu, int64_t n, int64_t hidden) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * hidden) return;
+  const int64_t t = idx / hidden, j = idx % hidden;
+  const float g = __bfloat162float(gu[t * 2 * hidden + j]), u = __bfloat162float(gu[t * 2 * hidden + hidden + j]);
+  h[idx] = __float2bfloat16(g / (1.0f + __expf(-g)) * u);
+}
+
+__global__ void embed_kernel(float* __restrict__ x, const bf16* __restrict__ table, const int32_t* __restrict__ tokens,
+                             int64_t dim) {
+  const bf16* row = table + static_cast<int64_t>(tokens[blockIdx.x]) * dim;
+  float* o = x + blockIdx.x * dim;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) o[i] = __bfloat162float(row[i]);
+}
+
+// Uniform in [-scale, scale) from a splitmix64 hash of (seed, index): the same weights for the
+// same seed whatever the launch shape.
+__global__ void random_kernel(bf16* w, int64_t count, float scale, uint64_t seed) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    w[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
+  }
+}
+
+__global__ void fill_kernel(float* w, int64_t count, float value) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) w[i] = value;
+}
+
+unsigned blocks_for(int64_t count, int threads) { return static_cast<unsigned>((count + threads - 1) / threads); }
+
+const char* cublas_name(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "cuBLAS error";
+  }
+}
+
+// ---- the backend ------------------------------------------------------------------------------
+
+class CudaOps final : public Ops {
+ public:
+  ~CudaOps() override {
+    cudaSetDevice(device_);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    for (void* p : owned_) cudaFree(p);
+    cudaFree(tokens_);
+    cudaFree(rope_table_);
+    cudaFree(workspace_);
+    cudaFreeHost(staging_);
+    if (handle_ != nullptr) cublasDestroy(handle_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    cudaGetLastError();
+  }
+
+  Status init(int device, const Config& c) {
+    device_ = device;
+    rope_config_ = c.rope;
+    head_dim_ = c.head_dim;
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+      cudaGetLastError();
+      return invalid_argument("backend: cuda:" + std::to_string(device) + " is not a device here (" +
+                              std::to_string(count) + " visible)");
+    }
+    SPARSA_RETURN_IF_ERROR(cuda(cudaSetDevice(device), "cudaSetDevice"));
+    SPARSA_RETURN_IF_ERROR(cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
+    SPARSA_RETURN_IF_ERROR(blas(cublasCreate(&handle_), "cublasCreate"));
+    SPARSA_RETURN_IF_ERROR(blas(cublasSetStream(handle_, stream_), "cublasSetStream"));
+    // A workspace lets cuBLAS pick its split-K and stream-K kernels (skinny block-step GEMMs).
+    constexpr size_t kWorkspace = size_t{64} << 20;
+    SPARSA_RETURN_IF_ERROR(cuda(cudaMalloc(&workspace_, kWorkspace), "cudaMalloc (cuBLAS workspace)"));
+    SPARSA_RETURN_IF_ERROR(blas(cublasSetWorkspace(handle_, workspace_, kWorkspace), "cublasSetWorkspace"));
+    return Status::Ok();
+  }
+
+  const char* name() const override { return "cuda"; }
+  Device device() const override { return {DeviceType::cuda, device_}; }
+  DType act_dtype() const override { return DType::bf16; }
+  void* stream() const override { return stream_; }
+
+  Result<Weight> prepare(std::span<const Tensor> parts) override {
+    Weight w;
+    w.dtype = DType::bf16;
+    w.cols = parts[0].ndim == 2 ? parts[0].shape[1] : 1;
+    for (const Tensor& t : parts) w.rows += t.shape[0];
+    auto* dst = static_cast<bf16*>(device_alloc(w.rows * w.cols * 2));
+    if (dst == nullptr) return pending();
+    std::vector<uint16_t> converted;
+    int64_t row = 0;
+    for (const Tensor& t : parts) {
+      const int64_t n = t.numel();
+      const void* src = t.data;
+      if (t.dtype != DType::bf16) {  // f16 / f32 files: rounded to bf16 on the host
+        auto c = convert(t, DType::bf16);
+        if (!c.ok()) return Status(StatusCode::unsupported_dtype, "weights: expected F32, F16 or BF16");
+        converted.assign(c->ptr<uint16_t>(), c->ptr<uint16_t>() + n);
+        src = converted.data();
+      }
+      record(cudaMemcpy(dst + row * w.cols, src, static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice),
+             "cudaMemcpy (weights)");
+      row += t.shape[0];
+    }
+    w.data = dst;
+    SPARSA_RETURN_IF_ERROR(check());
+    return w;
+  }
+
+  Result<Weight> prepare_vector(const Tensor& t) override {
+    auto f = convert(t, DType::f32);
+    if (!f.ok()) return Status(StatusCode::unsupported_dtype, "weights: expected F32, F16 or BF16");
+    Weight w;
+    w.dtype = DType::f32;
+    w.rows = t.shape[0];
+    w.cols = 1;
+    void* dst = device_alloc(w.rows * 4);
+    if (dst == nullptr) return pending();
+    record(cudaMemcpy(dst, f->data(), static_cast<size_t>(w.rows) * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    w.data = dst;
+    SPARSA_RETURN_IF_ERROR(check());
+    return w;
+  }
+
+  Result<Weight> random(int64_t rows, int64_t cols, double scale, uint64_t seed) override {
+    Weight w;
+    w.dtype = DType::bf16;
+    w.rows = rows;
+    w.cols = cols;
+    auto* dst = static_cast<bf16*>(device_alloc(rows * cols * 2));
+    if (dst == nullptr) return pending();
+    random_kernel<<<1024, 256, 0, stream_>>>(dst, rows * cols, static_cast<float>(scale), seed);
+    launched("random weights");
+    w.data = dst;
+    SPARSA_RETURN_IF_ERROR(check());
+    return w;
+  }
+
+  Result<Weight> constant_vector(int64_t dim, float value) override {
+    Weight w;
+    w.dtype = DType::f32;
+    w.rows = dim;
+    w.cols = 1;
+    auto* dst = static_cast<float*>(device_alloc(dim * 4));
+    if (dst == nullptr) return pending();
+    fill_kernel<<<blocks_for(dim, 256), 256, 0, stream_>>>(dst, dim, value);
+    launched("norm weights");
+    w.data = dst;
+    SPARSA_RETURN_IF_ERROR(check());
+    return w;
+  }
+
+  void* alloc(int64_t elements, DType dtype) override {
+    void* p = nullptr;
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(elements, 1)) * dtype_size(dtype);
+    if (record(cudaMalloc(&p, bytes), "cudaMalloc (activations)")) {
+      record(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync");
+    }
+    return p;
+  }
+  void free(void* p) override {
+    if (p == nullptr) return;
+    cudaStreamSynchronize(stream_);
+    cudaFree(p);
+  }
+
+  void matmul(void* y, const void* x, int64_t n, const Weight& w) override {
+    gemm(y, CUDA_R_16BF, x, n, w, 0.0f, "matmul");
+  }
+  void matmul_add(float* r, const void* x, int64_t n, const Weight& w) override {
+    gemm(r, CUDA_R_32F, x, n, w, 1.0f, "matmul_add");
+  }
+  void matmul_f32(float* y, const void* x, int64_t n, const Weight& w) override {
+    gemm(y, CUDA_R_32F, x, n, w, 0.0f, "matmul (logits)");
+  }
+
+  void rms_norm(void* out, const float* x, const Weight& weight, int64_t rows, int64_t dim, double eps) override {
+    if (rows == 0) return;
+    rms_norm_kernel<<<static_cast<unsigned>(rows), kRowThreads, 0, stream_>>>(
+        static_cast<bf16*>(out), x, weight.ptr<float>(), dim, static_cast<float>(eps));
+    launched("rms_norm");
+  }
+
+  void head_norm(void* x, int64_t n, int64_t heads, int64_t head_dim, int64_t row_stride, const Weight& weight,
+                 double eps) override {
+    const int64_t threads = n * heads * 32;
+    if (threads == 0) return;
+    head_norm_kernel<<<blocks_for(threads, 256), 256, 0, stream_>>>(static_cast<bf16*>(x), n, heads, head_dim,
+                                                                     row_stride, weight.ptr<float>(),
+                                                                     static_cast<float>(eps));
+    launched("head_norm");
+  }
+
+  void rope(void* x, int64_t n, int64_t heads, int64_t head_dim, int64_t row_stride, int64_t pos0,
+            const RopeConfig& rope) override {
+    if (n == 0) return;
+    if (head_dim != head_dim_ || rope.theta != rope_config_.theta || rope.scaling != rope_config_.scaling ||
+        rope.factor != rope_config_.factor) {
+      fail(Status(StatusCode::internal, "rope: called with another configuration than the model's"));
+      return;
+    }
+    if (!grow_rope_table(pos0 + n)) return;
+    const int64_t count = n * heads * (head_dim / 2);
+    rope_kernel<<<blocks_for(count, 256), 256, 0, stream_>>>(static_cast<bf16*>(x), n, heads, head_dim, row_stride,
+                                                             pos0, static_cast<const float2*>(rope_table_));
+    launched("rope");
+  }
+
+  void swiglu(void* h, const void* gu, int64_t n, int64_t hidden) override {
+    const int64_t count = n * hidden;
+    if (count == 0) return;
+    swiglu_kernel<<<blocks_for(count, 256), 256, 0, stream_>>>(static_cast<bf16*>(h), static_cast<const bf16*>(gu),
+                                                               n, hidden);
+    launched("swiglu");
+  }
+
+  void embed(float* x, const Weight& table, std::span<const int32_t> tokens) override {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    if (n == 0) return;
+    if (n > token_capacity_) {
+      cudaStreamSynchronize(stream_);
+      cudaFree(tokens_);
+      tokens_ = nullptr;
+      if (!record(cudaMalloc(&tokens_, static_cast<size_t>(n) * 4), "cudaMalloc (tokens)")) return;
+      token_capacity_ = n;
+    }
+    // From pageable memory: the copy is staged before it returns, so the caller's span may go.
+    record(cudaMemcpyAsync(tokens_, tokens.data(), static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream_),
+           "cudaMemcpyAsync (tokens)");
+    embed_kernel<<<static_cast<unsigned>(n), 256, 0, stream_>>>(x, table.ptr<bf16>(), tokens_, table.cols);
+    launched("embed");
+  }
+
+  void to_host(float* dst, const float* src, int64_t count) override {
+    const size_t bytes = static_cast<size_t>(count) * 4;
+    if (bytes > staging_bytes_) {
+      cudaFreeHost(staging_);
+      staging_ = nullptr;
+      staging_bytes_ = 0;
+      if (!record(cudaMallocHost(&staging_, bytes), "cudaMallocHost (read-back)")) return;
+      staging_bytes_ = bytes;
+    }
+    record(cudaMemcpyAsync(staging_, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (read-back)");
+    if (record(cudaStreamSynchronize(stream_), "cudaStreamSynchronize")) std::memcpy(dst, staging_, bytes);
+  }
+
+  Status check() override {
+    record(cudaGetLastError(), "a kernel launch");
+    if (error_code_ == StatusCode::ok) return Status::Ok();
+    Status s(error_code_, error_message_);
+    error_code_ = StatusCode::ok;
+    return s;
+  }
+
+ private:
+  // y[n, w.rows] = x[n, w.cols] · wᵀ + beta·y. Column-major: Yᵀ (w.rows x n) = Wᵀ·Xᵀ with W stored
+  // as a (cols x rows) column-major matrix, so op(A) = T, op(B) = N ("TN", Hopper's fast layout).
+  void gemm(void* y, cudaDataType_t y_type, const void* x, int64_t n, const Weight& w, float beta, const char* what) {
+    if (n == 0) return;
+    const float alpha = 1.0f;
+    (void)blas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(n),
+                      static_cast<int>(w.cols), &alpha, w.data, CUDA_R_16BF, static_cast<int>(w.cols), x, CUDA_R_16BF,
+                      static_cast<int>(w.cols), &beta, y, y_type, static_cast<int>(w.rows), CUBLAS_COMPUTE_32F,
+                      CUBLAS_GEMM_DEFAULT),
+         what);
+  }
+
+  // cos/sin of every position below `positions`, in f64 on the host as the CPU backend computes
+  // them (the table is grown by doubling; a sync, rare).
+  bool grow_rope_table(int64_t positions) {
+    if (positions <= rope_positions_) return true;
+    const int64_t cap = std::max<int64_t>(positions, std::max<int64_t>(2 * rope_positions_, 4096));
+    const int64_t half = head_dim_ / 2;
+    double theta = rope_config_.theta, pos_scale = 1.0;
+    if (rope_config_.scaling == "linear") pos_scale = 1.0 / rope_config_.factor;
+    if (rope_config_.scaling == "ntk") {
+      theta *= std::pow(rope_config_.factor, static_cast<double>(head_dim_) / static_cast<double>(head_dim_ - 2));
+    }
+    std::vector<float> table(static_cast<size_t>(cap * half * 2));
+    for (int64_t p = 0; p < cap; ++p) {
+      const double pos = static_cast<double>(p) * pos_scale;
+      for (int64_t i = 0; i < half; ++i) {
+        const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim_));
+        table[(p * half + i) * 2] = static_cast<float>(std::cos(pos * inv_freq));
+        table[(p * half + i) * 2 + 1] = static_cast<float>(std::sin(pos * inv_freq));
+      }
+    }
+    cudaStreamSynchronize(stream_);
+    cudaFree(rope_table_);
+    rope_table_ = nullptr;
+    rope_positions_ = 0;
+    if (!record(cudaMalloc(&rope_table_, table.size() * 4), "cudaMalloc (rope table)")) return false;
+    if (!record(cudaMemcpy(rope_table_, table.data(), table.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy")) {
+      return false;
+    }
+    rope_positions_ = cap;
+    return true;
+  }
+
+  void* device_alloc(int64_t bytes) {
+    void* p = nullptr;
+    if (!record(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1))), "cudaMalloc (weights)")) {
+      return nullptr;
+    }
+    owned_.push_back(p);
+    return p;
+  }
+
+  Status pending() {
+    Status s = check();
+    return s.ok() ? Status(StatusCode::internal, "cuda backend: allocation failed") : s;
+  }
+  void fail(const Status& s) {
+    if (error_code_ != StatusCode::ok) return;
+    error_code_ = s.code();
+    error_message_ = s.message();
+  }
+  bool record(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return true;
+    cudaGetLastError();
+    fail(Status(e == cudaErrorMemoryAllocation ? StatusCode::out_of_memory : StatusCode::internal,
+                std::string("cuda backend: ") + what + ": " + cudaGetErrorString(e)));
+    return false;
+  }
+  Status cuda(cudaError_t e, const char* what) {
+    record(e, what);
+    return check();
+  }
+  bool launched(const char* what) { return record(cudaGetLastError(), what); }
+  // A cuBLAS failure, kept for check() and returned.
+  Status blas(cublasStatus_t s, const char* what) {
+    if (s == CUBLAS_STATUS_SUCCESS) return Status::Ok();
+    Status e(s == CUBLAS_STATUS_ALLOC_FAILED ? StatusCode::out_of_memory : StatusCode::internal,
+             std::string("cuda backend: ") + what + ": " + cublas_name(s));
+    fail(e);
+    return e;
+  }
+
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::list<void*> owned_;  // weights
+  int32_t* tokens_ = nullptr;
+  int64_t token_capacity_ = 0;
+  void* rope_table_ = nullptr;
+  int64_t rope_positions_ = 0;
+  RopeConfig rope_config_;
+  int64_t head_dim_ = 0;
+  void* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+  StatusCode error_code_ = StatusCode::ok;  // the first error since the last check()
+  std::string error_message_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Ops>> make_cuda_ops(int device, const Config& c) {
+  SPARSA_RETURN_IF_ERROR(backend_status(Backend::cuda));
+  auto ops = std::make_unique<CudaOps>();
+  SPARSA_RETURN_IF_ERROR(ops->init(device, c));
+  return std::unique_ptr<Ops>(std::move(ops));
+}
+
+}  // namespace sparsa::dlm

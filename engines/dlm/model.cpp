@@ -60,6 +60,10 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
       }
       device = static_cast<int>(d);
     }
+    if (c.head_dim != 64 && c.head_dim != 128) {
+      return Status(StatusCode::unsupported, "config head_dim " + std::to_string(c.head_dim) +
+                                                 ": the cuda backend's attention kernels take head_dim 64 or 128");
+    }
     auto ops = make_cuda_ops(device, c);
     if (!ops.ok()) return ops.status();
     impl.ops = std::move(ops.value());

@@ -283,7 +283,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
       ->capture_default_str();
   gen->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
   gen->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
-  gen->add_option("--backend", o->backend, "cpu (cuda: not yet)")->capture_default_str();
+  gen->add_option("--backend", o->backend, "cpu, cuda or cuda:N (bf16 on the GPU)")->capture_default_str();
   gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
   gen->add_option("--attention", o->attention,
                   "every layer's attention: dense, ba_att[:density=0.5,block=64,min_tokens=1024], "
@@ -303,7 +303,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   lg->add_option("--model", o->model, "model directory")->required();
   lg->add_option("--ids", o->ids, "the canvas as token ids 1,2,3")->required();
   lg->add_option("--out", o->out, "output .npy")->required();
-  lg->add_option("--backend", o->backend, "cpu")->capture_default_str();
+  lg->add_option("--backend", o->backend, "cpu, cuda or cuda:N")->capture_default_str();
   lg->add_option("--threads", o->threads, "attention threads (0 = all cores)");
   lg->add_option("--attention", o->attention,
                   "every layer's attention: dense, ba_att[:density=0.5,block=64,min_tokens=1024], "

@@ -1,0 +1,255 @@
+// The DLM engine's denoising steps on the device, at 8B shapes with random bf16 weights made on
+// the device (Model::random: the engine's speed does not depend on the weights):
+//   llada_canvas   LLaDA-8B full-canvas step over `canvas` tokens (the remask loop), logits of one
+//                  block of 32 rows (what the loop reads);
+//   llada_prefix   LLaDA-8B prefix-cached step: a block of 32 against `ctx` cached tokens
+//                  (Fast-dLLM's cached steps);
+//   sdar_block     SDAR-8B (Qwen3-8B shape: 36 layers, 32/8 heads) block step: 16 tokens against
+//                  `ctx` cached tokens, logits of the 16 rows.
+// The cache is filled with random K/V (the engine does not care where they came from). Each row
+// reports the median step time (CUDA events on the engine's stream around Model::Impl::forward,
+// which ends in the logits' read-back), then a breakdown measured the same way by replaying
+// only the step's GEMMs (same shapes, same order) and only its attention calls (the layers'
+// LayerAttention over the same views): rest = step - GEMMs - attention (norms, RoPE, SwiGLU,
+// embedding, read-back, launch gaps). Weight streaming: the bytes of every weight matrix the step
+// reads over (step - attention), against 4.8 TB/s. TFLOP/s: 2 x matrix parameters x tokens plus
+// the attention FLOPs, over the step time.
+//   bench_dlm [--rows llada_canvas,llada_prefix,sdar_block] [--canvas 4096] [--ctx 32768,65536,131072]
+//             [--iters 10]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "model_common.h"
+#include "sparsa/dlm.h"
+
+using namespace sparsa;
+using namespace sparsa::dlm;
+
+namespace {
+
+constexpr double kHbm = 4.8e12;
+
+#define CHECK(x)                                                                        \
+  do {                                                                                  \
+    const Status s_ = (x);                                                              \
+    if (!s_.ok()) {                                                                     \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.to_string().c_str()); \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+Config llada_8b() {
+  Config c;
+  c.arch = Arch::llada;
+  c.dim = 4096;
+  c.n_layers = 32;
+  c.n_heads = c.n_kv_heads = 32;
+  c.head_dim = 128;
+  c.hidden_dim = 12288;
+  c.vocab_size = 126464;
+  c.rope.theta = 500000;
+  c.max_seq_len = 1 << 18;
+  c.mask_token_id = 126336;
+  return c;
+}
+
+Config sdar_8b() {
+  Config c;
+  c.arch = Arch::sdar;
+  c.dim = 4096;
+  c.n_layers = 36;
+  c.n_heads = 32;
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  c.hidden_dim = 12288;
+  c.vocab_size = 151936;
+  c.rope.theta = 1e6;
+  c.max_seq_len = 1 << 18;
+  c.block_size = 16;
+  c.qk_norm = true;
+  c.norm_eps = 1e-6;
+  c.mask_token_id = 151669;
+  return c;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Milliseconds of fn() on `stream`, median of iters runs after one warm-up.
+template <class Fn>
+double time_ms(cudaStream_t stream, int iters, Fn&& fn) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  fn();
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    cudaEventRecord(a, stream);
+    fn();
+    cudaEventRecord(b, stream);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(t);
+}
+
+// Random K/V of `tokens` positions appended to every layer's cache (one upload, reused).
+void fill_cache(const Config& c, Sequence& seq, int64_t tokens, void* stream) {
+  if (tokens == 0) return;
+  const int64_t chunk = std::min<int64_t>(tokens, 16384);
+  std::vector<uint16_t> host(static_cast<size_t>(2 * c.n_kv_heads * chunk * c.head_dim));
+  uint64_t x = 88172645463325252ull;
+  for (auto& h : host) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    h = float_to_bf16(static_cast<float>(static_cast<double>(x >> 40) / 16777216.0 * 2 - 1));
+  }
+  auto kv = DeviceArray::allocate(DType::bf16, {2, 1, c.n_kv_heads, chunk, c.head_dim}, {DeviceType::cuda, 0}, false,
+                                  stream);
+  CHECK(kv.status());
+  cudaMemcpy(kv->data(), host.data(), host.size() * 2, cudaMemcpyHostToDevice);
+  Tensor k = Tensor::contiguous(kv->data(), DType::bf16, {1, c.n_kv_heads, chunk, c.head_dim}, {DeviceType::cuda, 0});
+  Tensor v = k;
+  v.data = static_cast<uint16_t*>(kv->data()) + c.n_kv_heads * chunk * c.head_dim;
+  for (auto& cache : seq.device_cache) {
+    for (int64_t done = 0; done < tokens; done += chunk) {
+      Tensor kk = k, vv = v;
+      kk.shape[2] = vv.shape[2] = std::min(chunk, tokens - done);
+      CHECK(cache.append(0, kk, vv, stream));
+    }
+  }
+  cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+}
+
+struct Row {
+  std::string name;
+  int64_t tokens = 0, ctx = 0;
+  double step = 0, gemm = 0, attention = 0;
+  double flops = 0, weight_bytes = 0;
+};
+
+Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t ctx, int64_t logit_rows, int iters) {
+  const Model::Impl& m = model.impl();
+  const Config& c = m.config;
+  Ops& ops = *m.ops;
+  auto stream = static_cast<cudaStream_t>(ops.stream());
+  auto seq = make_sequence(c, m.policy, ctx + n);
+  CHECK(seq.status());
+  fill_cache(c, seq.value(), ctx, stream);
+  State s;
+  s.ops = &ops;
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) tokens[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
+  std::vector<float> logits(static_cast<size_t>(logit_rows * c.vocab_size));
+  ForwardOptions fo;
+  fo.block_causal = c.arch == Arch::sdar ? c.block_size : 0;
+  fo.logits_begin = 0;
+  fo.logits_count = logit_rows;
+  fo.step = 1;
+  Row r;
+  r.name = name;
+  r.tokens = n;
+  r.ctx = ctx;
+  r.step = time_ms(stream, iters, [&] { CHECK(m.forward(s, seq.value(), tokens, fo, logits.data())); });
+  // The GEMMs alone, in the step's order and shapes.
+  const Weights& w = m.weights;
+  r.gemm = time_ms(stream, iters, [&] {
+    for (const LayerWeights& L : w.layers) {
+      ops.matmul(s.qkv, s.xb, n, L.wqkv);
+      ops.matmul_add(s.x, s.att, n, L.wo);
+      ops.matmul(s.gu, s.xb, n, L.w_gate_up);
+      ops.matmul_add(s.x, s.h, n, L.w_down);
+    }
+    ops.matmul_f32(s.logits, s.xb, logit_rows, w.lm_head);
+  });
+  // The attention alone: every layer's call over the same views (the qkv scratch holds the last
+  // step's last layer, real numbers of the right scale).
+  ForwardOptions ao = fo;
+  ao.logits_count = 0;
+  r.attention = time_ms(stream, iters, [&] {
+    for (int l = 0; l < c.n_layers; ++l) CHECK(attend(c, s, seq.value(), l, n, ao));
+  });
+  CHECK(ops.check());
+  double matrix_params = 0;
+  for (const LayerWeights& L : w.layers) {
+    for (const Weight* x : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}) matrix_params += double(x->rows) * x->cols;
+  }
+  const double head = double(w.lm_head.rows) * w.lm_head.cols;
+  r.weight_bytes = 2 * (matrix_params + head);
+  const double pairs = double(n) * (ctx + n);  // the chunk's own keys counted whole (bidirectional chunk)
+  r.flops = 2 * matrix_params * n + 2 * head * logit_rows + 4.0 * pairs * c.head_dim * c.n_heads * c.n_layers;
+  return r;
+}
+
+std::vector<int64_t> parse_list(const char* s) {
+  std::vector<int64_t> v;
+  for (const char* p = s; *p;) {
+    v.push_back(std::strtoll(p, const_cast<char**>(&p), 10));
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string rows = "llada_canvas,llada_prefix,sdar_block";
+  int64_t canvas = 4096;
+  std::vector<int64_t> ctxs = {32768, 65536, 131072};
+  int iters = 10;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--rows") rows = argv[i + 1];
+    else if (a == "--canvas") canvas = std::strtoll(argv[i + 1], nullptr, 10);
+    else if (a == "--ctx") ctxs = parse_list(argv[i + 1]);
+    else if (a == "--iters") iters = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", a.c_str());
+      return 2;
+    }
+  }
+  LoadOptions lo;
+  lo.backend = "cuda";
+  std::vector<Row> out;
+  const bool want_llada = rows.find("llada") != std::string::npos, want_sdar = rows.find("sdar") != std::string::npos;
+  if (want_llada) {
+    auto model = Model::random(llada_8b(), lo, 1);
+    CHECK(model.status());
+    if (rows.find("llada_canvas") != std::string::npos) {
+      out.push_back(bench_step(model.value(), "llada_canvas", canvas, 0, 32, std::max(iters / 2, 3)));
+    }
+    if (rows.find("llada_prefix") != std::string::npos) {
+      for (int64_t ctx : ctxs) {
+        if (ctx > 65536) continue;  // LLaDA-8B's K/V at 128K is 68 GB: the row stops at 64K
+        out.push_back(bench_step(model.value(), "llada_prefix", 32, ctx, 32, iters));
+      }
+    }
+  }
+  if (want_sdar) {
+    auto model = Model::random(sdar_8b(), lo, 2);
+    CHECK(model.status());
+    for (int64_t ctx : ctxs) out.push_back(bench_step(model.value(), "sdar_block", 16, ctx, 16, iters));
+  }
+  std::printf("DLM engine steps on the device (bf16, random 8B-shaped weights; medians of CUDA-event timings)\n");
+  std::printf("%-13s %6s %7s | %9s %9s %9s %9s | %8s %12s %9s\n", "row", "tokens", "ctx", "step ms", "gemm ms",
+              "attn ms", "rest ms", "TFLOP/s", "weights TB/s", "of HBM");
+  for (const Row& r : out) {
+    const double non_attn = r.step - r.attention;
+    const double tbs = r.weight_bytes / (non_attn * 1e-3) / 1e12;
+    std::printf("%-13s %6lld %7lld | %9.2f %9.2f %9.2f %9.2f | %8.1f %12.2f %8.0f%%\n", r.name.c_str(),
+                static_cast<long long>(r.tokens), static_cast<long long>(r.ctx), r.step, r.gemm, r.attention,
+                r.step - r.gemm - r.attention, r.flops / (r.step * 1e-3) / 1e12, tbs, 100 * tbs * 1e12 / kHbm);
+  }
+  return 0;
+}

@@ -1,0 +1,161 @@
+"""The DLM engine's CUDA backend (--backend cuda) against the same independent numpy reference
+(dlm_ref.py) as the CPU backend, on tiny random models whose heads are 64 or 128 wide (the CUDA
+attention kernels' head_dim). Skipped where the binary has no CUDA backend or no GPU is visible
+(CI); scripts/gpu-check runs them on the H200.
+
+The bf16 bound (BF16_TOL, relative to the largest |logit| of the reference): the CUDA backend
+rounds every weight and every GEMM input (normed rows, q/k/v, attention output, MLP hidden rows)
+to bf16, unit roundoff u = 2^-8 ≈ 3.9e-3, and accumulates in f32. A rounded input perturbs each
+product by ≤ u relative, and the perturbations of a dot product add like a random walk, so one
+GEMM's output moves by about u·|y| (a little more where cancellation shrinks |y|); q·k logits
+see two rounded operands, and 2-3 layers of residual stream carry the errors forward with gains
+near 1 (RMSNorm renormalises). That is ~3u ≈ 1.2e-2 per layer in the worst rows; 4e-2 is that
+bound for three layers with margin. The negative control below shows a RoPE off by one position
+moves the logits by several times more, so the comparison can fail.
+"""
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+import dlm_ref as R
+
+BF16_TOL = 4e-2
+
+
+def run(sparsa_bin, *args, check=True):
+    p = subprocess.run([sparsa_bin, *map(str, args)], capture_output=True, text=True, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"sparsa {' '.join(map(str, args))} failed ({p.returncode}): {p.stderr}")
+    return p
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(a - b)) / max(1.0, float(np.max(np.abs(b)))))
+
+
+SPECS = {
+    "llada_mha_f32_hd64": R.Spec("llada", dim=128, heads=2, layers=2, hidden=160, vocab=96),
+    "llada_gqa_bf16_sharded_hd64": R.Spec("llada", dim=256, heads=4, kv_heads=2, layers=3, hidden=200, vocab=96,
+                                          dtype="BF16", shards=3),
+    "llada_linear_rope_f16_hd128": R.Spec("llada", dim=256, heads=2, layers=2, hidden=96, vocab=80, dtype="F16",
+                                          theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "sdar_gqa_mixed_hd64": R.Spec("sdar", dim=128, heads=4, kv_heads=2, head_dim=64, layers=2, vocab=96, block=4,
+                                  theta=1e6, dtype="mixed"),
+    "sdar_ntk_bf16_hd128": R.Spec("sdar", dim=128, heads=4, kv_heads=1, head_dim=128, layers=2, vocab=80, block=5,
+                                  dtype="BF16", rope_scaling={"type": "dynamic", "factor": 2.0}),
+}
+
+
+def engine_logits(sparsa_bin, model_dir, ids, tmp_path, backend="cuda"):
+    out = tmp_path / f"logits_{backend}.npy"
+    run(sparsa_bin, "logits", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--out", out, "--quiet",
+        "--backend", backend)
+    return np.load(out)
+
+
+@pytest.fixture(scope="module")
+def cuda_ok(sparsa_bin, tmp_path_factory):
+    """Skips the module unless --backend cuda runs here."""
+    d = tmp_path_factory.mktemp("probe")
+    R.write_model(d, SPECS["llada_mha_f32_hd64"], seed=0)
+    p = run(sparsa_bin, "logits", "--model", d, "--ids", "1,2", "--out", d / "x.npy", "--quiet", "--backend", "cuda",
+            check=False)
+    if p.returncode != 0:
+        msg = p.stderr.strip()
+        if "cuda" in msg and ("not compiled" in msg or "no CUDA device" in msg or "has no cuda backend" in msg
+                              or "not available" in msg):
+            pytest.skip(f"no CUDA backend here: {msg}")
+        raise AssertionError(f"--backend cuda failed: {msg}")
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_cuda_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name):
+    s = SPECS[name]
+    d = tmp_path / "model"
+    w = R.write_model(d, s, seed=sum(map(ord, name)) % 1000)
+    rng = np.random.default_rng(2)
+    for n in (1, 9, 23, 70):  # 70 > 64 rows: the flash path of the chunk, and several sdar blocks
+        ids = rng.integers(0, s.vocab, n)
+        got = engine_logits(sparsa_bin, d, ids, tmp_path)
+        assert got.shape == (n, s.vocab) and got.dtype == np.float32
+        ref = R.canvas_logits(s, w, ids)
+        err = rel_err(got, ref)
+        print(f"{name} n={n}: rel err {err:.2e}")
+        assert err < BF16_TOL, (name, n, err)
+        agree = float(np.mean(np.argmax(got, -1) == np.argmax(ref, -1)))
+        assert agree >= 0.9, (name, n, agree)
+
+
+def test_cuda_negative_control_is_outside_the_bound(sparsa_bin, cuda_ok, tmp_path):
+    s = SPECS["llada_mha_f32_hd64"]
+    d = tmp_path / "llada"
+    w = R.write_model(d, s, seed=4)
+    ids = np.arange(40) % s.vocab
+    got = engine_logits(sparsa_bin, d, ids, tmp_path)
+    past = [(np.zeros((1, s.kv_heads, s.head_dim)), np.zeros((1, s.kv_heads, s.head_dim)))] * s.layers
+    shifted = R.forward(s, w, ids, past)[0]  # RoPE one position off, plus an extra zero key
+    assert rel_err(got, shifted) > 2 * BF16_TOL
+    s2 = SPECS["sdar_gqa_mixed_hd64"]
+    d2 = tmp_path / "sdar"
+    w2 = R.write_model(d2, s2, seed=5)
+    got2 = engine_logits(sparsa_bin, d2, ids, tmp_path)
+    bidirectional = R.forward(s2, w2, ids, None, 0)[0]
+    assert rel_err(got2, bidirectional) > 2 * BF16_TOL
+
+
+def generate_ids(sparsa_bin, model_dir, prompts, backend, *flags):
+    args = ["generate", "--model", model_dir, "--json", "--quiet", "--backend", backend, *flags]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    return json.loads(run(sparsa_bin, *args).stdout)["tokens"]
+
+
+PROMPTS = [[3, 17, 5, 9, 30], [8, 1, 44, 2, 19, 27, 33, 12, 6]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    ll = R.Spec("llada", dim=128, heads=2, kv_heads=1, layers=2, vocab=64, eos=62, mask_id=63)
+    sd = R.Spec("sdar", dim=128, heads=2, kv_heads=1, head_dim=64, layers=2, vocab=64, eos=62, mask_id=63, block=4)
+    dl, ds = tmp_path_factory.mktemp("llada_gen"), tmp_path_factory.mktemp("sdar_gen")
+    return (ll, R.write_model(dl, ll, seed=11), dl), (sd, R.write_model(ds, sd, seed=12), ds)
+
+
+def test_cuda_loops_commit_the_reference_tokens(sparsa_bin, cuda_ok, models):
+    (ls, lw, ld), (ss, sw, sd) = models
+    cases = [
+        (ld, ["--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps", 8, "--no-stop-at-eos"],
+         [R.ref_remask(ls, lw, p, 16, 8, 8, False) for p in PROMPTS]),
+        (ld, ["--loop", "prefix_cache", "--gen-len", 16, "--block-len", 8, "--steps", 8, "--threshold", 0.3,
+              "--no-stop-at-eos"],
+         [R.ref_prefix_cache(ls, lw, p, 16, 8, 8, 0.3, False) for p in PROMPTS]),
+        (sd, ["--loop", "block", "--gen-len", 10, "--steps", 2, "--no-stop-at-eos"],
+         [R.ref_block(ss, sw, p, 10, 2, 0.0, False) for p in PROMPTS]),
+    ]
+    for d, flags, want in cases:
+        got = generate_ids(sparsa_bin, d, PROMPTS, "cuda", *flags)
+        cpu = generate_ids(sparsa_bin, d, PROMPTS, "cpu", *flags)
+        assert cpu == want, flags  # the CPU engine is exact on these models (test_dlm.py)
+        for g, w_ in zip(got, want):
+            assert len(g) == len(w_), flags
+            print(flags[1], "cuda:", g, "ref:", w_)
+            assert g == w_, (flags, g, w_)
+
+
+def test_cuda_errors_are_clear(sparsa_bin, cuda_ok, tmp_path):
+    d = tmp_path / "hd16"
+    R.write_model(d, R.Spec("llada", dim=64, heads=4, layers=1), seed=1)
+    p = run(sparsa_bin, "logits", "--model", d, "--ids", "1,2,3", "--out", tmp_path / "x.npy", "--backend", "cuda",
+            check=False)
+    assert p.returncode != 0 and "head_dim 16" in p.stderr, p.stderr
+    d2 = tmp_path / "ok"
+    R.write_model(d2, SPECS["llada_mha_f32_hd64"], seed=1)
+    p = run(sparsa_bin, "logits", "--model", d2, "--ids", "1,2", "--out", tmp_path / "y.npy", "--backend", "cuda:999",
+            check=False)
+    assert p.returncode != 0 and "cuda:999" in p.stderr, p.stderr
+    p = run(sparsa_bin, "generate", "--model", d2, "--prompt-ids", "1,2", "--backend", "cuda", "--attention", "quest",
+            "--quiet", check=False)
+    assert p.returncode != 0 and "quest" in p.stderr, p.stderr

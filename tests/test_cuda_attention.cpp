@@ -754,6 +754,90 @@ TEST(CudaAttentionErrors, IndexContentsCheckedOnTheDeviceAsOnTheHost) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
+// The LSE merge on the device against cpu_ref: every dtype, a head_dim that is not a multiple of
+// the warp, a strided second operand, rows where one side or both saw no key (L = -inf, and a
+// side of weight 0 whose O is NaN must not leak), and out/lse aliasing o1/lse1. Bound: the kernel
+// computes in f32 and rounds O once to the dtype: |O - ref| <= u_dtype * |ref| + 1e-6 (u = 2^-8
+// bf16, 2^-11 f16, 2^-22 f32 for a few f32 roundings); LSE within 4e-6 * (1 + |ref|) (f32 expf /
+// logf, a few ulps).
+TEST(CudaAttentionMerge, MatchesCpuRefEveryDtypeStridedAliasedAndEmptySides) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  constexpr int64_t B = 2, H = 3, L = 37, D = 72, pad = 8;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (DType dt : {DType::bf16, DType::f16, DType::f32}) {
+    SCOPED_TRACE(dtype_name(dt));
+    std::vector<float> o1f(B * H * L * D), o2f(B * H * L * (D + pad));
+    for (auto& x : o1f) x = normal(rng);
+    for (auto& x : o2f) x = normal(rng);
+    std::vector<float> l1(B * H * L), l2(B * H * L);
+    for (int64_t r = 0; r < B * H * L; ++r) {
+      l1[r] = 4 * normal(rng);
+      l2[r] = 4 * normal(rng);
+      if (r % 7 == 1) l1[r] = -INFINITY;
+      if (r % 11 == 2) l2[r] = -INFINITY;
+      if (r % 13 == 3) l1[r] = l2[r] = -INFINITY;
+    }
+    for (int64_t r = 0; r < B * H * L; ++r) {
+      if (l1[r] == -INFINITY) o1f[r * D] = NAN;  // weight 0: must not contribute
+    }
+    HostArray o1 = convert(Tensor::contiguous(o1f.data(), DType::f32, {B, H, L, D}), dt).value();
+    HostArray o2_wide = convert(Tensor::contiguous(o2f.data(), DType::f32, {B, H, L, D + pad}), dt).value();
+    Tensor o2 = o2_wide.view();
+    o2.shape[3] = D;  // rows of D + pad elements, the first D used
+    const Tensor lse1 = Tensor::contiguous(l1.data(), DType::f32, {B, H, L});
+    const Tensor lse2 = Tensor::contiguous(l2.data(), DType::f32, {B, H, L});
+    auto want = merge(o1.view(), lse1, o2, lse2, Backend::cpu_ref);
+    ASSERT_TRUE(want.ok()) << want.status().to_string();
+
+    DeviceBuffer d_o1(o1.nbytes()), d_o2(o2_wide.nbytes()), d_l1(l1.size() * 4), d_l2(l2.size() * 4),
+        d_out(o1.nbytes()), d_lse(l1.size() * 4);
+    CUDA_OK(cudaMemcpy(d_o1.ptr, o1.data(), o1.nbytes(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_o2.ptr, o2_wide.data(), o2_wide.nbytes(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_l1.ptr, l1.data(), l1.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_l2.ptr, l2.data(), l2.size() * 4, cudaMemcpyHostToDevice));
+    const Device gpu{DeviceType::cuda, 0};
+    auto on_gpu = [&](const Tensor& t, void* p) {
+      Tensor x = t;
+      x.data = p;
+      x.device = gpu;
+      return x;
+    };
+    const Tensor g_o1 = on_gpu(o1.view(), d_o1.ptr), g_o2 = on_gpu(o2, d_o2.ptr), g_l1 = on_gpu(lse1, d_l1.ptr),
+                 g_l2 = on_gpu(lse2, d_l2.ptr), g_out = on_gpu(o1.view(), d_out.ptr), g_lse = on_gpu(lse1, d_lse.ptr);
+    ASSERT_TRUE(merge(g_o1, g_l1, g_o2, g_l2, g_out, g_lse, Backend::cuda).ok());
+    HostArray got_o(dt, {B, H, L, D}), got_l(DType::f32, {B, H, L});
+    CUDA_OK(cudaMemcpy(got_o.data(), d_out.ptr, got_o.nbytes(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got_l.data(), d_lse.ptr, got_l.nbytes(), cudaMemcpyDeviceToHost));
+    const double u = dt == DType::bf16 ? 1.0 / 256 : dt == DType::f16 ? 1.0 / 2048 : 1.0 / (1 << 22);
+    for (int64_t r = 0; r < B * H * L; ++r) {
+      const float wl = want->lse.ptr<float>()[r], gl = got_l.ptr<float>()[r];
+      if (wl == -INFINITY) {
+        ASSERT_EQ(gl, -INFINITY) << "row " << r;
+      } else {
+        ASSERT_NEAR(gl, wl, 4e-6 * (1 + std::fabs(wl))) << "row " << r;
+      }
+      for (int64_t t = 0; t < D; ++t) {
+        const double w = load_as_double(want->out.view(), r * D + t), g = load_as_double(got_o.view(), r * D + t);
+        ASSERT_TRUE(std::isfinite(g)) << "row " << r << " col " << t;
+        if (wl == -INFINITY) ASSERT_EQ(g, 0.0) << "row " << r;
+        ASSERT_NEAR(g, w, u * std::fabs(w) + 1e-6) << "row " << r << " col " << t;
+      }
+    }
+    // In place: out = o1, lse = lse1 gives the same bits.
+    ASSERT_TRUE(merge(g_o1, g_l1, g_o2, g_l2, g_o1, g_l1, Backend::cuda).ok());
+    HostArray in_place_o(dt, {B, H, L, D}), in_place_l(DType::f32, {B, H, L});
+    CUDA_OK(cudaMemcpy(in_place_o.data(), d_o1.ptr, in_place_o.nbytes(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(in_place_l.data(), d_l1.ptr, in_place_l.nbytes(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(in_place_o.data(), got_o.data(), got_o.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(in_place_l.data(), got_l.data(), got_l.nbytes()), 0);
+    // A host operand is named.
+    const Status bad = merge(g_o1, g_l1, o2, g_l2, g_out, g_lse, Backend::cuda);
+    EXPECT_FALSE(bad.ok());
+    EXPECT_NE(bad.message().find("o2"), std::string::npos) << bad.to_string();
+  }
+}
+
 }  // namespace
 
 #endif  // SPARSA_WITH_CUDA

@@ -179,7 +179,7 @@ class SplitAttention : public LayerAttention {
     if (!pre_lse.ok()) return pre_lse.status();
     SPARSA_RETURN_IF_ERROR(prefix(call, pre_out.value(), pre_lse.value()));
     return merge(call.out, own_lse.value(), pre_out.value(), pre_lse.value(), call.out, own_lse.value(),
-                 options_.backend == Backend::cuda ? Backend::cuda : Backend::cpu);
+                 options_.backend == Backend::cuda ? Backend::cuda : Backend::cpu, options_.stream);
   }
 
  protected:

@@ -69,9 +69,10 @@ Result<AttentionOutput> block_sparse(const Tensor& q, const Tensor& k, const Ten
 //   m = max(L1, L2); w1 = exp(L1 - m); w2 = exp(L2 - m)
 //   O = (w1*O1 + w2*O2) / (w1 + w2);  L = m + log(w1 + w2)
 // A side with L = -inf contributes nothing; both -inf gives O = 0, L = -inf.
-// out/lse may alias o1/lse1.
+// out/lse may alias o1/lse1. Backend cuda: every tensor on one CUDA device, the kernel ordered on
+// `stream` (a cudaStream_t; null is the legacy default stream).
 Status merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor& lse2,
-             const Tensor& out, const Tensor& lse, Backend backend = Backend::cpu);
+             const Tensor& out, const Tensor& lse, Backend backend = Backend::cpu, void* stream = nullptr);
 Result<AttentionOutput> merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2,
                               const Tensor& lse2, Backend backend = Backend::cpu);
 

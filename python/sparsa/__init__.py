@@ -323,11 +323,12 @@ def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, b
     return _finish(q, out), _finish(q, lse)
 
 
-def merge(o1, lse1, o2, lse2, *, backend: str = "auto", out=None, lse=None):
+def merge(o1, lse1, o2, lse2, *, backend: str = "auto", out=None, lse=None, stream=None):
     """Merge two partial attention results over disjoint key sets by log-sum-exp.
-    ``out``/``lse`` may alias ``o1``/``lse1``."""
+    ``out``/``lse`` may alias ``o1``/``lse1``. On CUDA tensors the kernel is ordered on ``stream``
+    (default: the framework's current stream)."""
     out, lse = _outputs(o1, out, lse, "o1")
-    _core.merge(o1, lse1, o2, lse2, out, lse, backend)
+    _core.merge(o1, lse1, o2, lse2, out, lse, backend, _stream(o1, stream))
     return _finish(o1, out), _finish(o1, lse)
 
 

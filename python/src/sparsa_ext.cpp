@@ -283,14 +283,15 @@ NB_MODULE(_sparsa, m) {
 
   m.def(
       "merge",
-      [](InArray o1, InArray lse1, InArray o2, InArray lse2, OutArray out, OutArray lse, const std::string& backend) {
+      [](InArray o1, InArray lse1, InArray o2, InArray lse2, OutArray out, OutArray lse, const std::string& backend,
+         uintptr_t stream) {
         const Tensor a = to_tensor(o1, "o1"), la = to_tensor(lse1, "lse1"), b = to_tensor(o2, "o2"),
                      lb = to_tensor(lse2, "lse2"), to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         const Backend be = resolve_backend(backend, a);
         nb::gil_scoped_release release;
-        check(merge(a, la, b, lb, to, tl, be));
+        check(merge(a, la, b, lb, to, tl, be, reinterpret_cast<void*>(stream)));
       },
-      "o1"_a, "lse1"_a, "o2"_a, "lse2"_a, "out"_a, "lse"_a, "backend"_a = "auto",
+      "o1"_a, "lse1"_a, "o2"_a, "lse2"_a, "out"_a, "lse"_a, "backend"_a = "auto", "stream"_a = 0,
       "Merge two partial results over disjoint key sets by log-sum-exp.");
 
   // ---- LLSA ----

@@ -238,12 +238,16 @@ Result<AttentionOutput> block_sparse(const Tensor& q, const Tensor& k, const Ten
 }
 
 Status merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor& lse2,
-             const Tensor& out, const Tensor& lse, Backend backend) {
+             const Tensor& out, const Tensor& lse, Backend backend, void* stream) {
   SPARSA_RETURN_IF_ERROR(check_backend(backend));
+  // Every tensor where the backend computes: the host, or o1's CUDA device.
+  Device host{};
   if (backend == Backend::cuda) {
-    return {StatusCode::unsupported, "backend: 'cuda' has no merge kernel yet (use cpu or cpu_ref)"};
+    if (o1.device.type != DeviceType::cuda) {
+      return invalid_argument("o1: the cuda backend expects a tensor on a cuda device, got " + device_name(o1.device));
+    }
+    host = o1.device;
   }
-  const Device host{};
   SPARSA_RETURN_IF_ERROR(check_attention_tensor("o1", o1, host));
   const int64_t b = o1.shape[0], h = o1.shape[1], l = o1.shape[2], d = o1.shape[3];
   SPARSA_RETURN_IF_ERROR(check_shape("o2", o2, {b, h, l, d}));
@@ -252,12 +256,18 @@ Status merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tenso
   SPARSA_RETURN_IF_ERROR(check_dtype("out", out, o1.dtype));
   for (auto [name, t] : {std::pair{"o2", &o2}, std::pair{"out", &out}}) {
     if (t->strides[3] != 1) return invalid_argument(std::string(name) + ": the last dimension must be contiguous");
-    if (!(t->device == host)) return invalid_argument(std::string(name) + ": expected a tensor on cpu");
+    if (!(t->device == host)) {
+      return invalid_argument(std::string(name) + ": expected a tensor on " + device_name(host) + ", got " +
+                              device_name(t->device));
+    }
   }
   for (auto [name, t] : {std::pair{"lse1", &lse1}, std::pair{"lse2", &lse2}, std::pair{"lse", &lse}}) {
     SPARSA_RETURN_IF_ERROR(check_shape(name, *t, {b, h, l}));
     SPARSA_RETURN_IF_ERROR(check_dtype(name, *t, DType::f32));
-    if (!(t->device == host)) return invalid_argument(std::string(name) + ": expected a tensor on cpu");
+    if (!(t->device == host)) {
+      return invalid_argument(std::string(name) + ": expected a tensor on " + device_name(host) + ", got " +
+                              device_name(t->device));
+    }
   }
   // out / lse may alias o1 / lse1 (each row is read before it is written), not each other.
   SPARSA_RETURN_IF_ERROR(detail::check_outputs("out", out, "lse", lse));
@@ -265,7 +275,7 @@ Status merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tenso
   switch (backend) {
     case Backend::cpu_ref: return cpu_ref::merge(p);
     case Backend::cpu: return cpu::merge(p);
-    case Backend::cuda: break;
+    case Backend::cuda: return cuda::merge(p, stream);
   }
   return check_backend(backend);
 }

@@ -42,6 +42,8 @@ bool compiled_in();
 // params.index == nullptr: dense; else the block-sparse plan. Every pointer (q, k, v, out, lse
 // and the index tensors) is device memory of params.device_id; runs on params.stream.
 Status attention(const detail::AttentionParams& params);
+// The LSE merge; every tensor on the device of params.o1, ordered on `stream`.
+Status merge(const detail::MergeParams& params, void* stream);
 // Device memory behind DeviceArray, ordered on `stream` (a cudaStream_t; null: the legacy
 // default stream): at least one byte is allocated (so an empty array still has a distinct
 // pointer), zero-filled on request; the copy waits for the work queued on `stream`.

@@ -17,6 +17,9 @@ Status copy_to_host(int, const void*, size_t, void*, void*) {
 Status attention(const detail::AttentionParams&) {
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
 }
+Status merge(const detail::MergeParams&, void*) {
+  return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
+}
 }  // namespace sparsa::cuda
 
 namespace sparsa::ba_att_cuda {

@@ -85,8 +85,12 @@ def test_cuda_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name):
         err = rel_err(got, ref)
         print(f"{name} n={n}: rel err {err:.2e}")
         assert err < BF16_TOL, (name, n, err)
-        agree = float(np.mean(np.argmax(got, -1) == np.argmax(ref, -1)))
-        assert agree >= 0.9, (name, n, agree)
+        # A row whose argmax moved must have been a near-tie of the reference: its two
+        # candidates' reference logits within twice the bound of each other.
+        scale = max(1.0, float(np.max(np.abs(ref))))
+        for i in np.nonzero(np.argmax(got, -1) != np.argmax(ref, -1))[0]:
+            gap = ref[i].max() - ref[i, np.argmax(got[i])]
+            assert gap <= 2 * BF16_TOL * scale, (name, n, i, gap / scale)
 
 
 def test_cuda_negative_control_is_outside_the_bound(sparsa_bin, cuda_ok, tmp_path):

@@ -152,18 +152,34 @@ Result<Model> Model::random(const Config& config, const LoadOptions& options, ui
   return Model(std::move(impl));
 }
 
-Result<std::vector<float>> Model::logits(std::span<const int32_t> ids) const {
+Result<std::vector<float>> Model::logits(std::span<const int32_t> ids, int64_t cached) const {
   const Config& c = impl_->config;
-  auto seq = make_sequence(c, impl_->policy, 0);
+  const int64_t n = static_cast<int64_t>(ids.size());
+  const int64_t block = c.arch == Arch::sdar ? c.block_size : 0;
+  if (cached < 0 || cached >= n) {
+    return invalid_argument("cached: expected in [0, " + std::to_string(n) + ") for " + std::to_string(n) +
+                            " ids, got " + std::to_string(cached));
+  }
+  if (block > 0 && cached % block != 0) {
+    return invalid_argument("cached: expected a multiple of the model's block_size " + std::to_string(block) +
+                            ", got " + std::to_string(cached));
+  }
+  auto seq = make_sequence(c, impl_->policy, cached > 0 ? n : 0);
   if (!seq.ok()) return seq.status();
   State s;
   s.ops = impl_->ops.get();
-  const int64_t n = static_cast<int64_t>(ids.size());
+  if (cached > 0) {
+    ForwardOptions p;
+    p.block_causal = block;
+    p.store_kv = cached;
+    SPARSA_RETURN_IF_ERROR(impl_->forward(s, seq.value(), ids.first(static_cast<size_t>(cached)), p, nullptr));
+  }
   ForwardOptions o;
-  o.block_causal = c.arch == Arch::sdar ? c.block_size : 0;
-  o.logits_count = n;
-  std::vector<float> out(static_cast<size_t>(n * c.vocab_size));
-  SPARSA_RETURN_IF_ERROR(impl_->forward(s, seq.value(), ids, o, out.data()));
+  o.block_causal = block;
+  o.logits_count = n - cached;
+  std::vector<float> out(static_cast<size_t>((n - cached) * c.vocab_size));
+  SPARSA_RETURN_IF_ERROR(
+      impl_->forward(s, seq.value(), ids.subspan(static_cast<size_t>(cached)), o, out.data()));
   return out;
 }
 

@@ -129,7 +129,10 @@ class Model {
 
   // One forward pass over the canvas `ids` with the architecture's own attention pattern
   // (bidirectional for llada, block-causal with block_size for sdar): f32 [len, vocab_size].
-  Result<std::vector<float>> logits(std::span<const int32_t> ids) const;
+  // cached > 0: ids[0, cached) run first into the KV cache (one pass, which for llada sees only
+  // itself), then ids[cached, len) over that cache, as the loops' cached steps do: the logits of
+  // those len - cached rows (sdar: cached a multiple of block_size).
+  Result<std::vector<float>> logits(std::span<const int32_t> ids, int64_t cached = 0) const;
 
   // A batch of requests (each its own prompt and KV cache) through the chosen loop.
   Result<GenerateResult> generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& options,

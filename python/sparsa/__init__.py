@@ -951,8 +951,10 @@ class Model:
     def default_loop(self) -> str:
         return self._core.default_loop
 
-    def logits(self, ids) -> np.ndarray:
-        return self._core.logits([int(i) for i in ids])
+    def logits(self, ids, cached: int = 0) -> np.ndarray:
+        """f32 [len(ids) - cached, vocab]: one forward over ``ids``; with ``cached`` > 0 the first
+        ``cached`` ids go into the KV cache first and the rest run over it (the loops' cached steps)."""
+        return self._core.logits([int(i) for i in ids], int(cached))
 
     def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,

@@ -73,11 +73,11 @@ void bind_dlm(nb::module_& m) {
       .def_prop_ro("default_loop", [](const dlm::Model& m) { return std::string(dlm::loop_name(m.default_loop())); })
       .def(
           "logits",
-          [](const dlm::Model& m, const std::vector<int32_t>& ids) {
+          [](const dlm::Model& m, const std::vector<int32_t>& ids, int64_t cached) {
             std::vector<float> v;
             {
               nb::gil_scoped_release release;
-              auto r = m.logits(ids);
+              auto r = m.logits(ids, cached);
               if (!r.ok()) {
                 nb::gil_scoped_acquire acquire;
                 raise_dlm(r.status());
@@ -86,10 +86,12 @@ void bind_dlm(nb::module_& m) {
             }
             auto* owned = new std::vector<float>(std::move(v));
             nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-            const size_t shape[2] = {ids.size(), static_cast<size_t>(m.config().vocab_size)};
+            const size_t shape[2] = {ids.size() - static_cast<size_t>(cached), static_cast<size_t>(m.config().vocab_size)};
             return nb::ndarray<nb::numpy, float, nb::ndim<2>>(owned->data(), 2, shape, owner);
           },
-          "ids"_a, "Logits f32 [len(ids), vocab] of one forward pass with the architecture's own attention pattern.")
+          "ids"_a, "cached"_a = 0,
+          "Logits f32 [len(ids) - cached, vocab] of one forward pass with the architecture's own attention pattern "
+          "(cached > 0: the first ids run into the KV cache first).")
       .def(
           "generate",
           [](const dlm::Model& m, const std::vector<std::vector<int32_t>>& prompts, int64_t gen_len, int64_t block_len,

@@ -26,6 +26,7 @@ struct DlmOptions {
   double threshold = 0, temperature = 0;
   uint64_t seed = 0;
   int threads = 0;
+  int64_t cached = 0;  // logits: ids run into the KV cache first
   bool json = false, no_stop = false, ban_eos = false, quiet = false;
 };
 
@@ -68,9 +69,9 @@ Outcome run_logits(const DlmOptions& o) {
   if (Status st = check_output_path("--out", o.out, {".npy"}); !st.ok()) return usage_error(st);
   auto model = load_model(o);
   if (!model.ok()) return runtime_error(model.status());
-  auto logits = model->logits(ids.value());
+  auto logits = model->logits(ids.value(), o.cached);
   if (!logits.ok()) return runtime_error(logits.status());
-  const int64_t n = static_cast<int64_t>(ids->size()), vocab = model->config().vocab_size;
+  const int64_t n = static_cast<int64_t>(ids->size()) - o.cached, vocab = model->config().vocab_size;
   const Tensor t = Tensor::contiguous(logits->data(), DType::f32, {n, vocab});
   if (Status st = write_npy(o.out, t); !st.ok()) return runtime_error(st);
   if (!o.quiet) {
@@ -303,6 +304,10 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   lg->add_option("--model", o->model, "model directory")->required();
   lg->add_option("--ids", o->ids, "the canvas as token ids 1,2,3")->required();
   lg->add_option("--out", o->out, "output .npy")->required();
+  lg->add_option("--cached", o->cached,
+                 "run the first N ids into the KV cache first, then the rest over it (the loops' cached steps); "
+                 "the logits of the rest")
+      ->capture_default_str();
   lg->add_option("--backend", o->backend, "cpu, cuda or cuda:N")->capture_default_str();
   lg->add_option("--threads", o->threads, "attention threads (0 = all cores)");
   lg->add_option("--attention", o->attention,

@@ -291,6 +291,19 @@ class SplitMix64:
         return ((z >> 11) + 0.5) / 9007199254740992.0
 
 
+# Decision margins of the reference loops, for comparisons at reduced precision: when MARGINS is a
+# list, every greedy pick appends ("logit", top-1 minus top-2 logit), every top-k choice ("logconf",
+# log of the k-th over the (k+1)-th confidence) and every threshold test ("logthr", |log(conf /
+# threshold)|). A backend whose logits are within e of these can only decide otherwise where a
+# logit margin is below 2e or a log-confidence margin below 4e.
+MARGINS = None
+
+
+def _note(kind, value):
+    if MARGINS is not None:
+        MARGINS.append((kind, float(value)))
+
+
 def softmax_pick(logits, temperature=0.0, rng=None):
     """LLaDA's sampler: argmax of the logits, or Gumbel-max argmax(l - T log(-log u)) at T > 0
     (u drawn for every vocabulary entry in order); confidence = softmax probability of the pick."""
@@ -302,6 +315,9 @@ def softmax_pick(logits, temperature=0.0, rng=None):
         t = int(np.argmax(logits - temperature * np.log(-np.log(u))))
     else:
         t = int(np.argmax(logits))
+        if len(logits) > 1:
+            top2 = np.sort(logits)[-2:]
+            _note("logit", top2[1] - top2[0])
     return t, float(p[t])
 
 
@@ -314,7 +330,14 @@ def schedule(masks, steps):
 
 def top(conf, k):
     order = sorted(range(len(conf)), key=lambda i: (-conf[i], i))
+    if 0 < k < len(conf):
+        _note("logconf", np.log(conf[order[k - 1]]) - np.log(conf[order[k]]))
     return order[:k]
+
+
+def _thr(conf, threshold):
+    for c in conf:
+        _note("logthr", abs(np.log(c) - np.log(threshold)))
 
 
 def cut(s, gen, stop=True):
@@ -345,6 +368,7 @@ def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0
             picks = [softmax_pick(logits[i], temperature, rng) for i in pos]
             conf = [p[1] for p in picks]
             if threshold > 0:  # Fast-dLLM's parallel decoding, no cache
+                _thr(conf, threshold)
                 first = top(conf, 1)
                 chosen = first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
             else:
@@ -364,6 +388,7 @@ def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=Tr
 
     def choose(conf, sched, st):
         if threshold > 0:
+            _thr(conf, threshold)
             first = top(conf, 1)
             return first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
         return top(conf, max(sched[st] if st < len(sched) else 1, 1))
@@ -408,6 +433,7 @@ def ref_block(s, w, prompt, gen_len, steps, threshold, stop=True):
             conf = [p[1] for p in picks]
             want = max(sched[st] if st < len(sched) else 1, 1)
             if threshold > 0:
+                _thr(conf, threshold)
                 chosen = [j for j in range(len(conf)) if conf[j] > threshold]
                 if len(chosen) < want:
                     chosen = top(conf, want)

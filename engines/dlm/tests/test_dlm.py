@@ -72,6 +72,32 @@ def test_logits_match_reference(sparsa_bin, tmp_path, name):
         assert rel_err(got, ref) < LOGIT_TOL, (name, n, rel_err(got, ref))
 
 
+@pytest.mark.parametrize("name", ["llada_gqa_bf16_sharded", "sdar_gqa_f32", "sdar_mixed_sharded_hd32"])
+def test_cached_logits_match_reference(sparsa_bin, tmp_path, name):
+    """`logits --cached N`: the first N ids into the KV cache (one pass), the rest over it."""
+    s = SPECS[name]
+    d = tmp_path / "model"
+    w = R.write_model(d, s, seed=hash(name) % 1000 + 7)
+    bc = s.block if s.arch == "sdar" else 0
+    ids = np.random.default_rng(5).integers(0, s.vocab, 17)
+    cached = 3 * bc if bc else 6
+    out = tmp_path / "c.npy"
+    run(sparsa_bin, "logits", "--model", d, "--ids", ",".join(map(str, ids)), "--out", out, "--quiet",
+        "--cached", cached)
+    got = np.load(out)
+    past = R.forward(s, w, ids[:cached], None, bc)[1]
+    ref = R.forward(s, w, ids[cached:], past, bc)[0]
+    assert got.shape == ref.shape and rel_err(got, ref) < LOGIT_TOL, rel_err(got, ref)
+    for bad, words in ((17, "cached: expected in [0, 17)"), (-1, "cached: expected in [0, 17)")):
+        p = run(sparsa_bin, "logits", "--model", d, "--ids", ",".join(map(str, ids)), "--out", out, "--cached", bad,
+                check=False)
+        assert p.returncode != 0 and words in p.stderr, p.stderr
+    if bc:
+        p = run(sparsa_bin, "logits", "--model", d, "--ids", ",".join(map(str, ids)), "--out", out, "--cached",
+                bc + 1, check=False)
+        assert p.returncode != 0 and "multiple of the model's block_size" in p.stderr, p.stderr
+
+
 def test_negative_controls_are_far_outside_the_tolerance(sparsa_bin, tmp_path):
     """The golden comparison can fail: a bidirectional sdar, or a RoPE shifted by one, is far off."""
     s = SPECS["sdar_gqa_f32"]

@@ -11,10 +11,13 @@
 // which ends in the logits' read-back), then a breakdown measured the same way by replaying
 // only the step's GEMMs (same shapes, same order) and only its attention calls (the layers'
 // LayerAttention over the same views): rest = step - GEMMs - attention (norms, RoPE, SwiGLU,
-// embedding, read-back, launch gaps). Weight streaming: the bytes of every weight matrix the step
+// embedding, the greedy sampler and its read-back of the picks, launch gaps), of which the
+// elementwise kernels alone and the sampler alone are timed too. Weight streaming: the bytes of every weight matrix the step
 // reads over (step - attention), against 4.8 TB/s. TFLOP/s: 2 x matrix parameters x tokens plus
 // the attention FLOPs, over the step time.
-//   bench_dlm [--rows llada_canvas,llada_prefix,sdar_block] [--canvas 4096] [--ctx 32768,65536,131072]
+// generate: whole generate() calls through each loop (remask and prefix_cache on LLaDA-8B, block on
+// SDAR-8B; prompts of 1-4K tokens, greedy): tokens/s and steps/s, wall clock.
+//   bench_dlm [--rows llada_canvas,llada_prefix,sdar_block,generate] [--canvas 4096] [--ctx 32768,65536,131072]
 //             [--iters 10]
 #include <cuda_runtime.h>
 
@@ -161,7 +164,16 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
   r.name = name;
   r.tokens = n;
   r.ctx = ctx;
-  r.step = time_ms(stream, iters, [&] { CHECK(m.forward(s, seq.value(), tokens, fo, logits.data())); });
+  // A step as the loops run it at temperature 0: the forward, then the greedy sampler on the
+  // device (only the picks come back).
+  std::vector<Pick> picks(static_cast<size_t>(logit_rows));
+  const std::vector<int32_t> banned;
+  r.step = time_ms(stream, iters, [&] {
+    CHECK(m.forward(s, seq.value(), tokens, fo, nullptr));
+    if (!ops.greedy(s.logits, logit_rows, c.vocab_size, banned, picks.data())) {
+      ops.to_host(logits.data(), s.logits, logit_rows * c.vocab_size);
+    }
+  });
   // The GEMMs alone, in the step's order and shapes.
   const Weights& w = m.weights;
   r.gemm = time_ms(stream, iters, [&] {
@@ -197,7 +209,11 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
     }
     ops.rms_norm(s.xb, s.x, w.final_norm, logit_rows, c.dim, c.norm_eps);
   });
-  r.readback = time_ms(stream, iters, [&] { ops.to_host(logits.data(), s.logits, logit_rows * c.vocab_size); });
+  r.readback = time_ms(stream, iters, [&] {
+    if (!ops.greedy(s.logits, logit_rows, c.vocab_size, banned, picks.data())) {
+      ops.to_host(logits.data(), s.logits, logit_rows * c.vocab_size);
+    }
+  });
   CHECK(ops.check());
   double matrix_params = 0;
   for (const LayerWeights& L : w.layers) {
@@ -208,6 +224,31 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
   const double pairs = double(n) * (ctx + n);  // the chunk's own keys counted whole (bidirectional chunk)
   r.flops = 2 * matrix_params * n + 2 * head * logit_rows + 4.0 * pairs * c.head_dim * c.n_heads * c.n_layers;
   return r;
+}
+
+// A whole generate() through one loop (greedy, no EOS stop): tokens generated per second and
+// forward passes per second, wall clock (the loop's host work and the prompt's prefill included).
+struct GenRow {
+  std::string loop;
+  int64_t prompt = 0, gen = 0, steps = 0;
+  double seconds = 0;
+};
+
+GenRow bench_generate(const Model& model, Loop loop, int64_t prompt_len, int64_t gen_len, int64_t block_len,
+                      int64_t steps) {
+  std::vector<int32_t> prompt(static_cast<size_t>(prompt_len));
+  for (int64_t i = 0; i < prompt_len; ++i) prompt[i] = static_cast<int32_t>((i * 104729) % 1000 + 1);
+  GenerateOptions o;
+  o.loop = loop;
+  o.gen_len = gen_len;
+  o.block_len = block_len;
+  o.steps = steps;
+  o.stop_at_eos = false;
+  auto warm = model.generate({prompt}, o);  // first call: allocations, cuBLAS's plans
+  CHECK(warm.status());
+  auto r = model.generate({prompt}, o);
+  CHECK(r.status());
+  return {loop_name(loop), prompt_len, gen_len, r->steps, r->seconds};
 }
 
 std::vector<int64_t> parse_list(const char* s) {
@@ -222,7 +263,7 @@ std::vector<int64_t> parse_list(const char* s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string rows = "llada_canvas,llada_prefix,sdar_block";
+  std::string rows = "llada_canvas,llada_prefix,sdar_block,generate";
   int64_t canvas = 4096;
   std::vector<int64_t> ctxs = {32768, 65536, 131072};
   int iters = 10;
@@ -240,6 +281,8 @@ int main(int argc, char** argv) {
   LoadOptions lo;
   lo.backend = "cuda";
   std::vector<Row> out;
+  std::vector<GenRow> gens;
+  const bool want_generate = rows.find("generate") != std::string::npos;
   const bool want_llada = rows.find("llada") != std::string::npos, want_sdar = rows.find("sdar") != std::string::npos;
   if (want_llada) {
     auto model = Model::random(llada_8b(), lo, 1);
@@ -253,15 +296,20 @@ int main(int argc, char** argv) {
         out.push_back(bench_step(model.value(), "llada_prefix", 32, ctx, 32, iters));
       }
     }
+    if (want_generate) {
+      gens.push_back(bench_generate(model.value(), Loop::remask, 960, 64, 32, 64));
+      gens.push_back(bench_generate(model.value(), Loop::prefix_cache, 4032, 64, 32, 64));
+    }
   }
   if (want_sdar) {
     auto model = Model::random(sdar_8b(), lo, 2);
     CHECK(model.status());
     for (int64_t ctx : ctxs) out.push_back(bench_step(model.value(), "sdar_block", 16, ctx, 16, iters));
+    if (want_generate) gens.push_back(bench_generate(model.value(), Loop::block, 1024, 256, 16, 16));
   }
   std::printf("DLM engine steps on the device (bf16, random 8B-shaped weights; medians of CUDA-event timings)\n");
   std::printf("%-13s %6s %7s | %9s %9s %9s %9s (%7s %7s) | %8s %12s %9s\n", "row", "tokens", "ctx", "step ms",
-              "gemm ms", "attn ms", "rest ms", "elemw", "readbk", "TFLOP/s", "weights TB/s", "of HBM");
+              "gemm ms", "attn ms", "rest ms", "elemw", "sample", "TFLOP/s", "weights TB/s", "of HBM");
   for (const Row& r : out) {
     const double non_attn = r.step - r.attention;
     const double tbs = r.weight_bytes / (non_attn * 1e-3) / 1e12;
@@ -269,6 +317,16 @@ int main(int argc, char** argv) {
                 r.name.c_str(), static_cast<long long>(r.tokens), static_cast<long long>(r.ctx), r.step, r.gemm,
                 r.attention, r.step - r.gemm - r.attention, r.elementwise, r.readback,
                 r.flops / (r.step * 1e-3) / 1e12, tbs, 100 * tbs * 1e12 / kHbm);
+  }
+  if (!gens.empty()) {
+    std::printf("\ngenerate() end to end (greedy, wall clock, prefill included)\n");
+    std::printf("%-13s %7s %5s %7s | %9s %10s %10s\n", "loop", "prompt", "gen", "steps", "seconds", "tokens/s",
+                "steps/s");
+    for (const GenRow& g : gens) {
+      std::printf("%-13s %7lld %5lld %7lld | %9.3f %10.1f %10.1f\n", g.loop.c_str(), static_cast<long long>(g.prompt),
+                  static_cast<long long>(g.gen), static_cast<long long>(g.steps), g.seconds, g.gen / g.seconds,
+                  g.steps / g.seconds);
+    }
   }
   return 0;
 }

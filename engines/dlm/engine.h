@@ -47,6 +47,11 @@ Result<std::map<std::string, std::string>> parse_safetensors_index(const std::st
 // converted to f32 once at load, f32 files stay views of the mapping, GEMMs through OpenBLAS),
 // bf16 on CUDA (weights uploaded as bf16, GEMMs through cuBLAS with f32 accumulation, small
 // kernels for the rest, everything ordered on the backend's one stream).
+struct Pick {
+  int32_t token = 0;
+  double confidence = 0;  // softmax probability of the token under the (unnoised) logits
+};
+
 struct Weight {
   const void* data = nullptr;  // [rows, cols] row-major, backend memory
   DType dtype = DType::f32;    // CPU: f32; CUDA: bf16 (matrices), f32 (norm vectors)
@@ -96,8 +101,25 @@ class Ops {
   virtual void embed(float* x, const Weight& table, std::span<const int32_t> tokens) = 0;
   // dst[count] (host) = src[count] (backend f32): the sampler's read-back.
   virtual void to_host(float* dst, const float* src, int64_t count) = 0;
+  // The greedy sampler where the logits are (temperature 0): per row of logits [rows, vocab]
+  // (backend f32) the argmax, lowest index on ties, skipping `banned` ids, and its softmax
+  // probability without them, as sample() computes it on the host; only the picks come back.
+  // false: this backend leaves sampling to the host (read the logits back).
+  virtual bool greedy(const float* logits, int64_t rows, int64_t vocab, std::span<const int32_t> banned,
+                      Pick* picks) {
+    return false;
+  }
   // The first error any call since the last check met (CUDA: launches and cuBLAS), then cleared.
   virtual Status check() { return Status::Ok(); }
+  // Graphs of whole forwards (CUDA graphs): begin_capture() before a forward's calls and
+  // end_capture() after them record the calls instead of running them and return the graph (null
+  // when the backend has none or the capture failed: the caller runs eagerly; the failure is
+  // cleared). replay() runs one; stage_tokens() sets the tokens its embedding reads (the staging
+  // a captured embed() copies from).
+  virtual bool begin_capture() { return false; }
+  virtual std::shared_ptr<void> end_capture() { return nullptr; }
+  virtual void replay(const std::shared_ptr<void>& graph) {}
+  virtual void stage_tokens(std::span<const int32_t> tokens) {}
 };
 std::unique_ptr<Ops> make_cpu_ops();
 // CUDA (a build with the cuda backend; otherwise the error says so). `device` is the CUDA device.
@@ -202,12 +224,29 @@ Status reset_cache(const Config& c, Sequence& seq);  // empty caches, keep the a
 // residual stream [n, dim]; the rest in the backend's act dtype: xb [n, dim] (normed rows),
 // qkv [n, heads*hd + 2*kv_heads*hd], att [n, heads*hd], gu [n, 2*hidden], h [n, hidden]; logits
 // f32 [logit_rows, vocab].
+// The graphs of a State's recent forwards, by what a forward's recorded calls depend on: the
+// sequence and its cached length (the prefix views, RoPE's positions), the chunk's size and the
+// options, the State's buffers. Only the tokens change between replays.
+struct GraphKey {
+  const void* seq = nullptr;
+  int64_t pos0 = -1, n = 0, logits_begin = 0, logits_count = 0, block_causal = 0, capacity = 0;
+  const void* x = nullptr;
+  const void* logits = nullptr;
+  bool operator==(const GraphKey&) const = default;
+};
+struct GraphCache {
+  static constexpr size_t kMax = 8;
+  std::vector<std::pair<GraphKey, std::shared_ptr<void>>> graphs;  // most recent last
+  GraphKey last_eager;  // a forward seen twice in a row is captured the second time
+};
+
 struct State {
   Ops* ops = nullptr;
   int64_t capacity = 0, logit_rows = 0;
   float* x = nullptr;
   void *xb = nullptr, *qkv = nullptr, *att = nullptr, *gu = nullptr, *h = nullptr;
   float* logits = nullptr;
+  GraphCache graphs;
   State() = default;
   State(const State&) = delete;
   State& operator=(const State&) = delete;
@@ -223,7 +262,8 @@ struct ForwardOptions {
   int step = -1;
 };
 // Runs the chunk `tokens` at positions [seq.length(), seq.length() + n) over the cached
-// prefix; writes logits [logits_count, vocab] (host f32) when logits is not null.
+// prefix; the logits of the requested rows are left in s.logits (backend f32 [logits_count,
+// vocab]) and also read back to `logits` (host) when it is not null.
 Status forward_llada(const Config& c, const Weights& w, State& s, Sequence& seq, std::span<const int32_t> tokens,
                      const ForwardOptions& options, float* logits);
 Status forward_sdar(const Config& c, const Weights& w, State& s, Sequence& seq, std::span<const int32_t> tokens,
@@ -239,18 +279,19 @@ struct Model::Impl {
   AttentionPolicy policy;
   int64_t parameters = 0;
 
-  Status forward(State& s, Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o,
-                 float* logits) const {
+  bool graphs = false;  // forwards that store no K/V are replayed from CUDA graphs (model.cpp)
+
+  Status forward_eager(State& s, Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o,
+                       float* logits) const {
     return config.arch == Arch::llada ? forward_llada(config, weights, s, seq, tokens, o, logits)
                                       : forward_sdar(config, weights, s, seq, tokens, o, logits);
   }
+  // forward_eager, or the replay of its graph (model.cpp).
+  Status forward(State& s, Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o,
+                 float* logits) const;
 };
 
 // ---- the shared pieces of the loops (sampler.cpp) ------------------------------------------
-struct Pick {
-  int32_t token = 0;
-  double confidence = 0;  // softmax probability of the token under the (unnoised) logits
-};
 // Argmax (temperature 0) or Gumbel-max at `temperature`; ban_eos sets EOS logits to -inf first.
 Pick sample(const float* logits, int64_t vocab, double temperature, uint64_t* rng, const Config& c, bool ban_eos);
 // LLaDA's schedule: `masks` tokens over `steps` steps, equal shares, the remainder to the first.

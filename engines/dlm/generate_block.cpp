@@ -87,10 +87,11 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
       }
       fo.logits_count = B;
       fo.step = static_cast<int>(q.step);
-      SPARSA_RETURN_IF_ERROR(m.forward(s, q.seq, chunk, fo, logits.data()));
+      auto picked = forward_candidates(m, s, q.seq, chunk, fo, c, o, q.cv, begin, logits);
+      if (!picked.ok()) return picked.status();
       res.steps++;
       res.forward_tokens += B;
-      const Candidates k = candidates(c, o, q.cv, logits.data(), begin, B);
+      const Candidates& k = picked.value();
       const int64_t want =
           std::max<int64_t>(q.step < static_cast<int64_t>(q.schedule.size()) ? q.schedule[q.step] : 1, 1);
       std::vector<int64_t> chosen;

@@ -50,10 +50,11 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
       fo.logits_begin = begin;
       fo.logits_count = o.block_len;
       fo.step = 0;
-      SPARSA_RETURN_IF_ERROR(m.forward(s, seq, cv.x, fo, logits.data()));
+      auto picked = forward_candidates(m, s, seq, cv.x, fo, c, o, cv, begin, logits);
+      if (!picked.ok()) return picked.status();
       res.steps++;
       res.forward_tokens += static_cast<int64_t>(cv.x.size());
-      Candidates k = candidates(c, o, cv, logits.data(), begin, o.block_len);
+      Candidates k = std::move(picked.value());
       if (!k.position.empty()) commit(cv, k, choose(k, schedule, 0));
       // later steps: the suffix [begin, end of canvas) against the cached prefix
       for (int64_t step = 1; cv.masks_in(begin, end) > 0; ++step) {
@@ -62,10 +63,11 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
         so.logits_count = o.block_len;
         so.step = static_cast<int>(step);
         const std::span<const int32_t> suffix(cv.x.data() + begin, cv.x.size() - begin);
-        SPARSA_RETURN_IF_ERROR(m.forward(s, seq, suffix, so, logits.data()));
+        picked = forward_candidates(m, s, seq, suffix, so, c, o, cv, begin, logits);
+        if (!picked.ok()) return picked.status();
         res.steps++;
         res.forward_tokens += static_cast<int64_t>(suffix.size());
-        k = candidates(c, o, cv, logits.data(), begin, o.block_len);
+        k = std::move(picked.value());
         commit(cv, k, choose(k, schedule, step));
       }
       if (o.stop_at_eos && cv.eos_in(c, begin, end)) cv.done = true;

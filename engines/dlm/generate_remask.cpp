@@ -47,10 +47,11 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
         fo.logits_begin = begin;
         fo.logits_count = o.block_len;
         fo.step = static_cast<int>(step);
-        SPARSA_RETURN_IF_ERROR(m.forward(s, seqs[r], cv.x, fo, logits.data()));
+        auto picked = forward_candidates(m, s, seqs[r], cv.x, fo, c, o, cv, begin, logits);
+        if (!picked.ok()) return picked.status();
         res.steps++;
         res.forward_tokens += static_cast<int64_t>(cv.x.size());
-        const Candidates k = candidates(c, o, cv, logits.data(), begin, o.block_len);
+        const Candidates& k = picked.value();
         if (o.threshold > 0) {
           commit(cv, k, threshold_or_top_k(k.confidence, o.threshold, 1));
         } else {

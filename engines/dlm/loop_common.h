@@ -71,6 +71,40 @@ inline Candidates candidates(const Config& c, const GenerateOptions& o, Canvas& 
   }
   return k;
 }
+// One denoising forward of a request and the picks of rows [begin, begin + fo.logits_count) of its
+// canvas (the forward's logit rows): on a backend with a greedy sampler at temperature 0 the picks
+// are made where the logits are and only they come back; otherwise the logits are read back into
+// `host` and sampled there.
+inline Result<Candidates> forward_candidates(const Model::Impl& m, State& s, Sequence& seq,
+                                             std::span<const int32_t> tokens, const ForwardOptions& fo,
+                                             const Config& c, const GenerateOptions& o, Canvas& cv, int64_t begin,
+                                             std::vector<float>& host) {
+  const int64_t rows = fo.logits_count;
+  if (o.temperature == 0 && m.ops->device().type == DeviceType::cuda) {
+    SPARSA_RETURN_IF_ERROR(m.forward(s, seq, tokens, fo, nullptr));
+    std::vector<int32_t> banned;
+    if (o.ban_eos) banned = c.eos_token_ids;
+    std::vector<Pick> picks(static_cast<size_t>(rows));
+    if (m.ops->greedy(s.logits, rows, c.vocab_size, banned, picks.data())) {
+      SPARSA_RETURN_IF_ERROR(m.ops->check());
+      Candidates k;
+      for (int64_t i = 0; i < rows; ++i) {
+        if (!cv.masked[begin + i]) continue;
+        k.position.push_back(begin + i);
+        k.pick.push_back(picks[i]);
+        k.confidence.push_back(picks[i].confidence);
+      }
+      return k;
+    }
+    SPARSA_RETURN_IF_ERROR(m.ops->check());
+    m.ops->to_host(host.data(), s.logits, rows * c.vocab_size);
+    SPARSA_RETURN_IF_ERROR(m.ops->check());
+    return candidates(c, o, cv, host.data(), begin, rows);
+  }
+  SPARSA_RETURN_IF_ERROR(m.forward(s, seq, tokens, fo, host.data()));
+  return candidates(c, o, cv, host.data(), begin, rows);
+}
+
 // Fast-dLLM's parallel decoding rule: with threshold > 0 the most confident candidate and every
 // other one with confidence >= threshold; else the `want` most confident (at least one).
 inline std::vector<int64_t> threshold_or_top_k(const std::vector<double>& confidence, double threshold, int64_t want) {

@@ -1,5 +1,6 @@
 // Model: load a model directory (config.json, the tensor files), logits of one canvas, and
 // generate (validation of the requests, then the chosen loop).
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -7,6 +8,7 @@
 #include <sstream>
 
 #include "engine.h"
+#include "model_common.h"
 
 namespace sparsa::dlm {
 
@@ -85,6 +87,13 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
 }
 
 Status load_weights(Model::Impl& impl, WeightSource& source) {
+  impl.graphs = impl.options.cuda_graphs && impl.policy.backend == Backend::cuda;
+  for (int l = 0; l < impl.config.n_layers && impl.graphs; ++l) {  // host decisions inside a method: eager
+    const std::string& m = l < static_cast<int>(impl.policy.layer_methods.size()) && !impl.policy.layer_methods[l].empty()
+                               ? impl.policy.layer_methods[l]
+                               : impl.policy.method;
+    if (m != "dense") impl.graphs = false;
+  }
   auto weights = impl.config.arch == Arch::llada ? load_llada_weights(impl.config, source)
                                                  : load_sdar_weights(impl.config, source);
   if (!weights.ok()) return weights.status();
@@ -98,6 +107,41 @@ Status load_weights(Model::Impl& impl, WeightSource& source) {
 }
 
 }  // namespace
+
+Status Model::Impl::forward(State& s, Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o,
+                            float* logits) const {
+  if (!graphs || o.store_kv > 0) return forward_eager(s, seq, tokens, o, logits);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  SPARSA_RETURN_IF_ERROR(check_chunk(config, seq, tokens, o));
+  s.reserve(config, n, o.logits_count);  // before the key: it names the buffers
+  const GraphKey key{&seq, seq.length(), n, o.logits_begin, o.logits_count, o.block_causal, s.capacity, s.x, s.logits};
+  auto& cache = s.graphs.graphs;
+  auto hit = std::find_if(cache.begin(), cache.end(), [&](const auto& e) { return e.first == key; });
+  std::shared_ptr<void> graph;
+  if (hit != cache.end()) {
+    graph = hit->second;
+    cache.erase(hit);
+  } else if (s.graphs.last_eager == key && ops->begin_capture()) {
+    const Status recorded = forward_eager(s, seq, tokens, o, nullptr);
+    graph = ops->end_capture();
+    if (!recorded.ok() || graph == nullptr) {
+      graph = nullptr;
+      s.graphs.last_eager = GraphKey{};
+      (void)ops->check();  // a failed capture is not an error: the forward runs eagerly
+      return forward_eager(s, seq, tokens, o, logits);
+    }
+  }
+  if (graph == nullptr) {
+    s.graphs.last_eager = key;
+    return forward_eager(s, seq, tokens, o, logits);
+  }
+  cache.emplace_back(key, graph);
+  if (cache.size() > GraphCache::kMax) cache.erase(cache.begin());
+  ops->stage_tokens(tokens);
+  ops->replay(graph);
+  if (logits != nullptr && o.logits_count > 0) ops->to_host(logits, s.logits, o.logits_count * config.vocab_size);
+  return ops->check();
+}
 
 Result<Model> Model::load(const std::string& dir, const LoadOptions& options) {
   namespace fs = std::filesystem;

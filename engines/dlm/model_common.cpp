@@ -233,11 +233,11 @@ Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t
 }
 
 Status head(const Config& c, const Weights& w, State& s, const ForwardOptions& o, float* logits) {
-  if (logits == nullptr || o.logits_count == 0) return s.ops->check();
+  if (o.logits_count == 0) return s.ops->check();
   const int64_t rows = o.logits_count;
   s.ops->rms_norm(s.xb, s.x + o.logits_begin * c.dim, w.final_norm, rows, c.dim, c.norm_eps);
   s.ops->matmul_f32(s.logits, s.xb, rows, w.lm_head);
-  s.ops->to_host(logits, s.logits, rows * c.vocab_size);
+  if (logits != nullptr) s.ops->to_host(logits, s.logits, rows * c.vocab_size);
   return s.ops->check();
 }
 

@@ -69,6 +69,10 @@ struct LoadOptions {
   std::string attention = "dense";
   // Per-layer overrides "LAYERS=METHOD", e.g. "0,1,31=dense".
   std::vector<std::string> attention_layers;
+  // cuda, every layer dense: a denoising step that repeats (the same request, cached length and
+  // chunk size; the tokens may differ) is captured into a CUDA graph the second time and replayed
+  // after that, which removes the launch overhead of its few hundred kernels.
+  bool cuda_graphs = true;
 };
 
 // Denoising loops (one file each in engines/dlm/).

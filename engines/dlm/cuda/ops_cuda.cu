@@ -113,6 +113,76 @@ __global__ void fill_kernel(float* w, int64_t count, float value) {
   if (i < count) w[i] = value;
 }
 
+// The greedy sampler: one block per logit row. The argmax skips the banned ids (lowest index on
+// ties, as the host sampler's strict >), then conf = exp(l[best] - max) / sum exp(l - max) over
+// the unbanned entries (= 1 / sum, f32).
+constexpr int kMaxBanned = 16;
+struct Banned {
+  int32_t id[kMaxBanned];
+  int count;
+};
+constexpr int kGreedyThreads = 1024;
+__global__ void greedy_kernel(const float* __restrict__ logits, int64_t vocab, Banned banned, int32_t* token,
+                              float* confidence) {
+  const float* row = logits + blockIdx.x * vocab;
+  auto is_banned = [&](int64_t i) {
+    for (int b = 0; b < banned.count; ++b)
+      if (banned.id[b] == i) return true;
+    return false;
+  };
+  float best = -INFINITY;
+  int64_t best_i = -1;
+  for (int64_t i = threadIdx.x; i < vocab; i += kGreedyThreads) {
+    if (is_banned(i)) continue;
+    const float l = row[i];
+    if (best_i < 0 || l > best) {
+      best = l;
+      best_i = i;
+    }
+  }
+  // (value, index) reduction: larger value, then smaller index; an empty lane (index -1) loses.
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t j = __shfl_xor_sync(0xffffffffu, best_i, o);
+    if (j >= 0 && (best_i < 0 || v > best || (v == best && j < best_i))) {
+      best = v;
+      best_i = j;
+    }
+  }
+  __shared__ float vals[kGreedyThreads / 32];
+  __shared__ int64_t idxs[kGreedyThreads / 32];
+  __shared__ float sums[kGreedyThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    vals[warp] = best;
+    idxs[warp] = best_i;
+  }
+  __syncthreads();
+  float m = -INFINITY;
+  int64_t m_i = -1;
+  for (int w = 0; w < kGreedyThreads / 32; ++w) {
+    if (idxs[w] >= 0 && (m_i < 0 || vals[w] > m || (vals[w] == m && idxs[w] < m_i))) {
+      m = vals[w];
+      m_i = idxs[w];
+    }
+  }
+  float z = 0.0f;
+  if (m_i >= 0) {
+    for (int64_t i = threadIdx.x; i < vocab; i += kGreedyThreads) {
+      if (!is_banned(i)) z += __expf(row[i] - m);
+    }
+  }
+  z = warp_sum(z);
+  if (lane == 0) sums[warp] = z;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    for (int w = 0; w < kGreedyThreads / 32; ++w) total += sums[w];
+    token[blockIdx.x] = m_i < 0 ? 0 : static_cast<int32_t>(m_i);
+    confidence[blockIdx.x] = m_i < 0 ? 0.0f : 1.0f / total;
+  }
+}
+
 unsigned blocks_for(int64_t count, int threads) { return static_cast<unsigned>((count + threads - 1) / threads); }
 
 const char* cublas_name(cublasStatus_t s) {
@@ -136,9 +206,12 @@ class CudaOps final : public Ops {
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     for (void* p : owned_) cudaFree(p);
     cudaFree(tokens_);
+    cudaFreeHost(tokens_host_);
     cudaFree(rope_table_);
     cudaFree(workspace_);
     cudaFreeHost(staging_);
+    cudaFree(picks_device_);
+    cudaFreeHost(picks_host_);
     if (handle_ != nullptr) cublasDestroy(handle_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     cudaGetLastError();
@@ -304,21 +377,60 @@ class CudaOps final : public Ops {
     launched("swiglu");
   }
 
+  // The tokens go through a pinned staging buffer, so that a captured embed's copy reads, at each
+  // replay, what stage_tokens() wrote there. Every forward ends in a synchronisation (the sampler's
+  // or the logits' read-back), so the staging is free again when the next forward writes it.
   void embed(float* x, const Weight& table, std::span<const int32_t> tokens) override {
     const int64_t n = static_cast<int64_t>(tokens.size());
     if (n == 0) return;
     if (n > token_capacity_) {
       cudaStreamSynchronize(stream_);
       cudaFree(tokens_);
+      cudaFreeHost(tokens_host_);
       tokens_ = nullptr;
-      if (!record(cudaMalloc(&tokens_, static_cast<size_t>(n) * 4), "cudaMalloc (tokens)")) return;
+      tokens_host_ = nullptr;
+      token_capacity_ = 0;
+      if (!record(cudaMalloc(&tokens_, static_cast<size_t>(n) * 4), "cudaMalloc (tokens)") ||
+          !record(cudaMallocHost(&tokens_host_, static_cast<size_t>(n) * 4), "cudaMallocHost (tokens)")) {
+        return;
+      }
       token_capacity_ = n;
     }
-    // From pageable memory: the copy is staged before it returns, so the caller's span may go.
-    record(cudaMemcpyAsync(tokens_, tokens.data(), static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream_),
+    stage_tokens(tokens);
+    record(cudaMemcpyAsync(tokens_, tokens_host_, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream_),
            "cudaMemcpyAsync (tokens)");
     embed_kernel<<<static_cast<unsigned>(n), 256, 0, stream_>>>(x, table.ptr<bf16>(), tokens_, table.cols);
     launched("embed");
+  }
+
+  void stage_tokens(std::span<const int32_t> tokens) override {
+    if (static_cast<int64_t>(tokens.size()) <= token_capacity_) {
+      std::memcpy(tokens_host_, tokens.data(), tokens.size() * 4);
+    }
+  }
+
+  bool begin_capture() override {
+    return record(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  }
+  std::shared_ptr<void> end_capture() override {
+    cudaGraph_t graph = nullptr;
+    const cudaError_t e = cudaStreamEndCapture(stream_, &graph);
+    if (e != cudaSuccess || graph == nullptr) {
+      cudaGetLastError();
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      return nullptr;
+    }
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t i = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (i != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return std::shared_ptr<void>(exec, [](void* g) { cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g)); });
+  }
+  void replay(const std::shared_ptr<void>& graph) override {
+    record(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph.get()), stream_), "cudaGraphLaunch");
   }
 
   void to_host(float* dst, const float* src, int64_t count) override {
@@ -332,6 +444,38 @@ class CudaOps final : public Ops {
     }
     record(cudaMemcpyAsync(staging_, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (read-back)");
     if (record(cudaStreamSynchronize(stream_), "cudaStreamSynchronize")) std::memcpy(dst, staging_, bytes);
+  }
+
+  bool greedy(const float* logits, int64_t rows, int64_t vocab, std::span<const int32_t> banned,
+              Pick* picks) override {
+    if (banned.size() > kMaxBanned || rows == 0) return false;
+    Banned b{};
+    b.count = static_cast<int>(banned.size());
+    for (size_t i = 0; i < banned.size(); ++i) b.id[i] = banned[i];
+    const size_t bytes = static_cast<size_t>(rows) * 8;
+    if (bytes > pick_bytes_) {
+      cudaStreamSynchronize(stream_);
+      cudaFree(picks_device_);
+      cudaFreeHost(picks_host_);
+      picks_device_ = picks_host_ = nullptr;
+      pick_bytes_ = 0;
+      if (!record(cudaMalloc(&picks_device_, bytes), "cudaMalloc (picks)") ||
+          !record(cudaMallocHost(&picks_host_, bytes), "cudaMallocHost (picks)")) {
+        return true;  // the error is check()'s
+      }
+      pick_bytes_ = bytes;
+    }
+    auto* tok = static_cast<int32_t*>(picks_device_);
+    auto* conf = reinterpret_cast<float*>(tok + rows);
+    greedy_kernel<<<static_cast<unsigned>(rows), kGreedyThreads, 0, stream_>>>(logits, vocab, b, tok, conf);
+    launched("greedy sampler");
+    record(cudaMemcpyAsync(picks_host_, picks_device_, bytes, cudaMemcpyDeviceToHost, stream_),
+           "cudaMemcpyAsync (picks)");
+    if (!record(cudaStreamSynchronize(stream_), "cudaStreamSynchronize")) return true;
+    const auto* ht = static_cast<const int32_t*>(picks_host_);
+    const auto* hc = reinterpret_cast<const float*>(ht + rows);
+    for (int64_t i = 0; i < rows; ++i) picks[i] = Pick{ht[i], static_cast<double>(hc[i])};
+    return true;
   }
 
   Status check() override {
@@ -432,6 +576,7 @@ class CudaOps final : public Ops {
   void* workspace_ = nullptr;
   std::list<void*> owned_;  // weights
   int32_t* tokens_ = nullptr;
+  int32_t* tokens_host_ = nullptr;  // pinned staging of the tokens
   int64_t token_capacity_ = 0;
   void* rope_table_ = nullptr;
   int64_t rope_positions_ = 0;
@@ -439,6 +584,8 @@ class CudaOps final : public Ops {
   int64_t head_dim_ = 0;
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
+  void *picks_device_ = nullptr, *picks_host_ = nullptr;  // the greedy sampler's tokens and confidences
+  size_t pick_bytes_ = 0;
   StatusCode error_code_ = StatusCode::ok;  // the first error since the last check()
   std::string error_message_;
 };

@@ -115,17 +115,17 @@ def test_cuda_cached_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path,
 
 
 def test_cuda_negative_controls_are_outside_the_bound(sparsa_bin, cuda_ok, tmp_path):
-    """The comparison can fail: on a model whose RoPE turns fast (theta 30), positions shifted by
-    one; a bidirectional sdar; a prefix the cached chunk does not see."""
+    """The comparison can fail: a RoPE of another theta (RoPE is relative, so a shift of every
+    position would not show; a wrong frequency does); a bidirectional sdar; a cached chunk that
+    ignored its prefix."""
     s = R.Spec("llada", dim=128, heads=2, layers=2, hidden=160, vocab=96, theta=30.0)
     d = tmp_path / "llada"
     w = R.write_model(d, s, seed=4)
     ids = np.arange(40) % s.vocab
     got = engine_logits(sparsa_bin, d, ids, tmp_path)
     assert rel_err(got, R.canvas_logits(s, w, ids)) < BF16_TOL
-    past = [(np.zeros((1, s.kv_heads, s.head_dim)), np.zeros((1, s.kv_heads, s.head_dim)))] * s.layers
-    shifted = R.forward(s, w, ids, past)[0]  # RoPE one position off, plus an extra zero key
-    assert rel_err(got, shifted) > 2 * BF16_TOL, rel_err(got, shifted)
+    wrong_theta = R.Spec("llada", dim=128, heads=2, layers=2, hidden=160, vocab=96, theta=300.0)
+    assert rel_err(got, R.canvas_logits(wrong_theta, w, ids)) > 2 * BF16_TOL
     cached = engine_logits(sparsa_bin, d, ids, tmp_path, cached=20)
     assert rel_err(cached, R.forward(s, w, ids[20:])[0]) > 2 * BF16_TOL  # as if nothing were cached
     s2 = SPECS["sdar_gqa_mixed_hd64"]

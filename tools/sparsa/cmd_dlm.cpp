@@ -27,7 +27,7 @@ struct DlmOptions {
   uint64_t seed = 0;
   int threads = 0;
   int64_t cached = 0;  // logits: ids run into the KV cache first
-  bool json = false, no_stop = false, ban_eos = false, quiet = false;
+  bool json = false, no_stop = false, ban_eos = false, quiet = false, no_cuda_graphs = false;
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& flag, const std::string& text) {
@@ -60,6 +60,7 @@ Result<dlm::Model> load_model(const DlmOptions& o) {
   lo.num_threads = o.threads;
   lo.attention = o.attention;
   lo.attention_layers = o.attention_layers;
+  lo.cuda_graphs = !o.no_cuda_graphs;
   return dlm::Model::load(o.model, lo);
 }
 
@@ -298,6 +299,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--eos-ids", o->eos_ids, "EOS ids 1,2 (default: config.json's eos_token_id)");
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");
   gen->add_flag("--quiet", o->quiet, "no progress line");
+  gen->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "cuda: run every step eagerly (no graph replay)");
   out.push_back({gen, [o] { return run_generate(*o); }});
 
   CLI::App* lg = app.add_subcommand("logits", "logits of one forward pass over a canvas (f32 [len, vocab] .npy)");

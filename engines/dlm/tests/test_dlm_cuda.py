@@ -180,6 +180,8 @@ def test_cuda_loops_are_deterministic_and_batches_equal_singles(sparsa_bin, cuda
     singles = [generate_ids(sparsa_bin, d, [p], "cuda", *flags)[0] for p in PROMPTS]
     assert batch == singles
     assert generate_ids(sparsa_bin, d, PROMPTS, "cuda", *flags) == batch
+    # the repeated steps replayed from CUDA graphs compute what the eager steps compute
+    assert generate_ids(sparsa_bin, d, PROMPTS, "cuda", *flags, "--no-cuda-graphs") == batch
 
 
 def test_cuda_errors_are_clear(sparsa_bin, cuda_ok, tmp_path):

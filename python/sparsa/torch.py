@@ -37,6 +37,12 @@ def to_block_mask(index: BlockIndex, len_q: int, len_kv: int, device: Optional[t
         raise ValueError("index: a plan with perm_q/perm_kv has no BlockMask form; permute q, k, v first")
     counts = torch.as_tensor(index.counts, dtype=torch.int32, device=device)
     indices = torch.as_tensor(index.indices, dtype=torch.int32, device=device)
+    # A BlockMask reads the number of key blocks off kv_indices' last dimension: pad a plan whose
+    # capacity is smaller to ceil(len_kv / block_kv) columns.
+    num_kv_blocks = -(-len_kv // index.block_kv)
+    if indices.shape[-1] > num_kv_blocks:
+        raise ValueError(f"index: capacity {indices.shape[-1]} exceeds the {num_kv_blocks} key blocks of len_kv {len_kv}")
+    indices = torch.nn.functional.pad(indices, (0, num_kv_blocks - indices.shape[-1]))
     return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(index.block_q, index.block_kv),
                                     seq_lengths=(len_q, len_kv))
 

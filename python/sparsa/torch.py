@@ -237,7 +237,21 @@ def _merge_op(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torc
 
 @_merge_op.register_kernel("cuda")
 def _merge_cuda(o1, lse1, o2, lse2):
-    return sparsa.merge(o1, lse1, o2, lse2, backend="cuda")
+    # sparsa has no CUDA merge kernel yet: the contract's formula in torch ops (f32), on the
+    # current stream like the rest. A side with lse = -inf adds nothing; both: out 0, lse -inf.
+    for name, o, lse in (("o1", o1, lse1), ("o2", o2, lse2)):
+        if o.shape[:-1] != lse.shape:
+            raise ValueError(f"lse{name[1]}: expected shape {list(o.shape[:-1])} to match {name}, got {list(lse.shape)}")
+    if o1.shape != o2.shape:
+        raise ValueError(f"o2: expected shape {list(o1.shape)} as o1, got {list(o2.shape)}")
+    l1, l2 = lse1.float(), lse2.float()
+    m = torch.maximum(l1, l2)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    total = w1 + w2
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = (w1[..., None] * o1.float() + w2[..., None] * o2.float()) / safe[..., None]
+    return out.to(o1.dtype), (m + torch.log(total)).contiguous()
 
 
 @_merge_op.register_fake

@@ -144,6 +144,23 @@ def test_merge_op_of_two_halves_is_dense():
     assert rel(out, ref) < F32 and (lse - ref_lse).abs().max() < F32 * 10
 
 
+def test_the_cuda_merge_formula_equals_sparsa_merge():
+    """sparsa has no CUDA merge kernel: the op's CUDA kernel is torch math, checked here on the
+    CPU against sparsa's merge, empty sides (lse = -inf) included."""
+    q, k, v = qkv(20)
+    o1, l1 = st.dense(q, k[:, :, :40], v[:, :, :40])
+    o2, l2 = st.dense(q, k[:, :, 40:], v[:, :, 40:])
+    l1[0, 0, :5] = float("-inf")
+    o1[0, 0, :5] = 0
+    l1[0, 1, :3] = l2[0, 1, :3] = float("-inf")
+    o1[0, 1, :3] = o2[0, 1, :3] = 0
+    out, lse = st._merge_cuda(o1, l1, o2, l2)
+    ref, ref_lse = sparsa.merge(o1, l1, o2, l2)
+    assert rel(out, ref) < F32 and torch.allclose(lse, ref_lse, atol=1e-5, rtol=0)
+    assert (out[0, 1, :3] == 0).all() and torch.isneginf(lse[0, 1, :3]).all()
+    assert torch.equal(out[0, 0, :5], o2[0, 0, :5]) or rel(out[0, 0, :5], o2[0, 0, :5]) < F32
+
+
 def test_llsa_op_autograd_equals_sparsa_backward():
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 2, 128, 16, generator=g, requires_grad=True) for _ in range(3))

@@ -73,10 +73,12 @@ def version() -> str:
     return _core.version()
 
 
-def backends() -> list:
+def backends(compiled: bool = False) -> list:
     """Backends that can run here: cpu_ref, cpu, and cuda when it is compiled in and a CUDA
-    device is visible (backend_status("cuda") says which of the two is missing)."""
-    return _core.backends()
+    device is visible (backend_status("cuda") says which of the two is missing). With
+    ``compiled=True``: the backends compiled into this build (the wheel or the CMake build),
+    cuda included where it was compiled and no device is visible."""
+    return _core.compiled_backends() if compiled else _core.backends()
 
 
 def backend_status(name: str) -> str:

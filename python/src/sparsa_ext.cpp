@@ -829,6 +829,14 @@ NB_MODULE(_sparsa, m) {
       if (backend_available(b)) names.push_back(backend_name(b));
     return names;
   });
+  // The backends compiled into this build, whether or not they can run here (cuda without a device).
+  m.def("compiled_backends", [] {
+    std::vector<std::string> names{backend_name(Backend::cpu_ref), backend_name(Backend::cpu)};
+#if defined(SPARSA_WITH_CUDA) && SPARSA_WITH_CUDA
+    names.push_back(backend_name(Backend::cuda));
+#endif
+    return names;
+  });
   m.def(
       "token_permutation",
       [](int64_t height, int64_t width, const std::string& layout) {

@@ -349,6 +349,13 @@ Status features(const Tensor& x, int block, int64_t num_blocks, const int32_t* p
 // offending item; *clean says whether the device word is still all ~0.
 Status check_errors(const ErrorWord* device_err, ErrorWord* host, const BaAttParams& p, bool* clean,
                     cudaStream_t stream) {
+  // Under CUDA-graph capture nothing runs until the graph is launched, and a read-back would end
+  // the capture: the selection is captured without it (*clean stays false, so the next call resets
+  // the word). Non-finite q/k then go unreported; the plan is still a permutation with in-range
+  // block indices, and the NaN reaches the output.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  SPARSA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return {};
   SPARSA_CUDA_CHECK(cudaMemcpyAsync(host, device_err, sizeof(ErrorWord), cudaMemcpyDeviceToHost, stream));
   SPARSA_CUDA_CHECK(cudaStreamSynchronize(stream));
   const ErrorWord e = *host;

@@ -1,0 +1,147 @@
+"""sparsa as transformers' attention (sparsa.hf): tiny random Qwen3- and Llama-shaped models
+built from configs here (nothing downloaded), against the same weights under "sdpa".
+
+Bound at density 1.0: f32 everywhere; each layer's attention differs from SDPA's by a few f32
+roundings (~1e-6 relative), and two layers with RMSNorm and a 128-wide head carry that to the
+logits: |logits - sdpa| <= 1e-4 * max|logits| (seen: ~5e-7)."""
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import sparsa  # noqa: E402
+import sparsa.hf  # noqa: E402
+import sparsa.torch as st  # noqa: E402
+
+BOUND = 1e-4
+sparsa.hf.register()
+
+SMALL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def configs():
+    return {"qwen3": transformers.Qwen3Config(head_dim=32, **SMALL), "llama": transformers.LlamaConfig(**SMALL)}
+
+
+def models(cfg, implementation, bidirectional=False):
+    """The same random weights under sdpa and `implementation` (from_config writes the choice
+    into the config it gets, so each model gets its own copy)."""
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=implementation).eval()
+    model.load_state_dict(ref.state_dict())
+    if bidirectional:  # a diffusion LM's attention: every token sees every token
+        for m in (ref, model):
+            for module in m.modules():
+                if hasattr(module, "is_causal"):
+                    module.is_causal = False
+    return ref, model
+
+
+def ids(n=300, seed=1):
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+def close(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("implementation", ["sparsa_dense", "sparsa_ba_att"])
+def test_density_one_equals_sdpa(arch, bidirectional, implementation):
+    ref, model = models(configs()[arch], implementation, bidirectional)
+    x = ids()
+    with sparsa.hf.options(density=1.0, block_q=32, block_kv=32), sparsa.hf.record() as calls:
+        got = logits(model, x)
+    assert len(calls) == 2 and all(c["causal"] != bidirectional for c in calls)
+    assert close(got, logits(ref, x)) < BOUND
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_bidirectional_half_density_runs_sparsa_ba_att_plan(arch):
+    ref, model = models(configs()[arch], "sparsa_ba_att", bidirectional=True)
+    x = ids()
+    with sparsa.hf.options(density=0.5, block_q=32, block_kv=32), sparsa.hf.record() as calls:
+        got = logits(model, x)
+    assert close(got, logits(ref, x)) > 1e-3  # sparse: not the dense logits
+    assert len(calls) == 2
+    for call in calls:
+        mine = sparsa.ba_att_plan(call["q"], call["k"], block_q=32, block_kv=32, density=0.5)  # sparsa alone
+        for name in ("counts", "indices", "perm_q", "perm_kv"):
+            assert np.array_equal(getattr(call["plan"], name).numpy(), getattr(mine, name)), name
+        assert (call["plan"].counts == 5).all()  # ceil(0.5 * 10 key blocks)
+
+
+def test_causal_half_density_plan_is_ba_att_choice_of_earlier_blocks():
+    ref, model = models(configs()["qwen3"], "sparsa_ba_att")
+    x = ids()
+    with sparsa.hf.options(density=0.5, block_q=32), sparsa.hf.record() as calls:
+        got = logits(model, x)
+    assert close(got, logits(ref, x)) > 1e-3
+    for call in calls:
+        mine = st.causal_plan(call["q"], call["k"], block=32, density=0.5)
+        assert torch.equal(call["plan"].counts, mine.counts) and torch.equal(call["plan"].indices, mine.indices)
+        scores = sparsa.ba_att_scores(call["q"], call["k"], block_q=32, block_kv=32, sort_q=False, sort_k=False)
+        # query block 9 keeps ceil(0.5 * 10) - 1 = 4 of its 9 earlier blocks: the top BA-Att logits
+        top = np.sort(np.argsort(-scores.logits[0, 0, 9, :9], kind="stable")[:4])
+        assert np.array_equal(call["plan"].indices[0, 0, 9, :4].numpy(), top)
+
+
+def test_options_come_from_the_config_and_the_context_manager():
+    cfg = configs()["qwen3"]
+    cfg.sparsa = {"density": 0.25, "block_q": 32, "block_kv": 32}
+    _, model = models(cfg, "sparsa_ba_att", bidirectional=True)
+    x = ids()
+    with sparsa.hf.record() as calls:
+        logits(model, x)
+    assert (calls[0]["plan"].counts == 3).all()  # ceil(0.25 * 10)
+    with sparsa.hf.options(top_kappa=2), sparsa.hf.record() as calls:
+        logits(model, x)
+    assert (calls[0]["plan"].counts == 2).all()
+    with pytest.raises(ValueError, match=r"options: unknown sparsa option\(s\) dens"):
+        with sparsa.hf.options(dens=0.5):
+            pass
+
+
+def test_refusals_name_what_is_unsupported():
+    _, model = models(configs()["llama"], "sparsa_ba_att")
+    x = torch.cat([ids(40), ids(40, seed=2)])
+    padding = torch.ones(2, 40, dtype=torch.long)
+    padding[1, :5] = 0
+    with pytest.raises(ValueError, match=r"attention_mask: sparsa's attention implementations take no padding"):
+        with torch.no_grad():
+            model(x, attention_mask=padding)
+    with pytest.raises(ValueError, match=r"dropout: sparsa_ba_att has no attention dropout"):
+        sparsa.hf._ba_att_forward(model.model.layers[0].self_attn, *(torch.zeros(1, 4, 8, 32),) * 3, None,
+                                  dropout=0.1)
+
+
+def test_generate_with_a_kv_cache_matches_sdpa():
+    ref, model = models(configs()["qwen3"], "sparsa_dense")
+    x = ids(50)
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, pad_token_id=127)
+    with torch.no_grad():
+        assert torch.equal(model.generate(x, **kw), ref.generate(x, **kw))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_compiled_model_fullgraph(bidirectional):
+    """torch.compile(fullgraph=True) of the whole model: no graph break in sparsa's path."""
+    torch._dynamo.reset()
+    ref, model = models(configs()["qwen3"], "sparsa_ba_att", bidirectional)
+    x = ids(128)
+    with sparsa.hf.options(density=0.5, block_q=32, block_kv=32):
+        eager = logits(model, x)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        got = logits(compiled, x)
+    assert close(got, eager) < BOUND

@@ -6,7 +6,6 @@
 //
 // RoPE reads a cos/sin table computed on the host in f64 (the CPU backend's formula), grown on
 // demand to the largest position seen, so both backends rotate by the same angles.
-#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -14,8 +13,6 @@
 #include <cmath>
 #include <cstring>
 #include <list>
-#include <map>
-#include <tuple>
 #include <string>
 #include <vector>
 
@@ -215,12 +212,6 @@ class CudaOps final : public Ops {
     cudaFreeHost(staging_);
     cudaFree(picks_device_);
     cudaFreeHost(picks_host_);
-    for (auto& [shape, p] : plans_) {
-      if (p.op != nullptr) cublasLtMatmulDescDestroy(p.op);
-      for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c})
-        if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
-    }
-    if (lt_ != nullptr) cublasLtDestroy(lt_);
     if (handle_ != nullptr) cublasDestroy(handle_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     cudaGetLastError();
@@ -241,7 +232,7 @@ class CudaOps final : public Ops {
     SPARSA_RETURN_IF_ERROR(blas(cublasCreate(&handle_), "cublasCreate"));
     SPARSA_RETURN_IF_ERROR(blas(cublasSetStream(handle_, stream_), "cublasSetStream"));
     // A workspace lets cuBLAS pick its split-K and stream-K kernels (skinny block-step GEMMs).
-    SPARSA_RETURN_IF_ERROR(blas(cublasLtCreate(&lt_), "cublasLtCreate"));
+    constexpr size_t kWorkspace = size_t{64} << 20;
     SPARSA_RETURN_IF_ERROR(cuda(cudaMalloc(&workspace_, kWorkspace), "cudaMalloc (cuBLAS workspace)"));
     SPARSA_RETURN_IF_ERROR(blas(cublasSetWorkspace(handle_, workspace_, kWorkspace), "cublasSetWorkspace"));
     return Status::Ok();
@@ -498,98 +489,9 @@ class CudaOps final : public Ops {
  private:
   // y[n, w.rows] = x[n, w.cols] · wᵀ + beta·y. Column-major: Yᵀ (w.rows x n) = Wᵀ·Xᵀ with W stored
   // as a (cols x rows) column-major matrix, so op(A) = T, op(B) = N ("TN", Hopper's fast layout).
-  //
-  // Through cuBLASLt with the algorithm chosen per shape by timing: the first call of a shape (outside
-  // a graph capture) times cuBLASLt's heuristic candidates on scratch output, a few runs each, and
-  // keeps the fastest (the skinny block-step GEMMs differ by tens of percent between split-K and
-  // stream-K variants, which cuBLAS's first heuristic pick does not always get right); a shape first
-  // seen inside a capture takes the heuristic's first candidate.
-  struct GemmPlan {
-    cublasLtMatmulDesc_t op = nullptr;
-    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};
-    bool ok = false;
-  };
-  struct GemmShape {
-    int64_t rows, cols, n;
-    int y_type;
-    bool accumulate;
-    bool operator<(const GemmShape& o) const {
-      return std::tie(rows, cols, n, y_type, accumulate) < std::tie(o.rows, o.cols, o.n, o.y_type, o.accumulate);
-    }
-  };
-
-  GemmPlan* plan_for(const void* x, int64_t n, const Weight& w, cudaDataType_t y_type, float beta) {
-    const GemmShape key{w.rows, w.cols, n, static_cast<int>(y_type), beta != 0.0f};
-    auto it = plans_.find(key);
-    if (it != plans_.end()) return it->second.ok ? &it->second : nullptr;
-    GemmPlan& p = plans_[key];
-    const cublasOperation_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
-    if (cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
-        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)) != CUBLAS_STATUS_SUCCESS ||
-        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof(nn)) != CUBLAS_STATUS_SUCCESS ||
-        cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, w.cols, w.rows, w.cols) != CUBLAS_STATUS_SUCCESS ||
-        cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, w.cols, n, w.cols) != CUBLAS_STATUS_SUCCESS ||
-        cublasLtMatrixLayoutCreate(&p.c, y_type, w.rows, n, w.rows) != CUBLAS_STATUS_SUCCESS) {
-      return nullptr;  // cublasGemmEx then
-    }
-    cublasLtMatmulPreference_t pref = nullptr;
-    cublasLtMatmulPreferenceCreate(&pref);
-    const size_t ws = kWorkspace;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-    constexpr int kCandidates = 12;
-    cublasLtMatmulHeuristicResult_t found[kCandidates];
-    int count = 0;
-    cublasLtMatmulAlgoGetHeuristic(lt_, p.op, p.a, p.b, p.c, p.c, pref, kCandidates, found, &count);
-    cublasLtMatmulPreferenceDestroy(pref);
-    if (count == 0) return nullptr;
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    cudaStreamIsCapturing(stream_, &capturing);
-    int best = 0;
-    if (count > 1 && capturing == cudaStreamCaptureStatusNone) {
-      void* scratch = nullptr;
-      const size_t bytes = static_cast<size_t>(w.rows * n) * (y_type == CUDA_R_32F ? 4 : 2);
-      cudaEvent_t e0, e1;
-      if (cudaMalloc(&scratch, bytes) == cudaSuccess && cudaEventCreate(&e0) == cudaSuccess &&
-          cudaEventCreate(&e1) == cudaSuccess) {
-        float best_ms = 1e30f;
-        const float alpha = 1.0f;
-        for (int i = 0; i < count; ++i) {
-          bool ok = true;
-          for (int rep = 0; rep < 4 && ok; ++rep) {  // the first run warms up
-            if (rep == 1) cudaEventRecord(e0, stream_);
-            ok = cublasLtMatmul(lt_, p.op, &alpha, w.data, p.a, x, p.b, &beta, scratch, p.c, scratch, p.c,
-                                &found[i].algo, workspace_, kWorkspace, stream_) == CUBLAS_STATUS_SUCCESS;
-          }
-          cudaEventRecord(e1, stream_);
-          cudaEventSynchronize(e1);
-          float ms = 0;
-          cudaEventElapsedTime(&ms, e0, e1);
-          if (ok && ms < best_ms) {
-            best_ms = ms;
-            best = i;
-          }
-        }
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-      }
-      cudaFree(scratch);
-      cudaGetLastError();
-    }
-    p.algo = found[best].algo;
-    p.ok = true;
-    return &p;
-  }
-
   void gemm(void* y, cudaDataType_t y_type, const void* x, int64_t n, const Weight& w, float beta, const char* what) {
     if (n == 0) return;
     const float alpha = 1.0f;
-    if (GemmPlan* p = plan_for(x, n, w, y_type, beta)) {
-      (void)blas(cublasLtMatmul(lt_, p->op, &alpha, w.data, p->a, x, p->b, &beta, y, p->c, y, p->c, &p->algo,
-                                workspace_, kWorkspace, stream_),
-                 what);
-      return;
-    }
     (void)blas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(n),
                       static_cast<int>(w.cols), &alpha, w.data, CUDA_R_16BF, static_cast<int>(w.cols), x, CUDA_R_16BF,
                       static_cast<int>(w.cols), &beta, y, y_type, static_cast<int>(w.rows), CUBLAS_COMPUTE_32F,
@@ -670,10 +572,7 @@ class CudaOps final : public Ops {
 
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
-  static constexpr size_t kWorkspace = size_t{64} << 20;
   cublasHandle_t handle_ = nullptr;
-  cublasLtHandle_t lt_ = nullptr;
-  std::map<GemmShape, GemmPlan> plans_;
   void* workspace_ = nullptr;
   std::list<void*> owned_;  // weights
   int32_t* tokens_ = nullptr;

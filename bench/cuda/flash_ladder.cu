@@ -1,4 +1,4 @@
-// flash_ladder — the kernel ladder of the flash executor (STYLE.md 7): each rung, a checker
+// flash_ladder — the kernel ladder of the flash executor: each rung, a checker
 // against rung 0, and a timer. Only the winner is promoted into src/cuda/attention/.
 //
 // Shape: bf16, batch 1, 32 heads, head_dim 128, non-causal, dense; FLOPs = 4 * H * N^2 * D.

@@ -1,6 +1,6 @@
 // The cuda backend of dense and block-sparse attention: checks that every pointer lives on
 // the device the tensors name, fills FlashParams and launches the flash executor (the one
-// dispatch place for dtype and head_dim, STYLE.md 8).
+// dispatch place for dtype and head_dim).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>

@@ -14,7 +14,7 @@
 // flight while tile t is computed); fragments come from shared memory through ldmatrix (.trans
 // for V). Shared rows are XOR-swizzled in 16-byte chunks so ldmatrix is free of bank conflicts.
 //
-// Hooks, not forks (STYLE.md 5): the only difference between dense and block-sparse is the key
+// Hooks, not forks: the only difference between dense and block-sparse is the key
 // tile iterator (tile t -> key block indices[t / chunks], chunk t % chunks; dense: tile t) and the
 // token gathers (rows read through perm_q / perm_kv when present; O and LSE written back at the
 // original positions). Columns past the end of a partial key block are masked to -inf.

@@ -15,7 +15,7 @@
 //    normalised by its own sum, f32, and its LSE) to the workspace, rows of one (m-tile,
 //    batch * kv head) "merge group" laid out [row][split][D] so that one row's S partials are
 //    contiguous; then it arrives on the group's counter (one acq_rel atomic). The partials
-//    of a row merge as (DESIGN.md §1)
+//    of a row merge as (the O+LSE contract, docs/architecture.md)
 //      LSE = m + log sum_s exp(LSE_s - m),  O = sum_s exp(LSE_s - LSE) O_s     (m = max_s LSE_s)
 //    Who merges: the CTA that arrives last knows every partial is visible, and could merge all.
 //    Alone it would read all S x 64 partial rows (1 MB at S = 33, d 128) through one SM: at the

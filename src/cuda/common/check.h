@@ -1,4 +1,4 @@
-// Internal: CUDA error checks that turn into Status (STYLE.md 9). Every runtime call
+// Internal: CUDA error checks that turn into Status. Every runtime call
 // goes through SPARSA_CUDA_CHECK, and every launch is followed by
 // SPARSA_CUDA_CHECK_LAUNCH(), so a failure names its file and line.
 #pragma once

@@ -1,5 +1,5 @@
 // Internal: small typed wrappers over the sm_80+ warp-level tensor-core path
-// (mma.sync m16n8k16, ldmatrix, cp.async), so kernels read like the algorithm (STYLE.md 6).
+// (mma.sync m16n8k16, ldmatrix, cp.async), so kernels read like the algorithm.
 //
 // Fragment layouts (PTX ISA, "mma.m16n8k16"): in a warp, lane = 4*g + c (g = lane/4, c = lane%4).
 //  - accumulator C/D (16x8 f32): c[0], c[1] at row g, cols 2c, 2c+1; c[2], c[3] at row g+8.

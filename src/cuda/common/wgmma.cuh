@@ -1,5 +1,5 @@
 // Internal: typed wrappers over Hopper's warpgroup tensor-core path (wgmma.mma_async, sm_90a),
-// so the flash kernel reads like the algorithm (STYLE.md 6). PTX ISA, "Asynchronous Warpgroup
+// so the flash kernel reads like the algorithm. PTX ISA, "Asynchronous Warpgroup
 // Level Matrix Multiply-Accumulate".
 //
 // A warpgroup (4 consecutive warps, 128 threads) computes D[64 x N] (+)= A[64 x 16] * B[16 x N]

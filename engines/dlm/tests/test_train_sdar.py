@@ -1,0 +1,179 @@
+"""The training script (engines/dlm/train) on the CPU, with a tiny configuration:
+- a few steps of block-diffusion training on the generator's tasks lower the loss, and a run
+  resumes from its checkpoint;
+- the two-stream training sequence gives a noisy block exactly the logits the engine's block
+  loop computes for it (the clean prefix, block-causal, then the block itself);
+- the exported Hugging Face directory loads in the engine, and `sparsa logits` matches the
+  PyTorch model's logits (f32 and bf16 exports, one file and sharded): this is the
+  engine-vs-independent-reference test of the trained model's architecture.
+
+Tolerance of the logits (LOGIT_TOL, relative to the largest |logit|, as in test_dlm.py): the
+reference is the PyTorch model in float64 on the very weights the engine reads (bf16 exports:
+the weights rounded to bf16 first), the engine computes in f32; dot products of length <= 128
+round at ~sqrt(K)·2^-24 ≈ 1e-6, amplified ~10-30x by two layers of norms and softmax: 5e-5
+holds with margin, while the negative control (a bidirectional canvas instead of the
+block-causal one) moves the logits by far more."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tokenizers")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "train"))
+import sdar_torch as S  # noqa: E402
+import train_sdar as T  # noqa: E402
+
+LOGIT_TOL = 5e-5
+TASKS = "niah_single_1,niah_multikey_2,qa_1"  # tasks that fit 256 tokens
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(a - b)) / max(1.0, float(np.max(np.abs(b)))))
+
+
+@pytest.fixture(scope="module")
+def run_dir(sparsa_bin, tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("run"))
+    T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--samples", "2", "--dim", "64",
+            "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--hidden", "128",
+            "--block", "16", "--max-len", "1024"])
+    return run
+
+
+def train(run, sparsa_bin, steps):
+    T.main(["train", "--run", run, "--stage", "1", "--lengths", "256", "--tasks", TASKS, "--steps", str(steps),
+            "--batch-tokens", "2048", "--device", "cpu", "--attention", "sdpa", "--val-samples", "2",
+            "--gen-threads", "1", "--chunk", "4", "--lr", "3e-3", "--sparsa", sparsa_bin, "--log-seconds", "0",
+            "--compile", "0"])
+
+
+@pytest.fixture(scope="module")
+def trained(run_dir, sparsa_bin):
+    torch.manual_seed(0)
+    train(run_dir, sparsa_bin, 40)
+    return run_dir
+
+
+def test_training_lowers_the_loss_and_resumes(trained, sparsa_bin, capsys):
+    with open(os.path.join(trained, "log.jsonl")) as f:
+        first = json.loads(f.readline())
+    losses = first["losses"]
+    assert len(losses) == 40 and all(np.isfinite(losses))
+    head, tail = np.mean(losses[:8]), np.mean(losses[-8:])
+    # From ~ln(400) = 6 at initialisation the unigram of the answers alone takes it well below;
+    # a broken loss, mask or optimizer step stays near the start.
+    assert tail < 0.75 * head, (head, tail)
+    assert first["val_loss"] is not None and np.isfinite(first["val_loss"])
+    capsys.readouterr()
+    train(trained, sparsa_bin, 3)
+    assert "resumed" in capsys.readouterr().out
+    ck = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=False)
+    assert ck["state"]["step"] == 43 and len(ck["state"]["stages"]) == 2
+
+
+def load_model(run):
+    c = T.load_run(run)
+    m = S.Sdar(c)
+    m.load_state_dict(torch.load(os.path.join(run, "ckpt.pt"), weights_only=False)["model"])
+    return m.eval()
+
+
+def test_noisy_blocks_see_what_the_engine_loop_sees(trained):
+    """The logits of each noisy copy in the training sequence equal the block-causal canvas
+    logits of (clean prefix + that noisy block), the engine's view when it denoises the block."""
+    model = load_model(trained).double()
+    c = model.c
+    gen = torch.Generator().manual_seed(3)
+    prompt = list(torch.randint(2, c.vocab_size, (37,), generator=gen).tolist())
+    target = list(torch.randint(2, c.vocab_size, (20,), generator=gen).tolist()) + [c.eos_id]
+    batch, _ = T.build_batch([(256, prompt, target)], c, 2, gen)
+    with torch.no_grad():
+        logits = model(batch["ids"], batch["pos"], S.sdpa_attention(T.dense_mask(batch["blk"], batch["copy"])))[0]
+    ids, blk, copy = batch["ids"][0].tolist(), batch["blk"][0].tolist(), batch["copy"][0].tolist()
+    x0 = [i for i, cp in zip(ids, copy) if cp < 0]
+    B = c.block_size
+    copies = sorted({cp for cp in copy if cp >= 0})
+    assert len(copies) >= 3  # the answer's blocks (2 here) and prompt blocks
+    for cp in copies:
+        at = [i for i, x in enumerate(copy) if x == cp]
+        b = blk[at[0]]
+        canvas = x0[: b * B] + [ids[i] for i in at]
+        with torch.no_grad():
+            want = model.canvas_logits(canvas)[b * B:]
+        assert torch.allclose(logits[at], want, rtol=0, atol=1e-9), cp
+    # and the clean stream is the canvas itself
+    with torch.no_grad():
+        assert torch.allclose(logits[: len(x0)], model.canvas_logits(x0), atol=1e-9)
+
+
+def test_flex_attention_matches_sdpa(trained):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    model = load_model(trained)
+    gen = torch.Generator().manual_seed(4)
+    items = [(256, list(range(5, 60)), [7, 8, 9, 0]), (256, list(range(9, 40)), [3, 0])]
+    batch, total = T.build_batch(items, model.c, 2, gen, 256)
+    with torch.no_grad():
+        a = float(T.loss_of(model, batch, total, "sdpa"))
+        try:
+            b = float(T.loss_of(model, batch, total, "flex"))
+        except Exception as e:  # eager FlexAttention is not available on every CPU build
+            pytest.skip(f"FlexAttention on the CPU: {e}")
+    assert abs(a - b) <= 1e-4 * abs(a), (a, b)
+    del flex
+
+
+def engine_logits(sparsa_bin, model_dir, ids, tmp_path):
+    out = tmp_path / "logits.npy"
+    p = subprocess.run([sparsa_bin, "logits", "--model", str(model_dir), "--ids", ",".join(map(str, ids)),
+                        "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return np.load(out)
+
+
+@pytest.mark.parametrize("dtype,shard_bytes", [("f32", 16 << 20), ("bf16", 16 << 20), ("f32", 40_000)])
+def test_export_loads_in_the_engine_and_logits_match(trained, sparsa_bin, tmp_path, dtype, shard_bytes):
+    model = load_model(trained)
+    out = tmp_path / "model"
+    total, shards = S.export_hf(model, str(out), dtype, shard_bytes, os.path.join(trained, "tokenizer.json"))
+    if shard_bytes < total:
+        assert shards > 1 and (out / "model.safetensors.index.json").exists()
+        assert all(os.path.getsize(out / f) <= shard_bytes + 4096 for f in os.listdir(out)
+                   if f.endswith(".safetensors"))  # + the header
+    else:
+        assert shards == 1 and (out / "model.safetensors").exists()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "sdar" and cfg["block_size"] == 16 and cfg["tie_word_embeddings"]
+    info = json.loads(subprocess.run([sparsa_bin, "model", "info", str(out), "--json"], capture_output=True,
+                                     text=True, check=True).stdout)
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    ref = load_model(trained).double()
+    if dtype == "bf16":
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(p.to(torch.bfloat16).to(torch.float64))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.c.vocab_size, (45,), generator=gen).tolist()  # 2 blocks and a partial one
+    ids[20] = ids[33] = model.c.mask_id
+    got = engine_logits(sparsa_bin, out, ids, tmp_path)
+    with torch.no_grad():
+        want = ref.canvas_logits(ids).numpy()
+        assert rel_err(got, want) < LOGIT_TOL
+        # negative control: the same canvas fully bidirectional
+        n = len(ids)
+        bidir = ref(torch.tensor(ids)[None], torch.arange(n)[None],
+                    S.sdpa_attention(torch.ones(1, n, n, dtype=torch.bool)))[0].numpy()
+    assert rel_err(got, bidir) > 100 * LOGIT_TOL
+
+
+def test_export_command_writes_the_training_record(trained, tmp_path):
+    out = tmp_path / "exported"
+    T.main(["export", "--run", trained, "--out", str(out), "--dtype", "bf16"])
+    rec = json.loads((out / "training.json").read_text())
+    assert rec["steps"] >= 40 and rec["history"]
+    assert (out / "tokenizer.json").exists()

@@ -57,10 +57,14 @@ struct Sample {
   double depth = -1;
   int64_t answer_token = -1;
   int64_t haystack_units = 0;  // lines / needles / words / documents the search settled on
+  // Tokens of the same sample with one more haystack unit: more than max_len - gen_tokens, the
+  // proof that the haystack is the largest that fits (the calibration's exactness).
+  int64_t next_unit_tokens = 0;
 };
 
-// One sample. Fails (invalid_argument naming the task or max_len) when the task is unknown
-// or not even the smallest haystack fits.
+// One sample. Fails with invalid_argument (naming the argument) on an unknown task or a bad
+// max_len / index / counter, and with `unsupported` (naming task and max_len) when not even
+// the smallest instance fits max_len (vt's one-shot example alone takes 500 tokens).
 Result<Sample> make_sample(const std::string& task, int64_t max_len, uint64_t seed, int64_t index,
                            const TokenCounter& count);
 

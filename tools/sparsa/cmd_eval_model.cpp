@@ -1,5 +1,6 @@
 // `sparsa ruler tasks|generate` (the long-context task generator) and `sparsa eval-model`
 // (accuracy of a diffusion LM per task x length x attention method; docs/eval.md).
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -8,6 +9,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -29,7 +31,7 @@ struct RulerOptions {
   int64_t samples = 10;
   uint64_t seed = 0;
   int threads = 1;
-  bool json = false;
+  bool json = false, skip_unfit = false;
 };
 
 struct EvalModelOptions {
@@ -54,7 +56,8 @@ nlohmann::json sample_json(const eval::Sample& s) {
           {"input_tokens", s.input_tokens},
           {"depth", s.depth},
           {"answer_token", s.answer_token},
-          {"haystack_units", s.haystack_units}};
+          {"haystack_units", s.haystack_units},
+          {"next_unit_tokens", s.next_unit_tokens}};
 }
 
 Result<eval::TokenCounter> token_counter(const std::string& tokenizer_path, std::shared_ptr<dlm::Tokenizer>* keep) {
@@ -91,7 +94,7 @@ Outcome run_ruler_tasks(const RulerOptions& o) {
 // Samples of every (task, length, index), in that order, over `threads` threads.
 Result<std::vector<eval::Sample>> make_samples(const std::vector<std::string>& tasks, const std::vector<int64_t>& lengths,
                                                int64_t samples, uint64_t seed, const eval::TokenCounter& count,
-                                               int threads) {
+                                               int threads, bool skip_unfit = false) {
   struct Job {
     std::string task;
     int64_t length, index;
@@ -119,10 +122,23 @@ Result<std::vector<eval::Sample>> make_samples(const std::vector<std::string>& t
   for (int t = 1; t < std::max(threads, 1); ++t) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
-  for (const Status& st : errors) {
-    if (!st.ok()) return st;
+  std::vector<eval::Sample> kept;
+  std::set<std::string> skipped;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (errors[j].ok()) {
+      kept.push_back(std::move(out[j]));
+    } else if (skip_unfit && errors[j].code() == StatusCode::unsupported) {
+      skipped.insert(jobs[j].task + "@" + eval::length_label(jobs[j].length));
+    } else {
+      return errors[j];
+    }
   }
-  return out;
+  if (!skipped.empty()) {
+    std::string list;
+    for (const std::string& s : skipped) list += (list.empty() ? "" : ", ") + s;
+    std::fprintf(stderr, "sparsa ruler: skipped (the smallest instance does not fit): %s\n", list.c_str());
+  }
+  return kept;
 }
 
 Outcome run_ruler_generate(const RulerOptions& o) {
@@ -138,7 +154,8 @@ Outcome run_ruler_generate(const RulerOptions& o) {
   std::shared_ptr<dlm::Tokenizer> tok;
   auto count = token_counter(o.tokenizer, &tok);
   if (!count.ok()) return runtime_error(count.status());
-  auto samples = make_samples(tasks.value(), lengths.value(), o.samples, o.seed, count.value(), o.threads);
+  auto samples =
+      make_samples(tasks.value(), lengths.value(), o.samples, o.seed, count.value(), o.threads, o.skip_unfit);
   if (!samples.ok()) return runtime_error(samples.status());
   std::string text;
   for (const eval::Sample& s : samples.value()) text += json_text(sample_json(s), -1) + "\n";
@@ -426,6 +443,9 @@ std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
                   "tokenizer.json that counts the tokens (default: none, ceil(bytes/4) as the estimate)");
   gen->add_option("--threads", r->threads, "threads")->capture_default_str();
   gen->add_option("--out", r->out, "output .jsonl (default: stdout)");
+  gen->add_flag("--skip-unfit", r->skip_unfit,
+                "skip (with a note on stderr) the task x length pairs whose smallest instance does not fit, "
+                "instead of failing");
   out.push_back({ruler, [r, list] { return list->parsed() ? run_ruler_tasks(*r) : run_ruler_generate(*r); }});
 
   auto e = std::make_shared<EvalModelOptions>();

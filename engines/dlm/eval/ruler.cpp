@@ -562,8 +562,9 @@ Result<int64_t> fit_units(const std::function<Built(int64_t)>& text, int64_t lo,
   auto tokens = [&](int64_t n) { return count(text(n).input); };
   const int64_t t_lo = tokens(lo);
   if (t_lo > budget) {
-    return invalid_argument(what + ": even the smallest instance takes " + std::to_string(t_lo) +
-                            " tokens, more than the " + std::to_string(budget) + " the length leaves");
+    return Status(StatusCode::unsupported, what + ": even the smallest instance takes " + std::to_string(t_lo) +
+                                               " tokens, more than the " + std::to_string(budget) +
+                                               " the length leaves");
   }
   constexpr int64_t kMaxUnits = int64_t{1} << 24;
   const int64_t probe = lo + std::max<int64_t>(8, lo);
@@ -695,6 +696,7 @@ Result<Sample> make_sample(const std::string& task, int64_t max_len, uint64_t se
   s.gen_tokens = info->gen_tokens;
   s.input_tokens = count(built.input);
   s.haystack_units = n.value();
+  s.next_unit_tokens = count(d.text(n.value() + 1).input);
   if (info->has_depth && built.answer_offset != std::string::npos) {
     s.depth = d.depth;
     s.answer_token = count(built.input.substr(0, built.answer_offset));

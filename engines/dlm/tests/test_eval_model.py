@@ -21,9 +21,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 QWEN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 SPECIALS = ["<|endoftext|>", "<|mask|>"]
-# The calibration tolerance of test_ruler.cpp: the slack under max_len is below one haystack
-# unit; 64 tokens or 2% of the length.
-SLACK = lambda length: max(64, length // 50)  # noqa: E731
+# The slack under max_len is below one haystack unit (next_unit_tokens proves it exactly); in
+# tokens that is at most 128 or 3% of the length: a QA document is the largest unit, ~70 tokens
+# under this 400-token BPE that spells made-up names nearly letter by letter.
+SLACK = lambda length: max(128, 3 * length // 100)  # noqa: E731
 
 
 def run(sparsa_bin, *args, check=True, timeout=300):
@@ -76,13 +77,20 @@ def test_tasks_lists_every_family(sparsa_bin):
 @pytest.mark.parametrize("length", [1024, 2048])
 def test_lengths_are_calibrated_with_the_models_tokenizer(sparsa_bin, tokenizer_path, length):
     tok = Tokenizer.from_file(str(tokenizer_path))
-    rows = generate(sparsa_bin, "--tasks", "all", "--lengths", str(length), "--samples", "2", "--seed", "3",
-                    "--tokenizer", tokenizer_path, "--threads", "2")
-    assert len(rows) == 2 * 12
+    p = run(sparsa_bin, "ruler", "generate", "--tasks", "all", "--lengths", str(length), "--samples", "2", "--seed",
+            "3", "--tokenizer", tokenizer_path, "--threads", "2", "--skip-unfit")
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    # this tiny tokenizer (400 tokens) spends many tokens per word: cwe's one-shot example and
+    # its 10 x 6 common words need more than 1K there (skipped, and said so)
+    skipped = {"cwe"} if length == 1024 else set()
+    assert {r["task"] for r in rows} == {t["name"] for t in json.loads(run(sparsa_bin, "ruler", "tasks", "--json").stdout)} - skipped
+    assert all(s + "@1K" in p.stderr for s in skipped)
+    assert len(rows) == 2 * (12 - len(skipped))
     for r in rows:
         n = len(tok.encode(r["input"], add_special_tokens=False).ids)
         assert n == r["input_tokens"], r["task"]  # the engine's tokenizer counts as `tokenizers` does
         assert n + r["gen_tokens"] <= length, r["task"]
+        assert r["next_unit_tokens"] + r["gen_tokens"] > length, r["task"]  # the largest haystack that fits
         assert n + r["gen_tokens"] >= length - SLACK(length), (r["task"], n, length)
         assert r["input"].endswith(r["answer_prefix"])
 

@@ -63,6 +63,7 @@ TEST(Ruler, LengthsAreCalibratedToTheCounter) {
         const int64_t used = s.input_tokens + s.gen_tokens;
         EXPECT_EQ(s.input_tokens, count(s.input));
         EXPECT_LE(used, len) << t.name << " " << len;
+        EXPECT_GT(s.next_unit_tokens + s.gen_tokens, len) << t.name << " " << len << ": one more unit still fits";
         const int64_t tolerance = std::max<int64_t>(64, len / 50);
         EXPECT_GE(used, len - tolerance) << t.name << " " << len << ": " << used << " of " << len;
       }
@@ -73,6 +74,7 @@ TEST(Ruler, LengthsAreCalibratedToTheCounter) {
 TEST(Ruler, TooShortALengthIsAnErrorNamingIt) {
   auto s = make_sample("vt", 128, 0, 0, piece_count);
   ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::unsupported);
   EXPECT_NE(s.status().message().find("max_len 128"), std::string::npos) << s.status().message();
   EXPECT_FALSE(make_sample("nope", 1024, 0, 0, piece_count).ok());
   EXPECT_FALSE(make_sample("niah_single_1", 10, 0, 0, piece_count).ok());

@@ -30,7 +30,8 @@ import sdar_torch as S  # noqa: E402
 import train_sdar as T  # noqa: E402
 
 LOGIT_TOL = 5e-5
-TASKS = "niah_single_1,niah_multikey_2,qa_1"  # tasks that fit 256 tokens
+STEPS = 30
+TASKS = "niah_single_1,niah_multikey_2,qa_1"  # tasks that fit 512 tokens
 
 
 def rel_err(a, b):
@@ -47,34 +48,36 @@ def run_dir(sparsa_bin, tmp_path_factory):
 
 
 def train(run, sparsa_bin, steps):
-    T.main(["train", "--run", run, "--stage", "1", "--lengths", "256", "--tasks", TASKS, "--steps", str(steps),
-            "--batch-tokens", "2048", "--device", "cpu", "--attention", "sdpa", "--val-samples", "2",
-            "--gen-threads", "1", "--chunk", "4", "--lr", "3e-3", "--sparsa", sparsa_bin, "--log-seconds", "0",
+    T.main(["train", "--run", run, "--stage", "1", "--lengths", "512", "--tasks", TASKS, "--steps", str(steps),
+            "--batch-tokens", "4096", "--device", "cpu", "--attention", "sdpa", "--val-samples", "2",
+            "--gen-threads", "1", "--chunk", "4", "--lr", "3e-3", "--warmup", "5", "--sparsa", sparsa_bin, "--log-seconds", "0",
             "--compile", "0"])
 
 
 @pytest.fixture(scope="module")
 def trained(run_dir, sparsa_bin):
     torch.manual_seed(0)
-    train(run_dir, sparsa_bin, 40)
+    train(run_dir, sparsa_bin, STEPS)
     return run_dir
 
 
 def test_training_lowers_the_loss_and_resumes(trained, sparsa_bin, capsys):
     with open(os.path.join(trained, "log.jsonl")) as f:
         first = json.loads(f.readline())
-    losses = first["losses"]
-    assert len(losses) == 40 and all(np.isfinite(losses))
-    head, tail = np.mean(losses[:8]), np.mean(losses[-8:])
-    # From ~ln(400) = 6 at initialisation the unigram of the answers alone takes it well below;
-    # a broken loss, mask or optimizer step stays near the start.
-    assert tail < 0.75 * head, (head, tail)
+    losses, ces = first["losses"], first["ces"]
+    assert len(losses) == STEPS and all(np.isfinite(losses))
+    head, tail = np.mean(ces[:6]), np.mean(ces[-6:])
+    # The cross-entropy per masked token starts near ln(400) = 6 and the answers' unigram (digits,
+    # EOS) alone takes it below 85% of that within these steps (seen: 5.8 -> 4.4); a broken loss,
+    # mask or optimizer step stays near the start (the objective itself, 1/t-weighted, is too
+    # noisy for 30 steps).
+    assert tail < 0.85 * head, (head, tail)
     assert first["val_loss"] is not None and np.isfinite(first["val_loss"])
     capsys.readouterr()
     train(trained, sparsa_bin, 3)
     assert "resumed" in capsys.readouterr().out
     ck = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=False)
-    assert ck["state"]["step"] == 43 and len(ck["state"]["stages"]) == 2
+    assert ck["state"]["step"] == STEPS + 3 and len(ck["state"]["stages"]) == 2
 
 
 def load_model(run):
@@ -119,9 +122,9 @@ def test_flex_attention_matches_sdpa(trained):
     items = [(256, list(range(5, 60)), [7, 8, 9, 0]), (256, list(range(9, 40)), [3, 0])]
     batch, total = T.build_batch(items, model.c, 2, gen, 256)
     with torch.no_grad():
-        a = float(T.loss_of(model, batch, total, "sdpa"))
+        a = float(T.loss_of(model, batch, total, "sdpa")[0])
         try:
-            b = float(T.loss_of(model, batch, total, "flex"))
+            b = float(T.loss_of(model, batch, total, "flex")[0])
         except Exception as e:  # eager FlexAttention is not available on every CPU build
             pytest.skip(f"FlexAttention on the CPU: {e}")
     assert abs(a - b) <= 1e-4 * abs(a), (a, b)
@@ -136,15 +139,15 @@ def engine_logits(sparsa_bin, model_dir, ids, tmp_path):
     return np.load(out)
 
 
-@pytest.mark.parametrize("dtype,shard_bytes", [("f32", 16 << 20), ("bf16", 16 << 20), ("f32", 40_000)])
+@pytest.mark.parametrize("dtype,shard_bytes", [("f32", 16 << 20), ("bf16", 16 << 20), ("f32", 120_000)])
 def test_export_loads_in_the_engine_and_logits_match(trained, sparsa_bin, tmp_path, dtype, shard_bytes):
     model = load_model(trained)
     out = tmp_path / "model"
     total, shards = S.export_hf(model, str(out), dtype, shard_bytes, os.path.join(trained, "tokenizer.json"))
     if shard_bytes < total:
         assert shards > 1 and (out / "model.safetensors.index.json").exists()
-        assert all(os.path.getsize(out / f) <= shard_bytes + 4096 for f in os.listdir(out)
-                   if f.endswith(".safetensors"))  # + the header
+        assert all(os.path.getsize(out / f) <= shard_bytes + 8192 for f in os.listdir(out)
+                   if f.endswith(".safetensors"))  # + the JSON header
     else:
         assert shards == 1 and (out / "model.safetensors").exists()
     cfg = json.loads((out / "config.json").read_text())
@@ -175,5 +178,5 @@ def test_export_command_writes_the_training_record(trained, tmp_path):
     out = tmp_path / "exported"
     T.main(["export", "--run", trained, "--out", str(out), "--dtype", "bf16"])
     rec = json.loads((out / "training.json").read_text())
-    assert rec["steps"] >= 40 and rec["history"]
+    assert rec["steps"] >= STEPS and rec["history"]
     assert (out / "tokenizer.json").exists()

@@ -73,7 +73,7 @@ def find_sparsa(path):
 
 def ruler_generate(sparsa, tasks, lengths, samples, seed, tokenizer=None, threads=1):
     cmd = [sparsa, "ruler", "generate", "--tasks", tasks, "--lengths", ",".join(map(str, lengths)),
-           "--samples", str(samples), "--seed", str(seed), "--threads", str(threads)]
+           "--samples", str(samples), "--seed", str(seed), "--threads", str(threads), "--skip-unfit"]
     if tokenizer:
         cmd += ["--tokenizer", tokenizer]
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -129,6 +129,9 @@ class TaskStream:
         try:
             while not self.stop:
                 rows = ruler_generate(sparsa, tasks, lengths, chunk, self.seed, tokenizer_path, threads)
+                if not rows:
+                    raise RuntimeError(f"no task of '{tasks}' fits the lengths {lengths} (sparsa ruler generate "
+                                       "skipped them all)")
                 self.seed += 1
                 items = self.tokenize(rows)
                 random.Random(self.seed).shuffle(items)
@@ -246,7 +249,9 @@ def loss_of(model, batch, total, attention, compiled_flex=None):
         attn = sdpa_attention(dense_mask(b["blk"], b["copy"]))
     logits = model(b["ids"], b["pos"], attn)
     ce = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="none")
-    return (ce * b["weights"].flatten()).sum() / max(total, 1)
+    masked = (b["labels"] != -100).sum()
+    # the objective (the ELBO's 1/t weights) and, to watch, the plain cross-entropy per masked token
+    return (ce * b["weights"].flatten()).sum() / max(total, 1), ce.sum().detach() / masked.clamp(min=1)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -303,6 +308,8 @@ def cmd_train(a):
         stage["lengths"] = [int(x) for x in a.lengths.split(",")]
     if a.lr:
         stage["lr"] = a.lr
+    if a.warmup:
+        stage["warmup"] = a.warmup
     if max(stage["lengths"]) > c.max_len:
         sys.exit(f"train_sdar: the stage's length {max(stage['lengths'])} exceeds the model's max_len {c.max_len}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -351,7 +358,7 @@ def cmd_train(a):
                 for i in range(0, len(items), buckets[L]["rows"]):
                     batch, total = build_batch(items[i:i + buckets[L]["rows"]], c, a.prompt_blocks, g,
                                                buckets[L]["seq"])
-                    tot += float(loss_of(model, batch, total, attention, compiled_flex)) * total
+                    tot += float(loss_of(model, batch, total, attention, compiled_flex)[0]) * total
                     n += total
         model.train()
         return tot / max(n, 1)
@@ -360,7 +367,7 @@ def cmd_train(a):
     last_save = last_log = start
     budget_s = a.minutes * 60 if a.minutes else float("inf")
     max_steps = a.steps or (1 << 62)
-    losses = []
+    losses, ces = [], []
     log(f"stage {a.stage}: lengths {stage['lengths']}, {attention} attention on {device}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"budget {a.minutes or '-'} min / {a.steps or '-'} steps")
@@ -382,7 +389,7 @@ def cmd_train(a):
         for g_ in opt.param_groups:
             g_["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = loss_of(fwd, batch, total, attention, compiled_flex)
+            loss, ce = loss_of(fwd, batch, total, attention, compiled_flex)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -390,16 +397,18 @@ def cmd_train(a):
         done += 1
         state["step"] += 1
         state["tokens"] += int(batch["ids"].numel())
-        lv = float(loss)
+        lv = float(loss.detach())
         losses.append(lv)
+        ces.append(float(ce))
         if not math.isfinite(lv):
             sys.exit(f"train_sdar: the loss became {lv} at step {state['step']}; the checkpoint keeps the last good state")
         now = time.time()
         if now - last_log >= a.log_seconds or done == max_steps:
             mean = sum(losses[-50:]) / len(losses[-50:])
-            state["history"].append({"step": state["step"], "loss": mean, "lr": lr, "tokens": state["tokens"],
-                                     "stage": a.stage, "seconds": now - start})
-            log(f"step {state['step']}  loss {mean:.4f}  lr {lr:.2e}  {state['tokens'] / 1e6:.1f}M tokens  "
+            mean_ce = sum(ces[-50:]) / len(ces[-50:])
+            state["history"].append({"step": state["step"], "loss": mean, "ce": mean_ce, "lr": lr,
+                                     "tokens": state["tokens"], "stage": a.stage, "seconds": now - start})
+            log(f"step {state['step']}  loss {mean:.4f}  ce {mean_ce:.4f}  lr {lr:.2e}  {state['tokens'] / 1e6:.1f}M tokens  "
                 f"{now - start:.0f} s")
             last_log = now
         if now - last_save >= a.save_minutes * 60:
@@ -414,7 +423,7 @@ def cmd_train(a):
         fh.write(json.dumps({"stage": a.stage, "steps": done, "step": state["step"], "val_loss": v,
                              "train_loss_first": losses[0] if losses else None,
                              "train_loss_last": sum(losses[-20:]) / max(1, len(losses[-20:])),
-                             "losses": losses}) + "\n")
+                             "losses": losses, "ces": ces}) + "\n")
     log(f"stage {a.stage} done: {done} steps, val loss {v}, checkpoint {f['ckpt']}")
 
 
@@ -455,7 +464,8 @@ def main(argv=None):
     s.add_argument("--minutes", type=float, default=0, help="wall-clock budget of this stage (0: --steps only)")
     s.add_argument("--steps", type=int, default=0, help="step budget (0: --minutes only)")
     s.add_argument("--lengths", help="override the stage's lengths, e.g. 256,512")
-    s.add_argument("--lr", type=float, default=0)
+    s.add_argument("--lr", type=float, default=0, help="peak learning rate (0: the stage's)")
+    s.add_argument("--warmup", type=int, default=0, help="warm-up steps (0: the stage's)")
     s.add_argument("--tasks", default="all")
     s.add_argument("--batch-tokens", type=int, default=65536)
     s.add_argument("--prompt-blocks", type=int, default=2, help="noisy prompt blocks per sample (LM loss)")

@@ -138,11 +138,17 @@ class Sdar(nn.Module):
                 scale = 1.0 / math.sqrt(2 * self.c.layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
                 nn.init.normal_(p, std=std * scale)
 
-    def forward(self, ids, pos, attn):
+    def hidden(self, ids, pos, attn):
         x = self.embed_tokens(ids)
         for layer in self.layers:
             x = layer(x, pos, attn)
-        return self.norm(x) @ self.embed_tokens.weight.to(x.dtype).T  # tied head
+        return self.norm(x)
+
+    def head(self, h):
+        return h @ self.embed_tokens.weight.to(h.dtype).T  # tied
+
+    def forward(self, ids, pos, attn):
+        return self.head(self.hidden(ids, pos, attn))
 
     # ---- the engine's own canvas: block-causal over block_size (sparsa logits) ----
     def canvas_logits(self, ids):

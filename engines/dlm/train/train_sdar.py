@@ -247,11 +247,12 @@ def loss_of(model, batch, total, attention, compiled_flex=None):
         attn = flex_attention_fn(flex_block_mask(b["blk"], b["copy"]), compiled_flex)
     else:
         attn = sdpa_attention(dense_mask(b["blk"], b["copy"]))
-    logits = model(b["ids"], b["pos"], attn)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="none")
-    masked = (b["labels"] != -100).sum()
+    h = model.hidden(b["ids"], b["pos"], attn)
+    sel = b["labels"] != -100  # the head only where there is a loss: the masked tokens of the noisy copies
+    logits = model.head(h[sel]).float()
+    ce = F.cross_entropy(logits, b["labels"][sel], reduction="none")
     # the objective (the ELBO's 1/t weights) and, to watch, the plain cross-entropy per masked token
-    return (ce * b["weights"].flatten()).sum() / max(total, 1), ce.sum().detach() / masked.clamp(min=1)
+    return (ce * b["weights"][sel]).sum() / max(total, 1), ce.sum().detach() / max(int(sel.sum()), 1)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -328,12 +329,11 @@ def cmd_train(a):
     step0 = state["step"]
     gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
     compiled_flex = None
-    fwd = model
     if device.type == "cuda" and attention == "flex":
         from torch.nn.attention.flex_attention import flex_attention
         compiled_flex = torch.compile(flex_attention, dynamic=False)
     if a.compile and device.type == "cuda":
-        fwd = torch.compile(model, dynamic=False)
+        model.hidden = torch.compile(model.hidden, dynamic=False)  # the state_dict is unchanged
     seed0 = TRAIN_SEED_BASE + 10_000 * a.stage + step0  # fresh data on every resume
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], a.tasks, seed0, a.chunk, a.gen_threads)
     # Fixed shapes per length bucket: batch rows and sequence length.
@@ -389,7 +389,7 @@ def cmd_train(a):
         for g_ in opt.param_groups:
             g_["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, ce = loss_of(fwd, batch, total, attention, compiled_flex)
+            loss, ce = loss_of(model, batch, total, attention, compiled_flex)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -474,7 +474,8 @@ def main(argv=None):
     s.add_argument("--val-samples", type=int, default=8)
     s.add_argument("--device")
     s.add_argument("--attention", choices=["sdpa", "flex"])
-    s.add_argument("--compile", type=int, default=1)
+    s.add_argument("--compile", type=int, default=0,
+                   help="1: torch.compile the model too (FlexAttention is always compiled on the GPU)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--save-minutes", type=float, default=2)
     s.add_argument("--log-seconds", type=float, default=20)

@@ -180,3 +180,29 @@ def test_export_command_writes_the_training_record(trained, tmp_path):
     rec = json.loads((out / "training.json").read_text())
     assert rec["steps"] >= STEPS and rec["history"]
     assert (out / "tokenizer.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the GPU path of training)")
+def test_cuda_flex_training_path(trained, sparsa_bin, tmp_path):
+    """On the GPU: compiled FlexAttention under bf16 autocast gives the loss SDPA gives in f32
+    (bf16 rounding: 2e-2 relative), and a few training steps there run and stay finite."""
+    model = load_model(trained).cuda()
+    gen = torch.Generator().manual_seed(6)
+    items = [(512, list(range(5, 300)), [7, 8, 9, 0]), (512, list(range(9, 200)), [3, 4, 0])]
+    batch, total = T.build_batch(items, model.c, 2, gen, 640)
+    from torch.nn.attention.flex_attention import flex_attention
+    compiled = torch.compile(flex_attention, dynamic=False)
+    with torch.no_grad():
+        a = float(T.loss_of(model, batch, total, "sdpa")[0])
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            b = float(T.loss_of(model, batch, total, "flex", compiled)[0])
+    assert abs(a - b) <= 2e-2 * abs(a), (a, b)
+    run = tmp_path / "gpu_run"
+    import shutil
+    shutil.copytree(trained, run)
+    T.main(["train", "--run", str(run), "--stage", "1", "--lengths", "512", "--tasks", TASKS, "--steps", "5",
+            "--batch-tokens", "8192", "--device", "cuda", "--val-samples", "2", "--gen-threads", "2",
+            "--chunk", "4", "--sparsa", sparsa_bin, "--log-seconds", "0"])
+    with open(run / "log.jsonl") as f:
+        last = [json.loads(line) for line in f][-1]
+    assert last["steps"] == 5 and all(np.isfinite(last["losses"]))

@@ -373,16 +373,37 @@ def cmd_train(a):
         f"budget {a.minutes or '-'} min / {a.steps or '-'} steps")
     model.train()
     done = 0
+    # Batches are built by a thread of their own (Python work that overlaps the GPU's): samples
+    # fill their length's bucket; a full bucket is one batch. One thread, so the order (and
+    # the masking generator's draws) stays the same from run to run.
+    batches = queue.Queue(maxsize=4)
+
+    def make_batches():
+        try:
+            while not stream.stop:
+                L, prompt, target = stream.get()
+                bk = buckets[L]
+                bk["items"].append((L, prompt, target))
+                if len(bk["items"]) >= bk["rows"]:
+                    items, bk["items"] = bk["items"], []
+                    batch, total = build_batch(items, c, a.prompt_blocks, gen, bk["seq"])
+                    if device.type == "cuda":
+                        batch = {k: v.pin_memory() for k, v in batch.items()}
+                    while not stream.stop:
+                        try:
+                            batches.put((batch, total), timeout=1)
+                            break
+                        except queue.Full:
+                            pass
+        except Exception as e:  # reported by the training loop
+            batches.put(e)
+
+    threading.Thread(target=make_batches, daemon=True).start()
     while done < max_steps and time.time() - start < budget_s:
-        # fill buckets until one is full
-        while True:
-            L, prompt, target = stream.get()
-            bk = buckets[L]
-            bk["items"].append((L, prompt, target))
-            if len(bk["items"]) >= bk["rows"]:
-                items, bk["items"] = bk["items"], []
-                break
-        batch, total = build_batch(items, c, a.prompt_blocks, gen, bk["seq"])
+        got = batches.get()
+        if isinstance(got, Exception):
+            raise got
+        batch, total = got
         progress = max((time.time() - start) / budget_s, done / max_steps if a.steps else 0.0)
         warm = min(1.0, (done + 1) / stage["warmup"])
         lr = stage["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))

@@ -461,7 +461,9 @@ std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
       ->capture_default_str();
   ev->add_option("--samples", e->samples, "samples per task and length")->capture_default_str();
   ev->add_option("--seed", e->seed, "task seed")->capture_default_str();
-  ev->add_option("--steps", e->steps, "denoising steps per block (default: the block size, one token per step)");
+  ev->add_option("--steps", e->steps,
+                 "block loop (sdar): denoising steps per block (default: the block size, one token per step); "
+                 "remask (llada): total steps (default: gen-len)");
   ev->add_option("--gen-len", e->gen_len, "tokens to generate (default: the task's budget)");
   ev->add_option("--tokenizer", e->tokenizer, "tokenizer.json (default: the model directory's)");
   ev->add_option("--threads", e->threads, "attention threads (0 = all cores)");

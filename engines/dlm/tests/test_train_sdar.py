@@ -38,13 +38,17 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / max(1.0, float(np.max(np.abs(b)))))
 
 
-@pytest.fixture(scope="module")
-def run_dir(sparsa_bin, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("run"))
+def make_run(sparsa_bin, tmp_path_factory, arch):
+    run = str(tmp_path_factory.mktemp("run_" + arch))
     T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--samples", "2", "--dim", "64",
             "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--hidden", "128",
-            "--block", "16", "--max-len", "1024"])
+            "--block", "16", "--max-len", "1024", "--arch", arch])
     return run
+
+
+@pytest.fixture(scope="module")
+def run_dir(sparsa_bin, tmp_path_factory):
+    return make_run(sparsa_bin, tmp_path_factory, "sdar")
 
 
 def train(run, sparsa_bin, steps):
@@ -61,8 +65,16 @@ def trained(run_dir, sparsa_bin):
     return run_dir
 
 
-def test_training_lowers_the_loss_and_resumes(trained, sparsa_bin, capsys):
-    with open(os.path.join(trained, "log.jsonl")) as f:
+@pytest.fixture(scope="module")
+def trained_llada(sparsa_bin, tmp_path_factory):
+    run = make_run(sparsa_bin, tmp_path_factory, "llada")
+    torch.manual_seed(0)
+    train(run, sparsa_bin, STEPS)
+    return run
+
+
+def lowers_the_loss(run):
+    with open(os.path.join(run, "log.jsonl")) as f:
         first = json.loads(f.readline())
     losses, ces = first["losses"], first["ces"]
     assert len(losses) == STEPS and all(np.isfinite(losses))
@@ -73,6 +85,14 @@ def test_training_lowers_the_loss_and_resumes(trained, sparsa_bin, capsys):
     # noisy for 30 steps).
     assert tail < 0.85 * head, (head, tail)
     assert first["val_loss"] is not None and np.isfinite(first["val_loss"])
+
+
+def test_bidirectional_variant_trains_too(trained_llada):
+    lowers_the_loss(trained_llada)
+
+
+def test_training_lowers_the_loss_and_resumes(trained, sparsa_bin, capsys):
+    lowers_the_loss(trained)
     capsys.readouterr()
     train(trained, sparsa_bin, 3)
     assert "resumed" in capsys.readouterr().out
@@ -95,7 +115,7 @@ def test_noisy_blocks_see_what_the_engine_loop_sees(trained):
     gen = torch.Generator().manual_seed(3)
     prompt = list(torch.randint(2, c.vocab_size, (37,), generator=gen).tolist())
     target = list(torch.randint(2, c.vocab_size, (20,), generator=gen).tolist()) + [c.eos_id]
-    batch, _ = T.build_batch([(256, prompt, target)], c, 2, gen)
+    batch, _ = T.build_batch([(256, prompt, target, 128)], c, 2, gen)
     with torch.no_grad():
         logits = model(batch["ids"], batch["pos"], S.sdpa_attention(T.dense_mask(batch["blk"], batch["copy"])))[0]
     ids, blk, copy = batch["ids"][0].tolist(), batch["blk"][0].tolist(), batch["copy"][0].tolist()
@@ -119,7 +139,7 @@ def test_flex_attention_matches_sdpa(trained):
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     model = load_model(trained)
     gen = torch.Generator().manual_seed(4)
-    items = [(256, list(range(5, 60)), [7, 8, 9, 0]), (256, list(range(9, 40)), [3, 0])]
+    items = [(256, list(range(5, 60)), [7, 8, 9, 0], 128), (256, list(range(9, 40)), [3, 0], 128)]
     batch, total = T.build_batch(items, model.c, 2, gen, 256)
     with torch.no_grad():
         a = float(T.loss_of(model, batch, total, "sdpa")[0])
@@ -139,8 +159,11 @@ def engine_logits(sparsa_bin, model_dir, ids, tmp_path):
     return np.load(out)
 
 
-@pytest.mark.parametrize("dtype,shard_bytes", [("f32", 16 << 20), ("bf16", 16 << 20), ("f32", 120_000)])
-def test_export_loads_in_the_engine_and_logits_match(trained, sparsa_bin, tmp_path, dtype, shard_bytes):
+@pytest.mark.parametrize("arch,dtype,shard_bytes", [("sdar", "f32", 16 << 20), ("sdar", "bf16", 16 << 20),
+                                                    ("sdar", "f32", 120_000), ("llada", "f32", 16 << 20),
+                                                    ("llada", "bf16", 120_000)])
+def test_export_loads_in_the_engine_and_logits_match(request, sparsa_bin, tmp_path, arch, dtype, shard_bytes):
+    trained = request.getfixturevalue("trained" if arch == "sdar" else "trained_llada")
     model = load_model(trained)
     out = tmp_path / "model"
     total, shards = S.export_hf(model, str(out), dtype, shard_bytes, os.path.join(trained, "tokenizer.json"))
@@ -151,7 +174,8 @@ def test_export_loads_in_the_engine_and_logits_match(trained, sparsa_bin, tmp_pa
     else:
         assert shards == 1 and (out / "model.safetensors").exists()
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "sdar" and cfg["block_size"] == 16 and cfg["tie_word_embeddings"]
+    assert cfg["model_type"] == arch
+    assert (cfg["block_size"] == 16 and cfg["tie_word_embeddings"]) if arch == "sdar" else cfg["weight_tying"]
     info = json.loads(subprocess.run([sparsa_bin, "model", "info", str(out), "--json"], capture_output=True,
                                      text=True, check=True).stdout)
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
@@ -167,11 +191,12 @@ def test_export_loads_in_the_engine_and_logits_match(trained, sparsa_bin, tmp_pa
     with torch.no_grad():
         want = ref.canvas_logits(ids).numpy()
         assert rel_err(got, want) < LOGIT_TOL
-        # negative control: the same canvas fully bidirectional
+        # negative control: the other attention pattern (bidirectional for sdar, causal for llada)
         n = len(ids)
-        bidir = ref(torch.tensor(ids)[None], torch.arange(n)[None],
-                    S.sdpa_attention(torch.ones(1, n, n, dtype=torch.bool)))[0].numpy()
-    assert rel_err(got, bidir) > 100 * LOGIT_TOL
+        tok = torch.arange(n)
+        other = torch.ones(1, n, n, dtype=torch.bool) if arch == "sdar" else (tok[None, :] <= tok[:, None])[None]
+        wrong = ref(torch.tensor(ids)[None], torch.arange(n)[None], S.sdpa_attention(other))[0].numpy()
+    assert rel_err(got, wrong) > 100 * LOGIT_TOL
 
 
 def test_export_command_writes_the_training_record(trained, tmp_path):
@@ -188,7 +213,7 @@ def test_cuda_flex_training_path(trained, sparsa_bin, tmp_path):
     (bf16 rounding: 2e-2 relative), and a few training steps there run and stay finite."""
     model = load_model(trained).cuda()
     gen = torch.Generator().manual_seed(6)
-    items = [(512, list(range(5, 300)), [7, 8, 9, 0]), (512, list(range(9, 200)), [3, 4, 0])]
+    items = [(512, list(range(5, 300)), [7, 8, 9, 0], 128), (512, list(range(9, 200)), [3, 4, 0], 128)]
     batch, total = T.build_batch(items, model.c, 2, gen, 640)
     from torch.nn.attention.flex_attention import flex_attention
     compiled = torch.compile(flex_attention, dynamic=False)

@@ -9,6 +9,9 @@ Per layer (no biases; grouped-query attention):
 then model.norm and the head (the embedding when tie_word_embeddings). RoPE is NeoX style
 (rotate half) with rope_theta; attention scale 1/sqrt(head_dim).
 
+`arch="llada"` is the same stack without the QK norm, fully bidirectional, exported with LLaDA's
+weight names (engines/dlm/model_llada.cpp): the bidirectional model BA-Att's full canvases need.
+
 Attention takes an explicit pattern: a boolean mask (SDPA; any device) or a FlexAttention
 block mask (the GPU path of training), so the same module runs the engine's block-causal
 canvas and the two-stream block-diffusion training sequence (train_sdar.py).
@@ -39,8 +42,22 @@ class SdarConfig:
     eps: float = 1e-6
     mask_id: int = 1
     eos_id: int = 0
+    arch: str = "sdar"  # or "llada": the same blocks without QK norm, fully bidirectional (docs/eval.md)
 
     def hf_config(self, dtype):
+        if self.arch == "llada":
+            return {
+                "model_type": "llada", "architectures": ["LLaDAModelLM"], "d_model": self.dim,
+                "n_layers": self.layers, "n_heads": self.heads, "n_kv_heads": self.kv_heads,
+                "mlp_hidden_size": self.hidden, "vocab_size": self.vocab_size, "embedding_size": self.vocab_size,
+                "rms_norm_eps": self.eps, "rope": True, "rope_theta": self.rope_theta, "rope_scaling": None,
+                # the remask loop rounds the answer up to whole blocks of 32: room for it past max_len
+                "max_sequence_length": self.max_len + 64, "mask_token_id": self.mask_id,
+                "eos_token_id": self.eos_id, "pad_token_id": self.eos_id, "weight_tying": True,
+                "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "include_bias": False,
+                "alibi": False, "attention_layer_norm": False, "scale_logits": False, "input_emb_norm": False,
+                "torch_dtype": {"bf16": "bfloat16", "f32": "float32"}[dtype],
+            }
         return {
             "model_type": "sdar", "architectures": ["SDARForCausalLM"], "hidden_size": self.dim,
             "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
@@ -82,8 +99,9 @@ class Layer(nn.Module):
         self.q_proj = nn.Linear(c.dim, c.heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.dim, c.kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.dim, c.kv_heads * c.head_dim, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.eps)
-        self.k_norm = RMSNorm(c.head_dim, c.eps)
+        if c.arch == "sdar":
+            self.q_norm = RMSNorm(c.head_dim, c.eps)
+            self.k_norm = RMSNorm(c.head_dim, c.eps)
         self.o_proj = nn.Linear(c.heads * c.head_dim, c.dim, bias=False)
         self.post_attention_layernorm = RMSNorm(c.dim, c.eps)
         self.gate_proj = nn.Linear(c.dim, c.hidden, bias=False)
@@ -94,8 +112,11 @@ class Layer(nn.Module):
         c = self.c
         B, N, _ = x.shape
         h = self.input_layernorm(x)
-        q = self.q_norm(self.q_proj(h).view(B, N, c.heads, c.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(h).view(B, N, c.kv_heads, c.head_dim)).transpose(1, 2)
+        q = self.q_proj(h).view(B, N, c.heads, c.head_dim)
+        k = self.k_proj(h).view(B, N, c.kv_heads, c.head_dim)
+        if c.arch == "sdar":  # llada has no QK norm
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(h).view(B, N, c.kv_heads, c.head_dim).transpose(1, 2)
         q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
         a = attn(q, k, v).transpose(1, 2).reshape(B, N, c.heads * c.head_dim)
@@ -150,11 +171,13 @@ class Sdar(nn.Module):
     def forward(self, ids, pos, attn):
         return self.head(self.hidden(ids, pos, attn))
 
-    # ---- the engine's own canvas: block-causal over block_size (sparsa logits) ----
+    # ---- the engine's own canvas (sparsa logits): block-causal over block_size (sdar),
+    # bidirectional (llada) ----
     def canvas_logits(self, ids):
         ids = torch.as_tensor(ids, device=self.embed_tokens.weight.device)[None]
         n = ids.shape[1]
-        blk = torch.arange(n, device=ids.device) // self.c.block_size
+        block = self.c.block_size if self.c.arch == "sdar" else n
+        blk = torch.arange(n, device=ids.device) // block
         mask = (blk[None, :] <= blk[:, None])[None]
         pos = torch.arange(n, device=ids.device)[None]
         return self.forward(ids, pos, sdpa_attention(mask))[0]
@@ -163,7 +186,21 @@ class Sdar(nn.Module):
 # ---- Hugging Face export / import (the engine's format) ----------------------------------------
 
 def hf_tensors(model: Sdar):
-    """(name, tensor) in the engine's (SDAR's) names; the head is tied, so no lm_head.weight."""
+    """(name, tensor) in the engine's names (SDAR's or LLaDA's); the head is tied, so no
+    lm_head.weight / transformer.ff_out.weight."""
+    if model.c.arch == "llada":
+        p = "model.transformer."
+        out = [(p + "wte.weight", model.embed_tokens.weight)]
+        for i, L in enumerate(model.layers):
+            b = f"{p}blocks.{i}."
+            out += [
+                (b + "attn_norm.weight", L.input_layernorm.weight), (b + "q_proj.weight", L.q_proj.weight),
+                (b + "k_proj.weight", L.k_proj.weight), (b + "v_proj.weight", L.v_proj.weight),
+                (b + "attn_out.weight", L.o_proj.weight), (b + "ff_norm.weight", L.post_attention_layernorm.weight),
+                (b + "ff_proj.weight", L.gate_proj.weight), (b + "up_proj.weight", L.up_proj.weight),
+                (b + "ff_out.weight", L.down_proj.weight),
+            ]
+        return out + [(p + "ln_f.weight", model.norm.weight)]
     out = [("model.embed_tokens.weight", model.embed_tokens.weight)]
     for i, L in enumerate(model.layers):
         p = f"model.layers.{i}."

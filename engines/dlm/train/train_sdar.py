@@ -20,6 +20,9 @@ few random prompt blocks), each masked at its own rate t ~ U(0, 1). A noisy copy
 sees the clean blocks before b and itself (bidirectionally) — what the engine's block loop
 sees when it denoises block b. The loss is the masked-diffusion ELBO: cross-entropy on the
 masked tokens weighted by 1/t, averaged over the noisy blocks' tokens.
+
+`tokenizer --arch llada` makes the run a bidirectional LLaDA-format model instead (no QK norm,
+LLaDA's SFT-style loss over the answer region; build_batch_llada), for BA-Att's full canvases.
 """
 import argparse
 import json
@@ -122,7 +125,7 @@ class TaskStream:
     def tokenize(self, rows):
         prompts = self.tok.encode_batch([r["input"] for r in rows], add_special_tokens=False)
         targets = self.tok.encode_batch([r["target"] for r in rows], add_special_tokens=False)
-        return [(r["max_len"], p.ids, t.ids + [self.eos]) for r, p, t in zip(rows, prompts, targets)]
+        return [(r["max_len"], p.ids, t.ids + [self.eos], r["gen_tokens"]) for r, p, t in zip(rows, prompts, targets)]
 
     def _run(self):
         sparsa, tokenizer_path, lengths, tasks, chunk, threads = self.args
@@ -167,7 +170,7 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
     batch's own maximum. Returns tensors and the token count the loss is averaged over."""
     Bsz = c.block_size
     rows = []
-    for _, prompt, target in items:
+    for _, prompt, target, _ in items:
         x0 = prompt + target
         L = -(-len(x0) // Bsz) * Bsz
         x0 = x0 + [c.eos_id] * (L - len(x0))
@@ -217,6 +220,51 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
         total += eligible
     t = {k: torch.tensor(v, dtype=torch.float32 if k == "weights" else torch.long) for k, v in out.items()}
     return t, total
+
+
+LLADA_BLOCK = 32  # eval-model's remask blocks: the answer region is gen_tokens rounded up to them
+
+
+def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None):
+    """Masked diffusion for a bidirectional (llada) model, as LLaDA's SFT: the canvas is the
+    prompt then the answer region (target + EOS, EOS-padded to gen_tokens rounded up to 32
+    tokens, what the remask loop decodes), the region masked at one rate t ~ U(0, 1) per sample,
+    CE / t on the masked tokens over the region's length. Same tensors as build_batch: every
+    real token is 'clean' in block 0 (all see all), padding singletons see only themselves."""
+    out = {k: [] for k in ("ids", "pos", "blk", "copy", "labels", "weights")}
+    rows, total = [], 0
+    for _, prompt, target, gen_tokens in items:
+        region = -(-gen_tokens // LLADA_BLOCK) * LLADA_BLOCK
+        answer = (target + [c.eos_id] * region)[:region]
+        t = float(torch.rand((), generator=gen)) * (1 - 1e-3) + 1e-3
+        m = (torch.rand(region, generator=gen) < t).tolist()
+        if not any(m):
+            m[int(torch.randint(region, (1,), generator=gen))] = True
+        P = len(prompt)
+        ids = prompt + [c.mask_id if m[i] else answer[i] for i in range(region)]
+        labels = [-100] * P + [answer[i] if m[i] else -100 for i in range(region)]
+        weights = [0.0] * P + [1.0 / t if m[i] else 0.0 for i in range(region)]
+        rows.append((ids, labels, weights))
+        total += region
+    N = seq_len or max(len(r[0]) for r in rows)
+    for ids, labels, weights in rows:
+        n, pad = len(ids), N - len(ids)
+        if pad < 0:
+            raise ValueError(f"a sequence of {n} tokens exceeds the batch length {N}")
+        out["ids"].append(ids + [c.eos_id] * pad)
+        out["pos"].append(list(range(n)) + [0] * pad)
+        out["blk"].append([0] * N)
+        out["copy"].append([-1] * n + list(range(10**6, 10**6 + pad)))
+        out["labels"].append(labels + [-100] * pad)
+        out["weights"].append(weights + [0.0] * pad)
+    t = {k: torch.tensor(v, dtype=torch.float32 if k == "weights" else torch.long) for k, v in out.items()}
+    return t, total
+
+
+def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None):
+    if c.arch == "llada":
+        return build_batch_llada(items, c, gen, seq_len)
+    return build_batch(items, c, prompt_blocks, gen, seq_len)
 
 
 def dense_mask(blk, copy):
@@ -287,7 +335,7 @@ def cmd_tokenizer(a):
     c = SdarConfig(vocab_size=tok.get_vocab_size(), dim=a.dim, layers=a.layers, heads=a.heads,
                    kv_heads=a.kv_heads, head_dim=a.head_dim, hidden=a.hidden, block_size=a.block,
                    max_len=a.max_len, rope_theta=a.rope_theta, mask_id=tok.token_to_id(SPECIALS[1]),
-                   eos_id=tok.token_to_id(SPECIALS[0]))
+                   eos_id=tok.token_to_id(SPECIALS[0]), arch=a.arch)
     with open(f["config"], "w") as fh:
         json.dump({"model": c.__dict__, "seed": a.seed}, fh, indent=2)
     log(f"tokenizer: {tok.get_vocab_size()} tokens -> {f['tokenizer']}; model config -> {f['config']}")
@@ -337,7 +385,7 @@ def cmd_train(a):
     seed0 = TRAIN_SEED_BASE + 10_000 * a.stage + step0  # fresh data on every resume
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], a.tasks, seed0, a.chunk, a.gen_threads)
     # Fixed shapes per length bucket: batch rows and sequence length.
-    nb = noisy_budget(c, a.prompt_blocks)
+    nb = noisy_budget(c, a.prompt_blocks) if c.arch == "sdar" else 2 * LLADA_BLOCK
     buckets = {L: {"rows": max(1, a.batch_tokens // (L + nb)), "seq": -(-(L + nb) // 128) * 128, "items": []}
                for L in stage["lengths"]}
     val = None
@@ -356,8 +404,8 @@ def cmd_train(a):
             for L in stage["lengths"]:
                 items = [v for v in val if v[0] == L]
                 for i in range(0, len(items), buckets[L]["rows"]):
-                    batch, total = build_batch(items[i:i + buckets[L]["rows"]], c, a.prompt_blocks, g,
-                                               buckets[L]["seq"])
+                    batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, a.prompt_blocks, g,
+                                              buckets[L]["seq"])
                     tot += float(loss_of(model, batch, total, attention, compiled_flex)[0]) * total
                     n += total
         model.train()
@@ -381,12 +429,12 @@ def cmd_train(a):
     def make_batches():
         try:
             while not stream.stop:
-                L, prompt, target = stream.get()
-                bk = buckets[L]
-                bk["items"].append((L, prompt, target))
+                item = stream.get()
+                bk = buckets[item[0]]
+                bk["items"].append(item)
                 if len(bk["items"]) >= bk["rows"]:
                     items, bk["items"] = bk["items"], []
-                    batch, total = build_batch(items, c, a.prompt_blocks, gen, bk["seq"])
+                    batch, total = make_batch(items, c, a.prompt_blocks, gen, bk["seq"])
                     if device.type == "cuda":
                         batch = {k: v.pin_memory() for k, v in batch.items()}
                     while not stream.stop:
@@ -479,6 +527,8 @@ def main(argv=None):
     t.add_argument("--max-len", type=int, default=16384)
     t.add_argument("--rope-theta", type=float, default=1e6)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--arch", choices=["sdar", "llada"], default="sdar",
+                   help="sdar: block diffusion (the default); llada: bidirectional, for BA-Att's full canvases")
     s = sub.add_parser("train", help="one stage of the curriculum; resumes from the run's checkpoint")
     s.add_argument("--run", required=True)
     s.add_argument("--stage", type=int, required=True)

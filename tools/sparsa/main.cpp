@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cmd_dlm.h"
+#include "cmd_eval_model.h"
 #include "cmd_selectors.h"
 #include "commands.h"
 #include "cmd_trace.h"
@@ -158,7 +159,8 @@ int run_main(int argc, char** argv) {
   const Subcommand eval_cmd = add_eval_command(app);
   TraceOptions trace;
   CLI::App* trace_cmd = add_trace_command(app, "trace", trace);
-  const std::vector<Subcommand> dlm_cmds = add_dlm_commands(app);
+  std::vector<Subcommand> dlm_cmds = add_dlm_commands(app);
+  for (Subcommand& sub : add_eval_model_commands(app)) dlm_cmds.push_back(sub);
 
   // CLI11 reads an unknown first word as a stray argument ("A subcommand is required");
   // name it instead.
@@ -167,7 +169,7 @@ int run_main(int argc, char** argv) {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known = known || sub->get_name() == word;
     if (!known) {
-      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo, plan, eval, trace, generate, logits, tokenize or model)"),
+      return fail(invalid_argument("unknown command '" + word + "' (expected info, run, bench, demo, plan, eval, trace, generate, logits, tokenize, model, ruler or eval-model)"),
                   kExitUsage);
     }
   }

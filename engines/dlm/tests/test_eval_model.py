@@ -1,0 +1,193 @@
+"""`sparsa ruler` and `sparsa eval-model` through the CLI (docs/eval.md):
+- length calibration against an independent tokenizer (the `tokenizers` package counts the
+  generated inputs again: the counts agree exactly, and the input plus the generation budget
+  fits max_len with at most the stated slack);
+- eval-model on a tiny random sdar model at a short length, a few samples, two methods: the
+  table/JSON/SVG outputs, determinism, and every per-sample score recomputed here with an
+  independent implementation of RULER's string_match_all / string_match_part;
+- bad arguments are usage errors naming the flag.
+The shipped trained model replaces the random one in this smoke test once it is trained."""
+import json
+import os
+import re
+import subprocess
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import dlm_ref as R
+
+tokenizers = pytest.importorskip("tokenizers")
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+QWEN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+SPECIALS = ["<|endoftext|>", "<|mask|>"]
+# The slack under max_len is below one haystack unit (next_unit_tokens proves it exactly); in
+# tokens that is at most 128 or 3% of the length: a QA document is the largest unit, ~70 tokens
+# under this 400-token BPE that spells made-up names nearly letter by letter.
+SLACK = lambda length: max(128, 3 * length // 100)  # noqa: E731
+
+
+def run(sparsa_bin, *args, check=True, timeout=300):
+    p = subprocess.run([sparsa_bin, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"sparsa {' '.join(map(str, args))} failed ({p.returncode}): {p.stderr}")
+    return p
+
+
+def generate(sparsa_bin, *args):
+    return [json.loads(line) for line in run(sparsa_bin, "ruler", "generate", *args).stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(sparsa_bin, tmp_path_factory):
+    """A byte-level BPE trained on the generator's own text (as train_sdar.py trains it)."""
+    rows = generate(sparsa_bin, "--tasks", "all", "--lengths", "1K", "--samples", "2", "--seed", "99")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([r["input"] + r["target"] for r in rows], trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer_path, tmp_path_factory):
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    d = tmp_path_factory.mktemp("tiny_sdar")
+    spec = R.Spec("sdar", dim=32, heads=2, kv_heads=1, head_dim=16, hidden=48, layers=2, block=16,
+                  vocab=tok.get_vocab_size(), max_len=2048, mask_id=tok.token_to_id("<|mask|>"),
+                  eos=tok.token_to_id("<|endoftext|>"))
+    R.write_model(d, spec, seed=5)
+    (d / "tokenizer.json").write_text(tokenizer_path.read_text())
+    return d
+
+
+def test_tasks_lists_every_family(sparsa_bin):
+    tasks = json.loads(run(sparsa_bin, "ruler", "tasks", "--json").stdout)
+    assert {t["family"] for t in tasks} == {"niah", "vt", "cwe", "fwe", "qa"}
+    assert {t["metric"] for t in tasks} == {"string_match_all", "string_match_part"}
+    assert "niah_single_1" in run(sparsa_bin, "ruler", "tasks").stdout
+
+
+@pytest.mark.parametrize("length", [1024, 2048])
+def test_lengths_are_calibrated_with_the_models_tokenizer(sparsa_bin, tokenizer_path, length):
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    p = run(sparsa_bin, "ruler", "generate", "--tasks", "all", "--lengths", str(length), "--samples", "2", "--seed",
+            "3", "--tokenizer", tokenizer_path, "--threads", "2", "--skip-unfit")
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    # this tiny tokenizer (400 tokens) spends many tokens per word: cwe's one-shot example and
+    # its 10 x 6 common words need more than 1K there (skipped, and said so)
+    skipped = {"cwe"} if length == 1024 else set()
+    assert {r["task"] for r in rows} == {t["name"] for t in json.loads(run(sparsa_bin, "ruler", "tasks", "--json").stdout)} - skipped
+    assert all(s + "@1K" in p.stderr for s in skipped)
+    assert len(rows) == 2 * (12 - len(skipped))
+    for r in rows:
+        n = len(tok.encode(r["input"], add_special_tokens=False).ids)
+        assert n == r["input_tokens"], r["task"]  # the engine's tokenizer counts as `tokenizers` does
+        assert n + r["gen_tokens"] <= length, r["task"]
+        assert r["next_unit_tokens"] + r["gen_tokens"] > length, r["task"]  # the largest haystack that fits
+        assert n + r["gen_tokens"] >= length - SLACK(length), (r["task"], n, length)
+        assert r["input"].endswith(r["answer_prefix"])
+
+
+def test_generate_is_deterministic_and_writes_jsonl(sparsa_bin, tmp_path):
+    out = tmp_path / "s.jsonl"
+    run(sparsa_bin, "ruler", "generate", "--tasks", "niah,vt", "--lengths", "1K", "--samples", "3", "--seed", "4",
+        "--out", out, "--threads", "2")
+    again = generate(sparsa_bin, "--tasks", "niah,vt", "--lengths", "1K", "--samples", "3", "--seed", "4")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows == again
+    assert len(rows) == 8 * 3
+    assert rows != generate(sparsa_bin, "--tasks", "niah,vt", "--lengths", "1K", "--samples", "3", "--seed", "5")
+
+
+def ruler_post(s):
+    return re.sub(r"[\x00-\x1f]", "\n", s.strip())
+
+
+def ruler_score(pred, refs, metric):
+    p = ruler_post(pred).lower()
+    hits = [r.lower() in p for r in refs]
+    return sum(hits) / len(refs) if metric == "string_match_all" else float(any(hits))
+
+
+def test_eval_model_smoke(sparsa_bin, tiny_model, tmp_path):
+    js, svg = tmp_path / "r.json", tmp_path / "r.svg"
+    args = ["eval-model", "--model", tiny_model, "--tasks", "niah_single_1,qa_1", "--lengths", "512",
+            "--samples", "2", "--seed", "1", "--attention", "dense,quest:budget=64", "--threads", "1"]
+    p = run(sparsa_bin, *args, "--json", js, "--svg", svg)
+    assert "niah_single_1" in p.stdout and "quest:budget=64" in p.stdout and "mean" in p.stdout
+    assert "[sparsa eval-model]" in p.stderr  # progress
+    report = json.loads(js.read_text())
+    assert report["arch"] == "sdar" and report["loop"] == "block"
+    cells = {(c["task"], c["length"], c["method"]): c for c in report["results"]}
+    assert set(cells) == {(t, 512, m) for t in ("niah_single_1", "qa_1") for m in ("dense", "quest:budget=64")}
+    samples = {(r["task"], r["index"]): r
+               for r in generate(sparsa_bin, "--tasks", "niah_single_1,qa_1", "--lengths", "512", "--samples", "2",
+                                 "--seed", "1", "--tokenizer", tiny_model / "tokenizer.json")}
+    for (task, _, _), c in cells.items():
+        assert len(c["per_sample"]) == 2
+        for s in c["per_sample"]:
+            ref = samples[(task, s["index"])]
+            assert s["score"] == ruler_score(s["prediction"], ref["outputs"], ref["metric"])
+            assert s["depth"] == ref["depth"] and s["input_tokens"] == ref["input_tokens"]
+        assert c["accuracy"] == pytest.approx(100 * sum(s["score"] for s in c["per_sample"]) / 2)
+        assert c["nulls"] == sum(ruler_post(s["prediction"]) == "" for s in c["per_sample"])
+    root = ET.fromstring(svg.read_text())
+    assert root.tag.endswith("svg") and len(root) == 2  # accuracy vs length, accuracy vs depth
+    again = json.loads(run(sparsa_bin, *args, "--json", "--quiet").stdout)
+    for a, b in zip(report["results"], again["results"]):
+        assert [s["prediction"] for s in a["per_sample"]] == [s["prediction"] for s in b["per_sample"]]
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--lengths", "99999", "--lengths"),
+    ("--lengths", "2M", "--lengths"),
+    ("--attention", "dense,nosuch", "--attention nosuch"),
+    ("--attention", "ba_att:density=7", "--attention ba_att:density=7"),
+    ("--tasks", "nope", "--tasks"),
+    ("--samples", "0", "--samples"),
+    ("--svg", "/nonexistent-dir/x.svg", "--svg"),
+])
+def test_eval_model_bad_arguments(sparsa_bin, tiny_model, flag, value, needle):
+    args = {"--lengths": "512", "--attention": "dense", "--tasks": "niah_single_1", "--samples": "1"}
+    args[flag] = value
+    flat = [x for kv in args.items() for x in kv]
+    p = run(sparsa_bin, "eval-model", "--model", tiny_model, *flat, "--quiet", check=False)
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr, p.stderr
+
+
+def test_eval_model_missing_model_is_a_runtime_error(sparsa_bin, tmp_path):
+    p = run(sparsa_bin, "eval-model", "--model", tmp_path / "none", "--quiet", check=False)
+    assert p.returncode == 1 and "sparsa: error:" in p.stderr
+
+
+def test_generate_bad_arguments(sparsa_bin, tmp_path):
+    for args, needle in [(["--tasks", "x"], "--tasks"), (["--lengths", "0"], "--lengths"),
+                         (["--out", tmp_path / "x.txt"], "--out"), (["--threads", "0"], "--threads")]:
+        p = run(sparsa_bin, "ruler", "generate", *args, check=False)
+        assert p.returncode == 2 and needle in p.stderr, p.stderr
+    p = run(sparsa_bin, "ruler", "generate", "--tasks", "vt", "--lengths", "128", check=False)
+    assert p.returncode == 1 and "max_len 128" in p.stderr, p.stderr
+
+
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "models", "sparsa-sdar-ruler")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(SHIPPED, "config.json")),
+                    reason="the trained model is not in models/ yet (docs/eval.md, the GPU sequence)")
+def test_shipped_model_answers_needles_at_1k(sparsa_bin):
+    """The smoke test with a real accuracy number: the shipped model, 1K tokens, 4 samples of
+    niah_single_1 on the CPU. Its dense accuracy at 4K and 8K is at least 90% (the model card);
+    at 1K, inside its first training stage, 3 of 4 is the floor this test holds it to."""
+    p = run(sparsa_bin, "eval-model", "--model", SHIPPED, "--tasks", "niah_single_1", "--lengths", "1K",
+            "--samples", "4", "--json", "--quiet", timeout=600)
+    cell = json.loads(p.stdout)["results"][0]
+    assert cell["accuracy"] >= 75.0, cell

@@ -1,0 +1,565 @@
+#!/usr/bin/env python3
+"""Trains a small block-diffusion LM in the engine's `sdar` format on the long-context tasks of
+`sparsa ruler generate` (docs/eval.md, "Training the model"). torch is a training-time
+dependency only; the result is a Hugging Face directory that `sparsa generate` and
+`sparsa eval-model` run.
+
+    train_sdar.py tokenizer --run RUN                  BPE tokenizer.json trained on the task text
+    train_sdar.py train --run RUN --stage N --minutes M  one stage of the curriculum (resumes)
+    train_sdar.py export --run RUN --out DIR           config.json + safetensors (+ shards) + tokenizer.json
+    train_sdar.py stages                               the curriculum
+
+The task text comes from the C++ generator through the CLI (one source of truth for the tasks):
+a background thread runs `sparsa ruler generate` on fresh seeds (from 1,000,000 up, far from
+the evaluation seeds) and tokenizes its JSON lines with the run's tokenizer.
+
+Training sequence (block diffusion, BD3-LM style two streams): the clean sequence x0 = prompt
++ target + EOS (padded with EOS to whole blocks of block_size) runs block-causally, exactly as
+the engine's prefix cache sees it; after it come noisy copies of the answer's blocks (and of a
+few random prompt blocks), each masked at its own rate t ~ U(0, 1). A noisy copy of block b
+sees the clean blocks before b and itself (bidirectionally) — what the engine's block loop
+sees when it denoises block b. The loss is the masked-diffusion ELBO: cross-entropy on the
+masked tokens weighted by 1/t, averaged over the noisy blocks' tokens.
+
+`tokenizer --arch llada` makes the run a bidirectional LLaDA-format model instead (no QK norm,
+LLaDA's SFT-style loss over the answer region; build_batch_llada), for BA-Att's full canvases.
+"""
+import argparse
+import json
+import math
+import os
+import queue
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sdar_torch import Sdar, SdarConfig, export_hf, flex_attention_fn, sdpa_attention  # noqa: E402
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+
+# The curriculum: each stage's generator lengths (samples of every length in equal numbers, so
+# the shorter ones keep what earlier stages taught) and learning rate. Each fits in a few
+# minutes of one H200; docs/eval.md gives the command sequence.
+STAGES = {
+    1: {"lengths": [512, 1024], "lr": 1.5e-3, "warmup": 300},
+    2: {"lengths": [1024, 2048], "lr": 1.2e-3, "warmup": 100},
+    3: {"lengths": [1024, 2048, 4096], "lr": 1e-3, "warmup": 100},
+    4: {"lengths": [2048, 4096, 8192], "lr": 8e-4, "warmup": 100},
+    5: {"lengths": [4096, 8192, 16384], "lr": 6e-4, "warmup": 100},
+    6: {"lengths": [4096, 8192, 16384], "lr": 3e-4, "warmup": 50},
+}
+TRAIN_SEED_BASE = 1_000_000  # generator seeds of training; validation uses 900,000 + stage
+SPECIALS = ["<|endoftext|>", "<|mask|>"]  # ids 0 (EOS, padding) and 1 (mask)
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+              r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def log(*args):
+    print("[train_sdar]", *args, flush=True)
+
+
+def find_sparsa(path):
+    if path:
+        return path
+    for cand in (os.path.join(REPO, "build", "tools", "sparsa"), shutil.which("sparsa")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    sys.exit("train_sdar: no sparsa binary: build it (scripts/build --target sparsa_cli) or pass --sparsa PATH")
+
+
+def ruler_generate(sparsa, tasks, lengths, samples, seed, tokenizer=None, threads=1):
+    cmd = [sparsa, "ruler", "generate", "--tasks", tasks, "--lengths", ",".join(map(str, lengths)),
+           "--samples", str(samples), "--seed", str(seed), "--threads", str(threads), "--skip-unfit"]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {p.stderr.strip()}")
+    return [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def train_tokenizer(sparsa, out_path, vocab_size, seed=TRAIN_SEED_BASE - 1, samples=12, lengths=(1024, 4096)):
+    """Byte-level BPE (Qwen2's split: digits one by one, which suits 7-digit values) trained on
+    the generator's text of every task, with EOS and mask as special tokens 0 and 1."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    rows = ruler_generate(sparsa, "all", list(lengths), samples, seed)
+    text = [r["input"] + r["target"] for r in rows]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text, trainer)
+    tok.save(out_path)
+    return tok
+
+
+# ---------------------------------------------------------------- data
+
+class TaskStream:
+    """Tokenized samples from `sparsa ruler generate`, produced by a background thread."""
+
+    def __init__(self, sparsa, tokenizer_path, lengths, tasks, seed0, chunk, threads, maxsize=4096):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(tokenizer_path)
+        self.eos = self.tok.token_to_id(SPECIALS[0])
+        self.args = (sparsa, tokenizer_path, lengths, tasks, chunk, threads)
+        self.seed = seed0
+        self.q = queue.Queue(maxsize=maxsize)
+        self.error = None
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def tokenize(self, rows):
+        prompts = self.tok.encode_batch([r["input"] for r in rows], add_special_tokens=False)
+        targets = self.tok.encode_batch([r["target"] for r in rows], add_special_tokens=False)
+        return [(r["max_len"], p.ids, t.ids + [self.eos], r["gen_tokens"]) for r, p, t in zip(rows, prompts, targets)]
+
+    def _run(self):
+        sparsa, tokenizer_path, lengths, tasks, chunk, threads = self.args
+        try:
+            while not self.stop:
+                rows = ruler_generate(sparsa, tasks, lengths, chunk, self.seed, tokenizer_path, threads)
+                if not rows:
+                    raise RuntimeError(f"no task of '{tasks}' fits the lengths {lengths} (sparsa ruler generate "
+                                       "skipped them all)")
+                self.seed += 1
+                items = self.tokenize(rows)
+                random.Random(self.seed).shuffle(items)
+                for it in items:
+                    while not self.stop:
+                        try:
+                            self.q.put(it, timeout=1)
+                            break
+                        except queue.Full:
+                            pass
+        except Exception as e:  # reported by get()
+            self.error = e
+
+    def get(self):
+        while True:
+            if self.error:
+                raise self.error
+            try:
+                return self.q.get(timeout=1)
+            except queue.Empty:
+                pass
+
+
+def noisy_budget(c: SdarConfig, prompt_blocks):
+    """Tokens reserved for noisy copies: the answer's blocks (the generation budget is at most
+    128 tokens plus EOS and a partial first block: 10 blocks of 16) plus the prompt blocks."""
+    return c.block_size * (prompt_blocks + -(-160 // c.block_size))
+
+
+def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_len=None):
+    """Two-stream sequences [B, N]: ids, positions, block ids, copy ids (-1 clean), labels
+    (-100 where no loss), weights (1/t). N = seq_len (fixed shapes for torch.compile) or the
+    batch's own maximum. Returns tensors and the token count the loss is averaged over."""
+    Bsz = c.block_size
+    rows = []
+    for _, prompt, target, _ in items:
+        x0 = prompt + target
+        L = -(-len(x0) // Bsz) * Bsz
+        x0 = x0 + [c.eos_id] * (L - len(x0))
+        P = len(prompt)
+        first_answer = P // Bsz
+        blocks = [(b, max(b * Bsz, P)) for b in range(first_answer, L // Bsz)]
+        budget = noisy_budget(c, prompt_blocks) // Bsz
+        blocks = blocks[-budget:]  # never more than the budget (the answer's last blocks)
+        choices = list(range(first_answer))
+        for _ in range(min(prompt_blocks, len(choices), budget - len(blocks))):
+            b = choices.pop(int(torch.randint(len(choices), (1,), generator=gen)))
+            blocks.append((b, b * Bsz))
+        ids, pos, blk, copy = list(x0), list(range(L)), [i // Bsz for i in range(L)], [-1] * L
+        labels, weights = [-100] * L, [0.0] * L
+        eligible = 0
+        for j, (b, lo) in enumerate(blocks):
+            hi = (b + 1) * Bsz
+            t = float(torch.rand((), generator=gen)) * (1 - 1e-3) + 1e-3
+            m = (torch.rand(hi - lo, generator=gen) < t).tolist()
+            if not any(m):
+                m[int(torch.randint(hi - lo, (1,), generator=gen))] = True
+            for i in range(b * Bsz, hi):
+                masked = i >= lo and m[i - lo]
+                ids.append(c.mask_id if masked else x0[i])
+                pos.append(i)
+                blk.append(b)
+                copy.append(j)
+                labels.append(x0[i] if masked else -100)
+                weights.append(1.0 / t if masked else 0.0)
+            eligible += hi - lo
+        rows.append((ids, pos, blk, copy, labels, weights, eligible))
+    N = seq_len or max(len(r[0]) for r in rows)
+    out = {k: [] for k in ("ids", "pos", "blk", "copy", "labels", "weights")}
+    total = 0
+    for ids, pos, blk, copy, labels, weights, eligible in rows:
+        pad = N - len(ids)
+        if pad < 0:
+            raise ValueError(f"a sequence of {len(ids)} tokens exceeds the batch length {N}")
+        # Padding: noisy-stream singletons (own copy id, block 0): they see only themselves and
+        # nothing sees them.
+        out["ids"].append(ids + [c.eos_id] * pad)
+        out["pos"].append(pos + [0] * pad)
+        out["blk"].append(blk + [0] * pad)
+        out["copy"].append(copy + list(range(10**6, 10**6 + pad)))
+        out["labels"].append(labels + [-100] * pad)
+        out["weights"].append(weights + [0.0] * pad)
+        total += eligible
+    t = {k: torch.tensor(v, dtype=torch.float32 if k == "weights" else torch.long) for k, v in out.items()}
+    return t, total
+
+
+LLADA_BLOCK = 32  # eval-model's remask blocks: the answer region is gen_tokens rounded up to them
+
+
+def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None):
+    """Masked diffusion for a bidirectional (llada) model, as LLaDA's SFT: the canvas is the
+    prompt then the answer region (target + EOS, EOS-padded to gen_tokens rounded up to 32
+    tokens, what the remask loop decodes), the region masked at one rate t ~ U(0, 1) per sample,
+    CE / t on the masked tokens over the region's length. Same tensors as build_batch: every
+    real token is 'clean' in block 0 (all see all), padding singletons see only themselves."""
+    out = {k: [] for k in ("ids", "pos", "blk", "copy", "labels", "weights")}
+    rows, total = [], 0
+    for _, prompt, target, gen_tokens in items:
+        region = -(-gen_tokens // LLADA_BLOCK) * LLADA_BLOCK
+        answer = (target + [c.eos_id] * region)[:region]
+        t = float(torch.rand((), generator=gen)) * (1 - 1e-3) + 1e-3
+        m = (torch.rand(region, generator=gen) < t).tolist()
+        if not any(m):
+            m[int(torch.randint(region, (1,), generator=gen))] = True
+        P = len(prompt)
+        ids = prompt + [c.mask_id if m[i] else answer[i] for i in range(region)]
+        labels = [-100] * P + [answer[i] if m[i] else -100 for i in range(region)]
+        weights = [0.0] * P + [1.0 / t if m[i] else 0.0 for i in range(region)]
+        rows.append((ids, labels, weights))
+        total += region
+    N = seq_len or max(len(r[0]) for r in rows)
+    for ids, labels, weights in rows:
+        n, pad = len(ids), N - len(ids)
+        if pad < 0:
+            raise ValueError(f"a sequence of {n} tokens exceeds the batch length {N}")
+        out["ids"].append(ids + [c.eos_id] * pad)
+        out["pos"].append(list(range(n)) + [0] * pad)
+        out["blk"].append([0] * N)
+        out["copy"].append([-1] * n + list(range(10**6, 10**6 + pad)))
+        out["labels"].append(labels + [-100] * pad)
+        out["weights"].append(weights + [0.0] * pad)
+    t = {k: torch.tensor(v, dtype=torch.float32 if k == "weights" else torch.long) for k, v in out.items()}
+    return t, total
+
+
+def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None):
+    if c.arch == "llada":
+        return build_batch_llada(items, c, gen, seq_len)
+    return build_batch(items, c, prompt_blocks, gen, seq_len)
+
+
+def dense_mask(blk, copy):
+    """[B, N, N] bool: clean queries see clean keys of their block and before; a noisy copy of
+    block b sees clean keys of blocks < b and its own copy."""
+    qb, kb, qc, kc = blk[:, :, None], blk[:, None, :], copy[:, :, None], copy[:, None, :]
+    clean_q, clean_k = qc < 0, kc < 0
+    return (clean_q & clean_k & (kb <= qb)) | (~clean_q & clean_k & (kb < qb)) | (~clean_q & ~clean_k & (kc == qc))
+
+
+def flex_block_mask(blk, copy):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, k):
+        qb, kb, qc, kc = blk[b, q], blk[b, k], copy[b, q], copy[b, k]
+        clean_q, clean_k = qc < 0, kc < 0
+        return (clean_q & clean_k & (kb <= qb)) | (~clean_q & clean_k & (kb < qb)) | (~clean_q & ~clean_k & (kc == qc))
+
+    B, N = blk.shape
+    # compiled on the GPU: the mask is evaluated block by block, never as a [B, N, N] tensor
+    return create_block_mask(mask_mod, B, None, N, N, device=blk.device, _compile=blk.device.type == "cuda")
+
+
+def loss_of(model, batch, total, attention, compiled_flex=None):
+    dev = model.embed_tokens.weight.device
+    b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+    if attention == "flex":
+        attn = flex_attention_fn(flex_block_mask(b["blk"], b["copy"]), compiled_flex)
+    else:
+        attn = sdpa_attention(dense_mask(b["blk"], b["copy"]))
+    h = model.hidden(b["ids"], b["pos"], attn)
+    sel = b["labels"] != -100  # the head only where there is a loss: the masked tokens of the noisy copies
+    logits = model.head(h[sel]).float()
+    ce = F.cross_entropy(logits, b["labels"][sel], reduction="none")
+    # the objective (the ELBO's 1/t weights) and, to watch, the plain cross-entropy per masked token
+    return (ce * b["weights"][sel]).sum() / max(total, 1), ce.sum().detach() / max(int(sel.sum()), 1)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def run_files(run):
+    return {"config": os.path.join(run, "run.json"), "ckpt": os.path.join(run, "ckpt.pt"),
+            "tokenizer": os.path.join(run, "tokenizer.json"), "log": os.path.join(run, "log.jsonl")}
+
+
+def load_run(run):
+    f = run_files(run)
+    if not os.path.exists(f["config"]):
+        sys.exit(f"train_sdar: {run}: no run.json (run `train_sdar.py tokenizer --run {run}` first)")
+    with open(f["config"]) as fh:
+        return SdarConfig(**json.load(fh)["model"])
+
+
+def save_ckpt(run, model, opt, state):
+    f = run_files(run)
+    tmp = f["ckpt"] + ".tmp"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
+    os.replace(tmp, f["ckpt"])  # an interrupted save never leaves a broken checkpoint
+
+
+# ---------------------------------------------------------------- commands
+
+def cmd_tokenizer(a):
+    os.makedirs(a.run, exist_ok=True)
+    f = run_files(a.run)
+    sparsa = find_sparsa(a.sparsa)
+    tok = train_tokenizer(sparsa, f["tokenizer"], a.vocab, samples=a.samples)
+    c = SdarConfig(vocab_size=tok.get_vocab_size(), dim=a.dim, layers=a.layers, heads=a.heads,
+                   kv_heads=a.kv_heads, head_dim=a.head_dim, hidden=a.hidden, block_size=a.block,
+                   max_len=a.max_len, rope_theta=a.rope_theta, mask_id=tok.token_to_id(SPECIALS[1]),
+                   eos_id=tok.token_to_id(SPECIALS[0]), arch=a.arch)
+    with open(f["config"], "w") as fh:
+        json.dump({"model": c.__dict__, "seed": a.seed}, fh, indent=2)
+    log(f"tokenizer: {tok.get_vocab_size()} tokens -> {f['tokenizer']}; model config -> {f['config']}")
+
+
+def cmd_stages(a):
+    for n, s in STAGES.items():
+        print(f"stage {n}: lengths {','.join(map(str, s['lengths']))}  lr {s['lr']}  warmup {s['warmup']}")
+
+
+def cmd_train(a):
+    c = load_run(a.run)
+    f = run_files(a.run)
+    sparsa = find_sparsa(a.sparsa)
+    if a.stage not in STAGES and not a.lengths:
+        sys.exit(f"train_sdar: --stage: expected one of {sorted(STAGES)} (or give --lengths), got {a.stage}")
+    stage = dict(STAGES.get(a.stage, {"lr": 1e-3, "warmup": 100}))
+    if a.lengths:
+        stage["lengths"] = [int(x) for x in a.lengths.split(",")]
+    if a.lr:
+        stage["lr"] = a.lr
+    if a.warmup:
+        stage["warmup"] = a.warmup
+    if max(stage["lengths"]) > c.max_len:
+        sys.exit(f"train_sdar: the stage's length {max(stage['lengths'])} exceeds the model's max_len {c.max_len}")
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    attention = a.attention or ("flex" if device.type == "cuda" else "sdpa")
+    torch.manual_seed(a.seed)
+    model = Sdar(c).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=stage["lr"], betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
+    state = {"step": 0, "tokens": 0, "stages": [], "history": []}
+    if os.path.exists(f["ckpt"]):
+        ck = torch.load(f["ckpt"], map_location=device, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state = ck["state"]
+        log(f"resumed {f['ckpt']} at step {state['step']}")
+    step0 = state["step"]
+    gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
+    compiled_flex = None
+    if device.type == "cuda" and attention == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+        compiled_flex = torch.compile(flex_attention, dynamic=False)
+    if a.compile and device.type == "cuda":
+        model.hidden = torch.compile(model.hidden, dynamic=False)  # the state_dict is unchanged
+    seed0 = TRAIN_SEED_BASE + 10_000 * a.stage + step0  # fresh data on every resume
+    stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], a.tasks, seed0, a.chunk, a.gen_threads)
+    # Fixed shapes per length bucket: batch rows and sequence length.
+    nb = noisy_budget(c, a.prompt_blocks) if c.arch == "sdar" else 2 * LLADA_BLOCK
+    buckets = {L: {"rows": max(1, a.batch_tokens // (L + nb)), "seq": -(-(L + nb) // 128) * 128, "items": []}
+               for L in stage["lengths"]}
+    val = None
+    if a.val_samples > 0:
+        rows = ruler_generate(sparsa, a.tasks, stage["lengths"], a.val_samples, 900_000 + a.stage, f["tokenizer"],
+                              a.gen_threads)
+        val = stream.tokenize(rows)
+
+    def validate():
+        if not val:
+            return None
+        model.eval()
+        g = torch.Generator().manual_seed(12345)
+        tot, n = 0.0, 0
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            for L in stage["lengths"]:
+                items = [v for v in val if v[0] == L]
+                for i in range(0, len(items), buckets[L]["rows"]):
+                    batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, a.prompt_blocks, g,
+                                              buckets[L]["seq"])
+                    tot += float(loss_of(model, batch, total, attention, compiled_flex)[0]) * total
+                    n += total
+        model.train()
+        return tot / max(n, 1)
+
+    start = time.time()
+    last_save = last_log = start
+    budget_s = a.minutes * 60 if a.minutes else float("inf")
+    max_steps = a.steps or (1 << 62)
+    losses, ces = [], []
+    log(f"stage {a.stage}: lengths {stage['lengths']}, {attention} attention on {device}, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+        f"budget {a.minutes or '-'} min / {a.steps or '-'} steps")
+    model.train()
+    done = 0
+    # Batches are built by a thread of their own (Python work that overlaps the GPU's): samples
+    # fill their length's bucket; a full bucket is one batch. One thread, so the order (and
+    # the masking generator's draws) stays the same from run to run.
+    batches = queue.Queue(maxsize=4)
+
+    def make_batches():
+        try:
+            while not stream.stop:
+                item = stream.get()
+                bk = buckets[item[0]]
+                bk["items"].append(item)
+                if len(bk["items"]) >= bk["rows"]:
+                    items, bk["items"] = bk["items"], []
+                    batch, total = make_batch(items, c, a.prompt_blocks, gen, bk["seq"])
+                    if device.type == "cuda":
+                        batch = {k: v.pin_memory() for k, v in batch.items()}
+                    while not stream.stop:
+                        try:
+                            batches.put((batch, total), timeout=1)
+                            break
+                        except queue.Full:
+                            pass
+        except Exception as e:  # reported by the training loop
+            batches.put(e)
+
+    threading.Thread(target=make_batches, daemon=True).start()
+    while done < max_steps and time.time() - start < budget_s:
+        got = batches.get()
+        if isinstance(got, Exception):
+            raise got
+        batch, total = got
+        progress = max((time.time() - start) / budget_s, done / max_steps if a.steps else 0.0)
+        warm = min(1.0, (done + 1) / stage["warmup"])
+        lr = stage["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+        for g_ in opt.param_groups:
+            g_["lr"] = lr
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, ce = loss_of(model, batch, total, attention, compiled_flex)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        done += 1
+        state["step"] += 1
+        state["tokens"] += int(batch["ids"].numel())
+        lv = float(loss.detach())
+        losses.append(lv)
+        ces.append(float(ce))
+        if not math.isfinite(lv):
+            sys.exit(f"train_sdar: the loss became {lv} at step {state['step']}; the checkpoint keeps the last good state")
+        now = time.time()
+        if now - last_log >= a.log_seconds or done == max_steps:
+            mean = sum(losses[-50:]) / len(losses[-50:])
+            mean_ce = sum(ces[-50:]) / len(ces[-50:])
+            state["history"].append({"step": state["step"], "loss": mean, "ce": mean_ce, "lr": lr,
+                                     "tokens": state["tokens"], "stage": a.stage, "seconds": now - start})
+            log(f"step {state['step']}  loss {mean:.4f}  ce {mean_ce:.4f}  lr {lr:.2e}  {state['tokens'] / 1e6:.1f}M tokens  "
+                f"{now - start:.0f} s")
+            last_log = now
+        if now - last_save >= a.save_minutes * 60:
+            save_ckpt(a.run, model, opt, state)
+            last_save = now
+    stream.stop = True
+    v = validate()
+    state["stages"].append({"stage": a.stage, "lengths": stage["lengths"], "steps": done, "val_loss": v,
+                            "seconds": time.time() - start})
+    save_ckpt(a.run, model, opt, state)
+    with open(f["log"], "a") as fh:
+        fh.write(json.dumps({"stage": a.stage, "steps": done, "step": state["step"], "val_loss": v,
+                             "train_loss_first": losses[0] if losses else None,
+                             "train_loss_last": sum(losses[-20:]) / max(1, len(losses[-20:])),
+                             "losses": losses, "ces": ces}) + "\n")
+    log(f"stage {a.stage} done: {done} steps, val loss {v}, checkpoint {f['ckpt']}")
+
+
+def cmd_export(a):
+    c = load_run(a.run)
+    f = run_files(a.run)
+    model = Sdar(c)
+    ck = torch.load(f["ckpt"], map_location="cpu", weights_only=False)
+    model.load_state_dict(ck["model"])
+    total, shards = export_hf(model, a.out, a.dtype, a.shard_mb * 1024 * 1024, f["tokenizer"])
+    with open(os.path.join(a.out, "training.json"), "w") as fh:
+        json.dump({"steps": ck["state"]["step"], "tokens": ck["state"]["tokens"], "stages": ck["state"]["stages"],
+                   "history": ck["state"]["history"]}, fh, indent=1)
+    log(f"exported {total / 1e6:.1f} MB in {shards} file(s) ({a.dtype}) -> {a.out}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tokenizer", help="train the BPE tokenizer and write the run's model config")
+    t.add_argument("--run", required=True)
+    t.add_argument("--sparsa")
+    t.add_argument("--vocab", type=int, default=4096)
+    t.add_argument("--samples", type=int, default=12, help="samples per task and length of the tokenizer's text")
+    t.add_argument("--dim", type=int, default=384)
+    t.add_argument("--layers", type=int, default=8)
+    t.add_argument("--heads", type=int, default=6)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--head-dim", type=int, default=64)
+    t.add_argument("--hidden", type=int, default=1024)
+    t.add_argument("--block", type=int, default=16)
+    t.add_argument("--max-len", type=int, default=16384)
+    t.add_argument("--rope-theta", type=float, default=1e6)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--arch", choices=["sdar", "llada"], default="sdar",
+                   help="sdar: block diffusion (the default); llada: bidirectional, for BA-Att's full canvases")
+    s = sub.add_parser("train", help="one stage of the curriculum; resumes from the run's checkpoint")
+    s.add_argument("--run", required=True)
+    s.add_argument("--stage", type=int, required=True)
+    s.add_argument("--minutes", type=float, default=0, help="wall-clock budget of this stage (0: --steps only)")
+    s.add_argument("--steps", type=int, default=0, help="step budget (0: --minutes only)")
+    s.add_argument("--lengths", help="override the stage's lengths, e.g. 256,512")
+    s.add_argument("--lr", type=float, default=0, help="peak learning rate (0: the stage's)")
+    s.add_argument("--warmup", type=int, default=0, help="warm-up steps (0: the stage's)")
+    s.add_argument("--tasks", default="all")
+    s.add_argument("--batch-tokens", type=int, default=65536)
+    s.add_argument("--prompt-blocks", type=int, default=2, help="noisy prompt blocks per sample (LM loss)")
+    s.add_argument("--chunk", type=int, default=32, help="samples per task and length per generator call")
+    s.add_argument("--gen-threads", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    s.add_argument("--val-samples", type=int, default=8)
+    s.add_argument("--device")
+    s.add_argument("--attention", choices=["sdpa", "flex"])
+    s.add_argument("--compile", type=int, default=0,
+                   help="1: torch.compile the model too (FlexAttention is always compiled on the GPU)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--save-minutes", type=float, default=2)
+    s.add_argument("--log-seconds", type=float, default=20)
+    s.add_argument("--sparsa")
+    e = sub.add_parser("export", help="the engine's Hugging Face directory")
+    e.add_argument("--run", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    e.add_argument("--shard-mb", type=int, default=16)
+    sub.add_parser("stages", help="print the curriculum")
+    a = p.parse_args(argv)
+    {"tokenizer": cmd_tokenizer, "train": cmd_train, "export": cmd_export, "stages": cmd_stages}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -97,10 +97,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = 256, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal features of 1000 t (t in [0, 1]), [B, dim]: cos then sin."""
+    """Sinusoidal features of 1000 t (t in [0, 1]), [B, dim]: cos then sin (f64 for f64 t, else f32)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = 1000.0 * t.float()[:, None] * freqs[None]
+    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=dtype, device=t.device) / half)
+    args = 1000.0 * t.to(dtype)[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 

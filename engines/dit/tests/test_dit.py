@@ -360,3 +360,11 @@ def test_cuda_model_matches_cpu_through_the_host_llsa():
     assert float((a - b.cpu()).abs().max() / a.abs().max()) < 1e-4
     b.sum().backward()
     assert all(p.grad is not None and p.grad.device.type == "cuda" for p in gpu.parameters())
+
+
+def test_throughput_mode_measures_both_attentions(tmp_path):
+    cfg = config_mod.load(CONFIGS / "tiny.json")
+    result = train_mod.throughput(cfg, "cpu", num_threads=1, steps=1, out=tmp_path, log=lambda message: None)
+    assert [r["kind"] for r in result["rows"]] == ["full", "llsa"]
+    assert all(r["tokens_per_s"] > 0 and r["tokens"] == 256 for r in result["rows"])
+    assert "pixel tokens/s" in result["table"] and (tmp_path / "throughput.json").exists()

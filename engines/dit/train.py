@@ -2,7 +2,7 @@
 sample them (the full-attention models also with BA-Att, training-free), and print the table.
 
     python -m engines.dit.train --config engines/dit/configs/seed.json [--seeds 0,1,2,3,4]
-                                [--device cpu|cuda] [--out DIR] [--threads N] [--fresh]
+                                [--device cpu|cuda] [--out DIR] [--threads N] [--fresh] [--table-only]
     python -m engines.dit.train --config engines/dit/configs/dit_s_128.json --throughput [--device cuda]
 
 Each run (attention x seed) lives in OUT/ATTENTION-seedS/: checkpoint.pt (written every
@@ -352,8 +352,10 @@ def compare_grid(out: Path, cfg: ExperimentConfig, seed: int, kinds: Sequence[st
 
 
 def run_experiment(cfg: ExperimentConfig, seeds: Sequence[int], out: Path, device="cpu", num_threads: int = 0,
-                   fresh: bool = False, stop_after: Optional[int] = None,
+                   fresh: bool = False, stop_after: Optional[int] = None, table_only: bool = False,
                    log: Callable[[str], None] = print) -> Dict:
+    """Train every (attention, seed) run that is not finished, then write and print the table.
+    ``table_only``: train nothing; the table of the runs under ``out`` that have finished."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     heldout = heldout_set(cfg)
@@ -367,11 +369,15 @@ def run_experiment(cfg: ExperimentConfig, seeds: Sequence[int], out: Path, devic
                 log(f"[{kind} seed {seed}] already finished ({run_dir}): held-out {done['heldout_loss']:.4f}")
                 summaries.append(done)
                 continue
+            if table_only:
+                log(f"[{kind} seed {seed}] not finished under {run_dir}: left out of the table")
+                continue
             summaries.append(train_run(cfg, kind, seed, run_dir, device, num_threads, stop_after=stop_after,
                                        fresh=fresh, heldout=heldout, log=log))
     rows = results_table(summaries)
     table = format_table(rows, cfg.model.tokens)
-    grid = compare_grid(out, cfg, seeds[0], cfg.attention, heldout)
+    finished_seeds = [s["seed"] for s in summaries if s.get("finished")]
+    grid = compare_grid(out, cfg, finished_seeds[0], cfg.attention, heldout) if finished_seeds else None
     result = {"config": config_mod.to_dict(cfg), "seeds": list(seeds), "device": str(device),
               "num_threads": num_threads, "wall_seconds": round(time.time() - started, 1), "runs": summaries,
               "table": rows}
@@ -478,6 +484,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--stop-after", type=int, help="train each run up to this step, checkpoint, stop")
     parser.add_argument("--fresh", action="store_true", help="ignore existing checkpoints and start over")
+    parser.add_argument("--table-only", action="store_true",
+                        help="train nothing: the table of the runs under --out that have finished")
     parser.add_argument("--throughput", action="store_true", help="measure training pixel tokens/s instead")
     parser.add_argument("--batch", type=int, help="--throughput: override throughput.batch_size")
     parser.add_argument("--throughput-steps", type=int, help="--throughput: override throughput.steps")
@@ -517,7 +525,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.throughput:
         throughput(cfg, device, args.threads, args.batch, args.throughput_steps, out, log)
     else:
-        run_experiment(cfg, seeds, out, device, args.threads, args.fresh, args.stop_after, log)
+        run_experiment(cfg, seeds, out, device, args.threads, args.fresh, args.stop_after, args.table_only, log)
     return 0
 
 

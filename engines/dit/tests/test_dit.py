@@ -317,6 +317,12 @@ def test_tiny_trains_and_its_loss_decreases(tmp_path, capsys):
     # A second call finds the finished runs and only prints the table again.
     assert train_mod.main(["--config", str(CONFIGS / "tiny.json"), "--out", str(out), "--threads", "1"]) == 0
     assert "already finished" in capsys.readouterr().out
+    # --table-only trains nothing: a seed that never ran is left out, the finished one is tabled.
+    assert train_mod.main(["--config", str(CONFIGS / "tiny.json"), "--out", str(out), "--seeds", "0,1",
+                           "--table-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "[full seed 1] not finished" in printed and "| full | 256 of 256 | 1 |" in printed
+    assert not (out / "full-seed1").exists()
 
 
 @pytest.mark.parametrize("kind", ["full", "llsa"])

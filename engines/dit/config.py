@@ -1,0 +1,238 @@
+"""Experiment configuration: one JSON file per experiment (engines/dit/configs/NAME.json).
+
+Sections and defaults are the dataclasses below; a field that is unknown or of the wrong type is
+refused with its dotted name (``train.lr: expected a number, got 'fast'``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+from .attention import AttentionSpec
+from .data import SceneParams
+from .model import DiTConfig
+
+
+@dataclass(frozen=True)
+class LlsaSection:
+    block: int = 16
+    topk: int = 8
+    levels: int = -1
+    dedupe: bool = False
+
+
+@dataclass(frozen=True)
+class BaAttSection:
+    """BA-Att variants evaluated on every trained full-attention model (training-free): each
+    density in ``densities`` with each of ``sort`` (norm-sorted Q/K as in the paper; False: the
+    layout's own blocks)."""
+
+    block: int = 64
+    densities: Tuple[float, ...] = (0.5, 0.3)
+    sort: Tuple[bool, ...] = (True,)
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 2000
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup: int = 100  # linear warm-up steps, then constant
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global gradient norm (0: off)
+    log_every: int = 50
+    eval_every: int = 500  # held-out loss during training (0: only at the start and the end)
+    checkpoint_every: int = 500
+
+
+@dataclass(frozen=True)
+class DataSection:
+    stream: int = 1000  # training images of seed S come from stream `stream + S`
+    scene: SceneParams = SceneParams()
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    images: int = 256
+    batch_size: int = 64
+    stream: int = 7  # held-out images; their noise and timesteps come from the same number
+
+
+@dataclass(frozen=True)
+class SampleSection:
+    images: int = 16
+    steps: int = 25
+    seed: int = 4242
+    columns: int = 8
+    upscale: int = 2
+
+
+@dataclass(frozen=True)
+class ThroughputSection:
+    batch_size: int = 16
+    steps: int = 3
+    warmup: int = 1
+    autocast_bf16: bool = True  # on CUDA only: bf16 autocast, as the paper trains
+    paper_tokens_per_s: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    name: str = "experiment"
+    description: str = ""
+    model: DiTConfig = DiTConfig()
+    attention: Tuple[str, ...] = ("full", "llsa")
+    llsa: LlsaSection = LlsaSection()
+    ba_att: BaAttSection = BaAttSection()
+    train: TrainSection = TrainSection()
+    data: DataSection = DataSection()
+    eval: EvalSection = EvalSection()
+    sample: SampleSection = SampleSection()
+    throughput: ThroughputSection = ThroughputSection()
+    seeds: Tuple[int, ...] = (0,)
+
+    def spec(self, kind: str, num_threads: int = 0, density: float = 0.5, sort: bool = True) -> AttentionSpec:
+        if kind == "llsa":
+            s = AttentionSpec("llsa", block=self.llsa.block, topk=self.llsa.topk, levels=self.llsa.levels,
+                              dedupe=self.llsa.dedupe, num_threads=num_threads)
+        elif kind == "ba_att":
+            s = AttentionSpec("ba_att", block=self.ba_att.block, density=density, sort=sort, num_threads=num_threads)
+        else:
+            s = AttentionSpec(kind, num_threads=num_threads)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.data.scene.validate()
+        if not self.attention:
+            raise ValueError("attention: expected at least one of full, llsa")
+        for kind in self.attention:
+            if kind not in ("full", "llsa"):
+                raise ValueError(f"attention: a trained model runs full or llsa (ba_att is evaluated on the full "
+                                 f"models), got {kind!r}")
+        self.spec("llsa").validate()
+        for d in self.ba_att.densities:
+            self.spec("ba_att", density=d).validate()
+        for name in ("steps", "batch_size"):
+            _positive(f"train.{name}", getattr(self.train, name))
+        for name in ("warmup", "eval_every", "log_every", "checkpoint_every"):
+            _non_negative(f"train.{name}", getattr(self.train, name))
+        if not self.train.lr > 0:
+            raise ValueError(f"train.lr: expected a positive learning rate, got {self.train.lr}")
+        if self.train.weight_decay < 0 or self.train.grad_clip < 0:
+            raise ValueError("train.weight_decay/grad_clip: expected non-negative values")
+        for name in ("images", "batch_size"):
+            _positive(f"eval.{name}", getattr(self.eval, name))
+        for name in ("images", "steps", "columns", "upscale"):
+            _positive(f"sample.{name}", getattr(self.sample, name))
+        for name in ("batch_size", "steps"):
+            _positive(f"throughput.{name}", getattr(self.throughput, name))
+        _non_negative("throughput.warmup", self.throughput.warmup)
+        if not self.seeds:
+            raise ValueError("seeds: expected at least one seed")
+        for s in self.seeds:
+            _non_negative("seeds", s)
+            if self.data.stream + s == self.eval.stream:
+                raise ValueError(f"eval.stream: {self.eval.stream} is also the training stream of seed {s} "
+                                 f"(data.stream + seed); the held-out images must be unseen")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value}")
+
+
+def _non_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name}: expected a non-negative integer, got {value}")
+
+
+def _convert(name: str, kind: Any, default: Any, value: Any) -> Any:
+    """``value`` from JSON as the type of a field (``kind``), or a ValueError naming the field."""
+    if dataclasses.is_dataclass(default):
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: expected an object, got {type(value).__name__}")
+        return _build(type(default), value, name)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: expected an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: expected a string, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if not isinstance(value, list):
+            raise ValueError(f"{name}: expected a list, got {value!r}")
+        element = default[0] if default else 0
+        return tuple(_convert(f"{name}[{i}]", None, element, v) for i, v in enumerate(value))
+    if isinstance(default, dict):
+        if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                  for v in value.values()):
+            raise ValueError(f"{name}: expected an object of numbers, got {value!r}")
+        return {str(k): float(v) for k, v in value.items()}
+    raise ValueError(f"{name}: unsupported field")
+
+
+def _build(cls, raw: Dict[str, Any], prefix: str = ""):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    defaults = cls()
+    values = {}
+    for key, value in raw.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if key.startswith("_"):  # "_comment" and the like
+            continue
+        if key not in fields:
+            raise ValueError(f"{name}: unknown field (known: {', '.join(fields)})")
+        values[key] = _convert(name, fields[key].type, getattr(defaults, key), value)
+    return dataclasses.replace(defaults, **values)
+
+
+def from_dict(raw: Dict[str, Any]) -> ExperimentConfig:
+    if not isinstance(raw, dict):
+        raise ValueError(f"config: expected a JSON object, got {type(raw).__name__}")
+    cfg = _build(ExperimentConfig, raw)
+    cfg.validate()
+    return cfg
+
+
+def load(path) -> ExperimentConfig:
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--config: no file {path}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
+    return from_dict(raw)
+
+
+def to_dict(cfg) -> Dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def override(cfg: ExperimentConfig, **changes) -> ExperimentConfig:
+    """A copy with dotted fields replaced: ``override(cfg, **{"train.steps": 10})``."""
+    raw = to_dict(cfg)
+    for dotted, value in changes.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        if leaf not in node:
+            raise ValueError(f"{dotted}: unknown field")
+        node[leaf] = list(value) if isinstance(value, tuple) else value
+    return from_dict(raw)
+

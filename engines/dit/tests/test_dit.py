@@ -1,0 +1,376 @@
+"""The pixel DiT engine (engines/dit): skipped where torch is absent.
+
+The model's forward is checked against a plain reference written here (row-major pixels, loops
+over heads, explicit softmax, RoPE by explicit rotation); the sparse attentions against full
+attention where they select everything; training, resumption, the image generator, the token
+layout, the sampler and the PNG writer each on their own.
+"""
+import json
+import math
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engines.dit import config as config_mod  # noqa: E402
+from engines.dit import train as train_mod  # noqa: E402
+from engines.dit.attention import AttentionSpec  # noqa: E402
+from engines.dit.data import make_images  # noqa: E402
+from engines.dit.flow import euler_sample, noise_scale, noisy  # noqa: E402
+from engines.dit.model import DiTConfig, PixelDiT, token_order  # noqa: E402
+from engines.dit.png import encode_png, image_grid  # noqa: E402
+
+import sparsa  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def randomised(model, seed=0, std=0.3):
+    """Every parameter drawn N(0, std^2), so AdaLN-Zero's zero initialisation hides nothing."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
+    return model
+
+
+# ---- the reference forward -------------------------------------------------------------------
+
+def reference_forward(params, cfg: DiTConfig, x, t):
+    """The DiT of engines/dit/model.py's header, in f64, pixels in row-major order."""
+    p = {k: v.double() for k, v in params.items()}
+    batch, channels, size, _ = x.shape
+    n, d, heads = size * size, cfg.width, cfg.heads
+    hd = d // heads
+
+    def linear(name, v):
+        return v @ p[name + ".weight"].T + p[name + ".bias"]
+
+    def layer_norm(v):
+        mean = v.mean(-1, keepdim=True)
+        var = ((v - mean) ** 2).mean(-1, keepdim=True)
+        return (v - mean) / torch.sqrt(var + 1e-6)
+
+    def rms_norm(v, w):
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-6) * w
+
+    def gelu_tanh(v):
+        return 0.5 * v * (1 + torch.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
+
+    def silu(v):
+        return v / (1 + torch.exp(-v))
+
+    # RoPE: pixel (r, c) = row-major index r*size + c; dims [0, hd/2) turn with r, [hd/2, hd) with c.
+    quarter = hd // 4
+    freq = [cfg.rope_theta ** (-2.0 * j / (hd // 2)) for j in range(quarter)]
+
+    def rope(v):  # v [n, hd]
+        out = v.clone()
+        for i in range(n):
+            r, c = divmod(i, size)
+            for axis, pos in ((0, r), (1, c)):
+                for j in range(quarter):
+                    a, b = 2 * (axis * quarter + j), 2 * (axis * quarter + j) + 1
+                    cos, sin = math.cos(pos * freq[j]), math.sin(pos * freq[j])
+                    out[i, a] = v[i, a] * cos - v[i, b] * sin
+                    out[i, b] = v[i, a] * sin + v[i, b] * cos
+        return out
+
+    half = 128
+    freqs = torch.tensor([math.exp(-math.log(10000.0) * k / half) for k in range(half)], dtype=torch.float64)
+    outputs = []
+    for bi in range(batch):
+        tokens = x[bi].double().reshape(channels, n).T  # [n, C], row-major pixels
+        h = linear("embed", tokens)
+        args = 1000.0 * float(t[bi]) * freqs
+        c = linear("t_embed.2", silu(linear("t_embed.0", torch.cat([torch.cos(args), torch.sin(args)]))))
+        for layer in range(cfg.depth):
+            pre = f"blocks.{layer}."
+            mod = linear(pre + "ada", silu(c))
+            shift1, scale1, gate1, shift2, scale2, gate2 = (mod[k * d:(k + 1) * d] for k in range(6))
+            a = layer_norm(h) * (1 + scale1) + shift1
+            qkv = linear(pre + "attn.qkv", a)
+            heads_out = []
+            for head in range(heads):
+                q = qkv[:, head * hd:(head + 1) * hd]
+                k = qkv[:, d + head * hd:d + (head + 1) * hd]
+                v = qkv[:, 2 * d + head * hd:2 * d + (head + 1) * hd]
+                q = rope(rms_norm(q, p[pre + "attn.q_norm.weight"]))
+                k = rope(rms_norm(k, p[pre + "attn.k_norm.weight"]))
+                logits = q @ k.T / math.sqrt(hd)
+                weights = torch.exp(logits - logits.max(-1, keepdim=True).values)
+                heads_out.append((weights / weights.sum(-1, keepdim=True)) @ v)
+            h = h + gate1 * linear(pre + "attn.proj", torch.cat(heads_out, dim=1))
+            m = layer_norm(h) * (1 + scale2) + shift2
+            h = h + gate2 * linear(pre + "mlp.2", gelu_tanh(linear(pre + "mlp.0", m)))
+        final = linear("final_ada", silu(c))
+        shift, scale = final[:d], final[d:]
+        out = linear("out", layer_norm(h) * (1 + scale) + shift)  # [n, C]
+        outputs.append(out.T.reshape(channels, size, size))
+    return torch.stack(outputs)
+
+
+def small_config(**changes):
+    base = dict(image_size=8, channels=3, depth=2, width=16, heads=2, mlp_ratio=2.0, layout="z_order")
+    base.update(changes)
+    return DiTConfig(**base)
+
+
+def test_forward_matches_reference():
+    cfg = small_config()
+    model = randomised(PixelDiT(cfg)).double()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64)
+    t = torch.tensor([0.13, 0.77], dtype=torch.float64)
+    with torch.no_grad():
+        got = model(x, t)
+        want = reference_forward(model.state_dict(), cfg, x, t)
+    # Everything is f64 but the RoPE cos/sin tables, which the model keeps in f32 (2^-24 relative):
+    # a few 1e-7 through two layers; a wrong axis, pair or permutation is an O(1) difference.
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err < 1e-5, err
+
+
+def test_zorder_layout_round_trip_and_equivariance():
+    perm = token_order(8, "z_order")
+    assert sorted(perm.tolist()) == list(range(64))
+    # Every aligned group of 4 (16) layout positions is a 2x2 (4x4) square of pixels.
+    for group in (4, 16):
+        side = int(math.isqrt(group))
+        for start in range(0, 64, group):
+            rows, cols = np.divmod(perm[start:start + group], 8)
+            assert rows.max() - rows.min() == side - 1 and cols.max() - cols.min() == side - 1
+            assert len(set(zip(rows.tolist(), cols.tolist()))) == group
+    model = PixelDiT(small_config())
+    assert np.array_equal(model.inverse_perm.numpy(), sparsa.inverse_permutation(perm))
+    x = torch.randn(2, 64, 5)
+    assert torch.equal(x[:, model.perm][:, model.inverse_perm], x)
+    # Full attention with RoPE carried along is exactly equivariant to the token order: the same
+    # weights in Z-order and in row-major order give the same velocity (f32 summation order only).
+    zorder = randomised(PixelDiT(small_config(layout="z_order")))
+    rowmajor = PixelDiT(small_config(layout="row_major"))
+    rowmajor.load_state_dict(zorder.state_dict())
+    x, t = torch.randn(2, 3, 8, 8), torch.tensor([0.3, 0.9])
+    with torch.no_grad():
+        a, b = zorder(x, t), rowmajor(x, t)
+    assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+
+
+def test_llsa_selecting_everything_equals_full_with_gradients():
+    # N = 64, block 4: 16 fine blocks, top-K 16 keeps all of them at every level, and dedupe leaves
+    # out the pooled tokens whose children are present: exactly dense attention (docs/llsa.md).
+    cfg = small_config()
+    full = randomised(PixelDiT(cfg), seed=5)
+    llsa = PixelDiT(cfg)
+    llsa.load_state_dict(full.state_dict())
+    llsa.set_attention(AttentionSpec("llsa", block=4, topk=16, dedupe=True, num_threads=1))
+    x, t = torch.randn(2, 3, 8, 8), torch.tensor([0.2, 0.6])
+    w = torch.randn(2, 3, 8, 8)
+    outs = []
+    for model in (full, llsa):
+        model.zero_grad()
+        out = model(x, t)
+        (out * w).sum().backward()
+        outs.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    (o_full, g_full), (o_llsa, g_llsa) = outs
+    assert float((o_full - o_llsa).abs().max() / o_full.abs().max()) < 1e-5
+    # f32 rounding of the whole backward (sums of a few hundred terms in another order): 1e-5 of
+    # the largest gradient entry of the model, for every parameter.
+    largest = max(float(a.abs().max()) for a in g_full)
+    for a, b in zip(g_full, g_llsa):
+        assert float((a - b).abs().max()) <= 1e-5 * largest
+
+
+def test_llsa_top_k_changes_the_output():
+    # The sparse path must really be sparse: with top-K 1 of 16 blocks and no enrichment beyond
+    # the defaults, the output differs from full attention.
+    cfg = small_config()
+    full = randomised(PixelDiT(cfg), seed=6)
+    llsa = PixelDiT(cfg)
+    llsa.load_state_dict(full.state_dict())
+    llsa.set_attention(AttentionSpec("llsa", block=4, topk=1, num_threads=1))
+    x, t = torch.randn(1, 3, 8, 8), torch.tensor([0.5])
+    with torch.no_grad():
+        assert float((full(x, t) - llsa(x, t)).abs().max()) > 1e-3
+
+
+def test_ba_att_density_one_equals_full_and_refuses_training():
+    cfg = small_config()
+    full = randomised(PixelDiT(cfg), seed=7)
+    ba = PixelDiT(cfg)
+    ba.load_state_dict(full.state_dict())
+    ba.set_attention(AttentionSpec("ba_att", block=16, density=1.0, num_threads=1))
+    x, t = torch.randn(2, 3, 8, 8), torch.tensor([0.4, 0.8])
+    with torch.no_grad():
+        a, b = full(x, t), ba(x, t)
+    assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+    ba.set_attention(AttentionSpec("ba_att", block=16, density=0.5, num_threads=1))
+    with torch.no_grad():
+        assert float((full(x, t) - ba(x, t)).abs().max()) > 1e-3  # half the blocks: not the same
+    with pytest.raises(RuntimeError, match="training-free"):
+        ba(x, t)
+
+
+def test_image_generator_is_deterministic_per_seed():
+    a = make_images(5, 0, 6, 32)
+    assert a.dtype == np.float32 and a.shape == (6, 3, 32, 32)
+    assert np.array_equal(a, make_images(5, 0, 6, 32))
+    assert np.array_equal(a[3:], make_images(5, 3, 3, 32))  # per image, whatever the batching
+    assert not np.array_equal(a, make_images(6, 0, 6, 32))
+    assert a.min() >= -1 and a.max() <= 1 and a.std() > 0.1
+    for i in range(6):  # a background colour and something on it
+        assert np.abs(a[i] - np.median(a[i], axis=(1, 2), keepdims=True)).max() > 0.2
+    with pytest.raises(ValueError, match="size"):
+        make_images(5, 0, 1, 0)
+
+
+def test_noise_scale_and_euler_sampler():
+    assert noise_scale(32) == 1 and noise_scale(64) == 1 and noise_scale(128) == 2 and noise_scale(256) == 4
+    # x_t = (1 - t) x0 + s t eps: x_0 = x0, x_1 = s eps (where the sampler starts), and the
+    # target is the path's derivative (central difference, exact for a straight line).
+    g = torch.Generator().manual_seed(2)
+    x0, eps = (torch.randn(3, 3, 4, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    t = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+    x_t, target = noisy(x0, eps, t, 4.0)
+    assert torch.allclose(x_t[0], x0[0]) and torch.allclose(x_t[2], 4.0 * eps[2])
+    h = 1e-3
+    derivative = (noisy(x0, eps, t + h, 4.0)[0] - noisy(x0, eps, t - h, 4.0)[0]) / (2 * h)
+    assert float((derivative - target).abs().max()) < 1e-9
+    # With the exact velocity of a single data point x0, (x_t - x0) / t, every Euler step follows
+    # the straight path, so the sampler must land on x0 from any noise, at any s.
+    x0 = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+
+    def oracle(x, t):
+        return (x - x0) / t.view(-1, 1, 1, 1)
+
+    for s in (1.0, 4.0):
+        out = euler_sample(oracle, torch.randn(2, 3, 4, 4, dtype=torch.float64), steps=7, s=s)
+        assert float((out - x0).abs().max()) < 1e-9
+
+
+def test_png_is_valid_and_lossless():
+    pixels = (np.arange(5 * 7 * 3) % 256).astype(np.uint8).reshape(5, 7, 3)
+    data = encode_png(pixels)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        payload = data[pos + 8:pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(kind + payload)
+        chunks[kind] = payload
+        pos += 12 + length
+    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
+    assert (width, height) == (7, 5)
+    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(5, 1 + 7 * 3)
+    assert (raw[:, 0] == 0).all() and np.array_equal(raw[:, 1:].reshape(5, 7, 3), pixels)
+    grid = image_grid(np.zeros((3, 3, 4, 4)), columns=2, pad=1)
+    assert grid.shape == (2 * 5 + 1, 2 * 5 + 1, 3)
+
+
+def test_config_errors_name_the_field(tmp_path):
+    for name in ("seed", "medium", "dit_s_128", "dit_s_256", "tiny"):
+        config_mod.load(CONFIGS / f"{name}.json")
+    raw = json.loads((CONFIGS / "tiny.json").read_text())
+    cases = [({"train": {"lr": "fast"}}, "train.lr: expected a number"),
+             ({"model": {"widht": 3}}, "model.widht: unknown field"),
+             ({"model": {"width": 33}}, "model.width: expected a multiple of model.heads"),
+             ({"model": {"width": 36}}, "2-D RoPE needs head_dim divisible by 4"),
+             ({"attention": ["ba_att"]}, "attention: a trained model runs full or llsa"),
+             ({"llsa": {"topk": 0}}, "llsa.topk"),
+             ({"ba_att": {"densities": [1.5]}}, "ba_att.density"),
+             ({"eval": {"stream": 1000}}, "eval.stream")]
+    for change, message in cases:
+        bad = json.loads(json.dumps(raw))
+        for section, value in change.items():
+            if isinstance(value, dict):
+                bad[section].update(value)
+            else:
+                bad[section] = value
+        with pytest.raises(ValueError, match=message):
+            config_mod.from_dict(bad)
+    with pytest.raises(ValueError, match="--config: no file"):
+        config_mod.load(tmp_path / "missing.json")
+
+
+def test_tiny_trains_and_its_loss_decreases(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert train_mod.main(["--config", str(CONFIGS / "tiny.json"), "--out", str(out), "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "results.json").read_text())
+    assert {r["kind"] for r in result["table"]} == {"full", "llsa", "ba_att"}
+    for kind in ("full", "llsa"):
+        run = out / f"{kind}-seed0"
+        rows = list(__import__("csv").DictReader(open(run / "log.csv")))
+        heldout = [float(r["heldout_loss"]) for r in rows if r["heldout_loss"]]
+        # At the start AdaLN-Zero's model predicts 0 (loss ~ 1 + E x0^2); 40 steps must take at
+        # least a third of that away on the same held-out images.
+        assert heldout[-1] < 0.67 * heldout[0], (kind, heldout)
+        assert (run / "samples.png").read_bytes()[:4] == b"\x89PNG"
+        assert (run / "checkpoint.pt").exists()
+    assert (out / "full-seed0" / "samples_ba_att_d0.5.png").exists()
+    assert (out / "compare.png").exists()
+    assert "| llsa (block 4, top-K 2) |" in printed and "held-out" in printed
+    # A second call finds the finished runs and only prints the table again.
+    assert train_mod.main(["--config", str(CONFIGS / "tiny.json"), "--out", str(out), "--threads", "1"]) == 0
+    assert "already finished" in capsys.readouterr().out
+    # --table-only trains nothing: a seed that never ran is left out, the finished one is tabled.
+    assert train_mod.main(["--config", str(CONFIGS / "tiny.json"), "--out", str(out), "--seeds", "0,1",
+                           "--table-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "[full seed 1] not finished" in printed and "| full | 256 of 256 | 1 |" in printed
+    assert not (out / "full-seed1").exists()
+
+
+@pytest.mark.parametrize("kind", ["full", "llsa"])
+def test_resume_equals_uninterrupted(tmp_path, kind):
+    cfg = config_mod.override(config_mod.load(CONFIGS / "tiny.json"),
+                              **{"train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 3})
+    torch.set_num_threads(1)
+    quiet = lambda message: None  # noqa: E731
+    whole = train_mod.train_run(cfg, kind, 0, tmp_path / "whole", num_threads=1, log=quiet)
+    part = train_mod.train_run(cfg, kind, 0, tmp_path / "split", num_threads=1, stop_after=3, log=quiet)
+    assert not part["finished"] and part["step"] == 3
+    resumed = train_mod.train_run(cfg, kind, 0, tmp_path / "split", num_threads=1, log=quiet)
+    assert resumed["finished"] and resumed["heldout_loss"] == whole["heldout_loss"]
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
+    assert a["step"] == b["step"] == 6
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]  # noqa: E731
+    assert strip(a["log"]) == strip(b["log"])
+    # A checkpoint of another configuration is refused, naming what differs.
+    other = config_mod.override(cfg, **{"train.lr": 0.01})
+    with pytest.raises(ValueError, match="train differ"):
+        train_mod.train_run(other, kind, 0, tmp_path / "split", num_threads=1, log=quiet)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_model_matches_cpu_through_the_host_llsa():
+    cfg = small_config()
+    cpu = randomised(PixelDiT(cfg), seed=9)
+    cpu.set_attention(AttentionSpec("llsa", block=4, topk=2, num_threads=1))
+    gpu = PixelDiT(cfg)
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.set_attention(AttentionSpec("llsa", block=4, topk=2, num_threads=1))
+    gpu = gpu.cuda()
+    x, t = torch.randn(2, 3, 8, 8), torch.tensor([0.3, 0.7])
+    a = cpu(x, t)
+    b = gpu(x.cuda(), t.cuda())
+    assert b.device.type == "cuda"
+    # The same f32 LLSA on the host; the linears differ by the GPU's f32 GEMMs (TF32 off by default).
+    assert float((a - b.cpu()).abs().max() / a.abs().max()) < 1e-4
+    b.sum().backward()
+    assert all(p.grad is not None and p.grad.device.type == "cuda" for p in gpu.parameters())
+
+
+def test_throughput_mode_measures_both_attentions(tmp_path):
+    cfg = config_mod.load(CONFIGS / "tiny.json")
+    result = train_mod.throughput(cfg, "cpu", num_threads=1, steps=1, out=tmp_path, log=lambda message: None)
+    assert [r["kind"] for r in result["rows"]] == ["full", "llsa"]
+    assert all(r["tokens_per_s"] > 0 and r["tokens"] == 256 for r in result["rows"])
+    assert "pixel tokens/s" in result["table"] and (tmp_path / "throughput.json").exists()

@@ -1,0 +1,533 @@
+"""Train pixel DiTs with full attention and with LLSA, evaluate them on one fixed held-out set,
+sample them (the full-attention models also with BA-Att, training-free), and print the table.
+
+    python -m engines.dit.train --config engines/dit/configs/seed.json [--seeds 0,1,2,3,4]
+                                [--device cpu|cuda] [--out DIR] [--threads N] [--fresh] [--table-only]
+    python -m engines.dit.train --config engines/dit/configs/dit_s_128.json --throughput [--device cuda]
+
+Each run (attention x seed) lives in OUT/ATTENTION-seedS/: checkpoint.pt (written every
+train.checkpoint_every steps and at the end; a run that finds one resumes from it), log.csv
+(step, mean training loss since the last row, learning rate, training seconds, held-out loss where
+evaluated), summary.json, samples.png (and samples_ba_att_*.png for full-attention runs). OUT
+gets results.json, results.md (the table) and compare.png (first seed: a row of held-out images,
+then one row per attention, every row from the same starting noise). Default OUT:
+out/dit/NAME.
+
+Reproducibility: the model of seed S is initialised from torch.manual_seed(S); the images of
+training step i are images [i*batch, (i+1)*batch) of stream data.stream + S, and their noise and
+timesteps come from a generator seeded by (S, i); so a resumed run repeats an uninterrupted one
+exactly (on the same machine and thread count). The held-out images, noise and timesteps depend
+on eval.stream alone: every model of every seed is scored on the same ones.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from . import config as config_mod
+from .config import ExperimentConfig
+
+try:
+    import torch
+except ModuleNotFoundError:
+    raise SystemExit("engines.dit needs PyTorch (a training-time dependency): pip install torch") from None
+
+from .attention import AttentionSpec, keys_per_query  # noqa: E402
+from .data import make_images  # noqa: E402
+from .flow import euler_sample, flow_loss, noise_scale  # noqa: E402
+from .model import PixelDiT  # noqa: E402
+from .png import image_grid, write_png  # noqa: E402
+
+
+# ---- data, schedule, evaluation ------------------------------------------------------------
+
+def step_generator(seed: int, step: int) -> "torch.Generator":
+    """The generator of training step ``step`` of seed ``seed`` (noise and timesteps)."""
+    state = np.random.SeedSequence([seed, step]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def train_batch(cfg: ExperimentConfig, seed: int, step: int):
+    """(x0, eps, t) of one training step, on the CPU."""
+    m, b = cfg.model, cfg.train.batch_size
+    x0 = torch.from_numpy(make_images(cfg.data.stream + seed, step * b, b, m.image_size, m.channels, cfg.data.scene))
+    g = step_generator(seed, step)
+    t = torch.rand(b, generator=g)
+    eps = torch.randn(x0.shape, generator=g)
+    return x0, eps, t
+
+
+def heldout_set(cfg: ExperimentConfig):
+    """The fixed held-out (x0, eps, t): the same for every model, seed and attention."""
+    m, n = cfg.model, cfg.eval.images
+    x0 = torch.from_numpy(make_images(cfg.eval.stream, 0, n, m.image_size, m.channels, cfg.data.scene))
+    g = torch.Generator().manual_seed(cfg.eval.stream)
+    t = torch.rand(n, generator=g)
+    eps = torch.randn(x0.shape, generator=g)
+    return x0, eps, t
+
+
+def lr_at(cfg: ExperimentConfig, step: int) -> float:
+    """Linear warm-up over train.warmup steps, then constant (the paper's schedule)."""
+    warmup = cfg.train.warmup
+    return cfg.train.lr * min(1.0, (step + 1) / warmup) if warmup > 0 else cfg.train.lr
+
+
+@torch.no_grad()
+def evaluate(model, heldout, cfg: ExperimentConfig, device) -> float:
+    """Held-out flow-matching loss: the mean squared velocity error over every element."""
+    x0, eps, t = heldout
+    s = noise_scale(cfg.model.image_size)
+    total, count = 0.0, 0
+    for i in range(0, x0.shape[0], cfg.eval.batch_size):
+        j = min(i + cfg.eval.batch_size, x0.shape[0])
+        loss = flow_loss(model, x0[i:j].to(device), eps[i:j].to(device), t[i:j].to(device), s)
+        total += float(loss) * (j - i)
+        count += j - i
+    return total / count
+
+
+def sample_noise(cfg: ExperimentConfig):
+    m = cfg.model
+    g = torch.Generator().manual_seed(cfg.sample.seed)
+    return torch.randn(cfg.sample.images, m.channels, m.image_size, m.image_size, generator=g)
+
+
+def draw_samples(model, cfg: ExperimentConfig, device) -> np.ndarray:
+    noise = sample_noise(cfg).to(device)
+    return euler_sample(model, noise, cfg.sample.steps, noise_scale(cfg.model.image_size)).float().cpu().numpy()
+
+
+def save_grid(path: Path, images: np.ndarray, cfg: ExperimentConfig) -> None:
+    write_png(path, image_grid(images, cfg.sample.columns, upscale=cfg.sample.upscale))
+
+
+# ---- one run ---------------------------------------------------------------------------------
+
+LOG_FIELDS = ["step", "train_loss", "lr", "train_seconds", "heldout_loss"]
+
+
+def fingerprint(cfg: ExperimentConfig, kind: str, seed: int) -> Dict:
+    """What a checkpoint must agree with to be resumed (not the step count or the intervals)."""
+    d = config_mod.to_dict(cfg)
+    train = {k: v for k, v in d["train"].items() if k not in ("steps", "log_every", "eval_every", "checkpoint_every")}
+    return {"model": d["model"], "attention": kind, "llsa": d["llsa"] if kind == "llsa" else None,
+            "train": train, "data": d["data"], "seed": seed}
+
+
+def _save_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_log(path: Path, rows: List[Dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=LOG_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in LOG_FIELDS})
+    os.replace(tmp, path)
+
+
+def build_model(cfg: ExperimentConfig, spec: AttentionSpec, seed: int, device) -> "PixelDiT":
+    torch.manual_seed(seed)
+    model = PixelDiT(cfg.model)
+    model.set_attention(spec)
+    return model.to(device)
+
+
+def make_optimizer(cfg: ExperimentConfig, model):
+    return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.999),
+                             weight_decay=cfg.train.weight_decay)
+
+
+def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device="cpu", num_threads: int = 0,
+              stop_after: Optional[int] = None, fresh: bool = False, heldout=None,
+              log: Callable[[str], None] = print) -> Dict:
+    """Train (or resume) one model; returns its summary. ``stop_after``: train up to that step
+    this time, checkpoint and return (the run resumes from there next time)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path, log_path = run_dir / "checkpoint.pt", run_dir / "log.csv"
+    spec = cfg.spec(kind, num_threads)
+    model = build_model(cfg, spec, seed, device)
+    optimizer = make_optimizer(cfg, model)
+    heldout = heldout if heldout is not None else heldout_set(cfg)
+    tag = f"[{kind} seed {seed}]"
+    want = fingerprint(cfg, kind, seed)
+
+    step, rows, train_seconds = 0, [], 0.0
+    if ckpt_path.exists() and not fresh:
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        if ckpt["fingerprint"] != want:
+            diff = [k for k in want if ckpt["fingerprint"].get(k) != want[k]]
+            raise ValueError(f"{ckpt_path}: written for a different configuration ({', '.join(diff)} differ); "
+                             f"pass --fresh to start over or --out for another directory")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, rows, train_seconds = ckpt["step"], ckpt["log"], ckpt["train_seconds"]
+        log(f"{tag} resuming from step {step} ({ckpt_path})")
+
+    def checkpoint():
+        _save_atomic({"fingerprint": want, "step": step, "model": model.state_dict(),
+                      "optimizer": optimizer.state_dict(), "log": rows, "train_seconds": train_seconds}, ckpt_path)
+        _write_log(log_path, rows)
+
+    steps = cfg.train.steps
+    target = steps if stop_after is None else min(steps, stop_after)
+    s = noise_scale(cfg.model.image_size)
+    if step == 0 and not rows:
+        rows.append({"step": 0, "train_loss": None, "lr": None, "train_seconds": 0.0,
+                     "heldout_loss": evaluate(model, heldout, cfg, device)})
+        log(f"{tag} step 0/{steps}  held-out {rows[-1]['heldout_loss']:.4f}")
+    model.train()
+    window, session_steps = [], 0
+    session_seconds = 0.0
+    while step < target:
+        x0, eps, t = train_batch(cfg, seed, step)
+        started = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = flow_loss(model, x0.to(device), eps.to(device), t.to(device), s)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        window.append(float(loss.detach()))  # float() waits for the device, so the time below is the step's
+        elapsed = time.perf_counter() - started
+        train_seconds += elapsed
+        session_seconds += elapsed
+        session_steps += 1
+        step += 1
+        at_eval = step == steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        if step == target or at_eval or (cfg.train.log_every and step % cfg.train.log_every == 0):
+            heldout_loss = evaluate(model, heldout, cfg, device) if at_eval else None
+            model.train()
+            rows.append({"step": step, "train_loss": sum(window) / len(window), "lr": lr,
+                         "train_seconds": round(train_seconds, 3), "heldout_loss": heldout_loss})
+            rate = session_seconds / session_steps
+            eta = rate * (target - step)
+            extra = f"  held-out {heldout_loss:.4f}" if heldout_loss is not None else ""
+            log(f"{tag} step {step}/{steps}  loss {rows[-1]['train_loss']:.4f}  lr {lr:.2e}  "
+                f"{rate:.3f} s/step  eta {eta / 60:.1f} min{extra}")
+            window = []
+            _write_log(log_path, rows)
+        if step == target or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+            checkpoint()
+
+    summary = {"attention": kind, "label": spec.label(), "seed": seed, "step": step, "steps": steps,
+               "finished": step >= steps, "train_seconds": round(train_seconds, 3),
+               "seconds_per_step": round(train_seconds / step, 5) if step else None,
+               "keys_per_query": keys_per_query(cfg.model.tokens, spec),
+               "parameters": sum(p.numel() for p in model.parameters()),
+               "heldout_loss": rows[-1]["heldout_loss"] if rows[-1]["heldout_loss"] is not None
+               else evaluate(model, heldout, cfg, device)}
+    if not summary["finished"]:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log(f"{tag} stopped at step {step} (checkpointed; run again to resume)")
+        return summary
+
+    model.eval()
+    samples = {"": draw_samples(model, cfg, device)}
+    if kind == "full":
+        summary["ba_att"] = []
+        for sort in cfg.ba_att.sort:
+            for density in cfg.ba_att.densities:
+                ba_spec = cfg.spec("ba_att", num_threads, density=density, sort=sort)
+                model.set_attention(ba_spec)
+                loss = evaluate(model, heldout, cfg, device)
+                name = f"_ba_att_d{density:g}" + ("" if sort else "_unsorted")
+                samples[name] = draw_samples(model, cfg, device)
+                summary["ba_att"].append({"density": density, "sort": sort, "label": ba_spec.label(),
+                                          "keys_per_query": keys_per_query(cfg.model.tokens, ba_spec),
+                                          "heldout_loss": loss, "samples": f"samples{name}.png"})
+                log(f"{tag} sampled with {ba_spec.label()}: held-out {loss:.4f}")
+        model.set_attention(spec)
+    for name, images in samples.items():
+        np.save(run_dir / f"samples{name}.npy", images)
+        save_grid(run_dir / f"samples{name}.png", images, cfg)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"{tag} done: held-out {summary['heldout_loss']:.4f}, {summary['seconds_per_step']} s/step")
+    return summary
+
+
+def finished_summary(run_dir: Path, cfg: ExperimentConfig, kind: str, seed: int) -> Optional[Dict]:
+    """The summary of a run that already finished with this configuration, else None."""
+    path, ckpt_path = run_dir / "summary.json", run_dir / "checkpoint.pt"
+    if not (path.exists() and ckpt_path.exists()):
+        return None
+    summary = json.loads(path.read_text())
+    if not summary.get("finished") or summary.get("steps") != cfg.train.steps:
+        return None
+    if kind == "full":
+        want = [(d, s) for s in cfg.ba_att.sort for d in cfg.ba_att.densities]
+        if [(b["density"], b["sort"]) for b in summary.get("ba_att", [])] != want:
+            return None
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    return summary if ckpt["fingerprint"] == fingerprint(cfg, kind, seed) else None
+
+
+# ---- the experiment ----------------------------------------------------------------------------
+
+def _mean_std(values: Sequence[float]):
+    values = list(values)
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    return mean, std
+
+
+def results_table(summaries: List[Dict]) -> List[Dict]:
+    """One row per attention (and per BA-Att variant): held-out loss over seeds."""
+    groups: Dict[str, Dict] = {}
+
+    def add(label, kind, keys, loss, seed, sps):
+        g = groups.setdefault(label, {"attention": label, "kind": kind, "keys_per_query": keys, "losses": [],
+                                      "seeds": [], "seconds_per_step": []})
+        g["losses"].append(loss)
+        g["seeds"].append(seed)
+        if sps is not None:
+            g["seconds_per_step"].append(sps)
+
+    for s in summaries:
+        if not s.get("finished"):
+            continue
+        add(s["label"], s["attention"], s["keys_per_query"], s["heldout_loss"], s["seed"], s["seconds_per_step"])
+    for s in summaries:  # BA-Att rows after the trained ones
+        for b in s.get("ba_att", []) if s.get("finished") else []:
+            add(f"full, sampled with {b['label']}", "ba_att", b["keys_per_query"], b["heldout_loss"], s["seed"], None)
+    rows = []
+    for g in groups.values():
+        g["mean"], g["std"] = _mean_std(g["losses"])
+        g["seconds_per_step"] = (sum(g["seconds_per_step"]) / len(g["seconds_per_step"])
+                                 if g["seconds_per_step"] else None)
+        rows.append(g)
+    return rows
+
+
+def format_table(rows: List[Dict], tokens: int) -> str:
+    lines = ["| attention | keys per query | seeds | held-out loss, mean | std over seeds | per seed | s/step |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        keys = f"{r['keys_per_query']:g} of {tokens}" if r["keys_per_query"] is not None else "?"
+        std = f"{r['std']:.4f}" if r["std"] is not None else "n/a (1 seed)"
+        per_seed = ", ".join(f"{loss:.4f}" for loss in r["losses"])
+        sps = f"{r['seconds_per_step']:.3f}" if r["seconds_per_step"] is not None else ""
+        lines.append(f"| {r['attention']} | {keys} | {len(r['losses'])} | {r['mean']:.4f} | {std} | {per_seed} | {sps} |")
+    return "\n".join(lines)
+
+
+def compare_grid(out: Path, cfg: ExperimentConfig, seed: int, kinds: Sequence[str], heldout) -> Optional[Path]:
+    """Held-out images on the first row, then the first row of samples of each model of ``seed``."""
+    cols = cfg.sample.columns
+    rows, legend = [heldout[0][:cols].numpy()], ["held-out images"]
+    for kind in kinds:
+        run_dir = out / f"{kind}-seed{seed}"
+        names = [""] + ([f"_ba_att_d{d:g}" + ("" if s else "_unsorted") for s in cfg.ba_att.sort
+                         for d in cfg.ba_att.densities] if kind == "full" else [])
+        for name in names:
+            path = run_dir / f"samples{name}.npy"
+            if path.exists():
+                rows.append(np.load(path)[:cols])
+                legend.append(f"{kind}{name.replace('_', ' ')}")
+    if len(rows) == 1:
+        return None
+    path = out / "compare.png"
+    save_grid(path, np.concatenate(rows), cfg)
+    (out / "compare.txt").write_text("rows of compare.png, top to bottom:\n" +
+                                     "\n".join(f"{i + 1}. {name}" for i, name in enumerate(legend)) + "\n")
+    return path
+
+
+def run_experiment(cfg: ExperimentConfig, seeds: Sequence[int], out: Path, device="cpu", num_threads: int = 0,
+                   fresh: bool = False, stop_after: Optional[int] = None, table_only: bool = False,
+                   log: Callable[[str], None] = print) -> Dict:
+    """Train every (attention, seed) run that is not finished, then write and print the table.
+    ``table_only``: train nothing; the table of the runs under ``out`` that have finished."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    heldout = heldout_set(cfg)
+    summaries = []
+    started = time.time()
+    for kind in cfg.attention:
+        for seed in seeds:
+            run_dir = out / f"{kind}-seed{seed}"
+            done = None if fresh else finished_summary(run_dir, cfg, kind, seed)
+            if done is not None:
+                log(f"[{kind} seed {seed}] already finished ({run_dir}): held-out {done['heldout_loss']:.4f}")
+                summaries.append(done)
+                continue
+            if table_only:
+                log(f"[{kind} seed {seed}] not finished under {run_dir}: left out of the table")
+                continue
+            summaries.append(train_run(cfg, kind, seed, run_dir, device, num_threads, stop_after=stop_after,
+                                       fresh=fresh, heldout=heldout, log=log))
+    rows = results_table(summaries)
+    table = format_table(rows, cfg.model.tokens)
+    finished_seeds = [s["seed"] for s in summaries if s.get("finished")]
+    grid = compare_grid(out, cfg, finished_seeds[0], cfg.attention, heldout) if finished_seeds else None
+    result = {"config": config_mod.to_dict(cfg), "seeds": list(seeds), "device": str(device),
+              "num_threads": num_threads, "wall_seconds": round(time.time() - started, 1), "runs": summaries,
+              "table": rows}
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "results.md").write_text(f"# {cfg.name}\n\n{cfg.description}\n\n{table}\n")
+    log(f"\n{cfg.name}: held-out flow-matching loss ({len(heldout[0])} held-out images, same noise and "
+        f"timesteps for every model), {cfg.train.steps} steps\n{table}")
+    if grid is not None:
+        log(f"samples side by side: {grid} (rows: {out / 'compare.txt'})")
+    return result
+
+
+# ---- throughput ---------------------------------------------------------------------------------
+
+def throughput(cfg: ExperimentConfig, device="cpu", num_threads: int = 0, batch_size: Optional[int] = None,
+               steps: Optional[int] = None, out: Optional[Path] = None, log: Callable[[str], None] = print) -> Dict:
+    """Training throughput in pixel tokens/s (forward, backward and optimiser step) per attention:
+    the median wall time of ``steps`` steps after ``warmup``, and the median process CPU time (all
+    threads; on a shared machine the measure of the work)."""
+    tp = cfg.throughput
+    batch = batch_size or tp.batch_size
+    steps = steps or tp.steps
+    device = torch.device(device)
+    use_amp = tp.autocast_bf16 and device.type == "cuda"
+    m = cfg.model
+    x0 = torch.from_numpy(make_images(cfg.data.stream, 0, batch, m.image_size, m.channels, cfg.data.scene)).to(device)
+    s = noise_scale(m.image_size)
+    rows = []
+    for kind in cfg.attention:
+        spec = cfg.spec(kind, num_threads)
+        model = build_model(cfg, spec, 0, device)
+        optimizer = make_optimizer(cfg, model)
+        times, cpu_times = [], []
+        for i in range(tp.warmup + steps):
+            g = step_generator(0, i)
+            t = torch.rand(batch, generator=g).to(device)
+            eps = torch.randn(x0.shape, generator=g).to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started, cpu_started = time.perf_counter(), time.process_time()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                loss = flow_loss(model, x0, eps, t, s)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+            if i >= tp.warmup:
+                times.append(elapsed)
+                cpu_times.append(cpu)
+            log(f"[throughput {kind}] step {i + 1}/{tp.warmup + steps} {'(warm-up) ' if i < tp.warmup else ''}"
+                f"{elapsed:.3f} s (process CPU {cpu:.3f} s)")
+        median = sorted(times)[len(times) // 2]
+        rows.append({"attention": spec.label(), "kind": kind, "batch": batch, "tokens": m.tokens,
+                     "seconds_per_step": median, "tokens_per_s": batch * m.tokens / median,
+                     "cpu_seconds_per_step": sorted(cpu_times)[len(cpu_times) // 2],
+                     "keys_per_query": keys_per_query(m.tokens, spec),
+                     "paper_tokens_per_s": tp.paper_tokens_per_s.get(kind)})
+        del model, optimizer
+    full = next((r for r in rows if r["kind"] == "full"), None)
+    lines = [f"{cfg.name}: training throughput, {m.image_size}x{m.image_size} pixels ({m.tokens} tokens), "
+             f"depth {m.depth}, width {m.width}, {m.heads} heads, batch {batch}, {device}"
+             f"{', bf16 autocast' if use_amp else ''}, median of {steps} steps",
+             "| attention | keys per query | s/step | process CPU s/step | pixel tokens/s | vs full | paper (one H200) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x" if full else ""
+        paper = f"{r['paper_tokens_per_s'] / 1e3:.1f}K" if r["paper_tokens_per_s"] else ""
+        lines.append(f"| {r['attention']} | {r['keys_per_query']:g} | {r['seconds_per_step']:.3f} | "
+                     f"{r['cpu_seconds_per_step']:.3f} | {r['tokens_per_s'] / 1e3:.1f}K | {ratio} | {paper} |")
+    if device.type == "cuda" and any(r["kind"] == "llsa" for r in rows):
+        lines.append("LLSA ran through sparsa's CPU op (q, k, v to the host and back): this row measures that "
+                     "path, not a GPU kernel.")
+    table = "\n".join(lines)
+    log("\n" + table)
+    result = {"config": cfg.name, "device": str(device), "rows": rows, "table": table}
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def _parse_seeds(text: str) -> List[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds: expected comma-separated integers such as 0,1,2, got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds):
+        raise SystemExit(f"--seeds: expected non-negative integers, got {text!r}")
+    return seeds
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engines.dit.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="engines/dit/configs/NAME.json")
+    parser.add_argument("--seeds", help="comma-separated seeds (default: the config's)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N); LLSA and BA-Att run on the host")
+    parser.add_argument("--out", help="output directory (default out/dit/NAME)")
+    parser.add_argument("--threads", type=int, default=0, help="torch and sparsa CPU threads (0: their defaults)")
+    parser.add_argument("--attention", help="comma-separated subset of the config's attentions (full,llsa)")
+    parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument("--stop-after", type=int, help="train each run up to this step, checkpoint, stop")
+    parser.add_argument("--fresh", action="store_true", help="ignore existing checkpoints and start over")
+    parser.add_argument("--table-only", action="store_true",
+                        help="train nothing: the table of the runs under --out that have finished")
+    parser.add_argument("--throughput", action="store_true", help="measure training pixel tokens/s instead")
+    parser.add_argument("--batch", type=int, help="--throughput: override throughput.batch_size")
+    parser.add_argument("--throughput-steps", type=int, help="--throughput: override throughput.steps")
+    args = parser.parse_args(argv)
+
+    try:
+        cfg = config_mod.load(args.config)
+        changes = {}
+        if args.steps is not None:
+            changes["train.steps"] = args.steps
+        if args.attention:
+            changes["attention"] = [a.strip() for a in args.attention.split(",") if a.strip()]
+        if changes:
+            cfg = config_mod.override(cfg, **changes)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.threads < 0:
+        raise SystemExit(f"--threads: expected a non-negative thread count, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device: {device} asked for, but torch sees no CUDA device")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise SystemExit(f"--device: expected cpu or cuda, got {device!r}")
+    out = Path(args.out) if args.out else Path("out") / "dit" / cfg.name
+    seeds = _parse_seeds(args.seeds) if args.seeds else list(cfg.seeds)
+    if args.stop_after is not None and args.stop_after < 1:
+        raise SystemExit(f"--stop-after: expected a positive step, got {args.stop_after}")
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    log(f"{cfg.name}: {cfg.description}")
+    log(f"device {device}, torch threads {torch.get_num_threads()}, sparsa threads {args.threads or 'auto'}, "
+        f"out {out}")
+    if args.throughput:
+        throughput(cfg, device, args.threads, args.batch, args.throughput_steps, out, log)
+    else:
+        run_experiment(cfg, seeds, out, device, args.threads, args.fresh, args.stop_after, args.table_only, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

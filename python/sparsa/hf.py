@@ -127,6 +127,24 @@ def _mask_kind(attention_mask, q_len: int, kv_len: int) -> str:
                      "none, all-visible or causal); run unpadded sequences, or pick another attn_implementation")
 
 
+def _assert_mask_is(attention_mask, q_len: int, kv_len: int, causal: bool) -> None:
+    """Under torch.compile: a runtime assertion that the mask is all-visible (causal False) or the
+    causal pattern (causal True)."""
+    m = attention_mask
+    if m.dtype != torch.bool:
+        m = m == 0
+    if causal:
+        if q_len != kv_len:  # as _mask_kind: a causal mask is taken over the chunk's own keys only
+            raise ValueError("attention_mask: sparsa's causal attention takes a mask over as many keys as queries, got "
+                             f"{q_len} queries and {kv_len} keys")
+        want = torch.ones(q_len, kv_len, dtype=torch.bool, device=m.device).tril()
+        ok = (m == want).all()
+    else:
+        ok = m.all()
+    torch._assert_async(ok, "attention_mask: sparsa's attention implementations take no padding or custom mask "
+                            "(only none, all-visible or causal)")
+
+
 def _attention(implementation: str, module, query, key, value, attention_mask, dropout: float = 0.0,
                scaling: Optional[float] = None, is_causal: Optional[bool] = None, sliding_window=None,
                softcap=None, **kwargs):
@@ -139,7 +157,13 @@ def _attention(implementation: str, module, query, key, value, attention_mask, d
         raise ValueError(f"softcap: {implementation} has no logit softcapping, got {softcap}")
     q_len, kv_len = int(query.shape[2]), int(key.shape[2])
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if attention_mask is not None:
+    if attention_mask is not None and torch.compiler.is_compiling():
+        # A mask's values cannot steer a traced graph (the test would be a data-dependent branch):
+        # while compiling the layer's own pattern rules, and the mask is asserted to be that
+        # pattern when the graph runs (an error then, never a silent wrong answer).
+        causal = bool(causal) and q_len > 1
+        _assert_mask_is(attention_mask, q_len, kv_len, causal)
+    elif attention_mask is not None:
         kind = _mask_kind(attention_mask, q_len, kv_len)
         causal = kind == "causal"
     else:

@@ -145,3 +145,31 @@ def test_compiled_model_fullgraph(bidirectional):
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         got = logits(compiled, x)
     assert close(got, eager) < BOUND
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_explicit_mask_under_compile(causal):
+    """Some transformers versions hand the attention an explicit mask tensor even when it is all
+    visible or causal: under torch.compile(fullgraph=True) its values cannot be inspected while
+    tracing, so the layer's pattern rules and the mask is asserted at run time."""
+    torch._dynamo.reset()
+    sparsa.hf.register()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 64, 32, generator=g) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = causal
+    pattern = torch.ones(64, 64, dtype=torch.bool)
+    if causal:
+        pattern = pattern.tril()
+    mask = torch.where(pattern, 0.0, float("-inf"))[None, None]
+
+    def run(q, k, v, mask):
+        return sparsa.hf._attention("sparsa_dense", module, q, k, v, mask)[0]
+
+    eager = run(q, k, v, mask)
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")(q, k, v, mask)
+    assert torch.allclose(compiled, eager, atol=1e-6, rtol=1e-6)
+    wrong = torch.where(torch.ones(64, 64, dtype=torch.bool).tril() if not causal else torch.ones(64, 64, dtype=torch.bool),
+                        0.0, float("-inf"))[None, None]
+    with pytest.raises(Exception):
+        torch.compile(run, fullgraph=True, backend="aot_eager")(q, k, v, wrong)

@@ -27,7 +27,8 @@ KINDS = ("full", "llsa", "ba_att")
 class AttentionSpec:
     """Which attention, with its parameters (LLSA's ``block``/``topk``/``levels``/``dedupe``,
     BA-Att's ``block``/``density``/``sort``: norm-sorted Q and K as in the paper, or the layout's
-    own blocks); ``num_threads`` goes to sparsa's CPU ops (0: all cores)."""
+    own blocks); ``num_threads`` goes to sparsa's BA-Att CPU call (0: all cores; LLSA's custom op
+    always takes every core)."""
 
     kind: str = "full"
     block: int = 16
@@ -71,8 +72,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     if spec.kind == "llsa":
         import sparsa.torch as sparsa_torch
 
+        # The custom op (sparsa::llsa) takes no thread count: sparsa's CPU path uses every core.
         out = sparsa_torch.llsa_attention(_host(q), _host(k), _host(v), block=spec.block, topk=spec.topk,
-                                          levels=spec.levels, dedupe=spec.dedupe, num_threads=spec.num_threads)
+                                          levels=spec.levels, dedupe=spec.dedupe)
         return out.to(device, dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("attention ba_att: BA-Att is training-free (no backward); use it under torch.no_grad()")

@@ -7,8 +7,8 @@
 //   sdar_block     SDAR-8B (Qwen3-8B shape: 36 layers, 32/8 heads) block step: 16 tokens against
 //                  `ctx` cached tokens, logits of the 16 rows.
 // The cache is filled with random K/V (the engine does not care where they came from). Each row
-// reports the median step time (CUDA events on the engine's stream around Model::Impl::forward,
-// which ends in the logits' read-back), then a breakdown measured the same way by replaying
+// reports the median step time (CUDA events on the engine's stream around Model::Impl::forward
+// and the greedy sampler, which ends in the read-back of the picks), then a breakdown measured the same way by replaying
 // only the step's GEMMs (same shapes, same order) and only its attention calls (the layers'
 // LayerAttention over the same views): rest = step - GEMMs - attention (norms, RoPE, SwiGLU,
 // embedding, the greedy sampler and its read-back of the picks, launch gaps), of which the
@@ -138,7 +138,7 @@ void fill_cache(const Config& c, Sequence& seq, int64_t tokens, void* stream) {
 struct Row {
   std::string name;
   int64_t tokens = 0, ctx = 0;
-  double step = 0, gemm = 0, attention = 0, elementwise = 0, readback = 0;
+  double step = 0, gemm = 0, attention = 0, elementwise = 0, sample = 0;
   double flops = 0, weight_bytes = 0;
 };
 
@@ -192,8 +192,8 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
   r.attention = time_ms(stream, iters, [&] {
     for (int l = 0; l < c.n_layers; ++l) CHECK(attend(c, s, seq.value(), l, n, ao));
   });
-  // The elementwise kernels alone (norms, head norms, RoPE, SwiGLU, the embedding), and the logits'
-  // read-back alone: the two known parts of the rest (what remains is launch gaps and host work).
+  // The elementwise kernels alone (norms, head norms, RoPE, SwiGLU, the embedding), and the sampler
+  // with its read-back alone: the two known parts of the rest (what remains is launch gaps and host work).
   r.elementwise = time_ms(stream, iters, [&] {
     ops.embed(s.x, w.embed, tokens);
     for (const LayerWeights& L : w.layers) {
@@ -209,7 +209,7 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
     }
     ops.rms_norm(s.xb, s.x, w.final_norm, logit_rows, c.dim, c.norm_eps);
   });
-  r.readback = time_ms(stream, iters, [&] {
+  r.sample = time_ms(stream, iters, [&] {
     if (!ops.greedy(s.logits, logit_rows, c.vocab_size, banned, picks.data())) {
       ops.to_host(logits.data(), s.logits, logit_rows * c.vocab_size);
     }
@@ -315,7 +315,7 @@ int main(int argc, char** argv) {
     const double tbs = r.weight_bytes / (non_attn * 1e-3) / 1e12;
     std::printf("%-13s %6lld %7lld | %9.2f %9.2f %9.2f %9.2f (%7.2f %7.2f) | %8.1f %12.2f %8.0f%%\n",
                 r.name.c_str(), static_cast<long long>(r.tokens), static_cast<long long>(r.ctx), r.step, r.gemm,
-                r.attention, r.step - r.gemm - r.attention, r.elementwise, r.readback,
+                r.attention, r.step - r.gemm - r.attention, r.elementwise, r.sample,
                 r.flops / (r.step * 1e-3) / 1e12, tbs, 100 * tbs * 1e12 / kHbm);
   }
   if (!gens.empty()) {

@@ -112,11 +112,15 @@ def record() -> Iterator[List[Dict[str, Any]]]:
         _local.record = saved
 
 
+def _visible(attention_mask):
+    """The mask as bool, True where visible (an additive float mask: 0 where visible, a large
+    negative value where not)."""
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+
+
 def _mask_kind(attention_mask, q_len: int, kv_len: int) -> str:
     """'none' for an all-visible mask, 'causal' for the causal pattern; else an error."""
-    m = attention_mask
-    if m.dtype != torch.bool:
-        m = m == 0  # an additive float mask: 0 where visible, a large negative value where not
+    m = _visible(attention_mask)
     if bool(m.all()):
         return "none"
     if q_len == kv_len:
@@ -130,9 +134,7 @@ def _mask_kind(attention_mask, q_len: int, kv_len: int) -> str:
 def _assert_mask_is(attention_mask, q_len: int, kv_len: int, causal: bool) -> None:
     """Under torch.compile: a runtime assertion that the mask is all-visible (causal False) or the
     causal pattern (causal True)."""
-    m = attention_mask
-    if m.dtype != torch.bool:
-        m = m == 0
+    m = _visible(attention_mask)
     if causal:
         if q_len != kv_len:  # as _mask_kind: a causal mask is taken over the chunk's own keys only
             raise ValueError("attention_mask: sparsa's causal attention takes a mask over as many keys as queries, got "

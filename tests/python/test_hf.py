@@ -171,5 +171,5 @@ def test_explicit_mask_under_compile(causal):
     assert torch.allclose(compiled, eager, atol=1e-6, rtol=1e-6)
     wrong = torch.where(torch.ones(64, 64, dtype=torch.bool).tril() if not causal else torch.ones(64, 64, dtype=torch.bool),
                         0.0, float("-inf"))[None, None]
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="attention_mask: sparsa's attention implementations take no padding"):
         torch.compile(run, fullgraph=True, backend="aot_eager")(q, k, v, wrong)

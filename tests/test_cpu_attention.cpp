@@ -3,16 +3,7 @@
 // (1, 3, 17, 113, 1023), head_dim 16/40/64/128, GQA, strided views, f16/bf16 inputs,
 // permuted blocks, partial and empty query blocks.
 //
-// Tolerances (both backends read the same stored inputs, so input rounding cancels):
-//  - f32 outputs: |cpu - ref| <= 1e-5 * max|ref|. cpu accumulates in f32 with an online
-//    softmax over key chunks, ref in f64; the f32 error of a length-n sum of O(1) terms
-//    grows like sqrt(n) * 2^-24 ~ 2e-6 at n = 1023 (the dot products are 128 long),
-//    leaving a margin of ~5x.
-//  - f16/bf16 outputs: both results are rounded to the output dtype once; two values within
-//    1e-5 relative of each other may round to neighbouring representable numbers, so one
-//    unit in the last place of the output dtype (2^-10 relative for f16, 2^-7 for bf16)
-//    is added to the f32 bound.
-//  - LSE (always f32): |cpu - ref| <= 1e-5 * max(1, |ref|).
+// Tolerances: tests/attention_compare.h (shared with the mask and varlen tests).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +12,7 @@
 #include <random>
 #include <string>
 
+#include "attention_compare.h"
 #include "sparsa/attention.h"
 
 namespace {
@@ -39,69 +31,10 @@ struct Case {
   }
 };
 
-// A [b, h, s, d] tensor of normal values in `dtype`, contiguous or as a view of a
-// [b, s, h, d] buffer (non-contiguous head and seq strides).
-struct Input {
-  HostArray storage;
-  Tensor view;
-};
-
-Input make_input(int64_t b, int64_t h, int64_t s, int64_t d, DType dtype, bool strided, std::mt19937& rng) {
-  std::normal_distribution<float> normal;
-  HostArray f32(DType::f32, strided ? std::vector<int64_t>{b, s, h, d} : std::vector<int64_t>{b, h, s, d});
-  for (int64_t i = 0; i < f32.numel(); ++i) f32.ptr<float>()[i] = normal(rng);
-  Input in{dtype == DType::f32 ? std::move(f32) : convert(f32.view(), dtype).value(), {}};
-  in.view = in.storage.view();
-  if (strided) {
-    in.view.shape[1] = h;
-    in.view.shape[2] = s;
-    in.view.strides[1] = d;
-    in.view.strides[2] = h * d;
-  }
-  return in;
-}
-
-double output_tolerance_ulp(DType dtype) {
-  switch (dtype) {
-    case DType::f16: return std::ldexp(1.0, -10);
-    case DType::bf16: return std::ldexp(1.0, -7);
-    default: return 0.0;
-  }
-}
-
-// Compares two outputs of the same shape element by element under the bounds above.
-void expect_close(const AttentionOutput& ref, const AttentionOutput& got, DType dtype, const std::string& what) {
-  ASSERT_EQ(ref.out.numel(), got.out.numel());
-  ASSERT_EQ(ref.lse.numel(), got.lse.numel());
-  const Tensor ro = ref.out.view(), go = got.out.view();
-  double max_ref = 0;
-  for (int64_t i = 0; i < ref.out.numel(); ++i) max_ref = std::max(max_ref, std::abs(load_as_double(ro, i)));
-  const double ulp = output_tolerance_ulp(dtype);
-  int64_t bad = 0;
-  for (int64_t i = 0; i < ref.out.numel(); ++i) {
-    const double r = load_as_double(ro, i), g = load_as_double(go, i);
-    const double tol = 1e-5 * max_ref + ulp * std::abs(r);
-    if (!(std::abs(r - g) <= tol) && bad++ < 5) {
-      ADD_FAILURE() << what << ": out[" << i << "] cpu " << g << " vs cpu_ref " << r << " (tol " << tol << ")";
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " output elements out of tolerance";
-  bad = 0;
-  for (int64_t i = 0; i < ref.lse.numel(); ++i) {
-    const float r = ref.lse.ptr<float>()[i], g = got.lse.ptr<float>()[i];
-    const bool same_inf = std::isinf(r) && r == g;
-    if (!same_inf && !(std::abs(r - g) <= 1e-5 * std::max(1.0f, std::abs(r))) && bad++ < 5) {
-      ADD_FAILURE() << what << ": lse[" << i << "] cpu " << g << " vs cpu_ref " << r;
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " lse elements out of tolerance";
-}
-
-AttentionOptions with_backend(Backend backend) {
-  AttentionOptions options;
-  options.backend = backend;
-  return options;
-}
+using sparsa_test::expect_close;
+using sparsa_test::Input;
+using sparsa_test::make_input;
+using sparsa_test::with_backend;
 
 class DenseCpu : public ::testing::TestWithParam<Case> {};
 

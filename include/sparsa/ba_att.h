@@ -87,6 +87,10 @@ struct BaAttOptions {
   // stream. The plan's arrays are allocated on it (DeviceArray). One read-back at the end (the
   // selector's error word) synchronises this stream, not the device.
   void* stream = nullptr;
+  // ba_att: the executor's per-element mask (sparsa/attention.h), on original token positions,
+  // so a sorted plan is masked exactly too. The selection does not see it: a plan may spend its
+  // budget on key blocks the mask then hides (those cost nothing: the executor skips them).
+  Mask mask;
 };
 
 // The selector's intermediate results, for tests, evaluation and `sparsa plan`.

@@ -2,8 +2,10 @@
 // to one backend (the one dispatch place).
 #include "sparsa/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "core/backends.h"
 #include "core/validate.h"
@@ -90,6 +92,7 @@ Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (options.num_threads < 0 || options.num_threads > kMaxNumThreads) {
     return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(options.num_threads));
   }
+  SPARSA_RETURN_IF_ERROR(validate_mask(options.mask, "mask"));
   if (options.check_finite && on_gpu) {
     return {StatusCode::unsupported, "check_finite: not available on the cuda backend (scan on the host first)"};
   }
@@ -123,6 +126,7 @@ Status build_params(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   p->num_threads = options.num_threads;
   p->device_id = host.id;
   p->stream = options.stream;
+  p->mask = options.mask;
   return {};
 }
 
@@ -189,11 +193,115 @@ Status check_device_index(const BlockIndex& ix, const AttentionParams& p, Device
   return {};
 }
 
+// A varlen operand [total, heads, d] (or lse [heads, total]) as the [1, heads, total, d]
+// ([1, heads, total]) view the fixed-length checks read; `rank` is the rank it must have.
+Status varlen_view(const char* name, const Tensor& t, int rank, const char* dims, Tensor* view) {
+  if (t.data == nullptr && t.ndim == 0) return invalid_argument(std::string(name) + ": is missing (null data)");
+  if (t.ndim != rank) {
+    return invalid_argument(std::string(name) + ": expected " + std::to_string(rank) + " dimensions " + dims +
+                            " (variable-length batch), got " + std::to_string(t.ndim) + " " + t.shape_string());
+  }
+  *view = t;
+  view->ndim = rank + 1;
+  view->shape[0] = 1;
+  view->strides[0] = 0;
+  if (rank == 3) {  // [total, heads, d] -> [1, heads, total, d]
+    view->shape[1] = t.shape[1];
+    view->strides[1] = t.strides[1];
+    view->shape[2] = t.shape[0];
+    view->strides[2] = t.strides[0];
+    view->shape[3] = t.shape[2];
+    view->strides[3] = t.strides[2];
+  } else {  // lse [heads, total] -> [1, heads, total]
+    view->shape[1] = t.shape[0];
+    view->strides[1] = t.strides[0];
+    view->shape[2] = t.shape[1];
+    view->strides[2] = t.strides[1];
+  }
+  return {};
+}
+
+// cu_seqlens: i32 [num_seqs + 1], contiguous, on `device`; on the host also its values:
+// starts at 0, never decreases, ends at `total` (the first dimension of `of`).
+Status check_cu_seqlens(const char* name, const Tensor& cu, int64_t total, const char* of, Device device) {
+  const std::string n = name;
+  if (cu.data == nullptr) return invalid_argument(n + ": is missing (null data)");
+  if (cu.ndim != 1 || cu.shape[0] < 2) {
+    return invalid_argument(n + ": expected a 1-d i32 tensor [num_seqs + 1] of at least 2 offsets, got " +
+                            std::to_string(cu.ndim) + "-d " + cu.shape_string());
+  }
+  SPARSA_RETURN_IF_ERROR(check_dtype(name, cu, DType::i32));
+  if (cu.strides[0] != 1) {
+    return invalid_argument(n + ": expected a contiguous tensor (stride 1), got stride " + std::to_string(cu.strides[0]));
+  }
+  if (!(cu.device == device)) {
+    return invalid_argument(n + ": expected a tensor on " + device_name(device) + ", got " + device_name(cu.device));
+  }
+  if (device.type == DeviceType::cuda) return {};  // device memory: the cuda backend refuses varlen (no kernel yet)
+  const int32_t* off = cu.ptr<const int32_t>();
+  if (off[0] != 0) return invalid_argument(n + ": expected " + n + "[0] = 0, got " + std::to_string(off[0]));
+  for (int64_t s = 1; s < cu.shape[0]; ++s) {
+    if (off[s] < off[s - 1]) {
+      return invalid_argument(n + ": offsets must not decrease, got " + n + "[" + std::to_string(s) + "] = " +
+                              std::to_string(off[s]) + " after " + n + "[" + std::to_string(s - 1) + "] = " +
+                              std::to_string(off[s - 1]));
+    }
+  }
+  const int64_t last = cu.shape[0] - 1;
+  if (off[last] != total) {
+    return invalid_argument(n + ": the last offset " + n + "[" + std::to_string(last) + "] = " +
+                            std::to_string(off[last]) + " must equal " + of + "'s first dimension " +
+                            std::to_string(total));
+  }
+  return {};
+}
+
+// The params of a variable-length call: the [1, heads, total, d] views through build_params, then
+// batch = number of sequences, zero batch strides, the offsets, and the longest lengths.
+Status build_varlen_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_kv,
+                           const Tensor& out, const Tensor& lse, const AttentionOptions& options, AttentionParams* p) {
+  Tensor q4, k4, v4, out4, lse3;
+  SPARSA_RETURN_IF_ERROR(varlen_view("q", q, 3, "[total_q, heads_q, head_dim]", &q4));
+  SPARSA_RETURN_IF_ERROR(varlen_view("k", k, 3, "[total_kv, heads_kv, head_dim]", &k4));
+  SPARSA_RETURN_IF_ERROR(varlen_view("v", v, 3, "[total_kv, heads_kv, head_dim]", &v4));
+  SPARSA_RETURN_IF_ERROR(varlen_view("out", out, 3, "[total_q, heads_q, head_dim]", &out4));
+  SPARSA_RETURN_IF_ERROR(varlen_view("lse", lse, 2, "[heads_q, total_q]", &lse3));
+  SPARSA_RETURN_IF_ERROR(build_params(q4, k4, v4, out4, lse3, options, p));
+  const Device device = options.backend == Backend::cuda ? q.device : Device{};
+  SPARSA_RETURN_IF_ERROR(check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "q", device));
+  SPARSA_RETURN_IF_ERROR(check_cu_seqlens("cu_seqlens_kv", cu_kv, k.shape[0], "k", device));
+  if (cu_kv.shape[0] != cu_q.shape[0]) {
+    return invalid_argument("cu_seqlens_kv: expected " + std::to_string(cu_q.shape[0]) +
+                            " offsets (num_seqs + 1, as cu_seqlens_q), got " + std::to_string(cu_kv.shape[0]));
+  }
+  p->batch = cu_q.shape[0] - 1;
+  p->cu_seqlens_q = cu_q.ptr<const int32_t>();
+  p->cu_seqlens_kv = cu_kv.ptr<const int32_t>();
+  if (device.type != DeviceType::cuda) {
+    p->len_q = p->len_kv = 0;
+    for (int64_t s = 0; s < p->batch; ++s) {
+      p->len_q = std::max(p->len_q, p->seq_len_q(s));
+      p->len_kv = std::max(p->len_kv, p->seq_len_kv(s));
+    }
+  }
+  return {};
+}
+
 AttentionOutput allocate_outputs(const Tensor& q) {
   AttentionOutput o;
   if (q.ndim == 4) {
     o.out = HostArray(q.dtype, {q.shape[0], q.shape[1], q.shape[2], q.shape[3]});
     o.lse = HostArray(DType::f32, {q.shape[0], q.shape[1], q.shape[2]});
+  }
+  return o;
+}
+
+// Outputs of a varlen call: out [total_q, heads_q, d] (dtype of q), lse f32 [heads_q, total_q].
+AttentionOutput allocate_varlen_outputs(const Tensor& q) {
+  AttentionOutput o;
+  if (q.ndim == 3) {
+    o.out = HostArray(q.dtype, {q.shape[0], q.shape[1], q.shape[2]});
+    o.lse = HostArray(DType::f32, {q.shape[1], q.shape[0]});
   }
   return o;
 }
@@ -235,6 +343,91 @@ Result<AttentionOutput> block_sparse(const Tensor& q, const Tensor& k, const Ten
   AttentionOutput o = allocate_outputs(q);
   SPARSA_RETURN_IF_ERROR(block_sparse(q, k, v, index, o.out.view(), o.lse.view(), options));
   return o;
+}
+
+Status dense_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+                    const Tensor& cu_seqlens_kv, const Tensor& out, const Tensor& lse, const AttentionOptions& options) {
+  AttentionParams p;
+  SPARSA_RETURN_IF_ERROR(build_varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, options, &p));
+  return run(p, options.backend);
+}
+
+Status block_sparse_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+                           const Tensor& cu_seqlens_kv, const BlockIndex& index, const Tensor& out, const Tensor& lse,
+                           const AttentionOptions& options) {
+  AttentionParams p;
+  SPARSA_RETURN_IF_ERROR(build_varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, options, &p));
+  p.index = &index;
+  if (options.backend == Backend::cuda) return run(p, options.backend);  // refused there: no varlen kernel yet
+  // Shapes against the longest sequence, then each sequence's rows as the plan of that sequence.
+  SPARSA_RETURN_IF_ERROR(check_device_index(index, p, Device{}));
+  for (int64_t s = 0; s < p.batch; ++s) {
+    const int64_t len_q = p.seq_len_q(s), len_kv = p.seq_len_kv(s);
+    if (len_q == 0) continue;
+    const BlockIndex sub = detail::sequence_index(index, s, len_q, len_kv);
+    const Status st = validate_block_index(sub, 1, p.heads_q, p.heads_kv, len_q, len_kv);
+    if (!st.ok()) {
+      return {st.code(), "sequence " + std::to_string(s) + " (index batch row " + std::to_string(s) + ", " +
+                             std::to_string(len_q) + " queries, " + std::to_string(len_kv) + " keys): " + st.message()};
+    }
+  }
+  return run(p, options.backend);
+}
+
+Result<AttentionOutput> dense_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+                                     const Tensor& cu_seqlens_kv, const AttentionOptions& options) {
+  if (q.ndim != 3) {
+    Tensor view;
+    SPARSA_RETURN_IF_ERROR(varlen_view("q", q, 3, "[total_q, heads_q, head_dim]", &view));
+  }
+  AttentionOutput o = allocate_varlen_outputs(q);
+  SPARSA_RETURN_IF_ERROR(dense_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, o.out.view(), o.lse.view(), options));
+  return o;
+}
+
+Result<AttentionOutput> block_sparse_varlen(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
+                                            const BlockIndex& index, const AttentionOptions& options) {
+  if (q.ndim != 3) {
+    Tensor view;
+    SPARSA_RETURN_IF_ERROR(varlen_view("q", q, 3, "[total_q, heads_q, head_dim]", &view));
+  }
+  AttentionOutput o = allocate_varlen_outputs(q);
+  SPARSA_RETURN_IF_ERROR(
+      block_sparse_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, index, o.out.view(), o.lse.view(), options));
+  return o;
+}
+
+BlockIndexBuffer masked_full_plan(int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_kv, int block_q,
+                                  int block_kv, const Mask& mask) {
+  const int64_t nq = (len_q + block_q - 1) / block_q, nkv = (len_kv + block_kv - 1) / block_kv;
+  std::vector<int32_t> counts(batch * heads_q * nq), blocks(batch * heads_q * nq * std::max<int64_t>(nkv, 1));
+  for (int64_t qb = 0; qb < nq; ++qb) {
+    // The keys any query of the block sees: [begin of its first row, end of its last row), since
+    // both ends are non-decreasing in the row (attention.h).
+    const int64_t first = qb * block_q, last = std::min<int64_t>(first + block_q, len_q) - 1;
+    const int64_t begin = mask_key_begin(mask, first, len_q, len_kv), end = mask_key_end(mask, last, len_q, len_kv);
+    int32_t count = 0;
+    for (int64_t kb = 0; kb < nkv; ++kb) {
+      const int64_t kb_begin = kb * block_kv, kb_end = std::min<int64_t>(kb_begin + block_kv, len_kv);
+      if (kb_begin >= end || kb_end <= begin) continue;  // no key of the block is visible to the query block
+      // A key block inside [begin, end) may still be masked for every row (a window narrower than
+      // the block's spread): check the rows' own ranges.
+      bool any = false;
+      for (int64_t i = first; i <= last && !any; ++i) {
+        any = std::max(kb_begin, mask_key_begin(mask, i, len_q, len_kv)) <
+              std::min(kb_end, mask_key_end(mask, i, len_q, len_kv));
+      }
+      if (any) blocks[qb * nkv + count++] = static_cast<int32_t>(kb);
+    }
+    counts[qb] = count;
+  }
+  // Every (batch, head) has the same rows.
+  for (int64_t row = nq; row < batch * heads_q * nq; ++row) {
+    counts[row] = counts[row % nq];
+    std::copy_n(blocks.begin() + (row % nq) * nkv, nkv, blocks.begin() + row * nkv);
+  }
+  return BlockIndexBuffer::from_rows(batch, heads_q, len_q, len_kv, block_q, block_kv, counts, blocks.data(), nkv);
 }
 
 Status merge(const Tensor& o1, const Tensor& lse1, const Tensor& o2, const Tensor& lse2,

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "sparsa/attention.h"
 #include "sparsa/index.h"
 #include "sparsa/tensor.h"
 
@@ -35,23 +36,80 @@ struct AttentionParams {
   const BlockIndex* index = nullptr;
   bool check_index = true;  // AttentionOptions::check_index (the cuda backend's device check)
 
+  // The per-element mask (validated), on positions local to each sequence.
+  Mask mask;
+  // Variable-length batch (both null: every sequence has len_q / len_kv tokens). Offsets i32
+  // [batch + 1] (validated; host memory for the cpu backends): batch is the number of sequences,
+  // len_q / len_kv the longest, and sequence b's token i is row cu_seqlens_q[b] + i of the seq
+  // dimension (the batch strides are 0).
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_kv = nullptr;
+
+  bool varlen() const { return cu_seqlens_q != nullptr; }
+  int64_t q_begin(int64_t b) const { return varlen() ? cu_seqlens_q[b] : 0; }
+  int64_t kv_begin(int64_t b) const { return varlen() ? cu_seqlens_kv[b] : 0; }
+  int64_t seq_len_q(int64_t b) const { return varlen() ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : len_q; }
+  int64_t seq_len_kv(int64_t b) const { return varlen() ? cu_seqlens_kv[b + 1] - cu_seqlens_kv[b] : len_kv; }
+
   int64_t group() const { return heads_q / heads_kv; }
   int64_t q_off(int64_t b, int64_t h, int64_t i) const {
-    return b * q_stride[0] + h * q_stride[1] + i * q_stride[2];
+    return b * q_stride[0] + h * q_stride[1] + (q_begin(b) + i) * q_stride[2];
   }
   int64_t k_off(int64_t b, int64_t h, int64_t j) const {
-    return b * k_stride[0] + h * k_stride[1] + j * k_stride[2];
+    return b * k_stride[0] + h * k_stride[1] + (kv_begin(b) + j) * k_stride[2];
   }
   int64_t v_off(int64_t b, int64_t h, int64_t j) const {
-    return b * v_stride[0] + h * v_stride[1] + j * v_stride[2];
+    return b * v_stride[0] + h * v_stride[1] + (kv_begin(b) + j) * v_stride[2];
   }
   int64_t out_off(int64_t b, int64_t h, int64_t i) const {
-    return b * out_stride[0] + h * out_stride[1] + i * out_stride[2];
+    return b * out_stride[0] + h * out_stride[1] + (q_begin(b) + i) * out_stride[2];
   }
   float& lse_at(int64_t b, int64_t h, int64_t i) const {
-    return lse[b * lse_stride[0] + h * lse_stride[1] + i * lse_seq_stride];
+    return lse[b * lse_stride[0] + h * lse_stride[1] + (q_begin(b) + i) * lse_seq_stride];
   }
 };
+
+// The rows of sequence s of a block index made for a variable-length batch, as the plan of a
+// single sequence of len_q x len_kv tokens: batch 1, the first ceil(len_q / block_q) query-block
+// rows, num_kv_blocks = ceil(len_kv / block_kv), the first len_q / len_kv permutation entries.
+inline BlockIndex sequence_index(const BlockIndex& ix, int64_t s, int64_t len_q, int64_t len_kv) {
+  auto rows = [s](Tensor t, int64_t len) {
+    if (!t.defined()) return t;
+    t.data = static_cast<char*>(t.data) + s * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
+    t.shape[0] = 1;
+    if (len >= 0) t.shape[2] = len;
+    return t;
+  };
+  BlockIndex sub = ix;
+  sub.num_q_blocks = (len_q + ix.block_q - 1) / ix.block_q;
+  sub.num_kv_blocks = (len_kv + ix.block_kv - 1) / ix.block_kv;
+  sub.counts = rows(ix.counts, sub.num_q_blocks);
+  sub.indices = rows(ix.indices, sub.num_q_blocks);
+  sub.perm_q = rows(ix.perm_q, len_q);
+  sub.perm_kv = rows(ix.perm_kv, len_kv);
+  return sub;
+}
+
+// Sequence s of a variable-length call as a fixed-length call of one sequence (batch 1, its own
+// lengths, pointers moved to its first token, its rows of the index in *sub_index).
+inline AttentionParams sequence_params(const AttentionParams& p, int64_t s, BlockIndex* sub_index) {
+  AttentionParams one = p;
+  const int64_t esize = static_cast<int64_t>(dtype_size(p.dtype));
+  one.q = static_cast<const char*>(p.q) + p.q_off(s, 0, 0) * esize;
+  one.k = static_cast<const char*>(p.k) + p.k_off(s, 0, 0) * esize;
+  one.v = static_cast<const char*>(p.v) + p.v_off(s, 0, 0) * esize;
+  one.out = static_cast<char*>(p.out) + p.out_off(s, 0, 0) * esize;
+  one.lse = &p.lse_at(s, 0, 0);
+  one.batch = 1;
+  one.len_q = p.seq_len_q(s);
+  one.len_kv = p.seq_len_kv(s);
+  one.cu_seqlens_q = one.cu_seqlens_kv = nullptr;
+  if (p.index != nullptr) {
+    *sub_index = sequence_index(*p.index, s, one.len_q, one.len_kv);
+    one.index = sub_index;
+  }
+  return one;
+}
 
 // Read helpers for BlockIndex tensors (i32, any strides).
 inline int32_t index_count(const BlockIndex& ix, int64_t b, int64_t h, int64_t qb) {

@@ -9,6 +9,14 @@
 //     listed key blocks, read through perm_kv).
 // Work items (batch x head(s) x query tile) are spread over threads dynamically.
 //
+// Masks (the per-element hook): every mask shows a query one contiguous key range
+// [mask_key_begin, mask_key_end) (sparsa/attention.h). A tile takes its rows' ranges once; keys
+// outside their union are never put into a chunk (fully masked blocks are skipped, not computed),
+// and a chunk that is not visible to every row of the tile has its masked scores set to -inf
+// before a softmax update that gives them weight exactly 0 (and keeps rows that have seen no
+// visible key yet at m = -inf, l = 0: such a row ends empty, O = 0 and LSE = -inf).
+// Variable-length batches run sequence by sequence, each as a fixed-length call.
+//
 // Per chunk: K and V rows are read in place (f32, consecutive keys) or converted to f32
 // once (any dtype, stride or permutation); scores S^T = K Q^T come from a register-blocked
 // micro-kernel with query rows in vector lanes; the softmax statistics of kLanes rows are
@@ -99,6 +107,40 @@ struct HeadState {
   explicit HeadState(int64_t d) : qt(d * kTileQ), acc_t(d * kTileQ) {}
 };
 
+// The mask of one tile: the key range [lo[r], hi[r]) of each row, and over the rows the least
+// and greatest bounds (keys outside [union_lo, union_hi) are masked for every row; a chunk
+// inside [all_lo, all_hi) is visible to every row).
+struct TileMask {
+  bool active = false;  // false: no mask, every key visible
+  int64_t lo[kTileQ], hi[kTileQ];
+  int64_t union_lo = 0, union_hi = 0, all_lo = 0, all_hi = 0;
+
+  void set(const AttentionParams& p, const int64_t* row_pos, int rows) {
+    active = !p.mask.is_none();
+    union_lo = 0;
+    union_hi = all_hi = p.len_kv;
+    all_lo = 0;
+    if (!active) return;
+    union_lo = p.len_kv;
+    union_hi = 0;
+    all_hi = p.len_kv;
+    for (int r = 0; r < rows; ++r) {
+      lo[r] = mask_key_begin(p.mask, row_pos[r], p.len_q, p.len_kv);
+      hi[r] = mask_key_end(p.mask, row_pos[r], p.len_q, p.len_kv);
+      if (lo[r] >= hi[r]) continue;  // a row that sees no key widens nothing
+      union_lo = std::min(union_lo, lo[r]);
+      union_hi = std::max(union_hi, hi[r]);
+      all_lo = std::max(all_lo, lo[r]);
+      all_hi = std::min(all_hi, hi[r]);
+    }
+    for (int r = 0; r < rows; ++r) {
+      if (lo[r] >= hi[r]) all_hi = 0;  // some row sees nothing: no chunk is visible to all
+    }
+  }
+  // Whether original key position j can be visible to some row of the tile.
+  bool may_see(int64_t j) const { return !active || (union_lo <= j && j < union_hi); }
+};
+
 // Per-thread scratch; allocated once per call, reused by every tile.
 struct TileScratch {
   int64_t d;             // head_dim
@@ -108,6 +150,7 @@ struct TileScratch {
   AlignedFloats st;      // [kTileK, kTileQ] scores, then probabilities (one head at a time)
   AlignedFloats row;     // [d] one query row being loaded
   int64_t key_pos[kTileK];
+  TileMask mask;
   // Rows (head g of the tile, row r) whose f32 result is not finite: redone in f64.
   std::vector<std::pair<int, int>> redo;
   std::vector<int64_t> keys;  // the key list of a redone row
@@ -181,6 +224,44 @@ void softmax_update(TileScratch& ts, HeadState& hs, int rows, int keys) {
   }
 }
 
+// softmax_update for a chunk whose masked scores are -inf: those get P = 0 exactly, and a row
+// that has seen no visible key yet keeps m = -inf and l = 0 (the subtraction uses 0 for its m,
+// so that -inf - -inf never makes a NaN).
+void softmax_update_masked(TileScratch& ts, HeadState& hs, int rows, int keys) {
+  const Vec neg_inf = simd::splat(-std::numeric_limits<float>::infinity()), zero = simd::splat(0.0f);
+  for (int i = 0; i < rows; i += kLanes) {
+    const Vec m_old = simd::load(hs.m + i);
+    Vec m_new = m_old;
+    for (int j = 0; j < keys; ++j) m_new = simd::max(m_new, simd::load(ts.st.data + j * kTileQ + i));
+    const Vec m_sub = m_new == neg_inf ? zero : m_new;
+    Vec sum = zero;
+    for (int j = 0; j < keys; ++j) {
+      float* s = ts.st.data + j * kTileQ + i;
+      const Vec x = simd::load(s);
+      const Vec p = x == neg_inf ? zero : simd::exp2_nonpositive(x - m_sub);
+      simd::store(s, p);
+      sum += p;
+    }
+    const Vec alpha = m_old == neg_inf ? zero : simd::exp2_nonpositive(m_old - m_sub);
+    simd::store(hs.alpha + i, alpha);
+    simd::store(hs.l + i, simd::load(hs.l + i) * alpha + sum);
+    simd::store(hs.m + i, m_new);
+  }
+}
+
+// Sets the scores of the keys outside each row's range to -inf (rows r < rows; pad rows keep
+// their finite scores).
+void apply_mask(TileScratch& ts, int rows, int keys) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < keys; ++j) {
+    const int64_t key = ts.key_pos[j];
+    float* s = ts.st.data + j * kTileQ;
+    for (int r = 0; r < rows; ++r) {
+      if (key < ts.mask.lo[r] || key >= ts.mask.hi[r]) s[r] = neg_inf;
+    }
+  }
+}
+
 // acc_t[:, r] = alpha[r] * acc_t[:, r] + sum_j P[r, j] * V[j, :].
 void accumulate_pv(const TileScratch& ts, HeadState& hs, int rows, int keys) {
   const int row_vecs = static_cast<int>((rows + kLanes - 1) / kLanes);
@@ -240,13 +321,29 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
     std::fill(hs.acc_t.data, hs.acc_t.data + d * kTileQ, 0.0f);
   }
 
-  int64_t visited = 0;  // keys seen: a row is empty (O = 0, LSE = -inf) only when none was
+  // keys seen: a row is empty (O = 0, LSE = -inf) when none was, or when the mask hid every
+  // one it saw (l = 0: a visible key adds at least 2^-126 to l, the largest adds 1)
+  int64_t visited = 0;
   for (int keys = next_chunk(ts.key_pos); keys > 0; keys = next_chunk(ts.key_pos)) {
     visited += keys;
     load_chunk(p, ts, b, h_kv, keys);
+    bool masked = false;
+    if (ts.mask.active) {
+      int64_t first = ts.key_pos[0], last = ts.key_pos[0];
+      for (int j = 1; j < keys; ++j) {
+        first = std::min(first, ts.key_pos[j]);
+        last = std::max(last, ts.key_pos[j]);
+      }
+      masked = first < ts.mask.all_lo || last >= ts.mask.all_hi;
+    }
     for (int g = 0; g < heads; ++g) {
       scores(ts, ts.heads[g], rows, keys);
-      softmax_update(ts, ts.heads[g], rows, keys);
+      if (masked) {
+        apply_mask(ts, rows, keys);
+        softmax_update_masked(ts, ts.heads[g], rows, keys);
+      } else {
+        softmax_update(ts, ts.heads[g], rows, keys);
+      }
       accumulate_pv(ts, ts.heads[g], rows, keys);
     }
   }
@@ -257,7 +354,7 @@ void attend_tile(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h
     const int64_t h = h0 + g;
     for (int r = 0; r < rows; ++r) {
       const int64_t i = row_pos[r];
-      const bool empty = visited == 0;
+      const bool empty = visited == 0 || hs.l[r] == 0.0f;
       const float inv_l = empty ? 0.0f : 1.0f / hs.l[r];
       const float* a = hs.acc_t.data + r;  // column r of [d, kTileQ]
       const float lse = empty ? -std::numeric_limits<float>::infinity() : (hs.m[r] + std::log2(hs.l[r])) * kLn2;
@@ -292,17 +389,48 @@ struct Overflow {
   }
 };
 
-// Redoes the rows attend_tile left in ts.redo through cpu_ref's f64 row over ts.keys.
+// Redoes the rows attend_tile left in ts.redo through cpu_ref's f64 row over ts.keys (those of
+// ts.keys the row's mask shows).
 void redo_rows(const AttentionParams& p, TileScratch& ts, int64_t b, int64_t h0, const int64_t* row_pos,
                Overflow& overflow) {
+  std::vector<int64_t> visible;
   for (auto [g, r] : ts.redo) {
-    if (!cpu_ref::attend_row(p, b, h0 + g, row_pos[r], ts.keys)) overflow.note(b, h0 + g, row_pos[r]);
+    const std::vector<int64_t>* keys = &ts.keys;
+    if (ts.mask.active) {
+      visible.clear();
+      for (int64_t j : ts.keys)
+        if (ts.mask.lo[r] <= j && j < ts.mask.hi[r]) visible.push_back(j);
+      keys = &visible;
+    }
+    if (!cpu_ref::attend_row(p, b, h0 + g, row_pos[r], *keys)) overflow.note(b, h0 + g, row_pos[r]);
   }
 }
 
-}  // namespace
+Status fixed_length_attention(const AttentionParams& p);
 
-Status attention(const AttentionParams& p) {
+// A variable-length batch, one sequence at a time (each a fixed-length call over its own
+// lengths); a sequence with queries and no keys gets empty rows.
+Status varlen_attention(const AttentionParams& p) {
+  for (int64_t s = 0; s < p.batch; ++s) {
+    BlockIndex sub_index;
+    const AttentionParams one = detail::sequence_params(p, s, &sub_index);
+    if (one.len_q == 0) continue;
+    if (one.len_kv == 0) {
+      for (int64_t h = 0; h < one.heads_q; ++h) {
+        for (int64_t i = 0; i < one.len_q; ++i) {
+          for (int64_t t = 0; t < one.head_dim; ++t) detail::store_element(one.out, one.dtype, one.out_off(0, h, i) + t, 0.0f);
+          one.lse_at(0, h, i) = -std::numeric_limits<float>::infinity();
+        }
+      }
+      continue;
+    }
+    const Status st = fixed_length_attention(one);
+    if (!st.ok()) return {st.code(), "sequence " + std::to_string(s) + " of the variable-length batch: " + st.message()};
+  }
+  return {};
+}
+
+Status fixed_length_attention(const AttentionParams& p) {
   const int threads = resolve_threads(p.num_threads);
   // Dense tiles take up to kMaxHeads query heads of a GQA group at once (the same
   // rows and keys); block-sparse plans differ per query head, so they take one.
@@ -329,10 +457,13 @@ Status attention(const AttentionParams& p) {
       int64_t row_pos[kTileQ];
       const int rows = static_cast<int>(std::min<int64_t>(kTileQ, p.len_q - tile * kTileQ));
       for (int r = 0; r < rows; ++r) row_pos[r] = tile * kTileQ + r;
-      int64_t next = 0;
       TileScratch& ts = scratch[thread];
+      ts.mask.set(p, row_pos, rows);
+      // Only the keys some row of the tile sees: [union_lo, union_hi) (all keys without a mask).
+      int64_t next = ts.mask.union_lo;
+      const int64_t end = std::max(ts.mask.union_lo, ts.mask.union_hi);
       attend_tile(p, ts, b, h0, heads, row_pos, rows, [&](int64_t* key_pos) {
-        const int n = static_cast<int>(std::min<int64_t>(kTileK, p.len_kv - next));
+        const int n = static_cast<int>(std::min<int64_t>(kTileK, end - next));
         for (int j = 0; j < n; ++j) key_pos[j] = next + j;
         next += n;
         return n;
@@ -362,12 +493,24 @@ Status attention(const AttentionParams& p) {
       int32_t slot = 0;
       int64_t pos = count > 0 ? detail::index_block(ix, b, h, qb, 0) * int64_t{ix.block_kv} : 0;
       TileScratch& ts = scratch[thread];
+      ts.mask.set(p, row_pos, rows);
+      // Without perm_kv a key block's tokens are consecutive: the part of it outside the tile's
+      // union range is skipped whole (a fully masked block costs nothing); with perm_kv each
+      // token is tested.
+      const bool clip = ts.mask.active && !ix.perm_kv.defined();
       attend_tile(p, ts, b, h, 1, row_pos, rows, [&](int64_t* key_pos) {
         int n = 0;
         while (n < kTileK && slot < count) {
           const int64_t kb = detail::index_block(ix, b, h, qb, slot);
-          const int64_t block_end = std::min<int64_t>((kb + 1) * ix.block_kv, p.len_kv);
-          while (n < kTileK && pos < block_end) key_pos[n++] = detail::perm_kv_at(ix, b, h_kv, pos++);
+          int64_t block_end = std::min<int64_t>((kb + 1) * ix.block_kv, p.len_kv);
+          if (clip) {
+            pos = std::max(pos, ts.mask.union_lo);
+            block_end = std::min(block_end, ts.mask.union_hi);
+          }
+          while (n < kTileK && pos < block_end) {
+            const int64_t key = detail::perm_kv_at(ix, b, h_kv, pos++);
+            if (ts.mask.may_see(key)) key_pos[n++] = key;
+          }
           if (pos >= block_end && ++slot < count) pos = detail::index_block(ix, b, h, qb, slot) * int64_t{ix.block_kv};
         }
         return n;
@@ -385,6 +528,12 @@ Status attention(const AttentionParams& p) {
     }
   });
   return result();
+}
+
+}  // namespace
+
+Status attention(const AttentionParams& p) {
+  return p.varlen() ? varlen_attention(p) : fixed_length_attention(p);
 }
 
 Status merge(const detail::MergeParams& p) {

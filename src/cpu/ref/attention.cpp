@@ -7,6 +7,10 @@
 // Block-sparse: the visible keys of query (permuted) position p in block qb are the
 // tokens of key blocks indices[b, h, qb, 0..counts), read through perm_kv; the row is
 // written at original position perm_q[p].
+// Masks: of those keys, query i keeps the j with mask_visible(mask, i, j, len_q, len_kv)
+// (sparsa/attention.h), on original positions local to the sequence.
+// Variable-length batches: sequence b has its own len_q, len_kv (p.seq_len_q(b), p.seq_len_kv(b))
+// and its own rows of the plan; the offsets are in the params' q_off / k_off / ...
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -70,27 +74,41 @@ Status attention(const AttentionParams& p) {
       bad[2] = i;
     }
   };
+  std::vector<int64_t> block_keys;
   for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t len_q = p.seq_len_q(b), len_kv = p.seq_len_kv(b);
+    // The keys of `candidates` that query i sees under the mask.
+    auto visible = [&](int64_t i, const std::vector<int64_t>& candidates) {
+      keys.clear();
+      for (int64_t j : candidates)
+        if (mask_visible(p.mask, i, j, len_q, len_kv)) keys.push_back(j);
+    };
     for (int64_t h = 0; h < p.heads_q; ++h) {
-      if (p.index == nullptr) {  // dense: every key is visible
-        keys.resize(p.len_kv);
-        for (int64_t j = 0; j < p.len_kv; ++j) keys[j] = j;
-        for (int64_t i = 0; i < p.len_q; ++i) row(b, h, i);
+      if (p.index == nullptr) {  // dense: every key is a candidate
+        block_keys.resize(len_kv);
+        for (int64_t j = 0; j < len_kv; ++j) block_keys[j] = j;
+        for (int64_t i = 0; i < len_q; ++i) {
+          visible(i, block_keys);
+          row(b, h, i);
+        }
         continue;
       }
       const BlockIndex& ix = *p.index;
       const int64_t h_kv = h / p.group();
-      for (int64_t qb = 0; qb < ix.num_q_blocks; ++qb) {
-        keys.clear();
+      const int64_t num_q_blocks = (len_q + ix.block_q - 1) / ix.block_q;
+      for (int64_t qb = 0; qb < num_q_blocks; ++qb) {
+        block_keys.clear();
         const int32_t count = detail::index_count(ix, b, h, qb);
         for (int32_t s = 0; s < count; ++s) {
           const int64_t kb = detail::index_block(ix, b, h, qb, s);
-          for (int64_t pk = kb * ix.block_kv; pk < std::min<int64_t>((kb + 1) * ix.block_kv, p.len_kv); ++pk) {
-            keys.push_back(detail::perm_kv_at(ix, b, h_kv, pk));
+          for (int64_t pk = kb * ix.block_kv; pk < std::min<int64_t>((kb + 1) * ix.block_kv, len_kv); ++pk) {
+            block_keys.push_back(detail::perm_kv_at(ix, b, h_kv, pk));
           }
         }
-        for (int64_t pq = qb * ix.block_q; pq < std::min<int64_t>((qb + 1) * ix.block_q, p.len_q); ++pq) {
-          row(b, h, detail::perm_q_at(ix, b, h, pq));
+        for (int64_t pq = qb * ix.block_q; pq < std::min<int64_t>((qb + 1) * ix.block_q, len_q); ++pq) {
+          const int64_t i = detail::perm_q_at(ix, b, h, pq);
+          visible(i, block_keys);
+          row(b, h, i);
         }
       }
     }

@@ -379,6 +379,15 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_tma = false;
   g_last_splits = 0;
   g_last_split_kv_tma = false;
+  // Masks and variable-length batches have no cuda kernel yet: refused by name, never ignored.
+  if (!a.mask.is_none()) {
+    return {StatusCode::unsupported,
+            "mask " + mask_string(a.mask) + ": no cuda kernel yet (the cpu and cpu_ref backends take it)"};
+  }
+  if (a.varlen()) {
+    return {StatusCode::unsupported,
+            "cu_seqlens_q: variable-length batches have no cuda kernel yet (the cpu and cpu_ref backends take them)"};
+  }
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {
     return unsupported_dtype(std::string("q: the cuda backend takes bf16 or f16, got ") + dtype_name(a.dtype));
   }

@@ -233,6 +233,7 @@ AttentionOptions executor_options(const BaAttOptions& options) {
   attention.check_finite = options.check_finite;
   attention.check_index = false;  // the plan was just made by ba_att_plan, on this backend
   attention.stream = options.stream;
+  attention.mask = options.mask;
   return attention;
 }
 }  // namespace

@@ -25,8 +25,11 @@ from . import _sparsa as _core
 
 __all__ = [
     "BlockIndex",
+    "Mask",
     "dense",
     "block_sparse",
+    "dense_varlen",
+    "block_sparse_varlen",
     "merge",
     "llsa",
     "llsa_backward",
@@ -188,18 +191,188 @@ def _stream(like: Any, stream: Any) -> int:
     return 0
 
 
+# ---- masks ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mask:
+    """A per-element attention mask (docs/masks.md). Query i stands at position
+    ``i + (len_kv - len_q)`` of the keys (end alignment, as FlashAttention) and sees key j iff
+
+    - ``none``: always;
+    - ``causal``: ``j <= i'``;
+    - ``block_causal`` (``block`` b): ``j // b <= i' // b`` (bidirectional inside blocks of b
+      tokens, causal across them);
+    - ``sliding_window`` (``left``, ``right``): ``i' - left <= j <= i' + right``
+      (FlashAttention's ``window_size``; ``sliding_window(w)`` is ``(w, w)``).
+
+    Every ``mask=`` argument also takes ``None``, ``"causal"``, ``("block_causal", 16)``,
+    ``("sliding_window", 128)``, ``("sliding_window", 128, 0)`` or the text forms
+    ``"block_causal(16)"`` / ``"sliding_window(128,0)"``."""
+
+    kind: str = "none"
+    block: int = 0
+    left: int = 0
+    right: int = 0
+
+    @staticmethod
+    def none() -> "Mask":
+        return Mask()
+
+    @staticmethod
+    def causal() -> "Mask":
+        return Mask("causal")
+
+    @staticmethod
+    def block_causal(block: int) -> "Mask":
+        return Mask("block_causal", block=int(block))
+
+    @staticmethod
+    def sliding_window(left: int, right: Optional[int] = None) -> "Mask":
+        return Mask("sliding_window", left=int(left), right=int(left if right is None else right))
+
+    def __str__(self) -> str:
+        if self.kind == "sliding_window" and self.left == self.right:
+            return f"sliding_window({self.left})"
+        return self._text()
+
+    def _text(self) -> str:
+        if self.kind == "block_causal":
+            return f"block_causal({self.block})"
+        if self.kind == "sliding_window":
+            return f"sliding_window({self.left},{self.right})"
+        return self.kind
+
+    def visible(self, i: int, j: int, len_q: int, len_kv: int) -> bool:
+        """Whether query i sees key j (0 <= i < len_q, 0 <= j < len_kv), as the C++ core decides."""
+        return _core.mask_visible(self._text(), int(i), int(j), int(len_q), int(len_kv))
+
+    @staticmethod
+    def of(mask: Any) -> "Mask":
+        """The Mask that a ``mask=`` argument names (see the class docstring); a clear
+        ``ValueError`` naming ``mask`` otherwise. Plain Python (torch.compile traces it)."""
+        if mask is None:
+            return Mask()
+        if isinstance(mask, Mask):
+            m = mask
+        elif isinstance(mask, str):
+            m = _parse_mask_text(mask)
+        elif isinstance(mask, tuple) and mask and isinstance(mask[0], str):
+            name, args = mask[0], mask[1:]
+            ints = all(isinstance(x, int) and not isinstance(x, bool) for x in args)
+            if name in ("none", "causal") and not args:
+                m = Mask(name)
+            elif name == "block_causal" and len(args) == 1 and ints:
+                m = Mask.block_causal(args[0])
+            elif name == "sliding_window" and len(args) in (1, 2) and ints:
+                m = Mask.sliding_window(*args)
+            else:
+                raise ValueError(f"mask: expected ('block_causal', B), ('sliding_window', W) or "
+                                 f"('sliding_window', L, R) with integers, got {mask!r}")
+        else:
+            raise TypeError(f"mask: expected None, a str, a tuple such as ('block_causal', 16) or a sparsa.Mask, "
+                            f"got {type(mask).__name__}")
+        if m.kind not in ("none", "causal", "block_causal", "sliding_window"):
+            raise ValueError(f"mask: unknown kind '{m.kind}' (none, causal, block_causal, sliding_window)")
+        if m.kind == "block_causal" and m.block <= 0:
+            raise ValueError(f"mask: block_causal expects a block of at least 1 token, got {m.block}")
+        if m.kind == "sliding_window" and (m.left < 0 or m.right < 0):
+            raise ValueError(f"mask: sliding_window expects windows >= 0, got ({m.left}, {m.right})")
+        return m
+
+
+def _parse_mask_text(text: str) -> Mask:
+    """The text forms of the C++ parser (parse_mask): none, causal, block_causal(B) /
+    block_causal:B, sliding_window(W) / sliding_window(L,R) / sliding_window:W / sliding_window:L,R."""
+    t = text.replace(" ", "")
+    if t in ("", "none", "causal"):
+        return Mask(t or "none")
+    for name in ("block_causal", "sliding_window"):
+        if t.startswith(name + "(") and t.endswith(")"):
+            args = t[len(name) + 1:-1]
+        elif t.startswith(name + ":"):
+            args = t[len(name) + 1:]
+        else:
+            continue
+        parts = args.split(",")
+        if all(p.isascii() and p.isdigit() and len(p) <= 18 for p in parts):
+            if name == "block_causal" and len(parts) == 1:
+                return Mask.block_causal(int(parts[0]))
+            if name == "sliding_window" and len(parts) in (1, 2):
+                return Mask.sliding_window(*(int(p) for p in parts))
+    raise ValueError(f"mask: expected none, causal, block_causal(B), sliding_window(W) or sliding_window(L,R) "
+                     f"(B > 0, W, L, R >= 0; also block_causal:B, sliding_window:W), got '{text}'")
+
+
+def _mask_text(mask: Any) -> str:
+    return Mask.of(mask)._text()
+
+
 # ---- executors ------------------------------------------------------------------------
 
-def dense(q, k, v, *, scale: Optional[float] = None, backend: str = "auto", check_finite: bool = False,
-          num_threads: int = 0, out=None, lse=None, stream=None):
+def dense(q, k, v, *, scale: Optional[float] = None, mask: Any = None, backend: str = "auto",
+          check_finite: bool = False, num_threads: int = 0, out=None, lse=None, stream=None):
     """Dense softmax attention. Returns ``(out, lse)``: out has q's dtype and shape,
     lse is float32 ``[batch, heads_q, len_q]`` (natural log). GQA when k/v have fewer
     heads than q. Pass ``out=``/``lse=`` to write into existing arrays (zero copy).
 
+    ``mask``: a per-element mask (:class:`Mask`; e.g. ``"causal"``, ``("block_causal", 16)``,
+    ``("sliding_window", 128)``); a query that sees no key gets out = 0 and lse = -inf.
+
     ``stream`` (cuda backend): the CUDA stream the call runs on; by default torch's (or cupy's)
     current stream of q's device, so the call orders with the caller's work like any torch op."""
+    text = _mask_text(mask)
     out, lse = _outputs(q, out, lse)
-    _core.dense(q, k, v, out, lse, scale, backend, check_finite, num_threads, _stream(q, stream))
+    _core.dense(q, k, v, out, lse, scale, backend, check_finite, num_threads, _stream(q, stream), text)
+    return _finish(q, out), _finish(q, lse)
+
+
+def _varlen_outputs(q: Any, out: Any, lse: Any) -> Tuple[Any, Any]:
+    _framework(q, "q")
+    shape = _shape(q)
+    if len(shape) != 3:
+        raise ValueError(f"q: expected 3 dimensions [total_q, heads_q, head_dim] (variable-length batch), "
+                         f"got {len(shape)} {list(shape)}")
+    if out is None:
+        out = _empty(q, shape, float32=False)
+    if lse is None:
+        lse = _empty(q, (shape[1], shape[0]), float32=True)
+    return out, lse
+
+
+def _offsets(cu: Any, name: str) -> Any:
+    """Offsets as int32 (a Python list or an int64 array is converted; arrays already int32 pass
+    as they are, zero copy)."""
+    if isinstance(cu, (list, tuple)):
+        return np.asarray(cu, dtype=np.int32)
+    if isinstance(cu, np.ndarray) and cu.dtype != np.int32:
+        if not np.issubdtype(cu.dtype, np.integer):
+            raise TypeError(f"{name}: expected integer offsets, got dtype {cu.dtype}")
+        if cu.size and (cu.max() > np.iinfo(np.int32).max or cu.min() < np.iinfo(np.int32).min):
+            raise ValueError(f"{name}: offsets beyond int32")
+        return cu.astype(np.int32)
+    if _framework(cu, name) == "torch" and str(cu.dtype) != "torch.int32":
+        import torch
+
+        if cu.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected integer offsets, got dtype {cu.dtype}")
+        return cu.to(torch.int32)
+    return cu
+
+
+def dense_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, scale: Optional[float] = None, mask: Any = None,
+                 backend: str = "auto", check_finite: bool = False, num_threads: int = 0, out=None, lse=None,
+                 stream=None):
+    """Dense attention over a variable-length batch (FlashAttention's varlen layout):
+    ``q`` ``[total_q, heads_q, d]``, ``k``/``v`` ``[total_kv, heads_kv, d]`` and offsets
+    ``cu_seqlens_q`` / ``cu_seqlens_kv`` ``[num_seqs + 1]`` (int32; 0 first, never decreasing,
+    the totals last): sequence s is q rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` against k/v rows
+    ``cu_seqlens_kv[s]:cu_seqlens_kv[s+1]``. Returns ``(out, lse)``: out like q, lse float32
+    ``[heads_q, total_q]``. ``mask`` applies per sequence (positions local to it)."""
+    text = _mask_text(mask)
+    cu_q, cu_kv = _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_kv, "cu_seqlens_kv")
+    out, lse = _varlen_outputs(q, out, lse)
+    _core.dense_varlen(q, k, v, cu_q, cu_kv, out, lse, scale, backend, check_finite, num_threads, _stream(q, stream),
+                       text)
     return _finish(q, out), _finish(q, lse)
 
 
@@ -297,8 +470,13 @@ class BlockIndex:
                           entries.get("perm_q"), entries.get("perm_kv"))
 
     @staticmethod
-    def full(batch: int, heads_q: int, len_q: int, len_kv: int, block_q: int, block_kv: int) -> "BlockIndex":
-        """Every query block visits every key block (dense as a plan), as numpy arrays."""
+    def full(batch: int, heads_q: int, len_q: int, len_kv: int, block_q: int, block_kv: int,
+             mask: Any = None) -> "BlockIndex":
+        """Every query block visits every key block (dense as a plan), as numpy arrays. With a
+        ``mask``: only the key blocks in which the mask leaves the query block a visible pair
+        (fully masked blocks are left out); run it with the same ``mask=``."""
+        if mask is not None and not Mask.of(mask).kind == "none":
+            return _plan(_core.masked_full_plan(batch, heads_q, len_q, len_kv, block_q, block_kv, _mask_text(mask)))
         nq = -(-len_q // block_q)
         nkv = -(-len_kv // block_kv)
         counts = np.full((batch, heads_q, nq), nkv, dtype=np.int32)
@@ -306,22 +484,44 @@ class BlockIndex:
         return BlockIndex(block_q, block_kv, counts, indices)
 
 
-def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, backend: str = "auto",
-                 check_finite: bool = False, num_threads: int = 0, check_index: bool = True, out=None, lse=None,
-                 stream=None):
+def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, mask: Any = None,
+                 backend: str = "auto", check_finite: bool = False, num_threads: int = 0, check_index: bool = True,
+                 out=None, lse=None, stream=None):
     """Attention over the key blocks a BlockIndex lists. Returns ``(out, lse)``; a
     query whose block lists no key block gets out = 0 and lse = -inf.
 
     ``check_index`` (cuda backend): check the index's contents on the device first (one
     read-back that synchronises the stream); ``False`` trusts a plan sparsa's own selector just
     made. A malformed plan then gives wrong numbers instead of an error, never an out-of-bounds
-    access. The host backends always check. ``stream``: as in :func:`dense`."""
+    access. The host backends always check. ``stream``: as in :func:`dense`. ``mask``: as in
+    :func:`dense`, applied inside the listed blocks on original token positions (through any
+    permutation); key blocks it hides entirely are skipped."""
     if not isinstance(index, BlockIndex):
         raise TypeError(f"index: expected sparsa.BlockIndex, got {type(index).__name__}")
+    text = _mask_text(mask)
     out, lse = _outputs(q, out, lse)
     _core.block_sparse(q, k, v, index.counts, index.indices, index.perm_q, index.perm_kv, index.block_q,
                        index.block_kv, out, lse, scale, backend, check_finite, num_threads, check_index,
-                       _stream(q, stream))
+                       _stream(q, stream), text)
+    return _finish(q, out), _finish(q, lse)
+
+
+def block_sparse_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, index: BlockIndex, *, scale: Optional[float] = None,
+                        mask: Any = None, backend: str = "auto", check_finite: bool = False, num_threads: int = 0,
+                        out=None, lse=None, stream=None):
+    """Block-sparse attention over a variable-length batch (layout as :func:`dense_varlen`). The
+    index's batch dimension is the sequence: counts ``[num_seqs, heads_q, ceil(max_len_q /
+    block_q)]``, indices ``[..., capacity]``; sequence s uses its first ``ceil(len_q_s / block_q)``
+    rows and lists only its own ``ceil(len_kv_s / block_kv)`` key blocks; permutations are
+    ``[num_seqs, heads, max_len]`` with a permutation of ``0..len_s-1`` in the first len_s entries."""
+    if not isinstance(index, BlockIndex):
+        raise TypeError(f"index: expected sparsa.BlockIndex, got {type(index).__name__}")
+    text = _mask_text(mask)
+    cu_q, cu_kv = _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_kv, "cu_seqlens_kv")
+    out, lse = _varlen_outputs(q, out, lse)
+    _core.block_sparse_varlen(q, k, v, cu_q, cu_kv, index.counts, index.indices, index.perm_q, index.perm_kv,
+                              index.block_q, index.block_kv, out, lse, scale, backend, check_finite, num_threads,
+                              _stream(q, stream), text)
     return _finish(q, out), _finish(q, lse)
 
 
@@ -476,16 +676,19 @@ def ba_att_scores(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool =
 def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
            sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
            top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
-           scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0, check_finite: bool = False,
-           out=None, lse=None, stream=None):
+           scale: Optional[float] = None, mask: Any = None, backend: str = "auto", num_threads: int = 0,
+           check_finite: bool = False, out=None, lse=None, stream=None):
     """BA-Att attention: :func:`ba_att_plan` then :func:`block_sparse` on the same
-    backend (and the same ``stream``). Returns ``(out, lse)`` in the original token order of q."""
+    backend (and the same ``stream``). Returns ``(out, lse)`` in the original token order of q.
+    ``mask``: the executor's mask (on original positions, through the norm sort); the selection
+    does not see it."""
+    text = _mask_text(mask)
     stream = _stream(q, stream)
     plan = ba_att_plan(q, k, block_q=block_q, block_kv=block_kv, sort_q=sort_q, sort_k=sort_k,
                        sort_window=sort_window, compensate=compensate, compensation=compensation, beta=beta,
                        top_kappa=top_kappa, density=density, tau=tau, scale=scale, backend=backend,
                        num_threads=num_threads, check_finite=check_finite, stream=stream)
-    return block_sparse(q, k, v, plan, scale=scale, backend=backend, check_finite=check_finite,
+    return block_sparse(q, k, v, plan, scale=scale, mask=text, backend=backend, check_finite=check_finite,
                         num_threads=num_threads, check_index=False, out=out, lse=lse,  # the plan just made
                         stream=stream)
 

@@ -19,18 +19,44 @@ except ModuleNotFoundError as e:  # the one sparsa module that needs torch: say 
 import sparsa
 from . import BlockIndex
 
-__all__ = ["to_block_mask", "from_block_mask", "llsa_attention", "attention", "dense", "block_sparse", "ba_att",
-           "ba_att_plan", "merge", "plan_tensors", "block_index", "causal_plan", "causal_attention"]
+__all__ = ["to_block_mask", "from_block_mask", "mask_mod", "llsa_attention", "attention", "dense", "block_sparse",
+           "ba_att", "ba_att_plan", "merge", "plan_tensors", "block_index", "causal_plan", "causal_attention"]
 
 
 def _pair(block: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
     return (block, block) if isinstance(block, int) else (int(block[0]), int(block[1]))
 
 
-def to_block_mask(index: BlockIndex, len_q: int, len_kv: int, device: Optional[torch.device] = None):
+def mask_mod(mask, len_q: int, len_kv: int):
+    """A FlexAttention ``mask_mod`` of a sparsa mask (``"causal"``, ``("block_causal", 16)``,
+    ``("sliding_window", 128)``, a :class:`sparsa.Mask`) for len_q queries over len_kv keys,
+    with sparsa's end alignment (query i at key position ``i + len_kv - len_q``). sparsa
+    recognises the function again (:func:`attention` with a BlockMask made from it runs the
+    mask exactly, partial blocks included)."""
+    m = sparsa.Mask.of(mask)
+    shift = int(len_kv) - int(len_q)
+
+    def mod(b, h, q_idx, kv_idx):
+        pos = q_idx + shift
+        if m.kind == "causal":
+            return kv_idx <= pos
+        if m.kind == "block_causal":
+            return torch.div(kv_idx, m.block, rounding_mode="floor") <= torch.div(pos, m.block, rounding_mode="floor")
+        if m.kind == "sliding_window":
+            return (pos - kv_idx <= m.left) & (kv_idx - pos <= m.right)
+        return kv_idx >= 0
+
+    mod._sparsa_mask = (m, int(len_q), int(len_kv))
+    mod.__name__ = f"sparsa_{m.kind}"
+    return mod
+
+
+def to_block_mask(index: BlockIndex, len_q: int, len_kv: int, device: Optional[torch.device] = None, mask=None):
     """A FlexAttention ``BlockMask`` with the same block structure (kv_num_blocks =
     counts, kv_indices = indices). Permuted plans (perm_q / perm_kv) have no BlockMask
-    form: apply the permutation to q, k, v first."""
+    form: apply the permutation to q, k, v first. With ``mask`` (a sparsa mask), the BlockMask
+    carries its :func:`mask_mod`, which FlexAttention applies inside every listed block: the
+    same attention as ``sparsa.block_sparse(..., mask=mask)``."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if index.perm_q is not None or index.perm_kv is not None:
@@ -43,8 +69,9 @@ def to_block_mask(index: BlockIndex, len_q: int, len_kv: int, device: Optional[t
     if indices.shape[-1] > num_kv_blocks:
         raise ValueError(f"index: capacity {indices.shape[-1]} exceeds the {num_kv_blocks} key blocks of len_kv {len_kv}")
     indices = torch.nn.functional.pad(indices, (0, num_kv_blocks - indices.shape[-1]))
+    extra = {} if mask is None else {"mask_mod": mask_mod(mask, len_q, len_kv)}
     return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(index.block_q, index.block_kv),
-                                    seq_lengths=(len_q, len_kv))
+                                    seq_lengths=(len_q, len_kv), **extra)
 
 
 def from_block_mask(block_mask) -> BlockIndex:
@@ -104,41 +131,46 @@ def _optional(perm: "torch.Tensor"):
     return None if perm.numel() == 0 else perm
 
 
+# ``mask`` travels as its text ("none", "causal", "block_causal(16)", "sliding_window(128,128)").
+
 @torch.library.custom_op("sparsa::dense", mutates_args=(), device_types="cpu")
-def _dense_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None
+def _dense_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, mask: str = "none"
               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return sparsa.dense(q, k, v, scale=scale, backend="cpu")
+    return sparsa.dense(q, k, v, scale=scale, mask=mask, backend="cpu")
 
 
 @_dense_op.register_kernel("cuda")
-def _dense_cuda(q, k, v, scale=None):
-    return sparsa.dense(q, k, v, scale=scale, backend="cuda", stream=_stream_of(q))
+def _dense_cuda(q, k, v, scale=None, mask="none"):
+    return sparsa.dense(q, k, v, scale=scale, mask=mask, backend="cuda", stream=_stream_of(q))
 
 
 @_dense_op.register_fake
-def _dense_fake(q, k, v, scale=None):
+def _dense_fake(q, k, v, scale=None, mask="none"):
     return _attention_outputs(q)
 
 
 @torch.library.custom_op("sparsa::block_sparse", mutates_args=(), device_types="cpu")
 def _block_sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
                      perm_q: Optional[torch.Tensor], perm_kv: Optional[torch.Tensor], block_q: int, block_kv: int,
-                     scale: Optional[float] = None, check_index: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                     scale: Optional[float] = None, check_index: bool = True, mask: str = "none"
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     index = BlockIndex(block_q, block_kv, counts, indices, perm_q, perm_kv)
-    return sparsa.block_sparse(q, k, v, index, scale=scale, backend="cpu")
+    return sparsa.block_sparse(q, k, v, index, scale=scale, mask=mask, backend="cpu")
 
 
 @_block_sparse_op.register_kernel("cuda")
-def _block_sparse_cuda(q, k, v, counts, indices, perm_q, perm_kv, block_q, block_kv, scale=None, check_index=True):
+def _block_sparse_cuda(q, k, v, counts, indices, perm_q, perm_kv, block_q, block_kv, scale=None, check_index=True,
+                       mask="none"):
     # The device check of the plan reads a verdict back (a synchronisation), which CUDA-graph
     # capture forbids: under capture the plan is trusted (check it once before capturing).
     index = BlockIndex(block_q, block_kv, counts, indices, perm_q, perm_kv)
-    return sparsa.block_sparse(q, k, v, index, scale=scale, backend="cuda", check_index=check_index and not _capturing(),
-                               stream=_stream_of(q))
+    return sparsa.block_sparse(q, k, v, index, scale=scale, mask=mask, backend="cuda",
+                               check_index=check_index and not _capturing(), stream=_stream_of(q))
 
 
 @_block_sparse_op.register_fake
-def _block_sparse_fake(q, k, v, counts, indices, perm_q, perm_kv, block_q, block_kv, scale=None, check_index=True):
+def _block_sparse_fake(q, k, v, counts, indices, perm_q, perm_kv, block_q, block_kv, scale=None, check_index=True,
+                       mask="none"):
     return _attention_outputs(q)
 
 
@@ -358,13 +390,15 @@ def _op_budget(top_kappa, density, tau=None) -> Tuple[str, float]:
     return given[0] if given else ("density", 0.5)
 
 
-def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, check_index: bool = True):
-    """``sparsa::block_sparse`` on a BlockIndex whose arrays are tensors (or numpy): ``(out, lse)``."""
+def block_sparse(q, k, v, index: BlockIndex, *, scale: Optional[float] = None, check_index: bool = True,
+                 mask=None):
+    """``sparsa::block_sparse`` on a BlockIndex whose arrays are tensors (or numpy): ``(out, lse)``.
+    ``mask``: as in :func:`sparsa.block_sparse`."""
     if not isinstance(index, BlockIndex):
         raise TypeError(f"index: expected sparsa.BlockIndex, got {type(index).__name__}")
     counts, indices, perm_q, perm_kv = plan_tensors(index, q.device)
     return torch.ops.sparsa.block_sparse(q, k, v, counts, indices, _optional(perm_q), _optional(perm_kv),
-                                         index.block_q, index.block_kv, scale, check_index)
+                                         index.block_q, index.block_kv, scale, check_index, sparsa._mask_text(mask))
 
 
 def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
@@ -375,9 +409,10 @@ def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = Tru
     return torch.ops.sparsa.ba_att(q, k, v, block_q, block_kv, sort_q, sort_k, compensate, beta, budget, value, scale)
 
 
-def dense(q, k, v, *, scale: Optional[float] = None):
-    """Dense attention through the op ``sparsa::dense``: ``(out, lse)``."""
-    return torch.ops.sparsa.dense(q, k, v, scale)
+def dense(q, k, v, *, scale: Optional[float] = None, mask=None):
+    """Dense attention through the op ``sparsa::dense``: ``(out, lse)``. ``mask``: as in
+    :func:`sparsa.dense` (``"causal"``, ``("block_causal", 16)``, ...)."""
+    return torch.ops.sparsa.dense(q, k, v, scale, sparsa._mask_text(mask))
 
 
 def merge(o1, lse1, o2, lse2):
@@ -396,14 +431,28 @@ def llsa_attention(q, k, v, *, block: int = 16, topk: int = 8, levels: int = -1,
 
 # ---- a FlexAttention-shaped entry ----------------------------------------------------------
 
-def _plan_of_block_mask(block_mask, query, key) -> BlockIndex:
+def _sparsa_mask_of(block_mask, len_q: int, len_kv: int):
+    """The sparsa mask a BlockMask's mask_mod was made from (:func:`mask_mod`), or None."""
+    tag = getattr(block_mask.mask_mod, "_sparsa_mask", None)
+    if tag is None:
+        return None
+    m, tag_q, tag_kv = tag
+    if (tag_q, tag_kv) != (len_q, len_kv):
+        raise ValueError(f"block_mask: its mask_mod ({m}) was made for {tag_q} queries over {tag_kv} keys, "
+                         f"the call has {len_q} over {len_kv}")
+    return m
+
+
+def _plan_of_block_mask(block_mask, query, key):
+    """The plan of a BlockMask and the sparsa mask its mask_mod stands for (None if none)."""
     from torch.nn.attention.flex_attention import noop_mask
 
     len_q, len_kv = int(query.shape[2]), int(key.shape[2])
     seq = tuple(int(s) for s in block_mask.seq_lengths)
     if seq != (len_q, len_kv):
         raise ValueError(f"block_mask: made for seq_lengths {seq}, but query has {len_q} tokens and key {len_kv}")
-    if block_mask.mask_mod is not noop_mask and bool((block_mask.kv_num_blocks > 0).any()):
+    mask = _sparsa_mask_of(block_mask, len_q, len_kv)
+    if mask is None and block_mask.mask_mod is not noop_mask and bool((block_mask.kv_num_blocks > 0).any()):
         # create_block_mask puts the blocks its mask_mod leaves whole in full_kv_*, and the
         # ones it cuts in kv_* (partial): sparsa attends whole blocks and has no mask_mod.
         raise ValueError("block_mask: has partial blocks, inside which its mask_mod masks single elements; sparsa "
@@ -416,16 +465,19 @@ def _plan_of_block_mask(block_mask, query, key) -> BlockIndex:
                          f"the query needs {nq}")
     counts = index.counts.expand(b, hq, nq).contiguous()  # a BlockMask may broadcast batch and heads
     indices = index.indices.expand(b, hq, nq, index.indices.shape[-1]).contiguous()
-    return BlockIndex(index.block_q, index.block_kv, counts.to(query.device), indices.to(query.device))
+    return BlockIndex(index.block_q, index.block_kv, counts.to(query.device), indices.to(query.device)), mask
 
 
 def attention(query, key, value, block_mask=None, plan: Optional[BlockIndex] = None, scale: Optional[float] = None,
-              enable_gqa: bool = False, return_lse: bool = False):
+              enable_gqa: bool = False, return_lse: bool = False, mask=None):
     """Attention with ``flex_attention``'s signature, so code written against it can switch:
     ``query`` ``[batch, heads_q, len_q, d]``, ``key``/``value`` ``[batch, heads_kv, len_kv, d]``.
 
     ``block_mask``: a FlexAttention ``BlockMask`` whose blocks are attended whole (its full
-    blocks, and partial ones only with no ``mask_mod``); ``plan``: a sparsa ``BlockIndex``
+    blocks, and partial ones only with no ``mask_mod``), or masked exactly when its ``mask_mod``
+    is one of :func:`mask_mod` (e.g. ``create_block_mask(mask_mod("causal", L, L), ...)`` or
+    ``to_block_mask(plan, L, L, mask="causal")``); ``mask``: a sparsa mask applied inside the
+    blocks (with or without a plan); ``plan``: a sparsa ``BlockIndex``
     (permuted plans too, e.g. BA-Att's); neither: dense attention. ``enable_gqa`` must be True
     when key/value have fewer heads than query (as flex_attention asks). Returns ``out``, or
     ``(out, lse)`` with ``return_lse`` (natural-log log-sum-exp, float32 ``[batch, heads_q,
@@ -440,11 +492,15 @@ def attention(query, key, value, block_mask=None, plan: Optional[BlockIndex] = N
     if block_mask is not None and plan is not None:
         raise ValueError("plan: pass block_mask or plan, not both")
     if block_mask is not None:
-        plan = _plan_of_block_mask(block_mask, query, key)
+        plan, carried = _plan_of_block_mask(block_mask, query, key)
+        if carried is not None:
+            if mask is not None and sparsa.Mask.of(mask) != carried:
+                raise ValueError(f"mask: {sparsa.Mask.of(mask)} differs from the block_mask's mask_mod ({carried})")
+            mask = carried
     if plan is None:
-        out, lse = dense(query, key, value, scale=scale)
+        out, lse = dense(query, key, value, scale=scale, mask=mask)
     else:
-        out, lse = block_sparse(query, key, value, plan, scale=scale)
+        out, lse = block_sparse(query, key, value, plan, scale=scale, mask=mask)
     return (out, lse) if return_lse else out
 
 

@@ -250,36 +250,108 @@ NB_MODULE(_sparsa, m) {
   m.def(
       "dense",
       [](InArray q, InArray k, InArray v, OutArray out, OutArray lse, std::optional<float> scale,
-         const std::string& backend, bool check_finite, int num_threads, uintptr_t stream) {
+         const std::string& backend, bool check_finite, int num_threads, uintptr_t stream, const std::string& mask) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
-        const AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq, stream);
+        AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq, stream);
+        o.mask = take(parse_mask(mask));
         nb::gil_scoped_release release;
         check(dense(tq, tk, tv, to, tl, o));
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto",
-      "check_finite"_a = false, "num_threads"_a = 0, "stream"_a = 0,
-      "Dense attention into caller-provided out [b, hq, lq, d] and lse f32 [b, hq, lq].");
+      "check_finite"_a = false, "num_threads"_a = 0, "stream"_a = 0, "mask"_a = "none",
+      "Dense attention into caller-provided out [b, hq, lq, d] and lse f32 [b, hq, lq]; mask as parse_mask reads it.");
+
+  m.def(
+      "dense_varlen",
+      [](InArray q, InArray k, InArray v, InArray cu_seqlens_q, InArray cu_seqlens_kv, OutArray out, OutArray lse,
+         std::optional<float> scale, const std::string& backend, bool check_finite, int num_threads, uintptr_t stream,
+         const std::string& mask) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const Tensor cq = to_tensor(cu_seqlens_q, "cu_seqlens_q"), ckv = to_tensor(cu_seqlens_kv, "cu_seqlens_kv");
+        const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq, stream);
+        o.mask = take(parse_mask(mask));
+        nb::gil_scoped_release release;
+        check(dense_varlen(tq, tk, tv, cq, ckv, to, tl, o));
+      },
+      "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_kv"_a, "out"_a, "lse"_a, "scale"_a = nb::none(),
+      "backend"_a = "auto", "check_finite"_a = false, "num_threads"_a = 0, "stream"_a = 0, "mask"_a = "none",
+      "Variable-length dense attention: q [total_q, hq, d], k/v [total_kv, hkv, d], int32 offsets; out like q, "
+      "lse f32 [hq, total_q].");
+
+  m.def(
+      "masked_full_plan",
+      [](int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_kv, int block_q, int block_kv,
+         const std::string& mask) {
+        const Mask parsed = take(parse_mask(mask));
+        for (auto [name, value] : {std::pair{"batch", batch}, std::pair{"heads_q", heads_q},
+                                   std::pair{"len_q", len_q}, std::pair{"len_kv", len_kv},
+                                   std::pair{"block_q", int64_t{block_q}}, std::pair{"block_kv", int64_t{block_kv}}}) {
+          if (value <= 0) throw nb::value_error((std::string(name) + ": expected > 0, got " + std::to_string(value)).c_str());
+        }
+        return plan_dict(masked_full_plan(batch, heads_q, len_q, len_kv, block_q, block_kv, parsed));
+      },
+      "batch"_a, "heads_q"_a, "len_q"_a, "len_kv"_a, "block_q"_a, "block_kv"_a, "mask"_a,
+      "The plan of every key block the mask leaves a visible pair in, per query block.");
+
+  m.def(
+      "mask_visible",
+      [](const std::string& mask, int64_t i, int64_t j, int64_t len_q, int64_t len_kv) {
+        return mask_visible(take(parse_mask(mask)), i, j, len_q, len_kv);
+      },
+      "mask"_a, "i"_a, "j"_a, "len_q"_a, "len_kv"_a, "Whether query i sees key j under the mask.");
+  m.def(
+      "mask_string", [](const std::string& mask) { return mask_string(take(parse_mask(mask))); }, "mask"_a,
+      "The canonical text of a mask (checks it).");
 
   m.def(
       "block_sparse",
       [](InArray q, InArray k, InArray v, InArray counts, InArray indices, std::optional<InArray> perm_q,
          std::optional<InArray> perm_kv, int block_q, int block_kv, OutArray out, OutArray lse,
          std::optional<float> scale, const std::string& backend, bool check_finite, int num_threads,
-         bool check_index, uintptr_t stream) {
+         bool check_index, uintptr_t stream, const std::string& mask) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         BlockIndex ix = make_index(counts, indices, perm_q, perm_kv, block_q, block_kv);
         if (tk.ndim == 4) ix.num_kv_blocks = (tk.shape[2] + block_kv - 1) / std::max(block_kv, 1);
         AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq, stream);
         o.check_index = check_index;
+        o.mask = take(parse_mask(mask));
         nb::gil_scoped_release release;
         check(block_sparse(tq, tk, tv, ix, to, tl, o));
       },
       "q"_a, "k"_a, "v"_a, "counts"_a, "indices"_a, "perm_q"_a.none(), "perm_kv"_a.none(), "block_q"_a,
       "block_kv"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto", "check_finite"_a = false,
-      "num_threads"_a = 0, "check_index"_a = true, "stream"_a = 0,
+      "num_threads"_a = 0, "check_index"_a = true, "stream"_a = 0, "mask"_a = "none",
       "Block-sparse attention over a BlockIndex into caller-provided out and lse.");
+
+  m.def(
+      "block_sparse_varlen",
+      [](InArray q, InArray k, InArray v, InArray cu_seqlens_q, InArray cu_seqlens_kv, InArray counts,
+         InArray indices, std::optional<InArray> perm_q, std::optional<InArray> perm_kv, int block_q, int block_kv,
+         OutArray out, OutArray lse, std::optional<float> scale, const std::string& backend, bool check_finite,
+         int num_threads, uintptr_t stream, const std::string& mask) {
+        const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
+        const Tensor cq = to_tensor(cu_seqlens_q, "cu_seqlens_q"), ckv = to_tensor(cu_seqlens_kv, "cu_seqlens_kv");
+        const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        BlockIndex ix = make_index(counts, indices, perm_q, perm_kv, block_q, block_kv);
+        // The key blocks of the longest sequence (host offsets; on a device the call is refused).
+        if (ckv.device.type == DeviceType::cpu && ckv.dtype == DType::i32 && ckv.ndim == 1 && ckv.strides[0] == 1) {
+          int64_t longest = 0;
+          for (int64_t s = 0; s + 1 < ckv.shape[0]; ++s)
+            longest = std::max<int64_t>(longest, ckv.ptr<int32_t>()[s + 1] - ckv.ptr<int32_t>()[s]);
+          ix.num_kv_blocks = (longest + block_kv - 1) / std::max(block_kv, 1);
+        }
+        AttentionOptions o = make_options(scale, backend, check_finite, num_threads, tq, stream);
+        o.mask = take(parse_mask(mask));
+        nb::gil_scoped_release release;
+        check(block_sparse_varlen(tq, tk, tv, cq, ckv, ix, to, tl, o));
+      },
+      "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_kv"_a, "counts"_a, "indices"_a, "perm_q"_a.none(),
+      "perm_kv"_a.none(), "block_q"_a, "block_kv"_a, "out"_a, "lse"_a, "scale"_a = nb::none(), "backend"_a = "auto",
+      "check_finite"_a = false, "num_threads"_a = 0, "stream"_a = 0, "mask"_a = "none",
+      "Variable-length block-sparse attention (the index's batch dimension is the sequence).");
 
   m.def(
       "merge",

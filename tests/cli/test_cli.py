@@ -105,6 +105,30 @@ def test_dense_matches_numpy(sparsa_bin, tmp_path, head_dim, backend):
     assert_close(l, lse_ref, 1e-5, "LSE")
 
 
+@pytest.mark.parametrize("mask,visible", [
+    ("causal", lambda i, j: j <= i),
+    ("block_causal(16)", lambda i, j: j // 16 <= i // 16),
+    ("sliding_window:20,3", lambda i, j: (i - 20 <= j) & (j <= i + 3)),
+])
+@pytest.mark.parametrize("method", ["dense", "block_sparse"])
+def test_mask_matches_numpy(sparsa_bin, tmp_path, mask, visible, method):
+    rng = np.random.default_rng(77)
+    q, k, v = random_qkv(rng)  # Lq = 37 < Lk = 113: queries at the end of the keys
+    qp, kp, vp = save_qkv(tmp_path, q, k, v)
+    out, lse = tmp_path / "o.npy", tmp_path / "lse.npy"
+    extra = ["-P", "density=1", "-P", "block=16"] if method == "block_sparse" else []
+    r = run_cli(sparsa_bin, "run", "--method", method, "--q", qp, "--k", kp, "--v", vp, "--out", out, "--lse", lse,
+                "--mask", mask, *extra)
+    assert r.returncode == 0, r.stderr
+    i = np.arange(37)[:, None] + (113 - 37)
+    j = np.arange(113)[None, :]
+    o_ref, lse_ref = reference_attention(q, k, v, mask=np.broadcast_to(visible(i, j), (2, 8, 37, 113)))
+    assert_close(np.load(out), o_ref, 1e-5, "O")
+    assert_close(np.load(lse), lse_ref, 1e-5, "LSE")
+    plain, _ = reference_attention(q, k, v)
+    assert np.abs(np.load(out) - plain).max() > 1e-3  # the mask changed the answer
+
+
 def test_dense_scale_and_safetensors_output(sparsa_bin, tmp_path):
     rng = np.random.default_rng(7)
     q, k, v = random_qkv(rng, batch=1, heads_q=4, heads_kv=4, len_q=17, len_kv=3)
@@ -383,6 +407,9 @@ BAD_INPUTS = [
     ("bench plot extension", lambda c: ["bench", "--plot", c.tmp / "p.png"], "--plot", 2),
     ("demo bad length", lambda c: ["demo", "--length", "0"], "--length", 2),
     ("demo unwritable plot", lambda c: ["demo", "--length", "64", "--plot", c.tmp / "no_dir" / "d.svg"], "--plot", 1),
+    ("bad mask", lambda c: c.run_args(extra=["--mask", "causl"]), "--mask", 2),
+    ("mask block 0", lambda c: c.run_args(extra=["--mask", "block_causal(0)"]), "--mask", 2),
+    ("mask on llsa", lambda c: c.run_args(method="llsa", extra=["--mask", "causal"]), "--mask: method llsa", 2),
 ]
 
 

@@ -24,6 +24,12 @@ Outcome cmd_run(const RunOptions& options) {
     if (params->contains("index")) return usage_error(invalid_argument("--index: also given as -P index=..."));
     (*params)["index"] = options.index;
   }
+  Result<Mask> mask = parse_mask(options.mask, "--mask");
+  if (!mask.ok()) return usage_error(mask.status());
+  if (!mask->is_none() && !method->takes_mask) {
+    return usage_error(invalid_argument("--mask: method " + method->name + " takes no mask (" + mask_string(*mask) +
+                                        " given); dense, block_sparse and the block-selector methods do"));
+  }
   Result<Backend> backend = parse_backend_flag(options.backend);
   if (!backend.ok()) return usage_error(backend.status());
   Result<FileLayout> layout = parse_layout(options.layout);
@@ -75,6 +81,7 @@ Outcome cmd_run(const RunOptions& options) {
   inputs.options.backend = *backend;
   inputs.options.check_finite = options.check_finite;
   inputs.options.num_threads = options.threads;
+  inputs.options.mask = *mask;
   if (options.scale_given) inputs.options.scale = static_cast<float>(options.scale);
   inputs.params = *params;
 
@@ -96,7 +103,8 @@ Outcome cmd_run(const RunOptions& options) {
   if (!written.ok()) return runtime_error(written);
   if (!options.quiet) {
     std::cout << method->name << ": q " << inputs.q.shape_string() << " k " << inputs.k.shape_string() << " "
-              << dtype_name(inputs.q.dtype) << ", backend " << backend_name(*backend) << ", "
+              << dtype_name(inputs.q.dtype) << ", backend " << backend_name(*backend)
+              << (mask->is_none() ? "" : ", mask " + mask_string(*mask)) << ", "
               << format("%.4f s (select %.4f s), density %.4f", seconds, output->select_seconds, output->density)
               << "\n  out -> " << options.out;
     if (!options.lse.empty()) std::cout << "\n  lse -> " << options.lse;

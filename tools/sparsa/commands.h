@@ -39,7 +39,7 @@ struct InfoOptions {
 };
 
 struct RunOptions {
-  std::string method, q, k, v, index, out, lse, backend = "cpu", layout = "bhsd";
+  std::string method, q, k, v, index, out, lse, backend = "cpu", layout = "bhsd", mask = "none";
   std::vector<std::string> params;
   double scale = 0;
   bool scale_given = false;

@@ -99,6 +99,10 @@ int run_main(int argc, char** argv) {
   run_cmd->add_option("--backend", run.backend, "cpu (default), cpu_ref (the specification) or cuda");
   CLI::Option* scale = run_cmd->add_option("--scale", run.scale, "logit scale (default 1/sqrt(head_dim))");
   run_cmd->add_flag("--check-finite", run.check_finite, "refuse NaN/Inf in q, k, v");
+  run_cmd->add_option("--mask", run.mask,
+                      "none, causal, block_causal(B), sliding_window(W) or sliding_window(L,R) (also block_causal:B; "
+                      "queries aligned at the end of the keys; dense, block_sparse and the selectors' executor)")
+      ->capture_default_str();
   run_cmd->add_option("--threads", run.threads, "CPU threads (0 = all cores)");
   run_cmd->add_option("--out", run.out, "output O (.npy or .safetensors), dtype of q")->required();
   run_cmd->add_option("--lse", run.lse, "output LSE, f32 [batch, heads_q, len_q]");

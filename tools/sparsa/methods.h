@@ -39,6 +39,9 @@ struct Method {
   std::function<Result<MethodOutput>(const MethodInputs&)> run;
   bool in_demo = true;                        // part of `sparsa demo`
   Params demo_params = Params::object();      // parameters `demo` and `bench` use by default
+  // Whether the method's executor takes AttentionOptions::mask (`run --mask`): the dense and
+  // block-sparse executors do; a method that would ignore it refuses it instead.
+  bool takes_mask = false;
 };
 
 void register_method(Method method);

@@ -96,6 +96,7 @@ Result<BaAttOptions> ba_att_options_from(const std::string& method, const Method
   o.backend = in.options.backend;
   o.num_threads = in.options.num_threads;
   o.check_finite = in.options.check_finite;
+  o.mask = in.options.mask;
   return o;
 }
 
@@ -154,6 +155,7 @@ SPARSA_REGISTER_METHOD(Method{
     .run = run_ba_att,
     .in_demo = true,
     .demo_params = Params{{"block", 64}, {"density", 0.1}},
+    .takes_mask = true,
 });
 
 }  // namespace sparsa::cli
@@ -167,5 +169,6 @@ SPARSA_REGISTER_METHOD(Method{
     .run = run_mean_pool,
     .in_demo = false,
     .demo_params = Params{{"block", 64}, {"density", 0.1}},
+    .takes_mask = true,
 });
 }  // namespace sparsa::cli

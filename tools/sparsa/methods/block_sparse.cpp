@@ -168,6 +168,7 @@ SPARSA_REGISTER_METHOD(Method{
     .run = run_block_sparse,
     .in_demo = true,
     .demo_params = Params{{"block", 64}, {"density", 0.1}},
+    .takes_mask = true,
 });
 
 }  // namespace sparsa::cli

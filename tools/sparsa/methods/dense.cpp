@@ -23,6 +23,7 @@ SPARSA_REGISTER_METHOD(Method{
     .run = run_dense,
     .in_demo = true,
     .demo_params = Params::object(),
+    .takes_mask = true,
 });
 
 }  // namespace sparsa::cli

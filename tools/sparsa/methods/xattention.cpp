@@ -81,6 +81,7 @@ SPARSA_REGISTER_METHOD(Method{
     .run = run_xattention,
     .in_demo = true,
     .demo_params = Params{{"block", 64}, {"density", 0.1}},  // matched to ba_att; tau=0.9 keeps most blocks on the workload
+    .takes_mask = true,
 });
 
 }  // namespace sparsa::cli

@@ -2,6 +2,7 @@
 // dense_split_merge (two disjoint key sets merged by LSE) and merge. A fixed list of
 // required and hand-picked cases plus fuzzed shapes drawn from a seed.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -36,13 +37,15 @@ struct AttnSpec {
   double scale = 0;              // 0: the default 1/sqrt(d)
   uint64_t seed = 1;
   int threads = 0;               // AttentionOptions::num_threads (0: the library's default)
+  sparsa::Mask mask;             // AttentionOptions::mask
 
   std::string params() const {
     return "b=" + std::to_string(b) + ",hq=" + std::to_string(hq) + ",hkv=" + std::to_string(hkv) +
            ",lq=" + std::to_string(lq) + ",lk=" + std::to_string(lk) + ",d=" + std::to_string(d) +
            ",dtype=" + sparsa::dtype_name(dtype) + ",layout=" + layout_name(layout) + ",out=" + layout_name(out) +
            ",scale=" + (scale > 0 ? fmt(scale) : std::string("def")) +
-           (threads > 0 ? ",threads=" + std::to_string(threads) : std::string());
+           (threads > 0 ? ",threads=" + std::to_string(threads) : std::string()) +
+           (mask.is_none() ? std::string() : ",mask=" + sparsa::mask_string(mask));
   }
   double effective_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(d)); }
   double io_bytes() const {
@@ -59,6 +62,7 @@ struct AttnInputs {
     o.backend = backend;
     if (s.scale > 0) o.scale = static_cast<float>(s.scale);
     o.num_threads = s.threads;
+    o.mask = s.mask;
     return o;
   }
 };
@@ -98,6 +102,31 @@ Prepared attention_prepared(const AttnSpec& s, const AttnInputs& in) {
   return p;
 }
 
+// The spec's mask as a dense [b, hq, lq, lk] mask, written here from the definitions in
+// sparsa/attention.h (not with the library's mask_visible): query i stands at key position
+// i + lk - lq; causal j <= pos; block_causal floor(j / B) <= floor(pos / B); sliding_window
+// pos - L <= j <= pos + R.
+std::vector<uint8_t> rule_mask(const AttnSpec& s) {
+  std::vector<uint8_t> mask(static_cast<size_t>(s.b * s.hq * s.lq * s.lk), 1);
+  const sparsa::Mask& m = s.mask;
+  for (int64_t i = 0; i < s.lq; ++i) {
+    const int64_t pos = i + s.lk - s.lq;
+    for (int64_t j = 0; j < s.lk; ++j) {
+      bool visible = true;
+      switch (m.kind) {
+        case sparsa::MaskKind::none: break;
+        case sparsa::MaskKind::causal: visible = j <= pos; break;
+        case sparsa::MaskKind::block_causal:
+          visible = std::floor(static_cast<double>(j) / m.block) <= std::floor(static_cast<double>(pos) / m.block);
+          break;
+        case sparsa::MaskKind::sliding_window: visible = pos - m.window_left <= j && j <= pos + m.window_right; break;
+      }
+      for (int64_t bh = 0; bh < s.b * s.hq; ++bh) mask[(bh * s.lq + i) * s.lk + j] = visible;
+    }
+  }
+  return mask;
+}
+
 // ---- dense ----
 Case dense_case(const AttnSpec& s) {
   Case c;
@@ -109,8 +138,15 @@ Case dense_case(const AttnSpec& s) {
     p.run = [in, s](Backend backend, const Tensor& out, const Tensor& lse) {
       return sparsa::dense(in->q.view, in->k.view, in->v.view, out, lse, in->options(backend, s));
     };
-    p.oracle = [in, s] { return oracle_attention(in->q.view, in->k.view, in->v.view, s.effective_scale(), {}); };
-    p.oracle_name = "f64 dense oracle";
+    if (s.mask.is_none()) {
+      p.oracle = [in, s] { return oracle_attention(in->q.view, in->k.view, in->v.view, s.effective_scale(), {}); };
+      p.oracle_name = "f64 dense oracle";
+    } else {
+      p.oracle = [in, s] {
+        return oracle_attention(in->q.view, in->k.view, in->v.view, s.effective_scale(), rule_mask(s));
+      };
+      p.oracle_name = "f64 masked-dense oracle (the mask's rule)";
+    }
     p.flops = sparsa::attention_flops(static_cast<double>(s.b * s.hq * s.lq * s.lk), s.d);
     p.keep = in;
     return p;
@@ -264,7 +300,15 @@ Case block_sparse_case(const AttnSpec& s, const SparseSpec& sp) {
     p.run = [in, ix, s](Backend backend, const Tensor& out, const Tensor& lse) {
       return sparsa::block_sparse(in->q.view, in->k.view, in->v.view, ix->view, out, lse, in->options(backend, s));
     };
-    if (sp.full) {  // every block listed: must equal dense attention, whatever the permutations
+    if (!s.mask.is_none()) {  // the plan's pairs that the mask leaves visible
+      p.oracle = [in, ix, s, sp] {
+        std::vector<uint8_t> mask = index_mask(s, sp, *ix);
+        const std::vector<uint8_t> rule = rule_mask(s);
+        for (size_t e = 0; e < mask.size(); ++e) mask[e] = mask[e] && rule[e];
+        return oracle_attention(in->q.view, in->k.view, in->v.view, s.effective_scale(), mask);
+      };
+      p.oracle_name = "f64 masked-dense oracle (plan and mask)";
+    } else if (sp.full) {  // every block listed: must equal dense attention, whatever the permutations
       p.oracle = [in, s] { return oracle_attention(in->q.view, in->k.view, in->v.view, s.effective_scale(), {}); };
       p.oracle_name = "f64 dense oracle";
     } else {
@@ -544,6 +588,26 @@ std::vector<Case> make_cases(uint64_t seed, bool full, bool perf) {
     cases.push_back(block_sparse_case({.b = 1, .hq = 8, .hkv = 2, .lq = 1023, .lk = 1023, .d = 64, .dtype = dt,
                                        .layout = Layout::bshd, .out = Layout::pad, .seed = next_seed++},
                                       {.bq = 64, .bkv = 64, .density = 0.15, .empty = 0.1, .perm = true}));
+
+  // (6) masks (docs/masks.md), dense and over plans (permuted too): lengths off every tile and
+  // block, len_q != len_kv both ways (causal with lq > lk leaves empty rows), every dtype,
+  // head_dim 64 / 128 / 256, strided layouts.
+  for (sparsa::Mask mask : {sparsa::Mask::causal(), sparsa::Mask::block_causal(16), sparsa::Mask::block_causal(5),
+                            sparsa::Mask::sliding_window(20), sparsa::Mask::sliding_window(17, 0)}) {
+    int variant = 0;
+    for (auto [lq, lk] : {std::pair<int64_t, int64_t>{113, 113}, {37, 150}, {150, 37}}) {
+      for (DType dt : kDTypes) {
+        const int64_t d = std::array<int64_t, 3>{64, 128, 256}[variant++ % 3];
+        cases.push_back(dense_case({.b = 2, .hq = 4, .hkv = 2, .lq = lq, .lk = lk, .d = d, .dtype = dt,
+                                    .layout = dt == DType::f32 ? Layout::bshd : Layout::bhsd, .out = Layout::pad,
+                                    .seed = next_seed++, .mask = mask}));
+      }
+      for (bool perm : {false, true})
+        cases.push_back(block_sparse_case({.b = 1, .hq = 4, .hkv = 1, .lq = lq, .lk = lk, .d = 64, .dtype = DType::bf16,
+                                           .layout = Layout::pad, .seed = next_seed++, .mask = mask},
+                                          {.bq = 32, .bkv = 16, .density = 0.6, .empty = 0.1, .perm = perm}));
+    }
+  }
 
   // (3) dense over two disjoint key sets, merged, equals dense over all keys.
   for (bool random_split : {false, true})

@@ -403,22 +403,17 @@ BlockIndexBuffer masked_full_plan(int64_t batch, int64_t heads_q, int64_t len_q,
   const int64_t nq = (len_q + block_q - 1) / block_q, nkv = (len_kv + block_kv - 1) / block_kv;
   std::vector<int32_t> counts(batch * heads_q * nq), blocks(batch * heads_q * nq * std::max<int64_t>(nkv, 1));
   for (int64_t qb = 0; qb < nq; ++qb) {
-    // The keys any query of the block sees: [begin of its first row, end of its last row), since
-    // both ends are non-decreasing in the row (attention.h).
+    // The keys some query of the block sees: [begin of its first row, end of its last row). Both
+    // ends are non-decreasing in the row (attention.h) and consecutive rows' ranges overlap or
+    // touch (a window moves by one key per row; causal ranges all start at 0), so their union is
+    // that one range, and a key block holds a visible pair iff it meets it (the tests check this
+    // against every pair).
     const int64_t first = qb * block_q, last = std::min<int64_t>(first + block_q, len_q) - 1;
     const int64_t begin = mask_key_begin(mask, first, len_q, len_kv), end = mask_key_end(mask, last, len_q, len_kv);
     int32_t count = 0;
     for (int64_t kb = 0; kb < nkv; ++kb) {
       const int64_t kb_begin = kb * block_kv, kb_end = std::min<int64_t>(kb_begin + block_kv, len_kv);
-      if (kb_begin >= end || kb_end <= begin) continue;  // no key of the block is visible to the query block
-      // A key block inside [begin, end) may still be masked for every row (a window narrower than
-      // the block's spread): check the rows' own ranges.
-      bool any = false;
-      for (int64_t i = first; i <= last && !any; ++i) {
-        any = std::max(kb_begin, mask_key_begin(mask, i, len_q, len_kv)) <
-              std::min(kb_end, mask_key_end(mask, i, len_q, len_kv));
-      }
-      if (any) blocks[qb * nkv + count++] = static_cast<int32_t>(kb);
+      if (kb_begin < end && kb_end > begin) blocks[qb * nkv + count++] = static_cast<int32_t>(kb);
     }
     counts[qb] = count;
   }

@@ -615,8 +615,10 @@ TEST_P(VarlenCpu, MatchesRefAndSeparateCalls) {
     }
   }
 
-  // Negative control: one sequence over the whole batch (boundaries ignored) is another answer.
-  if (!c.sparse && c.lens_q.size() > 1) {
+  // Negative control: one sequence over the whole batch (boundaries ignored) is another answer
+  // (once per mask and dtype: at head_dim 64; the f64 reference over the whole batch is the
+  // costliest part of these cases).
+  if (!c.sparse && c.lens_q.size() > 1 && c.head_dim == 64) {
     HostArray one_q = offsets({static_cast<int32_t>(total_q)}), one_kv = offsets({static_cast<int32_t>(total_kv)});
     auto merged = dense_varlen(q.view(), k.view(), v.view(), one_q.view(), one_kv.view(),
                                with_backend(Backend::cpu_ref, c.mask));

@@ -1,4 +1,6 @@
 // `dense`: softmax attention over every key, the baseline every other method is judged by.
+#include <algorithm>
+
 #include "methods.h"
 
 namespace sparsa::cli {
@@ -10,7 +12,14 @@ Result<MethodOutput> run_dense(const MethodInputs& inputs) {
   if (!attention.ok()) return attention.status();
   MethodOutput output;
   output.attention = std::move(attention).value();
-  output.density = 1.0;
+  // The fraction of (query, key) pairs the mask leaves visible (1 without a mask).
+  const int64_t len_q = inputs.q.shape[2], len_kv = inputs.k.shape[2];
+  double visible = 0;
+  for (int64_t i = 0; i < len_q; ++i) {
+    visible += static_cast<double>(std::max<int64_t>(0, mask_key_end(inputs.options.mask, i, len_q, len_kv) -
+                                                            mask_key_begin(inputs.options.mask, i, len_q, len_kv)));
+  }
+  output.density = visible / (static_cast<double>(len_q) * static_cast<double>(len_kv));
   return output;
 }
 

@@ -90,7 +90,6 @@ int64_t mask_key_end(const Mask& mask, int64_t i, int64_t len_q, int64_t len_kv)
 
 struct AttentionOptions {
   std::optional<float> scale;  // default 1/sqrt(head_dim)
-  Mask mask;                   // per-element mask (none, causal, block_causal, sliding_window)
   Backend backend = Backend::cpu;
   bool check_finite = false;   // refuse NaN/Inf in q, k, v with a clear error
   // cuda backend, block_sparse: check the BlockIndex's contents (counts, key blocks, permutations)
@@ -105,6 +104,9 @@ struct AttentionOptions {
   // its own work on other streams against this one; outputs are ready for work queued on `stream`
   // after the call. (The plan check's read-back synchronises this stream, not the device.)
   void* stream = nullptr;
+  // The per-element mask (none, causal, block_causal, sliding_window; the top of this file).
+  // Host backends only for now: the cuda backend refuses a mask by name.
+  Mask mask;
 };
 
 struct AttentionOutput {

@@ -344,7 +344,7 @@ def llsa(q, k, v, *, block: int = 16, topk: int = 8, levels: int = -1, enrich: b
     Returns ``(out, lse)``."""
     out, lse = _outputs(q, out, lse)
     _core.llsa_forward(q, k, v, out, lse, block, topk, levels, enrich, dedupe, scale, backend, num_threads,
-                       check_finite)
+                       check_finite, _stream(q, None))
     return _finish(q, out), _finish(q, lse)
 
 
@@ -357,7 +357,7 @@ def llsa_backward(q, k, v, out, lse, d_out, *, block: int = 16, topk: int = 8, l
     dk = _empty(k, _shape(k), float32=False)
     dv = _empty(v, _shape(v), float32=False)
     _core.llsa_backward(q, k, v, out, lse, d_out, dq, dk, dv, block, topk, levels, enrich, dedupe, scale, backend,
-                        num_threads)
+                        num_threads, _stream(q, None))
     return _finish(q, dq), _finish(q, dk), _finish(q, dv)
 
 
@@ -365,7 +365,7 @@ def llsa_plan(q, k, *, block: int = 16, topk: int = 8, levels: int = -1, enrich:
               dedupe: bool = False, max_rows: int = 8) -> dict:
     """The LLSA selection plan: ``levels``, ``level_len``, ``keys_per_query``, a printable
     ``text`` of (batch 0, head 0) and ``index``, the fine-level BlockIndex."""
-    plan = _core.llsa_plan(q, k, block, topk, levels, enrich, dedupe, max_rows)
+    plan = _core.llsa_plan(q, k, block, topk, levels, enrich, dedupe, max_rows, _stream(q, None))
     plan["index"] = BlockIndex(plan["block"], plan["block"], plan.pop("counts"), plan.pop("indices"))
     return plan
 

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <ostream>
 #include <random>
@@ -86,6 +87,8 @@ struct Case {
   int64_t seq_pad = 0;  // extra elements between token rows (strided views)
   float amplitude = 1.0f;
   uint32_t seed = 1;
+  int rung = 0;         // forward rung: 0 the library's choice, 1 forced (SPARSA_LLSA_FORWARD_RUNG=1)
+  int expect_rung = 0;  // the rung the forward must have run (0: unchecked)
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 
@@ -387,13 +390,19 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   // The forward, plan built on the device.
   DeviceTensor out(c, c.heads_q, nullptr, c.dtype);
   DeviceLse lse(c);
+  if (c.rung == 1) setenv("SPARSA_LLSA_FORWARD_RUNG", "1", 1);
   Status st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, out.t, lse.t, o);
+  const int rung = llsa_cuda::last_forward_rung();
+  unsetenv("SPARSA_LLSA_FORWARD_RUNG");
   ASSERT_TRUE(st.ok()) << st.to_string();
+  if (c.expect_rung) EXPECT_EQ(rung, c.expect_rung);
   const std::vector<float> o_dev = out.download(c), lse_dev = lse.download();
   // The same with the plan from the host: bit for bit.
   DeviceTensor out2(c, c.heads_q, nullptr, c.dtype);
   DeviceLse lse2(c);
+  if (c.rung == 1) setenv("SPARSA_LLSA_FORWARD_RUNG", "1", 1);
   st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, *gp, out2.t, lse2.t, o);
+  unsetenv("SPARSA_LLSA_FORWARD_RUNG");
   ASSERT_TRUE(st.ok()) << st.to_string();
   EXPECT_EQ(out.raw(), out2.raw()) << "a host plan gives another output than the device-built one";
   // Padding between rows untouched.
@@ -426,7 +435,7 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
                     .ok());
     EXPECT_GT(rel_l2(o_dev, to_double(f_out)), 4.0 * naive_err) << "the bound cannot tell enrichment from none";
   }
-  std::printf("[ %s ] out err %.3g (naive %.3g)", c.name.c_str(), err, naive_err);
+  std::printf("[ %s ] rung %d, out err %.3g (naive %.3g)", c.name.c_str(), rung, err, naive_err);
   if (!c.backward) {
     std::printf("\n");
     return;
@@ -471,7 +480,11 @@ std::vector<Case> cases() {
   std::vector<Case> v;
   v.push_back({.name = "N1", .len = 1});
   v.push_back({.name = "N17_block4_toy", .len = 17, .block = 4, .topk = 2});
-  v.push_back({.name = "N1000_control", .len = 1000});
+  v.push_back({.name = "N1000_control", .len = 1000, .expect_rung = 2});
+  v.push_back({.name = "N1000_rung1", .len = 1000, .rung = 1, .expect_rung = 1});
+  v.push_back({.name = "N4099_rung1_dedupe_gqa", .heads_q = 4, .heads_kv = 1, .len = 4099, .dedupe = true, .rung = 1,
+               .expect_rung = 1});
+  v.push_back({.name = "N500_block6_rung1", .len = 500, .block = 6, .topk = 3, .levels = 2, .expect_rung = 1});
   v.push_back({.name = "N1000_levels1", .len = 1000, .levels = 1});
   v.push_back({.name = "N1000_dedupe_levels2", .len = 1000, .levels = 2, .dedupe = true});
   v.push_back({.name = "N1000_no_enrich", .len = 1000, .enrich = false});
@@ -481,7 +494,8 @@ std::vector<Case> cases() {
                .levels = 3, .seq_pad = 8});
   v.push_back({.name = "N4099_block64_d128", .len = 4099, .head_dim = 128, .block = 64, .topk = 4, .levels = 1});
   v.push_back({.name = "N4099_topk32_dedupe", .len = 4099, .topk = 32, .levels = 2, .dedupe = true});
-  v.push_back({.name = "N2000_block20_peaky", .len = 2000, .block = 20, .topk = 6, .amplitude = 4.0f});
+  v.push_back({.name = "N2000_block20_peaky", .len = 2000, .block = 20, .topk = 6, .amplitude = 4.0f,
+               .expect_rung = 2});
   v.push_back({.name = "N300_unaligned_pad", .len = 300, .seq_pad = 3});
   return v;
 }

@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--scale", type=int, default=0, help="one forward+backward at this N (0: none)")
     ap.add_argument("--scale-heads", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of one sparsa forward+backward")
     args = ap.parse_args()
     dev = torch.device("cuda")
     H, D, B, K, L = args.heads, args.dim, args.block, args.topk, args.levels
@@ -99,6 +100,19 @@ def main():
             sparsa.llsa_backward(q, k, v, o, l_, do, **kw)
 
         rows["sparsa"] = (time_ms(s_fwd, iters), time_ms(s_fb, iters), kpq)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                s_fb()
+                torch.cuda.synchronize()
+            key = "device_time_total"
+            try:
+                table = prof.key_averages().table(sort_by=key, row_limit=14)
+            except Exception:  # noqa: BLE001 - older torch names it cuda_time_total
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+            print(f"{N:>7} sparsa forward+backward, per kernel:")
+            print("\n".join(line[:160] for line in table.splitlines()))
         plan_ms = time_ms(lambda: sparsa.llsa_plan(q, k, **kw), iters)
 
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))

@@ -48,4 +48,5 @@ Status check(const Tensor&, const Tensor&, int, const LlsaOptions&) { return not
 Status plan(const Tensor&, const Tensor&, const LlsaOptions&, int, LlsaPlan*) { return not_compiled(); }
 Status forward(const Call&, const LlsaPlan*) { return not_compiled(); }
 Status backward(const Call&, const LlsaPlan*) { return not_compiled(); }
+int last_forward_rung() { return 0; }
 }  // namespace sparsa::llsa_cuda

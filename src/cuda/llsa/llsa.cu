@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cub/device/device_radix_sort.cuh>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,23 @@ class Scratch {
   void* base_ = nullptr;
   size_t size_ = 0;
 };
+
+// The forward's rung: SPARSA_LLSA_FORWARD_RUNG=1 forces rung 1 (for the kernel ladder and its
+// tests); otherwise the fastest that applies.
+int forward_rung() {
+  const char* env = std::getenv("SPARSA_LLSA_FORWARD_RUNG");
+  return env != nullptr && std::string(env) == "1" ? 1 : 2;
+}
+thread_local int g_last_forward_rung = 0;
+
+// Whether the `warps` 16-row groups of every CTA (consecutive groups of one head) have the same
+// keys at levels >= 1: their query blocks share the level-2 ancestor (always, with one level).
+bool shares_coarse_keys(const cuda::llsa::Plan& p, int warps) {
+  const int wpb = p.warps_per_block;
+  if (wpb % warps == 0) return true;            // a CTA inside one query block
+  if (warps % wpb != 0) return false;           // a CTA would split a query block
+  return p.L == 1 || p.B % (warps / wpb) == 0;  // whole query blocks, never across a level-2 token
+}
 
 int blocks_for(int64_t items, int per_block) { return static_cast<int>((items + per_block - 1) / per_block); }
 
@@ -198,15 +216,52 @@ Status with_dtype(DType dtype, F&& f) {
   return unsupported_dtype(std::string("q: the cuda backend of llsa takes bf16 or f16, got ") + dtype_name(dtype));
 }
 
-template <class T, int D, class Kernel>
-Status launch_attention(Kernel kernel, int tiles_per_warp, int64_t warps, const k::Plan& p, const k::AttnArgs& a,
-                        int device, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(k::kWarps) * tiles_per_warp * k::kTile * D * 2;
-  SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
-  if (warps == 0) return {};
-  kernel<<<blocks_for(warps, k::kWarps), 32 * k::kWarps, smem, stream>>>(p, a);
-  SPARSA_CUDA_CHECK_LAUNCH();
+// The row-wise kernels (forward, dQ): rung 2 (KERNEL<.., WARPS, true>: the CTA shares the coarse
+// keys) where the CTA's query blocks share their level-2 ancestor, with 8 warps where head_dim 64
+// lets two such CTAs share an SM, else 4; rung 1 (per-warp streams) otherwise or when forced.
+// row_tiles: the per-warp row tiles (Q; Q and dO). *rung: the rung that ran.
+template <int D, class Pick>
+Status launch_rowwise(Pick pick, int row_tiles, const k::Plan& p, const k::AttnArgs& a, int device,
+                      cudaStream_t stream, int* rung) {
+  const int64_t bhq = static_cast<int64_t>(p.batch) * p.heads_q;
+  const int64_t items = static_cast<int64_t>(p.level_len[1]) * p.warps_per_block;
+  const size_t tile = static_cast<size_t>(k::kTile) * D * 2;
+  if (forward_rung() != 1 && bhq <= 65535) {
+    for (const int warps : {D == 64 ? 8 : 4, 4}) {
+      if (!shares_coarse_keys(p, warps)) continue;
+      const void* kernel = pick(warps, true);
+      const size_t smem = (warps * k::warp_tiles(row_tiles) + k::shared_tiles()) * tile;
+      SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(kernel, device, smem));
+      const dim3 grid(static_cast<unsigned>((items + warps - 1) / warps), static_cast<unsigned>(bhq));
+      void* args[] = {const_cast<k::Plan*>(&p), const_cast<k::AttnArgs*>(&a)};
+      SPARSA_CUDA_CHECK(cudaLaunchKernel(kernel, grid, dim3(32 * warps), args, smem, stream));
+      *rung = 2;
+      return {};
+    }
+  }
+  const void* kernel = pick(k::kWarps, false);
+  const size_t smem = k::kWarps * k::warp_tiles(row_tiles) * tile;
+  SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(kernel, device, smem));
+  *rung = 1;
+  if (bhq * items == 0) return {};
+  void* args[] = {const_cast<k::Plan*>(&p), const_cast<k::AttnArgs*>(&a)};
+  SPARSA_CUDA_CHECK(cudaLaunchKernel(kernel, dim3(blocks_for(bhq * items, k::kWarps)), dim3(32 * k::kWarps), args,
+                                     smem, stream));
   return {};
+}
+
+// Kernel pickers: (warps, shared) -> the instantiation.
+template <class T, int D>
+const void* forward_kernel(int warps, bool shared) {
+  if (!shared) return reinterpret_cast<const void*>(k::forward<T, D, k::kWarps, false>);
+  return warps == 8 ? reinterpret_cast<const void*>(k::forward<T, D, 8, true>)
+                    : reinterpret_cast<const void*>(k::forward<T, D, 4, true>);
+}
+template <class T, int D>
+const void* dq_kernel(int warps, bool shared) {
+  if (!shared) return reinterpret_cast<const void*>(k::backward_dq<T, D, k::kWarps, false>);
+  return warps == 8 ? reinterpret_cast<const void*>(k::backward_dq<T, D, 8, true>)
+                    : reinterpret_cast<const void*>(k::backward_dq<T, D, 4, true>);
 }
 
 k::AttnArgs attn_args(const Call& c) {
@@ -239,8 +294,7 @@ Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaS
   fill_plan_view(s, &dp);
   SPARSA_RETURN_IF_ERROR(build<T>(c.q, c.k, &c.v, host_plan, &dp, s, stream));
   const k::AttnArgs a = attn_args(c);
-  const int64_t warps = static_cast<int64_t>(dp.p.batch) * dp.p.heads_q * dp.p.level_len[1] * dp.p.warps_per_block;
-  return launch_attention<T, D>(k::forward<T, D>, 5, warps, dp.p, a, device, stream);
+  return launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung);
 }
 
 template <class T, int D>
@@ -325,24 +379,25 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
     a.visit_begin[l] = s.at<int32_t>(begin_at[l]);
     a.visit_end[l] = s.at<int32_t>(end_at[l]);
   }
-  const int64_t q_warps = bhq * p.level_len[1] * p.warps_per_block;
-  const Status dq = launch_attention<T, D>(k::backward_dq<T, D>, 6, q_warps, p, a, device, stream);
-  if (!dq.ok()) return dq;
+  int dq_rung = 0;
+  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(dq_kernel<T, D>, 2, p, a, device, stream, &dq_rung));
   const size_t dkv_smem = static_cast<size_t>(k::kWarps) * 4 * k::kTile * D * 2;
   SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(k::backward_dkv<T, D>), device, dkv_smem));
-  for (int l = 0; l <= L; ++l) {
+  // Without enrichment only the fine keys are visited: the coarse levels get no gradient.
+  const int grad_levels = p.enrich ? L : 0;
+  for (int l = 0; l <= grad_levels; ++l) {
     const int sp = l == L ? splits : 1;
     const int64_t warps = bhkv * groups[l] * tpg * sp;
     k::backward_dkv<T, D><<<blocks_for(warps, k::kWarps), 32 * k::kWarps, dkv_smem, stream>>>(p, a, l, tpg, sp);
     SPARSA_CUDA_CHECK_LAUNCH();
   }
-  if (splits > 1) {
+  if (grad_levels == L && splits > 1) {
     k::sum_splits<<<blocks_for(split_stride, 256), 256, 0, stream>>>(a.dk_split, splits, split_stride, a.dk_pyr[L]);
     SPARSA_CUDA_CHECK_LAUNCH();
     k::sum_splits<<<blocks_for(split_stride, 256), 256, 0, stream>>>(a.dv_split, splits, split_stride, a.dv_pyr[L]);
     SPARSA_CUDA_CHECK_LAUNCH();
   }
-  for (int l = L; l >= 1; --l) {
+  for (int l = grad_levels; l >= 1; --l) {
     const int64_t total = bhkv * p.level_len[l - 1] * p.d;
     for (float* const* pyr : {a.dk_pyr, a.dv_pyr}) {
       k::pool_backward<<<blocks_for(total, 256), 256, 0, stream>>>(pyr[l], pyr[l - 1], p.level_len[l - 1],
@@ -367,6 +422,8 @@ Status with_head_dim(int64_t d, F&& f) {
 }
 
 }  // namespace
+
+int last_forward_rung() { return g_last_forward_rung; }
 
 Status check(const Tensor& q, const Tensor& k_, int levels, const LlsaOptions& o) {
   if (o.topk > k::kMaxTopk) {

@@ -186,32 +186,65 @@ struct KeyTile {
   uint32_t mask;
 };
 
-// The keys query block qb of (bh) visits (llsa.h's executor; for_each_key_run on the CPU), as
-// tiles of 16 tokens that never leave a run. Every lane of a warp walks it in step (uniform).
+// Tokens of `level` that query block qb of bh leaves out with dedupe (its level-`level` ancestor's
+// picks), cleared from a tile's mask.
+__device__ __forceinline__ uint32_t exclude(const Plan& p, int bh, int qb, int level, int t0, uint32_t mask) {
+  if (!p.dedupe || level == 0) return mask;
+  int a = qb;
+  for (int u = 1; u < level; ++u) a /= p.B;
+  const int32_t* ex = p.picks_of(level, bh, a);
+  const int n = p.count_of(level, bh, a);
+  for (int e = 0; e < n; ++e) {
+    const int x = ex[e] - t0;
+    if (x >= 0 && x < kTile) mask &= ~(1u << x);
+  }
+  return mask;
+}
+
+// The keys query block qb of (bh) visits at levels first..last (llsa.h's executor; for_each_key_run
+// on the CPU), as tiles of 16 tokens that never leave a run. Level 0 is the fine blocks, levels
+// 1..L-1 the enrichment candidates (children of the level-(l+1) ancestor's picks), level L every
+// token. Levels >= 1 depend on qb only through its level-2 ancestor qb / B, so the query blocks of
+// one CTA can share that part. with_dedupe: the mask leaves out qb's own dedupe exclusions (a
+// shared stream applies each warp's with exclude()). Every lane of a warp walks it in step.
 struct KeyStream {
-  int bh, qb;
-  int level = 0, slot = 0, count = 0;
+  int bh, qb, last;
+  bool with_dedupe;
+  int level, slot = 0, count = 0;
   const int32_t* list = nullptr;
   int pos = 0, run_end = 0;
-  const int32_t* excl = nullptr;  // dedupe: tokens of this level left out
-  int excl_count = 0;
 
-  __device__ KeyStream(const Plan& p, int bh_, int qb_) : bh(bh_), qb(qb_) {
-    list = p.picks_of(1, bh, qb);
-    count = p.count_of(1, bh, qb);
+  __device__ KeyStream(const Plan& p, int bh_, int qb_, int first, int last_, bool with_dedupe_)
+      : bh(bh_), qb(qb_), last(p.enrich ? last_ : 0), with_dedupe(with_dedupe_), level(first) {
+    enter(p);
+  }
+
+  // Set up the runs of `level`.
+  __device__ void enter(const Plan& p) {
+    slot = count = 0;
+    pos = run_end = 0;
+    if (level > last) return;
+    if (level == 0) {
+      list = p.picks_of(1, bh, qb);
+      count = p.count_of(1, bh, qb);
+    } else if (level < p.L) {
+      int a = qb;
+      for (int u = 0; u < level; ++u) a /= p.B;
+      list = p.picks_of(level + 1, bh, a);
+      count = p.count_of(level + 1, bh, a);
+    } else {
+      run_end = p.level_len[level];
+    }
   }
 
   __device__ bool next(const Plan& p, KeyTile& tile) {
-    while (true) {
+    while (level <= last) {
       if (pos < run_end) {
         const int t0 = pos;
         pos += kTile;
         const int valid = min(kTile, run_end - t0);
         uint32_t mask = (1u << valid) - 1u;
-        for (int e = 0; e < excl_count; ++e) {
-          const int x = excl[e] - t0;
-          if (x >= 0 && x < kTile) mask &= ~(1u << x);
-        }
+        if (with_dedupe) mask = exclude(p, bh, qb, level, t0, mask);
         if (mask != 0) {
           tile = {level, t0, mask};
           return true;
@@ -224,26 +257,10 @@ struct KeyStream {
         run_end = min(pos + p.B, p.level_len[level]);
         continue;
       }
-      if (!p.enrich || level == p.L) return false;
       ++level;
-      slot = count = 0;
-      if (level < p.L) {  // the children of the level-(l+1) ancestor's picks
-        int a = qb;
-        for (int u = 0; u < level; ++u) a /= p.B;
-        list = p.picks_of(level + 1, bh, a);
-        count = p.count_of(level + 1, bh, a);
-      } else {  // every token of the coarsest level
-        pos = 0;
-        run_end = p.level_len[level];
-      }
-      excl_count = 0;
-      if (p.dedupe) {
-        int a = qb;
-        for (int u = 1; u < level; ++u) a /= p.B;
-        excl = p.picks_of(level, bh, a);
-        excl_count = p.count_of(level, bh, a);
-      }
+      enter(p);
     }
+    return false;
   }
 };
 
@@ -252,16 +269,20 @@ struct KeyStream {
 // This warp's 16 query rows: fine query block qb of bh, rows [row0, row0 + rows).
 struct WarpRows {
   int bh, b, h, h_kv, bh_kv, qb, row0, rows;
-  __device__ bool make(const Plan& p, int64_t item) {
-    const int64_t per_bh = static_cast<int64_t>(p.level_len[1]) * p.warps_per_block;
-    bh = static_cast<int>(item / per_bh);
-    if (bh >= p.batch * p.heads_q) return false;
-    const int rest = static_cast<int>(item % per_bh);
-    qb = rest / p.warps_per_block;
-    row0 = qb * p.B + rest % p.warps_per_block * kTile;
+  // Item `item` (query block, then 16-row group) of head bh; false when it has no rows.
+  __device__ bool make_in(const Plan& p, int bh_, int item) {
+    bh = bh_;
+    qb = item / p.warps_per_block;
+    row0 = qb * p.B + item % p.warps_per_block * kTile;
     rows = min(min(kTile, qb * p.B + p.B - row0), p.len - row0);
     b = bh / p.heads_q, h = bh % p.heads_q, h_kv = h / p.group, bh_kv = b * p.heads_kv + h_kv;
-    return rows > 0;
+    return qb < p.level_len[1] && rows > 0;
+  }
+  // Item `item` of all heads, in order.
+  __device__ bool make(const Plan& p, int64_t item) {
+    const int64_t per_bh = static_cast<int64_t>(p.level_len[1]) * p.warps_per_block;
+    if (item / per_bh >= p.batch * p.heads_q) return false;
+    return make_in(p, static_cast<int>(item / per_bh), static_cast<int>(item % per_bh));
   }
 };
 
@@ -376,67 +397,44 @@ __device__ __forceinline__ int64_t row_offset(const Rows& r, int b, int h, int t
 
 // ---- forward ----------------------------------------------------------------------------------
 
-template <class T, int D>
-__global__ void __launch_bounds__(32 * kWarps) forward(const Plan p, const AttnArgs a) {
-  constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
-  extern __shared__ __align__(128) uint8_t smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  WarpRows w;
-  if (!w.make(p, static_cast<int64_t>(blockIdx.x) * kWarps + warp)) return;
-  const uint32_t q_s = detail::smem_addr(smem) + warp * 5 * kTileBytes;
-  const uint32_t k_s = q_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
-
-  const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
-  warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
-  KeyStream stream(p, w.bh, w.qb);
-  KeyTile cur{}, nxt{};
-  auto load = [&](const KeyTile& t, int stage) {
-    warp_copy_tile<D>(k_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
-      return (t.mask >> r & 1u) ? level_row(p, a.k, p.k16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
-    });
-    warp_copy_tile<D>(v_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
-      return (t.mask >> r & 1u) ? level_row(p, a.v, p.v16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
-    });
-  };
-  bool have = stream.next(p, cur);
-  if (have) load(cur, 0);
-  detail::cp_async_commit();
-
-  float o[kDT][4];
+// One online-softmax step of a warp's 16 rows over n <= NSUB key tiles of 16 (tile j: K at
+// k_tile(j), V at v_tile(j), tokens tiles[j]): S = Q K^T, masked (-inf off the mask) and raised by
+// the log count in raw-logit units; the softmax over the 16 * NSUB columns; O += P V.
+template <class T, int D, int NSUB, class KTile, class VTile>
+__device__ __forceinline__ void attend_step(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                            const uint32_t (&qf)[D / 16][4], const Plan& p,
+                                            const KeyTile (&tiles)[NSUB], int n, KTile k_tile, VTile v_tile,
+                                            float scale_log2) {
+  const float inv_sl2 = 1.0f / scale_log2;
+  float s[2 * NSUB][4];
 #pragma unroll
-  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  uint32_t qf[D / 16][4];
-  const float inv_sl2 = 1.0f / a.scale_log2;
-  bool first = true;
-  for (int stage = 0; have; stage ^= 1) {
-    const bool more = stream.next(p, nxt);
-    if (more) load(nxt, stage ^ 1);
-    detail::cp_async_commit();
-    detail::cp_async_wait<1>();
-    __syncwarp();
-    if (first) load_a<D>(qf, q_s), first = false;
-    float s[2][4] = {};
-    scores_16<D, T>(s, qf, k_s + stage * kTileBytes);
+  for (int j = 0; j < NSUB; ++j) {
+    float sj[2][4] = {};
+    if (j < n) scores_16<D, T>(sj, qf, k_tile(j));
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = score_col(n, e);
-        s[n][e] = (cur.mask >> col & 1u) ? s[n][e] + raw_bias(p, cur.level, cur.t0 + col, inv_sl2) : -INFINITY;
+        const int col = score_col(nn, e);
+        const bool on = j < n && (tiles[j].mask >> col & 1u);
+        s[2 * j + nn][e] = on ? sj[nn][e] + raw_bias(p, tiles[j].level, tiles[j].t0 + col, inv_sl2) : -INFINITY;
       }
-    uint32_t pf[1][4];
-    float alpha[2];
-    detail::softmax_scores<2>(s, kTile, a.scale_log2, row_max, row_sum, alpha,
-                              [&](int n, const float(&prob)[4]) { detail::pack_probs<T, 2>(n, prob, pf); });
-    detail::rescale<kDT>(o, alpha);
-    accumulate_16<D, T>(o, pf[0], v_s + stage * kTileBytes);
-    __syncwarp();  // this stage is the next prefetch's target
-    cur = nxt;
-    have = more;
   }
-  detail::cp_async_wait<0>();
-  const int g = lane / 4;
+  uint32_t pf[NSUB][4];
+  float alpha[2];
+  detail::softmax_scores<2 * NSUB>(s, 2 * NSUB * 8, scale_log2, row_max, row_sum, alpha,
+                                   [&](int nn, const float(&prob)[4]) { detail::pack_probs<T, 2 * NSUB>(nn, prob, pf); });
+  detail::rescale<D / 8>(o, alpha);
+#pragma unroll
+  for (int j = 0; j < NSUB; ++j)
+    if (j < n) accumulate_16<D, T>(o, pf[j], v_tile(j));
+}
+
+// The epilogue of a warp's rows: O / l and the LSE.
+template <class T, int D>
+__device__ __forceinline__ void store_rows(const AttnArgs& a, const WarpRows& w, const float (&o)[D / 8][4],
+                                           const float (&row_max)[2], const float (&row_sum)[2]) {
+  const int g = threadIdx.x % 32 / 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(row_sum[r]);
@@ -445,8 +443,150 @@ __global__ void __launch_bounds__(32 * kWarps) forward(const Plan p, const AttnA
     const int t = w.row0 + row;
     T* out = static_cast<T*>(const_cast<void*>(a.o.data)) + row_offset(a.o, w.b, w.h, t);
     float* lse = a.lse + w.b * a.lse_stride[0] + w.h * a.lse_stride[1] + t * a.lse_stride[2];
-    detail::store_row<T, kDT>(out, lse, o, r, l, row_max[r], a.scale_log2, a.aligned_out);
+    detail::store_row<T, D / 8>(out, lse, o, r, l, row_max[r], a.scale_log2, a.aligned_out);
   }
+}
+
+// ---- the two key loops (the mainloop; the kernels differ only in their step hook) ----------------
+//
+// warp_loop: a warp walks its own stream one tile of 16 at a time, double-buffered in its own K/V
+//   stages (k_s, v_s: 2 tiles each); the caller has issued its row tiles' copies (Q, dO), which land
+//   with the first tile: prologue() runs after that first wait (or at the end when there is none).
+// cta_loop: the CTA's warps walk one shared stream (the coarse keys) 4 tiles (64 tokens) per stage,
+//   each stage loaded once for all warps; active warps run step on it with their own dedupe masks.
+// step(tiles, n, k_tile, v_tile): n tiles of 16 keys, K of tile j at k_tile(j), V at v_tile(j).
+
+template <int D, class Prologue, class Step>
+__device__ __forceinline__ void warp_loop(const Plan& p, const AttnArgs& a, const WarpRows& w, KeyStream& stream,
+                                          uint32_t k_s, uint32_t v_s, Prologue&& prologue, Step&& step) {
+  constexpr int kTileBytes = kTile * D * 2;
+  KeyTile cur[1], nxt[1];
+  auto load = [&](const KeyTile& t, int stage) {
+    warp_copy_tile<D>(k_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
+      return (t.mask >> r & 1u) ? level_row(p, a.k, p.k16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
+    });
+    warp_copy_tile<D>(v_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
+      return (t.mask >> r & 1u) ? level_row(p, a.v, p.v16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
+    });
+  };
+  bool have = stream.next(p, cur[0]);
+  if (have) load(cur[0], 0);
+  detail::cp_async_commit();
+  bool first = true;
+  for (int stage = 0; have; stage ^= 1) {
+    const bool more = stream.next(p, nxt[0]);
+    if (more) load(nxt[0], stage ^ 1);
+    detail::cp_async_commit();
+    detail::cp_async_wait<1>();
+    __syncwarp();
+    if (first) prologue(), first = false;
+    step(cur, 1, [&](int) { return k_s + stage * kTileBytes; }, [&](int) { return v_s + stage * kTileBytes; });
+    __syncwarp();  // this stage is the next prefetch's target
+    cur[0] = nxt[0];
+    have = more;
+  }
+  detail::cp_async_wait<0>();
+  __syncwarp();
+  if (first) prologue();
+}
+
+constexpr int kSharedTiles = 4;  // tiles per stage of the shared loop
+
+template <int D, int WARPS, class Step>
+__device__ __forceinline__ void cta_loop(const Plan& p, const AttnArgs& a, const WarpRows& w0, const WarpRows& w,
+                                         bool active, KeyStream& stream, uint32_t ck_s, uint32_t cv_s, Step&& step) {
+  constexpr int kTileBytes = kTile * D * 2, kSub = kSharedTiles;
+  const int warp = threadIdx.x / 32;
+  KeyTile cur[kSub], nxt[kSub];
+  auto gather = [&](KeyTile (&t)[kSub]) {
+    int n = 0;
+    while (n < kSub && stream.next(p, t[n])) ++n;
+    return n;
+  };
+  // Warp w copies K of tile w and V of tile w - kSub of the stage (WARPS = 4: both of tile w).
+  auto load_stage = [&](const KeyTile (&t)[kSub], int n, int stage) {
+    for (int j = warp; j < 2 * kSub; j += WARPS) {
+      const int sub = j % kSub;
+      const bool is_v = j >= kSub;
+      if (sub >= n) continue;
+      const KeyTile& tl = t[sub];
+      warp_copy_tile<D>((is_v ? cv_s : ck_s) + (stage * kSub + sub) * kTileBytes, true, a.q.data, [&](int r) {
+        return (tl.mask >> r & 1u) ? level_row(p, is_v ? a.v : a.k, is_v ? p.v16 : p.k16, tl.level, w0.b, w0.h_kv,
+                                                w0.bh_kv, tl.t0 + r)
+                                   : nullptr;
+      });
+    }
+  };
+  int n_cur = gather(cur);
+  load_stage(cur, n_cur, 0);
+  detail::cp_async_commit();
+  for (int stage = 0; n_cur > 0; stage ^= 1) {
+    const int n_nxt = gather(nxt);
+    load_stage(nxt, n_nxt, stage ^ 1);
+    detail::cp_async_commit();
+    detail::cp_async_wait<1>();
+    __syncthreads();
+    if (active) {
+      KeyTile mine[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        mine[j] = cur[j];
+        if (j < n_cur) mine[j].mask = exclude(p, w.bh, w.qb, cur[j].level, cur[j].t0, cur[j].mask);
+      }
+      step(mine, n_cur, [&](int j) { return ck_s + (stage * kSub + j) * kTileBytes; },
+           [&](int j) { return cv_s + (stage * kSub + j) * kTileBytes; });
+    }
+    __syncthreads();  // this stage is the next prefetch's target
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) cur[j] = nxt[j];
+    n_cur = n_nxt;
+  }
+  detail::cp_async_wait<0>();
+}
+
+// Shared memory of the kernels: per warp `row_tiles` row tiles (Q, dO) and 2 + 2 stage tiles; the
+// shared loop's 2 stages of kSharedTiles K and V tiles after them.
+__host__ __device__ constexpr int warp_tiles(int row_tiles) { return row_tiles + 4; }
+__host__ __device__ constexpr int shared_tiles() { return 4 * kSharedTiles; }
+
+// The forward of one warp's rows. SHARED: the fine blocks alone, then the coarse keys with the
+// CTA (rung 2: the CTA's query blocks share their level-2 ancestor, so their keys at levels >= 1
+// are the same; grid x = CTAs per head, y = batch * heads_q); else the whole stream alone (rung 1,
+// any block size; grid x = every warp of every head, WARPS per CTA).
+template <class T, int D, int WARPS, bool SHARED>
+__global__ void __launch_bounds__(32 * WARPS) forward(const Plan p, const AttnArgs a) {
+  constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x / 32;
+  WarpRows w, w0;
+  bool active;
+  if constexpr (SHARED) {
+    active = w.make_in(p, blockIdx.y, blockIdx.x * WARPS + warp);
+    w0.make_in(p, blockIdx.y, blockIdx.x * WARPS);  // the CTA's first group: its coarse keys are all warps'
+  } else {
+    active = w.make(p, static_cast<int64_t>(blockIdx.x) * WARPS + warp);
+    if (!active) return;
+  }
+  const uint32_t base = detail::smem_addr(smem);
+  const uint32_t q_s = base + warp * warp_tiles(1) * kTileBytes, k_s = q_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
+  float o[kDT][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  uint32_t qf[D / 16][4];
+  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
+    attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2);
+  };
+  if (active) {
+    const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
+    warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
+    KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : p.L, true);
+    warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+  }
+  if constexpr (SHARED) {
+    KeyStream coarse(p, w0.bh, w0.qb, 1, p.L, false);
+    const uint32_t ck_s = base + WARPS * warp_tiles(1) * kTileBytes;
+    cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
+  }
+  if (active) store_rows<T, D>(a, w, o, row_max, row_sum);
 }
 
 // ---- backward ---------------------------------------------------------------------------------
@@ -486,81 +626,87 @@ __device__ __forceinline__ void store_acc(T* base, int64_t row_stride, int rows,
   }
 }
 
-// dQ, query-major: one warp per 16 query rows over the forward's key stream.
-template <class T, int D>
-__global__ void __launch_bounds__(32 * kWarps) backward_dq(const Plan p, const AttnArgs a) {
-  constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
-  extern __shared__ __align__(128) uint8_t smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  WarpRows w;
-  if (!w.make(p, static_cast<int64_t>(blockIdx.x) * kWarps + warp)) return;
-  const uint32_t q_s = detail::smem_addr(smem) + warp * 6 * kTileBytes;
-  const uint32_t do_s = q_s + kTileBytes, k_s = do_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
-
-  const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
-  const uint16_t* do_base = static_cast<const uint16_t*>(a.d_o.data) + row_offset(a.d_o, w.b, w.h, w.row0);
-  warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
-  warp_copy_tile<D>(do_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? do_base + r * a.d_o.stride[2] : nullptr; });
-  // Per row (g, g + 8): LSE in base 2 and delta.
-  const int g = lane / 4;
-  float lse2[2], delta[2];
+// One dQ step of a warp's 16 rows over n <= NSUB key tiles: P = exp2(S c + bias - LSE), dP = dO V^T,
+// dS = P (dP - delta), dQ += dS K (scaled at the end).
+template <class T, int D, int NSUB, class KTile, class VTile>
+__device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&qf)[D / 16][4],
+                                        const uint32_t (&dof)[D / 16][4], const float (&lse2)[2],
+                                        const float (&delta)[2], const Plan& p, const KeyTile (&tiles)[NSUB], int n,
+                                        KTile k_tile, VTile v_tile, float scale_log2) {
+  const float inv_sl2 = 1.0f / scale_log2;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r, t = w.row0 + row;
-    const bool ok = row < w.rows;
-    lse2[r] = ok ? a.lse[w.b * a.lse_stride[0] + w.h * a.lse_stride[1] + t * a.lse_stride[2]] * kLog2e : INFINITY;
-    delta[r] = ok ? a.delta[static_cast<int64_t>(w.bh) * p.len + t] : 0.0f;
-  }
-  KeyStream stream(p, w.bh, w.qb);
-  KeyTile cur{}, nxt{};
-  auto load = [&](const KeyTile& t, int stage) {
-    warp_copy_tile<D>(k_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
-      return (t.mask >> r & 1u) ? level_row(p, a.k, p.k16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
-    });
-    warp_copy_tile<D>(v_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
-      return (t.mask >> r & 1u) ? level_row(p, a.v, p.v16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
-    });
-  };
-  bool have = stream.next(p, cur);
-  if (have) load(cur, 0);
-  detail::cp_async_commit();
-  float dq[kDT][4];
-#pragma unroll
-  for (int i = 0; i < kDT; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
-  uint32_t qf[D / 16][4], dof[D / 16][4];
-  const float inv_sl2 = 1.0f / a.scale_log2;
-  bool first = true;
-  for (int stage = 0; have; stage ^= 1) {
-    const bool more = stream.next(p, nxt);
-    if (more) load(nxt, stage ^ 1);
-    detail::cp_async_commit();
-    detail::cp_async_wait<1>();
-    __syncwarp();
-    if (first) load_a<D>(qf, q_s), load_a<D>(dof, do_s), first = false;
+  for (int j = 0; j < NSUB; ++j) {
+    if (j >= n) continue;
     float s[2][4] = {}, dp[2][4] = {};
-    scores_16<D, T>(s, qf, k_s + stage * kTileBytes);
-    scores_16<D, T>(dp, dof, v_s + stage * kTileBytes);
+    scores_16<D, T>(s, qf, k_tile(j));
+    scores_16<D, T>(dp, dof, v_tile(j));
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = score_col(n, e);
-        const float pr = (cur.mask >> col & 1u)
-                             ? fast_exp2(fmaf(s[n][e] + raw_bias(p, cur.level, cur.t0 + col, inv_sl2), a.scale_log2,
-                                              -lse2[e / 2]))
+        const int col = score_col(nn, e);
+        const float pr = (tiles[j].mask >> col & 1u)
+                             ? fast_exp2(fmaf(s[nn][e] + raw_bias(p, tiles[j].level, tiles[j].t0 + col, inv_sl2),
+                                              scale_log2, -lse2[e / 2]))
                              : 0.0f;
-        s[n][e] = pr * (dp[n][e] - delta[e / 2]);  // dS
+        s[nn][e] = pr * (dp[nn][e] - delta[e / 2]);  // dS
       }
     uint32_t dsf[4];
     pack_a<T>(dsf, s);
-    accumulate_16<D, T>(dq, dsf, k_s + stage * kTileBytes);
-    __syncwarp();
-    cur = nxt;
-    have = more;
+    accumulate_16<D, T>(dq, dsf, k_tile(j));
   }
-  detail::cp_async_wait<0>();
-  T* out = static_cast<T*>(const_cast<void*>(a.dq.data)) + row_offset(a.dq, w.b, w.h, w.row0);
-  store_acc<T, D>(out, a.dq.stride[2], w.rows, dq, a.scale);
+}
+
+// dQ, query-major: each warp's rows over the forward's key stream (the same two loops as the
+// forward: SHARED as rung 2, else rung 1).
+template <class T, int D, int WARPS, bool SHARED>
+__global__ void __launch_bounds__(32 * WARPS) backward_dq(const Plan p, const AttnArgs a) {
+  constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WarpRows w, w0;
+  bool active;
+  if constexpr (SHARED) {
+    active = w.make_in(p, blockIdx.y, blockIdx.x * WARPS + warp);
+    w0.make_in(p, blockIdx.y, blockIdx.x * WARPS);
+  } else {
+    active = w.make(p, static_cast<int64_t>(blockIdx.x) * WARPS + warp);
+    if (!active) return;
+  }
+  const uint32_t base = detail::smem_addr(smem);
+  const uint32_t q_s = base + warp * warp_tiles(2) * kTileBytes, do_s = q_s + kTileBytes;
+  const uint32_t k_s = do_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
+  float dq[kDT][4] = {};
+  uint32_t qf[D / 16][4], dof[D / 16][4];
+  float lse2[2] = {INFINITY, INFINITY}, delta[2] = {0.0f, 0.0f};
+  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
+    dq_step<T, D>(dq, qf, dof, lse2, delta, p, tiles, n, k_tile, v_tile, a.scale_log2);
+  };
+  if (active) {
+    const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
+    const uint16_t* do_base = static_cast<const uint16_t*>(a.d_o.data) + row_offset(a.d_o, w.b, w.h, w.row0);
+    warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
+    warp_copy_tile<D>(do_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? do_base + r * a.d_o.stride[2] : nullptr; });
+    const int g = lane / 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows g, g + 8: LSE in base 2 and delta
+      const int row = g + 8 * r, t = w.row0 + row;
+      if (row >= w.rows) continue;
+      lse2[r] = a.lse[w.b * a.lse_stride[0] + w.h * a.lse_stride[1] + t * a.lse_stride[2]] * kLog2e;
+      delta[r] = a.delta[static_cast<int64_t>(w.bh) * p.len + t];
+    }
+    KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : p.L, true);
+    warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s), load_a<D>(dof, do_s); }, step);
+  }
+  if constexpr (SHARED) {
+    KeyStream coarse(p, w0.bh, w0.qb, 1, p.L, false);
+    const uint32_t ck_s = base + WARPS * warp_tiles(2) * kTileBytes;
+    cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
+  }
+  if (active) {
+    T* out = static_cast<T*>(const_cast<void*>(a.dq.data)) + row_offset(a.dq, w.b, w.h, w.row0);
+    store_acc<T, D>(out, a.dq.stride[2], w.rows, dq, a.scale);
+  }
 }
 
 // The query blocks that visit a key tile of `level`, in a fixed order: for level < L the sorted
@@ -673,17 +819,7 @@ __global__ void __launch_bounds__(32 * kWarps) backward_dkv(const Plan p, const 
         if (rows <= 0) continue;
       }
       // Key rows this query block leaves out (dedupe: its level-`level` ancestor's picks).
-      uint32_t key_mask = 0xffffu;
-      if (p.dedupe && level > 0) {
-        int anc = qb;
-        for (int u = 1; u < level; ++u) anc /= p.B;
-        const int32_t* ex = p.picks_of(level, bh, anc);
-        const int cnt = p.count_of(level, bh, anc);
-        for (int e = 0; e < cnt; ++e) {
-          const int x = ex[e] - t0;
-          if (x >= 0 && x < kTile) key_mask &= ~(1u << x);
-        }
-      }
+      const uint32_t key_mask = exclude(p, bh, qb, level, t0, 0xffffu);
       const int qb_b = bh / p.heads_q, qb_h = bh % p.heads_q;
       const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, qb_b, qb_h, row0);
       const uint16_t* do_base = static_cast<const uint16_t*>(a.d_o.data) + row_offset(a.d_o, qb_b, qb_h, row0);

@@ -162,4 +162,7 @@ Status plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int le
 // host_plan null: the plan is built on the device (no round trip); else its picks are uploaded.
 Status forward(const Call& call, const LlsaPlan* host_plan);
 Status backward(const Call& call, const LlsaPlan* host_plan);
+// The forward rung this thread's last cuda forward ran (1: per-warp streams, 2: shared coarse
+// keys; 0: none yet). SPARSA_LLSA_FORWARD_RUNG=1 in the environment forces rung 1.
+int last_forward_rung();
 }  // namespace sparsa::llsa_cuda

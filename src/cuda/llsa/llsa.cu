@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cub/device/device_radix_sort.cuh>
 #include <cstdint>
 #include <cstdlib>
@@ -165,6 +166,10 @@ void init_plan(const Tensor& q, const Tensor& k_, int levels, const LlsaOptions&
   for (int l = 0; l <= levels; ++l) {
     p.level_len[l] = static_cast<int>(len[l]);
     p.region[l] = static_cast<int>(llsa_detail::region_size(p.B, l, q.shape[2]));
+    // The CPU's log2 of the same counts (f32), so both bias the logits alike.
+    const int64_t last = len[l] > 0 ? std::min<int64_t>(p.region[l], q.shape[2] - (len[l] - 1) * p.region[l]) : 1;
+    p.log2_full[l] = std::log2(static_cast<float>(p.region[l]));
+    p.log2_last[l] = std::log2(static_cast<float>(last));
   }
 }
 
@@ -190,8 +195,11 @@ Status build(const Tensor& q, const Tensor& k_, const Tensor* v, const LlsaPlan*
   const size_t smem = warps * (p.d * sizeof(float) + k::kMaxTopk * sizeof(int));
   for (int l = p.L; l >= 1; --l) {
     const int64_t items = static_cast<int64_t>(p.batch) * p.heads_q * len[l];
-    k::select_level<<<blocks_for(items, warps), 32 * warps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
-                                                                              s.at<float>(dp->pk[l]));
+    const int kmax = p.K <= 8 ? 8 : p.K <= 16 ? 16 : p.K <= 32 ? 32 : 64;
+    auto* kernel = kmax == 8 ? k::select_level<8> : kmax == 16 ? k::select_level<16>
+                 : kmax == 32 ? k::select_level<32> : k::select_level<64>;
+    kernel<<<blocks_for(items, warps), 32 * warps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
+                                                                     s.at<float>(dp->pk[l]));
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   return {};

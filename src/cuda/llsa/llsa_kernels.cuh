@@ -50,6 +50,8 @@ struct Plan {
   int warps_per_block = 1;  // ceil(B / 16): warps of 16 rows per fine query block
   int level_len[kMaxLevels + 1] = {};
   int region[kMaxLevels + 1] = {};        // B^l, saturated at len
+  float log2_full[kMaxLevels + 1] = {};   // log2 of the tokens under a full token of level l (0 at l 0)
+  float log2_last[kMaxLevels + 1] = {};   // the same for the level's last token (maybe partial)
   int32_t* picks[kMaxLevels + 1] = {};    // l >= 1: [batch * heads_q, n_l, K]
   int32_t* counts[kMaxLevels + 1] = {};   // l >= 1: [batch * heads_q, n_l]
   const void* k16[kMaxLevels + 1] = {};   // l >= 1: [batch * heads_kv, n_l, d] (T)
@@ -106,9 +108,13 @@ __device__ __forceinline__ bool better(float s, int t, float s2, int t2) { retur
 
 // One warp per (bh_q, i) of level l: picks[l][bh, i] = the top K of i's candidates (every
 // level-L token at l == L; else the children of the parent's level-(l+1) picks), ascending.
-// pq, pk: f32 level-l pyramids [bh, n_l, d].
-__global__ void __launch_bounds__(128) select_level(Plan p, int l, const float* pq, const float* pk) {
-  extern __shared__ float q_row[];  // [warps][d]
+// pq, pk: f32 level-l pyramids [bh, n_l, d]. Each lane keeps its best KMAX >= K candidates in
+// registers (a sorted array with static indices: one bubble pass per insertion), then K rounds of a
+// warp arg-max over the lanes' heads merge them.
+template <int KMAX>
+__global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan p, int l, const float* pq,
+                                                    const float* pk) {
+  extern __shared__ float q_row[];  // [warps][d], then [warps][kMaxTopk] chosen tokens
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
   const int n = p.level_len[l];
@@ -128,34 +134,42 @@ __global__ void __launch_bounds__(128) select_level(Plan p, int l, const float* 
     total = p.count_of(l + 1, bh, parent) * p.B;
   }
   const int keep = min(p.K, total);
-  float best_s[kMaxTopk];
-  int best_t[kMaxTopk];
-  int have = 0;
+  float best_s[KMAX];
+  int best_t[KMAX];
+#pragma unroll
+  for (int j = 0; j < KMAX; ++j) best_s[j] = -INFINITY, best_t[j] = 0x7fffffff;
   const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * p.d;
-  for (int c = lane; keep > 0 && c < total; c += 32) {
+  for (int c = lane; c < total; c += 32) {
     const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
     if (t >= n) continue;
     const float* kr = kbase + static_cast<int64_t>(t) * p.d;
     float s = 0.0f;
-    for (int e = 0; e < p.d; ++e) s = fmaf(qs[e], kr[e], s);
-    if (s != s) s = -INFINITY;  // NaN ranks last
-    if (have == keep && !better(s, t, best_s[keep - 1], best_t[keep - 1])) continue;
-    int pos = have < keep ? have++ : keep - 1;
-    while (pos > 0 && better(s, t, best_s[pos - 1], best_t[pos - 1])) {
-      best_s[pos] = best_s[pos - 1];
-      best_t[pos] = best_t[pos - 1];
-      --pos;
+    for (int e = 0; e < p.d; e += 4) {
+      const float4 kv = *reinterpret_cast<const float4*>(kr + e);
+      s = fmaf(qs[e], kv.x, s);
+      s = fmaf(qs[e + 1], kv.y, s);
+      s = fmaf(qs[e + 2], kv.z, s);
+      s = fmaf(qs[e + 3], kv.w, s);
     }
-    best_s[pos] = s;
-    best_t[pos] = t;
+    if (s != s) s = -INFINITY;  // NaN ranks last
+    if (!better(s, t, best_s[KMAX - 1], best_t[KMAX - 1])) continue;
+    best_s[KMAX - 1] = s, best_t[KMAX - 1] = t;
+#pragma unroll
+    for (int j = KMAX - 1; j > 0; --j) {
+      if (better(best_s[j], best_t[j], best_s[j - 1], best_t[j - 1])) {
+        const float ts = best_s[j];
+        const int tt = best_t[j];
+        best_s[j] = best_s[j - 1], best_t[j] = best_t[j - 1];
+        best_s[j - 1] = ts, best_t[j - 1] = tt;
+      }
+    }
   }
-  // K rounds of a warp arg-max over the lanes' list heads.
-  int head = 0;
+  // K rounds of a warp arg-max over the lanes' list heads; the winner shifts its list.
   int32_t* out = p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K;
   int* chosen = reinterpret_cast<int*>(q_row + (blockDim.x / 32) * p.d) + warp * kMaxTopk;
   for (int r = 0; r < keep; ++r) {
-    float s = head < have ? best_s[head] : -INFINITY;
-    int t = head < have ? best_t[head] : 0x7fffffff;
+    float s = best_s[0];
+    int t = best_t[0];
     int owner = lane;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
@@ -164,7 +178,11 @@ __global__ void __launch_bounds__(128) select_level(Plan p, int l, const float* 
       const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
       if (better(s2, t2, s, t)) s = s2, t = t2, owner = o2;
     }
-    if (lane == owner) ++head;
+    if (lane == owner) {
+#pragma unroll
+      for (int j = 0; j + 1 < KMAX; ++j) best_s[j] = best_s[j + 1], best_t[j] = best_t[j + 1];
+      best_s[KMAX - 1] = -INFINITY, best_t[KMAX - 1] = 0x7fffffff;
+    }
     if (lane == 0) chosen[r] = t;
   }
   __syncwarp();
@@ -321,8 +339,11 @@ __device__ __forceinline__ const uint16_t* level_row(const Plan& p, const Rows& 
 }
 
 // The logit bias of token t of `level` in raw-logit units (log2(count) / (scale log2 e)).
+__device__ __forceinline__ float log2_count(const Plan& p, int level, int t) {
+  return t == p.level_len[level] - 1 ? p.log2_last[level] : p.log2_full[level];
+}
 __device__ __forceinline__ float raw_bias(const Plan& p, int level, int t, float inv_scale_log2) {
-  return level == 0 ? 0.0f : log2f(static_cast<float>(p.token_count(level, t))) * inv_scale_log2;
+  return log2_count(p, level, t) * inv_scale_log2;
 }
 
 // This thread's column of element e of score tile n.
@@ -554,7 +575,7 @@ __host__ __device__ constexpr int shared_tiles() { return 4 * kSharedTiles; }
 // are the same; grid x = CTAs per head, y = batch * heads_q); else the whole stream alone (rung 1,
 // any block size; grid x = every warp of every head, WARPS per CTA).
 template <class T, int D, int WARPS, bool SHARED>
-__global__ void __launch_bounds__(32 * WARPS) forward(const Plan p, const AttnArgs a) {
+__global__ void __launch_bounds__(32 * WARPS) forward(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32;
@@ -593,7 +614,7 @@ __global__ void __launch_bounds__(32 * WARPS) forward(const Plan p, const AttnAr
 
 // delta[bh, i] = sum_c dO[i, c] O[i, c] (f32), one warp per row.
 template <class T>
-__global__ void backward_delta(const Plan p, const AttnArgs a, float* delta) {
+__global__ void backward_delta(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a, float* delta) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= static_cast<int64_t>(p.batch) * p.heads_q * p.len) return;
   const int lane = threadIdx.x % 32;
@@ -660,7 +681,7 @@ __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&
 // dQ, query-major: each warp's rows over the forward's key stream (the same two loops as the
 // forward: SHARED as rung 2, else rung 1).
 template <class T, int D, int WARPS, bool SHARED>
-__global__ void __launch_bounds__(32 * WARPS) backward_dq(const Plan p, const AttnArgs a) {
+__global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -745,7 +766,7 @@ struct Visitors {
 // dK, dV key-major: one warp per (tile of 16 key tokens of one group of `level`, split). Grid x:
 // tiles * splits of this level, in kWarps per CTA.
 template <class T, int D>
-__global__ void __launch_bounds__(32 * kWarps) backward_dkv(const Plan p, const AttnArgs a, int level,
+__global__ void __launch_bounds__(32 * kWarps) backward_dkv(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a, int level,
                                                             int tiles_per_group, int splits) {
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -801,7 +822,7 @@ __global__ void __launch_bounds__(32 * kWarps) backward_dkv(const Plan p, const 
     for (int r = 0; r < 2; ++r) {
       const int t = t0 + g + 8 * r;
       key_in[r] = t < t_end;
-      bias2[r] = (level == 0 || !key_in[r]) ? 0.0f : log2f(static_cast<float>(p.token_count(level, t)));
+      bias2[r] = key_in[r] ? log2_count(p, level, t) : 0.0f;
     }
     int all = all_begin, sub = 0;
     while (true) {
@@ -932,7 +953,7 @@ __global__ void store_grad(const float* src, Rows dst, int heads, int len, int d
 // The transposed index of level l < L: for every valid pick of picks[l+1] (bh_q, a, slot), the
 // key group (bh_kv * groups_l + pick) and the visitor (bh_q * n_{l+1} + a); invalid slots get key
 // `sentinel`, sorted last.
-__global__ void visit_entries(const Plan p, int l, int32_t* keys, int32_t* values, int32_t sentinel, int64_t total) {
+__global__ void visit_entries(const __grid_constant__ Plan p, int l, int32_t* keys, int32_t* values, int32_t sentinel, int64_t total) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= total) return;
   const int n_up = p.level_len[l + 1];

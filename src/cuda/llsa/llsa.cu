@@ -342,7 +342,7 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
   const int tpg = (B + k::kTile - 1) / k::kTile;
   const int64_t tiles_L = bhkv * groups[L] * tpg;
   const int64_t rows_L = static_cast<int64_t>(p.group) * p.level_len[1];
-  const int splits = static_cast<int>(std::clamp<int64_t>((4096 + tiles_L - 1) / tiles_L, 1,
+  const int splits = static_cast<int>(std::clamp<int64_t>((16384 + tiles_L - 1) / tiles_L, 1,
                                                           std::max<int64_t>(1, rows_L / 4)));
   const int64_t split_stride = bhkv * p.level_len[L] * p.d;
   const size_t split_k_at = splits > 1 ? s.add(splits * split_stride * 4) : 0;
@@ -389,7 +389,7 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
   }
   int dq_rung = 0;
   SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(dq_kernel<T, D>, 2, p, a, device, stream, &dq_rung));
-  const size_t dkv_smem = static_cast<size_t>(k::kWarps) * 4 * k::kTile * D * 2;
+  const size_t dkv_smem = static_cast<size_t>(k::kWarps) * 6 * k::kTile * D * 2;
   SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(k::backward_dkv<T, D>), device, dkv_smem));
   // Without enrichment only the fine keys are visited: the coarse levels get no gradient.
   const int grad_levels = p.enrich ? L : 0;

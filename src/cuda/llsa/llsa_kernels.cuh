@@ -783,7 +783,8 @@ __global__ void __launch_bounds__(32 * kWarps) backward_dkv(const __grid_constan
   const int t0 = grp * p.B + tile_id % tiles_per_group * kTile;
   const int t_end = min(min(grp * p.B + p.B, n), t0 + kTile);
   const int b = bh_kv / p.heads_kv, h_kv = bh_kv % p.heads_kv;
-  const uint32_t k_s = detail::smem_addr(smem) + warp * 4 * kTileBytes;
+  // Per warp: K, V, then 2 stages of (Q, dO).
+  const uint32_t k_s = detail::smem_addr(smem) + warp * 6 * kTileBytes;
   const uint32_t v_s = k_s + kTileBytes, q_s = v_s + kTileBytes, do_s = q_s + kTileBytes;
 
   float dk[kDT][4], dv[kDT][4];
@@ -824,49 +825,64 @@ __global__ void __launch_bounds__(32 * kWarps) backward_dkv(const __grid_constan
       key_in[r] = t < t_end;
       bias2[r] = key_in[r] ? log2_count(p, level, t) : 0.0f;
     }
-    int all = all_begin, sub = 0;
-    while (true) {
+    // The visiting row groups, one after another; each group's Q and dO tiles (and its LSE and
+    // delta) are fetched while the previous group is computed (double-buffered).
+    struct Group {
       int bh, qb, row0, rows;
-      if (level < p.L) {
-        if (!vis.next(p, level, bh, qb, row0, rows)) break;
-      } else {
-        if (all >= all_end) break;
+      float lse2[4], delta[4];  // this thread's query columns 2c, 2c + 1, 8 + 2c, 8 + 2c + 1
+    };
+    int all = all_begin, sub = 0;
+    auto next_group = [&](Group& gr) {
+      while (true) {
+        if (level < p.L) return vis.next(p, level, gr.bh, gr.qb, gr.row0, gr.rows);
+        if (all >= all_end) return false;
         const int hq = all / nq;
-        qb = all % nq;
-        bh = b * p.heads_q + h_kv * p.group + hq;
-        row0 = qb * p.B + sub * kTile;
-        rows = min(min(kTile, qb * p.B + p.B - row0), p.len - row0);
+        gr.qb = all % nq;
+        gr.bh = b * p.heads_q + h_kv * p.group + hq;
+        gr.row0 = gr.qb * p.B + sub * kTile;
+        gr.rows = min(min(kTile, gr.qb * p.B + p.B - gr.row0), p.len - gr.row0);
         if (++sub == p.warps_per_block) sub = 0, ++all;
-        if (rows <= 0) continue;
+        if (gr.rows > 0) return true;
       }
-      // Key rows this query block leaves out (dedupe: its level-`level` ancestor's picks).
-      const uint32_t key_mask = exclude(p, bh, qb, level, t0, 0xffffu);
-      const int qb_b = bh / p.heads_q, qb_h = bh % p.heads_q;
-      const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, qb_b, qb_h, row0);
-      const uint16_t* do_base = static_cast<const uint16_t*>(a.d_o.data) + row_offset(a.d_o, qb_b, qb_h, row0);
-      __syncwarp();  // the previous row group's tiles are read
-      warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < rows ? q_base + r * a.q.stride[2] : nullptr; });
-      warp_copy_tile<D>(do_s, a.aligned, a.q.data, [&](int r) { return r < rows ? do_base + r * a.d_o.stride[2] : nullptr; });
-      detail::cp_async_commit();
-      // This thread's query columns: 2c, 2c + 1, 8 + 2c, 8 + 2c + 1.
-      float lse2[4], delta[4];
+    };
+    auto fetch = [&](Group& gr, int stage) {
+      const int qb_b = gr.bh / p.heads_q, qb_h = gr.bh % p.heads_q;
+      const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, qb_b, qb_h, gr.row0);
+      const uint16_t* do_base = static_cast<const uint16_t*>(a.d_o.data) + row_offset(a.d_o, qb_b, qb_h, gr.row0);
+      const int rows = gr.rows;
+      warp_copy_tile<D>(q_s + stage * 2 * kTileBytes, a.aligned, a.q.data,
+                        [&](int r) { return r < rows ? q_base + r * a.q.stride[2] : nullptr; });
+      warp_copy_tile<D>(do_s + stage * 2 * kTileBytes, a.aligned, a.q.data,
+                        [&](int r) { return r < rows ? do_base + r * a.d_o.stride[2] : nullptr; });
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int col = (j / 2) * 8 + 2 * (lane % 4) + (j & 1);
         const bool ok = col < rows;
-        const int t = row0 + col;
-        lse2[j] = ok ? a.lse[qb_b * a.lse_stride[0] + qb_h * a.lse_stride[1] + t * a.lse_stride[2]] * kLog2e
-                     : INFINITY;
-        delta[j] = ok ? a.delta[static_cast<int64_t>(bh) * p.len + t] : 0.0f;
+        const int t = gr.row0 + col;
+        gr.lse2[j] = ok ? a.lse[qb_b * a.lse_stride[0] + qb_h * a.lse_stride[1] + t * a.lse_stride[2]] * kLog2e
+                        : INFINITY;
+        gr.delta[j] = ok ? a.delta[static_cast<int64_t>(gr.bh) * p.len + t] : 0.0f;
       }
-      detail::cp_async_wait<0>();
+    };
+    Group cur, nxt;
+    bool have = next_group(cur);
+    if (have) fetch(cur, 0);
+    detail::cp_async_commit();
+    for (int stage = 0; have; stage ^= 1) {
+      const bool more = next_group(nxt);
+      if (more) fetch(nxt, stage ^ 1);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
       __syncwarp();
+      const uint32_t qt = q_s + stage * 2 * kTileBytes, dot = do_s + stage * 2 * kTileBytes;
+      // Key rows this query block leaves out (dedupe: its level-`level` ancestor's picks).
+      const uint32_t key_mask = exclude(p, cur.bh, cur.qb, level, t0, 0xffffu);
       uint32_t af[D / 16][4];  // K, then V, as A fragments (reloaded: fewer registers held)
       float st[2][4] = {}, dpt[2][4] = {};
       load_a<D>(af, k_s);
-      scores_16<D, T>(st, af, q_s);   // S^T [key][query]
+      scores_16<D, T>(st, af, qt);   // S^T [key][query]
       load_a<D>(af, v_s);
-      scores_16<D, T>(dpt, af, do_s); // dP^T = V dO^T
+      scores_16<D, T>(dpt, af, dot); // dP^T = V dO^T
       float pt[2][4];
 #pragma unroll
       for (int nn = 0; nn < 2; ++nn)
@@ -875,16 +891,20 @@ __global__ void __launch_bounds__(32 * kWarps) backward_dkv(const __grid_constan
           const int kr = e / 2;  // key row g + 8 kr
           const int j = nn * 2 + (e & 1);
           const bool on = key_in[kr] && (key_mask >> (g + 8 * kr) & 1u);
-          const float pr = on ? fast_exp2(fmaf(st[nn][e], a.scale_log2, bias2[kr] - lse2[j])) : 0.0f;
+          const float pr = on ? fast_exp2(fmaf(st[nn][e], a.scale_log2, bias2[kr] - cur.lse2[j])) : 0.0f;
           pt[nn][e] = pr;
-          st[nn][e] = pr * (dpt[nn][e] - delta[j]);  // dS^T
+          st[nn][e] = pr * (dpt[nn][e] - cur.delta[j]);  // dS^T
         }
       uint32_t pf[4], dsf[4];
       pack_a<T>(pf, pt);
       pack_a<T>(dsf, st);
-      accumulate_16<D, T>(dv, pf, do_s);
-      accumulate_16<D, T>(dk, dsf, q_s);
+      accumulate_16<D, T>(dv, pf, dot);
+      accumulate_16<D, T>(dk, dsf, qt);
+      __syncwarp();  // this stage is the next prefetch's target
+      cur = nxt;
+      have = more;
     }
+    detail::cp_async_wait<0>();
   }
   // Out: the level's gradient rows (f32), or this split's partial sums of the coarsest level.
   float* dk_out;

@@ -574,9 +574,11 @@ __host__ __device__ constexpr int shared_tiles() { return 4 * kSharedTiles; }
 // CTA (rung 2: the CTA's query blocks share their level-2 ancestor, so their keys at levels >= 1
 // are the same; grid x = CTAs per head, y = batch * heads_q); else the whole stream alone (rung 1,
 // any block size; grid x = every warp of every head, WARPS per CTA).
-// CTAs per SM the register allocation must allow: with head_dim 64 two 8-warp CTAs (or four of 4)
-// fit in shared memory, and the first measurement (192 registers, one CTA per SM, 12.5% occupancy)
-// was latency-bound; head_dim 128 is held to one CTA by shared memory anyway.
+// CTAs per SM the forward's register allocation must allow: with head_dim 64 two 8-warp CTAs (or
+// four of 4) fit in shared memory, and uncapped (192 registers, one CTA per SM, 12.5% occupancy) it
+// was latency-bound: capped it spills ~100 bytes and runs 1.3x faster (bench/RESULTS.md). dQ holds
+// more live state (Q and dO fragments): capped it spilled 200+ bytes and ran 1.4-1.6x slower, so it
+// stays uncapped, as does dK/dV (capped: no gain). head_dim 128 is held to one CTA by shared memory.
 template <int D, int WARPS>
 constexpr int kMinBlocks = D == 64 ? 16 / WARPS : 1;
 
@@ -687,7 +689,7 @@ __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&
 // dQ, query-major: each warp's rows over the forward's key stream (the same two loops as the
 // forward: SHARED as rung 2, else rung 1).
 template <class T, int D, int WARPS, bool SHARED>
-__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) backward_dq(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+__global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -772,7 +774,7 @@ struct Visitors {
 // dK, dV key-major: one warp per (tile of 16 key tokens of one group of `level`, split). Grid x:
 // tiles * splits of this level, in kWarps per CTA.
 template <class T, int D>
-__global__ void __launch_bounds__(32 * kWarps, D == 64 ? 4 : 2) backward_dkv(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a, int level,
+__global__ void __launch_bounds__(32 * kWarps) backward_dkv(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a, int level,
                                                             int tiles_per_group, int splits) {
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];

@@ -35,7 +35,7 @@ import sparsa
 from . import BlockIndex, PagedKVCache
 
 __all__ = ["shard_bounds", "shard", "dense", "block_sparse", "ba_att_plan", "ba_att", "prefix_attention",
-           "quest_plan", "QuestPlan", "Timings"]
+           "quest_plan", "QuestPlan", "PrefixShard", "Timings", "last_timings"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -263,8 +263,7 @@ class _Clock:
     def __init__(self, device: torch.device, sync: bool):
         self.sync = sync and device.type == "cuda"
         self.device = device
-        global last_timings
-        last_timings = Timings()
+        last_timings.__init__()  # one object, reset in place: `from ... import last_timings` stays valid
         self.t = self._now()
 
     def _now(self) -> float:
@@ -620,15 +619,51 @@ class QuestPlan:
     page_starts: List[int]
 
 
+class PrefixShard:
+    """This rank's piece of a prefix as tensors ``k``, ``v`` ``[1, heads_kv, n, head_dim]`` (any
+    device and float dtype) with QUEST's page bounds (element-wise key min and max per page of
+    ``page_size`` tokens, f32 ``[heads_kv, pages, head_dim]``) computed once, here, so that a
+    QUEST step reads the bounds instead of every key (a ``(k, v)`` pair passed to
+    :func:`prefix_attention` has its bounds computed at each call)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, page_size: int = 16):
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise TypeError("k, v: expected torch.Tensors")
+        if k.dim() != 4 or k.shape[0] != 1:
+            raise ValueError(f"k: expected [1, heads_kv, n, head_dim], got {list(k.shape)}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size: expected a positive integer, got {page_size!r}")
+        self.k, self.v, self.page_size = k, v, page_size
+        self.page_min, self.page_max = _page_bounds(k, page_size)
+
+
+def _page_bounds(k: torch.Tensor, page_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise min and max of the keys of each page, f32 [heads_kv, pages, d] (a partial last
+    page over its real tokens)."""
+    keys = k[0].float()
+    heads_kv, n, d = keys.shape
+    pages = -(-n // page_size)
+    padded = pages * page_size - n
+    page_min = torch.nn.functional.pad(keys, (0, 0, 0, padded), value=float("inf"))
+    page_max = torch.nn.functional.pad(keys, (0, 0, 0, padded), value=-float("inf"))
+    return (page_min.reshape(heads_kv, pages, page_size, d).amin(2),
+            page_max.reshape(heads_kv, pages, page_size, d).amax(2))
+
+
 def _prefix_shard(cache, page_size: Optional[int]):
-    """(k, v, page_size) of this rank's prefix piece: a PagedKVCache or a (k, v) pair."""
+    """(k, v, page_size, bounds or None) of this rank's prefix piece."""
     if isinstance(cache, PagedKVCache):
         if page_size is not None and page_size != cache.page_size:
             raise ValueError(f"page_size: {page_size} differs from the cache's page_size {cache.page_size}")
-        return torch.from_numpy(cache.keys()), torch.from_numpy(cache.values()), cache.page_size
+        return torch.from_numpy(cache.keys()), torch.from_numpy(cache.values()), cache.page_size, None
+    if isinstance(cache, PrefixShard):
+        if page_size is not None and page_size != cache.page_size:
+            raise ValueError(f"page_size: {page_size} differs from the shard's page_size {cache.page_size}")
+        return cache.k, cache.v, cache.page_size, (cache.page_min, cache.page_max)
     if isinstance(cache, (tuple, list)) and len(cache) == 2:
-        return cache[0], cache[1], 16 if page_size is None else page_size
-    raise TypeError(f"cache: expected sparsa.PagedKVCache or a (k, v) pair of tensors, got {type(cache).__name__}")
+        return cache[0], cache[1], 16 if page_size is None else page_size, None
+    raise TypeError(f"cache: expected sparsa.PagedKVCache, sparsa.distributed.PrefixShard or a (k, v) pair of "
+                    f"tensors, got {type(cache).__name__}")
 
 
 def _check_prefix(ctx: _Context, q, k, v, page_size, extra: Sequence[float]):
@@ -709,7 +744,7 @@ def _rank_order(scores: torch.Tensor, pages: torch.Tensor, excluded: torch.Tenso
 
 
 def _quest_select(ctx: _Context, q: torch.Tensor, k: torch.Tensor, lens: List[int], page_size: int, budget: int,
-                  force_first: bool, force_last: bool) -> QuestPlan:
+                  force_first: bool, force_last: bool, bounds=None) -> QuestPlan:
     heads_q, rows, d = q.shape[1], q.shape[2], q.shape[3]
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
@@ -730,12 +765,7 @@ def _quest_select(ctx: _Context, q: torch.Tensor, k: torch.Tensor, lens: List[in
     # fewer than `keep` better pages anywhere, so it is among its own rank's best `keep`.
     mine = local_pages[ctx.rank]
     first_page = page_starts[ctx.rank]
-    keys = k[0].float()  # [heads_kv, n, d]
-    padded = mine * page_size - keys.shape[1]
-    lo_keys = torch.nn.functional.pad(keys, (0, 0, 0, padded), value=float("inf"))
-    hi_keys = torch.nn.functional.pad(keys, (0, 0, 0, padded), value=-float("inf"))
-    page_min = lo_keys.reshape(heads_kv, mine, page_size, d).amin(2)
-    page_max = hi_keys.reshape(heads_kv, mine, page_size, d).amax(2)
+    page_min, page_max = bounds if bounds is not None else _page_bounds(k, page_size)
     head_of = torch.arange(heads_q, device=device) // group
     scores = _quest_scores(q[0].float(), page_min[head_of], page_max[head_of])  # [heads_q, rows, mine]
     global_page = torch.arange(first_page, first_page + mine, device=device).expand(heads_q, rows, mine)
@@ -756,6 +786,7 @@ def _quest_select(ctx: _Context, q: torch.Tensor, k: torch.Tensor, lens: List[in
         packed = packed.to(ctx.meta_device()) if "nccl" in ctx.backend else packed.cpu()
         gathered = [torch.empty_like(packed) for _ in range(ctx.world)]
         dist.all_gather(gathered, packed, group=ctx.group)
+        last_timings.bytes_sent += packed.numel() * packed.element_size() * (ctx.world - 1)
         gathered = torch.cat([g.to(device) for g in gathered], dim=-1)
         cand_scores, cand_pages, cand_excluded = gathered[0].float(), gathered[1].long(), gathered[2].bool()
     order = _rank_order(cand_scores, cand_pages, cand_excluded)[..., :keep - len(forced)]
@@ -775,10 +806,10 @@ def quest_plan(q: torch.Tensor, cache, *, budget: int = 256, force_first: bool =
     candidates are all-gathered and the global top set is chosen as one process would: equal to
     :func:`sparsa.quest_plan` (``selector="quest"``, ``group="per_head"``) on the whole cache."""
     ctx = _context(group)
-    k, v, page_size = _prefix_shard(cache, page_size)
+    k, v, page_size, bounds = _prefix_shard(cache, page_size)
     lens = _check_prefix(ctx, q, k, v, page_size, _checksums(q))
     _check_budget(budget, page_size, force_first, force_last)
-    return _quest_select(ctx, q, k, lens, page_size, budget, force_first, force_last)
+    return _quest_select(ctx, q, k, lens, page_size, budget, force_first, force_last, bounds)
 
 
 def _check_budget(budget: int, page_size: int, force_first: bool, force_last: bool) -> None:
@@ -802,14 +833,14 @@ def prefix_attention(q: torch.Tensor, cache, *, method: str = "dense", budget: i
     if method not in ("dense", "quest"):
         raise ValueError(f"method: expected dense or quest, got {method!r}")
     ctx = _context(group)
-    k, v, page_size = _prefix_shard(cache, page_size)
+    k, v, page_size, bounds = _prefix_shard(cache, page_size)
     lens = _check_prefix(ctx, q, k, v, page_size, _checksums(q))
     clock = _Clock(q.device, timed)
     if method == "dense":
         out, lse = sparsa.dense(q, k, v, scale=scale, backend=backend)
     else:
         _check_budget(budget, page_size, force_first, force_last)
-        plan = _quest_select(ctx, q, k, lens, page_size, budget, force_first, force_last)
+        plan = _quest_select(ctx, q, k, lens, page_size, budget, force_first, force_last, bounds)
         clock.lap("plan")
         counts, indices = _columns(plan.counts[None], plan.pages[None], plan.page_starts[ctx.rank],
                                    plan.page_starts[ctx.rank + 1])

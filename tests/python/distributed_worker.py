@@ -200,6 +200,18 @@ def prefix_cases():
         ref_out, ref_lse = sparsa.quest(q, k, v, budget=budget, page_size=page, force_first=first, force_last=last)
         out, lse = sd.prefix_attention(q, local, method="quest", budget=budget, force_first=first, force_last=last)
         close(f"prefix/quest/{label}", out, lse, ref_out, ref_lse, torch.float32, v.abs().max())
+    # The tensor forms: a (k, v) pair and a PrefixShard (bounds computed once), in bf16.
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    # (single-process QUEST computes in f32 whatever comes in: the reference takes the bf16 values
+    # widened, exactly, which keeps it from sparsa.quest's bf16 torch output path)
+    ref_out, ref_lse = sparsa.quest(qb.float(), kb.float(), vb.float(), budget=64, page_size=page)
+    for label, shard in (("pair", (piece(kb, page)[0], piece(vb, page)[0])),
+                         ("shard", sd.PrefixShard(piece(kb, page)[0], piece(vb, page)[0], page))):
+        out, lse = sd.prefix_attention(qb, shard, method="quest", budget=64, page_size=page)
+        close(f"prefix/quest/bf16/{label}", out, lse, ref_out, ref_lse, torch.bfloat16, vb.abs().max())
+        timings = sd.last_timings
+        report(f"timings/{label}", timings.plan > 0 and timings.compute > 0 and
+               (timings.bytes_sent > 0) == (WORLD > 1), timings)
     # Negative control: each rank keeping its own best budget/W pages is not QUEST's plan. Rank 0's
     # keys are planted to score high, so the global top set takes more than its even share there.
     if WORLD > 1:

@@ -124,3 +124,29 @@ def test_quest_scores_match_the_core_bit_for_bit():
             plan = sparsa.quest_plan(q.numpy(), cache, budget=budget, force_last=False)
             order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :budget // 16]
             assert (torch.sort(order, -1).values.numpy() == plan.pages).all(), (d, budget)
+
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "python", "bench_distributed.py")
+
+
+@pytest.mark.parametrize("case", ["verify", "ba_att", "prefix"])
+def test_benchmark_script_runs_on_cpu(case, tmp_path):
+    # bench/python/bench_distributed.py is the GPU benchmark; at tiny sizes on two gloo processes
+    # it must run to the end (verify: and pass its own checks) and write its rows.
+    sizes = {"verify": ["--tokens", "1024", "--budget", "256", "--density", "0.25"],
+             "ba_att": ["--tokens", "2048", "--density", "0.25"],
+             "prefix": ["--tokens", "4096", "--budget", "512"]}[case]
+    out = tmp_path / "rows.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", BENCH,
+               "--device", "cpu", "--case", case, "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+               "--queries", "4", "--block", "64", "--repeats", "1", "--warmup", "0", "--json", str(out)] + sizes
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"bench_distributed.py --case {case} did not finish within {TIMEOUT_S} s")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert rows and all(r.get("ok", True) for r in rows)
+    if case != "verify":
+        assert {r["gpus"] for r in rows} == {1, 2} and all(r["seconds"] > 0 for r in rows)

@@ -685,7 +685,8 @@ def _check_prefix(ctx: _Context, q, k, v, page_size, extra: Sequence[float]):
         if dq.size(r, 1) % dk.size(r, 1) != 0:
             raise ValueError(f"q: heads_q ({dq.size(r, 1)}) must be a multiple of the cache's heads_kv ({dk.size(r, 1)})")
         for i in range(1, tail.shape[1]):  # q's checksums: q must be the same tensor on every rank
-            if tail[r, i] != tail[0, i]:
+            a, b = float(tail[r, i]), float(tail[0, i])
+            if a != b and not (a != a and b != b):  # NaN sums (NaN in q) compare equal here
                 raise ValueError(f"q: rank {r}'s values differ from rank 0's (prefix attention takes the same queries "
                                  "on every rank)")
     lens = [dk.size(r, 2) for r in range(ctx.world)]

@@ -425,7 +425,7 @@ def _check_aligned(ctx: _Context, lens: List[int], block: int, name: str, block_
 
 
 def _permuted_execute(ctx: _Context, q_all, k_all, v_all, plan: BlockIndex, shards: _Shards, scale, backend,
-                      clock: _Clock):
+                      clock: _Clock, check_index: bool = True):
     """A plan with permutations on the gathered sequence: the query blocks of the permuted order
     are dealt out evenly, rank r computes its blocks against every key (the executor reads
     k[perm_kv]) and the rows go back to the ranks that own their original positions through one
@@ -449,7 +449,8 @@ def _permuted_execute(ctx: _Context, q_all, k_all, v_all, plan: BlockIndex, shar
         q_mine = torch.gather(q_all, 2, positions[..., None].expand(batch, heads_q, hi - lo, d))
         sub = BlockIndex(block_q, plan.block_kv, plan.counts[:, :, first:last].contiguous(),
                          plan.indices[:, :, first:last].contiguous(), None, plan.perm_kv)
-        out, lse = sparsa.block_sparse(q_mine, k_all, v_all, sub, scale=scale, backend=backend)
+        out, lse = sparsa.block_sparse(q_mine, k_all, v_all, sub, scale=scale, backend=backend,
+                                       check_index=check_index)
     else:
         out = torch.empty((batch, heads_q, 0, d), dtype=q_all.dtype, device=device)
         lse = torch.empty((batch, heads_q, 0), dtype=torch.float32, device=device)
@@ -599,10 +600,11 @@ def ba_att(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, tim
         # Query blocks in token order: this rank's rows against the gathered keys, one call.
         counts, indices = _local_rows(plan, _Shards.starts(shards.q_lens)[ctx.rank], shards.q_lens[ctx.rank])
         result = sparsa.block_sparse(q, k_all, v_all, BlockIndex(plan.block_q, plan.block_kv, counts, indices,
-                                                                 None, plan.perm_kv), scale=scale, backend=backend)
+                                                                 None, plan.perm_kv), scale=scale, backend=backend,
+                                     check_index=False)  # the selector's own plan
         clock.lap("compute")
         return result
-    return _permuted_execute(ctx, q_all, k_all, v_all, plan, shards, scale, backend, clock)
+    return _permuted_execute(ctx, q_all, k_all, v_all, plan, shards, scale, backend, clock, check_index=False)
 
 
 # ---- KV-sharded prefix attention (block-diffusion decoding) --------------------------------------
@@ -690,6 +692,9 @@ def _check_prefix(ctx: _Context, q, k, v, page_size, extra: Sequence[float]):
                 raise ValueError(f"q: rank {r}'s values differ from rank 0's (prefix attention takes the same queries "
                                  "on every rank)")
     lens = [dk.size(r, 2) for r in range(ctx.world)]
+    for r in range(ctx.world):
+        if lens[r] < 1:
+            raise ValueError(f"cache: rank {r} holds no prefix tokens; every rank needs at least one")
     for r in range(ctx.world - 1):
         if lens[r] % page_size != 0:
             raise ValueError(f"cache: rank {r}'s piece holds {lens[r]} tokens, not a multiple of page_size {page_size} "
@@ -708,16 +713,17 @@ _LANES = 16
 
 
 def _quest_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
-    """QUEST's page scores, float32 [heads, rows, pages], bit for bit those of the core's
+    """QUEST's page scores, float32 [heads_q, rows, pages], bit for bit those of the core's
     quest_page_score: 16 lane sums (lane j takes dims j, j + 16, ...) accumulated in dimension
-    order, added lane by lane, then the tail dims one by one. q [heads, rows, d] f32; bounds
-    [heads, pages, d] f32 (already expanded to the query heads)."""
+    order, added lane by lane, then the tail dims one by one. q [heads_q, rows, d] f32; bounds
+    [heads_kv, pages, d] f32 (query head h reads kv head h / (heads_q / heads_kv))."""
     heads, rows, d = q.shape
+    group = heads // page_min.shape[0]
     pages = page_min.shape[1]
     scores = torch.empty((heads, rows, pages), dtype=torch.float32, device=q.device)
     full = d - d % _LANES
     for h in range(heads):  # one head at a time: [rows, pages, 16] per step
-        qh, lo, hi = q[h][:, None, :], page_min[h][None], page_max[h][None]
+        qh, lo, hi = q[h][:, None, :], page_min[h // group][None], page_max[h // group][None]
         lanes = torch.zeros((rows, pages, _LANES), dtype=torch.float32, device=q.device)
         for t in range(0, full, _LANES):
             a, b = qh[..., t:t + _LANES] * hi[..., t:t + _LANES], qh[..., t:t + _LANES] * lo[..., t:t + _LANES]
@@ -746,9 +752,7 @@ def _rank_order(scores: torch.Tensor, pages: torch.Tensor, excluded: torch.Tenso
 
 def _quest_select(ctx: _Context, q: torch.Tensor, k: torch.Tensor, lens: List[int], page_size: int, budget: int,
                   force_first: bool, force_last: bool, bounds=None) -> QuestPlan:
-    heads_q, rows, d = q.shape[1], q.shape[2], q.shape[3]
-    heads_kv = k.shape[1]
-    group = heads_q // heads_kv
+    heads_q, rows = q.shape[1], q.shape[2]
     device = q.device
     local_pages = [-(-n // page_size) for n in lens]
     page_starts = _Shards.starts(local_pages)
@@ -767,8 +771,7 @@ def _quest_select(ctx: _Context, q: torch.Tensor, k: torch.Tensor, lens: List[in
     mine = local_pages[ctx.rank]
     first_page = page_starts[ctx.rank]
     page_min, page_max = bounds if bounds is not None else _page_bounds(k, page_size)
-    head_of = torch.arange(heads_q, device=device) // group
-    scores = _quest_scores(q[0].float(), page_min[head_of], page_max[head_of])  # [heads_q, rows, mine]
+    scores = _quest_scores(q[0].float(), page_min, page_max)  # [heads_q, rows, mine]
     global_page = torch.arange(first_page, first_page + mine, device=device).expand(heads_q, rows, mine)
     excluded = torch.zeros_like(global_page, dtype=torch.bool)
     for p in forced:

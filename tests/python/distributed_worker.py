@@ -124,6 +124,7 @@ def sequence_cases():
     plan = sparsa.BlockIndex(bq, bkv, counts, indices)
     ref_out, ref_lse = sparsa.block_sparse(q, k, v, plan)
     (ql, lo, hi), kl, vl = piece(q, bq), piece(k, bkv)[0], piece(v, bkv)[0]
+    report("shard", torch.equal(sd.shard(q, multiple=bq), ql) and torch.equal(sd.shard(k, multiple=bkv), kl))
     for schedule in ("ring", "allgather"):
         out, lse = sd.block_sparse(ql, kl, vl, plan, schedule=schedule)
         close(f"block_sparse/{schedule}", out, lse, ref_out[:, :, lo:hi], ref_lse[:, :, lo:hi], torch.float32, v.abs().max())

@@ -26,7 +26,7 @@ TIMEOUT_S = 120
 # The checks every rank must report (all must pass); those of a group of one process are the same
 # minus the ones that need a second rank.
 EVERY_WORLD = ["dense/ring/float32", "dense/allgather/float32", "dense/ring/bfloat16", "dense/ring/float16",
-               "block_sparse/ring", "block_sparse/allgather", "block_sparse/permuted", "ba_att_plan/sorted",
+               "shard", "block_sparse/ring", "block_sparse/allgather", "block_sparse/permuted", "ba_att_plan/sorted",
                "ba_att/sorted", "ba_att_plan/window", "ba_att/window", "ba_att_plan/unsorted", "ba_att/unsorted",
                "ba_att/bf16", "prefix/dense", "prefix/dense/bf16", "quest_plan/budget64/last",
                "prefix/quest/budget64/last", "quest_plan/budget96/first/last", "prefix/quest/budget96/first/last",
@@ -118,8 +118,7 @@ def test_quest_scores_match_the_core_bit_for_bit():
         pad = 21 * 16 - keys.shape[1]
         page_min = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("inf")).reshape(2, 21, 16, d).amin(2)
         page_max = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=-float("inf")).reshape(2, 21, 16, d).amax(2)
-        head_of = torch.arange(4) // 2
-        scores = sd._quest_scores(q[0], page_min[head_of], page_max[head_of])
+        scores = sd._quest_scores(q[0], page_min, page_max)
         for budget in (16, 48, 160):
             plan = sparsa.quest_plan(q.numpy(), cache, budget=budget, force_last=False)
             order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :budget // 16]

@@ -95,6 +95,13 @@ def sequence_cases():
             out, lse = sd.dense(ql, piece(k)[0], piece(v)[0], schedule=schedule)
             assert out.dtype == dtype and lse.dtype == torch.float32
             close(f"dense/{schedule}/{str(dtype)[6:]}", out, lse, ref_out[:, :, lo:hi], ref_lse[:, :, lo:hi], dtype, v.abs().max())
+    # Strided pieces (FlashAttention's [batch, seq, heads, d] passed as a transposed view).
+    q, k, v = inputs(7, 1, 4, 2, 19 * WORLD + 2, 17 * WORLD + 1, 32, torch.float32)
+    ref_out, ref_lse = sparsa.dense(q, k, v)
+    ql, lo, hi = piece(q)
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ql, piece(k)[0], piece(v)[0])]
+    out, lse = sd.dense(*views)
+    close("dense/strided", out, lse, ref_out[:, :, lo:hi], ref_lse[:, :, lo:hi], torch.float32, v.abs().max())
     # Negative control: merging every shard but one must fail the f32 bound.
     q, k, v = inputs(2, 1, 2, 1, 20 * WORLD, 20 * WORLD, 32, torch.float32)
     ref_out, ref_lse = sparsa.dense(q, k, v)

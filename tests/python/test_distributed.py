@@ -25,7 +25,7 @@ TIMEOUT_S = 120
 
 # The checks every rank must report (all must pass); those of a group of one process are the same
 # minus the ones that need a second rank.
-EVERY_WORLD = ["dense/ring/float32", "dense/allgather/float32", "dense/ring/bfloat16", "dense/ring/float16",
+EVERY_WORLD = ["dense/ring/float32", "dense/allgather/float32", "dense/ring/bfloat16", "dense/ring/float16", "dense/strided",
                "shard", "block_sparse/ring", "block_sparse/allgather", "block_sparse/permuted", "ba_att_plan/sorted",
                "ba_att/sorted", "ba_att_plan/window", "ba_att/window", "ba_att_plan/unsorted", "ba_att/unsorted",
                "ba_att/bf16", "prefix/dense", "prefix/dense/bf16", "quest_plan/budget64/last",

@@ -35,7 +35,7 @@ import sparsa
 from . import BlockIndex, PagedKVCache
 
 __all__ = ["shard_bounds", "shard", "dense", "block_sparse", "ba_att_plan", "ba_att", "prefix_attention",
-           "quest_plan", "QuestPlan", "PrefixShard", "Timings", "last_timings"]
+           "quest_plan", "QuestPlan", "PrefixShard", "LosaState", "Timings", "last_timings"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -866,3 +866,103 @@ def prefix_attention(q: torch.Tensor, cache, *, method: str = "dense", budget: i
         acc = _merge_into(acc, o, l)
     clock.lap("compute")
     return acc[0].to(q.dtype), acc[1]
+
+
+# ---- LoSA over a sharded prefix ----------------------------------------------------------------
+
+_LOSA_METHODS = ("losa", "dense", "quest", "reuse")
+
+
+class LosaState:
+    """:class:`sparsa.LosaState`'s semantics (docs/losa.md) over a prefix spread across the ranks:
+    per layer and current block, the prefix output ``o_p``, its LSE ``l_p`` and the query
+    ``q_ref`` each row was computed with (the same on every rank, f32, on q's device).
+
+    First step of a block: every row's prefix part, dense (:func:`prefix_attention`). Later steps
+    (``method="losa"``): the ``active_k`` rows whose query moved most (mean squared change over heads
+    and dims against ``q_ref``; or those above ``mse_threshold``) recompute theirs over the global
+    QUEST selection; the others keep theirs. Every step: attention over the block's own keys
+    (``k_block``, ``v_block``, the same on every rank), merged by LSE. ``method``: ``"losa"``,
+    ``"dense"`` (dense prefix every step), ``"quest"`` (QUEST every row every step) or ``"reuse"``
+    (LoSA's split, active rows dense). The prefix pieces are the caller's: after a block is
+    finished, append it to one rank's piece (keeping every piece but the last whole pages) and
+    call :meth:`begin_block`."""
+
+    def __init__(self, heads_q: int, heads_kv: int, head_dim: int, *, block_size: int = 16, method: str = "losa",
+                 budget: int = 256, force_first: bool = False, force_last: bool = True, active_k: int = 4,
+                 mse_threshold: Optional[float] = None, scale: Optional[float] = None, backend: str = "auto",
+                 group=None):
+        if method not in _LOSA_METHODS:
+            raise ValueError(f"method: expected one of {', '.join(_LOSA_METHODS)}, got {method!r}")
+        for name, value in (("heads_q", heads_q), ("heads_kv", heads_kv), ("head_dim", head_dim),
+                            ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if heads_q % heads_kv != 0:
+            raise ValueError(f"heads_q: {heads_q} is not a multiple of heads_kv {heads_kv}")
+        if mse_threshold is not None:
+            if not isinstance(mse_threshold, (int, float)) or not mse_threshold >= 0 or mse_threshold == float("inf"):
+                raise ValueError(f"mse_threshold: expected a finite number >= 0, got {mse_threshold!r}")
+        elif isinstance(active_k, bool) or not isinstance(active_k, int) or not 0 <= active_k <= block_size:
+            raise ValueError(f"active_k: expected 0 to block_size ({block_size}) active tokens per step, got {active_k!r}")
+        self.heads_q, self.heads_kv, self.head_dim, self.block_size = heads_q, heads_kv, head_dim, block_size
+        self.method, self.budget, self.force_first, self.force_last = method, budget, force_first, force_last
+        self.active_k, self.mse_threshold, self.scale, self.backend, self.group = \
+            active_k, mse_threshold, scale, backend, group
+        self.steps_in_block = 0
+        self.o_p = self.l_p = self.q_ref = None
+        self.stats: Optional[dict] = None
+
+    def _active_rows(self, q: torch.Tensor) -> Tuple[List[int], List[float]]:
+        diff = q[0].double() - self.q_ref[0].double()  # [heads, rows, d]
+        mse = ((diff * diff).sum(dim=(0, 2)) / (self.heads_q * self.head_dim)).tolist()
+        rows = range(self.block_size)
+        if self.mse_threshold is not None:
+            return [i for i in rows if mse[i] > self.mse_threshold or mse[i] != mse[i]], mse
+        # Larger MSE first (NaN first: a broken query must not hide as stable), ties to the lower row.
+        order = sorted(rows, key=lambda i: (0 if mse[i] != mse[i] else 1, -mse[i] if mse[i] == mse[i] else 0, i))
+        return sorted(order[:self.active_k]), mse
+
+    def step(self, cache, q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tensor):
+        """One denoising step of the current block: ``(out, lse)`` over prefix + block for q
+        ``[1, heads_q, block_size, head_dim]`` (the same on every rank); ``cache`` is this rank's
+        prefix piece (as in :func:`prefix_attention`). ``self.stats`` then holds ``recomputed``
+        (rows), ``mse`` and ``sparse`` (whether the prefix part went through QUEST)."""
+        want = (1, self.heads_q, self.block_size, self.head_dim)
+        for name, x, heads in (("q", q, self.heads_q), ("k_block", k_block, self.heads_kv),
+                               ("v_block", v_block, self.heads_kv)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            if tuple(x.shape) != (1, heads) + want[2:]:
+                raise ValueError(f"{name}: expected {[1, heads, *want[2:]]}, got {list(x.shape)}")
+        first = self.steps_in_block == 0
+        if first:
+            self.o_p = torch.zeros(want, dtype=torch.float32, device=q.device)
+            self.l_p = torch.full(want[:3], -float("inf"), dtype=torch.float32, device=q.device)
+            self.q_ref = torch.empty(want, dtype=q.dtype, device=q.device)
+        mse = [0.0] * self.block_size
+        if first or self.method in ("dense", "quest"):
+            rows = list(range(self.block_size))
+        else:
+            rows, mse = self._active_rows(q)
+        sparse = self.method == "quest" or (self.method == "losa" and not first)
+        # Every rank reaches the same rows (q and q_ref are the same everywhere), so every rank joins
+        # the collective below or none does.
+        if rows:
+            index = torch.tensor(rows, device=q.device)
+            q_rows = q.index_select(2, index)
+            out, lse = prefix_attention(q_rows, cache, method="quest" if sparse else "dense", budget=self.budget,
+                                        force_first=self.force_first, force_last=self.force_last, scale=self.scale,
+                                        backend=self.backend, group=self.group)
+            self.o_p[:, :, index] = out.float()
+            self.l_p[:, :, index] = lse
+            self.q_ref[:, :, index] = q_rows
+        o_block, l_block = sparsa.dense(q, k_block, v_block, scale=self.scale, backend=self.backend)
+        merged, merged_lse = sparsa.merge(self.o_p, self.l_p, o_block.float(), l_block)
+        self.steps_in_block += 1
+        self.stats = {"recomputed": rows, "mse": mse, "sparse": sparse}
+        return merged.to(q.dtype), merged_lse
+
+    def begin_block(self) -> None:
+        """The next step is the first (dense) step of a new block."""
+        self.steps_in_block = 0

@@ -220,6 +220,26 @@ def prefix_cases():
         timings = sd.last_timings
         report(f"timings/{label}", timings.plan > 0 and timings.compute > 0 and
                (timings.bytes_sent > 0) == (WORLD > 1), timings)
+    # LoSA over the sharded prefix against sparsa.LosaState over the whole cache: a block of 16
+    # rows denoised in 4 steps; each step every query drifts a little and 3 rows move a lot.
+    g = torch.Generator().manual_seed(9)
+    for method in ("losa", "reuse", "quest", "dense", "threshold"):
+        options = dict(method="losa", mse_threshold=0.5) if method == "threshold" else dict(method=method)
+        ref_state = sparsa.LosaState(8, 2, 64, block_size=16, budget=64, **options)
+        state = sd.LosaState(8, 2, 64, block_size=16, budget=64, **options)
+        qs = torch.randn(1, 8, 16, 64, generator=g)
+        for step in range(4):
+            if step:
+                qs = qs + 0.01 * torch.randn(qs.shape, generator=g)
+                moved = torch.randperm(16, generator=g)[:3]
+                qs[:, :, moved] += torch.randn(1, 8, 3, 64, generator=g)
+            kb, vb = torch.randn(1, 2, 16, 64, generator=g), torch.randn(1, 2, 16, 64, generator=g)
+            ref_out, ref_lse = ref_state.step(full, qs.numpy(), kb.numpy(), vb.numpy())
+            out, lse = state.step(local, qs, kb, vb)
+            close(f"losa/{method}/step{step}", out, lse, ref_out, ref_lse, torch.float32, max(v.abs().max(), vb.abs().max()))
+            report(f"losa/{method}/step{step}/rows", list(ref_state.stats["recomputed"]) == state.stats["recomputed"],
+                   f"{list(ref_state.stats['recomputed'])} vs {state.stats['recomputed']}")
+
     # Negative control: each rank keeping its own best budget/W pages is not QUEST's plan. Rank 0's
     # keys are planted to score high, so the global top set takes more than its even share there.
     if WORLD > 1:

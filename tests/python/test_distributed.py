@@ -31,7 +31,9 @@ EVERY_WORLD = ["dense/ring/float32", "dense/allgather/float32", "dense/ring/bflo
                "ba_att/bf16", "prefix/dense", "prefix/dense/bf16", "quest_plan/budget64/last",
                "prefix/quest/budget64/last", "quest_plan/budget96/first/last", "prefix/quest/budget96/first/last",
                "quest_plan/budget48/first", "quest_plan/budget16000/last", "prefix/quest/bf16/pair",
-               "prefix/quest/bf16/shard", "timings/pair", "timings/shard", "error/dtype-across-ranks",
+               "prefix/quest/bf16/shard", "timings/pair", "timings/shard",
+               *[f"losa/{m}/step{s}{rows}" for m in ("losa", "reuse", "quest", "dense", "threshold") for s in range(4)
+                 for rows in ("", "/rows")], "error/dtype-across-ranks",
                "error/head-dim-across-ranks", "error/not-a-tensor", "error/schedule", "error/budget",
                "error/plan-shape", "after-errors/dense"]
 MULTI_RANK = ["negative/dropped-shard", "negative/unshifted-columns", "negative/per-shard-top-pages",

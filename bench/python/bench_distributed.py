@@ -278,6 +278,27 @@ def bench_verify(args, device, dtype, rows):
     ref = sparsa.quest(q32, k32, v32, budget=args.budget, page_size=args.page_size)
     out, lse = sd.prefix_attention(q, shard, method="quest", budget=args.budget)
     check("prefix/quest", out.cpu(), lse.cpu(), ref[0], ref[1], v32, prefix)
+    # LoSA: three steps of one block (16 rows; 3 rows move a lot each step) against the core's
+    # LosaState on the CPU over the whole prefix.
+    block_rows = 16
+    ref_state = sparsa.LosaState(args.heads, heads_kv, args.head_dim, block_size=block_rows, budget=args.budget)
+    state = sd.LosaState(args.heads, heads_kv, args.head_dim, block_size=block_rows, budget=args.budget)
+    g = torch.Generator().manual_seed(args.seed + 4)
+    qs = torch.randn(1, args.heads, block_rows, args.head_dim, generator=g)
+    same_rows = True
+    for step in range(3):
+        if step:
+            qs = qs + 0.01 * torch.randn(qs.shape, generator=g)
+            qs[:, :, torch.randperm(block_rows, generator=g)[:3]] += torch.randn(1, args.heads, 3, args.head_dim, generator=g)
+        q_step = qs.to(dtype)
+        kb, vb = (torch.randn(1, heads_kv, block_rows, args.head_dim, generator=g).to(dtype) for _ in range(2))
+        ref = ref_state.step(cache, q_step.float().numpy(), kb.float().numpy(), vb.float().numpy())
+        out, lse = state.step(shard, q_step.to(device), kb.to(device), vb.to(device))
+        same_rows &= list(ref_state.stats["recomputed"]) == state.stats["recomputed"]
+        check(f"losa/step{step}", out.cpu(), lse.cpu(), torch.from_numpy(ref[0]), torch.from_numpy(ref[1]),
+              torch.cat([v32.flatten(), vb.float().flatten()]), prefix)
+    rows.append(row(case="verify", method="losa (equal active rows)", gpus=w, tokens=prefix,
+                    ok=gathered_max(0.0 if same_rows else 1.0, None, device) == 0.0))
 
 
 def main():

@@ -438,6 +438,10 @@ def _permuted_execute(ctx: _Context, q_all, k_all, v_all, plan: BlockIndex, shar
     device = q_all.device
     perm_q = plan.perm_q if plan.perm_q is not None else \
         torch.arange(len_q, dtype=torch.int32, device=device).expand(batch, heads_q, len_q)
+    if check_index and plan.perm_q is not None:  # the rows go home through perm_q: it must be one
+        identity = torch.arange(len_q, dtype=torch.int32, device=device).expand(batch, heads_q, len_q)
+        if not torch.equal(torch.sort(plan.perm_q, dim=-1).values, identity):
+            raise ValueError(f"index.perm_q: expected a permutation of 0..{len_q - 1} for every (batch, head)")
     starts = torch.tensor(_Shards.starts(shards.q_lens), device=device)
     owner = torch.bucketize(perm_q.long(), starts[1:], right=True)  # [batch, heads_q, len_q]
 

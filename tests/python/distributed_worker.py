@@ -284,6 +284,9 @@ def error_cases():
                  lambda: sd.prefix_attention(q[:, :, :4], (kl, vl), method="quest", budget=24))
     expect_error("error/plan-shape", ValueError, ["index.counts"],
                  lambda: sd.block_sparse(ql, kl, vl, sparsa.BlockIndex.full(1, 3, 5, 5, 16, 16)))
+    bad = sparsa.BlockIndex.full(1, 4, q.shape[2], k.shape[2], 16, 16)
+    bad.perm_q = np.zeros((1, 4, q.shape[2]), dtype=np.int32)  # not a permutation
+    expect_error("error/perm-q", ValueError, ["index.perm_q", "permutation"], lambda: sd.block_sparse(ql, kl, vl, bad))
     # After the errors the group still works (no rank is stuck in a collective).
     out, lse = sd.dense(ql, kl, vl)
     ref_out, ref_lse = sparsa.dense(q, k, v)

@@ -35,7 +35,7 @@ EVERY_WORLD = ["dense/ring/float32", "dense/allgather/float32", "dense/ring/bflo
                *[f"losa/{m}/step{s}{rows}" for m in ("losa", "reuse", "quest", "dense", "threshold") for s in range(4)
                  for rows in ("", "/rows")], "error/dtype-across-ranks",
                "error/head-dim-across-ranks", "error/not-a-tensor", "error/schedule", "error/budget",
-               "error/plan-shape", "after-errors/dense"]
+               "error/plan-shape", "error/perm-q", "after-errors/dense"]
 MULTI_RANK = ["negative/dropped-shard", "negative/unshifted-columns", "negative/per-shard-top-pages",
               "quest_plan/planted", "error/unaligned-shard", "error/queries-differ"]
 

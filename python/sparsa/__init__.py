@@ -702,10 +702,15 @@ def quest(q, k, v, *, budget: int = 256, page_size: int = 16, selector: str = "q
 def _host_result(like: Any, result: np.ndarray) -> Any:
     """A numpy result of a CPU-only method as the array type of ``like``."""
     fw = _framework(like)
+    # A bf16 result comes as its raw uint16 bits (numpy has no bfloat16): viewed back as bf16.
+    bf16 = result.dtype == np.uint16 and "bfloat16" in str(getattr(like, "dtype", ""))
     if fw == "torch":
         import torch
 
-        return torch.from_numpy(result)
+        t = torch.from_numpy(result)
+        return t.view(torch.bfloat16) if bf16 else t
+    if bf16 and fw == "numpy":
+        return result.view(like.dtype)
     return _finish(like, result)
 
 

@@ -158,7 +158,9 @@ nb::ndarray<nb::numpy> to_numpy(HostArray&& array) {
     case DType::f32: dt = nb::dtype<float>(); break;
     case DType::i32: dt = nb::dtype<int32_t>(); break;
     case DType::f16: dt = {uint8_t(nb::dlpack::dtype_code::Float), 16, 1}; break;
-    case DType::bf16: dt = {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1}; break;
+    // numpy has no bfloat16 (an array of that dtype arrives as a 0-d object): the raw bits as
+    // uint16, which the package views as bf16 in the caller's framework (_host_result).
+    case DType::bf16: dt = nb::dtype<uint16_t>(); break;
   }
   return nb::ndarray<nb::numpy>(owned->data(), shape.size(), shape.data(), owner, nullptr, dt);
 }

@@ -530,6 +530,20 @@ TEST(CudaLlsa, ClearErrors) {
   o.check_finite = true;
   st = llsa_forward(q.t, q.t, q.t, out.t, lse.t, o);
   EXPECT_NE(st.message().find("check_finite"), std::string::npos) << st.to_string();
+  o.check_finite = false;
+  // Host memory labelled as a cuda tensor: refused by the pointer check, naming the argument.
+  HostArray host_k(DType::bf16, {1, 2, 64, 64});
+  Tensor fake = host_k.view();
+  fake.device = Device{DeviceType::cuda, 0};
+  st = llsa_forward(q.t, fake, q.t, out.t, lse.t, o);
+  EXPECT_EQ(st.message().rfind("k:", 0), 0u) << st.to_string();
+  HostArray host_dq(DType::bf16, {1, 2, 64, 64});
+  Tensor fake_dq = host_dq.view();
+  fake_dq.device = Device{DeviceType::cuda, 0};
+  ASSERT_TRUE(llsa_forward(q.t, q.t, q.t, out.t, lse.t, o).ok());
+  DeviceTensor gk(c, 2, nullptr, DType::bf16), gv(c, 2, nullptr, DType::bf16);
+  st = llsa_backward(q.t, q.t, q.t, out.t, lse.t, q.t, fake_dq, gk.t, gv.t, o);
+  EXPECT_EQ(st.message().rfind("dq:", 0), 0u) << st.to_string();
 }
 
 }  // namespace

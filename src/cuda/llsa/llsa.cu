@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/common/check.h"
@@ -449,6 +450,8 @@ Status plan(const Tensor& q, const Tensor& k_, const LlsaOptions& o, int levels,
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(q.device.id));
   auto stream = static_cast<cudaStream_t>(o.stream);
+  SPARSA_RETURN_IF_ERROR(cuda::detail::check_pointer("q", q.data, q.device.id, o.stream));
+  SPARSA_RETURN_IF_ERROR(cuda::detail::check_pointer("k", k_.data, q.device.id, o.stream));
   *out = llsa_detail::empty_plan(q, k_, o, levels);
   if (q.shape[2] == 0) return {};
   DevicePlan dp;
@@ -471,10 +474,25 @@ Status plan(const Tensor& q, const Tensor& k_, const LlsaOptions& o, int levels,
   return {};
 }
 
+// Every tensor of the call is device memory of q's device (a tensor's device field is the caller's
+// word; the pointer is checked).
+Status check_pointers(const Call& c) {
+  const std::pair<const char*, const Tensor*> all[] = {{"q", &c.q},     {"k", &c.k},   {"v", &c.v},
+                                                       {"out", &c.out}, {"lse", &c.lse}, {"d_o", &c.d_o},
+                                                       {"dq", &c.dq},   {"dk", &c.dk}, {"dv", &c.dv}};
+  for (auto [name, t] : all) {
+    if (t->data != nullptr && t->numel() > 0) {
+      SPARSA_RETURN_IF_ERROR(cuda::detail::check_pointer(name, t->data, c.q.device.id, c.options.stream));
+    }
+  }
+  return {};
+}
+
 Status forward(const Call& c, const LlsaPlan* host_plan) {
   if (c.q.shape[2] == 0) return {};
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(c.q.device.id));
+  SPARSA_RETURN_IF_ERROR(check_pointers(c));
   auto stream = static_cast<cudaStream_t>(c.options.stream);
   return with_dtype(c.q.dtype, [&](auto t) {
     using T = decltype(t);
@@ -488,6 +506,7 @@ Status backward(const Call& c, const LlsaPlan* host_plan) {
   if (c.q.shape[2] == 0) return {};
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(c.q.device.id));
+  SPARSA_RETURN_IF_ERROR(check_pointers(c));
   auto stream = static_cast<cudaStream_t>(c.options.stream);
   return with_dtype(c.q.dtype, [&](auto t) {
     using T = decltype(t);

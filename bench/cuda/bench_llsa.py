@@ -19,7 +19,6 @@ its peak (polled every 0.2 ms by a second thread; sparsa's scratch comes from it
 pool, not torch's allocator), minus what was in use before.
 """
 import argparse
-import statistics
 import sys
 import threading
 import time
@@ -30,23 +29,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparsa
 import sparsa.torch as st
+from bench_attention import time_torch  # the same CUDA-event timing as the executor benchmark
 
 CEILING = 790.0  # bf16 TFLOP/s measured on this H200 kind (8192^3 matmul)
 
 
 def time_ms(fn, iters, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return time_torch(fn, iters, warmup)
 
 
 def rel(a, b):

@@ -488,31 +488,30 @@ Status check_pointers(const Call& c) {
   return {};
 }
 
-Status forward(const Call& c, const LlsaPlan* host_plan) {
+// The call on q's device, its pointers checked, run as run<T, D>(call, host_plan, device, stream).
+template <class Run>
+Status dispatch(const Call& c, Run&& run) {
   if (c.q.shape[2] == 0) return {};
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(c.q.device.id));
   SPARSA_RETURN_IF_ERROR(check_pointers(c));
   auto stream = static_cast<cudaStream_t>(c.options.stream);
   return with_dtype(c.q.dtype, [&](auto t) {
-    using T = decltype(t);
     return with_head_dim(c.q.shape[3], [&](auto dim) {
-      return forward_typed<T, decltype(dim)::value>(c, host_plan, c.q.device.id, stream);
+      return run(t, dim, c.q.device.id, stream);
     });
   });
 }
 
+Status forward(const Call& c, const LlsaPlan* host_plan) {
+  return dispatch(c, [&](auto t, auto dim, int device, cudaStream_t stream) {
+    return forward_typed<decltype(t), decltype(dim)::value>(c, host_plan, device, stream);
+  });
+}
+
 Status backward(const Call& c, const LlsaPlan* host_plan) {
-  if (c.q.shape[2] == 0) return {};
-  DeviceGuard guard;
-  SPARSA_RETURN_IF_ERROR(guard.enter(c.q.device.id));
-  SPARSA_RETURN_IF_ERROR(check_pointers(c));
-  auto stream = static_cast<cudaStream_t>(c.options.stream);
-  return with_dtype(c.q.dtype, [&](auto t) {
-    using T = decltype(t);
-    return with_head_dim(c.q.shape[3], [&](auto dim) {
-      return backward_typed<T, decltype(dim)::value>(c, host_plan, c.q.device.id, stream);
-    });
+  return dispatch(c, [&](auto t, auto dim, int device, cudaStream_t stream) {
+    return backward_typed<decltype(t), decltype(dim)::value>(c, host_plan, device, stream);
   });
 }
 

@@ -4,12 +4,12 @@
 Inputs are ``[batch, heads, N, head_dim]`` with the tokens in the model's layout order (Z-order
 for images), which LLSA's pooling and BA-Att's blocks need and full attention ignores.
 
-sparsa's LLSA runs on the CPU only for now (its CUDA kernels are a separate piece of work), and
-BA-Att's CUDA executor takes bf16/f16 with head_dim 64 or 128 only. So on CUDA tensors both run
-through the CPU op: q, k and v are copied to the host in float32, attended there, and the output
-is copied back to the device in the input dtype. The copies are ordinary differentiable torch
-ops, so LLSA's gradients flow back to the device tensors. This is correct on every device and
-slow on a GPU; once sparsa's LLSA has CUDA kernels, the host round trip goes.
+On CUDA tensors with head_dim 64 or 128, LLSA runs on the device (sparsa's CUDA kernels, forward
+and backward), in bf16 or f16: float32 inputs are cast to bf16 for the call and the output cast
+back (both differentiable). Other head dims, and BA-Att (training-free; its CUDA executor is not
+wired here), run through the CPU op: q, k and v are copied to the host in float32, attended there,
+and the output is copied back to the device in the input dtype. The copies are ordinary
+differentiable torch ops, so gradients flow back to the device tensors.
 """
 from __future__ import annotations
 
@@ -72,6 +72,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     if spec.kind == "llsa":
         import sparsa.torch as sparsa_torch
 
+        if q.is_cuda and q.shape[-1] in (64, 128):
+            half = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+            out = sparsa_torch.llsa_attention(q.to(half), k.to(half), v.to(half), block=spec.block,
+                                              topk=spec.topk, levels=spec.levels, dedupe=spec.dedupe)
+            return out.to(dtype)
         # The custom op (sparsa::llsa) takes no thread count: sparsa's CPU path uses every core.
         out = sparsa_torch.llsa_attention(_host(q), _host(k), _host(v), block=spec.block, topk=spec.topk,
                                           levels=spec.levels, dedupe=spec.dedupe)

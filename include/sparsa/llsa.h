@@ -58,7 +58,11 @@ struct LlsaOptions {
   std::optional<float> scale;    // default 1/sqrt(head_dim)
   Backend backend = Backend::cpu;
   int num_threads = 0;           // cpu backend; 0 = hardware concurrency
-  bool check_finite = false;     // refuse NaN/Inf in the inputs
+  bool check_finite = false;     // refuse NaN/Inf in the inputs (host backends)
+  // cuda backend: the stream (a cudaStream_t) every kernel, allocation and copy of the call is
+  // ordered on; null is the legacy default stream. Outputs are ready for work queued on it after
+  // the call. The cuda backend takes bf16/f16, head_dim 64 or 128, topk <= 64.
+  void* stream = nullptr;
 };
 
 // The paper's L = floor(log_B N) - 1, at least 1: the largest L with B^(L+1) <= N.
@@ -99,11 +103,18 @@ struct LlsaPlan {
   BlockIndexBuffer fine_index() const;
 };
 
+// The selection. Backend cuda: built on q's device and copied back into the host arrays (this
+// synchronises options.stream).
 Result<LlsaPlan> llsa_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options = {});
 
-// Forward: O (dtype of q) and LSE (f32), into caller outputs or allocated.
+// Forward: O (dtype of q) and LSE (f32), into caller outputs or allocated (host outputs; the
+// cuda backend writes caller outputs on the device). With a plan the executor follows it (its
+// block, topk, levels, enrich and dedupe); without, the plan is built from q and k first — on
+// the cuda backend on the device, with no host round trip.
 Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaPlan& plan,
                     const Tensor& out, const Tensor& lse, const LlsaOptions& options = {});
+Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                    const LlsaOptions& options = {});
 Result<AttentionOutput> llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const LlsaOptions& options = {});
 

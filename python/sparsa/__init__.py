@@ -544,7 +544,7 @@ def llsa(q, k, v, *, block: int = 16, topk: int = 8, levels: int = -1, enrich: b
     Returns ``(out, lse)``."""
     out, lse = _outputs(q, out, lse)
     _core.llsa_forward(q, k, v, out, lse, block, topk, levels, enrich, dedupe, scale, backend, num_threads,
-                       check_finite)
+                       check_finite, _stream(q, None))
     return _finish(q, out), _finish(q, lse)
 
 
@@ -557,7 +557,7 @@ def llsa_backward(q, k, v, out, lse, d_out, *, block: int = 16, topk: int = 8, l
     dk = _empty(k, _shape(k), float32=False)
     dv = _empty(v, _shape(v), float32=False)
     _core.llsa_backward(q, k, v, out, lse, d_out, dq, dk, dv, block, topk, levels, enrich, dedupe, scale, backend,
-                        num_threads)
+                        num_threads, _stream(q, None))
     return _finish(q, dq), _finish(q, dk), _finish(q, dv)
 
 
@@ -565,7 +565,7 @@ def llsa_plan(q, k, *, block: int = 16, topk: int = 8, levels: int = -1, enrich:
               dedupe: bool = False, max_rows: int = 8) -> dict:
     """The LLSA selection plan: ``levels``, ``level_len``, ``keys_per_query``, a printable
     ``text`` of (batch 0, head 0) and ``index``, the fine-level BlockIndex."""
-    plan = _core.llsa_plan(q, k, block, topk, levels, enrich, dedupe, max_rows)
+    plan = _core.llsa_plan(q, k, block, topk, levels, enrich, dedupe, max_rows, _stream(q, None))
     plan["index"] = BlockIndex(plan["block"], plan["block"], plan.pop("counts"), plan.pop("indices"))
     return plan
 
@@ -905,10 +905,15 @@ def quest(q, k, v, *, budget: int = 256, page_size: int = 16, selector: str = "q
 def _host_result(like: Any, result: np.ndarray) -> Any:
     """A numpy result of a CPU-only method as the array type of ``like``."""
     fw = _framework(like)
+    # A bf16 result comes as its raw uint16 bits (numpy has no bfloat16): viewed back as bf16.
+    bf16 = result.dtype == np.uint16 and "bfloat16" in str(getattr(like, "dtype", ""))
     if fw == "torch":
         import torch
 
-        return torch.from_numpy(result)
+        t = torch.from_numpy(result)
+        return t.view(torch.bfloat16) if bf16 else t
+    if bf16 and fw == "numpy":
+        return result.view(like.dtype)
     return _finish(like, result)
 
 

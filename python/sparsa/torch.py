@@ -295,15 +295,16 @@ def _llsa_keywords(block, topk, levels, enrich, dedupe, scale) -> dict:
     return dict(block=block, topk=topk, levels=levels, enrich=enrich, dedupe=dedupe, scale=scale)
 
 
-def _no_cuda_llsa(*args, **kwargs):
-    raise NotImplementedError("q: sparsa's LLSA runs on the CPU (no CUDA backend yet); move q, k, v to the CPU")
+def _llsa_backend(q: torch.Tensor) -> str:
+    # The cuda backend takes bf16/f16 (f32 tensors on a GPU get its clear dtype error).
+    return "cuda" if q.is_cuda else "cpu"
 
 
-@torch.library.custom_op("sparsa::llsa", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("sparsa::llsa", mutates_args=(), device_types=("cpu", "cuda"))
 def _llsa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 16, topk: int = 8, levels: int = -1,
              enrich: bool = True, dedupe: bool = False, scale: Optional[float] = None
              ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return sparsa.llsa(q, k, v, backend="cpu", **_llsa_keywords(block, topk, levels, enrich, dedupe, scale))
+    return sparsa.llsa(q, k, v, backend=_llsa_backend(q), **_llsa_keywords(block, topk, levels, enrich, dedupe, scale))
 
 
 @_llsa_op.register_fake
@@ -311,22 +312,18 @@ def _llsa_fake(q, k, v, block=16, topk=8, levels=-1, enrich=True, dedupe=False, 
     return _attention_outputs(q)
 
 
-@torch.library.custom_op("sparsa::llsa_backward", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("sparsa::llsa_backward", mutates_args=(), device_types=("cpu", "cuda"))
 def _llsa_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                       d_out: torch.Tensor, block: int = 16, topk: int = 8, levels: int = -1, enrich: bool = True,
                       dedupe: bool = False, scale: Optional[float] = None
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return sparsa.llsa_backward(q, k, v, out, lse, d_out.contiguous(), backend="cpu",
+    return sparsa.llsa_backward(q, k, v, out, lse, d_out.contiguous(), backend=_llsa_backend(q),
                                 **_llsa_keywords(block, topk, levels, enrich, dedupe, scale))
 
 
 @_llsa_backward_op.register_fake
 def _llsa_backward_fake(q, k, v, out, lse, d_out, block=16, topk=8, levels=-1, enrich=True, dedupe=False, scale=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-_llsa_op.register_kernel("cuda")(_no_cuda_llsa)
-_llsa_backward_op.register_kernel("cuda")(_no_cuda_llsa)
 
 
 def _llsa_setup_context(ctx, inputs, output):

@@ -158,7 +158,9 @@ nb::ndarray<nb::numpy> to_numpy(HostArray&& array) {
     case DType::f32: dt = nb::dtype<float>(); break;
     case DType::i32: dt = nb::dtype<int32_t>(); break;
     case DType::f16: dt = {uint8_t(nb::dlpack::dtype_code::Float), 16, 1}; break;
-    case DType::bf16: dt = {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1}; break;
+    // numpy has no bfloat16 (an array of that dtype arrives as a 0-d object): the raw bits as
+    // uint16, which the package views as bf16 in the caller's framework (_host_result).
+    case DType::bf16: dt = nb::dtype<uint16_t>(); break;
   }
   return nb::ndarray<nb::numpy>(owned->data(), shape.size(), shape.data(), owner, nullptr, dt);
 }
@@ -368,8 +370,10 @@ NB_MODULE(_sparsa, m) {
 
   // ---- LLSA ----
   auto llsa_options = [](int block, int topk, int levels, bool enrich, bool dedupe, std::optional<float> scale,
-                         const std::string& backend, int num_threads, bool check_finite, const Tensor& q) {
+                         const std::string& backend, int num_threads, bool check_finite, const Tensor& q,
+                         uintptr_t stream = 0) {
     LlsaOptions o;
+    o.stream = reinterpret_cast<void*>(stream);
     o.block = block;
     o.topk = topk;
     o.levels = levels;
@@ -385,40 +389,41 @@ NB_MODULE(_sparsa, m) {
       "llsa_forward",
       [llsa_options](InArray q, InArray k, InArray v, OutArray out, OutArray lse, int block, int topk, int levels,
                      bool enrich, bool dedupe, std::optional<float> scale, const std::string& backend,
-                     int num_threads, bool check_finite) {
+                     int num_threads, bool check_finite, uintptr_t stream) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         const LlsaOptions o = llsa_options(block, topk, levels, enrich, dedupe, scale, backend, num_threads,
-                                           check_finite, tq);
+                                           check_finite, tq, stream);
         nb::gil_scoped_release release;
-        const LlsaPlan plan = take(llsa_plan(tq, tk, o));
-        check(llsa_forward(tq, tk, tv, plan, to, tl, o));
+        check(llsa_forward(tq, tk, tv, to, tl, o));
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true,
       "dedupe"_a = false, "scale"_a = nb::none(), "backend"_a = "auto", "num_threads"_a = 0,
-      "check_finite"_a = false, "LLSA forward (O and LSE) into caller-provided outputs.");
+      "check_finite"_a = false, "stream"_a = 0,
+      "LLSA forward (O and LSE) into caller-provided outputs; on cuda the plan is built on the device.");
   m.def(
       "llsa_backward",
       [llsa_options](InArray q, InArray k, InArray v, InArray out, InArray lse, InArray d_o, OutArray dq,
                      OutArray dk, OutArray dv, int block, int topk, int levels, bool enrich, bool dedupe,
-                     std::optional<float> scale, const std::string& backend, int num_threads) {
+                     std::optional<float> scale, const std::string& backend, int num_threads, uintptr_t stream) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v");
         const Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse"), tdo = to_tensor(d_o, "d_o");
         const Tensor tdq = to_tensor(dq, "dq"), tdk = to_tensor(dk, "dk"), tdv = to_tensor(dv, "dv");
         const LlsaOptions o =
-            llsa_options(block, topk, levels, enrich, dedupe, scale, backend, num_threads, false, tq);
+            llsa_options(block, topk, levels, enrich, dedupe, scale, backend, num_threads, false, tq, stream);
         nb::gil_scoped_release release;
         check(llsa_backward(tq, tk, tv, to, tl, tdo, tdq, tdk, tdv, o));
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "d_o"_a, "dq"_a, "dk"_a, "dv"_a, "block"_a = 16, "topk"_a = 8,
       "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false, "scale"_a = nb::none(), "backend"_a = "auto",
-      "num_threads"_a = 0, "LLSA backward: dq, dk, dv given the forward's out, lse and d_o.");
+      "num_threads"_a = 0, "stream"_a = 0, "LLSA backward: dq, dk, dv given the forward's out, lse and d_o.");
   m.def(
       "llsa_plan",
       [llsa_options](InArray q, InArray k, int block, int topk, int levels, bool enrich, bool dedupe,
-                     int64_t max_rows) {
+                     int64_t max_rows, uintptr_t stream) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
-        const LlsaOptions o = llsa_options(block, topk, levels, enrich, dedupe, std::nullopt, "auto", 0, false, tq);
+        const LlsaOptions o =
+            llsa_options(block, topk, levels, enrich, dedupe, std::nullopt, "auto", 0, false, tq, stream);
         LlsaPlan plan = take(llsa_plan(tq, tk, o));
         BlockIndexBuffer fine = plan.fine_index();
         nb::dict d;
@@ -433,7 +438,7 @@ NB_MODULE(_sparsa, m) {
         return d;
       },
       "q"_a, "k"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false,
-      "max_rows"_a = 8, "The LLSA selection plan: levels, keys per query, the fine BlockIndex, a printout.");
+      "max_rows"_a = 8, "stream"_a = 0, "The LLSA selection plan: levels, keys per query, the fine BlockIndex, a printout.");
 
   // ---- block selectors: BA-Att (CPU or cuda) and XAttention (CPU) ----
   auto ba_att_options = [](int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,

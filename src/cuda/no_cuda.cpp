@@ -39,3 +39,14 @@ Status sparse_prefix(const StepArgs&) { return not_compiled(); }
 Status clear_plan(const StepArgs&) { return not_compiled(); }
 Status block_merge(const StepArgs&, bool) { return not_compiled(); }
 }  // namespace sparsa::losa_cuda
+
+#include "methods/llsa/internal.h"
+
+namespace sparsa::llsa_cuda {
+static Status not_compiled() { return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"}; }
+Status check(const Tensor&, const Tensor&, int, const LlsaOptions&) { return not_compiled(); }
+Status plan(const Tensor&, const Tensor&, const LlsaOptions&, int, LlsaPlan*) { return not_compiled(); }
+Status forward(const Call&, const LlsaPlan*) { return not_compiled(); }
+Status backward(const Call&, const LlsaPlan*) { return not_compiled(); }
+int last_forward_rung() { return 0; }
+}  // namespace sparsa::llsa_cuda

@@ -169,3 +169,18 @@ def test_losa_state_and_quest_on_cpu_torch_tensors():
     out, lse = sparsa.quest(q, k[:, ::2].float(), v[:, ::2].float(), budget=16 * 5)  # every page
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v)
     assert isinstance(out, torch.Tensor) and (out.double() - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_quest_on_bf16_torch_returns_bf16():
+    """quest's result comes back from the core in q's dtype; numpy has no bfloat16, so the bits
+    travel as uint16 and are viewed back. The same inputs in f32 give the same output up to the
+    output's own bf16 rounding (2^-8 relative), since quest computes in f32 either way."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 4, 64, generator=g).bfloat16()
+    k = torch.randn(1, 1, 100, 64, generator=g).bfloat16()
+    v = torch.randn(1, 1, 100, 64, generator=g).bfloat16()
+    out, lse = sparsa.quest(q, k, v, budget=32)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.dtype == torch.float32
+    ref, ref_lse = sparsa.quest(q.float(), k.float(), v.float(), budget=32)
+    assert torch.allclose(out.float(), ref, rtol=2 ** -8, atol=1e-6)
+    assert torch.equal(lse, ref_lse)

@@ -58,12 +58,10 @@ def test_ops_on_cuda_match_the_cpu():
     assert rel(gpu["block_sparse"].cpu(), ref) < BF16 and rel(gpu["ba_att"].cpu(), ref) < BF16
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: a plan that ba_att_plan makes inside a torch.cuda.graph capture comes from sparsa's "
-    "stream-ordered pool, whose capture-time addresses cudaPointerGetAttributes does not report as "
-    "device memory, so block_sparse's pointer check refuses them ('index.counts: expected memory of "
-    "cuda:0, got host memory', H200, 2026-12-01); plans made before the capture are the workaround"))
 def test_cuda_graph_capture_and_replay():
+    """A plan made inside a torch.cuda.graph capture comes from sparsa's stream-ordered pool, whose
+    capture-time addresses CUDA does not know yet: block_sparse's pointer check accepts unknown
+    memory while the call's stream is capturing (it refused it before)."""
     q, k, v = inputs(1)
     static = [t.clone() for t in (q, k, v)]
     side = torch.cuda.Stream()

@@ -408,11 +408,11 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   SPARSA_RETURN_IF_ERROR(detail::check_device_id("q", device));
   detail::DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
-  SPARSA_RETURN_IF_ERROR(check_pointer("q", a.q, device));
-  SPARSA_RETURN_IF_ERROR(check_pointer("k", a.k, device));
-  SPARSA_RETURN_IF_ERROR(check_pointer("v", a.v, device));
-  SPARSA_RETURN_IF_ERROR(check_pointer("out", a.out, device));
-  SPARSA_RETURN_IF_ERROR(check_pointer("lse", a.lse, device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("q", a.q, device, a.stream));
+  SPARSA_RETURN_IF_ERROR(check_pointer("k", a.k, device, a.stream));
+  SPARSA_RETURN_IF_ERROR(check_pointer("v", a.v, device, a.stream));
+  SPARSA_RETURN_IF_ERROR(check_pointer("out", a.out, device, a.stream));
+  SPARSA_RETURN_IF_ERROR(check_pointer("lse", a.lse, device, a.stream));
 
   FlashParams p;
   p.q = a.q;
@@ -446,8 +446,8 @@ Status attention(const sparsa::detail::AttentionParams& a) {
 
   if (a.index != nullptr) {
     const BlockIndex& ix = *a.index;
-    SPARSA_RETURN_IF_ERROR(check_pointer("index.counts", ix.counts.data, device));
-    if (ix.indices.numel() > 0) SPARSA_RETURN_IF_ERROR(check_pointer("index.indices", ix.indices.data, device));
+    SPARSA_RETURN_IF_ERROR(check_pointer("index.counts", ix.counts.data, device, a.stream));
+    if (ix.indices.numel() > 0) SPARSA_RETURN_IF_ERROR(check_pointer("index.indices", ix.indices.data, device, a.stream));
     p.block_q = ix.block_q;
     p.block_kv = ix.block_kv;
     p.num_q_blocks = static_cast<int>(ix.num_q_blocks);
@@ -459,12 +459,12 @@ Status attention(const sparsa::detail::AttentionParams& a) {
     for (int d = 0; d < 4; ++d) p.indices_stride[d] = ix.indices.strides[d];
     if (p.capacity == 0) p.counts = nullptr, p.num_kv_blocks = 0;  // nothing to visit: dense over 0 tiles
     if (ix.perm_q.defined()) {
-      SPARSA_RETURN_IF_ERROR(check_pointer("index.perm_q", ix.perm_q.data, device));
+      SPARSA_RETURN_IF_ERROR(check_pointer("index.perm_q", ix.perm_q.data, device, a.stream));
       p.perm_q = static_cast<const int32_t*>(ix.perm_q.data);
       for (int d = 0; d < 3; ++d) p.perm_q_stride[d] = ix.perm_q.strides[d];
     }
     if (ix.perm_kv.defined()) {
-      SPARSA_RETURN_IF_ERROR(check_pointer("index.perm_kv", ix.perm_kv.data, device));
+      SPARSA_RETURN_IF_ERROR(check_pointer("index.perm_kv", ix.perm_kv.data, device, a.stream));
       p.perm_kv = static_cast<const int32_t*>(ix.perm_kv.data);
       for (int d = 0; d < 3; ++d) p.perm_kv_stride[d] = ix.perm_kv.strides[d];
     }

@@ -87,7 +87,7 @@ Status merge(const sparsa::detail::MergeParams& p, void* stream) {
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
   const std::pair<const char*, const void*> ptrs[] = {{"o1", o1.data},     {"lse1", p.lse1.data}, {"o2", p.o2.data},
                                                       {"lse2", p.lse2.data}, {"out", p.out.data}, {"lse", p.lse.data}};
-  for (auto [name, ptr] : ptrs) SPARSA_RETURN_IF_ERROR(detail::check_pointer(name, ptr, device));
+  for (auto [name, ptr] : ptrs) SPARSA_RETURN_IF_ERROR(detail::check_pointer(name, ptr, device, stream));
   MergeArgs a{};
   a.o1 = o1.data;
   a.o2 = p.o2.data;

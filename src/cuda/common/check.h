@@ -33,15 +33,33 @@ inline Status cuda_status(cudaError_t err, const char* what, const char* file, i
 
 namespace sparsa::cuda::detail {
 
+// Whether work queued on `stream` (a cudaStream_t; null: the legacy default stream, never captured
+// on its own) is being captured into a CUDA graph.
+inline bool capturing(void* stream) {
+  if (stream == nullptr) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return status == cudaStreamCaptureStatusActive;
+}
+
 // `name`'s memory must be device (or managed) memory of `device`; the error names the argument.
-inline Status check_pointer(const char* name, const void* ptr, int device) {
+// While `stream` is being captured, memory CUDA does not know yet is accepted: what the capture
+// itself allocates from a stream-ordered pool (a plan made inside the capture) has no attributes
+// until the graph is instantiated. A host pointer passed during a capture then faults at replay
+// instead of being refused here.
+inline Status check_pointer(const char* name, const void* ptr, int device, void* stream = nullptr) {
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
   if (err != cudaSuccess) {
     cudaGetLastError();
+    if (capturing(stream)) return {};
     return invalid_argument(std::string(name) + ": expected memory of cuda:" + std::to_string(device) +
                             ", the pointer is unknown to CUDA (" + cudaGetErrorName(err) + ")");
   }
+  if (attr.type == cudaMemoryTypeUnregistered && capturing(stream)) return {};
   if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != device) {
     const std::string got = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged
                                 ? "cuda:" + std::to_string(attr.device)

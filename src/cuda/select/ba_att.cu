@@ -594,8 +594,8 @@ Status run(const Request& r, BlockIndexBuffer* plan, HostArray* host_logits, Dev
   SPARSA_RETURN_IF_ERROR(sparsa::cuda::detail::check_device_id("q", device));
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
-  SPARSA_RETURN_IF_ERROR(check_pointer("q", p.q.data, device));
-  SPARSA_RETURN_IF_ERROR(check_pointer("k", p.k.data, device));
+  SPARSA_RETURN_IF_ERROR(check_pointer("q", p.q.data, device, r.stream));
+  SPARSA_RETURN_IF_ERROR(check_pointer("k", p.k.data, device, r.stream));
   switch (p.q.dtype) {
     case DType::bf16: return run_typed<__nv_bfloat16>(r, plan, perm_q, perm_kv, host_logits);
     case DType::f16: return run_typed<__half>(r, plan, perm_q, perm_kv, host_logits);

@@ -112,6 +112,8 @@ void for_each_key_run(const LlsaPlan& plan, int64_t b, int64_t h, int64_t qb, F&
   emit(L, 0, plan.level_len[L], plan.dedupe ? L : 0);
 }
 
+// A plan's shape for q and k with its pick arrays allocated (picks -1, counts 0).
+LlsaPlan empty_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int levels);
 // Pooling (f32) and coarse-to-fine selection; inputs validated, levels resolved.
 LlsaPlan build_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int levels);
 
@@ -142,3 +144,25 @@ Status cpu_forward(const CpuArgs& args, const LlsaPlan& plan, bool* not_finite);
 Status cpu_backward(const CpuArgs& args, const LlsaPlan& plan);
 
 }  // namespace sparsa::llsa_detail
+
+// ---- the cuda backend (src/cuda/llsa/llsa.cu) ------------------------------------------
+namespace sparsa::llsa_cuda {
+// One call's validated tensors (every one on q's CUDA device), levels and scale resolved.
+struct Call {
+  Tensor q, k, v, out, lse;  // out, lse: the forward's outputs, the backward's inputs
+  Tensor d_o, dq, dk, dv;    // the backward
+  float scale = 1.0f;
+  int levels = 1;
+  LlsaOptions options;
+};
+// What the cuda backend cannot run (dtype, head_dim, topk, sizes): a clear error.
+Status check(const Tensor& q, const Tensor& k, int levels, const LlsaOptions& options);
+// The plan built on the device, copied into host arrays (synchronises options.stream).
+Status plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int levels, LlsaPlan* out);
+// host_plan null: the plan is built on the device (no round trip); else its picks are uploaded.
+Status forward(const Call& call, const LlsaPlan* host_plan);
+Status backward(const Call& call, const LlsaPlan* host_plan);
+// The forward rung this thread's last cuda forward ran (1: per-warp streams, 2: shared coarse
+// keys; 0: none yet). SPARSA_LLSA_FORWARD_RUNG=1 in the environment forces rung 1.
+int last_forward_rung();
+}  // namespace sparsa::llsa_cuda

@@ -31,16 +31,23 @@ Status check_options(const LlsaOptions& o) {
   if (o.scale && (!std::isfinite(*o.scale) || *o.scale <= 0.0f)) {
     return invalid_argument("scale: expected a finite positive number, got " + std::to_string(*o.scale));
   }
-  if (o.backend == Backend::cuda) {
-    return {StatusCode::unsupported, "backend: llsa has no cuda kernels yet; use cpu or cpu_ref"};
+  SPARSA_RETURN_IF_ERROR(backend_status(o.backend));
+  if (o.backend == Backend::cuda && o.check_finite) {
+    return {StatusCode::unsupported, "check_finite: not available on the cuda backend (scan on the host first)"};
   }
   return {};
 }
 
+// Where every tensor of a call must be: q's CUDA device on the cuda backend, else the host.
+Device home(const Tensor& q, const LlsaOptions& o) { return o.backend == Backend::cuda ? q.device : Device{}; }
+
 // q [batch, heads_q, len, d]; k (and v when given) [batch, heads_kv, len, d].
 Status check_inputs(const Tensor& q, const Tensor& k, const Tensor* v, const LlsaOptions& o) {
   SPARSA_RETURN_IF_ERROR(check_options(o));
-  const Device host{};
+  const Device host = home(q, o);
+  if (o.backend == Backend::cuda && q.device.type != DeviceType::cuda) {
+    return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
+  }
   SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, host));
   if (v) SPARSA_RETURN_IF_ERROR(check_attention_tensor("v", *v, host));
   if (k.shape[2] != q.shape[2]) {
@@ -66,10 +73,10 @@ Status check_inputs(const Tensor& q, const Tensor& k, const Tensor* v, const Lls
   return {};
 }
 
-// An output or side tensor of exactly `like`'s shape, a float dtype, on the host, with
+// An output or side tensor of exactly `like`'s shape, a float dtype, on `like`'s device, with
 // a contiguous last dimension.
 Status check_like(const char* name, const Tensor& t, const Tensor& like) {
-  SPARSA_RETURN_IF_ERROR(check_attention_tensor(name, t, Device{}));
+  SPARSA_RETURN_IF_ERROR(check_attention_tensor(name, t, like.device));
   for (int d = 0; d < 4; ++d) {
     if (t.shape[d] != like.shape[d]) {
       return invalid_argument(std::string(name) + ": expected shape " + like.shape_string() + ", got " + t.shape_string());
@@ -82,7 +89,9 @@ Status check_lse(const Tensor& lse, const Tensor& q) {
   SPARSA_RETURN_IF_ERROR(detail::check_shape("lse", lse, {q.shape[0], q.shape[1], q.shape[2]}));
   SPARSA_RETURN_IF_ERROR(detail::check_dtype("lse", lse, DType::f32));
   if (lse.data == nullptr) return invalid_argument("lse: is missing (null data)");
-  if (!(lse.device == Device{})) return invalid_argument("lse: expected a tensor on cpu, got " + device_name(lse.device));
+  if (!(lse.device == q.device)) {
+    return invalid_argument("lse: expected a tensor on " + device_name(q.device) + ", got " + device_name(lse.device));
+  }
   return {};
 }
 
@@ -187,8 +196,37 @@ llsa_detail::RefShape ref_shape(const Tensor& q, const Tensor& k, float scale) {
 
 Result<LlsaPlan> llsa_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options) {
   SPARSA_RETURN_IF_ERROR(check_inputs(q, k, nullptr, options));
-  return llsa_detail::build_plan(q, k, options, resolve_levels(q.shape[2], options));
+  const int levels = resolve_levels(q.shape[2], options);
+  if (options.backend == Backend::cuda) {
+    SPARSA_RETURN_IF_ERROR(llsa_cuda::check(q, k, levels, options));
+    LlsaPlan plan;
+    SPARSA_RETURN_IF_ERROR(llsa_cuda::plan(q, k, options, levels, &plan));
+    return plan;
+  }
+  return llsa_detail::build_plan(q, k, options, levels);
 }
+
+namespace {
+
+// The cuda call of validated tensors; with a plan, the plan's shape decides (as on the host).
+llsa_cuda::Call cuda_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                          const LlsaPlan* plan, const LlsaOptions& options) {
+  llsa_cuda::Call c;
+  c.q = q, c.k = k, c.v = v, c.out = out, c.lse = lse;
+  c.scale = resolve_scale(q, options);
+  c.options = options;
+  c.levels = resolve_levels(q.shape[2], options);
+  if (plan) {
+    c.options.block = plan->block;
+    c.options.topk = plan->topk;
+    c.options.enrich = plan->enrich;
+    c.options.dedupe = plan->dedupe;
+    c.levels = plan->levels;
+  }
+  return c;
+}
+
+}  // namespace
 
 Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaPlan& plan, const Tensor& out,
                     const Tensor& lse, const LlsaOptions& options) {
@@ -198,6 +236,11 @@ Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Lls
   if (out.dtype != q.dtype) return unsupported_dtype(std::string("out: expected dtype ") + dtype_name(q.dtype) + ", got " + dtype_name(out.dtype));
   SPARSA_RETURN_IF_ERROR(check_lse(lse, q));
   SPARSA_RETURN_IF_ERROR(detail::check_outputs("out", out, "lse", lse));
+  if (options.backend == Backend::cuda) {
+    const llsa_cuda::Call c = cuda_call(q, k, v, out, lse, &plan, options);
+    SPARSA_RETURN_IF_ERROR(llsa_cuda::check(q, k, c.levels, c.options));
+    return llsa_cuda::forward(c, &plan);
+  }
   const float scale = resolve_scale(q, options);
   // The reference in f64: cpu_ref's path, and the cpu path's answer when f32 overflowed.
   auto reference = [&]() -> Status {
@@ -231,7 +274,28 @@ Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Lls
   return {};
 }
 
+Status llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                    const LlsaOptions& options) {
+  if (options.backend != Backend::cuda) {
+    Result<LlsaPlan> plan = llsa_plan(q, k, options);
+    if (!plan.ok()) return plan.status();
+    return llsa_forward(q, k, v, *plan, out, lse, options);
+  }
+  SPARSA_RETURN_IF_ERROR(check_inputs(q, k, &v, options));
+  SPARSA_RETURN_IF_ERROR(check_like("out", out, q));
+  if (out.dtype != q.dtype) return unsupported_dtype(std::string("out: expected dtype ") + dtype_name(q.dtype) + ", got " + dtype_name(out.dtype));
+  SPARSA_RETURN_IF_ERROR(check_lse(lse, q));
+  SPARSA_RETURN_IF_ERROR(detail::check_outputs("out", out, "lse", lse));
+  const llsa_cuda::Call c = cuda_call(q, k, v, out, lse, nullptr, options);
+  SPARSA_RETURN_IF_ERROR(llsa_cuda::check(q, k, c.levels, c.options));
+  return llsa_cuda::forward(c, nullptr);
+}
+
 Result<AttentionOutput> llsa_forward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaOptions& options) {
+  if (options.backend == Backend::cuda) {
+    return invalid_argument("backend: the allocating llsa_forward returns host arrays; on cuda pass out and lse "
+                            "(device tensors) to the other form");
+  }
   Result<LlsaPlan> plan = llsa_plan(q, k, options);
   if (!plan.ok()) return plan.status();
   AttentionOutput o;
@@ -241,11 +305,12 @@ Result<AttentionOutput> llsa_forward(const Tensor& q, const Tensor& k, const Ten
   return o;
 }
 
-Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaPlan& plan, const Tensor& out,
-                     const Tensor& lse, const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                     const LlsaOptions& options) {
+namespace {
+
+Status check_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                      const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                      const LlsaOptions& options) {
   SPARSA_RETURN_IF_ERROR(check_inputs(q, k, &v, options));
-  SPARSA_RETURN_IF_ERROR(check_plan(plan, q, k));
   SPARSA_RETURN_IF_ERROR(check_like("out", out, q));
   SPARSA_RETURN_IF_ERROR(check_lse(lse, q));
   SPARSA_RETURN_IF_ERROR(check_like("d_o", d_o, q));
@@ -261,6 +326,38 @@ Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ll
   if (options.check_finite) {
     SPARSA_RETURN_IF_ERROR(detail::check_finite("d_o", d_o));
     SPARSA_RETURN_IF_ERROR(detail::check_finite("out", out));
+  }
+  if (options.backend == Backend::cuda) {
+    for (auto [name, t] : {std::pair{"out", &out}, std::pair{"d_o", &d_o}, std::pair{"dq", &dq}, std::pair{"dk", &dk},
+                           std::pair{"dv", &dv}}) {
+      if (t->dtype != q.dtype) {
+        return unsupported_dtype(std::string(name) + ": the cuda backend expected dtype " + dtype_name(q.dtype) +
+                                 " (as q), got " + dtype_name(t->dtype));
+      }
+    }
+  }
+  return {};
+}
+
+llsa_cuda::Call cuda_backward_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                   const Tensor& lse, const Tensor& d_o, const Tensor& dq, const Tensor& dk,
+                                   const Tensor& dv, const LlsaPlan* plan, const LlsaOptions& options) {
+  llsa_cuda::Call c = cuda_call(q, k, v, out, lse, plan, options);
+  c.d_o = d_o, c.dq = dq, c.dk = dk, c.dv = dv;
+  return c;
+}
+
+}  // namespace
+
+Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const LlsaPlan& plan, const Tensor& out,
+                     const Tensor& lse, const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                     const LlsaOptions& options) {
+  SPARSA_RETURN_IF_ERROR(check_backward(q, k, v, out, lse, d_o, dq, dk, dv, options));
+  SPARSA_RETURN_IF_ERROR(check_plan(plan, q, k));
+  if (options.backend == Backend::cuda) {
+    const llsa_cuda::Call c = cuda_backward_call(q, k, v, out, lse, d_o, dq, dk, dv, &plan, options);
+    SPARSA_RETURN_IF_ERROR(llsa_cuda::check(q, k, c.levels, c.options));
+    return llsa_cuda::backward(c, &plan);
   }
   const float scale = resolve_scale(q, options);
   if (options.backend == Backend::cpu_ref) {
@@ -285,6 +382,12 @@ Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Ll
 Status llsa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                      const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                      const LlsaOptions& options) {
+  if (options.backend == Backend::cuda) {
+    SPARSA_RETURN_IF_ERROR(check_backward(q, k, v, out, lse, d_o, dq, dk, dv, options));
+    const llsa_cuda::Call c = cuda_backward_call(q, k, v, out, lse, d_o, dq, dk, dv, nullptr, options);
+    SPARSA_RETURN_IF_ERROR(llsa_cuda::check(q, k, c.levels, c.options));
+    return llsa_cuda::backward(c, nullptr);
+  }
   Result<LlsaPlan> plan = llsa_plan(q, k, options);
   if (!plan.ok()) return plan.status();
   return llsa_backward(q, k, v, *plan, out, lse, d_o, dq, dk, dv, options);

@@ -146,7 +146,7 @@ void top_k(std::vector<std::pair<float, int32_t>>& cand, int keep, int32_t* out)
 
 }  // namespace
 
-LlsaPlan build_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int levels) {
+LlsaPlan empty_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int levels) {
   LlsaPlan plan;
   plan.block = options.block;
   plan.levels = levels;
@@ -164,7 +164,13 @@ LlsaPlan build_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options
     plan.picks.emplace_back(DType::i32, std::vector<int64_t>{plan.batch, plan.heads_q, plan.level_len[l], plan.topk});
     plan.pick_counts.emplace_back(DType::i32, std::vector<int64_t>{plan.batch, plan.heads_q, plan.level_len[l]});
     std::fill_n(plan.picks.back().ptr<int32_t>(), plan.picks.back().numel(), -1);
+    std::fill_n(plan.pick_counts.back().ptr<int32_t>(), plan.pick_counts.back().numel(), 0);
   }
+  return plan;
+}
+
+LlsaPlan build_plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int levels) {
+  LlsaPlan plan = empty_plan(q, k, options, levels);
   const int64_t d = q.shape[3], group = plan.heads_q / plan.heads_kv;
   const int B = plan.block, K = plan.topk;
   cpu::parallel_for(plan.batch * plan.heads_q, options.num_threads, [&](int64_t item, int) {

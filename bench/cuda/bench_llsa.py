@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""sparsa's LLSA on the GPU side by side with dense attention and the peers, in one process.
+
+bf16, batch 1, non-causal, the official kernel's shape by default: 16 heads, head_dim 64, block 16,
+top-K 8, two levels. Rows per N:
+  sparsa        sparsa.llsa / sparsa.llsa_backward on torch CUDA tensors (the plan built on the
+                device inside the call: pooling, selection and the executor are all timed);
+  official      the authors' Triton LLSA (llsa_l2: pooling, selection, attention; autograd for the
+                backward), imported from a checkout given with --official (never part of sparsa);
+  cudnn         SDPA with the cuDNN backend, dense;
+  flex-fine     FlexAttention (torch.compile) over LLSA's fine-block mask (sparsa's own plan, no
+                enrichment): the block-sparse part alone.
+Every time is the median of CUDA-event-timed calls after warm-ups. TFLOP/s counts the keys each
+query actually visits (fine and pooled): forward 4 * H * N * keys * D; forward+backward 3.5 times
+that (the backward recomputes S and computes dP, dQ, dK, dV). The plan row times sparsa.llsa_plan
+(the device selection plus its copy back to the host, an upper bound of selection's share).
+--scale N: one forward+backward at N tokens (heads --scale-heads), with the device memory in use at
+its peak (polled every 0.2 ms by a second thread; sparsa's scratch comes from its own stream-ordered
+pool, not torch's allocator), minus what was in use before.
+"""
+import argparse
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import sparsa
+import sparsa.torch as st
+from bench_attention import time_torch  # the same CUDA-event timing as the executor benchmark
+
+CEILING = 790.0  # bf16 TFLOP/s measured on this H200 kind (8192^3 matmul)
+
+
+def time_ms(fn, iters, warmup=2):
+    return time_torch(fn, iters, warmup)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="*", default=[16384, 65536, 262144])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--levels", type=int, default=2)
+    ap.add_argument("--official", default=None, help="path of the official LLSA checkout's src/ (a peer)")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--scale", type=int, default=0, help="one forward+backward at this N (0: none)")
+    ap.add_argument("--scale-heads", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of one sparsa forward+backward")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    H, D, B, K, L = args.heads, args.dim, args.block, args.topk, args.levels
+    kw = dict(block=B, topk=K, levels=L)
+    official = None
+    if args.official:
+        try:
+            sys.path.insert(0, args.official)
+            from llsa.kernel.torch_op.flash_sparse_attention_res_2 import llsa_l2 as official_l2
+            official = official_l2
+        except Exception as e:  # noqa: BLE001 - report and go on without the peer
+            print(f"official: not importable ({type(e).__name__}: {e})")
+    print(f"LLSA on {torch.cuda.get_device_name()}: bf16, batch 1, heads {H}, head_dim {D}, block {B}, "
+          f"top-K {K}, levels {L}; torch {torch.__version__}")
+    print(f"{'N':>7} {'row':<10} {'fwd ms':>9} {'fwd+bwd ms':>11} {'x cuDNN fwd':>11} {'x cuDNN f+b':>11} "
+          f"{'fwd TFLOP/s':>11} {'f+b TFLOP/s':>11} {'keys/query':>10}")
+    for N in args.sizes:
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        iters = 20 if N <= 65536 else 5
+        plan = sparsa.llsa_plan(q, k, **kw)
+        kpq = plan["keys_per_query"]
+        flops = 4.0 * H * N * kpq * D
+        rows = {}
+        out, lse = sparsa.llsa(q, k, v, **kw)
+
+        def s_fwd():
+            sparsa.llsa(q, k, v, **kw)
+
+        def s_fb():
+            o, l_ = sparsa.llsa(q, k, v, **kw)
+            sparsa.llsa_backward(q, k, v, o, l_, do, **kw)
+
+        rows["sparsa"] = (time_ms(s_fwd, iters), time_ms(s_fb, iters), kpq)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                s_fb()
+                torch.cuda.synchronize()
+            key = "device_time_total"
+            try:
+                table = prof.key_averages().table(sort_by=key, row_limit=14)
+            except Exception:  # noqa: BLE001 - older torch names it cuda_time_total
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+            print(f"{N:>7} sparsa forward+backward, per kernel:")
+            print("\n".join(line[:160] for line in table.splitlines()))
+        plan_ms = time_ms(lambda: sparsa.llsa_plan(q, k, **kw), iters)
+
+        qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        c_iters = iters if N <= 65536 else 2
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            def c_fwd():
+                F.scaled_dot_product_attention(q, k, v)
+
+            def c_fb():
+                F.scaled_dot_product_attention(qg, kg, vg).backward(do)
+
+            rows["cudnn"] = (time_ms(c_fwd, c_iters, warmup=1), time_ms(c_fb, c_iters, warmup=1), N)
+        if official is not None:
+            try:
+                o_off = official(q, k, v, K, K, B)
+                print(f"{N:>7} official vs sparsa output: rel diff {rel(out, o_off):.3g}")
+
+                def o_fwd():
+                    official(q, k, v, K, K, B)
+
+                def o_fb():
+                    official(qg, kg, vg, K, K, B).backward(do)
+
+                rows["official"] = (time_ms(o_fwd, iters), time_ms(o_fb, iters), float("nan"))
+            except Exception as e:  # noqa: BLE001
+                print(f"{N:>7} official: failed ({type(e).__name__}: {str(e)[:200]})")
+        if not args.no_flex:
+            try:
+                from torch.nn.attention.flex_attention import flex_attention
+
+                mask = st.to_block_mask(plan["index"], N, N, device=dev)
+                flex = torch.compile(flex_attention, dynamic=False)
+
+                def f_fwd():
+                    flex(q, k, v, block_mask=mask)
+
+                def f_fb():
+                    flex(qg, kg, vg, block_mask=mask).backward(do)
+
+                rows["flex-fine"] = (time_ms(f_fwd, iters), time_ms(f_fb, iters), K * B)
+            except Exception as e:  # noqa: BLE001
+                print(f"{N:>7} flex-fine: failed ({type(e).__name__}: {str(e)[:200]})")
+        cf, cb, _ = rows["cudnn"]
+        for name, (f, b, keys) in rows.items():
+            kf = 4.0 * H * N * keys * D if keys == keys else float("nan")
+            print(f"{N:>7} {name:<10} {f:>9.3f} {b:>11.3f} {cf / f:>11.2f} {cb / b:>11.2f} "
+                  f"{kf / f / 1e9:>11.1f} {3.5 * kf / b / 1e9:>11.1f} {keys:>10.0f}")
+        sf = rows["sparsa"][0]
+        print(f"{N:>7} plan (device selection + copy back) {plan_ms:.3f} ms = {plan_ms / sf:.0%} of the forward; "
+              f"sparsa forward at {flops / sf / 1e9 / CEILING:.1%} of the {CEILING:.0f} TFLOP/s ceiling")
+        if "official" in rows:
+            of, ob, _ = rows["official"]
+            print(f"{N:>7} sparsa vs official: forward {of / sf:.2f}x, forward+backward {ob / rows['sparsa'][1]:.2f}x")
+        del q, k, v, do, qg, kg, vg, out, lse
+        torch.cuda.empty_cache()
+
+    if args.scale:
+        N, Hs = args.scale, args.scale_heads
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        q, k, v, do = (torch.randn(1, Hs, N, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        torch.cuda.synchronize()
+        free0, total = torch.cuda.mem_get_info()
+        peak = [0]
+        done = threading.Event()
+
+        def poll():
+            while not done.is_set():
+                free, _ = torch.cuda.mem_get_info()
+                peak[0] = max(peak[0], free0 - free)
+                time.sleep(0.0002)
+
+        th = threading.Thread(target=poll)
+        th.start()
+        t0 = time.perf_counter()
+        o, l_ = sparsa.llsa(q, k, v, **dict(kw, levels=-1))
+        dq, dk, dv = sparsa.llsa_backward(q, k, v, o, l_, do, **dict(kw, levels=-1))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        done.set()
+        th.join()
+        inputs = 4 * q.numel() * 2
+        print(f"scale: N {N}, heads {Hs}, d {D}, levels auto: forward+backward {wall * 1e3:.1f} ms (first call, wall); "
+              f"peak device memory beyond the inputs {peak[0] / 2**30:.2f} GiB (inputs q,k,v,dO {inputs / 2**30:.2f} GiB), "
+              f"finite: {bool(torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all())}")
+        fb = time_ms(lambda: sparsa.llsa_backward(q, k, v, o, l_, do, **dict(kw, levels=-1)), 3, warmup=1)
+        ff = time_ms(lambda: sparsa.llsa(q, k, v, **dict(kw, levels=-1)), 3, warmup=1)
+        print(f"scale: forward {ff:.1f} ms, backward {fb:.1f} ms (medians of 3)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1008 @@
+// Internal: the kernels of LLSA on the device (llsa.h gives the semantics; the CPU reference,
+// src/methods/llsa/ref.cpp, is the specification). Five steps, each its own kernel:
+//   pool_level     the pyramid: level l from level l-1, f32 means of up to B children (the
+//                  same child order as the CPU), plus a 16-bit copy of k and v for the tensor
+//                  cores;
+//   select_level   coarse-to-fine top-K, one warp per (head, level-l query token): each lane keeps
+//                  the best K of its share of the candidates, then K rounds of a warp arg-max
+//                  merge them (larger score first, ties to the smaller token, NaN last);
+//   forward        one warp per 16 query rows of one fine query block, its own key stream
+//                  (KeyStream: the fine blocks, the enrichment candidates, the coarsest level) in
+//                  tiles of 16 tokens, double-buffered with cp.async, the online softmax of the
+//                  flash executor (flash_kernel.cuh's pieces) with the +log(count) bias;
+//   backward_dq    query-major: the forward's stream again, dS K;
+//   backward_dkv   key-major: one warp per tile of 16 key tokens of one level, over the query
+//                  blocks that visit it (a transposed index sorted by CUB's stable radix sort,
+//                  so the order, and the f32 sums, are the same every run); the coarsest level,
+//                  visited by every query, is cut into splits summed in a fixed order. No float
+//                  atomics anywhere: dQ, dK and dV are bit-for-bit deterministic.
+// Then pool_backward spreads each coarse token's gradient to its children, level by level.
+//
+// Unlike the flash executor's CTA-wide tile list, every warp here walks its own list (a fine
+// query block of 16 tokens has its own picks), so buffers are per warp and synchronisation is
+// __syncwarp.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/flash_kernel.cuh"
+#include "cuda/common/mma.cuh"
+
+namespace sparsa::cuda::llsa {
+
+using detail::fast_exp2;
+using detail::mma_16816;
+using detail::Pair;
+using detail::quad_sum;
+using detail::swizzle;
+
+constexpr int kMaxLevels = 16;
+constexpr int kMaxTopk = 64;     // the device selection's per-lane lists
+constexpr int kTile = 16;        // tokens per key tile and query rows per warp
+constexpr int kWarps = 4;        // warps per CTA of the attention kernels
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Everything the kernels read of a plan; arrays of level l at index l (level 0: the inputs).
+struct Plan {
+  int B = 0, K = 0, L = 0;
+  bool enrich = true, dedupe = false;
+  int batch = 0, heads_q = 0, heads_kv = 0, group = 1, len = 0, d = 0;
+  int warps_per_block = 1;  // ceil(B / 16): warps of 16 rows per fine query block
+  int level_len[kMaxLevels + 1] = {};
+  int region[kMaxLevels + 1] = {};        // B^l, saturated at len
+  float log2_full[kMaxLevels + 1] = {};   // log2 of the tokens under a full token of level l (0 at l 0)
+  float log2_last[kMaxLevels + 1] = {};   // the same for the level's last token (maybe partial)
+  int32_t* picks[kMaxLevels + 1] = {};    // l >= 1: [batch * heads_q, n_l, K]
+  int32_t* counts[kMaxLevels + 1] = {};   // l >= 1: [batch * heads_q, n_l]
+  const void* k16[kMaxLevels + 1] = {};   // l >= 1: [batch * heads_kv, n_l, d] (T)
+  const void* v16[kMaxLevels + 1] = {};
+
+  __host__ __device__ const int32_t* picks_of(int l, int bh, int i) const {
+    return picks[l] + (static_cast<int64_t>(bh) * level_len[l] + i) * K;
+  }
+  __host__ __device__ int count_of(int l, int bh, int i) const {
+    return counts[l][static_cast<int64_t>(bh) * level_len[l] + i];
+  }
+  // Original tokens under token t of level l.
+  __device__ int token_count(int l, int t) const { return min(region[l], len - t * region[l]); }
+};
+
+// A [rows, d] view of a 4-d tensor's (b, h) slice.
+struct Rows {
+  const void* data = nullptr;
+  int64_t stride[3] = {};  // batch, head, token (elements)
+};
+
+// ---- pooling ----------------------------------------------------------------------------------
+
+// dst[bh, t, c] = mean of src[bh, t*B + u, c], u < children, summed in child order (f32). Level 1
+// reads the input (T, strided); later levels read the f32 level below. dst16 (optional): the same
+// rounded to T.
+template <class T>
+__global__ void pool_level(const T* src_in, Rows in, const float* src_f32, int heads, int n_src, int d, int B,
+                           float* dst, T* dst16, int n_dst, int64_t total) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int c = static_cast<int>(idx % d);
+  const int t = static_cast<int>(idx / d % n_dst);
+  const int64_t bh = idx / (static_cast<int64_t>(d) * n_dst);
+  const int first = t * B, last = min(first + B, n_src);
+  float sum = 0.0f;
+  if (src_in != nullptr) {
+    const int64_t b = bh / heads, h = bh % heads;
+    const T* base = src_in + b * in.stride[0] + h * in.stride[1] + c;
+    for (int u = first; u < last; ++u) sum = __fadd_rn(sum, static_cast<float>(base[u * in.stride[2]]));
+  } else {
+    const float* base = src_f32 + bh * n_src * d + c;
+    for (int u = first; u < last; ++u) sum = __fadd_rn(sum, base[static_cast<int64_t>(u) * d]);
+  }
+  const float mean = __fmul_rn(sum, 1.0f / static_cast<float>(last - first));
+  dst[idx] = mean;
+  if (dst16 != nullptr) dst16[idx] = static_cast<T>(mean);
+}
+
+// ---- selection --------------------------------------------------------------------------------
+
+// (score, token) ordering of the plan: larger score first, ties to the smaller token.
+__device__ __forceinline__ bool better(float s, int t, float s2, int t2) { return s > s2 || (s == s2 && t < t2); }
+
+// One warp per (bh_q, i) of level l: picks[l][bh, i] = the top K of i's candidates (every
+// level-L token at l == L; else the children of the parent's level-(l+1) picks), ascending.
+// pq, pk: f32 level-l pyramids [bh, n_l, d]. Each lane keeps its best KMAX >= K candidates in
+// registers (a sorted array with static indices: one bubble pass per insertion), then K rounds of a
+// warp arg-max over the lanes' heads merge them.
+template <int KMAX>
+__global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan p, int l, const float* pq,
+                                                    const float* pk) {
+  extern __shared__ float q_row[];  // [warps][d], then [warps][kMaxTopk] chosen tokens
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
+  const int n = p.level_len[l];
+  if (item >= static_cast<int64_t>(p.batch) * p.heads_q * n) return;
+  const int bh = static_cast<int>(item / n), i = static_cast<int>(item % n);
+  const int bh_kv = bh / p.heads_q * p.heads_kv + bh % p.heads_q / p.group;
+  float* qs = q_row + warp * p.d;
+  for (int c = lane; c < p.d; c += 32) qs[c] = pq[(static_cast<int64_t>(bh) * n + i) * p.d + c];
+  __syncwarp();
+
+  // The candidates: [0, total) -> token.
+  const int32_t* parent_picks = nullptr;
+  int total = n;
+  if (l < p.L) {
+    const int parent = i / p.B;
+    parent_picks = p.picks_of(l + 1, bh, parent);
+    total = p.count_of(l + 1, bh, parent) * p.B;
+  }
+  const int keep = min(p.K, total);
+  float best_s[KMAX];
+  int best_t[KMAX];
+#pragma unroll
+  for (int j = 0; j < KMAX; ++j) best_s[j] = -INFINITY, best_t[j] = 0x7fffffff;
+  const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * p.d;
+  for (int c = lane; c < total; c += 32) {
+    const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+    if (t >= n) continue;
+    const float* kr = kbase + static_cast<int64_t>(t) * p.d;
+    float s = 0.0f;
+    for (int e = 0; e < p.d; e += 4) {
+      const float4 kv = *reinterpret_cast<const float4*>(kr + e);
+      s = fmaf(qs[e], kv.x, s);
+      s = fmaf(qs[e + 1], kv.y, s);
+      s = fmaf(qs[e + 2], kv.z, s);
+      s = fmaf(qs[e + 3], kv.w, s);
+    }
+    if (s != s) s = -INFINITY;  // NaN ranks last
+    if (!better(s, t, best_s[KMAX - 1], best_t[KMAX - 1])) continue;
+    best_s[KMAX - 1] = s, best_t[KMAX - 1] = t;
+#pragma unroll
+    for (int j = KMAX - 1; j > 0; --j) {
+      if (better(best_s[j], best_t[j], best_s[j - 1], best_t[j - 1])) {
+        const float ts = best_s[j];
+        const int tt = best_t[j];
+        best_s[j] = best_s[j - 1], best_t[j] = best_t[j - 1];
+        best_s[j - 1] = ts, best_t[j - 1] = tt;
+      }
+    }
+  }
+  // K rounds of a warp arg-max over the lanes' list heads; the winner shifts its list.
+  int32_t* out = p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K;
+  int* chosen = reinterpret_cast<int*>(q_row + (blockDim.x / 32) * p.d) + warp * kMaxTopk;
+  for (int r = 0; r < keep; ++r) {
+    float s = best_s[0];
+    int t = best_t[0];
+    int owner = lane;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+      const int t2 = __shfl_xor_sync(0xffffffffu, t, off);
+      const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
+      if (better(s2, t2, s, t)) s = s2, t = t2, owner = o2;
+    }
+    if (lane == owner) {
+#pragma unroll
+      for (int j = 0; j + 1 < KMAX; ++j) best_s[j] = best_s[j + 1], best_t[j] = best_t[j + 1];
+      best_s[KMAX - 1] = -INFINITY, best_t[KMAX - 1] = 0x7fffffff;
+    }
+    if (lane == 0) chosen[r] = t;
+  }
+  __syncwarp();
+  // Ascending: each slot's rank among the chosen tokens (distinct).
+  for (int r = lane; r < keep; r += 32) {
+    int rank = 0;
+    for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
+    out[rank] = chosen[r];
+  }
+  for (int r = keep + lane; r < p.K; r += 32) out[r] = -1;
+  if (lane == 0) p.counts[l][static_cast<int64_t>(bh) * n + i] = keep;
+}
+
+// ---- the key stream of a fine query block -----------------------------------------------------
+
+// A tile: tokens t0 .. t0 + 15 of `level`; bit j of mask: token t0 + j is visited.
+struct KeyTile {
+  int level, t0;
+  uint32_t mask;
+};
+
+// Tokens of `level` that query block qb of bh leaves out with dedupe (its level-`level` ancestor's
+// picks), cleared from a tile's mask.
+__device__ __forceinline__ uint32_t exclude(const Plan& p, int bh, int qb, int level, int t0, uint32_t mask) {
+  if (!p.dedupe || level == 0) return mask;
+  int a = qb;
+  for (int u = 1; u < level; ++u) a /= p.B;
+  const int32_t* ex = p.picks_of(level, bh, a);
+  const int n = p.count_of(level, bh, a);
+  for (int e = 0; e < n; ++e) {
+    const int x = ex[e] - t0;
+    if (x >= 0 && x < kTile) mask &= ~(1u << x);
+  }
+  return mask;
+}
+
+// The keys query block qb of (bh) visits at levels first..last (llsa.h's executor; for_each_key_run
+// on the CPU), as tiles of 16 tokens that never leave a run. Level 0 is the fine blocks, levels
+// 1..L-1 the enrichment candidates (children of the level-(l+1) ancestor's picks), level L every
+// token. Levels >= 1 depend on qb only through its level-2 ancestor qb / B, so the query blocks of
+// one CTA can share that part. with_dedupe: the mask leaves out qb's own dedupe exclusions (a
+// shared stream applies each warp's with exclude()). Every lane of a warp walks it in step.
+struct KeyStream {
+  int bh, qb, last;
+  bool with_dedupe;
+  int level, slot = 0, count = 0;
+  const int32_t* list = nullptr;
+  int pos = 0, run_end = 0;
+
+  __device__ KeyStream(const Plan& p, int bh_, int qb_, int first, int last_, bool with_dedupe_)
+      : bh(bh_), qb(qb_), last(p.enrich ? last_ : 0), with_dedupe(with_dedupe_), level(first) {
+    enter(p);
+  }
+
+  // Set up the runs of `level`.
+  __device__ void enter(const Plan& p) {
+    slot = count = 0;
+    pos = run_end = 0;
+    if (level > last) return;
+    if (level == 0) {
+      list = p.picks_of(1, bh, qb);
+      count = p.count_of(1, bh, qb);
+    } else if (level < p.L) {
+      int a = qb;
+      for (int u = 0; u < level; ++u) a /= p.B;
+      list = p.picks_of(level + 1, bh, a);
+      count = p.count_of(level + 1, bh, a);
+    } else {
+      run_end = p.level_len[level];
+    }
+  }
+
+  __device__ bool next(const Plan& p, KeyTile& tile) {
+    while (level <= last) {
+      if (pos < run_end) {
+        const int t0 = pos;
+        pos += kTile;
+        const int valid = min(kTile, run_end - t0);
+        uint32_t mask = (1u << valid) - 1u;
+        if (with_dedupe) mask = exclude(p, bh, qb, level, t0, mask);
+        if (mask != 0) {
+          tile = {level, t0, mask};
+          return true;
+        }
+        continue;
+      }
+      if (slot < count) {
+        const int g = list[slot++];
+        pos = g * p.B;
+        run_end = min(pos + p.B, p.level_len[level]);
+        continue;
+      }
+      ++level;
+      enter(p);
+    }
+    return false;
+  }
+};
+
+// ---- shared pieces of the attention kernels ----------------------------------------------------
+
+// This warp's 16 query rows: fine query block qb of bh, rows [row0, row0 + rows).
+struct WarpRows {
+  int bh, b, h, h_kv, bh_kv, qb, row0, rows;
+  // Item `item` (query block, then 16-row group) of head bh; false when it has no rows.
+  __device__ bool make_in(const Plan& p, int bh_, int item) {
+    bh = bh_;
+    qb = item / p.warps_per_block;
+    row0 = qb * p.B + item % p.warps_per_block * kTile;
+    rows = min(min(kTile, qb * p.B + p.B - row0), p.len - row0);
+    b = bh / p.heads_q, h = bh % p.heads_q, h_kv = h / p.group, bh_kv = b * p.heads_kv + h_kv;
+    return qb < p.level_len[1] && rows > 0;
+  }
+  // Item `item` of all heads, in order.
+  __device__ bool make(const Plan& p, int64_t item) {
+    const int64_t per_bh = static_cast<int64_t>(p.level_len[1]) * p.warps_per_block;
+    if (item / per_bh >= p.batch * p.heads_q) return false;
+    return make_in(p, static_cast<int>(item / per_bh), static_cast<int>(item % per_bh));
+  }
+};
+
+// Copies 16 rows of D b16 values into a swizzled [16][D] tile by the 32 lanes of a warp; row j
+// comes from src(j) (nullptr: zeros). aligned: 16-byte copies (cp.async), else element loads.
+// `any` is some readable address (cp.async of zero bytes still takes one).
+template <int D, class Src>
+__device__ __forceinline__ void warp_copy_tile(uint32_t dst, bool aligned, const void* any, Src&& src) {
+  constexpr int kChunks = D / 8;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int idx = lane; idx < kTile * kChunks; idx += 32) {
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    const uint16_t* s = src(row);
+    if (aligned) {
+      detail::cp_async_16(dst + swizzle<D>(row, chunk), s ? static_cast<const void*>(s + chunk * 8) : any, s ? 16 : 0);
+    } else {
+      uint32_t w[4] = {0, 0, 0, 0};
+      if (s) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[e] = uint32_t(s[chunk * 8 + 2 * e]) | (uint32_t(s[chunk * 8 + 2 * e + 1]) << 16);
+      }
+      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + swizzle<D>(row, chunk)), "r"(w[0]),
+                   "r"(w[1]), "r"(w[2]), "r"(w[3]));
+    }
+  }
+}
+
+// Row pointer of token t of `level` for kv head bh_kv: level 0 the input, else the 16-bit pyramid.
+__device__ __forceinline__ const uint16_t* level_row(const Plan& p, const Rows& in, const void* const* pyr, int level,
+                                                     int b, int h_kv, int bh_kv, int t) {
+  if (level == 0) {
+    return static_cast<const uint16_t*>(in.data) + b * in.stride[0] + h_kv * in.stride[1] + t * in.stride[2];
+  }
+  return static_cast<const uint16_t*>(pyr[level]) + (static_cast<int64_t>(bh_kv) * p.level_len[level] + t) * p.d;
+}
+
+// The logit bias of token t of `level` in raw-logit units (log2(count) / (scale log2 e)).
+__device__ __forceinline__ float log2_count(const Plan& p, int level, int t) {
+  return t == p.level_len[level] - 1 ? p.log2_last[level] : p.log2_full[level];
+}
+__device__ __forceinline__ float raw_bias(const Plan& p, int level, int t, float inv_scale_log2) {
+  return log2_count(p, level, t) * inv_scale_log2;
+}
+
+// This thread's column of element e of score tile n.
+__device__ __forceinline__ int score_col(int n, int e) { return n * 8 + 2 * (threadIdx.x % 4) + (e & 1); }
+
+// A operand fragments of a [16][D] tile (rows of the mma's M).
+template <int D>
+__device__ __forceinline__ void load_a(uint32_t (&f)[D / 16][4], uint32_t tile) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    detail::ldmatrix_x4(f[kk], tile + swizzle<D>((lane / 8 % 2) * 8 + lane % 8, kk * 2 + lane / 16));
+}
+
+// S[16][16] += A B^T with A in fragments (16 x D) and B a [16][D] tile (its rows are S's columns).
+template <int D, class T>
+__device__ __forceinline__ void scores_16(float (&s)[2][4], const uint32_t (&a)[D / 16][4], uint32_t b_tile) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t bk[4];
+    detail::ldmatrix_x4(bk, b_tile + swizzle<D>((lane / 16) * 8 + lane % 8, kk * 2 + (lane / 8) % 2));
+    mma_16816<T>(s[0], a[kk], bk[0], bk[1]);
+    mma_16816<T>(s[1], a[kk], bk[2], bk[3]);
+  }
+}
+
+// acc[16][D] += P B where P (16 x 16) is one A fragment and B a [16][D] tile (its rows are P's
+// columns), read transposed.
+template <int D, class T>
+__device__ __forceinline__ void accumulate_16(float (&acc)[D / 8][4], const uint32_t (&pf)[4], uint32_t b_tile) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int dp = 0; dp < D / 16; ++dp) {
+    uint32_t bv[4];
+    detail::ldmatrix_x4_trans(bv, b_tile + swizzle<D>(((lane / 8) % 2) * 8 + lane % 8, dp * 2 + lane / 16));
+    mma_16816<T>(acc[2 * dp], pf, bv[0], bv[1]);
+    mma_16816<T>(acc[2 * dp + 1], pf, bv[2], bv[3]);
+  }
+}
+
+// Two 16x8 accumulator tiles as one A fragment (16 x 16).
+template <class T>
+__device__ __forceinline__ void pack_a(uint32_t (&f)[4], const float (&s)[2][4]) {
+  f[0] = Pair<T>::pack(s[0][0], s[0][1]);
+  f[1] = Pair<T>::pack(s[0][2], s[0][3]);
+  f[2] = Pair<T>::pack(s[1][0], s[1][1]);
+  f[3] = Pair<T>::pack(s[1][2], s[1][3]);
+}
+
+struct AttnArgs {
+  Rows q, k, v, o, d_o, dq;
+  float* lse = nullptr;            // [batch * heads_q, len] contiguous
+  const float* delta = nullptr;    // [batch * heads_q, len]: rowsum(dO * O), the backward
+  int64_t lse_stride[3] = {};
+  float scale = 1.0f, scale_log2 = 0.0f;
+  bool aligned = true;      // q, k, v, d_o bases and token strides allow 16-byte copies
+  bool aligned_out = true;  // out allows 4-byte pair stores
+  float* dk_pyr[kMaxLevels + 1] = {};  // f32 [batch * heads_kv, n_l, d]: the backward's dK, dV
+  float* dv_pyr[kMaxLevels + 1] = {};
+  float* dk_split = nullptr;           // [splits][batch * heads_kv, n_L, d]: the coarsest level
+  float* dv_split = nullptr;
+  int splits = 1;
+  const int32_t* visit_begin[kMaxLevels + 1] = {};  // l < L: [batch * heads_kv * n_{l+1}... ] per key group
+  const int32_t* visit_end[kMaxLevels + 1] = {};
+  const int32_t* visitors[kMaxLevels + 1] = {};     // l < L: bh_q * n_{l+1} + a, sorted by key group
+};
+
+__device__ __forceinline__ int64_t row_offset(const Rows& r, int b, int h, int t) {
+  return b * r.stride[0] + h * r.stride[1] + static_cast<int64_t>(t) * r.stride[2];
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+
+// One online-softmax step of a warp's 16 rows over n <= NSUB key tiles of 16 (tile j: K at
+// k_tile(j), V at v_tile(j), tokens tiles[j]): S = Q K^T, masked (-inf off the mask) and raised by
+// the log count in raw-logit units; the softmax over the 16 * NSUB columns; O += P V.
+template <class T, int D, int NSUB, class KTile, class VTile>
+__device__ __forceinline__ void attend_step(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                            const uint32_t (&qf)[D / 16][4], const Plan& p,
+                                            const KeyTile (&tiles)[NSUB], int n, KTile k_tile, VTile v_tile,
+                                            float scale_log2) {
+  const float inv_sl2 = 1.0f / scale_log2;
+  float s[2 * NSUB][4];
+#pragma unroll
+  for (int j = 0; j < NSUB; ++j) {
+    float sj[2][4] = {};
+    if (j < n) scores_16<D, T>(sj, qf, k_tile(j));
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = score_col(nn, e);
+        const bool on = j < n && (tiles[j].mask >> col & 1u);
+        s[2 * j + nn][e] = on ? sj[nn][e] + raw_bias(p, tiles[j].level, tiles[j].t0 + col, inv_sl2) : -INFINITY;
+      }
+  }
+  uint32_t pf[NSUB][4];
+  float alpha[2];
+  detail::softmax_scores<2 * NSUB>(s, 2 * NSUB * 8, scale_log2, row_max, row_sum, alpha,
+                                   [&](int nn, const float(&prob)[4]) { detail::pack_probs<T, 2 * NSUB>(nn, prob, pf); });
+  detail::rescale<D / 8>(o, alpha);
+#pragma unroll
+  for (int j = 0; j < NSUB; ++j)
+    if (j < n) accumulate_16<D, T>(o, pf[j], v_tile(j));
+}
+
+// The epilogue of a warp's rows: O / l and the LSE.
+template <class T, int D>
+__device__ __forceinline__ void store_rows(const AttnArgs& a, const WarpRows& w, const float (&o)[D / 8][4],
+                                           const float (&row_max)[2], const float (&row_sum)[2]) {
+  const int g = threadIdx.x % 32 / 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(row_sum[r]);
+    const int row = g + 8 * r;
+    if (row >= w.rows) continue;
+    const int t = w.row0 + row;
+    T* out = static_cast<T*>(const_cast<void*>(a.o.data)) + row_offset(a.o, w.b, w.h, t);
+    float* lse = a.lse + w.b * a.lse_stride[0] + w.h * a.lse_stride[1] + t * a.lse_stride[2];
+    detail::store_row<T, D / 8>(out, lse, o, r, l, row_max[r], a.scale_log2, a.aligned_out);
+  }
+}
+
+// ---- the two key loops (the mainloop; the kernels differ only in their step hook) ----------------
+//
+// warp_loop: a warp walks its own stream one tile of 16 at a time, double-buffered in its own K/V
+//   stages (k_s, v_s: 2 tiles each); the caller has issued its row tiles' copies (Q, dO), which land
+//   with the first tile: prologue() runs after that first wait (or at the end when there is none).
+// cta_loop: the CTA's warps walk one shared stream (the coarse keys) 4 tiles (64 tokens) per stage,
+//   each stage loaded once for all warps; active warps run step on it with their own dedupe masks.
+// step(tiles, n, k_tile, v_tile): n tiles of 16 keys, K of tile j at k_tile(j), V at v_tile(j).
+
+template <int D, class Prologue, class Step>
+__device__ __forceinline__ void warp_loop(const Plan& p, const AttnArgs& a, const WarpRows& w, KeyStream& stream,
+                                          uint32_t k_s, uint32_t v_s, Prologue&& prologue, Step&& step) {
+  constexpr int kTileBytes = kTile * D * 2;
+  KeyTile cur[1], nxt[1];
+  auto load = [&](const KeyTile& t, int stage) {
+    warp_copy_tile<D>(k_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
+      return (t.mask >> r & 1u) ? level_row(p, a.k, p.k16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
+    });
+    warp_copy_tile<D>(v_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
+      return (t.mask >> r & 1u) ? level_row(p, a.v, p.v16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
+    });
+  };
+  bool have = stream.next(p, cur[0]);
+  if (have) load(cur[0], 0);
+  detail::cp_async_commit();
+  bool first = true;
+  for (int stage = 0; have; stage ^= 1) {
+    const bool more = stream.next(p, nxt[0]);
+    if (more) load(nxt[0], stage ^ 1);
+    detail::cp_async_commit();
+    detail::cp_async_wait<1>();
+    __syncwarp();
+    if (first) prologue(), first = false;
+    step(cur, 1, [&](int) { return k_s + stage * kTileBytes; }, [&](int) { return v_s + stage * kTileBytes; });
+    __syncwarp();  // this stage is the next prefetch's target
+    cur[0] = nxt[0];
+    have = more;
+  }
+  detail::cp_async_wait<0>();
+  __syncwarp();
+  if (first) prologue();
+}
+
+constexpr int kSharedTiles = 4;  // tiles per stage of the shared loop
+
+template <int D, int WARPS, class Step>
+__device__ __forceinline__ void cta_loop(const Plan& p, const AttnArgs& a, const WarpRows& w0, const WarpRows& w,
+                                         bool active, KeyStream& stream, uint32_t ck_s, uint32_t cv_s, Step&& step) {
+  constexpr int kTileBytes = kTile * D * 2, kSub = kSharedTiles;
+  const int warp = threadIdx.x / 32;
+  KeyTile cur[kSub], nxt[kSub];
+  auto gather = [&](KeyTile (&t)[kSub]) {
+    int n = 0;
+    while (n < kSub && stream.next(p, t[n])) ++n;
+    return n;
+  };
+  // Warp w copies K of tile w and V of tile w - kSub of the stage (WARPS = 4: both of tile w).
+  auto load_stage = [&](const KeyTile (&t)[kSub], int n, int stage) {
+    for (int j = warp; j < 2 * kSub; j += WARPS) {
+      const int sub = j % kSub;
+      const bool is_v = j >= kSub;
+      if (sub >= n) continue;
+      const KeyTile& tl = t[sub];
+      warp_copy_tile<D>((is_v ? cv_s : ck_s) + (stage * kSub + sub) * kTileBytes, true, a.q.data, [&](int r) {
+        return (tl.mask >> r & 1u) ? level_row(p, is_v ? a.v : a.k, is_v ? p.v16 : p.k16, tl.level, w0.b, w0.h_kv,
+                                                w0.bh_kv, tl.t0 + r)
+                                   : nullptr;
+      });
+    }
+  };
+  int n_cur = gather(cur);
+  load_stage(cur, n_cur, 0);
+  detail::cp_async_commit();
+  for (int stage = 0; n_cur > 0; stage ^= 1) {
+    const int n_nxt = gather(nxt);
+    load_stage(nxt, n_nxt, stage ^ 1);
+    detail::cp_async_commit();
+    detail::cp_async_wait<1>();
+    __syncthreads();
+    if (active) {
+      KeyTile mine[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        mine[j] = cur[j];
+        if (j < n_cur) mine[j].mask = exclude(p, w.bh, w.qb, cur[j].level, cur[j].t0, cur[j].mask);
+      }
+      step(mine, n_cur, [&](int j) { return ck_s + (stage * kSub + j) * kTileBytes; },
+           [&](int j) { return cv_s + (stage * kSub + j) * kTileBytes; });
+    }
+    __syncthreads();  // this stage is the next prefetch's target
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) cur[j] = nxt[j];
+    n_cur = n_nxt;
+  }
+  detail::cp_async_wait<0>();
+}
+
+// Shared memory of the kernels: per warp `row_tiles` row tiles (Q, dO) and 2 + 2 stage tiles; the
+// shared loop's 2 stages of kSharedTiles K and V tiles after them.
+__host__ __device__ constexpr int warp_tiles(int row_tiles) { return row_tiles + 4; }
+__host__ __device__ constexpr int shared_tiles() { return 4 * kSharedTiles; }
+
+// The forward of one warp's rows. SHARED: the fine blocks alone, then the coarse keys with the
+// CTA (rung 2: the CTA's query blocks share their level-2 ancestor, so their keys at levels >= 1
+// are the same; grid x = CTAs per head, y = batch * heads_q); else the whole stream alone (rung 1,
+// any block size; grid x = every warp of every head, WARPS per CTA).
+// CTAs per SM the forward's register allocation must allow: with head_dim 64 two 8-warp CTAs (or
+// four of 4) fit in shared memory, and uncapped (192 registers, one CTA per SM, 12.5% occupancy) it
+// was latency-bound: capped it spills ~100 bytes and runs 1.3x faster (bench/RESULTS.md). dQ holds
+// more live state (Q and dO fragments): capped it spilled 200+ bytes and ran 1.4-1.6x slower, so it
+// stays uncapped, as does dK/dV (capped: no gain). head_dim 128 is held to one CTA by shared memory.
+template <int D, int WARPS>
+constexpr int kMinBlocks = D == 64 ? 16 / WARPS : 1;
+
+template <class T, int D, int WARPS, bool SHARED>
+__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) forward(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+  constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x / 32;
+  WarpRows w, w0;
+  bool active;
+  if constexpr (SHARED) {
+    active = w.make_in(p, blockIdx.y, blockIdx.x * WARPS + warp);
+    w0.make_in(p, blockIdx.y, blockIdx.x * WARPS);  // the CTA's first group: its coarse keys are all warps'
+  } else {
+    active = w.make(p, static_cast<int64_t>(blockIdx.x) * WARPS + warp);
+    if (!active) return;
+  }
+  const uint32_t base = detail::smem_addr(smem);
+  const uint32_t q_s = base + warp * warp_tiles(1) * kTileBytes, k_s = q_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
+  float o[kDT][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  uint32_t qf[D / 16][4];
+  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
+    attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2);
+  };
+  if (active) {
+    const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
+    warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
+    KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : p.L, true);
+    warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+  }
+  if constexpr (SHARED) {
+    KeyStream coarse(p, w0.bh, w0.qb, 1, p.L, false);
+    const uint32_t ck_s = base + WARPS * warp_tiles(1) * kTileBytes;
+    cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
+  }
+  if (active) store_rows<T, D>(a, w, o, row_max, row_sum);
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+
+// delta[bh, i] = sum_c dO[i, c] O[i, c] (f32), one warp per row.
+template <class T>
+__global__ void backward_delta(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a, float* delta) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= static_cast<int64_t>(p.batch) * p.heads_q * p.len) return;
+  const int lane = threadIdx.x % 32;
+  const int t = static_cast<int>(row % p.len), bh = static_cast<int>(row / p.len);
+  const int b = bh / p.heads_q, h = bh % p.heads_q;
+  const T* o = static_cast<const T*>(a.o.data) + row_offset(a.o, b, h, t);
+  const T* d_o = static_cast<const T*>(a.d_o.data) + row_offset(a.d_o, b, h, t);
+  float s = 0.0f;
+  for (int c = lane; c < p.d; c += 32) s += static_cast<float>(o[c]) * static_cast<float>(d_o[c]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (lane == 0) delta[row] = s;
+}
+
+// Stores this thread's share (rows g, g + 8 < rows) of a 16 x D f32 accumulator times `mul` as T.
+template <class T, int D>
+__device__ __forceinline__ void store_acc(T* base, int64_t row_stride, int rows, const float (&acc)[D / 8][4],
+                                          float mul) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    if (row >= rows) continue;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const int col = i * 8 + 2 * c;
+      base[row * row_stride + col] = static_cast<T>(acc[i][2 * r] * mul);
+      base[row * row_stride + col + 1] = static_cast<T>(acc[i][2 * r + 1] * mul);
+    }
+  }
+}
+
+// One dQ step of a warp's 16 rows over n <= NSUB key tiles: P = exp2(S c + bias - LSE), dP = dO V^T,
+// dS = P (dP - delta), dQ += dS K (scaled at the end).
+template <class T, int D, int NSUB, class KTile, class VTile>
+__device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&qf)[D / 16][4],
+                                        const uint32_t (&dof)[D / 16][4], const float (&lse2)[2],
+                                        const float (&delta)[2], const Plan& p, const KeyTile (&tiles)[NSUB], int n,
+                                        KTile k_tile, VTile v_tile, float scale_log2) {
+  const float inv_sl2 = 1.0f / scale_log2;
+#pragma unroll
+  for (int j = 0; j < NSUB; ++j) {
+    if (j >= n) continue;
+    float s[2][4] = {}, dp[2][4] = {};
+    scores_16<D, T>(s, qf, k_tile(j));
+    scores_16<D, T>(dp, dof, v_tile(j));
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = score_col(nn, e);
+        const float pr = (tiles[j].mask >> col & 1u)
+                             ? fast_exp2(fmaf(s[nn][e] + raw_bias(p, tiles[j].level, tiles[j].t0 + col, inv_sl2),
+                                              scale_log2, -lse2[e / 2]))
+                             : 0.0f;
+        s[nn][e] = pr * (dp[nn][e] - delta[e / 2]);  // dS
+      }
+    uint32_t dsf[4];
+    pack_a<T>(dsf, s);
+    accumulate_16<D, T>(dq, dsf, k_tile(j));
+  }
+}
+
+// dQ, query-major: each warp's rows over the forward's key stream (the same two loops as the
+// forward: SHARED as rung 2, else rung 1).
+template <class T, int D, int WARPS, bool SHARED>
+__global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+  constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WarpRows w, w0;
+  bool active;
+  if constexpr (SHARED) {
+    active = w.make_in(p, blockIdx.y, blockIdx.x * WARPS + warp);
+    w0.make_in(p, blockIdx.y, blockIdx.x * WARPS);
+  } else {
+    active = w.make(p, static_cast<int64_t>(blockIdx.x) * WARPS + warp);
+    if (!active) return;
+  }
+  const uint32_t base = detail::smem_addr(smem);
+  const uint32_t q_s = base + warp * warp_tiles(2) * kTileBytes, do_s = q_s + kTileBytes;
+  const uint32_t k_s = do_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
+  float dq[kDT][4] = {};
+  uint32_t qf[D / 16][4], dof[D / 16][4];
+  float lse2[2] = {INFINITY, INFINITY}, delta[2] = {0.0f, 0.0f};
+  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
+    dq_step<T, D>(dq, qf, dof, lse2, delta, p, tiles, n, k_tile, v_tile, a.scale_log2);
+  };
+  if (active) {
+    const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
+    const uint16_t* do_base = static_cast<const uint16_t*>(a.d_o.data) + row_offset(a.d_o, w.b, w.h, w.row0);
+    warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
+    warp_copy_tile<D>(do_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? do_base + r * a.d_o.stride[2] : nullptr; });
+    const int g = lane / 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows g, g + 8: LSE in base 2 and delta
+      const int row = g + 8 * r, t = w.row0 + row;
+      if (row >= w.rows) continue;
+      lse2[r] = a.lse[w.b * a.lse_stride[0] + w.h * a.lse_stride[1] + t * a.lse_stride[2]] * kLog2e;
+      delta[r] = a.delta[static_cast<int64_t>(w.bh) * p.len + t];
+    }
+    KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : p.L, true);
+    warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s), load_a<D>(dof, do_s); }, step);
+  }
+  if constexpr (SHARED) {
+    KeyStream coarse(p, w0.bh, w0.qb, 1, p.L, false);
+    const uint32_t ck_s = base + WARPS * warp_tiles(2) * kTileBytes;
+    cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
+  }
+  if (active) {
+    T* out = static_cast<T*>(const_cast<void*>(a.dq.data)) + row_offset(a.dq, w.b, w.h, w.row0);
+    store_acc<T, D>(out, a.dq.stride[2], w.rows, dq, a.scale);
+  }
+}
+
+// The query blocks that visit a key tile of `level`, in a fixed order: for level < L the sorted
+// visitor entries of its key group (each entry a level-(level+1) query token: its B^level fine
+// query blocks); for the coarsest level, every query block of every head of the kv head's group,
+// cut into `splits` contiguous parts (this warp takes part `split`).
+struct Visitors {
+  const int32_t* entry = nullptr;
+  int entries = 0, e = 0;
+  int qb = 0, qb_end = 0, bh = 0;  // the current entry's fine query blocks [qb, qb_end) of bh
+  int sub = 0;                     // row group of the current query block
+
+  __device__ bool next(const Plan& p, int level, int& bh_out, int& qb_out, int& row0, int& rows) {
+    while (true) {
+      if (qb < qb_end) {
+        bh_out = bh, qb_out = qb;
+        row0 = qb * p.B + sub * kTile;
+        rows = min(min(kTile, qb * p.B + p.B - row0), p.len - row0);
+        if (++sub == p.warps_per_block) sub = 0, ++qb;
+        if (rows > 0) return true;
+        continue;
+      }
+      if (e >= entries) return false;
+      const int v = entry[e++];
+      const int n_up = p.level_len[level + 1];
+      bh = v / n_up;
+      const int a = v % n_up;
+      const int span = p.region[level];  // fine query blocks under a level-(level+1) token: B^level
+      qb = a * span;
+      qb_end = min(qb + span, p.level_len[1]);
+      sub = 0;
+    }
+  }
+};
+
+// dK, dV key-major: one warp per (tile of 16 key tokens of one group of `level`, split). Grid x:
+// tiles * splits of this level, in kWarps per CTA.
+template <class T, int D>
+__global__ void __launch_bounds__(32 * kWarps) backward_dkv(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a, int level,
+                                                            int tiles_per_group, int splits) {
+  constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = p.level_len[level];
+  const int groups = (n + p.B - 1) / p.B;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t per_bh = static_cast<int64_t>(groups) * tiles_per_group * splits;
+  const int bh_kv = static_cast<int>(item / per_bh);
+  if (bh_kv >= p.batch * p.heads_kv) return;
+  const int rest = static_cast<int>(item % per_bh);
+  const int split = rest % splits, tile_id = rest / splits;
+  const int grp = tile_id / tiles_per_group;
+  const int t0 = grp * p.B + tile_id % tiles_per_group * kTile;
+  const int t_end = min(min(grp * p.B + p.B, n), t0 + kTile);
+  const int b = bh_kv / p.heads_kv, h_kv = bh_kv % p.heads_kv;
+  // Per warp: K, V, then 2 stages of (Q, dO).
+  const uint32_t k_s = detail::smem_addr(smem) + warp * 6 * kTileBytes;
+  const uint32_t v_s = k_s + kTileBytes, q_s = v_s + kTileBytes, do_s = q_s + kTileBytes;
+
+  float dk[kDT][4], dv[kDT][4];
+#pragma unroll
+  for (int i = 0; i < kDT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.0f;
+
+  if (t0 < t_end) {
+    const bool k_aligned = a.aligned || level > 0;
+    warp_copy_tile<D>(k_s, k_aligned, a.q.data, [&](int r) {
+      return t0 + r < t_end ? level_row(p, a.k, p.k16, level, b, h_kv, bh_kv, t0 + r) : nullptr;
+    });
+    warp_copy_tile<D>(v_s, k_aligned, a.q.data, [&](int r) {
+      return t0 + r < t_end ? level_row(p, a.v, p.v16, level, b, h_kv, bh_kv, t0 + r) : nullptr;
+    });
+    Visitors vis;
+    if (level < p.L) {
+      const int64_t key = static_cast<int64_t>(bh_kv) * groups + grp;
+      vis.entry = a.visitors[level] + a.visit_begin[level][key];
+      vis.entries = a.visit_end[level][key] - a.visit_begin[level][key];
+    }
+    // The coarsest level: every (head of the group, query block), as split `split` of `splits`.
+    int all_begin = 0, all_end = 0;
+    const int nq = p.level_len[1];
+    if (level == p.L) {
+      const int64_t total = static_cast<int64_t>(p.group) * nq;
+      all_begin = static_cast<int>(total * split / splits);
+      all_end = static_cast<int>(total * (split + 1) / splits);
+    }
+    const int g = lane / 4;
+    // This thread's key rows g, g + 8: bias in base 2 (the log count), in range.
+    float bias2[2];
+    bool key_in[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int t = t0 + g + 8 * r;
+      key_in[r] = t < t_end;
+      bias2[r] = key_in[r] ? log2_count(p, level, t) : 0.0f;
+    }
+    // The visiting row groups, one after another; each group's Q and dO tiles (and its LSE and
+    // delta) are fetched while the previous group is computed (double-buffered).
+    struct Group {
+      int bh, qb, row0, rows;
+      float lse2[4], delta[4];  // this thread's query columns 2c, 2c + 1, 8 + 2c, 8 + 2c + 1
+    };
+    int all = all_begin, sub = 0;
+    auto next_group = [&](Group& gr) {
+      while (true) {
+        if (level < p.L) return vis.next(p, level, gr.bh, gr.qb, gr.row0, gr.rows);
+        if (all >= all_end) return false;
+        const int hq = all / nq;
+        gr.qb = all % nq;
+        gr.bh = b * p.heads_q + h_kv * p.group + hq;
+        gr.row0 = gr.qb * p.B + sub * kTile;
+        gr.rows = min(min(kTile, gr.qb * p.B + p.B - gr.row0), p.len - gr.row0);
+        if (++sub == p.warps_per_block) sub = 0, ++all;
+        if (gr.rows > 0) return true;
+      }
+    };
+    auto fetch = [&](Group& gr, int stage) {
+      const int qb_b = gr.bh / p.heads_q, qb_h = gr.bh % p.heads_q;
+      const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, qb_b, qb_h, gr.row0);
+      const uint16_t* do_base = static_cast<const uint16_t*>(a.d_o.data) + row_offset(a.d_o, qb_b, qb_h, gr.row0);
+      const int rows = gr.rows;
+      warp_copy_tile<D>(q_s + stage * 2 * kTileBytes, a.aligned, a.q.data,
+                        [&](int r) { return r < rows ? q_base + r * a.q.stride[2] : nullptr; });
+      warp_copy_tile<D>(do_s + stage * 2 * kTileBytes, a.aligned, a.q.data,
+                        [&](int r) { return r < rows ? do_base + r * a.d_o.stride[2] : nullptr; });
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = (j / 2) * 8 + 2 * (lane % 4) + (j & 1);
+        const bool ok = col < rows;
+        const int t = gr.row0 + col;
+        gr.lse2[j] = ok ? a.lse[qb_b * a.lse_stride[0] + qb_h * a.lse_stride[1] + t * a.lse_stride[2]] * kLog2e
+                        : INFINITY;
+        gr.delta[j] = ok ? a.delta[static_cast<int64_t>(gr.bh) * p.len + t] : 0.0f;
+      }
+    };
+    Group cur, nxt;
+    bool have = next_group(cur);
+    if (have) fetch(cur, 0);
+    detail::cp_async_commit();
+    for (int stage = 0; have; stage ^= 1) {
+      const bool more = next_group(nxt);
+      if (more) fetch(nxt, stage ^ 1);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
+      __syncwarp();
+      const uint32_t qt = q_s + stage * 2 * kTileBytes, dot = do_s + stage * 2 * kTileBytes;
+      // Key rows this query block leaves out (dedupe: its level-`level` ancestor's picks).
+      const uint32_t key_mask = exclude(p, cur.bh, cur.qb, level, t0, 0xffffu);
+      uint32_t af[D / 16][4];  // K, then V, as A fragments (reloaded: fewer registers held)
+      float st[2][4] = {}, dpt[2][4] = {};
+      load_a<D>(af, k_s);
+      scores_16<D, T>(st, af, qt);   // S^T [key][query]
+      load_a<D>(af, v_s);
+      scores_16<D, T>(dpt, af, dot); // dP^T = V dO^T
+      float pt[2][4];
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kr = e / 2;  // key row g + 8 kr
+          const int j = nn * 2 + (e & 1);
+          const bool on = key_in[kr] && (key_mask >> (g + 8 * kr) & 1u);
+          const float pr = on ? fast_exp2(fmaf(st[nn][e], a.scale_log2, bias2[kr] - cur.lse2[j])) : 0.0f;
+          pt[nn][e] = pr;
+          st[nn][e] = pr * (dpt[nn][e] - cur.delta[j]);  // dS^T
+        }
+      uint32_t pf[4], dsf[4];
+      pack_a<T>(pf, pt);
+      pack_a<T>(dsf, st);
+      accumulate_16<D, T>(dv, pf, dot);
+      accumulate_16<D, T>(dk, dsf, qt);
+      __syncwarp();  // this stage is the next prefetch's target
+      cur = nxt;
+      have = more;
+    }
+    detail::cp_async_wait<0>();
+  }
+  // Out: the level's gradient rows (f32), or this split's partial sums of the coarsest level.
+  float* dk_out;
+  float* dv_out;
+  if (level == p.L && splits > 1) {
+    const int64_t stride = static_cast<int64_t>(p.batch) * p.heads_kv * n * p.d;
+    dk_out = a.dk_split + split * stride;
+    dv_out = a.dv_split + split * stride;
+  } else {
+    dk_out = a.dk_pyr[level];
+    dv_out = a.dv_pyr[level];
+  }
+  if (t0 >= t_end) return;
+  const int g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = t0 + g + 8 * r;
+    if (t >= t_end) continue;
+    float* krow = dk_out + (static_cast<int64_t>(bh_kv) * n + t) * p.d;
+    float* vrow = dv_out + (static_cast<int64_t>(bh_kv) * n + t) * p.d;
+#pragma unroll
+    for (int i = 0; i < kDT; ++i) {
+      const int col = i * 8 + 2 * c;
+      krow[col] = dk[i][2 * r] * a.scale;
+      krow[col + 1] = dk[i][2 * r + 1] * a.scale;
+      vrow[col] = dv[i][2 * r];
+      vrow[col + 1] = dv[i][2 * r + 1];
+    }
+  }
+}
+
+// dst[x] = sum over s < splits of src[s * stride + x], in split order.
+__global__ void sum_splits(const float* src, int splits, int64_t stride, float* dst) {
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (x >= stride) return;
+  float s = 0.0f;
+  for (int i = 0; i < splits; ++i) s += src[i * stride + x];
+  dst[x] = s;
+}
+
+// Pooling's backward: grad[l-1][bh, u, c] += grad[l][bh, u / B, c] / children(u / B).
+__global__ void pool_backward(const float* coarse, float* fine, int n_fine, int n_coarse, int d, int B, int64_t total) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int c = static_cast<int>(idx % d);
+  const int u = static_cast<int>(idx / d % n_fine);
+  const int64_t bh = idx / (static_cast<int64_t>(d) * n_fine);
+  const int t = u / B;
+  const int children = min(B, n_fine - t * B);
+  fine[idx] += coarse[(bh * n_coarse + t) * d + c] * (1.0f / static_cast<float>(children));
+}
+
+// The level-0 gradient (f32, [bh_kv, len, d]) into the caller's dk or dv (T, strided).
+template <class T>
+__global__ void store_grad(const float* src, Rows dst, int heads, int len, int d, int64_t total) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int c = static_cast<int>(idx % d);
+  const int t = static_cast<int>(idx / d % len);
+  const int64_t bh = idx / (static_cast<int64_t>(d) * len);
+  T* out = static_cast<T*>(const_cast<void*>(dst.data)) + (bh / heads) * dst.stride[0] + (bh % heads) * dst.stride[1] +
+           static_cast<int64_t>(t) * dst.stride[2] + c;
+  *out = static_cast<T>(src[idx]);
+}
+
+// The transposed index of level l < L: for every valid pick of picks[l+1] (bh_q, a, slot), the
+// key group (bh_kv * groups_l + pick) and the visitor (bh_q * n_{l+1} + a); invalid slots get key
+// `sentinel`, sorted last.
+__global__ void visit_entries(const __grid_constant__ Plan p, int l, int32_t* keys, int32_t* values, int32_t sentinel, int64_t total) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int n_up = p.level_len[l + 1];
+  const int slot = static_cast<int>(idx % p.K);
+  const int64_t row = idx / p.K;  // bh_q * n_up + a
+  const int bh = static_cast<int>(row / n_up);
+  const int bh_kv = bh / p.heads_q * p.heads_kv + bh % p.heads_q / p.group;
+  const int groups = (p.level_len[l] + p.B - 1) / p.B;
+  const bool ok = slot < p.counts[l + 1][row];
+  keys[idx] = ok ? bh_kv * groups + p.picks[l + 1][idx] : sentinel;
+  values[idx] = static_cast<int32_t>(row);
+}
+
+// begin/end of each key's run in the sorted keys (zero-filled before: absent keys have none).
+__global__ void visit_ranges(const int32_t* keys, int64_t total, int32_t sentinel, int32_t* begin, int32_t* end) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int32_t k = keys[i];
+  if (k == sentinel) return;
+  if (i == 0 || keys[i - 1] != k) begin[k] = static_cast<int32_t>(i);
+  if (i + 1 == total || keys[i + 1] != k) end[k] = static_cast<int32_t>(i + 1);
+}
+
+}  // namespace sparsa::cuda::llsa

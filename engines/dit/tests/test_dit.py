@@ -379,8 +379,11 @@ def test_throughput_mode_measures_both_attentions(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_llsa_attention_runs_on_the_device_for_cuda_tensors():
     """On CUDA tensors with head_dim 64, attend() takes sparsa's CUDA LLSA (bf16 inside, the
-    output back in f32) and gradients reach the device tensors; the host path on the same f32
-    values agrees within bf16 rounding of the attention (a few 2^-8, relative)."""
+    output back in f32) and gradients reach the device tensors. The reference is the host path on
+    the same values rounded to bf16: rounding the inputs alone moves this output by 2.5% (relative
+    L2, measured on the CPU), which is the cast's doing, not the kernels'; against the rounded
+    inputs what remains is the device's own rounding of P and of the output (about 2.4e-3 in
+    tests/test_llsa_cuda.cpp) and near-tie picks, well inside 1e-2."""
     from engines.dit.attention import AttentionSpec, attend
 
     spec = AttentionSpec(kind="llsa", block=16, topk=4, levels=2)
@@ -391,5 +394,5 @@ def test_llsa_attention_runs_on_the_device_for_cuda_tensors():
     assert out.is_cuda and out.dtype == torch.float32
     out.square().sum().backward()
     assert qc.grad is not None and qc.grad.is_cuda and torch.isfinite(qc.grad).all()
-    ref = attend(q, k, v, spec)
-    assert ((out.detach().cpu() - ref).norm() / ref.norm()).item() < 2e-2
+    ref = attend(*(t.bfloat16().float() for t in (q, k, v)), spec)
+    assert ((out.detach().cpu() - ref).norm() / ref.norm()).item() < 1e-2

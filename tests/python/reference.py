@@ -22,3 +22,15 @@ def attention(q, k, v, scale=None, mask=None):
         lse = (m + np.log(denom))[..., 0]
         o = np.where(denom > 0, np.einsum("bhij,bhjd->bhid", p, v) / np.where(denom > 0, denom, 1), 0.0)
     return o, lse
+
+
+def rand(rng, *shape, dtype=np.float32):
+    """Standard normal values of `shape` from the numpy Generator rng, in `dtype`."""
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b| in f64 (the Python tests' error measure)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)

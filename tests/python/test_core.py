@@ -3,21 +3,11 @@ import numpy as np
 import pytest
 
 import sparsa
-from reference import attention
+from reference import attention, rand, rel_err
 
 # f32 fast path vs f64 oracle: the cpu backend accumulates in f32 over up to ~1K keys,
 # so relative errors stay around 1e-6; 1e-5 leaves a margin without hiding real bugs.
 F32_RTOL = 1e-5
-
-
-def rand(rng, *shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cpu_ref"])

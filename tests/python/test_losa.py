@@ -4,19 +4,9 @@ import numpy as np
 import pytest
 
 import sparsa
-from reference import attention
+from reference import attention, rand, rel_err
 
 F32_RTOL = 1e-5  # f32 executor vs the f64 oracle (see test_core.py)
-
-
-def rand(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
-
-
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
 def filled_cache(rng, heads_kv, length, d, page_size=16):

@@ -4,20 +4,10 @@ import numpy as np
 import pytest
 
 import sparsa
-from reference import attention
+from reference import attention, rand, rel_err
 
 # f32 fast path vs the f64 oracle (as test_core.py): relative errors around 1e-6.
 F32_RTOL = 1e-5
-
-
-def rand(rng, *shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
 def numpy_mask(kind, len_q, len_kv, block=0, left=0, right=0):

@@ -9,23 +9,13 @@ import numpy as np
 import pytest
 
 import sparsa
-from reference import attention
+from reference import attention, rand, rel_err
 
 # f32 executor vs the f64 oracle (see test_core.py).
 F32_RTOL = 1e-5
 # Block logits: f64 sums in the core, f32 storage; numpy in f64. Rounding to f32 is
 # 2^-24 relative; 1e-5 of the largest logit leaves room for the f32 inputs' products.
 LOGIT_RTOL = 1e-5
-
-
-def rand(rng, *shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
 def ceil_div(a, b):

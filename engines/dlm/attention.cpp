@@ -6,6 +6,7 @@
 // prefix, `losa` the prefix on a block's denoising steps.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -260,11 +261,40 @@ class BaAttAttention final : public SplitAttention {
 
  protected:
   Status own(const AttentionCall& call, const Tensor& lse) override {
-    if (call.block_causal > 0 || call.q.shape[2] < min_tokens_) return dense_own(call, lse);
+    if (!sparse(call)) return dense_own(call, lse);
     return ba_att(call.q, call.k, call.v, call.out, lse, ba_);
   }
 
+ public:
+  Result<std::optional<CallPlan>> plan_of(const AttentionCall& call) override {
+    if (!sparse(call)) return std::optional<CallPlan>{};
+    auto plan = ba_att_plan(call.q, call.k, ba_);
+    if (!plan.ok()) return plan.status();
+    return std::optional<CallPlan>(CallPlan{std::move(plan).value(), "ba_att", plan_params()});
+  }
+
  private:
+  bool sparse(const AttentionCall& call) const { return call.block_causal == 0 && call.q.shape[2] >= min_tokens_; }
+  // The `sparsa plan --method ba_att` parameters of ba_ (its names: kappa for top_kappa).
+  std::string plan_params() const {
+    char budget[64];
+    switch (ba_.budget.kind) {
+      case BudgetKind::top_kappa:
+        std::snprintf(budget, sizeof budget, "kappa=%.17g", ba_.budget.value);
+        break;
+      case BudgetKind::mass:
+        std::snprintf(budget, sizeof budget, "tau=%.17g", ba_.budget.value);
+        break;
+      default:
+        std::snprintf(budget, sizeof budget, "density=%.17g", ba_.budget.value);
+    }
+    char rest[128];
+    std::snprintf(rest, sizeof rest, " block_q=%d block_kv=%d beta=%.9g compensate=%s sort_q=%s sort_k=%s", ba_.block_q,
+                  ba_.block_kv, static_cast<double>(ba_.beta), ba_.compensate ? "true" : "false",
+                  ba_.sort_q ? "true" : "false", ba_.sort_k ? "true" : "false");
+    return std::string(budget) + rest;
+  }
+
   BaAttOptions ba_;
   int64_t min_tokens_;
 };
@@ -338,12 +368,10 @@ Status page_options(Params& p, PageSelectOptions* s) {
 
 }  // namespace
 
-Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer) {
-  const std::string& text =
-      layer < static_cast<int>(policy.layer_methods.size()) && !policy.layer_methods[layer].empty()
-          ? policy.layer_methods[layer]
-          : policy.method;
-  const std::string where = "attention (layer " + std::to_string(layer) + ")";
+namespace {
+
+Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& policy, const std::string& text,
+                                                    const std::string& where) {
   auto spec = parse_spec(text, where);
   if (!spec.ok()) return spec.status();
   Params p(*spec, where);
@@ -400,6 +428,18 @@ Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPoli
     return std::unique_ptr<LayerAttention>(new LosaAttention(policy, o));
   }
   return invalid_argument(where + ": unknown method '" + spec->name + "' (expected dense, ba_att, quest or losa)");
+}
+
+}  // namespace
+
+Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer, int request) {
+  const std::string& text =
+      layer < static_cast<int>(policy.layer_methods.size()) && !policy.layer_methods[layer].empty()
+          ? policy.layer_methods[layer]
+          : policy.method;
+  auto method = make_method(policy, text, "attention (layer " + std::to_string(layer) + ")");
+  if (!method.ok() || !policy.recorder || request < 0) return method;
+  return policy.recorder->wrap(std::move(method).value(), layer, request, text);
 }
 
 Status expand_layer_methods(const std::vector<std::string>& overrides, int n_layers,

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "sparsa/attention.h"
 #include "sparsa/device_losa.h"
 #include "sparsa/dlm.h"
+#include "sparsa/index.h"
 #include "sparsa/kv_cache.h"
 #include "sparsa/tensor.h"
 
@@ -148,10 +150,23 @@ struct AttentionCall {
   int step = -1;  // denoising step inside the current block (0 = first); -1: prefill, commit, logits
 };
 
+// The block plan a method built for a call, for the attention capture: the plan, and the
+// `sparsa plan` method and parameters ("kappa=2 block=4 ...") that rebuild it from the call's q, k.
+struct CallPlan {
+  BlockIndexBuffer plan;
+  std::string method, params;
+};
+
 class LayerAttention {
  public:
   virtual ~LayerAttention() = default;
   virtual Status forward(const AttentionCall& call) = 0;
+  // The block plan forward(call) ran over, where its method builds one (ba_att); nullopt
+  // otherwise. Called after forward with the same call; recomputes it (selection is deterministic).
+  virtual Result<std::optional<CallPlan>> plan_of(const AttentionCall& call) {
+    (void)call;
+    return std::optional<CallPlan>{};
+  }
   // The chunk's K/V were appended to the prefix cache (a block was committed).
   virtual void on_commit() {}
   // The prefix cache was emptied (prefix_cache refreshes it every block): drop cached state.
@@ -161,6 +176,7 @@ class LayerAttention {
 // `name[:key=value,...]`: dense; ba_att[:density=|top_kappa=|tau=, block=64, min_tokens=1024,
 // beta=1, compensate=true]; quest[:budget=256, force_first=false, force_last=true];
 // losa[:budget=256, k=4, threshold=, force_first=false, force_last=true].
+class AttentionRecorder;  // attention_recorder.cpp: attention time and the capture (cpu backend)
 struct AttentionPolicy {
   std::string method = "dense";            // every layer's, unless layer_methods names it
   std::vector<std::string> layer_methods;  // optional: layer l runs layer_methods[l] when not empty
@@ -168,11 +184,41 @@ struct AttentionPolicy {
   int num_threads = 0;
   int device = 0;           // cuda: the device
   void* stream = nullptr;   // cuda: the engine's stream
+  // cpu: times every layer's attention and writes the capture (LoadOptions::dump_attention).
+  std::shared_ptr<AttentionRecorder> recorder;
 };
-Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer);
+// request >= 0 (a sequence's layers): wrapped by the policy's recorder, if any, as that request.
+Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer,
+                                                             int request = -1);
 // "0,1,31=dense" entries into one method per layer ("" where the policy's method applies).
 Status expand_layer_methods(const std::vector<std::string>& overrides, int n_layers,
                             std::vector<std::string>* layer_methods);
+
+// The attention recorder of the cpu backend: the wall time inside every layer's attention, and
+// the capture of LoadOptions::dump_attention (whose options it validates).
+class AttentionRecorder {
+ public:
+  static Result<std::shared_ptr<AttentionRecorder>> create(const AttentionDumpOptions& dump, int n_layers);
+  // A new request's id (0, 1, ...), for the capture's file names.
+  int new_request() { return requests_++; }
+  // `inner` wrapped: timed, and captured where selected.
+  std::unique_ptr<LayerAttention> wrap(std::unique_ptr<LayerAttention> inner, int layer, int request,
+                                       std::string method);
+  double attention_seconds() const { return seconds_; }
+  void reset_seconds() { seconds_ = 0; }
+  AttentionDumpCounts counts() const { return counts_; }
+
+ private:
+  friend class RecordedAttention;
+  bool selected(int layer, int64_t forward) const;
+  Status capture(const AttentionCall& call, LayerAttention& inner, int request, int64_t forward,
+                 const std::string& method);
+
+  AttentionDumpOptions dump_;
+  int requests_ = 0;
+  double seconds_ = 0;
+  AttentionDumpCounts counts_;
+};
 
 // ---- weights, sequence, state --------------------------------------------------------------
 // The projections of one layer are stacked so that each is one GEMM: wqkv = [q; k; v] rows

@@ -41,6 +41,9 @@ const std::string& Model::dir() const { return impl_->dir; }
 Loop Model::default_loop() const { return impl_->config.arch == Arch::sdar ? Loop::block : Loop::remask; }
 int64_t Model::parameter_count() const { return impl_->parameters; }
 std::string Model::weight_dtypes() const { return impl_->store.dtypes(); }
+AttentionDumpCounts Model::attention_dump_counts() const {
+  return impl_->policy.recorder ? impl_->policy.recorder->counts() : AttentionDumpCounts{};
+}
 
 namespace {
 
@@ -82,6 +85,13 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
   for (int l = 0; l < c.n_layers; ++l) {
     auto a = make_layer_attention(impl.policy, l);
     if (!a.ok()) return a.status();
+  }
+  if (impl.policy.backend == Backend::cpu) {
+    auto recorder = AttentionRecorder::create(options.dump_attention, static_cast<int>(c.n_layers));
+    if (!recorder.ok()) return recorder.status();
+    impl.policy.recorder = std::move(recorder).value();
+  } else if (!options.dump_attention.dir.empty()) {
+    return Status(StatusCode::unsupported, "dump_attention: the capture runs on the cpu backend only for now");
   }
   return Status::Ok();
 }
@@ -279,11 +289,15 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
       }
     }
   }
+  if (impl_->policy.recorder) impl_->policy.recorder->reset_seconds();
   const auto start = std::chrono::steady_clock::now();
   Result<GenerateResult> r = o.loop == Loop::remask         ? generate_remask(*impl_, prompts, o, on_block)
                              : o.loop == Loop::prefix_cache ? generate_prefix_cache(*impl_, prompts, o, on_block)
                                                             : generate_block(*impl_, prompts, o, on_block);
-  if (r.ok()) r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (r.ok()) {
+    r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (impl_->policy.recorder) r->attention_seconds = impl_->policy.recorder->attention_seconds();
+  }
   return r;
 }
 

@@ -127,8 +127,9 @@ Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy, i
   } else {
     SPARSA_RETURN_IF_ERROR(reset_cache(c, seq));
   }
+  const int request = policy.recorder ? policy.recorder->new_request() : -1;
   for (int l = 0; l < c.n_layers; ++l) {
-    auto a = make_layer_attention(policy, l);
+    auto a = make_layer_attention(policy, l, request);
     if (!a.ok()) return a.status();
     seq.attention.push_back(std::move(a.value()));
   }

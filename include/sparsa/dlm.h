@@ -58,6 +58,27 @@ Result<Config> parse_config(const std::string& json_text, const std::string& whe
 
 // The engine's compute backend for GEMMs and elementwise work: "cpu" (f32, OpenBLAS) or "cuda"
 // / "cuda:N" (bf16 activations and weights with f32 accumulation, cuBLAS, one stream; docs/dlm.md).
+// Capture of the attention inputs on the cpu backend (docs/dlm.md, "Capturing attention"): with
+// `dir` set, each selected (request, layer, forward pass) writes DIR/r<R>-l<L>-f<F>.safetensors
+// holding q [1, heads, n, head_dim] (RoPE applied), k and v [1, kv_heads, n, head_dim] (the
+// chunk's own keys and values) and, when the chunk runs over a cached prefix, prefix_k and
+// prefix_v [1, kv_heads, pos0, head_dim], all f32, with the call in __metadata__ (request,
+// layer, forward, step, pos0, tokens, block_causal, method). A layer whose method built a block
+// plan (ba_att) also writes that plan as DIR/r<R>-l<L>-f<F>-plan.safetensors, the index file
+// `sparsa plan --index` writes, and names in the metadata the `sparsa plan` parameters that
+// rebuild it from q and k. R counts the requests (sequences) the model has made, F the forward
+// passes of request R (prefill chunks, denoising steps, commits).
+struct AttentionDumpOptions {
+  std::string dir;                // empty: no capture; created if missing, refused if not empty
+  std::vector<int> layers;        // empty: every layer
+  std::vector<int64_t> forwards;  // empty: every forward pass
+  int64_t max_files = 256;        // tensor files written at most; the rest are counted only
+};
+struct AttentionDumpCounts {
+  int64_t written = 0;  // tensor files (plans not counted)
+  int64_t skipped = 0;  // selected beyond max_files
+};
+
 struct LoadOptions {
   std::string backend = "cpu";
   int num_threads = 0;  // attention threads on the CPU; 0 = all cores
@@ -73,6 +94,7 @@ struct LoadOptions {
   // chunk size; the tokens may differ) is captured into a CUDA graph the second time and replayed
   // after that, which removes the launch overhead of its few hundred kernels.
   bool cuda_graphs = true;
+  AttentionDumpOptions dump_attention;
 };
 
 // Denoising loops (one file each in engines/dlm/).
@@ -109,6 +131,9 @@ struct GenerateResult {
   int64_t forward_tokens = 0;                // tokens pushed through the model (all requests)
   int64_t steps = 0;                         // forward passes (all requests)
   double seconds = 0;
+  // cpu backend: the wall time spent inside the layers' attention (selection, executors,
+  // merges; -1 where not measured: the cuda backend's kernels run asynchronously).
+  double attention_seconds = -1;
 };
 
 // Called when a block of a request is final: the request, its generated ids so far.
@@ -130,6 +155,8 @@ class Model {
   Loop default_loop() const;
   int64_t parameter_count() const;
   std::string weight_dtypes() const;  // "bf16", "f32", "bf16+f32", ...
+  // The attention capture so far (LoadOptions::dump_attention; zeros without one).
+  AttentionDumpCounts attention_dump_counts() const;
 
   // One forward pass over the canvas `ids` with the architecture's own attention pattern
   // (bidirectional for llada, block-causal with block_size for sdar): f32 [len, vocab_size].

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "sparsa/index.h"
 #include "sparsa/status.h"
 #include "sparsa/tensor.h"
 
@@ -51,6 +52,12 @@ Result<std::vector<std::pair<std::string, std::string>>> read_safetensors_metada
 // header's free-form "__metadata__" strings (omitted when empty).
 Status write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                          const std::vector<std::pair<std::string, std::string>>& metadata = {});
+
+// A BlockIndex file (docs/cli.md, "Index files"): entries counts, indices and, when the plan has
+// them, perm_q and perm_kv (host arrays, i32), the block sizes as __metadata__ block_q and
+// block_kv. What `sparsa plan --index` and the DLM engine's attention capture write and
+// `sparsa run --index` reads.
+Status write_block_index(const std::string& path, const BlockIndexBuffer& index);
 
 // The validated header of a .safetensors file (the same checks as read_safetensors) without
 // reading the data, for callers that map the file: offset is from the start of the file and

@@ -1143,13 +1143,19 @@ class Model:
 
     @staticmethod
     def load(dir, backend: str = "cpu", num_threads: int = 0, attention: str = "dense",
-             attention_layers=()) -> "Model":
+             attention_layers=(), dump_attention=None, dump_layers=(), dump_forwards=(),
+             dump_max: int = 256) -> "Model":
         """``attention``: every layer's method, ``"dense"``, ``"ba_att:density=0.5"``,
         ``"quest:budget=256"`` or ``"losa:budget=256,k=4"``; ``attention_layers``: overrides
-        such as ``["0,1,31=dense"]`` (docs/dlm.md)."""
+        such as ``["0,1,31=dense"]`` (docs/dlm.md). ``dump_attention``: a new or empty directory
+        that receives the attention inputs (q, k, v, the prefix, the block plan) of the layers in
+        ``dump_layers`` (all when empty) at the forward passes in ``dump_forwards`` (all when
+        empty), at most ``dump_max`` files (cpu backend; docs/dlm.md, "Capturing attention")."""
         import os
 
-        core = _core.Model.load(str(dir), backend, num_threads, attention, list(attention_layers))
+        core = _core.Model.load(str(dir), backend, num_threads, attention, list(attention_layers),
+                                "" if dump_attention is None else os.fspath(dump_attention),
+                                [int(x) for x in dump_layers], [int(x) for x in dump_forwards], int(dump_max))
         path = os.path.join(str(dir), "tokenizer.json")
         return Model(core, Tokenizer.load(path) if os.path.exists(path) else None)
 
@@ -1160,6 +1166,11 @@ class Model:
     @property
     def default_loop(self) -> str:
         return self._core.default_loop
+
+    @property
+    def attention_dump_counts(self):
+        """(files written, selected beyond dump_max) of the attention capture."""
+        return self._core.attention_dump_counts
 
     def logits(self, ids, cached: int = 0) -> np.ndarray:
         """f32 [len(ids) - cached, vocab]: one forward over ``ids``; with ``cached`` > 0 the first

@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -58,17 +59,31 @@ void bind_dlm(nb::module_& m) {
       .def_static(
           "load",
           [](const std::string& dir, const std::string& backend, int num_threads, const std::string& attention,
-             const std::vector<std::string>& attention_layers) {
+             const std::vector<std::string>& attention_layers, const std::string& dump_attention,
+             const std::vector<int>& dump_layers, const std::vector<int64_t>& dump_forwards, int64_t dump_max) {
             dlm::LoadOptions o;
             o.backend = backend;
             o.num_threads = num_threads;
             o.attention = attention;
             o.attention_layers = attention_layers;
+            o.dump_attention.dir = dump_attention;
+            o.dump_attention.layers = dump_layers;
+            o.dump_attention.forwards = dump_forwards;
+            o.dump_attention.max_files = dump_max;
             return take(dlm::Model::load(dir, o));
           },
           "dir"_a, "backend"_a = "cpu", "num_threads"_a = 0, "attention"_a = "dense",
-          "attention_layers"_a = std::vector<std::string>{},
-          "Load config.json and model.safetensors (or the sharded index) from `dir`.")
+          "attention_layers"_a = std::vector<std::string>{}, "dump_attention"_a = "",
+          "dump_layers"_a = std::vector<int>{}, "dump_forwards"_a = std::vector<int64_t>{}, "dump_max"_a = 256,
+          "Load config.json and model.safetensors (or the sharded index) from `dir`. dump_attention: a new or "
+          "empty directory that receives the attention inputs of the selected layers and forward passes "
+          "(cpu backend; docs/dlm.md).")
+      .def_prop_ro("attention_dump_counts",
+                   [](const dlm::Model& m) {
+                     const dlm::AttentionDumpCounts n = m.attention_dump_counts();
+                     return std::make_pair(n.written, n.skipped);
+                   },
+                   "(files written, selected beyond dump_max) of the attention capture")
       .def_prop_ro("config", [](const dlm::Model& m) { return config_dict(m.config()); })
       .def_prop_ro("default_loop", [](const dlm::Model& m) { return std::string(dlm::loop_name(m.default_loop())); })
       .def(

@@ -387,6 +387,15 @@ Status write_safetensors(const std::string& path, const std::vector<std::pair<st
   return out->commit();
 }
 
+Status write_block_index(const std::string& path, const BlockIndexBuffer& index) {
+  std::vector<std::pair<std::string, Tensor>> entries = {{"counts", index.counts.view()},
+                                                         {"indices", index.indices.view()}};
+  if (!index.perm_q.empty()) entries.push_back({"perm_q", index.perm_q.view()});
+  if (!index.perm_kv.empty()) entries.push_back({"perm_kv", index.perm_kv.view()});
+  return write_safetensors(path, entries,
+                           {{"block_q", std::to_string(index.block_q)}, {"block_kv", std::to_string(index.block_kv)}});
+}
+
 Result<detail::OutputFile> detail::write_safetensors_uncommitted(
     const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
     const std::vector<std::pair<std::string, std::string>>& metadata) {

@@ -27,6 +27,8 @@ struct DlmOptions {
   uint64_t seed = 0;
   int threads = 0;
   int64_t cached = 0;  // logits: ids run into the KV cache first
+  std::string dump_dir, dump_layers, dump_forwards;
+  int64_t dump_max = 256;
   bool json = false, no_stop = false, ban_eos = false, quiet = false, no_cuda_graphs = false;
 };
 
@@ -54,14 +56,45 @@ std::string tokenizer_path(const DlmOptions& o) {
   return (std::filesystem::path(o.model) / "tokenizer.json").string();
 }
 
+// "0,3" into numbers of the flag (each in [0, INT32_MAX]).
+Result<std::vector<int64_t>> parse_list(const std::string& flag, const std::string& text) {
+  if (text.empty()) return std::vector<int64_t>{};
+  auto ids = parse_ids(flag, text);
+  if (!ids.ok()) return invalid_argument(flag + ": expected comma-separated integers >= 0, got '" + text + "'");
+  return std::vector<int64_t>(ids->begin(), ids->end());
+}
+
 Result<dlm::Model> load_model(const DlmOptions& o) {
   dlm::LoadOptions lo;
+  if (o.dump_dir.empty() && (!o.dump_layers.empty() || !o.dump_forwards.empty())) {
+    return invalid_argument("--dump-layers/--dump-forwards: select what --dump-attention DIR captures; give it");
+  }
+  lo.dump_attention.dir = o.dump_dir;
+  auto layers = parse_list("--dump-layers", o.dump_layers);
+  if (!layers.ok()) return layers.status();
+  lo.dump_attention.layers.assign(layers->begin(), layers->end());
+  auto forwards = parse_list("--dump-forwards", o.dump_forwards);
+  if (!forwards.ok()) return forwards.status();
+  lo.dump_attention.forwards = forwards.value();
+  lo.dump_attention.max_files = o.dump_max;
   lo.backend = o.backend;
   lo.num_threads = o.threads;
   lo.attention = o.attention;
   lo.attention_layers = o.attention_layers;
   lo.cuda_graphs = !o.no_cuda_graphs;
   return dlm::Model::load(o.model, lo);
+}
+
+// The capture's summary line (stderr, so that --json output stays one document).
+void print_dump(const DlmOptions& o, const dlm::Model& model) {
+  if (o.dump_dir.empty()) return;
+  const dlm::AttentionDumpCounts n = model.attention_dump_counts();
+  std::fprintf(stderr, "attention dump: %lld files in %s", static_cast<long long>(n.written), o.dump_dir.c_str());
+  if (n.skipped > 0) {
+    std::fprintf(stderr, " (%lld more selected, over --dump-max %lld)", static_cast<long long>(n.skipped),
+                 static_cast<long long>(o.dump_max));
+  }
+  std::fprintf(stderr, "\n");
 }
 
 Outcome run_logits(const DlmOptions& o) {
@@ -82,6 +115,7 @@ Outcome run_logits(const DlmOptions& o) {
                       : std::string("bidirectional"))
               << ") -> " << o.out << "\n";
   }
+  print_dump(o, model.value());
   return success();
 }
 
@@ -227,12 +261,27 @@ Outcome run_generate(const DlmOptions& o) {
   auto result = model->generate(prompts, g, on_block);
   if (progress_shown) std::fprintf(stderr, "\n");
   if (!result.ok()) return runtime_error(result.status());
+  print_dump(o, model.value());
+  const double attention = result->attention_seconds;
+  if (!o.quiet && result->steps > 0) {
+    // The per-step breakdown: attention (selection, executors, merges) and the rest.
+    const double ms = 1e3 * result->seconds / static_cast<double>(result->steps);
+    std::fprintf(stderr, "[sparsa generate] %lld forward passes, %.2f ms each", static_cast<long long>(result->steps),
+                 ms);
+    if (attention >= 0) {
+      const double a = 1e3 * attention / static_cast<double>(result->steps);
+      std::fprintf(stderr, ": attention %.2f ms (%.0f%%), the rest %.2f ms", a,
+                   result->seconds > 0 ? 100.0 * attention / result->seconds : 0.0, ms - a);
+    }
+    std::fprintf(stderr, "\n");
+  }
   if (o.json) {
     nlohmann::json j = {{"loop", dlm::loop_name(g.loop)},
                         {"tokens", result->tokens},
                         {"steps", result->steps},
                         {"forward_tokens", result->forward_tokens},
-                        {"seconds", result->seconds}};
+                        {"seconds", result->seconds},
+                        {"attention_seconds", attention >= 0 ? nlohmann::json(attention) : nlohmann::json(nullptr)}};
     if (tok) {
       nlohmann::json texts = nlohmann::json::array();
       for (const auto& t : result->tokens) {
@@ -300,6 +349,13 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");
   gen->add_flag("--quiet", o->quiet, "no progress line");
   gen->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "cuda: run every step eagerly (no graph replay)");
+  gen->add_option("--dump-attention", o->dump_dir,
+                  "cpu: write each selected layer's attention inputs (q, k, v, the prefix, the block plan) as "
+                  "safetensors into this new or empty directory (docs/dlm.md)");
+  gen->add_option("--dump-layers", o->dump_layers, "layers to capture, e.g. 0,5 (default: all)");
+  gen->add_option("--dump-forwards", o->dump_forwards,
+                  "forward passes of each request to capture, counted from 0, e.g. 0,3 (default: all)");
+  gen->add_option("--dump-max", o->dump_max, "tensor files written at most")->capture_default_str();
   out.push_back({gen, [o] { return run_generate(*o); }});
 
   CLI::App* lg = app.add_subcommand("logits", "logits of one forward pass over a canvas (f32 [len, vocab] .npy)");
@@ -319,6 +375,13 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   lg->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD, e.g. 0,1,31=dense")
       ->allow_extra_args(false);
   lg->add_flag("--quiet", o->quiet, "no summary line");
+  lg->add_option("--dump-attention", o->dump_dir,
+                  "cpu: write each selected layer's attention inputs (q, k, v, the prefix, the block plan) as "
+                  "safetensors into this new or empty directory (docs/dlm.md)");
+  lg->add_option("--dump-layers", o->dump_layers, "layers to capture, e.g. 0,5 (default: all)");
+  lg->add_option("--dump-forwards", o->dump_forwards,
+                  "forward passes of each request to capture, counted from 0, e.g. 0,3 (default: all)");
+  lg->add_option("--dump-max", o->dump_max, "tensor files written at most")->capture_default_str();
   out.push_back({lg, [o] { return run_logits(*o); }});
 
   CLI::App* tk = app.add_subcommand("tokenize", "encode text (or --decode ids) with a tokenizer.json");

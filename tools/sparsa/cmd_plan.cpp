@@ -10,6 +10,7 @@
 #include "index_file.h"
 #include "file_layout.h"
 #include "methods/selectors.h"
+#include "sparsa/io.h"
 #include "sparsa/workload.h"
 #include "svg.h"
 #include "util.h"
@@ -203,7 +204,7 @@ Outcome run_plan(const PlanOptions& o) {
     }
   }
   if (!o.index_path.empty()) {
-    Status s = write_index_file(o.index_path, *plan);
+    Status s = write_block_index(o.index_path, *plan);
     if (!s.ok()) return runtime_error(Status{s.code(), "--index: " + s.message()});
     std::cout << "  index -> " << o.index_path << " (sparsa run --method block_sparse --index " << o.index_path
               << ")\n";

@@ -98,13 +98,4 @@ Result<BlockIndexBuffer> read_index_file(const std::string& path, std::optional<
   return index;
 }
 
-Status write_index_file(const std::string& path, const BlockIndexBuffer& index) {
-  std::vector<std::pair<std::string, Tensor>> entries = {{"counts", index.counts.view()},
-                                                         {"indices", index.indices.view()}};
-  if (!index.perm_q.empty()) entries.push_back({"perm_q", index.perm_q.view()});
-  if (!index.perm_kv.empty()) entries.push_back({"perm_kv", index.perm_kv.view()});
-  return write_safetensors(path, entries,
-                           {{"block_q", std::to_string(index.block_q)}, {"block_kv", std::to_string(index.block_kv)}});
-}
-
 }  // namespace sparsa::cli

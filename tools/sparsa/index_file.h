@@ -24,8 +24,6 @@ namespace sparsa::cli {
 Result<BlockIndexBuffer> read_index_file(const std::string& path, std::optional<int> block_q,
                                          std::optional<int> block_kv);
 
-// Writes `index` (host arrays) in that format, block sizes in __metadata__: the file
-// `sparsa plan --index` writes and `sparsa run --index` reads.
-Status write_index_file(const std::string& path, const BlockIndexBuffer& index);
+// The writer is the library's write_block_index (sparsa/io.h).
 
 }  // namespace sparsa::cli

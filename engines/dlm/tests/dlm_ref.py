@@ -51,6 +51,21 @@ def write_safetensors(path, tensors):
             f.write(b)
 
 
+def read_safetensors(path):
+    """{name: array} (F32, I32 as float32 / int32) and the __metadata__ dict of a safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    meta = header.pop("__metadata__", {})
+    kinds = {"F32": "<f4", "I32": "<i4"}
+    out = {}
+    for name, e in header.items():
+        a, b = e["data_offsets"]
+        out[name] = np.frombuffer(data[a:b], dtype=kinds[e["dtype"]]).reshape(e["shape"])
+    return out, meta
+
+
 def stored(arr, dtype):
     """What the engine reads back from a tensor saved as dtype (as float64)."""
     if dtype == "BF16":
@@ -229,9 +244,10 @@ def attention(q, k, v, allowed):
     return np.einsum("hnm,mhd->nhd", p, v)
 
 
-def forward(s, w, tokens, past=None, block_causal=0):
+def forward(s, w, tokens, past=None, block_causal=0, capture=None):
     """tokens at positions [len(past), len(past)+n) over past K/V (a list per layer of (k, v) arrays
-    [m, Hkv, hd], all visible); returns logits [n, vocab] and the chunk's (k, v) per layer."""
+    [m, Hkv, hd], all visible); returns logits [n, vocab] and the chunk's (k, v) per layer.
+    capture: a list that receives each layer's (q, k, v) of the chunk, [n, heads, hd], after RoPE."""
     tokens = np.asarray(tokens)
     n = len(tokens)
     m = 0 if past is None else past[0][0].shape[0]
@@ -254,6 +270,8 @@ def forward(s, w, tokens, past=None, block_causal=0):
             k = rms(k, L["k_norm"], s.eps)
         q, k = rope(q, pos, s), rope(k, pos, s)
         kv.append((k, v))
+        if capture is not None:
+            capture.append((q, k, v))
         if past is not None:
             k = np.concatenate([past[l][0], k], axis=0)
             v = np.concatenate([past[l][1], v], axis=0)

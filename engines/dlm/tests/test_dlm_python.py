@@ -46,3 +46,24 @@ def test_load_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(RuntimeError, match="model_type"):
         sparsa.Model.load(tmp_path)
+
+
+def test_attention_capture_from_python(tmp_path):
+    s = R.Spec("llada", dim=32, heads=2, layers=2, vocab=40, eos=38, mask_id=39)
+    w = R.write_model(tmp_path / "m", s, seed=6)
+    dump = tmp_path / "dump"
+    m = sparsa.Model.load(tmp_path / "m", dump_attention=dump, dump_layers=[1], dump_max=2)
+    ids = [1, 2, 3, 39, 39, 5]
+    m.logits(ids)
+    m.logits(ids)  # a second request: r1
+    m.logits(ids)  # over dump_max: counted only
+    assert m.attention_dump_counts == (2, 1)
+    assert sorted(os.listdir(dump)) == ["r0-l1-f0.safetensors", "r1-l1-f0.safetensors"]
+    captured = []
+    R.forward(s, w, ids, None, 0, capture=captured)
+    t, meta = R.read_safetensors(dump / "r1-l1-f0.safetensors")
+    assert meta["request"] == "1" and meta["layer"] == "1"
+    q = np.transpose(captured[1][0], (1, 0, 2))[None]
+    assert np.max(np.abs(t["q"] - q)) / max(1.0, np.max(np.abs(q))) < 5e-5
+    with pytest.raises((RuntimeError, ValueError), match="not empty"):
+        sparsa.Model.load(tmp_path / "m", dump_attention=dump)

@@ -1,0 +1,158 @@
+"""The attention capture (`--dump-attention DIR`) and the per-step breakdown of `sparsa generate`.
+
+What the capture writes is checked three ways: the captured q, k, v equal the independent numpy
+reference's per-layer q, k, v (after RoPE) within the golden tests' LOGIT_TOL (f32 engine vs f64
+reference on the same weights); a later forward's prefix_k / prefix_v equal the k / v that the
+capture saw when those positions were the chunk; and the block plan the engine's BA-Att layers
+ran over is, entry for entry, the plan `sparsa plan` builds from the captured q and k with the
+parameters the capture names (selection is deterministic, so "equal" is exact). Capturing does
+not change what the engine computes (the logits are bit-identical with and without it).
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import dlm_ref as R
+from test_dlm import LOGIT_TOL, PROMPTS, rel_err, run
+
+CANVAS = [5, 9, 30, 63, 63, 63, 12, 7, 63, 63, 41, 2, 63, 63, 63, 63, 19, 27, 33, 63, 6, 63, 63, 63]
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory):
+    s = R.Spec("llada", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63)
+    d = tmp_path_factory.mktemp("llada_dump")
+    return s, R.write_model(d, s, seed=31), d
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    s = R.Spec("sdar", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63, block=4)
+    d = tmp_path_factory.mktemp("sdar_dump")
+    return s, R.write_model(d, s, seed=32), d
+
+
+def logits(sparsa_bin, d, out, *flags, ids=CANVAS, check=True):
+    return run(sparsa_bin, "logits", "--model", d, "--ids", ",".join(map(str, ids)), "--out", out, "--quiet", *flags,
+               check=check)
+
+
+def bhsd(x):
+    """The reference's [n, heads, hd] as the capture's [1, heads, n, hd]."""
+    return np.transpose(x, (1, 0, 2))[None]
+
+
+def test_dense_capture_equals_the_reference(sparsa_bin, llada, tmp_path):
+    s, w, d = llada
+    dump = tmp_path / "dump"
+    p = logits(sparsa_bin, d, tmp_path / "a.npy", "--dump-attention", dump)
+    assert "attention dump: 2 files" in p.stderr
+    assert sorted(os.listdir(dump)) == ["r0-l0-f0.safetensors", "r0-l1-f0.safetensors"]
+    captured = []
+    R.forward(s, w, CANVAS, None, 0, capture=captured)
+    for layer, (q, k, v) in enumerate(captured):
+        t, meta = R.read_safetensors(dump / f"r0-l{layer}-f0.safetensors")
+        assert set(t) == {"q", "k", "v"}  # no prefix: the canvas is the whole sequence
+        assert t["q"].shape == (1, s.heads, len(CANVAS), s.head_dim)
+        assert t["k"].shape == (1, s.kv_heads, len(CANVAS), s.head_dim)
+        for name, ref in (("q", q), ("k", k), ("v", v)):
+            assert rel_err(t[name], bhsd(ref)) < LOGIT_TOL, (layer, name)
+        assert meta["layer"] == str(layer) and meta["pos0"] == "0" and meta["tokens"] == str(len(CANVAS))
+        assert meta["method"] == "dense" and meta["request"] == "0" and meta["forward"] == "0"
+        assert "plan" not in meta
+    # The capture does not change the computation.
+    plain = tmp_path / "b.npy"
+    logits(sparsa_bin, d, plain)
+    assert np.array_equal(np.load(tmp_path / "a.npy"), np.load(plain))
+
+
+def load_index(path):
+    t, meta = R.read_safetensors(path)
+    return t, meta
+
+
+@pytest.mark.parametrize("method", ["ba_att:top_kappa=2,block=4,min_tokens=0",
+                                    "ba_att:density=0.5,block=8,min_tokens=0,compensate=false"])
+def test_ba_att_plan_inside_the_engine_is_the_plan_of_sparsa_plan(sparsa_bin, llada, tmp_path, method):
+    """Must-show: the captured tensors of one layer fed to the CLI give the engine's plan."""
+    s, w, d = llada
+    dump = tmp_path / "dump"
+    logits(sparsa_bin, d, tmp_path / "a.npy", "--attention", method, "--dump-attention", dump)
+    for layer in range(s.layers):
+        f = dump / f"r0-l{layer}-f0.safetensors"
+        _, meta = R.read_safetensors(f)
+        assert meta["method"] == method and meta["plan_method"] == "ba_att"
+        engine_plan, engine_meta = load_index(dump / meta["plan"])
+        params = [x for kv in meta["plan_params"].split() for x in ("-P", kv)]
+        index = tmp_path / f"plan{layer}.safetensors"
+        run(sparsa_bin, "plan", "--method", "ba_att", "--q", f"{f}:q", "--k", f"{f}:k", *params, "--index", index)
+        cli_plan, cli_meta = load_index(index)
+        assert set(engine_plan) == set(cli_plan) == {"counts", "indices", "perm_q", "perm_kv"}
+        for name in engine_plan:
+            assert np.array_equal(engine_plan[name], cli_plan[name]), (layer, name)
+        assert engine_meta == cli_meta
+        counts = engine_plan["counts"]
+        nk = -(-len(CANVAS) // int(engine_meta["block_kv"]))
+        assert counts.min() >= 1 and counts.max() < nk  # a real selection, not every block
+    # And `sparsa eval` runs on the real tensors (the oracle recall of methods on layer 1).
+    f = dump / "r0-l1-f0.safetensors"
+    p = run(sparsa_bin, "eval", "--q", f"{f}:q", "--k", f"{f}:k", "--v", f"{f}:v", "--methods", "ba_att,mean_pool",
+            "--densities", "0.5", "-P", "ba_att.block=4", "-P", "mean_pool.block=4", "--json", "-")
+    assert "ba_att" in p.stdout and "mean_pool" in p.stdout
+
+
+def test_block_loop_capture_selects_layers_and_forwards(sparsa_bin, sdar, tmp_path):
+    s, w, d = sdar
+    dump = tmp_path / "dump"
+    args = ["generate", "--model", d, "--gen-len", 8, "--steps", 2, "--no-stop-at-eos", "--json", "--quiet",
+            "--dump-attention", dump, "--dump-layers", "1", "--dump-forwards", "0,2"]
+    for p in PROMPTS:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    run(sparsa_bin, *args)
+    names = sorted(os.listdir(dump))
+    assert names == [f"r{r}-l1-f{f}.safetensors" for r in range(len(PROMPTS)) for f in (0, 2)]
+    for r in range(len(PROMPTS)):
+        first, m0 = R.read_safetensors(dump / f"r{r}-l1-f0.safetensors")
+        later, m2 = R.read_safetensors(dump / f"r{r}-l1-f2.safetensors")
+        assert m0["pos0"] == "0" and int(m2["pos0"]) > 0
+        pos0 = int(m2["pos0"])
+        assert later["prefix_k"].shape == (1, s.kv_heads, pos0, s.head_dim)
+        # The prefix the later forward ran over starts with what the prefill computed (one
+        # block-causal pass over the prompt's whole blocks).
+        n0 = int(m0["tokens"])
+        assert m0["block_causal"] == str(s.block) and n0 % s.block == 0 and pos0 >= n0
+        assert np.array_equal(later["prefix_k"][:, :, :n0], first["k"])
+        assert np.array_equal(later["prefix_v"][:, :, :n0], first["v"])
+
+
+def test_capture_limit_and_bad_arguments(sparsa_bin, llada, tmp_path):
+    s, w, d = llada
+    p = logits(sparsa_bin, d, tmp_path / "a.npy", "--dump-attention", tmp_path / "one", "--dump-max", 1)
+    assert os.listdir(tmp_path / "one") == ["r0-l0-f0.safetensors"]
+    assert "1 more selected, over --dump-max 1" in p.stderr
+    # A directory with files in it is refused, and its files are left as they were.
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    p = logits(sparsa_bin, d, tmp_path / "b.npy", "--dump-attention", busy, check=False)
+    assert p.returncode != 0 and "dump_attention" in p.stderr and "not empty" in p.stderr
+    assert os.listdir(busy) == ["keep.txt"] and (busy / "keep.txt").read_text() == "mine"
+    assert not (tmp_path / "b.npy").exists()
+    for flags, needle in ((["--dump-attention", tmp_path / "x", "--dump-layers", "2"], "dump_attention.layers"),
+                          (["--dump-attention", tmp_path / "y", "--dump-layers", "a"], "--dump-layers"),
+                          (["--dump-attention", tmp_path / "z", "--dump-max", "0"], "dump_attention.max_files"),
+                          (["--dump-layers", "0"], "--dump-attention"),
+                          (["--dump-attention", tmp_path / "a.npy"], "not a directory")):
+        p = logits(sparsa_bin, d, tmp_path / "c.npy", *flags, check=False)
+        assert p.returncode != 0 and needle in p.stderr, (flags, p.stderr)
+
+
+def test_generate_reports_the_attention_share(sparsa_bin, llada):
+    s, w, d = llada
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "3,17,5", "--gen-len", 8, "--block-len", 4,
+            "--steps", 4, "--json")
+    j = json.loads(p.stdout)
+    assert 0 <= j["attention_seconds"] <= j["seconds"]
+    assert "forward passes" in p.stderr and "attention" in p.stderr and "the rest" in p.stderr

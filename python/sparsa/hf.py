@@ -131,24 +131,6 @@ def _mask_kind(attention_mask, q_len: int, kv_len: int) -> str:
                      "none, all-visible or causal); run unpadded sequences, or pick another attn_implementation")
 
 
-def _assert_mask_is(attention_mask, q_len: int, kv_len: int, causal: bool) -> None:
-    """Under torch.compile: a runtime assertion that the mask is all-visible (causal False) or the
-    causal pattern (causal True)."""
-    m = _visible(attention_mask)
-    if causal:
-        if q_len != kv_len:  # as _mask_kind: a causal mask is taken over the chunk's own keys only
-            raise ValueError("attention_mask: sparsa's causal attention takes a mask over as many keys as queries, got "
-                             f"{q_len} queries and {kv_len} keys")
-        want = torch.ones(q_len, kv_len, dtype=torch.bool, device=m.device).tril()
-        # compared as int8: inductor's value-range analysis (torch 2.11's Triton codegen) fails on
-        # an == between two bool tensors ("A Boolean argument can only be used in Eq and Ne")
-        ok = (m.to(torch.int8) == want.to(torch.int8)).all()
-    else:
-        ok = m.all()
-    torch._assert_async(ok, "attention_mask: sparsa's attention implementations take no padding or custom mask "
-                            "(only none, all-visible or causal)")
-
-
 def _attention(implementation: str, module, query, key, value, attention_mask, dropout: float = 0.0,
                scaling: Optional[float] = None, is_causal: Optional[bool] = None, sliding_window=None,
                softcap=None, **kwargs):
@@ -162,11 +144,11 @@ def _attention(implementation: str, module, query, key, value, attention_mask, d
     q_len, kv_len = int(query.shape[2]), int(key.shape[2])
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is not None and torch.compiler.is_compiling():
-        # A mask's values cannot steer a traced graph (the test would be a data-dependent branch):
-        # while compiling the layer's own pattern rules, and the mask is asserted to be that
-        # pattern when the graph runs (an error then, never a silent wrong answer).
-        causal = bool(causal) and q_len > 1
-        _assert_mask_is(attention_mask, q_len, kv_len, causal)
+        # A mask's values cannot steer Python while tracing: the graph decides when it runs, as
+        # eager does (the mask rules, whatever the layer's is_causal says), through torch.cond
+        # between the causal and the bidirectional call; any other mask fails an assertion then
+        # (an error, never a silent wrong answer).
+        return _traced_masked_attention(implementation, module, query, key, value, attention_mask, scaling)
     elif attention_mask is not None:
         kind = _mask_kind(attention_mask, q_len, kv_len)
         causal = kind == "causal"
@@ -174,6 +156,36 @@ def _attention(implementation: str, module, query, key, value, attention_mask, d
         causal = bool(causal) and q_len > 1
         if causal and kv_len > q_len:  # a static cache's empty slots (as transformers' SDPA path crops them)
             key, value = key[:, :, :q_len], value[:, :, :q_len]
+    return _attend(implementation, module, query, key, value, causal, scaling)
+
+
+def _traced_masked_attention(implementation, module, query, key, value, attention_mask, scaling):
+    q_len, kv_len = int(query.shape[2]), int(key.shape[2])
+    m = _visible(attention_mask)
+    all_visible = m.all()
+    if q_len == kv_len and q_len > 1:
+        want = torch.ones(q_len, kv_len, dtype=torch.bool, device=m.device).tril()
+        # compared as int8: inductor's value-range analysis (torch 2.11's Triton codegen) fails on
+        # an == between two bool tensors ("A Boolean argument can only be used in Eq and Ne")
+        is_causal = (m.to(torch.int8) == want.to(torch.int8)).all()
+    else:  # as _mask_kind: a causal mask is taken over the chunk's own keys only
+        is_causal = torch.zeros((), dtype=torch.bool, device=m.device)
+    torch._assert_async(all_visible | is_causal, "attention_mask: sparsa's attention implementations take no "
+                                                 "padding or custom mask (only none, all-visible or causal)")
+    if q_len == 1 or q_len != kv_len:
+        return _attend(implementation, module, query, key, value, False, scaling)
+
+    def causal_branch(q, k, v):
+        return _attend(implementation, module, q, k, v, True, scaling)[0].contiguous()
+
+    def bidirectional_branch(q, k, v):
+        return _attend(implementation, module, q, k, v, False, scaling)[0].contiguous()
+
+    out = torch.cond(is_causal & ~all_visible, causal_branch, bidirectional_branch, (query, key, value))
+    return out, None
+
+
+def _attend(implementation, module, query, key, value, causal: bool, scaling):
     o = _resolve(module)
     calls = getattr(_local, "record", None)
     plan = None

@@ -147,29 +147,42 @@ def test_compiled_model_fullgraph(bidirectional):
     assert close(got, eager) < BOUND
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_explicit_mask_under_compile(causal):
+@pytest.mark.parametrize("implementation", ["sparsa_dense", "sparsa_ba_att"])
+@pytest.mark.parametrize("layer_causal", [False, True])
+@pytest.mark.parametrize("mask_causal", [False, True])
+def test_explicit_mask_under_compile(implementation, layer_causal, mask_causal):
     """Some transformers versions hand the attention an explicit mask tensor even when it is all
-    visible or causal: under torch.compile(fullgraph=True) its values cannot be inspected while
-    tracing, so the layer's pattern rules and the mask is asserted at run time."""
+    visible or causal, and some hand a causal one to layers configured bidirectional. Eager mode
+    follows the mask; under torch.compile(fullgraph=True) its values cannot steer Python while
+    tracing, so the graph decides when it runs (torch.cond) and gives eager's answer for every
+    pair of layer and mask; a padding mask fails an assertion when the graph runs."""
     torch._dynamo.reset()
     sparsa.hf.register()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 64, 32, generator=g) for _ in range(3))
     module = torch.nn.Module()
-    module.is_causal = causal
+    module.is_causal = layer_causal
     pattern = torch.ones(64, 64, dtype=torch.bool)
-    if causal:
+    if mask_causal:
         pattern = pattern.tril()
     mask = torch.where(pattern, 0.0, float("-inf"))[None, None]
 
     def run(q, k, v, mask):
-        return sparsa.hf._attention("sparsa_dense", module, q, k, v, mask)[0]
+        return sparsa.hf._attention(implementation, module, q, k, v, mask)[0]
 
-    eager = run(q, k, v, mask)
-    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")(q, k, v, mask)
-    assert torch.allclose(compiled, eager, atol=1e-6, rtol=1e-6)
-    wrong = torch.where(torch.ones(64, 64, dtype=torch.bool).tril() if not causal else torch.ones(64, 64, dtype=torch.bool),
-                        0.0, float("-inf"))[None, None]
-    with pytest.raises(RuntimeError, match="attention_mask: sparsa's attention implementations take no padding"):
-        torch.compile(run, fullgraph=True, backend="aot_eager")(q, k, v, wrong)
+    with sparsa.hf.options(density=0.5, block_q=16, block_kv=16):
+        eager = run(q, k, v, mask)
+        compiled_run = torch.compile(run, fullgraph=True, backend="aot_eager")
+        compiled = compiled_run(q, k, v, mask)
+        assert torch.allclose(compiled, eager, atol=1e-6, rtol=1e-6)
+        # The other pattern through the same compiled graph: decided when it runs, not traced in.
+        other = torch.where(pattern if not mask_causal else torch.ones(64, 64, dtype=torch.bool), 0.0,
+                            float("-inf"))[None, None]
+        if not mask_causal:
+            other = torch.where(torch.ones(64, 64, dtype=torch.bool).tril(), 0.0, float("-inf"))[None, None]
+        assert torch.allclose(compiled_run(q, k, v, other), run(q, k, v, other), atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(run(q, k, v, other), eager, atol=1e-3)  # the two patterns differ
+        padding = mask.clone()
+        padding[..., :5] = float("-inf")
+        with pytest.raises(RuntimeError, match="attention_mask: sparsa's attention implementations take no padding"):
+            compiled_run(q, k, v, padding)

@@ -313,6 +313,17 @@ Outcome run_generate(const DlmOptions& o) {
   return success();
 }
 
+// The attention capture's flags (generate, logits).
+void add_dump_flags(CLI::App* cmd, DlmOptions* o) {
+  cmd->add_option("--dump-attention", o->dump_dir,
+                  "cpu: write each selected layer's attention inputs (q, k, v, the prefix, the block plan) as "
+                  "safetensors into this new or empty directory (docs/dlm.md)");
+  cmd->add_option("--dump-layers", o->dump_layers, "layers to capture, e.g. 0,5 (default: all)");
+  cmd->add_option("--dump-forwards", o->dump_forwards,
+                  "forward passes of each request to capture, counted from 0, e.g. 0,3 (default: all)");
+  cmd->add_option("--dump-max", o->dump_max, "tensor files written at most")->capture_default_str();
+}
+
 }  // namespace
 
 std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
@@ -349,13 +360,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");
   gen->add_flag("--quiet", o->quiet, "no progress line");
   gen->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "cuda: run every step eagerly (no graph replay)");
-  gen->add_option("--dump-attention", o->dump_dir,
-                  "cpu: write each selected layer's attention inputs (q, k, v, the prefix, the block plan) as "
-                  "safetensors into this new or empty directory (docs/dlm.md)");
-  gen->add_option("--dump-layers", o->dump_layers, "layers to capture, e.g. 0,5 (default: all)");
-  gen->add_option("--dump-forwards", o->dump_forwards,
-                  "forward passes of each request to capture, counted from 0, e.g. 0,3 (default: all)");
-  gen->add_option("--dump-max", o->dump_max, "tensor files written at most")->capture_default_str();
+  add_dump_flags(gen, o.get());
   out.push_back({gen, [o] { return run_generate(*o); }});
 
   CLI::App* lg = app.add_subcommand("logits", "logits of one forward pass over a canvas (f32 [len, vocab] .npy)");
@@ -375,13 +380,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   lg->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD, e.g. 0,1,31=dense")
       ->allow_extra_args(false);
   lg->add_flag("--quiet", o->quiet, "no summary line");
-  lg->add_option("--dump-attention", o->dump_dir,
-                  "cpu: write each selected layer's attention inputs (q, k, v, the prefix, the block plan) as "
-                  "safetensors into this new or empty directory (docs/dlm.md)");
-  lg->add_option("--dump-layers", o->dump_layers, "layers to capture, e.g. 0,5 (default: all)");
-  lg->add_option("--dump-forwards", o->dump_forwards,
-                  "forward passes of each request to capture, counted from 0, e.g. 0,3 (default: all)");
-  lg->add_option("--dump-max", o->dump_max, "tensor files written at most")->capture_default_str();
+  add_dump_flags(lg, o.get());
   out.push_back({lg, [o] { return run_logits(*o); }});
 
   CLI::App* tk = app.add_subcommand("tokenize", "encode text (or --decode ids) with a tokenizer.json");

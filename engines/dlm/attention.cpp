@@ -17,6 +17,7 @@
 #include "sparsa/ba_att.h"
 #include "sparsa/losa.h"
 #include "sparsa/quest.h"
+#include "sparsa/xattention.h"
 
 namespace sparsa::dlm {
 
@@ -248,55 +249,104 @@ class DenseAttention final : public SplitAttention {
   using SplitAttention::SplitAttention;
 };
 
-// BA-Att over the chunk's own keys where the chunk is one bidirectional canvas of at least
-// min_tokens tokens (LLaDA's full-canvas steps, Fast-dLLM's block-and-suffix chunks); dense
-// below that and for block-causal chunks (block-diffusion prefill); the prefix stays dense.
-class BaAttAttention final : public SplitAttention {
+// "density=0.5", "kappa=2" or "tau=0.9": a budget as `sparsa plan` takes it.
+std::string budget_param(const Budget& b) {
+  char text[64];
+  const char* name = b.kind == BudgetKind::top_kappa ? "kappa" : b.kind == BudgetKind::mass ? "tau" : "density";
+  std::snprintf(text, sizeof text, "%s=%.17g", name, b.value);
+  return text;
+}
+const char* bool_text(bool b) { return b ? "true" : "false"; }
+
+// A block selector over the chunk's own keys where the chunk is one bidirectional canvas of at
+// least min_tokens tokens (LLaDA's full-canvas steps, Fast-dLLM's block-and-suffix chunks), then
+// the block-sparse executor; dense below that and for block-causal chunks (block-diffusion
+// prefill); the prefix stays dense. The methods differ only in their selector (the hooks).
+class CanvasAttention : public SplitAttention {
  public:
-  BaAttAttention(const AttentionPolicy& policy, const BaAttOptions& ba, int64_t min_tokens)
-      : SplitAttention(policy), ba_(ba), min_tokens_(min_tokens) {
+  CanvasAttention(const AttentionPolicy& policy, int64_t min_tokens) : SplitAttention(policy), min_tokens_(min_tokens) {}
+
+  Result<std::optional<CallPlan>> plan_of(const AttentionCall& call) override {
+    if (!sparse(call)) return std::optional<CallPlan>{};
+    auto plan = select(call);
+    if (!plan.ok()) return plan.status();
+    return std::optional<CallPlan>(std::move(plan).value());
+  }
+
+ protected:
+  // The method over the chunk's own keys into call.out and lse.
+  virtual Status attend_sparse(const AttentionCall& call, const Tensor& lse) = 0;
+  // Its plan for the call, with the `sparsa plan` method and parameters that rebuild it.
+  virtual Result<CallPlan> select(const AttentionCall& call) = 0;
+
+  Status own(const AttentionCall& call, const Tensor& lse) final {
+    return sparse(call) ? attend_sparse(call, lse) : dense_own(call, lse);
+  }
+
+ private:
+  bool sparse(const AttentionCall& call) const { return call.block_causal == 0 && call.q.shape[2] >= min_tokens_; }
+  int64_t min_tokens_;
+};
+
+// BA-Att (norm-sorted, compensated mean-pool logits), or with the sorts and the compensation off,
+// mean-pool top-k (`mean_pool`); on the cpu or, with its device selection, the cuda backend.
+class BaAttAttention final : public CanvasAttention {
+ public:
+  BaAttAttention(const AttentionPolicy& policy, const BaAttOptions& ba, int64_t min_tokens, std::string name)
+      : CanvasAttention(policy, min_tokens), ba_(ba), name_(std::move(name)) {
     ba_.backend = policy.backend;
     ba_.num_threads = policy.num_threads;
   }
 
  protected:
-  Status own(const AttentionCall& call, const Tensor& lse) override {
-    if (!sparse(call)) return dense_own(call, lse);
+  Status attend_sparse(const AttentionCall& call, const Tensor& lse) override {
     return ba_att(call.q, call.k, call.v, call.out, lse, ba_);
   }
-
- public:
-  Result<std::optional<CallPlan>> plan_of(const AttentionCall& call) override {
-    if (!sparse(call)) return std::optional<CallPlan>{};
+  Result<CallPlan> select(const AttentionCall& call) override {
     auto plan = ba_att_plan(call.q, call.k, ba_);
     if (!plan.ok()) return plan.status();
-    return std::optional<CallPlan>(CallPlan{std::move(plan).value(), "ba_att", plan_params()});
+    std::string params = budget_param(ba_.budget) + " block_q=" + std::to_string(ba_.block_q) +
+                         " block_kv=" + std::to_string(ba_.block_kv);
+    if (name_ == "ba_att") {
+      char beta[32];
+      std::snprintf(beta, sizeof beta, "%.9g", static_cast<double>(ba_.beta));
+      params += std::string(" beta=") + beta + " compensate=" + bool_text(ba_.compensate) +
+                " sort_q=" + bool_text(ba_.sort_q) + " sort_k=" + bool_text(ba_.sort_k);
+    }
+    return CallPlan{std::move(plan).value(), name_, params};
   }
 
  private:
-  bool sparse(const AttentionCall& call) const { return call.block_causal == 0 && call.q.shape[2] >= min_tokens_; }
-  // The `sparsa plan --method ba_att` parameters of ba_ (its names: kappa for top_kappa).
-  std::string plan_params() const {
-    char budget[64];
-    switch (ba_.budget.kind) {
-      case BudgetKind::top_kappa:
-        std::snprintf(budget, sizeof budget, "kappa=%.17g", ba_.budget.value);
-        break;
-      case BudgetKind::mass:
-        std::snprintf(budget, sizeof budget, "tau=%.17g", ba_.budget.value);
-        break;
-      default:
-        std::snprintf(budget, sizeof budget, "density=%.17g", ba_.budget.value);
-    }
-    char rest[128];
-    std::snprintf(rest, sizeof rest, " block_q=%d block_kv=%d beta=%.9g compensate=%s sort_q=%s sort_k=%s", ba_.block_q,
-                  ba_.block_kv, static_cast<double>(ba_.beta), ba_.compensate ? "true" : "false",
-                  ba_.sort_q ? "true" : "false", ba_.sort_k ? "true" : "false");
-    return std::string(budget) + rest;
+  BaAttOptions ba_;
+  std::string name_;  // "ba_att" or "mean_pool"
+};
+
+// XAttention (antidiagonal block scores, sparsa/xattention.h): its selection runs on the cpu.
+class XAttentionAttention final : public CanvasAttention {
+ public:
+  XAttentionAttention(const AttentionPolicy& policy, const XAttentionOptions& x, int64_t min_tokens)
+      : CanvasAttention(policy, min_tokens), x_(x) {
+    x_.backend = policy.backend;
+    x_.num_threads = policy.num_threads;
   }
 
-  BaAttOptions ba_;
-  int64_t min_tokens_;
+ protected:
+  Status attend_sparse(const AttentionCall& call, const Tensor& lse) override {
+    auto plan = xattention_plan(call.q, call.k, x_);
+    if (!plan.ok()) return plan.status();
+    return block_sparse(call.q, call.k, call.v, plan->view(), call.out, lse, options_);
+  }
+  Result<CallPlan> select(const AttentionCall& call) override {
+    auto plan = xattention_plan(call.q, call.k, x_);
+    if (!plan.ok()) return plan.status();
+    return CallPlan{std::move(plan).value(), "xattention",
+                    budget_param(x_.budget) + " block=" + std::to_string(x_.block_q) + " stride=" +
+                        std::to_string(x_.stride) + " force_first=" + bool_text(x_.force_first) +
+                        " force_diagonal=" + bool_text(x_.force_diagonal)};
+  }
+
+ private:
+  XAttentionOptions x_;
 };
 
 // QUEST over the cached prefix: every query row's top budget / 16 pages by the page bound, then
@@ -379,33 +429,62 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     SPARSA_RETURN_IF_ERROR(p.done("dense takes none"));
     return std::unique_ptr<LayerAttention>(new DenseAttention(policy));
   }
-  if (spec->name == "ba_att") {
-    BaAttOptions ba;
-    double density = 0.5, tau = 0.9, beta = 1.0;
+  if (spec->name == "ba_att" || spec->name == "mean_pool" || spec->name == "xattention") {
+    // The canvas selectors: one budget (density 0.5 by default), block, min_tokens; then each
+    // method's own switches.
+    const std::string& name = spec->name;
+    double density = 0.5, tau = 0.9;
     int64_t top_kappa = 0, block = 64, min_tokens = 1024;
     const int budgets = int{p.has("density")} + int{p.has("top_kappa")} + int{p.has("tau")};
-    if (budgets > 1) return invalid_argument(where + ": ba_att takes one of density, top_kappa, tau");
+    if (budgets > 1) return invalid_argument(where + ": " + name + " takes one of density, top_kappa, tau");
     SPARSA_RETURN_IF_ERROR(p.number("density", 1e-9, 1.0, &density));
     SPARSA_RETURN_IF_ERROR(p.number("tau", 1e-9, 1.0, &tau));
     SPARSA_RETURN_IF_ERROR(p.integer("top_kappa", 1, int64_t{1} << 30, &top_kappa));
     SPARSA_RETURN_IF_ERROR(p.integer("block", 1, 4096, &block));
     SPARSA_RETURN_IF_ERROR(p.integer("min_tokens", 0, int64_t{1} << 40, &min_tokens));
-    SPARSA_RETURN_IF_ERROR(p.number("beta", 0.0, 16.0, &beta));
-    bool compensate = true;
-    SPARSA_RETURN_IF_ERROR(p.flag("compensate", &compensate));
-    SPARSA_RETURN_IF_ERROR(p.done("density, top_kappa, tau, block, min_tokens, beta, compensate"));
-    ba.budget = p.has("top_kappa") ? Budget::top_kappa(static_cast<double>(top_kappa))
-                : p.has("tau")     ? Budget::mass(tau)
-                                   : Budget::density(density);
+    const Budget budget = p.has("top_kappa") ? Budget::top_kappa(top_kappa)
+                          : p.has("tau")     ? Budget::mass(tau)
+                                             : Budget::density(density);
+    if (name == "xattention") {
+      XAttentionOptions x;
+      int64_t stride = 8;
+      SPARSA_RETURN_IF_ERROR(p.integer("stride", 1, 4096, &stride));
+      SPARSA_RETURN_IF_ERROR(p.flag("force_first", &x.force_first));
+      SPARSA_RETURN_IF_ERROR(p.flag("force_diagonal", &x.force_diagonal));
+      SPARSA_RETURN_IF_ERROR(
+          p.done("density, top_kappa, tau, block, min_tokens, stride, force_first, force_diagonal"));
+      if (policy.backend == Backend::cuda) {
+        return Status(StatusCode::unsupported, where + ": xattention's selection runs on the cpu backend only");
+      }
+      x.budget = budget;
+      x.block_q = x.block_kv = static_cast<int>(block);
+      x.stride = static_cast<int>(stride);
+      return std::unique_ptr<LayerAttention>(new XAttentionAttention(policy, x, min_tokens));
+    }
+    BaAttOptions ba;
+    ba.budget = budget;
     ba.block_q = ba.block_kv = static_cast<int>(block);
+    if (name == "mean_pool") {  // BA-Att's selector without the norm sort and the compensation
+      SPARSA_RETURN_IF_ERROR(p.done("density, top_kappa, tau, block, min_tokens"));
+      ba.sort_q = ba.sort_k = false;
+      ba.compensate = false;
+      return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, name));
+    }
+    double beta = 1.0;
+    SPARSA_RETURN_IF_ERROR(p.number("beta", 0.0, 16.0, &beta));
+    SPARSA_RETURN_IF_ERROR(p.flag("compensate", &ba.compensate));
+    if (p.has("sort") && (p.has("sort_q") || p.has("sort_k"))) {
+      return invalid_argument(where + ": ba_att sort sets both sort_q and sort_k; give either sort or sort_q/sort_k");
+    }
+    bool sort = true;
+    SPARSA_RETURN_IF_ERROR(p.flag("sort", &sort));
+    ba.sort_q = ba.sort_k = sort;
+    SPARSA_RETURN_IF_ERROR(p.flag("sort_q", &ba.sort_q));
+    SPARSA_RETURN_IF_ERROR(p.flag("sort_k", &ba.sort_k));
+    SPARSA_RETURN_IF_ERROR(
+        p.done("density, top_kappa, tau, block, min_tokens, beta, compensate, sort, sort_q, sort_k"));
     ba.beta = static_cast<float>(beta);
-    ba.compensate = compensate;
-    return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens));
-  }
-  if ((spec->name == "quest" || spec->name == "losa") && policy.backend == Backend::cuda) {
-    return Status(StatusCode::unsupported, where + ": " + spec->name +
-                                               " runs on the engine's cpu backend only for now (use dense or ba_att with "
-                                               "--backend cuda)");
+    return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, name));
   }
   if (spec->name == "quest") {
     PageSelectOptions s;
@@ -427,7 +506,8 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     SPARSA_RETURN_IF_ERROR(p.done("budget, k, threshold, force_first, force_last"));
     return std::unique_ptr<LayerAttention>(new LosaAttention(policy, o));
   }
-  return invalid_argument(where + ": unknown method '" + spec->name + "' (expected dense, ba_att, quest or losa)");
+  return invalid_argument(where + ": unknown method '" + spec->name +
+                          "' (expected dense, ba_att, mean_pool, xattention, quest or losa)");
 }
 
 }  // namespace

@@ -174,8 +174,10 @@ class LayerAttention {
 };
 // The method of each layer: builds one LayerAttention per (sequence, layer). A method is a spec
 // `name[:key=value,...]`: dense; ba_att[:density=|top_kappa=|tau=, block=64, min_tokens=1024,
-// beta=1, compensate=true]; quest[:budget=256, force_first=false, force_last=true];
-// losa[:budget=256, k=4, threshold=, force_first=false, force_last=true].
+// beta=1, compensate=true, sort=true | sort_q=, sort_k=]; mean_pool[:density=|top_kappa=|tau=,
+// block=64, min_tokens=1024]; xattention[:density=|..., block=64, min_tokens=1024, stride=8,
+// force_first=true, force_diagonal=true] (cpu); quest[:budget=256, force_first=false,
+// force_last=true]; losa[:budget=256, k=4, threshold=, force_first=false, force_last=true].
 class AttentionRecorder;  // attention_recorder.cpp: attention time and the capture (cpu backend)
 struct AttentionPolicy {
   std::string method = "dense";            // every layer's, unless layer_methods names it

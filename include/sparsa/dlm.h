@@ -83,8 +83,10 @@ struct LoadOptions {
   std::string backend = "cpu";
   int num_threads = 0;  // attention threads on the CPU; 0 = all cores
   // Every layer's attention method, `name[:key=value,...]`: dense (exact), ba_att[:density=0.5 |
-  // top_kappa=K | tau=T, block=64, min_tokens=1024, beta=1, compensate=true] (the chunk's own keys
-  // of bidirectional canvases of at least min_tokens), quest[:budget=256, force_first=false,
+  // top_kappa=K | tau=T, block=64, min_tokens=1024, beta=1, compensate=true, sort=true] (the
+  // chunk's own keys of bidirectional canvases of at least min_tokens), mean_pool[...] (BA-Att's
+  // selector without sorts and compensation), xattention[..., stride=8] (cpu backend; the same
+  // canvases), quest[:budget=256, force_first=false,
   // force_last=true] (the cached prefix), losa[:budget=256, k=4, threshold=X, ...] (the prefix on
   // a block's denoising steps; docs/dlm.md).
   std::string attention = "dense";

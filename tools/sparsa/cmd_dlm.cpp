@@ -348,8 +348,9 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--backend", o->backend, "cpu, cuda or cuda:N (bf16 on the GPU)")->capture_default_str();
   gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
   gen->add_option("--attention", o->attention,
-                  "every layer's attention: dense, ba_att[:density=0.5,block=64,min_tokens=1024], "
-                  "quest[:budget=256], losa[:budget=256,k=4] (docs/dlm.md)")
+                  "every layer's attention: dense, ba_att[:density=0.5,block=64,min_tokens=1024,sort=true], "
+                  "mean_pool[:density=0.5], xattention[:density=0.5,stride=8], quest[:budget=256], "
+                  "losa[:budget=256,k=4] (docs/dlm.md)")
       ->capture_default_str();
   gen->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD, e.g. 0,1,31=dense")
       ->allow_extra_args(false);
@@ -374,8 +375,9 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   lg->add_option("--backend", o->backend, "cpu, cuda or cuda:N")->capture_default_str();
   lg->add_option("--threads", o->threads, "attention threads (0 = all cores)");
   lg->add_option("--attention", o->attention,
-                  "every layer's attention: dense, ba_att[:density=0.5,block=64,min_tokens=1024], "
-                  "quest[:budget=256], losa[:budget=256,k=4] (docs/dlm.md)")
+                  "every layer's attention: dense, ba_att[:density=0.5,block=64,min_tokens=1024,sort=true], "
+                  "mean_pool[:density=0.5], xattention[:density=0.5,stride=8], quest[:budget=256], "
+                  "losa[:budget=256,k=4] (docs/dlm.md)")
       ->capture_default_str();
   lg->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD, e.g. 0,1,31=dense")
       ->allow_extra_args(false);

@@ -74,7 +74,9 @@ def load_index(path):
 
 
 @pytest.mark.parametrize("method", ["ba_att:top_kappa=2,block=4,min_tokens=0",
-                                    "ba_att:density=0.5,block=8,min_tokens=0,compensate=false"])
+                                    "ba_att:density=0.5,block=8,min_tokens=0,compensate=false,sort_k=false",
+                                    "mean_pool:density=0.5,block=4,min_tokens=0",
+                                    "xattention:top_kappa=2,block=4,stride=2,min_tokens=0,force_first=false"])
 def test_ba_att_plan_inside_the_engine_is_the_plan_of_sparsa_plan(sparsa_bin, llada, tmp_path, method):
     """Must-show: the captured tensors of one layer fed to the CLI give the engine's plan."""
     s, w, d = llada
@@ -83,13 +85,16 @@ def test_ba_att_plan_inside_the_engine_is_the_plan_of_sparsa_plan(sparsa_bin, ll
     for layer in range(s.layers):
         f = dump / f"r0-l{layer}-f0.safetensors"
         _, meta = R.read_safetensors(f)
-        assert meta["method"] == method and meta["plan_method"] == "ba_att"
+        name = method.split(":")[0]
+        assert meta["method"] == method and meta["plan_method"] == name
         engine_plan, engine_meta = load_index(dump / meta["plan"])
         params = [x for kv in meta["plan_params"].split() for x in ("-P", kv)]
         index = tmp_path / f"plan{layer}.safetensors"
-        run(sparsa_bin, "plan", "--method", "ba_att", "--q", f"{f}:q", "--k", f"{f}:k", *params, "--index", index)
+        run(sparsa_bin, "plan", "--method", name, "--q", f"{f}:q", "--k", f"{f}:k", *params, "--index", index)
         cli_plan, cli_meta = load_index(index)
-        assert set(engine_plan) == set(cli_plan) == {"counts", "indices", "perm_q", "perm_kv"}
+        perms = {"perm_q", "perm_kv"} if name == "ba_att" and "sort_k=false" not in method else \
+            {"perm_q"} if name == "ba_att" else set()
+        assert set(engine_plan) == set(cli_plan) == {"counts", "indices"} | perms
         for name in engine_plan:
             assert np.array_equal(engine_plan[name], cli_plan[name]), (layer, name)
         assert engine_meta == cli_meta

@@ -57,6 +57,33 @@ def test_ba_att_at_a_real_budget_is_applied(sparsa_bin, llada, tmp_path):
     assert rel_err(got, ref) < LOGIT_TOL
 
 
+@pytest.mark.parametrize("method", ["mean_pool:density=1,block=4,min_tokens=0",
+                                    "xattention:density=1,block=4,stride=2,min_tokens=0",
+                                    "ba_att:density=1,block=4,min_tokens=0,sort=false,compensate=false"])
+def test_canvas_selectors_at_density_one_are_exact(sparsa_bin, llada, tmp_path, method):
+    s, w, d = llada
+    ref = engine_logits(sparsa_bin, d, CANVAS, tmp_path)
+    assert rel_err(logits_with(sparsa_bin, d, CANVAS, tmp_path, "--attention", method), ref) < LOGIT_TOL
+
+
+def test_canvas_selectors_at_a_real_budget(sparsa_bin, llada, tmp_path):
+    """Each selector is applied (the logits move) and they are different selectors; mean_pool is
+    BA-Att's selector with the sorts and the compensation off, bit for bit."""
+    s, w, d = llada
+    ref = engine_logits(sparsa_bin, d, CANVAS, tmp_path)
+    got = {m: logits_with(sparsa_bin, d, CANVAS, tmp_path, "--attention", f"{m},block=4,min_tokens=0")
+           for m in ("ba_att:top_kappa=2", "ba_att:top_kappa=2,sort=false", "mean_pool:top_kappa=2",
+                     "ba_att:top_kappa=2,sort=false,compensate=false", "xattention:top_kappa=2,stride=2",
+                     "ba_att:top_kappa=2,sort_q=false")}
+    for m, g in got.items():
+        assert rel_err(g, ref) > 100 * LOGIT_TOL, m
+    assert np.array_equal(got["mean_pool:top_kappa=2"], got["ba_att:top_kappa=2,sort=false,compensate=false"])
+    assert rel_err(got["ba_att:top_kappa=2"], got["ba_att:top_kappa=2,sort=false"]) > 100 * LOGIT_TOL
+    assert rel_err(got["ba_att:top_kappa=2,sort=false"], got["mean_pool:top_kappa=2"]) > 100 * LOGIT_TOL
+    assert rel_err(got["xattention:top_kappa=2,stride=2"], got["mean_pool:top_kappa=2"]) > 100 * LOGIT_TOL
+    assert rel_err(got["ba_att:top_kappa=2,sort_q=false"], got["ba_att:top_kappa=2"]) > 100 * LOGIT_TOL
+
+
 def test_per_layer_overrides(sparsa_bin, llada, tmp_path):
     s, w, d = llada
     ref = engine_logits(sparsa_bin, d, CANVAS, tmp_path)
@@ -92,6 +119,8 @@ def test_prefix_cache_loop_with_a_full_quest_budget_matches_the_reference(sparsa
     ("block", "losa:budget=16,threshold=0.5"),
     ("prefix_cache", "losa:budget=16,k=2"),
     ("remask", "ba_att:density=0.5,block=4,min_tokens=0"),
+    ("remask", "mean_pool:density=0.5,block=4,min_tokens=0"),
+    ("prefix_cache", "xattention:density=0.5,block=4,stride=2,min_tokens=0"),
 ])
 def test_sparse_loops_run(sparsa_bin, sdar, llada, loop, method):
     s, w, d = sdar if loop == "block" else llada
@@ -113,6 +142,10 @@ def test_sparse_loops_run(sparsa_bin, sdar, llada, loop, method):
     (["--attention-layers", "2=dense"], ["attention_layers", "layer '2'", "[0, 2)"]),
     (["--attention-layers", "dense"], ["attention_layers", "LAYERS=METHOD"]),
     (["--attention-layers", "0=ba_att:block=0"], ["layer 0", "ba_att block"]),
+    (["--attention", "ba_att:sort=false,sort_q=true"], ["ba_att sort sets both sort_q and sort_k"]),
+    (["--attention", "mean_pool:beta=2"], ["mean_pool has no parameter 'beta'"]),
+    (["--attention", "xattention:stride=0"], ["xattention stride"]),
+    (["--attention", "xattention:density=0.5,top_kappa=2"], ["xattention takes one of density, top_kappa, tau"]),
 ])
 def test_bad_specs_are_one_clear_error(sparsa_bin, llada, flags, words):
     s, w, d = llada

@@ -409,11 +409,12 @@ class LosaAttention final : public SplitAttention {
   HostArray lse_;
 };
 
-Status page_options(Params& p, PageSelectOptions* s) {
+Status page_options(Params& p, PageSelectOptions* s, const std::string& where) {
   SPARSA_RETURN_IF_ERROR(p.integer("budget", 16, int64_t{1} << 30, &s->budget));
   SPARSA_RETURN_IF_ERROR(p.flag("force_first", &s->force_first));
   SPARSA_RETURN_IF_ERROR(p.flag("force_last", &s->force_last));
-  return validate(*s, 16);
+  Status st = validate(*s, 16);  // the pages of the engine's cache hold 16 tokens
+  return st.ok() ? st : Status(st.code(), where + ": " + st.message());
 }
 
 }  // namespace
@@ -488,13 +489,13 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
   }
   if (spec->name == "quest") {
     PageSelectOptions s;
-    SPARSA_RETURN_IF_ERROR(page_options(p, &s));
+    SPARSA_RETURN_IF_ERROR(page_options(p, &s, where + ": quest"));
     SPARSA_RETURN_IF_ERROR(p.done("budget, force_first, force_last"));
     return std::unique_ptr<LayerAttention>(new QuestAttention(policy, s));
   }
   if (spec->name == "losa") {
     LosaOptions o;
-    SPARSA_RETURN_IF_ERROR(page_options(p, &o.select));
+    SPARSA_RETURN_IF_ERROR(page_options(p, &o.select, where + ": losa"));
     int64_t k = o.active_k;
     SPARSA_RETURN_IF_ERROR(p.integer("k", 0, 1024, &k));
     o.active_k = static_cast<int>(k);

@@ -25,7 +25,7 @@ class RecordedAttention final : public LayerAttention {
   Status forward(const AttentionCall& call) override {
     const auto start = std::chrono::steady_clock::now();
     Status st = inner_->forward(call);
-    recorder_->seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    recorder_->seconds_.fetch_add(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     const int64_t forward = forwards_++;
     if (!st.ok() || !recorder_->selected(layer_, forward)) return st;
     return recorder_->capture(call, *inner_, request_, forward, method_);
@@ -94,12 +94,21 @@ bool AttentionRecorder::selected(int layer, int64_t forward) const {
 
 Status AttentionRecorder::capture(const AttentionCall& call, LayerAttention& inner, int request, int64_t forward,
                                   const std::string& method) {
-  if (counts_.written >= dump_.max_files) {
-    ++counts_.skipped;
+  if (written_.fetch_add(1) >= dump_.max_files) {  // this capture's slot, or none left
+    --written_;
+    ++skipped_;
     return Status::Ok();
   }
-  const std::string stem = "r" + std::to_string(request) + "-l" + std::to_string(call.layer) + "-f" +
-                           std::to_string(forward);
+  Status st = write_capture(call, inner, request, forward, method);
+  if (!st.ok()) --written_;  // the slot is given back: nothing was written for it
+  return st;
+}
+
+Status AttentionRecorder::write_capture(const AttentionCall& call, LayerAttention& inner, int request,
+                                        int64_t forward, const std::string& method) {
+  char stem_text[80];  // rR-lL-fF
+  std::snprintf(stem_text, sizeof stem_text, "r%d-l%d-f%lld", request, call.layer, static_cast<long long>(forward));
+  const std::string stem = stem_text;
   const std::filesystem::path dir(dump_.dir);
   // Contiguous copies of the call's strided views (the engine's cpu activations are f32).
   std::vector<HostArray> held;
@@ -130,9 +139,7 @@ Status AttentionRecorder::capture(const AttentionCall& call, LayerAttention& inn
     meta.emplace_back("plan_method", (*plan)->method);
     meta.emplace_back("plan_params", (*plan)->params);
   }
-  SPARSA_RETURN_IF_ERROR(write_safetensors((dir / (stem + ".safetensors")).string(), entries, meta));
-  ++counts_.written;
-  return Status::Ok();
+  return write_safetensors((dir / (stem + ".safetensors")).string(), entries, meta);
 }
 
 }  // namespace sparsa::dlm

@@ -3,6 +3,7 @@
 // and per-layer attention state), the State (scratch activations) and the forwards.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -202,24 +203,27 @@ class AttentionRecorder {
  public:
   static Result<std::shared_ptr<AttentionRecorder>> create(const AttentionDumpOptions& dump, int n_layers);
   // A new request's id (0, 1, ...), for the capture's file names.
-  int new_request() { return requests_++; }
+  int new_request() { return requests_.fetch_add(1); }
   // `inner` wrapped: timed, and captured where selected.
   std::unique_ptr<LayerAttention> wrap(std::unique_ptr<LayerAttention> inner, int layer, int request,
                                        std::string method);
-  double attention_seconds() const { return seconds_; }
+  double attention_seconds() const { return seconds_.load(); }
   void reset_seconds() { seconds_ = 0; }
-  AttentionDumpCounts counts() const { return counts_; }
+  AttentionDumpCounts counts() const { return {written_.load(), skipped_.load()}; }
 
  private:
   friend class RecordedAttention;
   bool selected(int layer, int64_t forward) const;
   Status capture(const AttentionCall& call, LayerAttention& inner, int request, int64_t forward,
                  const std::string& method);
+  Status write_capture(const AttentionCall& call, LayerAttention& inner, int request, int64_t forward,
+                       const std::string& method);
 
+  // Atomic: one Model may generate on several threads (each call has its own sequences).
   AttentionDumpOptions dump_;
-  int requests_ = 0;
-  double seconds_ = 0;
-  AttentionDumpCounts counts_;
+  std::atomic<int> requests_{0};
+  std::atomic<double> seconds_{0};
+  std::atomic<int64_t> written_{0}, skipped_{0};
 };
 
 // ---- weights, sequence, state --------------------------------------------------------------

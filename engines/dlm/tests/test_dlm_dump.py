@@ -68,11 +68,6 @@ def test_dense_capture_equals_the_reference(sparsa_bin, llada, tmp_path):
     assert np.array_equal(np.load(tmp_path / "a.npy"), np.load(plain))
 
 
-def load_index(path):
-    t, meta = R.read_safetensors(path)
-    return t, meta
-
-
 @pytest.mark.parametrize("method", ["ba_att:top_kappa=2,block=4,min_tokens=0",
                                     "ba_att:density=0.5,block=8,min_tokens=0,compensate=false,sort_k=false",
                                     "mean_pool:density=0.5,block=4,min_tokens=0",
@@ -87,11 +82,11 @@ def test_ba_att_plan_inside_the_engine_is_the_plan_of_sparsa_plan(sparsa_bin, ll
         _, meta = R.read_safetensors(f)
         name = method.split(":")[0]
         assert meta["method"] == method and meta["plan_method"] == name
-        engine_plan, engine_meta = load_index(dump / meta["plan"])
+        engine_plan, engine_meta = R.read_safetensors(dump / meta["plan"])
         params = [x for kv in meta["plan_params"].split() for x in ("-P", kv)]
         index = tmp_path / f"plan{layer}.safetensors"
         run(sparsa_bin, "plan", "--method", name, "--q", f"{f}:q", "--k", f"{f}:k", *params, "--index", index)
-        cli_plan, cli_meta = load_index(index)
+        cli_plan, cli_meta = R.read_safetensors(index)
         perms = {"perm_q", "perm_kv"} if name == "ba_att" and "sort_k=false" not in method else \
             {"perm_q"} if name == "ba_att" else set()
         assert set(engine_plan) == set(cli_plan) == {"counts", "indices"} | perms

@@ -17,8 +17,13 @@
 // the attention FLOPs, over the step time.
 // generate: whole generate() calls through each loop (remask and prefix_cache on LLaDA-8B, block on
 // SDAR-8B; prompts of 1-4K tokens, greedy): tokens/s and steps/s, wall clock.
-//   bench_dlm [--rows llada_canvas,llada_prefix,sdar_block,generate] [--canvas 4096] [--ctx 32768,65536,131072]
-//             [--iters 10]
+// gemm: each GEMM shape of the two models at 16, 32 and 64 rows, cuBLAS beside every rung of
+// sparsa's weight-streaming kernel (skinny_gemm.cu): microseconds and weight TB/s. The weights
+// rotate through copies that together exceed the 60 MB L2, so every call streams from HBM.
+// --gemm auto|cublas: the engine's GEMM choice for the step rows (LoadOptions::gemm).
+//   bench_dlm [--rows llada_canvas,llada_prefix,sdar_block,generate,gemm] [--canvas 4096]
+//             [--ctx 32768,65536,131072] [--iters 10] [--gemm auto]
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/skinny_gemm.h"
 #include "engine.h"
 #include "model_common.h"
 #include "sparsa/dlm.h"
@@ -251,6 +257,99 @@ GenRow bench_generate(const Model& model, Loop loop, int64_t prompt_len, int64_t
   return {loop_name(loop), prompt_len, gen_len, r->steps, r->seconds};
 }
 
+// One GEMM shape at n rows: cuBLAS (the engine's call: TN, bf16 in, f32 compute) and each rung of
+// the skinny kernel, over weight copies that together exceed L2. Output bf16 for the act GEMMs,
+// f32 accumulate for the residual ones, f32 for the head, as the engine runs them.
+struct GemmShape {
+  const char* name;
+  int64_t rows, cols;
+  int out;  // 0 bf16, 1 f32 accumulate, 2 f32
+};
+
+void bench_gemm_table(int iters) {
+  const GemmShape shapes[] = {
+      {"sdar qkv", 6144, 4096, 0},      {"sdar o", 4096, 4096, 1},         {"sdar gate_up", 24576, 4096, 0},
+      {"sdar down", 4096, 12288, 1},    {"sdar head", 151936, 4096, 2},    {"llada qkv", 12288, 4096, 0},
+      {"llada head", 126464, 4096, 2},
+  };
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  cublasHandle_t handle;
+  cublasCreate(&handle);
+  cublasSetStream(handle, stream);
+  void* ws = nullptr;
+  cudaMalloc(&ws, size_t{64} << 20);
+  cublasSetWorkspace(handle, ws, size_t{64} << 20);
+  const int rungs = skinny_gemm_variants();
+  std::printf("\nGEMMs alone (bf16 weights streamed from HBM; us per call, weight TB/s)\n");
+  std::printf("%-12s %4s | %16s", "shape", "n", "cublas");
+  for (int v = 0; v < rungs; ++v) std::printf(" | %16s", ("rung " + std::to_string(v)).c_str());
+  std::printf(" | best vs cublas\n");
+  for (const GemmShape& sh : shapes) {
+    const size_t wbytes = static_cast<size_t>(sh.rows * sh.cols * 2);
+    const int copies = static_cast<int>(std::max<size_t>(1, (size_t{256} << 20) / wbytes + 1));
+    std::vector<void*> ws_copies(static_cast<size_t>(copies));
+    for (auto& p : ws_copies) {
+      if (cudaMalloc(&p, wbytes) != cudaSuccess) {
+        std::fprintf(stderr, "bench gemm: cudaMalloc of %zu bytes failed\n", wbytes);
+        std::exit(1);
+      }
+      cudaMemsetAsync(p, 0, wbytes, stream);  // zeros stream like any bytes; the values do not matter here
+    }
+    for (int64_t n : {16, 32, 64}) {
+      void *x = nullptr, *y = nullptr;
+      cudaMalloc(&x, static_cast<size_t>(n * sh.cols * 2));
+      cudaMalloc(&y, static_cast<size_t>(n * sh.rows * 4));
+      cudaMemsetAsync(x, 0, static_cast<size_t>(n * sh.cols * 2), stream);
+      cudaMemsetAsync(y, 0, static_cast<size_t>(n * sh.rows * 4), stream);
+      const int reps = std::max(copies, 8);
+      auto time_calls = [&](auto&& call) {
+        return time_ms(stream, iters, [&] {
+                 for (int r = 0; r < reps; ++r) call(ws_copies[static_cast<size_t>(r % copies)]);
+               }) * 1e3 / reps;
+      };
+      const float one = 1.0f, beta = sh.out == 1 ? 1.0f : 0.0f;
+      const double t_cublas = time_calls([&](void* w) {
+        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(sh.rows), static_cast<int>(n),
+                     static_cast<int>(sh.cols), &one, w, CUDA_R_16BF, static_cast<int>(sh.cols), x, CUDA_R_16BF,
+                     static_cast<int>(sh.cols), &beta, y, sh.out == 0 ? CUDA_R_16BF : CUDA_R_32F,
+                     static_cast<int>(sh.rows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      });
+      std::printf("%-12s %4lld | %8.1f %5.2f TB", sh.name, static_cast<long long>(n), t_cublas,
+                  wbytes / (t_cublas * 1e-6) / 1e12);
+      double best = 1e30;
+      for (int v = 0; v < rungs; ++v) {
+        SkinnyGemm g;
+        g.y = y;
+        g.y_f32 = sh.out != 0;
+        g.accumulate = sh.out == 1;
+        g.x = x;
+        g.n = n;
+        g.rows = sh.rows;
+        g.cols = sh.cols;
+        const double t = time_calls([&](void* w) {
+          g.w = w;
+          skinny_gemm_variant(g, v, stream);
+        });
+        best = std::min(best, t);
+        std::printf(" | %8.1f %5.2f TB", t, wbytes / (t * 1e-6) / 1e12);
+      }
+      std::printf(" | %.2fx\n", t_cublas / best);
+      cudaFree(x);
+      cudaFree(y);
+    }
+    for (void* p : ws_copies) cudaFree(p);
+  }
+  for (int v = 0; v < rungs; ++v) std::printf("rung %d: %s\n", v, skinny_gemm_variant_name(v));
+  if (cudaDeviceSynchronize() != cudaSuccess || cudaGetLastError() != cudaSuccess) {
+    std::fprintf(stderr, "bench gemm: a CUDA error\n");
+    std::exit(1);
+  }
+  cudaFree(ws);
+  cublasDestroy(handle);
+  cudaStreamDestroy(stream);
+}
+
 std::vector<int64_t> parse_list(const char* s) {
   std::vector<int64_t> v;
   for (const char* p = s; *p;) {
@@ -267,12 +366,14 @@ int main(int argc, char** argv) {
   int64_t canvas = 4096;
   std::vector<int64_t> ctxs = {32768, 65536, 131072};
   int iters = 10;
+  std::string gemm = "auto";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--rows") rows = argv[i + 1];
     else if (a == "--canvas") canvas = std::strtoll(argv[i + 1], nullptr, 10);
     else if (a == "--ctx") ctxs = parse_list(argv[i + 1]);
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
+    else if (a == "--gemm") gemm = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown flag %s\n", a.c_str());
       return 2;
@@ -280,6 +381,8 @@ int main(int argc, char** argv) {
   }
   LoadOptions lo;
   lo.backend = "cuda";
+  lo.gemm = gemm;
+  if (rows.find("gemm") != std::string::npos) bench_gemm_table(iters);
   std::vector<Row> out;
   std::vector<GenRow> gens;
   const bool want_generate = rows.find("generate") != std::string::npos;
@@ -307,7 +410,9 @@ int main(int argc, char** argv) {
     for (int64_t ctx : ctxs) out.push_back(bench_step(model.value(), "sdar_block", 16, ctx, 16, iters));
     if (want_generate) gens.push_back(bench_generate(model.value(), Loop::block, 1024, 256, 16, 16));
   }
-  std::printf("DLM engine steps on the device (bf16, random 8B-shaped weights; medians of CUDA-event timings)\n");
+  if (out.empty() && gens.empty()) return 0;
+  std::printf("DLM engine steps on the device (bf16, random 8B-shaped weights, GEMMs %s; medians of CUDA-event "
+              "timings)\n", gemm.c_str());
   std::printf("%-13s %6s %7s | %9s %9s %9s %9s (%7s %7s) | %8s %12s %9s\n", "row", "tokens", "ctx", "step ms",
               "gemm ms", "attn ms", "rest ms", "elemw", "sample", "TFLOP/s", "weights TB/s", "of HBM");
   for (const Row& r : out) {

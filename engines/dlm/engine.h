@@ -125,8 +125,12 @@ class Ops {
   virtual void stage_tokens(std::span<const int32_t> tokens) {}
 };
 std::unique_ptr<Ops> make_cpu_ops();
+// The CUDA backend's GEMMs: automatic = sparsa's weight-streaming kernel for products of up to
+// kSkinnyMaxRows rows (a denoising block), cuBLAS above; cublas = cuBLAS for every product.
+enum class GemmChoice : uint8_t { automatic, cublas };
+Result<GemmChoice> parse_gemm_choice(const std::string& name);
 // CUDA (a build with the cuda backend; otherwise the error says so). `device` is the CUDA device.
-Result<std::unique_ptr<Ops>> make_cuda_ops(int device, const Config& c);
+Result<std::unique_ptr<Ops>> make_cuda_ops(int device, const Config& c, GemmChoice gemm);
 
 // ---- attention ----------------------------------------------------------------------------
 // Attention of one layer over one chunk of consecutive tokens at positions [pos0, pos0 + n):

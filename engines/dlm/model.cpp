@@ -31,6 +31,12 @@ Result<Loop> parse_loop(const std::string& name) {
   return invalid_argument("loop: expected remask, prefix_cache or block, got '" + name + "'");
 }
 
+Result<GemmChoice> parse_gemm_choice(const std::string& name) {
+  if (name == "auto") return GemmChoice::automatic;
+  if (name == "cublas") return GemmChoice::cublas;
+  return invalid_argument("gemm: expected auto or cublas, got '" + name + "'");
+}
+
 Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Model::Model(Model&&) noexcept = default;
 Model& Model::operator=(Model&&) noexcept = default;
@@ -51,6 +57,8 @@ namespace {
 // at the first forward).
 Status init_backend(Model::Impl& impl, const LoadOptions& options) {
   const Config& c = impl.config;
+  auto gemm = parse_gemm_choice(options.gemm);
+  if (!gemm.ok()) return gemm.status();
   if (options.backend == "cpu") {
     impl.ops = make_cpu_ops();
     impl.policy.backend = Backend::cpu;
@@ -69,7 +77,7 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
       return Status(StatusCode::unsupported, "config head_dim " + std::to_string(c.head_dim) +
                                                  ": the cuda backend's attention kernels take head_dim 64 or 128");
     }
-    auto ops = make_cuda_ops(device, c);
+    auto ops = make_cuda_ops(device, c, gemm.value());
     if (!ops.ok()) return ops.status();
     impl.ops = std::move(ops.value());
     impl.policy.backend = Backend::cuda;

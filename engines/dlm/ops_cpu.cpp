@@ -213,7 +213,7 @@ class CpuOps final : public Ops {
 std::unique_ptr<Ops> make_cpu_ops() { return std::make_unique<CpuOps>(); }
 
 #if !defined(SPARSA_DLM_CUDA)
-Result<std::unique_ptr<Ops>> make_cuda_ops(int, const Config&) {
+Result<std::unique_ptr<Ops>> make_cuda_ops(int, const Config&, GemmChoice) {
   return backend_status(Backend::cuda).ok()
              ? Status(StatusCode::unsupported, "backend: this build of the DLM engine has no cuda backend")
              : backend_status(Backend::cuda);

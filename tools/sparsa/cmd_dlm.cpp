@@ -29,6 +29,7 @@ struct DlmOptions {
   int64_t cached = 0;  // logits: ids run into the KV cache first
   std::string dump_dir, dump_layers, dump_forwards;
   int64_t dump_max = 256;
+  std::string gemm = "auto";
   bool json = false, no_stop = false, ban_eos = false, quiet = false, no_cuda_graphs = false;
 };
 
@@ -82,6 +83,7 @@ Result<dlm::Model> load_model(const DlmOptions& o) {
   lo.attention = o.attention;
   lo.attention_layers = o.attention_layers;
   lo.cuda_graphs = !o.no_cuda_graphs;
+  lo.gemm = o.gemm;
   return dlm::Model::load(o.model, lo);
 }
 
@@ -361,6 +363,9 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");
   gen->add_flag("--quiet", o->quiet, "no progress line");
   gen->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "cuda: run every step eagerly (no graph replay)");
+  gen->add_option("--gemm", o->gemm,
+                 "cuda GEMMs: auto (sparsa's weight-streaming kernel up to 64 tokens, cuBLAS above) or cublas")
+      ->capture_default_str();
   add_dump_flags(gen, o.get());
   out.push_back({gen, [o] { return run_generate(*o); }});
 
@@ -382,6 +387,9 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   lg->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD, e.g. 0,1,31=dense")
       ->allow_extra_args(false);
   lg->add_flag("--quiet", o->quiet, "no summary line");
+  lg->add_option("--gemm", o->gemm,
+                 "cuda GEMMs: auto (sparsa's weight-streaming kernel up to 64 tokens, cuBLAS above) or cublas")
+      ->capture_default_str();
   add_dump_flags(lg, o.get());
   out.push_back({lg, [o] { return run_logits(*o); }});
 

@@ -1,7 +1,8 @@
 // The CUDA backend of the engine: bf16 weights and activations with f32 accumulation, the f32
-// residual stream, GEMMs through cuBLAS (bf16 inputs, f32 compute; the residual update is the
-// GEMM's own beta = 1 into the f32 residual, the logits an f32-output GEMM), and one small kernel
-// for each elementwise step. Everything is ordered on one non-blocking stream of the device; the
+// residual stream, GEMMs of up to kSkinnyMaxRows rows through sparsa's weight-streaming kernel
+// (skinny_gemm.cu) and larger ones through cuBLAS (bf16 inputs, f32 compute; the residual update
+// is the GEMM's own beta = 1 into the f32 residual, the logits an f32-output GEMM), and one small
+// kernel for each elementwise step. Everything is ordered on one non-blocking stream of the device; the
 // only host synchronisations are to_host (the sampler's read-back) and the weight uploads.
 //
 // RoPE reads a cos/sin table computed on the host in f64 (the CPU backend's formula), grown on
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "skinny_gemm.h"
 
 namespace sparsa::dlm {
 
@@ -217,8 +219,9 @@ class CudaOps final : public Ops {
     cudaGetLastError();
   }
 
-  Status init(int device, const Config& c) {
+  Status init(int device, const Config& c, GemmChoice gemm) {
     device_ = device;
+    gemm_ = gemm;
     rope_config_ = c.rope;
     head_dim_ = c.head_dim;
     int count = 0;
@@ -491,6 +494,19 @@ class CudaOps final : public Ops {
   // as a (cols x rows) column-major matrix, so op(A) = T, op(B) = N ("TN", Hopper's fast layout).
   void gemm(void* y, cudaDataType_t y_type, const void* x, int64_t n, const Weight& w, float beta, const char* what) {
     if (n == 0) return;
+    SkinnyGemm g;
+    g.y = y;
+    g.y_f32 = y_type == CUDA_R_32F;
+    g.accumulate = beta != 0.0f;
+    g.x = x;
+    g.w = w.data;
+    g.n = n;
+    g.rows = w.rows;
+    g.cols = w.cols;
+    if (gemm_ == GemmChoice::automatic && skinny_gemm_supported(g)) {
+      record(skinny_gemm(g, stream_), what);
+      return;
+    }
     const float alpha = 1.0f;
     (void)blas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(n),
                       static_cast<int>(w.cols), &alpha, w.data, CUDA_R_16BF, static_cast<int>(w.cols), x, CUDA_R_16BF,
@@ -571,6 +587,7 @@ class CudaOps final : public Ops {
   }
 
   int device_ = 0;
+  GemmChoice gemm_ = GemmChoice::automatic;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
@@ -592,10 +609,10 @@ class CudaOps final : public Ops {
 
 }  // namespace
 
-Result<std::unique_ptr<Ops>> make_cuda_ops(int device, const Config& c) {
+Result<std::unique_ptr<Ops>> make_cuda_ops(int device, const Config& c, GemmChoice gemm) {
   SPARSA_RETURN_IF_ERROR(backend_status(Backend::cuda));
   auto ops = std::make_unique<CudaOps>();
-  SPARSA_RETURN_IF_ERROR(ops->init(device, c));
+  SPARSA_RETURN_IF_ERROR(ops->init(device, c, gemm));
   return std::unique_ptr<Ops>(std::move(ops));
 }
 

@@ -280,6 +280,9 @@ void bench_gemm_table(int iters) {
   void* ws = nullptr;
   cudaMalloc(&ws, size_t{64} << 20);
   cublasSetWorkspace(handle, ws, size_t{64} << 20);
+  void* skinny_ws = nullptr;  // the skinny kernel's split-K scratch, zeroed once
+  cudaMalloc(&skinny_ws, size_t{64} << 20);
+  cudaMemset(skinny_ws, 0, size_t{64} << 20);
   const int rungs = skinny_gemm_variants();
   std::printf("\nGEMMs alone (bf16 weights streamed from HBM; us per call, weight TB/s)\n");
   std::printf("%-12s %4s | %16s", "shape", "n", "cublas");
@@ -327,6 +330,12 @@ void bench_gemm_table(int iters) {
         g.n = n;
         g.rows = sh.rows;
         g.cols = sh.cols;
+        g.workspace = skinny_ws;
+        g.workspace_bytes = size_t{64} << 20;
+        if (skinny_gemm_workspace_bytes(g, v) > g.workspace_bytes) {
+          std::fprintf(stderr, "bench gemm: rung %d needs %zu bytes of workspace\n", v, skinny_gemm_workspace_bytes(g, v));
+          std::exit(1);
+        }
         const double t = time_calls([&](void* w) {
           g.w = w;
           skinny_gemm_variant(g, v, stream);
@@ -346,6 +355,7 @@ void bench_gemm_table(int iters) {
     std::exit(1);
   }
   cudaFree(ws);
+  cudaFree(skinny_ws);
   cublasDestroy(handle);
   cudaStreamDestroy(stream);
 }

@@ -211,6 +211,7 @@ class CudaOps final : public Ops {
     cudaFreeHost(tokens_host_);
     cudaFree(rope_table_);
     cudaFree(workspace_);
+    cudaFree(skinny_ws_);
     cudaFreeHost(staging_);
     cudaFree(picks_device_);
     cudaFreeHost(picks_host_);
@@ -503,7 +504,7 @@ class CudaOps final : public Ops {
     g.n = n;
     g.rows = w.rows;
     g.cols = w.cols;
-    if (gemm_ == GemmChoice::automatic && skinny_gemm_supported(g)) {
+    if (gemm_ == GemmChoice::automatic && skinny_gemm_supported(g) && skinny_workspace(g)) {
       record(skinny_gemm(g, stream_), what);
       return;
     }
@@ -513,6 +514,32 @@ class CudaOps final : public Ops {
                       static_cast<int>(w.cols), &beta, y, y_type, static_cast<int>(w.rows), CUBLAS_COMPUTE_32F,
                       CUBLAS_GEMM_DEFAULT),
          what);
+  }
+
+  // The weight-streaming GEMM's split-K scratch in g (grown, zeroed, on first use of a shape:
+  // eagerly, before any capture of that step). false while capturing a stream that would need a
+  // larger one: cuBLAS takes that product.
+  bool skinny_workspace(SkinnyGemm& g) {
+    const size_t need = skinny_gemm_workspace_bytes(g);
+    if (need > skinny_bytes_) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      if (cudaStreamIsCapturing(stream_, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+        cudaGetLastError();
+        return false;
+      }
+      cudaStreamSynchronize(stream_);
+      cudaFree(skinny_ws_);
+      skinny_ws_ = nullptr;
+      skinny_bytes_ = 0;
+      if (!record(cudaMalloc(&skinny_ws_, need), "cudaMalloc (GEMM workspace)") ||
+          !record(cudaMemsetAsync(skinny_ws_, 0, need, stream_), "cudaMemsetAsync (GEMM workspace)")) {
+        return false;
+      }
+      skinny_bytes_ = need;
+    }
+    g.workspace = skinny_ws_;
+    g.workspace_bytes = skinny_bytes_;
+    return true;
   }
 
   // cos/sin of every position below `positions`, in f64 on the host as the CPU backend computes
@@ -591,6 +618,8 @@ class CudaOps final : public Ops {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
+  void* skinny_ws_ = nullptr;  // the weight-streaming GEMM's split-K counters and partials
+  size_t skinny_bytes_ = 0;
   std::list<void*> owned_;  // weights
   int32_t* tokens_ = nullptr;
   int32_t* tokens_host_ = nullptr;  // pinned staging of the tokens

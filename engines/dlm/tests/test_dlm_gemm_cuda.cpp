@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -121,6 +122,12 @@ TEST_P(DlmGemmCuda, MatchesF64Product) {
   g.rows = c.rows;
   g.cols = c.cols;
   ASSERT_TRUE(skinny_gemm_supported(g));
+  size_t ws_bytes = 0;  // the largest any rung needs, zeroed once (the counters stay zero after a call)
+  for (int v = -1; v < skinny_gemm_variants(); ++v) ws_bytes = std::max(ws_bytes, skinny_gemm_workspace_bytes(g, v));
+  DeviceBuffer ws(std::max<size_t>(ws_bytes, 256));
+  ASSERT_EQ(cudaMemset(ws.p, 0, std::max<size_t>(ws_bytes, 256)), cudaSuccess);
+  g.workspace = ws.p;
+  g.workspace_bytes = ws_bytes;
 
   std::vector<uint8_t> first;
   for (int v = -1; v < skinny_gemm_variants(); ++v) {  // -1: skinny_gemm(), the engine's rung
@@ -195,7 +202,17 @@ TEST(DlmGemmCudaRefuses, WhatItCannotTake) {
   b = g;
   b.y = nullptr;
   EXPECT_FALSE(skinny_gemm_supported(b)) << "no output";
+  b = g;
+  b.cols = (int64_t{1} << 22) + 8;
+  EXPECT_FALSE(skinny_gemm_supported(b)) << "K past 2^22";
+  EXPECT_EQ(skinny_gemm_workspace_bytes(b), 0u);
   if (have_device()) {
+    // A product that splits K (few columns, long K) without its workspace: refused, nothing run.
+    b = g;
+    b.rows = 8;
+    b.cols = 1 << 14;
+    ASSERT_GT(skinny_gemm_workspace_bytes(b), 0u);
+    EXPECT_EQ(skinny_gemm(b, nullptr), cudaErrorInvalidValue);
     b = g;
     b.cols = 60;
     EXPECT_EQ(skinny_gemm(b, nullptr), cudaErrorInvalidValue);

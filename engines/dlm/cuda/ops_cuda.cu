@@ -33,10 +33,17 @@ __device__ inline float warp_sum(float v) {
   return v;
 }
 
+// The kernels that come right before a GEMM (the norms before q/k/v, gate/up and the head;
+// SwiGLU before down) let the GEMM, a programmatic dependent launch, start at once: its CTAs load
+// their first weights while this kernel runs, then wait for all of it (griddepcontrol.wait)
+// before they read its output. A kernel launched the ordinary way still waits for the whole grid.
+__device__ inline void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
 // One block of kRowThreads per row: x f32 [rows, dim] -> out bf16, weight f32 [dim].
 constexpr int kRowThreads = 256;
 __global__ void rms_norm_kernel(bf16* __restrict__ out, const float* __restrict__ x, const float* __restrict__ w,
                                 int64_t dim, float eps) {
+  launch_dependents();
   const float* xr = x + blockIdx.x * dim;
   bf16* o = out + blockIdx.x * dim;
   float ss = 0.0f;
@@ -82,6 +89,7 @@ __global__ void rope_kernel(bf16* x, int64_t n, int64_t heads, int64_t head_dim,
 }
 
 __global__ void swiglu_kernel(bf16* __restrict__ h, const bf16* __restrict__ gu, int64_t n, int64_t hidden) {
+  launch_dependents();
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n * hidden) return;
   const int64_t t = idx / hidden, j = idx % hidden;
@@ -211,7 +219,6 @@ class CudaOps final : public Ops {
     cudaFreeHost(tokens_host_);
     cudaFree(rope_table_);
     cudaFree(workspace_);
-    cudaFree(skinny_ws_);
     cudaFreeHost(staging_);
     cudaFree(picks_device_);
     cudaFreeHost(picks_host_);
@@ -504,7 +511,8 @@ class CudaOps final : public Ops {
     g.n = n;
     g.rows = w.rows;
     g.cols = w.cols;
-    if (gemm_ == GemmChoice::automatic && skinny_gemm_supported(g) && skinny_workspace(g)) {
+    g.overlap_previous = true;  // its weights load while the kernel before it finishes
+    if (gemm_ == GemmChoice::automatic && skinny_gemm_supported(g)) {
       record(skinny_gemm(g, stream_), what);
       return;
     }
@@ -514,32 +522,6 @@ class CudaOps final : public Ops {
                       static_cast<int>(w.cols), &beta, y, y_type, static_cast<int>(w.rows), CUBLAS_COMPUTE_32F,
                       CUBLAS_GEMM_DEFAULT),
          what);
-  }
-
-  // The weight-streaming GEMM's split-K scratch in g (grown, zeroed, on first use of a shape:
-  // eagerly, before any capture of that step). false while capturing a stream that would need a
-  // larger one: cuBLAS takes that product.
-  bool skinny_workspace(SkinnyGemm& g) {
-    const size_t need = skinny_gemm_workspace_bytes(g);
-    if (need > skinny_bytes_) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      if (cudaStreamIsCapturing(stream_, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
-        cudaGetLastError();
-        return false;
-      }
-      cudaStreamSynchronize(stream_);
-      cudaFree(skinny_ws_);
-      skinny_ws_ = nullptr;
-      skinny_bytes_ = 0;
-      if (!record(cudaMalloc(&skinny_ws_, need), "cudaMalloc (GEMM workspace)") ||
-          !record(cudaMemsetAsync(skinny_ws_, 0, need, stream_), "cudaMemsetAsync (GEMM workspace)")) {
-        return false;
-      }
-      skinny_bytes_ = need;
-    }
-    g.workspace = skinny_ws_;
-    g.workspace_bytes = skinny_bytes_;
-    return true;
   }
 
   // cos/sin of every position below `positions`, in f64 on the host as the CPU backend computes
@@ -618,8 +600,6 @@ class CudaOps final : public Ops {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
-  void* skinny_ws_ = nullptr;  // the weight-streaming GEMM's split-K counters and partials
-  size_t skinny_bytes_ = 0;
   std::list<void*> owned_;  // weights
   int32_t* tokens_ = nullptr;
   int32_t* tokens_host_ = nullptr;  // pinned staging of the tokens

@@ -1,46 +1,44 @@
 // y[n, rows] = x[n, cols] · wᵀ (+ y) for n <= 64: a stream of the weights through tensor cores.
 //
-// With 16 or 32 rows a product reads each weight once and does 2n FLOPs per weight byte pair,
-// far below what the tensor cores could do per byte, so its time is the weight bytes over HBM's
-// bandwidth plus whatever keeps the loads from being in flight or the bytes from arriving.
-//
-// The first version (rung 1 in bench/RESULTS.md) gave each CTA 16 columns and read x from L2 in
-// every warp: x then crossed L2 once per 16 columns, as many bytes as the weights at n = 16 and
-// twice or four times as many at 32 and 64, and L2's bandwidth, not HBM's, set the time. Now:
-//   - a CTA owns WARPS x 16 output columns (weight rows) and one K range; x's rows over that range
-//     are staged once into shared memory (padded rows: no bank conflicts), so x crosses L2 once
-//     per WARPS x 16 columns;
-//   - each warp streams its 16 weight rows over the K range, U steps of 32 k at a time: the U x 2
-//     16-byte loads of a batch are issued before any arithmetic (past L1), and the first batch
-//     before x is staged;
-//   - the operands go to mma.m16n8k16 with no staging of the weights: a lane's 16 bytes of a
-//     weight row are eight consecutive k, and x's fragments take the same permutation of k (lane
-//     c's physical k 8c..8c+7 stand for logical k {2c, 2c+1, 2c+8, 2c+9} of two MMAs), which a
-//     dot product allows;
-//   - K is split over CTAs when there are too few column tiles to fill the GPU (or x's range
-//     would not fit in shared memory): each split writes f32 partials to the workspace, and the
-//     split that finishes last (a counter per column tile) adds them in split order and writes y.
-//     No atomics on values: the same bits every run.
+// With 16 rows a product reads each weight once and does 32 FLOPs per weight, far below what
+// the tensor cores could do per byte: its time is the weight bytes over HBM's bandwidth plus the
+// time no loads are in flight (the launch, the first bytes' latency, the tail). The kernel:
+//   - a column tile is 8·NG output columns (weight rows): a contiguous run of the weight matrix.
+//     The CTA's 8 warps split K into 8 slices of whole 32-wide steps and each warp walks its
+//     slice U steps at a time, issuing the U·NG 16-byte weight loads of those steps (past L1)
+//     before any arithmetic;
+//   - the operands go to mma.m16n8k16 straight from the loads: a lane's 16 bytes of a weight row
+//     are eight consecutive k, and x's fragments take the same permutation of k (lane c's
+//     physical k 8c..8c+7 stand for logical k {2c, 2c+1, 2c+8, 2c+9} of two MMAs), which a dot
+//     product allows; x (small, L2-resident) is read through the read-only cache;
+//   - the slices' partial sums are added in shared memory in a fixed order: no atomics, the same
+//     bits every run;
+//   - persistent CTAs (as many as fit at once) walk the column tiles, loading the next tile's
+//     first weights before reducing the current one;
+//   - with `overlap_previous`, the launch is a programmatic dependent launch: the CTAs start while
+//     the kernel before them still runs, load their first weights, and only then wait for it
+//     (griddepcontrol.wait) before reading x or touching y.
+// The ladder of versions, with what each taught, is in bench/RESULTS.md.
 #include "skinny_gemm.h"
 
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <mutex>
 
 namespace sparsa::dlm {
 
 namespace {
 
 using bf16 = __nv_bfloat16;
-constexpr int kStep = 32;               // k per pair of MMAs
-constexpr int kSmemBytes = 48 * 1024;   // x's staged range (the default dynamic limit)
-constexpr int64_t kMaxCols = int64_t{1} << 22;
+constexpr int kWarps = 8;  // K slices per CTA
+constexpr int kStep = 32;  // k per pair of MMAs
 
 __device__ __forceinline__ uint4 load_weights(const bf16* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
   return v;
 }
 
@@ -53,244 +51,211 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// x's staged row stride in elements for a K range: the range plus 64 bytes when the range is a
-// multiple of 128 bytes, so that rows start 64 bytes apart modulo 128 (the 8 lanes of a quarter
-// warp, two rows by four 16-byte chunks, then hit eight different bank groups).
-__host__ __device__ constexpr int x_stride(int krange) { return krange + ((krange * 2) % 128 == 0 ? 32 : 0); }
-
-struct Launch {
-  int mt = 1;            // m16 tiles of rows
-  int64_t tiles = 0;     // column tiles (grid x)
-  int splits = 1;        // K ranges (grid y)
-  int krange = 0;        // k per split, a multiple of kStep
-  size_t smem = 0;       // x's staged range
-  size_t counter_bytes = 0, partial_bytes = 0;
-};
-
-__device__ __forceinline__ void store_out(const SkinnyGemm& g, int64_t row, int64_t col, float v) {
-  const int64_t i = row * g.rows + col;
-  if (g.y_f32) {
-    float* y = static_cast<float*>(g.y);
-    y[i] = g.accumulate ? y[i] + v : v;
-  } else {
-    static_cast<bf16*>(g.y)[i] = __float2bfloat16(v);
-  }
-}
-
-template <int MT, int WARPS, int U>
-__global__ void __launch_bounds__(WARPS * 32) skinny_gemm_kernel(const SkinnyGemm g, const int krange,
-                                                                  const int splits, int* counters, float* partial) {
-  constexpr int kCols = WARPS * 16;
-  extern __shared__ __align__(16) bf16 xs[];  // [16 * MT][x_stride(krange)]
+// MT m16 tiles of rows, NG groups of 8 columns per tile, U steps of 32 k per round of loads.
+template <int MT, int NG, int U>
+__global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const SkinnyGemm g) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gi = lane / 4, ci = lane % 4;  // the MMA fragments' row group and k pair
-  const int64_t tile = blockIdx.x;
-  const int split = blockIdx.y;
-  const int64_t col0 = tile * kCols + warp * 16;
   const int cols = static_cast<int>(g.cols);
-  const int k_begin = split * krange, k_len = min(cols - k_begin, krange);
-  const int steps = (k_len + kStep - 1) / kStep;
-  const int stride = x_stride(krange);
+  const int steps = (cols + kStep - 1) / kStep;
+  const int s_begin = warp * steps / kWarps, s_end = (warp + 1) * steps / kWarps;
+  const int64_t tiles = (g.rows + 8 * NG - 1) / (8 * NG);
   const auto* w = static_cast<const bf16*>(g.w);
   const auto* x = static_cast<const bf16*>(g.x);
-
-  const bf16* wrow[2];  // this lane's weight row in each of the warp's two 8-column groups
-  bool wok[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int64_t r = col0 + 8 * j + gi;
-    wok[j] = r < g.rows;
-    wrow[j] = w + (wok[j] ? r : 0) * g.cols + k_begin + 8 * ci;
-  }
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 wv[U][2];
-  auto load_batch = [&](int s) {
+
+  // The weights of this lane for one round of U steps from step s of column tile `tile`.
+  uint4 wv[U][NG];
+  auto load_round = [&](int64_t tile, int s) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = (s + u) * kStep;
-      const bool in = s + u < steps && k + 8 * ci < k_len;
+    for (int j = 0; j < NG; ++j) {
+      const int64_t r = tile * 8 * NG + 8 * j + gi;
+      const bf16* row = w + (r < g.rows ? r : 0) * g.cols + 8 * ci;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) wv[u][j] = in && wok[j] ? load_weights(wrow[j] + k) : zero;
+      for (int u = 0; u < U; ++u) {
+        const int k = (s + u) * kStep;
+        wv[u][j] = r < g.rows && s + u < s_end && k + 8 * ci < cols ? load_weights(row + k) : zero;
+      }
     }
   };
-  load_batch(0);
 
-  // x[:, k_begin, + k_len) into shared memory, rows past n and k past the range as zeros.
-  {
-    const int chunks_per_row = steps * kStep / 8;
-    for (int idx = threadIdx.x; idx < 16 * MT * chunks_per_row; idx += WARPS * 32) {
-      const int r = idx / chunks_per_row, k = (idx % chunks_per_row) * 8;
-      uint4 v = zero;
-      if (r < g.n && k < k_len) v = __ldg(reinterpret_cast<const uint4*>(x + r * g.cols + k_begin + k));
-      *reinterpret_cast<uint4*>(xs + r * stride + k) = v;
-    }
-  }
-  __syncthreads();
+  int64_t tile = blockIdx.x;
+  if (tile < tiles) load_round(tile, s_begin);
+  // Everything above reads only the weights; x and y belong to the kernels before this one.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
 
-  float acc[MT][2][4] = {};
-  for (int s = 0; s < steps; s += U) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (s + u >= steps) break;  // past the staged range (its weights are zeros anyway)
-      const bf16* xk = xs + (s + u) * kStep + 8 * ci;
-#pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const uint4 lo = *reinterpret_cast<const uint4*>(xk + (16 * t + gi) * stride);
-        const uint4 hi = *reinterpret_cast<const uint4*>(xk + (16 * t + 8 + gi) * stride);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          mma(acc[t][j], lo.x, hi.x, lo.y, hi.y, wv[u][j].x, wv[u][j].y);
-          mma(acc[t][j], lo.z, hi.z, lo.w, hi.w, wv[u][j].z, wv[u][j].w);
-        }
-      }
-    }
-    if (s + U < steps) load_batch(s + U);
-  }
-
-  // The accumulator layout of m16n8: element e of (t, j) is row 16t + gi (+ 8 for e >= 2),
-  // column col0 + 8j + 2ci (+ 1 for odd e).
-  if (splits == 1) {
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t row = 16 * t + gi + (e >= 2 ? 8 : 0), col = col0 + 8 * j + 2 * ci + (e & 1);
-          if (row < g.n && col < g.rows) store_out(g, row, col, acc[t][j][e]);
-        }
-      }
-    }
-    return;
-  }
-  // Split K: partials [splits][n][rows] after the counters; the last split of this column tile
-  // adds them in split order.
+  const bf16* xrow[MT][2];  // rows 16t + gi and 16t + 8 + gi, at this lane's 8 k of a step
+  bool xok[MT][2];
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t row = 16 * t + gi + (e >= 2 ? 8 : 0), col = col0 + 8 * j + 2 * ci + (e & 1);
-        if (row < g.n && col < g.rows) partial[(split * g.n + row) * g.rows + col] = acc[t][j][e];
-      }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = 16 * t + 8 * h + gi;
+      xok[t][h] = r < g.n;
+      xrow[t][h] = x + (xok[t][h] ? r : 0) * g.cols + 8 * ci;
     }
   }
-  __threadfence();
-  __syncthreads();
-  __shared__ int last;
-  if (threadIdx.x == 0) last = atomicAdd(&counters[tile], 1) == splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int idx = threadIdx.x; idx < g.n * kCols; idx += WARPS * 32) {
-    const int64_t row = idx / kCols, col = tile * kCols + idx % kCols;
-    if (col >= g.rows) continue;
-    float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) sum += __ldcg(&partial[(s * g.n + row) * g.rows + col]);
-    store_out(g, row, col, sum);
+  __shared__ float red[kWarps][NG * 4 * 32];
+
+  for (; tile < tiles; tile += gridDim.x) {
+    float acc[MT][NG][4] = {};
+    for (int s = s_begin; s < s_end; s += U) {
+      if (s > s_begin) load_round(tile, s);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = (s + u) * kStep;
+        const bool in = s + u < s_end && k + 8 * ci < cols;
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          const uint4 lo = in && xok[t][0] ? __ldg(reinterpret_cast<const uint4*>(xrow[t][0] + k)) : zero;
+          const uint4 hi = in && xok[t][1] ? __ldg(reinterpret_cast<const uint4*>(xrow[t][1] + k)) : zero;
+#pragma unroll
+          for (int j = 0; j < NG; ++j) {
+            mma(acc[t][j], lo.x, hi.x, lo.y, hi.y, wv[u][j].x, wv[u][j].y);
+            mma(acc[t][j], lo.z, hi.z, lo.w, hi.w, wv[u][j].z, wv[u][j].w);
+          }
+        }
+      }
+    }
+    // The next tile's first weights are in flight while this one is reduced.
+    if (tile + gridDim.x < tiles) load_round(tile + gridDim.x, s_begin);
+
+    // The 8 slices' partial sums, one m16 tile at a time: warp v's fragment element e of column
+    // group j at red[v][(j * 4 + e) * 32 + lane]; each output summed over v = 0..7 in order.
+    const int64_t col0 = tile * 8 * NG;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+#pragma unroll
+      for (int j = 0; j < NG; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[warp][(j * 4 + e) * 32 + lane] = acc[t][j][e];
+      }
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < NG * 128; idx += kWarps * 32) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) sum += red[v][idx];
+        // The accumulator layout of m16n8: e 0/1 row gi, e 2/3 row gi + 8; columns 2c, 2c + 1.
+        const int l = idx % 32, e = (idx / 32) % 4, j = idx / 128;
+        const int64_t row = 16 * t + l / 4 + (e >= 2 ? 8 : 0);
+        const int64_t col = col0 + 8 * j + 2 * (l % 4) + (e & 1);
+        if (row < g.n && col < g.rows) {
+          const int64_t i = row * g.rows + col;
+          if (g.y_f32) {
+            float* y = static_cast<float*>(g.y);
+            y[i] = g.accumulate ? y[i] + sum : sum;
+          } else {
+            static_cast<bf16*>(g.y)[i] = __float2bfloat16(sum);
+          }
+        }
+      }
+      __syncthreads();
+    }
   }
-  if (threadIdx.x == 0) counters[tile] = 0;  // ready for the next call
 }
+
+using Kernel = void (*)(SkinnyGemm);
 
 struct Variant {
   const char* name;
-  int warps, unroll, ctas_per_sm;  // ctas_per_sm: the grid the splits aim at, per multiprocessor
+  int ng, unroll;
+  bool persistent;  // as many CTAs as fit at once, walking the tiles; else one CTA per tile
 };
 // The rungs the benchmark compares (bench_dlm --rows gemm); kDefault is the one the engine runs.
 constexpr Variant kVariants[] = {
-    {"128 cols/CTA, 8 steps in flight, 2 CTAs/SM", 8, 8, 2},
-    {"128 cols/CTA, 4 steps in flight, 2 CTAs/SM", 8, 4, 2},
-    {"64 cols/CTA, 8 steps in flight, 4 CTAs/SM", 4, 8, 4},
-    {"128 cols/CTA, 8 steps in flight, 4 CTAs/SM", 8, 8, 4},
+    {"16 cols/tile, 4 steps in flight, persistent", 2, 4, true},
+    {"16 cols/tile, 8 steps in flight, persistent", 2, 8, true},
+    {"8 cols/tile, 8 steps in flight, persistent", 1, 8, true},
+    {"16 cols/tile, 4 steps in flight, a CTA per tile", 2, 4, false},
 };
 constexpr int kDefault = 0;
 constexpr int kRungs = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
 
-int multiprocessors() {
-  static const int count = [] {
-    int device = 0, n = 0;
-    if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) !=
-                                                     cudaSuccess) {
+template <int NG, int U>
+Kernel kernel_for(int mt) {
+  switch (mt) {
+    case 1: return skinny_gemm_kernel<1, NG, U>;
+    case 2: return skinny_gemm_kernel<2, NG, U>;
+    case 3: return skinny_gemm_kernel<3, NG, U>;
+    default: return skinny_gemm_kernel<4, NG, U>;
+  }
+}
+
+Kernel kernel_for(const Variant& v, int mt) {
+  if (v.ng == 2 && v.unroll == 4) return kernel_for<2, 4>(mt);
+  if (v.ng == 2 && v.unroll == 8) return kernel_for<2, 8>(mt);
+  return kernel_for<1, 8>(mt);
+}
+
+// CTAs of `kernel` resident at once on the current device (multiprocessors x blocks per SM),
+// computed once per kernel and device.
+int64_t resident_ctas(Kernel kernel) {
+  constexpr int kMaxDevices = 64, kMaxKernels = 64;
+  static std::mutex mu;
+  static Kernel seen[kMaxDevices][kMaxKernels];
+  static int64_t count[kMaxDevices][kMaxKernels];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < kMaxKernels; ++i) {
+    if (seen[device][i] == kernel) return count[device][i];
+    if (seen[device][i] != nullptr) continue;
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0) != cudaSuccess) {
       cudaGetLastError();
-      return 132;
+      return 0;
     }
-    return n;
-  }();
-  return count;
-}
-
-Launch plan(const SkinnyGemm& g, const Variant& v) {
-  Launch l;
-  l.mt = static_cast<int>((g.n + 15) / 16);
-  const int64_t cols_per_cta = 16 * v.warps;
-  l.tiles = (g.rows + cols_per_cta - 1) / cols_per_cta;
-  const int steps = static_cast<int>((g.cols + kStep - 1) / kStep);
-  // The most steps per split whose x range fits the shared memory budget.
-  int fit = 1;
-  while (fit < steps && size_t(16 * l.mt) * x_stride((fit + 1) * kStep) * 2 <= kSmemBytes) ++fit;
-  const int64_t want_ctas = int64_t{v.ctas_per_sm} * multiprocessors();
-  const int want_splits = static_cast<int>(std::clamp<int64_t>((want_ctas + l.tiles - 1) / l.tiles, 1, steps));
-  const int per_split = std::min(fit, (steps + want_splits - 1) / want_splits);
-  l.krange = per_split * kStep;
-  l.splits = (steps + per_split - 1) / per_split;
-  l.smem = size_t(16 * l.mt) * x_stride(l.krange) * 2;
-  if (l.splits > 1) {
-    l.counter_bytes = (static_cast<size_t>(l.tiles) * 4 + 255) / 256 * 256;
-    l.partial_bytes = static_cast<size_t>(l.splits) * g.n * g.rows * 4;
+    seen[device][i] = kernel;
+    count[device][i] = int64_t{sms} * std::max(per_sm, 1);
+    return count[device][i];
   }
-  return l;
+  return 0;
 }
-
-template <int WARPS, int U>
-cudaError_t launch_variant(const SkinnyGemm& g, const Launch& l, cudaStream_t stream) {
-  auto* counters = static_cast<int*>(g.workspace);
-  auto* partial = reinterpret_cast<float*>(static_cast<char*>(g.workspace) + l.counter_bytes);
-  const dim3 grid(static_cast<unsigned>(l.tiles), static_cast<unsigned>(l.splits)), block(WARPS * 32);
-  switch (l.mt) {
-    case 1: skinny_gemm_kernel<1, WARPS, U><<<grid, block, l.smem, stream>>>(g, l.krange, l.splits, counters, partial); break;
-    case 2: skinny_gemm_kernel<2, WARPS, U><<<grid, block, l.smem, stream>>>(g, l.krange, l.splits, counters, partial); break;
-    case 3: skinny_gemm_kernel<3, WARPS, U><<<grid, block, l.smem, stream>>>(g, l.krange, l.splits, counters, partial); break;
-    default: skinny_gemm_kernel<4, WARPS, U><<<grid, block, l.smem, stream>>>(g, l.krange, l.splits, counters, partial); break;
-  }
-  return cudaGetLastError();
-}
-
-int rung(int variant) { return variant < 0 ? kDefault : variant; }
 
 }  // namespace
 
 bool skinny_gemm_supported(const SkinnyGemm& g) {
   auto aligned = [](const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
   return g.n >= 1 && g.n <= kSkinnyMaxRows && g.rows >= 1 && g.rows < (int64_t{1} << 31) && g.cols >= 8 &&
-         g.cols % 8 == 0 && g.cols <= kMaxCols && aligned(g.x, 16) && aligned(g.w, 16) && aligned(g.y, 4) &&
-         (g.y_f32 || !g.accumulate) && g.y != nullptr;
+         g.cols % 8 == 0 && g.cols < (int64_t{1} << 31) && aligned(g.x, 16) && aligned(g.w, 16) &&
+         aligned(g.y, 4) && (g.y_f32 || !g.accumulate) && g.y != nullptr;
 }
 
 int skinny_gemm_variants() { return kRungs; }
 const char* skinny_gemm_variant_name(int v) { return v >= 0 && v < kRungs ? kVariants[v].name : "?"; }
 
-size_t skinny_gemm_workspace_bytes(const SkinnyGemm& g, int variant) {
-  if (!skinny_gemm_supported(g) || rung(variant) >= kRungs) return 0;
-  const Launch l = plan(g, kVariants[rung(variant)]);
-  return l.counter_bytes + l.partial_bytes;
-}
-
 cudaError_t skinny_gemm_variant(const SkinnyGemm& g, int variant, cudaStream_t stream) {
-  const int r = rung(variant);
-  if (!skinny_gemm_supported(g) || r >= kRungs) return cudaErrorInvalidValue;
-  const Variant& v = kVariants[r];
-  const Launch l = plan(g, v);
-  if (l.counter_bytes + l.partial_bytes > 0 &&
-      (g.workspace == nullptr || g.workspace_bytes < l.counter_bytes + l.partial_bytes ||
-       reinterpret_cast<uintptr_t>(g.workspace) % 256 != 0)) {
-    return cudaErrorInvalidValue;
+  if (!skinny_gemm_supported(g) || variant < 0 || variant >= kRungs) return cudaErrorInvalidValue;
+  const Variant& v = kVariants[variant];
+  const Kernel kernel = kernel_for(v, static_cast<int>((g.n + 15) / 16));
+  const int64_t tiles = (g.rows + 8 * v.ng - 1) / (8 * v.ng);
+  int64_t ctas = tiles;
+  if (v.persistent) {
+    const int64_t resident = resident_ctas(kernel);
+    if (resident > 0) ctas = std::min(tiles, resident);
   }
-  if (v.warps == 8 && v.unroll == 8) return launch_variant<8, 8>(g, l, stream);
-  if (v.warps == 8 && v.unroll == 4) return launch_variant<8, 4>(g, l, stream);
-  return launch_variant<4, 8>(g, l, stream);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute overlap[1];
+  overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = overlap;
+  config.numAttrs = g.overlap_previous ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, g);
+  if (e != cudaSuccess) cudaGetLastError();
+  return e;
 }
 
-cudaError_t skinny_gemm(const SkinnyGemm& g, cudaStream_t stream) { return skinny_gemm_variant(g, -1, stream); }
+cudaError_t skinny_gemm(const SkinnyGemm& g, cudaStream_t stream) {
+  return skinny_gemm_variant(g, kDefault, stream);
+}
 
 }  // namespace sparsa::dlm

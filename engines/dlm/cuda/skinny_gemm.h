@@ -20,24 +20,20 @@ struct SkinnyGemm {
   const void* x = nullptr;    // bf16 [n, cols] row-major
   const void* w = nullptr;    // bf16 [rows, cols] row-major
   int64_t n = 0, rows = 0, cols = 0;
-  // Scratch of a call that splits K over CTAs (skinny_gemm_workspace_bytes; none otherwise),
-  // 256-byte aligned and zeroed once when allocated: its per-tile counters are back at zero
-  // after every call. Calls on one stream may share it; calls in flight on two streams may not.
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
+  // A programmatic dependent launch: the CTAs start loading weights while the kernel before
+  // this one on the stream still runs, and wait for it before reading x or touching y. The
+  // weights must not be written by that kernel.
+  bool overlap_previous = false;
 };
 
-// Whether the kernel takes this product: 1 <= n <= kSkinnyMaxRows, cols a multiple of 8 up to
-// 2^22, x and w 16-byte aligned, y 4-byte aligned, accumulate only into f32. Callers fall back
+// Whether the kernel takes this product: 1 <= n <= kSkinnyMaxRows, cols a multiple of 8 below
+// 2^31, x and w 16-byte aligned, y 4-byte aligned, accumulate only into f32. Callers fall back
 // to cuBLAS otherwise.
 bool skinny_gemm_supported(const SkinnyGemm& g);
 
-// The workspace a supported call needs (0: none), for the engine's rung (variant -1) or another.
-size_t skinny_gemm_workspace_bytes(const SkinnyGemm& g, int variant = -1);
-
 // One launch on `stream` (no synchronisation); the launch's error, cudaErrorInvalidValue (nothing
-// launched) for an unsupported product or a missing workspace. Deterministic: each output is the
-// sum of its K splits in split order, so the same inputs give the same bits run to run.
+// launched) for an unsupported product. Deterministic: each output is the sum of eight K slices
+// in a fixed order, so the same inputs give the same bits run to run.
 cudaError_t skinny_gemm(const SkinnyGemm& g, cudaStream_t stream);
 
 // The kernel's rungs, for the benchmark's per-shape table (bench_dlm --rows gemm): how many, the

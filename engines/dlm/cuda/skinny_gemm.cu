@@ -34,13 +34,24 @@ using bf16 = __nv_bfloat16;
 constexpr int kWarps = 8;  // K slices per CTA
 constexpr int kStep = 32;  // k per pair of MMAs
 
+// 16 bytes of weights, past L1; `prefetch`: with L2's hint to fetch the whole 256-byte block.
+template <bool kPrefetch>
 __device__ __forceinline__ uint4 load_weights(const bf16* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if constexpr (kPrefetch) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  }
   return v;
 }
+
+// Which weight loads carry the 256-byte L2 hint.
+enum Hint { kHintNone = 0, kHintAll = 1, kHintFirst = 2 /* the first step of a round: one per 256 bytes of a row at U = 4 */ };
 
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
@@ -52,7 +63,7 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 }
 
 // MT m16 tiles of rows, NG groups of 8 columns per tile, U steps of 32 k per round of loads.
-template <int MT, int NG, int U>
+template <int MT, int NG, int U, int HINT>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const SkinnyGemm g) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gi = lane / 4, ci = lane % 4;  // the MMA fragments' row group and k pair
@@ -74,7 +85,9 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const SkinnyGe
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int k = (s + u) * kStep;
-        wv[u][j] = r < g.rows && s + u < s_end && k + 8 * ci < cols ? load_weights(row + k) : zero;
+        const bool in = r < g.rows && s + u < s_end && k + 8 * ci < cols;
+        const bool hinted = HINT == kHintAll || (HINT == kHintFirst && u == 0);  // constant once unrolled
+        wv[u][j] = !in ? zero : hinted ? load_weights<true>(row + k) : load_weights<false>(row + k);
       }
     }
   };
@@ -159,33 +172,37 @@ using Kernel = void (*)(SkinnyGemm);
 
 struct Variant {
   const char* name;
-  int ng, unroll;
+  int ng, unroll, hint;
   bool persistent;  // as many CTAs as fit at once, walking the tiles; else one CTA per tile
 };
 // The rungs the benchmark compares (bench_dlm --rows gemm); kDefault is the one the engine runs.
 constexpr Variant kVariants[] = {
-    {"16 cols/tile, 4 steps in flight, persistent", 2, 4, true},
-    {"16 cols/tile, 8 steps in flight, persistent", 2, 8, true},
-    {"8 cols/tile, 8 steps in flight, persistent", 1, 8, true},
-    {"16 cols/tile, 4 steps in flight, a CTA per tile", 2, 4, false},
+    {"16 cols/tile, 4 steps in flight, L2 256B hint on every load, persistent", 2, 4, kHintAll, true},
+    {"16 cols/tile, 4 steps in flight, no L2 hint, persistent", 2, 4, kHintNone, true},
+    {"16 cols/tile, 8 steps in flight, no L2 hint, persistent", 2, 8, kHintNone, true},
+    {"16 cols/tile, 4 steps in flight, L2 256B hint on a round's first step, persistent", 2, 4, kHintFirst, true},
+    {"16 cols/tile, 2 steps in flight, L2 256B hint on every load, persistent", 2, 2, kHintAll, true},
+    {"16 cols/tile, 4 steps in flight, L2 256B hint on every load, a CTA per tile", 2, 4, kHintAll, false},
 };
 constexpr int kDefault = 0;
 constexpr int kRungs = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
 
-template <int NG, int U>
+template <int NG, int U, int HINT>
 Kernel kernel_for(int mt) {
   switch (mt) {
-    case 1: return skinny_gemm_kernel<1, NG, U>;
-    case 2: return skinny_gemm_kernel<2, NG, U>;
-    case 3: return skinny_gemm_kernel<3, NG, U>;
-    default: return skinny_gemm_kernel<4, NG, U>;
+    case 1: return skinny_gemm_kernel<1, NG, U, HINT>;
+    case 2: return skinny_gemm_kernel<2, NG, U, HINT>;
+    case 3: return skinny_gemm_kernel<3, NG, U, HINT>;
+    default: return skinny_gemm_kernel<4, NG, U, HINT>;
   }
 }
 
 Kernel kernel_for(const Variant& v, int mt) {
-  if (v.ng == 2 && v.unroll == 4) return kernel_for<2, 4>(mt);
-  if (v.ng == 2 && v.unroll == 8) return kernel_for<2, 8>(mt);
-  return kernel_for<1, 8>(mt);
+  if (v.unroll == 2) return kernel_for<2, 2, kHintAll>(mt);
+  if (v.unroll == 8) return kernel_for<2, 8, kHintNone>(mt);
+  if (v.hint == kHintNone) return kernel_for<2, 4, kHintNone>(mt);
+  if (v.hint == kHintFirst) return kernel_for<2, 4, kHintFirst>(mt);
+  return kernel_for<2, 4, kHintAll>(mt);
 }
 
 // CTAs of `kernel` resident at once on the current device (multiprocessors x blocks per SM),

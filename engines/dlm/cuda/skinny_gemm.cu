@@ -64,7 +64,7 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 
 // MT m16 tiles of rows, NG groups of 8 columns per tile, U steps of 32 k per round of loads.
 template <int MT, int NG, int U, int HINT>
-__global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const SkinnyGemm g) {
+__global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const SkinnyGemm g, const bool prefetch) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gi = lane / 4, ci = lane % 4;  // the MMA fragments' row group and k pair
   const int cols = static_cast<int>(g.cols);
@@ -93,7 +93,17 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const SkinnyGe
   };
 
   int64_t tile = blockIdx.x;
-  if (tile < tiles) load_round(tile, s_begin);
+  if (tile < tiles) {
+    load_round(tile, s_begin);
+    // The rest of this warp's slice of its first tile into L2 (one bulk prefetch per weight row),
+    // so that the time before the wait streams more than the first round.
+    const int64_t r = tile * 8 * NG + lane;
+    const int k0 = (s_begin + U) * kStep, k1 = min(s_end * kStep, cols);
+    if (prefetch && lane < 8 * NG && r < g.rows && k1 > k0) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + r * g.cols + k0), "r"((k1 - k0) * 2)
+                   : "memory");
+    }
+  }
   // Everything above reads only the weights; x and y belong to the kernels before this one.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
@@ -168,23 +178,25 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const SkinnyGe
   }
 }
 
-using Kernel = void (*)(SkinnyGemm);
+using Kernel = void (*)(SkinnyGemm, bool);
 
 struct Variant {
   const char* name;
   int ng, unroll, hint;
   bool persistent;  // as many CTAs as fit at once, walking the tiles; else one CTA per tile
+  bool prefetch;    // a bulk L2 prefetch of the first tile's slice before the wait
 };
 // The rungs the benchmark compares (bench_dlm --rows gemm); kDefault is the one the engine runs.
 constexpr Variant kVariants[] = {
-    {"16 cols/tile, 4 steps in flight, L2 256B hint on every load, persistent", 2, 4, kHintAll, true},
-    {"16 cols/tile, 4 steps in flight, no L2 hint, persistent", 2, 4, kHintNone, true},
-    {"16 cols/tile, 8 steps in flight, no L2 hint, persistent", 2, 8, kHintNone, true},
-    {"16 cols/tile, 4 steps in flight, L2 256B hint on a round's first step, persistent", 2, 4, kHintFirst, true},
-    {"16 cols/tile, 2 steps in flight, L2 256B hint on every load, persistent", 2, 2, kHintAll, true},
-    {"16 cols/tile, 4 steps in flight, L2 256B hint on every load, a CTA per tile", 2, 4, kHintAll, false},
+    {"16 cols/tile, 4 steps in flight, L2 256B hint on every load, persistent", 2, 4, kHintAll, true, false},
+    {"16 cols/tile, 4 steps in flight, no L2 hint, persistent", 2, 4, kHintNone, true, false},
+    {"16 cols/tile, 8 steps in flight, no L2 hint, persistent", 2, 8, kHintNone, true, false},
+    {"16 cols/tile, 4 steps in flight, L2 256B hint on a round's first step, persistent", 2, 4, kHintFirst, true, false},
+    {"16 cols/tile, 2 steps in flight, L2 256B hint on every load, persistent", 2, 2, kHintAll, true, false},
+    {"16 cols/tile, 4 steps in flight, L2 256B hint on every load, a CTA per tile", 2, 4, kHintAll, false, false},
+    {"rung 0 + bulk L2 prefetch of the first tile before the wait", 2, 4, kHintAll, true, true},
 };
-constexpr int kDefault = 0;
+constexpr int kDefault = 6;
 constexpr int kRungs = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
 
 template <int NG, int U, int HINT>
@@ -266,7 +278,7 @@ cudaError_t skinny_gemm_variant(const SkinnyGemm& g, int variant, cudaStream_t s
   overlap[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = overlap;
   config.numAttrs = g.overlap_previous ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, g);
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, g, v.prefetch);
   if (e != cudaSuccess) cudaGetLastError();
   return e;
 }

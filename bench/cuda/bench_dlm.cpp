@@ -20,9 +20,9 @@
 // gemm: each GEMM shape of the two models at 16 and 32 rows, cuBLAS beside every rung of
 // sparsa's weight-streaming kernel (skinny_gemm.cu): microseconds and weight TB/s. The weights
 // rotate through copies that together exceed the 60 MB L2, so every call streams from HBM.
-// --gemm auto|cublas: the engine's GEMM choice for the step rows (LoadOptions::gemm).
+// --gemm cublas|streaming: the engine's GEMM choice for the step rows (LoadOptions::gemm).
 //   bench_dlm [--rows llada_canvas,llada_prefix,sdar_block,generate,gemm] [--canvas 4096]
-//             [--ctx 32768,65536,131072] [--iters 10] [--gemm auto]
+//             [--ctx 32768,65536,131072] [--iters 10] [--gemm cublas]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -374,7 +374,7 @@ int main(int argc, char** argv) {
   int64_t canvas = 4096;
   std::vector<int64_t> ctxs = {32768, 65536, 131072};
   int iters = 10;
-  std::string gemm = "auto";
+  std::string gemm = "cublas";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--rows") rows = argv[i + 1];

@@ -487,6 +487,11 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     ba.beta = static_cast<float>(beta);
     return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, name));
   }
+  if ((spec->name == "quest" || spec->name == "losa") && policy.backend == Backend::cuda) {
+    return Status(StatusCode::unsupported, where + ": " + spec->name +
+                                               " runs on the engine's cpu backend only for now (use dense or ba_att with "
+                                               "--backend cuda)");
+  }
   if (spec->name == "quest") {
     PageSelectOptions s;
     SPARSA_RETURN_IF_ERROR(page_options(p, &s, where + ": quest"));

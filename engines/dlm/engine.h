@@ -125,9 +125,10 @@ class Ops {
   virtual void stage_tokens(std::span<const int32_t> tokens) {}
 };
 std::unique_ptr<Ops> make_cpu_ops();
-// The CUDA backend's GEMMs: automatic = sparsa's weight-streaming kernel for products of up to
-// kSkinnyMaxRows rows (a denoising block), cuBLAS above; cublas = cuBLAS for every product.
-enum class GemmChoice : uint8_t { automatic, cublas };
+// The CUDA backend's GEMMs: cublas = cuBLAS for every product (the default: the fastest in the
+// step, bench/RESULTS.md); streaming = sparsa's weight-streaming kernel (cuda/skinny_gemm.h) for
+// chunks of up to 16 rows, cuBLAS above.
+enum class GemmChoice : uint8_t { cublas, streaming };
 Result<GemmChoice> parse_gemm_choice(const std::string& name);
 // CUDA (a build with the cuda backend; otherwise the error says so). `device` is the CUDA device.
 Result<std::unique_ptr<Ops>> make_cuda_ops(int device, const Config& c, GemmChoice gemm);

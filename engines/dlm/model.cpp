@@ -32,9 +32,9 @@ Result<Loop> parse_loop(const std::string& name) {
 }
 
 Result<GemmChoice> parse_gemm_choice(const std::string& name) {
-  if (name == "auto") return GemmChoice::automatic;
   if (name == "cublas") return GemmChoice::cublas;
-  return invalid_argument("gemm: expected auto or cublas, got '" + name + "'");
+  if (name == "streaming") return GemmChoice::streaming;
+  return invalid_argument("gemm: expected cublas or streaming, got '" + name + "'");
 }
 
 Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -96,10 +96,10 @@ struct LoadOptions {
   // chunk size; the tokens may differ) is captured into a CUDA graph the second time and replayed
   // after that, which removes the launch overhead of its few hundred kernels.
   bool cuda_graphs = true;
-  // cuda: the GEMMs' kernel. "auto": sparsa's weight-streaming kernel for chunks of up to 64
-  // tokens (a denoising block: the product is a stream of the weights), cuBLAS for larger ones;
-  // "cublas": cuBLAS for every GEMM.
-  std::string gemm = "auto";
+  // cuda: the GEMMs' kernel. "cublas": cuBLAS for every GEMM (the fastest in a denoising step on
+  // the H200); "streaming": sparsa's weight-streaming kernel for chunks of up to 16 tokens
+  // (docs/dlm.md says how it compares), cuBLAS for larger ones.
+  std::string gemm = "cublas";
   AttentionDumpOptions dump_attention;
 };
 

@@ -29,7 +29,7 @@ struct DlmOptions {
   int64_t cached = 0;  // logits: ids run into the KV cache first
   std::string dump_dir, dump_layers, dump_forwards;
   int64_t dump_max = 256;
-  std::string gemm = "auto";
+  std::string gemm = "cublas";
   bool json = false, no_stop = false, ban_eos = false, quiet = false, no_cuda_graphs = false;
 };
 
@@ -364,7 +364,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_flag("--quiet", o->quiet, "no progress line");
   gen->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "cuda: run every step eagerly (no graph replay)");
   gen->add_option("--gemm", o->gemm,
-                 "cuda GEMMs: auto (sparsa's weight-streaming kernel up to 64 tokens, cuBLAS above) or cublas")
+                 "cuda GEMMs: cublas, or streaming (sparsa's weight-streaming kernel up to 16 tokens, cuBLAS above)")
       ->capture_default_str();
   add_dump_flags(gen, o.get());
   out.push_back({gen, [o] { return run_generate(*o); }});
@@ -388,7 +388,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
       ->allow_extra_args(false);
   lg->add_flag("--quiet", o->quiet, "no summary line");
   lg->add_option("--gemm", o->gemm,
-                 "cuda GEMMs: auto (sparsa's weight-streaming kernel up to 64 tokens, cuBLAS above) or cublas")
+                 "cuda GEMMs: cublas, or streaming (sparsa's weight-streaming kernel up to 16 tokens, cuBLAS above)")
       ->capture_default_str();
   add_dump_flags(lg, o.get());
   out.push_back({lg, [o] { return run_logits(*o); }});

@@ -1,7 +1,7 @@
 // The CUDA backend of the engine: bf16 weights and activations with f32 accumulation, the f32
-// residual stream, GEMMs of up to 16 rows through sparsa's weight-streaming kernel
-// (skinny_gemm.cu) and larger ones through cuBLAS (bf16 inputs, f32 compute; the residual update
-// is the GEMM's own beta = 1 into the f32 residual, the logits an f32-output GEMM), and one small
+// residual stream, GEMMs through cuBLAS (bf16 inputs, f32 compute; the residual update is the
+// GEMM's own beta = 1 into the f32 residual, the logits an f32-output GEMM) or, as an option,
+// those of up to 16 rows through sparsa's weight-streaming kernel (skinny_gemm.cu), and one small
 // kernel for each elementwise step. Everything is ordered on one non-blocking stream of the device; the
 // only host synchronisations are to_host (the sampler's read-back) and the weight uploads.
 //
@@ -209,9 +209,9 @@ const char* cublas_name(cublasStatus_t s) {
 
 // ---- the backend ------------------------------------------------------------------------------
 
-// The products the weight-streaming kernel takes in the engine: chunks of up to 16 rows (SDAR's
-// block step). From 32 rows on, cuBLAS was faster at every 8B shape (bench_dlm --rows gemm,
-// bench/RESULTS.md).
+// The products the weight-streaming kernel takes when the model asks for it (gemm "streaming"):
+// chunks of up to 16 rows (SDAR's block step). From 32 rows on, cuBLAS was faster at every 8B
+// shape (bench_dlm --rows gemm, bench/RESULTS.md).
 constexpr int64_t kEngineSkinnyRows = 16;
 
 class CudaOps final : public Ops {
@@ -517,7 +517,7 @@ class CudaOps final : public Ops {
     g.rows = w.rows;
     g.cols = w.cols;
     g.overlap_previous = true;  // its weights load while the kernel before it finishes
-    if (gemm_ == GemmChoice::automatic && n <= kEngineSkinnyRows && skinny_gemm_supported(g)) {
+    if (gemm_ == GemmChoice::streaming && n <= kEngineSkinnyRows && skinny_gemm_supported(g)) {
       record(skinny_gemm(g, stream_), what);
       return;
     }
@@ -601,7 +601,7 @@ class CudaOps final : public Ops {
   }
 
   int device_ = 0;
-  GemmChoice gemm_ = GemmChoice::automatic;
+  GemmChoice gemm_ = GemmChoice::cublas;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -196,7 +196,7 @@ constexpr Variant kVariants[] = {
     {"16 cols/tile, 4 steps in flight, L2 256B hint on every load, a CTA per tile", 2, 4, kHintAll, false, false},
     {"rung 0 + bulk L2 prefetch of the first tile before the wait", 2, 4, kHintAll, true, true},
 };
-constexpr int kDefault = 6;
+constexpr int kDefault = 0;
 constexpr int kRungs = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
 
 template <int NG, int U, int HINT>

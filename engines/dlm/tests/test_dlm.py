@@ -397,6 +397,12 @@ def test_loop_and_option_errors(sparsa_bin, sdar_model, llada_model):
     assert p.returncode == 1 and "block_len" in p.stderr
     p = run(sparsa_bin, "generate", "--model", dl, "--prompt-ids", "1,x", "--json", check=False)
     assert p.returncode == 2 and "--prompt-ids" in p.stderr
+    # The GEMM choice is checked on every backend, by name.
+    p = run(sparsa_bin, "generate", "--model", dl, "--prompt-ids", "1,2", "--gemm", "fast", "--json", check=False)
+    assert p.returncode == 1 and "gemm" in p.stderr and "streaming" in p.stderr, p.stderr
+    p = run(sparsa_bin, "logits", "--model", dl, "--ids", "1,2", "--out", dl / "g.npy", "--gemm", "streaming",
+            "--quiet", check=False)
+    assert p.returncode == 0, p.stderr  # the cpu backend ignores it
 
 
 def test_number_beyond_double_range(sparsa_bin, tmp_path):

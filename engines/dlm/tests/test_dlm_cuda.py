@@ -48,10 +48,10 @@ SPECS = {
 }
 
 
-def engine_logits(sparsa_bin, model_dir, ids, tmp_path, backend="cuda", cached=0):
+def engine_logits(sparsa_bin, model_dir, ids, tmp_path, backend="cuda", cached=0, gemm="cublas"):
     out = tmp_path / f"logits_{backend}.npy"
     run(sparsa_bin, "logits", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--out", out, "--quiet",
-        "--backend", backend, "--cached", cached)
+        "--backend", backend, "--cached", cached, "--gemm", gemm)
     return np.load(out)
 
 
@@ -71,15 +71,18 @@ def cuda_ok(sparsa_bin, tmp_path_factory):
     return True
 
 
+# gemm "streaming": sparsa's weight-streaming kernel takes the chunks of up to 16 rows (n 1 and 9
+# below, and the 16-row sdar blocks of the cached test), cuBLAS the rest.
+@pytest.mark.parametrize("gemm", ["cublas", "streaming"])
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_cuda_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name):
+def test_cuda_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name, gemm):
     s = SPECS[name]
     d = tmp_path / "model"
     w = R.write_model(d, s, seed=sum(map(ord, name)) % 1000)
     rng = np.random.default_rng(2)
     for n in (1, 9, 23, 70):  # 70 > 64 rows: the flash path of the chunk, and several sdar blocks
         ids = rng.integers(0, s.vocab, n)
-        got = engine_logits(sparsa_bin, d, ids, tmp_path)
+        got = engine_logits(sparsa_bin, d, ids, tmp_path, gemm=gemm)
         assert got.shape == (n, s.vocab) and got.dtype == np.float32
         ref = R.canvas_logits(s, w, ids)
         err = rel_err(got, ref)
@@ -93,8 +96,9 @@ def test_cuda_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name):
             assert gap <= 2 * BF16_TOL * scale, (name, n, i, gap / scale)
 
 
+@pytest.mark.parametrize("gemm", ["cublas", "streaming"])
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_cuda_cached_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name):
+def test_cuda_cached_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name, gemm):
     """The loops' cached path on the device: a prefill into the device KV cache (the pages'
     appends), then a chunk over it (prefix attention over the cache's views, the chunk's own
     keys, the merge), against the reference with the same split."""
@@ -105,7 +109,7 @@ def test_cuda_cached_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path,
     bc = s.block if s.arch == "sdar" else 0
     for n, cached in ((12, 4 if bc == 4 else 5 if bc == 5 else 7), (90, 60 if bc in (4, 5) else 61)):
         ids = rng.integers(0, s.vocab, n)
-        got = engine_logits(sparsa_bin, d, ids, tmp_path, cached=cached)
+        got = engine_logits(sparsa_bin, d, ids, tmp_path, cached=cached, gemm=gemm)
         past = R.forward(s, w, ids[:cached], None, bc)[1]
         ref = R.forward(s, w, ids[cached:], past, bc)[0]
         assert got.shape == ref.shape

@@ -326,6 +326,13 @@ void add_dump_flags(CLI::App* cmd, DlmOptions* o) {
   cmd->add_option("--dump-max", o->dump_max, "tensor files written at most")->capture_default_str();
 }
 
+// The CUDA backend's GEMM choice (LoadOptions::gemm), for the commands that load a model.
+void add_gemm_flag(CLI::App* cmd, DlmOptions* o) {
+  cmd->add_option("--gemm", o->gemm,
+                  "cuda GEMMs: cublas, or streaming (sparsa's weight-streaming kernel up to 16 tokens, cuBLAS above)")
+      ->capture_default_str();
+}
+
 }  // namespace
 
 std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
@@ -363,9 +370,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");
   gen->add_flag("--quiet", o->quiet, "no progress line");
   gen->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "cuda: run every step eagerly (no graph replay)");
-  gen->add_option("--gemm", o->gemm,
-                 "cuda GEMMs: cublas, or streaming (sparsa's weight-streaming kernel up to 16 tokens, cuBLAS above)")
-      ->capture_default_str();
+  add_gemm_flag(gen, o.get());
   add_dump_flags(gen, o.get());
   out.push_back({gen, [o] { return run_generate(*o); }});
 
@@ -387,9 +392,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   lg->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD, e.g. 0,1,31=dense")
       ->allow_extra_args(false);
   lg->add_flag("--quiet", o->quiet, "no summary line");
-  lg->add_option("--gemm", o->gemm,
-                 "cuda GEMMs: cublas, or streaming (sparsa's weight-streaming kernel up to 16 tokens, cuBLAS above)")
-      ->capture_default_str();
+  add_gemm_flag(lg, o.get());
   add_dump_flags(lg, o.get());
   out.push_back({lg, [o] { return run_logits(*o); }});
 

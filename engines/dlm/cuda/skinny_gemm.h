@@ -1,7 +1,7 @@
-// A GEMM for few rows: y[n, rows] = x[n, cols] · wᵀ (+ y), bf16 x and w, f32 accumulation, for
-// the chunks of a denoising step (a block of 16 tokens), where the product is a stream of the
-// weights. The engine runs it with LoadOptions::gemm "streaming"; cuBLAS is the default, being
-// faster in the step (docs/dlm.md, "The block step's GEMMs").
+// The engine's GEMM for few rows: y[n, rows] = x[n, cols] · wᵀ (+ y), bf16 x and w, f32
+// accumulation, for the chunks of a denoising step (a block of 16 or 32 tokens), where the
+// product is a stream of the weights and cuBLAS's tile kernels leave part of HBM's bandwidth
+// unused (docs/dlm.md, "The block step's GEMMs").
 #pragma once
 
 #include <cuda_runtime.h>

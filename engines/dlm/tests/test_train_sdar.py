@@ -207,6 +207,76 @@ def test_export_command_writes_the_training_record(trained, tmp_path):
     assert (out / "tokenizer.json").exists()
 
 
+def test_export_refuses_a_directory_that_is_not_an_export(trained, tmp_path):
+    """--out replaces an earlier export whole (written beside it, then renamed), and never a
+    directory of something else."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match="not an earlier export"):
+        T.main(["export", "--run", trained, "--out", str(out)])
+    assert (out / "notes.txt").read_text() == "keep me"
+    again = tmp_path / "again"
+    T.main(["export", "--run", trained, "--out", str(again)])
+    T.main(["export", "--run", trained, "--out", str(again)])  # an earlier export is replaced
+    assert sorted(os.listdir(tmp_path)) == ["again", "mine"]  # no .tmp left behind
+
+
+def test_padding_rows_carry_no_loss(trained):
+    """pad_rows gives every batch of a length bucket the same shape (one compile per bucket);
+    the rows it adds change neither the loss nor the real rows' logits."""
+    model = load_model(trained).double()
+    gen = torch.Generator().manual_seed(8)
+    items = [(256, list(range(5, 60)), [7, 8, 9, 0], 128), (256, list(range(9, 40)), [3, 0], 128)]
+    batch, total = T.build_batch(items, model.c, 2, gen, 256)
+    padded = T.pad_rows(batch, 5)
+    assert all(v.shape == (5, 256) for v in padded.values())
+    assert T.pad_rows(batch, 2) is batch
+    with torch.no_grad():
+        a = float(T.loss_of(model, batch, total, "sdpa")[0])
+        b = float(T.loss_of(model, padded, total, "sdpa")[0])
+        la = model(batch["ids"], batch["pos"], S.sdpa_attention(T.dense_mask(batch["blk"], batch["copy"])))
+        lb = model(padded["ids"], padded["pos"], S.sdpa_attention(T.dense_mask(padded["blk"], padded["copy"])))
+    assert abs(a - b) <= 1e-12 * abs(a), (a, b)
+    assert torch.equal(la, lb[:2])
+    assert (padded["labels"][2:] == -100).all() and (padded["weights"][2:] == 0).all()
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "--stage N or --plan"),
+    (["--stage", "1", "--plan", "1:3"], "--stage N or --plan"),
+    (["--plan", "1:0"], "STAGE:MINUTES"),
+    (["--plan", "9:1"], "STAGE:MINUTES"),
+    (["--plan", "1:3,x"], "got 'x'"),
+    (["--plan", "1:3", "--lr", "1e-3"], "go with --stage"),
+])
+def test_bad_plans_are_usage_errors(run_dir, sparsa_bin, args, message):
+    with pytest.raises(SystemExit, match=message):
+        T.main(["train", "--run", run_dir, "--sparsa", sparsa_bin, "--device", "cpu"] + args)
+
+
+def test_plan_trains_stages_in_one_process_and_exports_after_each(sparsa_bin, tmp_path_factory, capsys):
+    run = str(tmp_path_factory.mktemp("run_plan"))
+    T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--samples", "2", "--dim", "32",
+            "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--hidden", "64",
+            "--block", "16", "--max-len", "2048"])
+    out = os.path.join(run, "export")
+    T.main(["train", "--run", run, "--plan", "1:0.02,2:0.02", "--tasks", TASKS, "--batch-tokens", "2048",
+            "--device", "cpu", "--val-samples", "1", "--gen-threads", "1", "--chunk", "2", "--sparsa", sparsa_bin,
+            "--log-seconds", "0", "--export", out])
+    log_ = capsys.readouterr().out
+    assert log_.count("exported") == 2 and "stage 1 done" in log_ and "stage 2 done" in log_
+    with open(os.path.join(run, "log.jsonl")) as f:
+        stages = [json.loads(line) for line in f]
+    assert [s_["stage"] for s_ in stages] == [1, 2] and all(s_["steps"] >= 1 for s_ in stages)
+    rec = json.loads(open(os.path.join(out, "training.json")).read())
+    assert [s_["stage"] for s_ in rec["stages"]] == [1, 2]
+    assert rec["steps"] == sum(s_["steps"] for s_ in stages)
+    assert "tokens/s" in log_ and "waited for data" in log_
+    # each stage's buckets warmed up once before its clock: 512 and 1024, then 1024 and 2048
+    assert log_.count("warm-up of length") == 4, log_
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the GPU path of training)")
 def test_cuda_flex_training_path(trained, sparsa_bin, tmp_path):
     """On the GPU: compiled FlexAttention under bf16 autocast gives the loss SDPA gives in f32

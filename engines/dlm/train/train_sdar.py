@@ -6,6 +6,7 @@ dependency only; the result is a Hugging Face directory that `sparsa generate` a
 
     train_sdar.py tokenizer --run RUN                  BPE tokenizer.json trained on the task text
     train_sdar.py train --run RUN --stage N --minutes M  one stage of the curriculum (resumes)
+    train_sdar.py train --run RUN --plan 1:3,2:3 --export DIR  several stages in one process, exported after each
     train_sdar.py export --run RUN --out DIR           config.json + safetensors (+ shards) + tokenizer.json
     train_sdar.py stages                               the curriculum
 
@@ -346,26 +347,72 @@ def cmd_stages(a):
         print(f"stage {n}: lengths {','.join(map(str, s['lengths']))}  lr {s['lr']}  warmup {s['warmup']}")
 
 
+def parse_plan(a):
+    """The stages this call trains: `--stage N [--minutes M | --steps S]` (with optional
+    --lengths/--lr/--warmup overrides) or `--plan "1:3,2:3,3:4"` (stage:minutes, one process)."""
+    if (a.stage is None) == (a.plan is None):
+        sys.exit("train_sdar: give --stage N or --plan \"N:MINUTES,...\" (one of them)")
+    if a.plan is None:
+        if a.stage not in STAGES and not a.lengths:
+            sys.exit(f"train_sdar: --stage: expected one of {sorted(STAGES)} (or give --lengths), got {a.stage}")
+        stage = dict(STAGES.get(a.stage, {"lr": 1e-3, "warmup": 100}))
+        if a.lengths:
+            stage["lengths"] = [int(x) for x in a.lengths.split(",")]
+        if a.lr:
+            stage["lr"] = a.lr
+        if a.warmup:
+            stage["warmup"] = a.warmup
+        return [(a.stage, stage, a.minutes, a.steps)]
+    if a.lengths or a.lr or a.warmup or a.minutes or a.steps:
+        sys.exit("train_sdar: --plan takes each stage's lengths, lr, warm-up and minutes from the curriculum; "
+                 "--lengths, --lr, --warmup, --minutes and --steps go with --stage")
+    plan = []
+    for item in a.plan.split(","):
+        n, sep, m = item.strip().partition(":")
+        try:
+            n, m = int(n), float(m)
+        except ValueError:
+            n, m = None, 0.0
+        if not sep or n not in STAGES or not m > 0:
+            sys.exit(f"train_sdar: --plan: expected STAGE:MINUTES items with STAGE in {sorted(STAGES)} and "
+                     f"MINUTES > 0, got '{item}'")
+        plan.append((n, dict(STAGES[n]), m, 0))
+    return plan
+
+
+def pad_rows(batch, rows):
+    """Pads a batch to `rows` rows with rows that carry no loss (padding singletons: each token
+    sees only itself), so every batch of a length bucket has the same shape: torch.compile then
+    compiles each bucket once (a new shape would recompile, and past dynamo's limit flex
+    attention falls back to its unfused eager form)."""
+    B, N = batch["ids"].shape
+    if B >= rows:
+        return batch
+    extra = rows - B
+    fill = {"ids": batch["ids"][0, -1].item(), "pos": 0, "blk": 0, "labels": -100, "weights": 0.0}
+    out = {}
+    for k, v in batch.items():
+        if k == "copy":
+            pad = (10**6 + torch.arange(N, dtype=v.dtype)).expand(extra, N)
+        else:
+            pad = torch.full((extra, N), fill[k], dtype=v.dtype)
+        out[k] = torch.cat([v, pad])
+    return out
+
+
 def cmd_train(a):
     c = load_run(a.run)
     f = run_files(a.run)
     sparsa = find_sparsa(a.sparsa)
-    if a.stage not in STAGES and not a.lengths:
-        sys.exit(f"train_sdar: --stage: expected one of {sorted(STAGES)} (or give --lengths), got {a.stage}")
-    stage = dict(STAGES.get(a.stage, {"lr": 1e-3, "warmup": 100}))
-    if a.lengths:
-        stage["lengths"] = [int(x) for x in a.lengths.split(",")]
-    if a.lr:
-        stage["lr"] = a.lr
-    if a.warmup:
-        stage["warmup"] = a.warmup
-    if max(stage["lengths"]) > c.max_len:
-        sys.exit(f"train_sdar: the stage's length {max(stage['lengths'])} exceeds the model's max_len {c.max_len}")
+    plan = parse_plan(a)
+    for n, stage, _, _ in plan:
+        if max(stage["lengths"]) > c.max_len:
+            sys.exit(f"train_sdar: stage {n}'s length {max(stage['lengths'])} exceeds the model's max_len {c.max_len}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     attention = a.attention or ("flex" if device.type == "cuda" else "sdpa")
     torch.manual_seed(a.seed)
     model = Sdar(c).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=stage["lr"], betas=(0.9, 0.95), weight_decay=0.1,
+    opt = torch.optim.AdamW(model.parameters(), lr=plan[0][1]["lr"], betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
     state = {"step": 0, "tokens": 0, "stages": [], "history": []}
     if os.path.exists(f["ckpt"]):
@@ -374,15 +421,32 @@ def cmd_train(a):
         opt.load_state_dict(ck["opt"])
         state = ck["state"]
         log(f"resumed {f['ckpt']} at step {state['step']}")
-    step0 = state["step"]
-    gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
     compiled_flex = None
     if device.type == "cuda" and attention == "flex":
+        import torch._dynamo as dynamo
         from torch.nn.attention.flex_attention import flex_attention
+        # Every (rows, length) bucket compiles once, for training and for validation; a plan of
+        # several stages sees up to a dozen shapes. Past the limit dynamo would fall back to
+        # the eager (unfused, N x N) flex attention without failing.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, 64)
         compiled_flex = torch.compile(flex_attention, dynamic=False)
     if a.compile and device.type == "cuda":
         model.hidden = torch.compile(model.hidden, dynamic=False)  # the state_dict is unchanged
-    seed0 = TRAIN_SEED_BASE + 10_000 * a.stage + step0  # fresh data on every resume
+    for n, stage, minutes, steps in plan:
+        train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, state, n, stage, minutes, steps)
+        if a.export:
+            export_run(a.run, model, state, a.export, a.export_dtype, a.shard_mb)
+
+
+def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, state, stage_no, stage, minutes,
+                steps):
+    for g_ in opt.param_groups:
+        g_["lr"] = stage["lr"]
+    step0 = state["step"]
+    gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
+    seed0 = TRAIN_SEED_BASE + 10_000 * stage_no + step0  # fresh data on every resume
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], a.tasks, seed0, a.chunk, a.gen_threads)
     # Fixed shapes per length bucket: batch rows and sequence length.
     nb = noisy_budget(c, a.prompt_blocks) if c.arch == "sdar" else 2 * LLADA_BLOCK
@@ -390,35 +454,57 @@ def cmd_train(a):
                for L in stage["lengths"]}
     val = None
     if a.val_samples > 0:
-        rows = ruler_generate(sparsa, a.tasks, stage["lengths"], a.val_samples, 900_000 + a.stage, f["tokenizer"],
+        rows = ruler_generate(sparsa, a.tasks, stage["lengths"], a.val_samples, 900_000 + stage_no, f["tokenizer"],
                               a.gen_threads)
         val = stream.tokenize(rows)
+
+    def val_batches():
+        g = torch.Generator().manual_seed(12345)
+        for L in stage["lengths"]:
+            items = [v for v in val if v[0] == L]
+            for i in range(0, len(items), buckets[L]["rows"]):
+                batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, a.prompt_blocks, g, buckets[L]["seq"])
+                yield L, pad_rows(batch, buckets[L]["rows"]), total
 
     def validate():
         if not val:
             return None
         model.eval()
-        g = torch.Generator().manual_seed(12345)
         tot, n = 0.0, 0
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            for L in stage["lengths"]:
-                items = [v for v in val if v[0] == L]
-                for i in range(0, len(items), buckets[L]["rows"]):
-                    batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, a.prompt_blocks, g,
-                                              buckets[L]["seq"])
-                    tot += float(loss_of(model, batch, total, attention, compiled_flex)[0]) * total
-                    n += total
+            for _, batch, total in val_batches():
+                tot += float(loss_of(model, batch, total, attention, compiled_flex)[0]) * total
+                n += total
         model.train()
         return tot / max(n, 1)
 
+    if val:
+        # One forward and backward and one validation forward per bucket before the stage's
+        # clock starts, each timed: on the GPU this is where torch.compile compiles each shape,
+        # and compilation is not training time. (No optimizer step; its own masking draws.)
+        seen = set()
+        for L, batch, total in val_batches():
+            if L in seen:
+                continue
+            seen.add(L)
+            t0 = time.time()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss_of(model, batch, total, attention, compiled_flex)[0].backward()
+                with torch.no_grad():
+                    loss_of(model, batch, total, attention, compiled_flex)
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            log(f"warm-up of length {L} ({buckets[L]['rows']} x {buckets[L]['seq']}): {time.time() - t0:.1f} s")
+
     start = time.time()
     last_save = last_log = start
-    budget_s = a.minutes * 60 if a.minutes else float("inf")
-    max_steps = a.steps or (1 << 62)
+    budget_s = minutes * 60 if minutes else float("inf")
+    max_steps = steps or (1 << 62)
     losses, ces = [], []
-    log(f"stage {a.stage}: lengths {stage['lengths']}, {attention} attention on {device}, "
+    log(f"stage {stage_no}: lengths {stage['lengths']}, {attention} attention on {device}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-        f"budget {a.minutes or '-'} min / {a.steps or '-'} steps")
+        f"budget {minutes or '-'} min / {steps or '-'} steps")
     model.train()
     done = 0
     # Batches are built by a thread of their own (Python work that overlaps the GPU's): samples
@@ -447,12 +533,16 @@ def cmd_train(a):
             batches.put(e)
 
     threading.Thread(target=make_batches, daemon=True).start()
+    waited = 0.0  # seconds the loop spent waiting for batches: the data side's share
+    tokens_at_log = state["tokens"]
     while done < max_steps and time.time() - start < budget_s:
+        t_wait = time.time()
         got = batches.get()
+        waited += time.time() - t_wait
         if isinstance(got, Exception):
             raise got
         batch, total = got
-        progress = max((time.time() - start) / budget_s, done / max_steps if a.steps else 0.0)
+        progress = max((time.time() - start) / budget_s, done / max_steps if steps else 0.0)
         warm = min(1.0, (done + 1) / stage["warmup"])
         lr = stage["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for g_ in opt.param_groups:
@@ -475,25 +565,52 @@ def cmd_train(a):
         if now - last_log >= a.log_seconds or done == max_steps:
             mean = sum(losses[-50:]) / len(losses[-50:])
             mean_ce = sum(ces[-50:]) / len(ces[-50:])
+            rate = (state["tokens"] - tokens_at_log) / max(now - last_log, 1e-9)
             state["history"].append({"step": state["step"], "loss": mean, "ce": mean_ce, "lr": lr,
-                                     "tokens": state["tokens"], "stage": a.stage, "seconds": now - start})
+                                     "tokens": state["tokens"], "stage": stage_no, "seconds": now - start})
             log(f"step {state['step']}  loss {mean:.4f}  ce {mean_ce:.4f}  lr {lr:.2e}  {state['tokens'] / 1e6:.1f}M tokens  "
-                f"{now - start:.0f} s")
-            last_log = now
+                f"{rate / 1e3:.0f}K tokens/s  waited for data {waited:.0f} s  {now - start:.0f} s")
+            last_log, tokens_at_log = now, state["tokens"]
         if now - last_save >= a.save_minutes * 60:
             save_ckpt(a.run, model, opt, state)
             last_save = now
     stream.stop = True
     v = validate()
-    state["stages"].append({"stage": a.stage, "lengths": stage["lengths"], "steps": done, "val_loss": v,
+    state["stages"].append({"stage": stage_no, "lengths": stage["lengths"], "steps": done, "val_loss": v,
                             "seconds": time.time() - start})
     save_ckpt(a.run, model, opt, state)
     with open(f["log"], "a") as fh:
-        fh.write(json.dumps({"stage": a.stage, "steps": done, "step": state["step"], "val_loss": v,
+        fh.write(json.dumps({"stage": stage_no, "steps": done, "step": state["step"], "val_loss": v,
                              "train_loss_first": losses[0] if losses else None,
                              "train_loss_last": sum(losses[-20:]) / max(1, len(losses[-20:])),
                              "losses": losses, "ces": ces}) + "\n")
-    log(f"stage {a.stage} done: {done} steps, val loss {v}, checkpoint {f['ckpt']}")
+    log(f"stage {stage_no} done: {done} steps, val loss {v}, checkpoint {f['ckpt']}")
+
+
+def export_run(run, model, state, out, dtype, shard_mb):
+    """The run's model as the engine's Hugging Face directory; written beside `out` and renamed
+    over it, so `out` always holds a whole export."""
+    out = out.rstrip("/") or out
+    if os.path.exists(out) and not (os.path.isdir(out) and (not os.listdir(out) or
+                                                            os.path.exists(os.path.join(out, "training.json")))):
+        sys.exit(f"train_sdar: --out/--export {out}: exists and is not an earlier export (no training.json); "
+                 "give a new or empty directory")
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    src = copy_to_cpu(model)
+    total, shards = export_hf(src, tmp, dtype, shard_mb * 1024 * 1024, run_files(run)["tokenizer"])
+    with open(os.path.join(tmp, "training.json"), "w") as fh:
+        json.dump({"steps": state["step"], "tokens": state["tokens"], "stages": state["stages"],
+                   "history": state["history"]}, fh, indent=1)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    log(f"exported {total / 1e6:.1f} MB in {shards} file(s) ({dtype}) -> {out}")
+
+
+def copy_to_cpu(model):
+    m = Sdar(model.c)
+    m.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    return m
 
 
 def cmd_export(a):
@@ -502,11 +619,7 @@ def cmd_export(a):
     model = Sdar(c)
     ck = torch.load(f["ckpt"], map_location="cpu", weights_only=False)
     model.load_state_dict(ck["model"])
-    total, shards = export_hf(model, a.out, a.dtype, a.shard_mb * 1024 * 1024, f["tokenizer"])
-    with open(os.path.join(a.out, "training.json"), "w") as fh:
-        json.dump({"steps": ck["state"]["step"], "tokens": ck["state"]["tokens"], "stages": ck["state"]["stages"],
-                   "history": ck["state"]["history"]}, fh, indent=1)
-    log(f"exported {total / 1e6:.1f} MB in {shards} file(s) ({a.dtype}) -> {a.out}")
+    export_run(a.run, model, ck["state"], a.out, a.dtype, a.shard_mb)
 
 
 def main(argv=None):
@@ -531,7 +644,10 @@ def main(argv=None):
                    help="sdar: block diffusion (the default); llada: bidirectional, for BA-Att's full canvases")
     s = sub.add_parser("train", help="one stage of the curriculum; resumes from the run's checkpoint")
     s.add_argument("--run", required=True)
-    s.add_argument("--stage", type=int, required=True)
+    s.add_argument("--stage", type=int, help="the curriculum stage to train (or --plan)")
+    s.add_argument("--plan", help="several stages in one process, e.g. 1:3,2:3,3:4,4:9 (stage:minutes)")
+    s.add_argument("--export", help="export the model to this directory after every stage (as `export --out`)")
+    s.add_argument("--export-dtype", choices=["bf16", "f32"], default="bf16")
     s.add_argument("--minutes", type=float, default=0, help="wall-clock budget of this stage (0: --steps only)")
     s.add_argument("--steps", type=int, default=0, help="step budget (0: --minutes only)")
     s.add_argument("--lengths", help="override the stage's lengths, e.g. 256,512")
@@ -550,6 +666,7 @@ def main(argv=None):
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--save-minutes", type=float, default=2)
     s.add_argument("--log-seconds", type=float, default=20)
+    s.add_argument("--shard-mb", type=int, default=16)
     s.add_argument("--sparsa")
     e = sub.add_parser("export", help="the engine's Hugging Face directory")
     e.add_argument("--run", required=True)

@@ -255,6 +255,21 @@ def test_bad_plans_are_usage_errors(run_dir, sparsa_bin, args, message):
         T.main(["train", "--run", run_dir, "--sparsa", sparsa_bin, "--device", "cpu"] + args)
 
 
+def test_stage_zero_trains_retrieval_on_the_answers_only(run_dir, sparsa_bin, capsys):
+    """Stage 0's own tasks (the NIAH family) and no noisy prompt blocks, unless the flags say
+    otherwise; every masked token of its batches is then an answer token."""
+    T.main(["train", "--run", run_dir, "--stage", "0", "--steps", "1", "--batch-tokens", "2048", "--device", "cpu",
+            "--val-samples", "1", "--gen-threads", "1", "--chunk", "1", "--sparsa", sparsa_bin, "--log-seconds", "0"])
+    assert "tasks niah, 0 noisy prompt blocks" in capsys.readouterr().out
+    c = T.load_run(run_dir)
+    gen = torch.Generator().manual_seed(9)
+    prompt, target = list(range(5, 300)), [7, 8, 9, c.eos_id]
+    batch, _ = T.build_batch([(256, prompt, target, 128)], c, 0, gen)
+    copies = batch["copy"][0]
+    blocks = set(batch["blk"][0][copies >= 0].tolist())
+    assert blocks == {len(prompt) // c.block_size}  # the answer's block alone
+
+
 def test_plan_trains_stages_in_one_process_and_exports_after_each(sparsa_bin, tmp_path_factory, capsys):
     run = str(tmp_path_factory.mktemp("run_plan"))
     T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--samples", "2", "--dim", "32",

@@ -46,9 +46,17 @@ from sdar_torch import Sdar, SdarConfig, export_hf, flex_attention_fn, sdpa_atte
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 
 # The curriculum: each stage's generator lengths (samples of every length in equal numbers, so
-# the shorter ones keep what earlier stages taught) and learning rate. Each fits in a few
-# minutes of one H200; docs/eval.md gives the command sequence.
+# the shorter ones keep what earlier stages taught), learning rate, and optionally its tasks and
+# noisy prompt blocks (defaults: --tasks, --prompt-blocks). Each fits in a few minutes of one
+# H200; docs/eval.md gives the command sequence.
+#
+# Stage 0 is a retrieval warm-up: the NIAH family only, at 256 and 512 tokens, with the whole
+# loss on the answers (no noisy prompt blocks). The first H200 run started at stage 1 (all
+# tasks, 512/1K) and after 1507 steps (99M tokens, stages 1-3) answered no needle, even at 1K:
+# each answer is ~7 of a sample's 48 masked tokens and one per sample, so at long lengths the
+# retrieval signal per step is small; short samples give it many times per step.
 STAGES = {
+    0: {"lengths": [256, 512], "lr": 2e-3, "warmup": 200, "tasks": "niah", "prompt_blocks": 0},
     1: {"lengths": [512, 1024], "lr": 1.5e-3, "warmup": 300},
     2: {"lengths": [1024, 2048], "lr": 1.2e-3, "warmup": 100},
     3: {"lengths": [1024, 2048, 4096], "lr": 1e-3, "warmup": 100},
@@ -344,7 +352,8 @@ def cmd_tokenizer(a):
 
 def cmd_stages(a):
     for n, s in STAGES.items():
-        print(f"stage {n}: lengths {','.join(map(str, s['lengths']))}  lr {s['lr']}  warmup {s['warmup']}")
+        print(f"stage {n}: lengths {','.join(map(str, s['lengths']))}  lr {s['lr']}  warmup {s['warmup']}  "
+              f"tasks {s.get('tasks', 'all')}  noisy prompt blocks {s.get('prompt_blocks', 2)}")
 
 
 def parse_plan(a):
@@ -444,17 +453,19 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                 steps):
     for g_ in opt.param_groups:
         g_["lr"] = stage["lr"]
+    tasks = a.tasks or stage.get("tasks", "all")
+    prompt_blocks = a.prompt_blocks if a.prompt_blocks is not None else stage.get("prompt_blocks", 2)
     step0 = state["step"]
     gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
     seed0 = TRAIN_SEED_BASE + 10_000 * stage_no + step0  # fresh data on every resume
-    stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], a.tasks, seed0, a.chunk, a.gen_threads)
+    stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads)
     # Fixed shapes per length bucket: batch rows and sequence length.
-    nb = noisy_budget(c, a.prompt_blocks) if c.arch == "sdar" else 2 * LLADA_BLOCK
+    nb = noisy_budget(c, prompt_blocks) if c.arch == "sdar" else 2 * LLADA_BLOCK
     buckets = {L: {"rows": max(1, a.batch_tokens // (L + nb)), "seq": -(-(L + nb) // 128) * 128, "items": []}
                for L in stage["lengths"]}
     val = None
     if a.val_samples > 0:
-        rows = ruler_generate(sparsa, a.tasks, stage["lengths"], a.val_samples, 900_000 + stage_no, f["tokenizer"],
+        rows = ruler_generate(sparsa, tasks, stage["lengths"], a.val_samples, 900_000 + stage_no, f["tokenizer"],
                               a.gen_threads)
         val = stream.tokenize(rows)
 
@@ -463,7 +474,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         for L in stage["lengths"]:
             items = [v for v in val if v[0] == L]
             for i in range(0, len(items), buckets[L]["rows"]):
-                batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, a.prompt_blocks, g, buckets[L]["seq"])
+                batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, prompt_blocks, g, buckets[L]["seq"])
                 yield L, pad_rows(batch, buckets[L]["rows"]), total
 
     def validate():
@@ -502,7 +513,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     budget_s = minutes * 60 if minutes else float("inf")
     max_steps = steps or (1 << 62)
     losses, ces = [], []
-    log(f"stage {stage_no}: lengths {stage['lengths']}, {attention} attention on {device}, "
+    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks}, {prompt_blocks} noisy prompt blocks, {attention} attention on {device}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"budget {minutes or '-'} min / {steps or '-'} steps")
     model.train()
@@ -520,7 +531,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                 bk["items"].append(item)
                 if len(bk["items"]) >= bk["rows"]:
                     items, bk["items"] = bk["items"], []
-                    batch, total = make_batch(items, c, a.prompt_blocks, gen, bk["seq"])
+                    batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"])
                     if device.type == "cuda":
                         batch = {k: v.pin_memory() for k, v in batch.items()}
                     while not stream.stop:
@@ -653,9 +664,10 @@ def main(argv=None):
     s.add_argument("--lengths", help="override the stage's lengths, e.g. 256,512")
     s.add_argument("--lr", type=float, default=0, help="peak learning rate (0: the stage's)")
     s.add_argument("--warmup", type=int, default=0, help="warm-up steps (0: the stage's)")
-    s.add_argument("--tasks", default="all")
+    s.add_argument("--tasks", help="generator tasks or families (default: the stage's, else all)")
     s.add_argument("--batch-tokens", type=int, default=65536)
-    s.add_argument("--prompt-blocks", type=int, default=2, help="noisy prompt blocks per sample (LM loss)")
+    s.add_argument("--prompt-blocks", type=int,
+                   help="noisy prompt blocks per sample (LM loss; default: the stage's, else 2)")
     s.add_argument("--chunk", type=int, default=32, help="samples per task and length per generator call")
     s.add_argument("--gen-threads", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     s.add_argument("--val-samples", type=int, default=8)

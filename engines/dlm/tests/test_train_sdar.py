@@ -207,6 +207,18 @@ def test_export_command_writes_the_training_record(trained, tmp_path):
     assert (out / "tokenizer.json").exists()
 
 
+def test_norm_gains_are_not_decayed():
+    c = S.SdarConfig(vocab_size=50, dim=32, layers=2, heads=2, kv_heads=1, head_dim=16, hidden=48, block_size=16,
+                     max_len=256, rope_theta=1e4, mask_id=1, eos_id=0)
+    model = S.Sdar(c)
+    decay, rest = T.param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in rest["params"]} == {n for n, _ in model.named_parameters() if "norm" in n}
+    assert len(decay["params"]) + len(rest["params"]) == len(list(model.parameters()))
+    assert any("q_norm" in names[id(p)] for p in rest["params"])
+
+
 def test_export_refuses_a_directory_that_is_not_an_export(trained, tmp_path):
     """--out replaces an earlier export whole (written beside it, then renamed), and never a
     directory of something else."""

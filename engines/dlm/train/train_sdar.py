@@ -409,6 +409,16 @@ def pad_rows(batch, rows):
     return out
 
 
+def param_groups(model, weight_decay):
+    """AdamW's groups: weight decay on the matrices (projections, embedding = tied head), none on
+    the RMSNorm gains. Decay pulls the q/k norm gains toward 0, and with QK-norm those gains
+    bound every attention logit (|q.k| / sqrt(d) <= sqrt(d) g_q g_k): the sharp attention that
+    retrieving one needle among thousands of tokens needs would be held back."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
 def cmd_train(a):
     c = load_run(a.run)
     f = run_files(a.run)
@@ -421,12 +431,16 @@ def cmd_train(a):
     attention = a.attention or ("flex" if device.type == "cuda" else "sdpa")
     torch.manual_seed(a.seed)
     model = Sdar(c).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=plan[0][1]["lr"], betas=(0.9, 0.95), weight_decay=0.1,
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=plan[0][1]["lr"], betas=(0.9, 0.95),
                             fused=device.type == "cuda")
     state = {"step": 0, "tokens": 0, "stages": [], "history": []}
     if os.path.exists(f["ckpt"]):
         ck = torch.load(f["ckpt"], map_location=device, weights_only=False)
         model.load_state_dict(ck["model"])
+        if len(ck["opt"]["param_groups"]) != len(opt.param_groups):
+            sys.exit(f"train_sdar: {f['ckpt']}: its optimizer has {len(ck['opt']['param_groups'])} parameter "
+                     f"group(s), this version {len(opt.param_groups)} (matrices decayed, norm gains not); "
+                     "start a new run")
         opt.load_state_dict(ck["opt"])
         state = ck["state"]
         log(f"resumed {f['ckpt']} at step {state['step']}")

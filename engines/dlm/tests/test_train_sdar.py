@@ -272,7 +272,7 @@ def test_stage_zero_trains_retrieval_on_the_answers_only(run_dir, sparsa_bin, ca
     otherwise; every masked token of its batches is then an answer token."""
     T.main(["train", "--run", run_dir, "--stage", "0", "--steps", "1", "--batch-tokens", "2048", "--device", "cpu",
             "--val-samples", "1", "--gen-threads", "1", "--chunk", "1", "--sparsa", sparsa_bin, "--log-seconds", "0"])
-    assert "tasks niah, 0 noisy prompt blocks" in capsys.readouterr().out
+    assert "tasks niah (50% copy), 0 noisy prompt blocks" in capsys.readouterr().out
     c = T.load_run(run_dir)
     gen = torch.Generator().manual_seed(9)
     prompt, target = list(range(5, 300)), [7, 8, 9, c.eos_id]
@@ -280,6 +280,23 @@ def test_stage_zero_trains_retrieval_on_the_answers_only(run_dir, sparsa_bin, ca
     copies = batch["copy"][0]
     blocks = set(batch["blk"][0][copies >= 0].tolist())
     assert blocks == {len(prompt) // c.block_size}  # the answer's block alone
+
+
+def test_copy_samples_repeat_their_prompt(run_dir, sparsa_bin):
+    import random
+    rng = random.Random(1)
+    for L in (64, 256, 4096):
+        length, prompt, target, gen_tokens = T.copy_item(L, rng, 400, 0)
+        assert length == L and 16 <= len(prompt) <= max(16, min(96, L // 2))
+        assert target == prompt + [0] and gen_tokens == len(target)
+        assert min(prompt) >= len(T.SPECIALS) and max(prompt) < 400  # never EOS or mask
+    f = T.run_files(run_dir)
+    stream = T.TaskStream(sparsa_bin, f["tokenizer"], [512], TASKS, 5, 2, 1, copy_frac=1.0)
+    try:
+        items = [stream.get() for _ in range(4)]
+    finally:
+        stream.stop = True
+    assert all(it[2] == it[1] + [stream.eos] for it in items)
 
 
 def test_plan_trains_stages_in_one_process_and_exports_after_each(sparsa_bin, tmp_path_factory, capsys):

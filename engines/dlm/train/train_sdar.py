@@ -56,7 +56,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 # each answer is ~7 of a sample's 48 masked tokens and one per sample, so at long lengths the
 # retrieval signal per step is small; short samples give it many times per step.
 STAGES = {
-    0: {"lengths": [256, 512], "lr": 2e-3, "warmup": 200, "tasks": "niah", "prompt_blocks": 0},
+    0: {"lengths": [256, 512], "lr": 2e-3, "warmup": 200, "tasks": "niah", "prompt_blocks": 0, "copy": 0.5},
     1: {"lengths": [512, 1024], "lr": 1.5e-3, "warmup": 300},
     2: {"lengths": [1024, 2048], "lr": 1.2e-3, "warmup": 100},
     3: {"lengths": [1024, 2048, 4096], "lr": 1e-3, "warmup": 100},
@@ -116,13 +116,24 @@ def train_tokenizer(sparsa, out_path, vocab_size, seed=TRAIN_SEED_BASE - 1, samp
 
 # ---------------------------------------------------------------- data
 
+def copy_item(length, rng, vocab, eos):
+    """A synthetic copy sample for the retrieval warm-up: the prompt is 16-96 random tokens, the
+    answer the same tokens again. Every answer token is found by copying from the prompt, so the
+    loss is dense in the signal that builds copying (induction) heads; a needle task gives that
+    signal for its ~7 value tokens alone. Same tuple as TaskStream.tokenize's items."""
+    n = rng.randint(16, max(16, min(96, length // 2)))
+    seq = [rng.randrange(len(SPECIALS), vocab) for _ in range(n)]
+    return (length, seq, seq + [eos], n + 1)
+
+
 class TaskStream:
     """Tokenized samples from `sparsa ruler generate`, produced by a background thread."""
 
-    def __init__(self, sparsa, tokenizer_path, lengths, tasks, seed0, chunk, threads, maxsize=4096):
+    def __init__(self, sparsa, tokenizer_path, lengths, tasks, seed0, chunk, threads, maxsize=4096, copy_frac=0.0):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.eos = self.tok.token_to_id(SPECIALS[0])
+        self.copy_frac = copy_frac
         self.args = (sparsa, tokenizer_path, lengths, tasks, chunk, threads)
         self.seed = seed0
         self.q = queue.Queue(maxsize=maxsize)
@@ -146,7 +157,11 @@ class TaskStream:
                                        "skipped them all)")
                 self.seed += 1
                 items = self.tokenize(rows)
-                random.Random(self.seed).shuffle(items)
+                rng = random.Random(self.seed)
+                if self.copy_frac > 0:
+                    items = [copy_item(it[0], rng, self.tok.get_vocab_size(), self.eos)
+                             if rng.random() < self.copy_frac else it for it in items]
+                rng.shuffle(items)
                 for it in items:
                     while not self.stop:
                         try:
@@ -472,7 +487,9 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     step0 = state["step"]
     gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
     seed0 = TRAIN_SEED_BASE + 10_000 * stage_no + step0  # fresh data on every resume
-    stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads)
+    copy_frac = a.copy_frac if a.copy_frac is not None else stage.get("copy", 0.0)
+    stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads,
+                        copy_frac=copy_frac)
     # Fixed shapes per length bucket: batch rows and sequence length.
     nb = noisy_budget(c, prompt_blocks) if c.arch == "sdar" else 2 * LLADA_BLOCK
     buckets = {L: {"rows": max(1, a.batch_tokens // (L + nb)), "seq": -(-(L + nb) // 128) * 128, "items": []}
@@ -527,7 +544,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     budget_s = minutes * 60 if minutes else float("inf")
     max_steps = steps or (1 << 62)
     losses, ces = [], []
-    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks}, {prompt_blocks} noisy prompt blocks, {attention} attention on {device}, "
+    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks} ({copy_frac:.0%} copy), {prompt_blocks} noisy prompt blocks, {attention} attention on {device}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"budget {minutes or '-'} min / {steps or '-'} steps")
     model.train()
@@ -682,6 +699,8 @@ def main(argv=None):
     s.add_argument("--batch-tokens", type=int, default=65536)
     s.add_argument("--prompt-blocks", type=int,
                    help="noisy prompt blocks per sample (LM loss; default: the stage's, else 2)")
+    s.add_argument("--copy-frac", type=float,
+                   help="share of samples replaced by synthetic copy samples (default: the stage's, else 0)")
     s.add_argument("--chunk", type=int, default=32, help="samples per task and length per generator call")
     s.add_argument("--gen-threads", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     s.add_argument("--val-samples", type=int, default=8)

@@ -219,6 +219,21 @@ def test_norm_gains_are_not_decayed():
     assert any("q_norm" in names[id(p)] for p in rest["params"])
 
 
+def test_qk_norm_gains_start_where_sharp_attention_is_reachable():
+    """The largest logit QK-norm allows, g_q·g_k·sqrt(d), starts at 2·ln(max_len)."""
+    import math
+    for hd, n in ((64, 16384), (32, 2048), (128, 8192)):
+        c = S.SdarConfig(vocab_size=50, dim=64, layers=1, heads=2, kv_heads=1, head_dim=hd, hidden=32, max_len=n)
+        layer = S.Sdar(c).layers[0]
+        g = layer.q_norm.weight
+        assert torch.all(g == layer.k_norm.weight) and torch.all(g == g[0])
+        assert abs(float(g[0]) ** 2 * math.sqrt(hd) - 2 * math.log(n)) < 1e-5
+        assert layer.input_layernorm.weight.eq(1).all()  # the other norms start at 1
+    llada = S.Sdar(S.SdarConfig(vocab_size=50, dim=64, layers=1, heads=2, kv_heads=1, head_dim=32, hidden=32,
+                                arch="llada"))
+    assert not hasattr(llada.layers[0], "q_norm")
+
+
 def test_export_refuses_a_directory_that_is_not_an_export(trained, tmp_path):
     """--out replaces an earlier export whole (written beside it, then renamed), and never a
     directory of something else."""

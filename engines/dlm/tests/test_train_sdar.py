@@ -287,7 +287,7 @@ def test_stage_zero_trains_retrieval_on_the_answers_only(run_dir, sparsa_bin, ca
     otherwise; every masked token of its batches is then an answer token."""
     T.main(["train", "--run", run_dir, "--stage", "0", "--steps", "1", "--batch-tokens", "2048", "--device", "cpu",
             "--val-samples", "1", "--gen-threads", "1", "--chunk", "1", "--sparsa", sparsa_bin, "--log-seconds", "0"])
-    assert "tasks niah (50% copy), 0 noisy prompt blocks" in capsys.readouterr().out
+    assert "tasks niah (50% copy), 0 noisy prompt blocks, t ~ U(0.3, 0.8)" in capsys.readouterr().out
     c = T.load_run(run_dir)
     gen = torch.Generator().manual_seed(9)
     prompt, target = list(range(5, 300)), [7, 8, 9, c.eos_id]
@@ -312,6 +312,25 @@ def test_copy_samples_repeat_their_prompt(run_dir, sparsa_bin):
     finally:
         stream.stop = True
     assert all(it[2] == it[1] + [stream.eos] for it in items)
+
+
+def test_mask_rates_follow_the_range(run_dir):
+    c = T.load_run(run_dir)
+    gen = torch.Generator().manual_seed(10)
+    items = [(2048, list(range(5, 600)), list(range(7, 140)) + [c.eos_id], 140)] * 8
+    batch, _ = T.build_batch(items, c, 2, gen, t_range=(0.5, 0.5))
+    w = batch["weights"][batch["labels"] != -100]
+    assert torch.all(w == 2.0)  # 1/t with t = 0.5 exactly
+    noisy = (batch["copy"] >= 0) & (batch["copy"] < 10**6)
+    frac = float((batch["labels"] != -100).sum()) / float(noisy.sum())
+    assert 0.4 < frac < 0.6, frac  # ~1400 maskable tokens at p = 0.5 (less the clean prompt tail)
+    batch, _ = T.build_batch(items, c, 2, gen, t_range=(0.3, 0.8))
+    w = batch["weights"][batch["labels"] != -100]
+    assert float(w.min()) >= 1 / 0.8 - 1e-6 and float(w.max()) <= 1 / 0.3 + 1e-6
+    for bad in ("0,0.5", "0.5", "0.8,0.3", "a,b", "0.2,1.5"):
+        with pytest.raises(Exception, match="LO"):
+            T.mask_rates_arg(bad)
+    assert T.mask_rates_arg("0.3,0.8") == (0.3, 0.8)
 
 
 def test_plan_trains_stages_in_one_process_and_exports_after_each(sparsa_bin, tmp_path_factory, capsys):

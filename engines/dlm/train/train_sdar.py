@@ -54,9 +54,13 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 # loss on the answers (no noisy prompt blocks). The first H200 run started at stage 1 (all
 # tasks, 512/1K) and after 1507 steps (99M tokens, stages 1-3) answered no needle, even at 1K:
 # each answer is ~7 of a sample's 48 masked tokens and one per sample, so at long lengths the
-# retrieval signal per step is small; short samples give it many times per step.
+# retrieval signal per step is small; short samples give it many times per step. Stage 0 also
+# replaces half its samples by copy samples (copy_item) and clips the masking rate to
+# U(0.3, 0.8): the 1/t weights of rates near 0 make the ELBO's gradient noisy (BD3-LM's
+# argument for clipped schedules; this range is our choice, not yet measured).
 STAGES = {
-    0: {"lengths": [256, 512], "lr": 2e-3, "warmup": 200, "tasks": "niah", "prompt_blocks": 0, "copy": 0.5},
+    0: {"lengths": [256, 512], "lr": 2e-3, "warmup": 200, "tasks": "niah", "prompt_blocks": 0, "copy": 0.5,
+        "t_range": (0.3, 0.8)},
     1: {"lengths": [512, 1024], "lr": 1.5e-3, "warmup": 300},
     2: {"lengths": [1024, 2048], "lr": 1.2e-3, "warmup": 100},
     3: {"lengths": [1024, 2048, 4096], "lr": 1e-3, "warmup": 100},
@@ -188,7 +192,17 @@ def noisy_budget(c: SdarConfig, prompt_blocks):
     return c.block_size * (prompt_blocks + -(-160 // c.block_size))
 
 
-def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_len=None):
+def mask_rate(gen, t_range):
+    """t ~ U(lo, hi): the masking rate of one noisy block (its tokens masked with probability t,
+    their loss weighted 1/t)."""
+    lo, hi = t_range
+    return lo + (hi - lo) * float(torch.rand((), generator=gen))
+
+
+FULL_T = (1e-3, 1.0)  # MDLM's whole range (t = 0 excluded: its 1/t weight)
+
+
+def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_len=None, t_range=FULL_T):
     """Two-stream sequences [B, N]: ids, positions, block ids, copy ids (-1 clean), labels
     (-100 where no loss), weights (1/t). N = seq_len (fixed shapes for torch.compile) or the
     batch's own maximum. Returns tensors and the token count the loss is averaged over."""
@@ -212,7 +226,7 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
         eligible = 0
         for j, (b, lo) in enumerate(blocks):
             hi = (b + 1) * Bsz
-            t = float(torch.rand((), generator=gen)) * (1 - 1e-3) + 1e-3
+            t = mask_rate(gen, t_range)
             m = (torch.rand(hi - lo, generator=gen) < t).tolist()
             if not any(m):
                 m[int(torch.randint(hi - lo, (1,), generator=gen))] = True
@@ -249,7 +263,7 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
 LLADA_BLOCK = 32  # eval-model's remask blocks: the answer region is gen_tokens rounded up to them
 
 
-def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None):
+def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, t_range=FULL_T):
     """Masked diffusion for a bidirectional (llada) model, as LLaDA's SFT: the canvas is the
     prompt then the answer region (target + EOS, EOS-padded to gen_tokens rounded up to 32
     tokens, what the remask loop decodes), the region masked at one rate t ~ U(0, 1) per sample,
@@ -260,7 +274,7 @@ def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None):
     for _, prompt, target, gen_tokens in items:
         region = -(-gen_tokens // LLADA_BLOCK) * LLADA_BLOCK
         answer = (target + [c.eos_id] * region)[:region]
-        t = float(torch.rand((), generator=gen)) * (1 - 1e-3) + 1e-3
+        t = mask_rate(gen, t_range)
         m = (torch.rand(region, generator=gen) < t).tolist()
         if not any(m):
             m[int(torch.randint(region, (1,), generator=gen))] = True
@@ -285,10 +299,10 @@ def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None):
     return t, total
 
 
-def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None):
+def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None, t_range=FULL_T):
     if c.arch == "llada":
-        return build_batch_llada(items, c, gen, seq_len)
-    return build_batch(items, c, prompt_blocks, gen, seq_len)
+        return build_batch_llada(items, c, gen, seq_len, t_range)
+    return build_batch(items, c, prompt_blocks, gen, seq_len, t_range)
 
 
 def dense_mask(blk, copy):
@@ -369,6 +383,16 @@ def cmd_stages(a):
     for n, s in STAGES.items():
         print(f"stage {n}: lengths {','.join(map(str, s['lengths']))}  lr {s['lr']}  warmup {s['warmup']}  "
               f"tasks {s.get('tasks', 'all')}  noisy prompt blocks {s.get('prompt_blocks', 2)}")
+
+
+def mask_rates_arg(text):
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI, got '{text}'")
+    if not 0 < lo <= hi <= 1:
+        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI <= 1, got '{text}'")
+    return (lo, hi)
 
 
 def parse_plan(a):
@@ -488,6 +512,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
     seed0 = TRAIN_SEED_BASE + 10_000 * stage_no + step0  # fresh data on every resume
     copy_frac = a.copy_frac if a.copy_frac is not None else stage.get("copy", 0.0)
+    t_range = tuple(a.mask_rates) if a.mask_rates else stage.get("t_range", FULL_T)
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads,
                         copy_frac=copy_frac)
     # Fixed shapes per length bucket: batch rows and sequence length.
@@ -505,7 +530,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         for L in stage["lengths"]:
             items = [v for v in val if v[0] == L]
             for i in range(0, len(items), buckets[L]["rows"]):
-                batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, prompt_blocks, g, buckets[L]["seq"])
+                batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, prompt_blocks, g, buckets[L]["seq"],
+                                          t_range)
                 yield L, pad_rows(batch, buckets[L]["rows"]), total
 
     def validate():
@@ -544,7 +570,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     budget_s = minutes * 60 if minutes else float("inf")
     max_steps = steps or (1 << 62)
     losses, ces = [], []
-    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks} ({copy_frac:.0%} copy), {prompt_blocks} noisy prompt blocks, {attention} attention on {device}, "
+    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks} ({copy_frac:.0%} copy), {prompt_blocks} noisy prompt blocks, "
+        f"t ~ U({t_range[0]:g}, {t_range[1]:g}), {attention} attention on {device}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"budget {minutes or '-'} min / {steps or '-'} steps")
     model.train()
@@ -562,7 +589,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                 bk["items"].append(item)
                 if len(bk["items"]) >= bk["rows"]:
                     items, bk["items"] = bk["items"], []
-                    batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"])
+                    batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range)
                     if device.type == "cuda":
                         batch = {k: v.pin_memory() for k, v in batch.items()}
                     while not stream.stop:
@@ -699,6 +726,9 @@ def main(argv=None):
     s.add_argument("--batch-tokens", type=int, default=65536)
     s.add_argument("--prompt-blocks", type=int,
                    help="noisy prompt blocks per sample (LM loss; default: the stage's, else 2)")
+    s.add_argument("--mask-rates", type=mask_rates_arg, metavar="LO,HI",
+                   help="masking rates t ~ U(LO, HI) (default: the stage's, else 0.001,1): a clipped range "
+                        "lowers the ELBO's gradient variance (BD3-LM)")
     s.add_argument("--copy-frac", type=float,
                    help="share of samples replaced by synthetic copy samples (default: the stage's, else 0)")
     s.add_argument("--chunk", type=int, default=32, help="samples per task and length per generator call")

@@ -333,6 +333,20 @@ def test_mask_rates_follow_the_range(run_dir):
     assert T.mask_rates_arg("0.3,0.8") == (0.3, 0.8)
 
 
+def test_probe_reports_both_views_of_copy_and_needle_answers(trained, sparsa_bin, capsys):
+    capsys.readouterr()
+    T.main(["probe", "--run", trained, "--sparsa", sparsa_bin, "--samples", "2", "--length", "512", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert set(rep["kinds"]) == {"copy", "niah_single_1"}
+    for kind in rep["kinds"].values():
+        assert set(kind) == {"all", "one"}
+        assert all(v["tokens"] > 0 and np.isfinite(v["ce"]) and 0 <= v["accuracy"] <= 1 for v in kind.values())
+    # 30 steps on needles cannot copy 16-96 random tokens: at or above the uniform guess's CE
+    assert rep["kinds"]["copy"]["all"]["ce"] > 0.8 * rep["chance_ce"]
+    with pytest.raises(SystemExit, match="does not fit"):
+        T.main(["probe", "--run", trained, "--sparsa", sparsa_bin, "--task", "cwe", "--length", "64"])
+
+
 def test_plan_trains_stages_in_one_process_and_exports_after_each(sparsa_bin, tmp_path_factory, capsys):
     run = str(tmp_path_factory.mktemp("run_plan"))
     T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--samples", "2", "--dim", "32",

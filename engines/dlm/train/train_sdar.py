@@ -9,6 +9,7 @@ dependency only; the result is a Hugging Face directory that `sparsa generate` a
     train_sdar.py train --run RUN --plan 1:3,2:3 --export DIR  several stages in one process, exported after each
     train_sdar.py export --run RUN --out DIR           config.json + safetensors (+ shards) + tokenizer.json
     train_sdar.py stages                               the curriculum
+    train_sdar.py probe --run RUN                      does the model copy / retrieve yet (answer CE)
 
 The task text comes from the C++ generator through the CLI (one source of truth for the tasks):
 a background thread runs `sparsa ruler generate` on fresh seeds (from 1,000,000 up, far from
@@ -682,6 +683,69 @@ def copy_to_cpu(model):
     return m
 
 
+def answer_scores(model, items, c, one_positions):
+    """Cross-entropy and argmax accuracy of the answer tokens (the target without its EOS), in
+    two views: "all" masks the whole answer region (the block loop's first step), "one" masks a
+    single answer token with the others visible (the last step). A model that retrieves or copies
+    scores far below chance in both; one that only knows the answers' form stays at the tokens'
+    unigram in both, and one that copies only from its own block does better in "one"."""
+    out = {}
+    for mode in ("all", "one"):
+        ce = right = n = 0
+        for _, prompt, target, _ in items:
+            x0 = prompt + target
+            L = -(-len(x0) // c.block_size) * c.block_size
+            x0 = x0 + [c.eos_id] * (L - len(x0))
+            answer = list(range(len(prompt), len(prompt) + len(target) - 1))
+            if not answer:
+                continue
+            if mode == "all":
+                views = [(answer, [c.mask_id if q >= len(prompt) else t for q, t in enumerate(x0)])]
+            else:
+                step = max(1, len(answer) // one_positions)
+                views = [([j], [c.mask_id if q == j else t for q, t in enumerate(x0)]) for j in answer[::step]]
+            for scored, ids in views:
+                with torch.no_grad():
+                    logits = model.canvas_logits(ids).float()
+                for j in scored:
+                    ce += float(-torch.log_softmax(logits[j], -1)[x0[j]])
+                    right += int(int(logits[j].argmax()) == x0[j])
+                    n += 1
+        out[mode] = {"ce": ce / max(n, 1), "accuracy": right / max(n, 1), "tokens": n}
+    return out
+
+
+def cmd_probe(a):
+    """Does the run's model copy and retrieve yet? answer_scores on copy samples and on a
+    needle task, from the checkpoint, on the CPU (a minute at 256-512 tokens)."""
+    c = load_run(a.run)
+    f = run_files(a.run)
+    if not os.path.exists(f["ckpt"]):
+        sys.exit(f"train_sdar: {a.run}: no checkpoint to probe (train first)")
+    model = Sdar(c)
+    model.load_state_dict(torch.load(f["ckpt"], map_location="cpu", weights_only=False)["model"])
+    model.eval()
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(f["tokenizer"])
+    rng = random.Random(a.seed)
+    kinds = {"copy": [copy_item(a.length, rng, tok.get_vocab_size(), c.eos_id) for _ in range(a.samples)]}
+    rows = ruler_generate(find_sparsa(a.sparsa), a.task, [a.length], a.samples, a.seed, f["tokenizer"])
+    if not rows:
+        sys.exit(f"train_sdar: --task {a.task} does not fit {a.length} tokens")
+    eos = tok.token_to_id(SPECIALS[0])
+    kinds[a.task] = [(r["max_len"], tok.encode(r["input"], add_special_tokens=False).ids,
+                      tok.encode(r["target"], add_special_tokens=False).ids + [eos], r["gen_tokens"]) for r in rows]
+    report = {"run": a.run, "chance_ce": math.log(c.vocab_size), "length": a.length,
+              "kinds": {k: answer_scores(model, v, c, a.one_positions) for k, v in kinds.items()}}
+    if a.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"answer tokens of {a.run} at {a.length} tokens (chance CE {report['chance_ce']:.2f}):")
+    for k, r in report["kinds"].items():
+        for mode, v in r.items():
+            print(f"  {k:16s} {mode:3s}  CE {v['ce']:.3f}  argmax right {v['accuracy']:6.1%}  ({v['tokens']} tokens)")
+
+
 def cmd_export(a):
     c = load_run(a.run)
     f = run_files(a.run)
@@ -749,8 +813,18 @@ def main(argv=None):
     e.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     e.add_argument("--shard-mb", type=int, default=16)
     sub.add_parser("stages", help="print the curriculum")
+    q = sub.add_parser("probe", help="does the model copy and retrieve yet (answer tokens' CE, two views)")
+    q.add_argument("--run", required=True)
+    q.add_argument("--task", default="niah_single_1")
+    q.add_argument("--length", type=int, default=256)
+    q.add_argument("--samples", type=int, default=8)
+    q.add_argument("--one-positions", type=int, default=4, help="answer tokens scored one at a time per sample")
+    q.add_argument("--seed", type=int, default=5)
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--sparsa")
     a = p.parse_args(argv)
-    {"tokenizer": cmd_tokenizer, "train": cmd_train, "export": cmd_export, "stages": cmd_stages}[a.cmd](a)
+    {"tokenizer": cmd_tokenizer, "train": cmd_train, "export": cmd_export, "stages": cmd_stages,
+     "probe": cmd_probe}[a.cmd](a)
 
 
 if __name__ == "__main__":

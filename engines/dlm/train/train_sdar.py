@@ -193,6 +193,11 @@ def noisy_budget(c: SdarConfig, prompt_blocks):
     return c.block_size * (prompt_blocks + -(-160 // c.block_size))
 
 
+# Copy ids from here up mark padding tokens: each is its own singleton copy, so it sees only
+# itself and nothing sees it (build_batch, build_batch_llada, pad_rows).
+PAD_COPY = 10**6
+
+
 def mask_rate(gen, t_range):
     """t ~ U(lo, hi): the masking rate of one noisy block (its tokens masked with probability t,
     their loss weighted 1/t)."""
@@ -253,7 +258,7 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
         out["ids"].append(ids + [c.eos_id] * pad)
         out["pos"].append(pos + [0] * pad)
         out["blk"].append(blk + [0] * pad)
-        out["copy"].append(copy + list(range(10**6, 10**6 + pad)))
+        out["copy"].append(copy + list(range(PAD_COPY, PAD_COPY + pad)))
         out["labels"].append(labels + [-100] * pad)
         out["weights"].append(weights + [0.0] * pad)
         total += eligible
@@ -293,7 +298,7 @@ def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, 
         out["ids"].append(ids + [c.eos_id] * pad)
         out["pos"].append(list(range(n)) + [0] * pad)
         out["blk"].append([0] * N)
-        out["copy"].append([-1] * n + list(range(10**6, 10**6 + pad)))
+        out["copy"].append([-1] * n + list(range(PAD_COPY, PAD_COPY + pad)))
         out["labels"].append(labels + [-100] * pad)
         out["weights"].append(weights + [0.0] * pad)
     t = {k: torch.tensor(v, dtype=torch.float32 if k == "weights" else torch.long) for k, v in out.items()}
@@ -383,7 +388,8 @@ def cmd_tokenizer(a):
 def cmd_stages(a):
     for n, s in STAGES.items():
         print(f"stage {n}: lengths {','.join(map(str, s['lengths']))}  lr {s['lr']}  warmup {s['warmup']}  "
-              f"tasks {s.get('tasks', 'all')}  noisy prompt blocks {s.get('prompt_blocks', 2)}")
+              f"tasks {s.get('tasks', 'all')}  noisy prompt blocks {s.get('prompt_blocks', 2)}  "
+              f"copy samples {s.get('copy', 0.0):.0%}  t ~ U{s.get('t_range', FULL_T)}")
 
 
 def mask_rates_arg(text):
@@ -442,7 +448,7 @@ def pad_rows(batch, rows):
     out = {}
     for k, v in batch.items():
         if k == "copy":
-            pad = (10**6 + torch.arange(N, dtype=v.dtype)).expand(extra, N)
+            pad = (PAD_COPY + torch.arange(N, dtype=v.dtype)).expand(extra, N)
         else:
             pad = torch.full((extra, N), fill[k], dtype=v.dtype)
         out[k] = torch.cat([v, pad])
@@ -667,7 +673,7 @@ def export_run(run, model, state, out, dtype, shard_mb):
                  "give a new or empty directory")
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    src = copy_to_cpu(model)
+    src = model if next(model.parameters()).device.type == "cpu" else copy_to_cpu(model)
     total, shards = export_hf(src, tmp, dtype, shard_mb * 1024 * 1024, run_files(run)["tokenizer"])
     with open(os.path.join(tmp, "training.json"), "w") as fh:
         json.dump({"steps": state["step"], "tokens": state["tokens"], "stages": state["stages"],

@@ -313,7 +313,7 @@ def test_copy_samples_repeat_their_prompt(run_dir, sparsa_bin):
     try:
         items = [stream.get() for _ in range(4)]
     finally:
-        stream.stop = True
+        stream.close()
     assert all(it[2] == it[1] + [stream.eos] for it in items)
 
 
@@ -348,6 +348,23 @@ def test_probe_reports_both_views_of_copy_and_needle_answers(trained, sparsa_bin
     assert rep["kinds"]["copy"]["all"]["ce"] > 0.8 * rep["chance_ce"]
     with pytest.raises(SystemExit, match="does not fit"):
         T.main(["probe", "--run", trained, "--sparsa", sparsa_bin, "--task", "cwe", "--length", "64"])
+
+
+def test_probe_reads_an_exports_weights(trained, sparsa_bin, capsys, tmp_path):
+    """--weights: the same probe on an export (f32: the very weights) gives the checkpoint's numbers."""
+    out = tmp_path / "exported"
+    T.main(["export", "--run", trained, "--out", str(out), "--dtype", "f32"])
+    args = ["probe", "--run", trained, "--sparsa", sparsa_bin, "--samples", "2", "--length", "512", "--json"]
+    capsys.readouterr()
+    T.main(args)
+    want = json.loads(capsys.readouterr().out)["kinds"]
+    T.main(args + ["--weights", str(out)])
+    got = json.loads(capsys.readouterr().out)["kinds"]
+    for kind in want:
+        for view in want[kind]:
+            assert abs(got[kind][view]["ce"] - want[kind][view]["ce"]) < 1e-4 * max(1.0, want[kind][view]["ce"])
+    with pytest.raises(SystemExit, match="--weights: .*No such file"):
+        T.main(args + ["--weights", str(tmp_path / "nowhere")])
 
 
 def test_plan_trains_stages_in_one_process_and_exports_after_each(sparsa_bin, tmp_path_factory, capsys):
@@ -396,3 +413,49 @@ def test_cuda_flex_training_path(trained, sparsa_bin, tmp_path):
     with open(run / "log.jsonl") as f:
         last = [json.loads(line) for line in f][-1]
     assert last["steps"] == 5 and all(np.isfinite(last["losses"]))
+
+
+@pytest.mark.parametrize("dtype,shard_bytes", [("f32", 120_000), ("bf16", 16 << 20)])
+def test_import_reads_back_what_export_wrote(trained, tmp_path, dtype, shard_bytes):
+    model = load_model(trained)
+    out = tmp_path / "model"
+    S.export_hf(model, str(out), dtype, shard_bytes)
+    fresh = S.Sdar(model.c)
+    S.import_hf(fresh, str(out))
+    for (name, want), (_, got) in zip(S.hf_tensors(model), S.hf_tensors(fresh)):
+        want = want.detach().to(torch.bfloat16).float() if dtype == "bf16" else want.detach()
+        assert torch.equal(got.detach(), want), name
+    # a malformed or mismatched export is an error naming the file and tensor, not a crash
+    shard = sorted(p for p in out.iterdir() if p.suffix == ".safetensors")[0]
+    shard.write_bytes(shard.read_bytes()[:4])
+    with pytest.raises(ValueError, match="too short"):
+        S.import_hf(fresh, str(out))
+    other = S.Sdar(S.SdarConfig(**{**model.c.__dict__, "hidden": model.c.hidden + 16}))
+    out2 = tmp_path / "model2"
+    S.export_hf(model, str(out2), dtype)
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight: shape"):
+        S.import_hf(other, str(out2))
+
+
+def test_train_init_continues_from_an_export(trained, sparsa_bin, tmp_path, capsys):
+    """--init: a new run starts from an export's weights (what comes back from a lost machine)
+    and carries its training record on: steps count from the export's."""
+    out = tmp_path / "exported"
+    T.main(["export", "--run", trained, "--out", str(out), "--dtype", "f32"])
+    steps0 = json.loads((out / "training.json").read_text())["steps"]
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("run.json", "tokenizer.json"):
+        (run / name).write_bytes(open(os.path.join(trained, name), "rb").read())
+    T.main(["train", "--run", str(run), "--init", str(out), "--stage", "1", "--lengths", "512", "--tasks", TASKS,
+            "--steps", "1", "--batch-tokens", "2048", "--device", "cpu", "--attention", "sdpa", "--val-samples", "0",
+            "--gen-threads", "1", "--chunk", "4", "--sparsa", sparsa_bin, "--log-seconds", "0"])
+    assert f"initialised from the export {out} at step {steps0}" in capsys.readouterr().out
+    ck = torch.load(run / "ckpt.pt", weights_only=False)
+    assert ck["state"]["step"] == steps0 + 1
+    run2 = tmp_path / "run2"
+    run2.mkdir()
+    (run2 / "run.json").write_bytes((run / "run.json").read_bytes())
+    with pytest.raises(SystemExit, match="--init: .*No such file"):
+        T.main(["train", "--run", str(run2), "--init", str(tmp_path / "nowhere"), "--stage", "1",
+                "--steps", "1", "--device", "cpu", "--sparsa", sparsa_bin])

@@ -252,6 +252,53 @@ def write_safetensors(path, entries):
             f.write(data)
 
 
+def read_safetensors(path):
+    """{name: tensor} of one safetensors file (BF16, F16 or F32), the inverse of write_safetensors."""
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 8:
+        raise ValueError(f"{path}: too short for a safetensors header")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > len(raw) - 8:
+        raise ValueError(f"{path}: header length {n} exceeds the file")
+    header = json.loads(raw[8:8 + n])
+    base, out = 8 + n, {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        if e.get("dtype") not in dtypes:
+            raise ValueError(f"{path}: {name}: dtype {e.get('dtype')} (expected BF16, F16 or F32)")
+        lo, hi = e["data_offsets"]
+        if not 0 <= lo <= hi <= len(raw) - base:
+            raise ValueError(f"{path}: {name}: data_offsets {lo}..{hi} outside the file")
+        t = torch.frombuffer(bytearray(raw[base + lo:base + hi]), dtype=dtypes[e["dtype"]])
+        out[name] = t.reshape(e["shape"]).clone()
+    return out
+
+
+def import_hf(model: Sdar, out_dir):
+    """Loads an export_hf directory's weights into `model` (same names, any stored dtype): the
+    inverse of export_hf, so training can continue from a shipped or exported model."""
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        tensors.update(read_safetensors(os.path.join(out_dir, name)))
+    for name, p in hf_tensors(model):
+        if name not in tensors:
+            raise ValueError(f"{out_dir}: no tensor {name}")
+        if tuple(tensors[name].shape) != tuple(p.shape):
+            raise ValueError(f"{out_dir}: {name}: shape {tuple(tensors[name].shape)}, the model's {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensors[name].to(p.dtype))
+    return model
+
+
 def export_hf(model: Sdar, out_dir, dtype="bf16", shard_bytes=16 * 1024 * 1024, tokenizer_json=None, extra=None):
     """config.json, model.safetensors (or shards of at most shard_bytes each, with
     model.safetensors.index.json when the weights exceed it) and tokenizer.json."""

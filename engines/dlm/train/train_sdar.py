@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdar_torch import Sdar, SdarConfig, export_hf, flex_attention_fn, sdpa_attention  # noqa: E402
+from sdar_torch import Sdar, SdarConfig, export_hf, flex_attention_fn, import_hf, sdpa_attention  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 
@@ -178,13 +178,21 @@ class TaskStream:
             self.error = e
 
     def get(self):
-        while True:
+        """The next sample, or None once stopped."""
+        while not self.stop:
             if self.error:
                 raise self.error
             try:
                 return self.q.get(timeout=1)
             except queue.Empty:
                 pass
+        return None
+
+    def close(self):
+        """Stops the producer and waits for it (a thread left inside torch or a subprocess at
+        interpreter exit aborts the process)."""
+        self.stop = True
+        self.thread.join(timeout=120)
 
 
 def noisy_budget(c: SdarConfig, prompt_blocks):
@@ -490,6 +498,21 @@ def cmd_train(a):
         opt.load_state_dict(ck["opt"])
         state = ck["state"]
         log(f"resumed {f['ckpt']} at step {state['step']}")
+    elif a.init:
+        # Weights from an export (a lost machine keeps what came back: the export, not the
+        # checkpoint with its optimizer state); AdamW's moments start anew, the record carries on.
+        try:
+            import_hf(model, a.init)
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"train_sdar: --init: {e}")
+        rec = os.path.join(a.init, "training.json")
+        if os.path.exists(rec):
+            with open(rec) as fh:
+                r = json.load(fh)
+            state.update({k: r[k] for k in ("step", "tokens", "stages", "history") if k in r})
+            if "steps" in r:
+                state["step"] = r["steps"]
+        log(f"initialised from the export {a.init} at step {state['step']} (new optimizer state)")
     compiled_flex = None
     if device.type == "cuda" and attention == "flex":
         import torch._dynamo as dynamo
@@ -592,6 +615,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         try:
             while not stream.stop:
                 item = stream.get()
+                if item is None:
+                    break
                 bk = buckets[item[0]]
                 bk["items"].append(item)
                 if len(bk["items"]) >= bk["rows"]:
@@ -608,7 +633,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         except Exception as e:  # reported by the training loop
             batches.put(e)
 
-    threading.Thread(target=make_batches, daemon=True).start()
+    batcher = threading.Thread(target=make_batches, daemon=True)
+    batcher.start()
     waited = 0.0  # seconds the loop spent waiting for batches: the data side's share
     tokens_at_log = state["tokens"]
     while done < max_steps and time.time() - start < budget_s:
@@ -650,7 +676,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         if now - last_save >= a.save_minutes * 60:
             save_ckpt(a.run, model, opt, state)
             last_save = now
-    stream.stop = True
+    stream.close()
+    batcher.join(timeout=120)
     v = validate()
     state["stages"].append({"stage": stage_no, "lengths": stage["lengths"], "steps": done, "val_loss": v,
                             "seconds": time.time() - start})
@@ -726,10 +753,16 @@ def cmd_probe(a):
     needle task, from the checkpoint, on the CPU (a minute at 256-512 tokens)."""
     c = load_run(a.run)
     f = run_files(a.run)
-    if not os.path.exists(f["ckpt"]):
-        sys.exit(f"train_sdar: {a.run}: no checkpoint to probe (train first)")
     model = Sdar(c)
-    model.load_state_dict(torch.load(f["ckpt"], map_location="cpu", weights_only=False)["model"])
+    if a.weights:  # an export's weights (what comes back from the GPU machine), the run's config and tokenizer
+        try:
+            import_hf(model, a.weights)
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"train_sdar: --weights: {e}")
+    elif not os.path.exists(f["ckpt"]):
+        sys.exit(f"train_sdar: {a.run}: no checkpoint to probe (train first, or give --weights EXPORT)")
+    else:
+        model.load_state_dict(torch.load(f["ckpt"], map_location="cpu", weights_only=False)["model"])
     model.eval()
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(f["tokenizer"])
@@ -786,6 +819,7 @@ def main(argv=None):
     s.add_argument("--stage", type=int, help="the curriculum stage to train (or --plan)")
     s.add_argument("--plan", help="several stages in one process, e.g. 1:3,2:3,3:4,4:9 (stage:minutes)")
     s.add_argument("--export", help="export the model to this directory after every stage (as `export --out`)")
+    s.add_argument("--init", help="start from an exported model's weights (when the run has no checkpoint)")
     s.add_argument("--export-dtype", choices=["bf16", "f32"], default="bf16")
     s.add_argument("--minutes", type=float, default=0, help="wall-clock budget of this stage (0: --steps only)")
     s.add_argument("--steps", type=int, default=0, help="step budget (0: --minutes only)")
@@ -821,6 +855,7 @@ def main(argv=None):
     sub.add_parser("stages", help="print the curriculum")
     q = sub.add_parser("probe", help="does the model copy and retrieve yet (answer tokens' CE, two views)")
     q.add_argument("--run", required=True)
+    q.add_argument("--weights", help="probe an export's weights (default: the run's checkpoint)")
     q.add_argument("--task", default="niah_single_1")
     q.add_argument("--length", type=int, default=256)
     q.add_argument("--samples", type=int, default=8)

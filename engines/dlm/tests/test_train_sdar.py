@@ -290,7 +290,8 @@ def test_stage_zero_trains_retrieval_on_the_answers_only(run_dir, sparsa_bin, ca
     shutil.copytree(run_dir, run)  # the module's run (and its checkpoint) stay as the other tests left them
     T.main(["train", "--run", run, "--stage", "0", "--steps", "1", "--batch-tokens", "2048", "--device", "cpu",
             "--val-samples", "1", "--gen-threads", "1", "--chunk", "1", "--sparsa", sparsa_bin, "--log-seconds", "0"])
-    assert "tasks niah (50% copy), 0 noisy prompt blocks, t ~ U(0.3, 0.8)" in capsys.readouterr().out
+    assert ("tasks niah (50% copy, 0% key-value), 0 noisy prompt blocks, 0% answer blocks wholly masked, "
+            "t ~ U(0.3, 0.8)") in capsys.readouterr().out
     c = T.load_run(run_dir)
     gen = torch.Generator().manual_seed(9)
     prompt, target = list(range(5, 300)), [7, 8, 9, c.eos_id]
@@ -459,3 +460,50 @@ def test_train_init_continues_from_an_export(trained, sparsa_bin, tmp_path, caps
     with pytest.raises(SystemExit, match="--init: .*No such file"):
         T.main(["train", "--run", str(run2), "--init", str(tmp_path / "nowhere"), "--stage", "1",
                 "--steps", "1", "--device", "cpu", "--sparsa", sparsa_bin])
+
+
+def test_key_value_samples_ask_back_what_the_prompt_lists(run_dir, sparsa_bin):
+    """kv_text: every answer line is a line of the prompt (its key listed once), at most 6 are
+    asked, and the tokenized sample fits its length bucket."""
+    import random
+    import re
+    from tokenizers import Tokenizer
+    f = T.run_files(run_dir)
+    tok = Tokenizer.from_file(f["tokenizer"])
+    rng = random.Random(3)
+    for L in (256, 512, 4096):
+        for _ in range(5):
+            prompt, answer = T.kv_text(L // 32, rng)
+            listed = re.findall(r"\n([a-z]+) is: ([0-9]{7})\.", prompt)
+            asked = re.findall(r"\n([a-z]+) is: ([0-9]{7})\.", answer)
+            assert len(listed) >= 2 and len({k for k, _ in listed}) == len(listed)
+            assert 1 <= len(asked) <= 6 and set(asked) <= set(listed)
+            assert answer == "".join(f"\n{k} is: {v}." for k, v in asked)
+            length, p, t, gen = T.kv_item(L, rng, tok, 0)
+            assert length == L and t[-1] == 0 and len(t) <= 129 and gen == 128
+            assert len(p) + len(t) <= L, (L, len(p), len(t))
+    stream = T.TaskStream(sparsa_bin, f["tokenizer"], [512], TASKS, 5, 2, 1, kv_frac=1.0)
+    try:
+        items = [stream.get() for _ in range(3)]
+    finally:
+        stream.close()
+    assert all("Recall them." in tok.decode(it[1]) for it in items)
+    with pytest.raises(ValueError, match="together <= 1"):
+        T.TaskStream(sparsa_bin, f["tokenizer"], [512], TASKS, 5, 2, 1, copy_frac=0.6, kv_frac=0.6)
+
+
+def test_full_mask_masks_whole_answer_blocks(run_dir):
+    c = T.load_run(run_dir)
+    prompt, target = list(range(5, 300)), list(range(10, 40)) + [c.eos_id]
+    item = [(512, prompt, target, 128)]
+    plain, _ = T.build_batch(item, c, 2, torch.Generator().manual_seed(4), t_range=(0.3, 0.5))
+    zero, _ = T.build_batch(item, c, 2, torch.Generator().manual_seed(4), t_range=(0.3, 0.5), full_mask=0.0)
+    assert all(torch.equal(plain[k], zero[k]) for k in plain)  # the default draws nothing more
+    full, _ = T.build_batch(item, c, 2, torch.Generator().manual_seed(4), t_range=(0.3, 0.5), full_mask=1.0)
+    noisy = full["copy"][0] >= 0
+    answer = noisy & (full["pos"][0] >= len(prompt)) & (full["blk"][0] >= len(prompt) // c.block_size)
+    assert bool((full["ids"][0][answer] == c.mask_id).all()) and int(answer.sum()) >= len(target)
+    assert torch.allclose(full["weights"][0][answer], torch.ones(int(answer.sum())))
+    prompt_blocks = noisy & (full["blk"][0] < len(prompt) // c.block_size)
+    assert int(prompt_blocks.sum()) == 2 * c.block_size
+    assert not bool((full["ids"][0][prompt_blocks] == c.mask_id).all())  # noisy prompt blocks keep t ~ U(0.3, 0.5)

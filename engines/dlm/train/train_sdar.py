@@ -131,14 +131,52 @@ def copy_item(length, rng, vocab, eos):
     return (length, seq, seq + [eos], n + 1)
 
 
+def kv_text(pairs, rng):
+    """The text of a key-value recall sample (an associative recall drill shaped like the needle
+    tasks): the prompt lists `pairs` lines "KEY is: 7 DIGITS." with random letter keys, then asks
+    for some of them back; the answer repeats up to 6 of those lines in another order. Each
+    answer value is found by matching its key in the prompt and reading the digits after it, the
+    circuit a needle question needs, but about 40 digits a sample instead of 7; and the keys
+    anchor the values, so unlike an unanchored copy sample the wholly masked answer is learnable."""
+    def key():
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7)))
+    listed, seen = [], set()
+    while len(listed) < max(2, pairs):
+        k = key()
+        if k not in seen:
+            seen.add(k)
+            listed.append((k, "".join(rng.choice("0123456789") for _ in range(7))))
+    asked = rng.sample(listed, min(6, len(listed)))
+    prompt = "Remember these numbers." + "".join(f"\n{k} is: {v}." for k, v in listed) + "\nRecall them."
+    return prompt, "".join(f"\n{k} is: {v}." for k, v in asked)
+
+
+def kv_item(length, rng, tok, eos):
+    """A kv_text sample tokenized to fit `length` tokens (prompt, answer and EOS; the answer
+    within the 128-token budget): the tuple of TaskStream.tokenize's items. The prompt starts
+    at length / 32 pairs (about half of `length` with the 4096-token BPE) and loses pairs
+    until the sample fits."""
+    pairs = max(2, length // 32)
+    while True:
+        prompt, answer = kv_text(pairs, rng)
+        p, t = tok.encode(prompt, add_special_tokens=False).ids, tok.encode(answer, add_special_tokens=False).ids
+        if (len(p) + len(t) + 1 <= length and len(t) <= 128) or pairs == 2:
+            return (length, p, t[:128] + [eos], 128)
+        pairs = max(2, pairs * 3 // 4)
+
+
 class TaskStream:
     """Tokenized samples from `sparsa ruler generate`, produced by a background thread."""
 
-    def __init__(self, sparsa, tokenizer_path, lengths, tasks, seed0, chunk, threads, maxsize=4096, copy_frac=0.0):
+    def __init__(self, sparsa, tokenizer_path, lengths, tasks, seed0, chunk, threads, maxsize=4096, copy_frac=0.0,
+                 kv_frac=0.0):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.eos = self.tok.token_to_id(SPECIALS[0])
         self.copy_frac = copy_frac
+        self.kv_frac = kv_frac
+        if copy_frac < 0 or kv_frac < 0 or copy_frac + kv_frac > 1:
+            raise ValueError(f"copy share {copy_frac} and key-value share {kv_frac}: each >= 0, together <= 1")
         self.args = (sparsa, tokenizer_path, lengths, tasks, chunk, threads)
         self.seed = seed0
         self.q = queue.Queue(maxsize=maxsize)
@@ -163,9 +201,8 @@ class TaskStream:
                 self.seed += 1
                 items = self.tokenize(rows)
                 rng = random.Random(self.seed)
-                if self.copy_frac > 0:
-                    items = [copy_item(it[0], rng, self.tok.get_vocab_size(), self.eos)
-                             if rng.random() < self.copy_frac else it for it in items]
+                if self.copy_frac > 0 or self.kv_frac > 0:
+                    items = [self.synthetic(it, rng) for it in items]
                 rng.shuffle(items)
                 for it in items:
                     while not self.stop:
@@ -176,6 +213,15 @@ class TaskStream:
                             pass
         except Exception as e:  # reported by get()
             self.error = e
+
+    def synthetic(self, item, rng):
+        """`item`, or in its place (same length bucket) a copy or a key-value sample."""
+        u = rng.random()
+        if u < self.copy_frac:
+            return copy_item(item[0], rng, self.tok.get_vocab_size(), self.eos)
+        if u < self.copy_frac + self.kv_frac:
+            return kv_item(item[0], rng, self.tok, self.eos)
+        return item
 
     def get(self):
         """The next sample, or None once stopped."""
@@ -216,7 +262,8 @@ def mask_rate(gen, t_range):
 FULL_T = (1e-3, 1.0)  # MDLM's whole range (t = 0 excluded: its 1/t weight)
 
 
-def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_len=None, t_range=FULL_T):
+def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_len=None, t_range=FULL_T,
+                full_mask=0.0):
     """Two-stream sequences [B, N]: ids, positions, block ids, copy ids (-1 clean), labels
     (-100 where no loss), weights (1/t). N = seq_len (fixed shapes for torch.compile) or the
     batch's own maximum. Returns tensors and the token count the loss is averaged over."""
@@ -241,6 +288,8 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
         for j, (b, lo) in enumerate(blocks):
             hi = (b + 1) * Bsz
             t = mask_rate(gen, t_range)
+            if full_mask > 0 and b >= first_answer and float(torch.rand((), generator=gen)) < full_mask:
+                t = 1.0  # the whole answer block: the block loop's first step, where retrieval has no help
             m = (torch.rand(hi - lo, generator=gen) < t).tolist()
             if not any(m):
                 m[int(torch.randint(hi - lo, (1,), generator=gen))] = True
@@ -313,10 +362,10 @@ def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, 
     return t, total
 
 
-def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None, t_range=FULL_T):
+def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None, t_range=FULL_T, full_mask=0.0):
     if c.arch == "llada":
         return build_batch_llada(items, c, gen, seq_len, t_range)
-    return build_batch(items, c, prompt_blocks, gen, seq_len, t_range)
+    return build_batch(items, c, prompt_blocks, gen, seq_len, t_range, full_mask)
 
 
 def dense_mask(blk, copy):
@@ -397,7 +446,8 @@ def cmd_stages(a):
     for n, s in STAGES.items():
         print(f"stage {n}: lengths {','.join(map(str, s['lengths']))}  lr {s['lr']}  warmup {s['warmup']}  "
               f"tasks {s.get('tasks', 'all')}  noisy prompt blocks {s.get('prompt_blocks', 2)}  "
-              f"copy samples {s.get('copy', 0.0):.0%}  t ~ U{s.get('t_range', FULL_T)}")
+              f"copy samples {s.get('copy', 0.0):.0%}  key-value samples {s.get('kv', 0.0):.0%}  "
+              f"answer blocks wholly masked {s.get('full', 0.0):.0%}  t ~ U{s.get('t_range', FULL_T)}")
 
 
 def mask_rates_arg(text):
@@ -542,9 +592,11 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
     seed0 = TRAIN_SEED_BASE + 10_000 * stage_no + step0  # fresh data on every resume
     copy_frac = a.copy_frac if a.copy_frac is not None else stage.get("copy", 0.0)
+    kv_frac = a.kv_frac if a.kv_frac is not None else stage.get("kv", 0.0)
+    full_mask = a.full_mask if a.full_mask is not None else stage.get("full", 0.0)
     t_range = tuple(a.mask_rates) if a.mask_rates else stage.get("t_range", FULL_T)
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads,
-                        copy_frac=copy_frac)
+                        copy_frac=copy_frac, kv_frac=kv_frac)
     # Fixed shapes per length bucket: batch rows and sequence length.
     nb = noisy_budget(c, prompt_blocks) if c.arch == "sdar" else 2 * LLADA_BLOCK
     buckets = {L: {"rows": max(1, a.batch_tokens // (L + nb)), "seq": -(-(L + nb) // 128) * 128, "items": []}
@@ -561,7 +613,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
             items = [v for v in val if v[0] == L]
             for i in range(0, len(items), buckets[L]["rows"]):
                 batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, prompt_blocks, g, buckets[L]["seq"],
-                                          t_range)
+                                          t_range, full_mask)
                 yield L, pad_rows(batch, buckets[L]["rows"]), total
 
     def validate():
@@ -600,7 +652,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     budget_s = minutes * 60 if minutes else float("inf")
     max_steps = steps or (1 << 62)
     losses, ces = [], []
-    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks} ({copy_frac:.0%} copy), {prompt_blocks} noisy prompt blocks, "
+    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks} ({copy_frac:.0%} copy, {kv_frac:.0%} key-value), "
+        f"{prompt_blocks} noisy prompt blocks, {full_mask:.0%} answer blocks wholly masked, "
         f"t ~ U({t_range[0]:g}, {t_range[1]:g}), {attention} attention on {device}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"budget {minutes or '-'} min / {steps or '-'} steps")
@@ -621,7 +674,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                 bk["items"].append(item)
                 if len(bk["items"]) >= bk["rows"]:
                     items, bk["items"] = bk["items"], []
-                    batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range)
+                    batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range, full_mask)
                     if device.type == "cuda":
                         batch = {k: v.pin_memory() for k, v in batch.items()}
                     while not stream.stop:
@@ -833,6 +886,10 @@ def main(argv=None):
     s.add_argument("--mask-rates", type=mask_rates_arg, metavar="LO,HI",
                    help="masking rates t ~ U(LO, HI) (default: the stage's, else 0.001,1): a clipped range "
                         "lowers the ELBO's gradient variance (BD3-LM)")
+    s.add_argument("--kv-frac", type=float,
+                   help="share of samples replaced by key-value recall samples (default: the stage's, else 0)")
+    s.add_argument("--full-mask", type=float,
+                   help="share of answer blocks masked whole (t = 1; default: the stage's, else 0)")
     s.add_argument("--copy-frac", type=float,
                    help="share of samples replaced by synthetic copy samples (default: the stage's, else 0)")
     s.add_argument("--chunk", type=int, default=32, help="samples per task and length per generator call")

@@ -276,6 +276,7 @@ def test_padding_rows_carry_no_loss(trained):
     (["--plan", "9:1"], "STAGE:MINUTES"),
     (["--plan", "1:3,x"], "got 'x'"),
     (["--plan", "1:3", "--lr", "1e-3"], "go with --stage"),
+    (["--stage", "0", "--steps", "1", "--copy-frac", "0.6", "--kv-frac", "0.5"], "together at most 1"),
 ])
 def test_bad_plans_are_usage_errors(run_dir, sparsa_bin, args, message):
     with pytest.raises(SystemExit, match=message):
@@ -507,3 +508,12 @@ def test_full_mask_masks_whole_answer_blocks(run_dir):
     prompt_blocks = noisy & (full["blk"][0] < len(prompt) // c.block_size)
     assert int(prompt_blocks.sum()) == 2 * c.block_size
     assert not bool((full["ids"][0][prompt_blocks] == c.mask_id).all())  # noisy prompt blocks keep t ~ U(0.3, 0.5)
+
+
+@pytest.mark.parametrize("flag", ["--copy-frac", "--kv-frac", "--full-mask"])
+def test_shares_outside_zero_one_are_usage_errors(run_dir, sparsa_bin, capsys, flag):
+    for bad in ("1.5", "-0.1", "half"):
+        with pytest.raises(SystemExit):
+            T.main(["train", "--run", run_dir, "--sparsa", sparsa_bin, "--stage", "0", "--steps", "1", flag, bad])
+        err = capsys.readouterr().err
+        assert flag in err and f"expected a share in [0, 1], got '{bad}'" in err

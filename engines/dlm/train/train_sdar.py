@@ -460,6 +460,16 @@ def mask_rates_arg(text):
     return (lo, hi)
 
 
+def share_arg(text):
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got '{text}'")
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got '{text}'")
+    return x
+
+
 def parse_plan(a):
     """The stages this call trains: `--stage N [--minutes M | --steps S]` (with optional
     --lengths/--lr/--warmup overrides) or `--plan "1:3,2:3,3:4"` (stage:minutes, one process)."""
@@ -594,6 +604,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     copy_frac = a.copy_frac if a.copy_frac is not None else stage.get("copy", 0.0)
     kv_frac = a.kv_frac if a.kv_frac is not None else stage.get("kv", 0.0)
     full_mask = a.full_mask if a.full_mask is not None else stage.get("full", 0.0)
+    if copy_frac + kv_frac > 1:
+        sys.exit(f"train_sdar: --copy-frac {copy_frac} and --kv-frac {kv_frac}: together at most 1")
     t_range = tuple(a.mask_rates) if a.mask_rates else stage.get("t_range", FULL_T)
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads,
                         copy_frac=copy_frac, kv_frac=kv_frac)
@@ -886,11 +898,11 @@ def main(argv=None):
     s.add_argument("--mask-rates", type=mask_rates_arg, metavar="LO,HI",
                    help="masking rates t ~ U(LO, HI) (default: the stage's, else 0.001,1): a clipped range "
                         "lowers the ELBO's gradient variance (BD3-LM)")
-    s.add_argument("--kv-frac", type=float,
+    s.add_argument("--kv-frac", type=share_arg,
                    help="share of samples replaced by key-value recall samples (default: the stage's, else 0)")
-    s.add_argument("--full-mask", type=float,
+    s.add_argument("--full-mask", type=share_arg,
                    help="share of answer blocks masked whole (t = 1; default: the stage's, else 0)")
-    s.add_argument("--copy-frac", type=float,
+    s.add_argument("--copy-frac", type=share_arg,
                    help="share of samples replaced by synthetic copy samples (default: the stage's, else 0)")
     s.add_argument("--chunk", type=int, default=32, help="samples per task and length per generator call")
     s.add_argument("--gen-threads", type=int, default=max(1, (os.cpu_count() or 2) - 2))

@@ -342,7 +342,8 @@ def test_probe_reports_both_views_of_copy_and_needle_answers(trained, sparsa_bin
     capsys.readouterr()
     T.main(["probe", "--run", trained, "--sparsa", sparsa_bin, "--samples", "2", "--length", "512", "--json"])
     rep = json.loads(capsys.readouterr().out)
-    assert set(rep["kinds"]) == {"copy", "niah_single_1"}
+    assert set(rep["kinds"]) == {"copy", "niah_single_1", "kv digits"}
+    assert rep["kinds"]["kv digits"]["all"]["tokens"] == 2 * 6 * 7  # 6 values of 7 digits a sample
     for kind in rep["kinds"].values():
         assert set(kind) == {"all", "one"}
         assert all(v["tokens"] > 0 and np.isfinite(v["ce"]) and 0 <= v["accuracy"] <= 1 for v in kind.values())

@@ -781,12 +781,14 @@ def copy_to_cpu(model):
     return m
 
 
-def answer_scores(model, items, c, one_positions):
+def answer_scores(model, items, c, one_positions, only=None):
     """Cross-entropy and argmax accuracy of the answer tokens (the target without its EOS), in
     two views: "all" masks the whole answer region (the block loop's first step), "one" masks a
     single answer token with the others visible (the last step). A model that retrieves or copies
     scores far below chance in both; one that only knows the answers' form stays at the tokens'
-    unigram in both, and one that copies only from its own block does better in "one"."""
+    unigram in both, and one that copies only from its own block does better in "one".
+    `only` (a set of token ids): mask and score just the answer tokens among them (the value
+    digits of key-value samples, whose keys stay visible)."""
     out = {}
     for mode in ("all", "one"):
         ce = right = n = 0
@@ -794,11 +796,12 @@ def answer_scores(model, items, c, one_positions):
             x0 = prompt + target
             L = -(-len(x0) // c.block_size) * c.block_size
             x0 = x0 + [c.eos_id] * (L - len(x0))
-            answer = list(range(len(prompt), len(prompt) + len(target) - 1))
+            answer = [j for j in range(len(prompt), len(prompt) + len(target) - 1) if only is None or x0[j] in only]
             if not answer:
                 continue
             if mode == "all":
-                views = [(answer, [c.mask_id if q >= len(prompt) else t for q, t in enumerate(x0)])]
+                hidden = set(answer) if only is not None else range(len(prompt), len(x0))
+                views = [(answer, [c.mask_id if q in hidden else t for q, t in enumerate(x0)])]
             else:
                 step = max(1, len(answer) // one_positions)
                 views = [([j], [c.mask_id if q == j else t for q, t in enumerate(x0)]) for j in answer[::step]]
@@ -839,12 +842,16 @@ def cmd_probe(a):
     eos = tok.token_to_id(SPECIALS[0])
     kinds[a.task] = [(r["max_len"], tok.encode(r["input"], add_special_tokens=False).ids,
                       tok.encode(r["target"], add_special_tokens=False).ids + [eos], r["gen_tokens"]) for r in rows]
+    kinds["kv digits"] = [kv_item(a.length, rng, tok, eos) for _ in range(a.samples)]
+    digits = {tok.token_to_id(d) for d in "0123456789"} - {None}
     report = {"run": a.run, "chance_ce": math.log(c.vocab_size), "length": a.length,
-              "kinds": {k: answer_scores(model, v, c, a.one_positions) for k, v in kinds.items()}}
+              "kinds": {k: answer_scores(model, v, c, a.one_positions, digits if k == "kv digits" else None)
+                        for k, v in kinds.items()}}
     if a.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"answer tokens of {a.run} at {a.length} tokens (chance CE {report['chance_ce']:.2f}):")
+    print(f"answer tokens of {a.run} at {a.length} tokens (chance CE {report['chance_ce']:.2f}; "
+          f"of a digit known to be one, ln 10 = 2.30):")
     for k, r in report["kinds"].items():
         for mode, v in r.items():
             print(f"  {k:16s} {mode:3s}  CE {v['ce']:.3f}  argmax right {v['accuracy']:6.1%}  ({v['tokens']} tokens)")

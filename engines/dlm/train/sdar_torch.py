@@ -272,6 +272,8 @@ def read_safetensors(path):
         lo, hi = e["data_offsets"]
         if not 0 <= lo <= hi <= len(raw) - base:
             raise ValueError(f"{path}: {name}: data_offsets {lo}..{hi} outside the file")
+        if hi - lo != math.prod(e["shape"]) * dtypes[e["dtype"]].itemsize:
+            raise ValueError(f"{path}: {name}: data_offsets {lo}..{hi} do not fit shape {e['shape']}")
         t = torch.frombuffer(bytearray(raw[base + lo:base + hi]), dtype=dtypes[e["dtype"]])
         out[name] = t.reshape(e["shape"]).clone()
     return out

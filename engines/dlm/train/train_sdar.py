@@ -569,9 +569,8 @@ def cmd_train(a):
         if os.path.exists(rec):
             with open(rec) as fh:
                 r = json.load(fh)
-            state.update({k: r[k] for k in ("step", "tokens", "stages", "history") if k in r})
-            if "steps" in r:
-                state["step"] = r["steps"]
+            state.update(step=r.get("steps", 0), tokens=r.get("tokens", 0), stages=r.get("stages", []),
+                         history=r.get("history", []))
         log(f"initialised from the export {a.init} at step {state['step']} (new optimizer state)")
     compiled_flex = None
     if device.type == "cuda" and attention == "flex":

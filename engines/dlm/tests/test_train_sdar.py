@@ -40,7 +40,7 @@ def rel_err(a, b):
 
 def make_run(sparsa_bin, tmp_path_factory, arch):
     run = str(tmp_path_factory.mktemp("run_" + arch))
-    T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--samples", "2", "--dim", "64",
+    T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--numbers", "digits", "--samples", "2", "--dim", "64",
             "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--hidden", "128",
             "--block", "16", "--max-len", "1024", "--arch", arch])
     return run
@@ -372,7 +372,7 @@ def test_probe_reads_an_exports_weights(trained, sparsa_bin, capsys, tmp_path):
 
 def test_plan_trains_stages_in_one_process_and_exports_after_each(sparsa_bin, tmp_path_factory, capsys):
     run = str(tmp_path_factory.mktemp("run_plan"))
-    T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--samples", "2", "--dim", "32",
+    T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "400", "--numbers", "digits", "--samples", "2", "--dim", "32",
             "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--hidden", "64",
             "--block", "16", "--max-len", "2048"])
     out = os.path.join(run, "export")
@@ -533,3 +533,33 @@ def test_shares_outside_zero_one_are_usage_errors(run_dir, sparsa_bin, capsys, f
             T.main(["train", "--run", run_dir, "--sparsa", sparsa_bin, "--stage", "0", "--steps", "1", flag, bad])
         err = capsys.readouterr().err
         assert flag in err and f"expected a share in [0, 1], got '{bad}'" in err
+
+
+def test_triples_tokenizer_makes_every_digit_run_one_token_and_the_engine_agrees(sparsa_bin, tmp_path):
+    """--numbers triples (the default): numbers cut into runs of up to three digits (Llama 3's
+    split), each of the 1,110 runs one token, so a 7-digit value is 3 tokens; the engine's C++
+    tokenizer (`sparsa tokenize`) gives the `tokenizers` package's ids on needle text; the probe
+    counts those runs as the value's tokens. A vocabulary too small to hold them is an error
+    naming --vocab, not a tokenizer that cuts some values differently."""
+    from tokenizers import Tokenizer
+    run = str(tmp_path / "run")
+    T.main(["tokenizer", "--run", run, "--sparsa", sparsa_bin, "--vocab", "2048", "--samples", "1", "--dim", "32",
+            "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--hidden", "64",
+            "--block", "16", "--max-len", "1024"])
+    tok = Tokenizer.from_file(os.path.join(run, "tokenizer.json"))
+    assert all(len(tok.encode(r, add_special_tokens=False).ids) == 1 for r in T.number_runs())
+    assert len(T.number_tokens(tok)) == 1110
+    text = "One of the special magic numbers for tense-buyer is: 1234567.\nWhat is 0070009, 12 or 98765?"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    pieces = [tok.id_to_token(i) for i in ids]
+    assert pieces[pieces.index("123"):pieces.index("123") + 3] == ["123", "456", "7"]
+    assert ["007", "000", "9"] == pieces[pieces.index("007"):pieces.index("007") + 3]
+    p = subprocess.run([sparsa_bin, "tokenize", "--tokenizer", os.path.join(run, "tokenizer.json"), "--text", text,
+                        "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(p.stdout)["ids"] == ids
+    rng = __import__("random").Random(3)
+    _, _, target, _ = T.kv_item(256, rng, tok, 0)
+    assert sum(t in T.number_tokens(tok) for t in target) == 6 * 3  # 6 values of 3 runs (3 + 3 + 1 digits)
+    with pytest.raises(SystemExit, match="--vocab 400: too small for --numbers triples"):
+        T.main(["tokenizer", "--run", str(tmp_path / "small"), "--sparsa", sparsa_bin, "--vocab", "400",
+                "--samples", "1"])

@@ -73,6 +73,15 @@ TRAIN_SEED_BASE = 1_000_000  # generator seeds of training; validation uses 900,
 SPECIALS = ["<|endoftext|>", "<|mask|>"]  # ids 0 (EOS, padding) and 1 (mask)
 QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3_SPLIT = QWEN_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")  # numbers in runs of up to three digits
+# How the tokenizer cuts numbers (`tokenizer --numbers`): one token per digit (Qwen2), or runs of
+# up to three digits (Llama 3's split), every one of the 1,110 runs "0".."999" a single token.
+# With digits, a 7-digit value is 7 tokens from an alphabet of 10, so a value digit recurs all
+# over a haystack of values and copying it needs the two or three digits before it; with
+# triples, a value is 3 tokens from ~1,110 and each run is nearly unique in a context, so one
+# visible run finds the next by plain induction, the circuit the second H200 run did learn on
+# unique tokens (docs/eval.md).
+NUMBER_SPLITS = {"digits": QWEN_SPLIT, "triples": LLAMA3_SPLIT}
 
 
 def log(*args):
@@ -101,22 +110,46 @@ def ruler_generate(sparsa, tasks, lengths, samples, seed, tokenizer=None, thread
 
 # ---------------------------------------------------------------- tokenizer
 
-def train_tokenizer(sparsa, out_path, vocab_size, seed=TRAIN_SEED_BASE - 1, samples=12, lengths=(1024, 4096)):
-    """Byte-level BPE (Qwen2's split: digits one by one, which suits 7-digit values) trained on
-    the generator's text of every task, with EOS and mask as special tokens 0 and 1."""
+def number_runs():
+    """Every run of one to three digits: the number tokens a `triples` tokenizer must have."""
+    return [f"{i:0{w}d}" for w in (1, 2, 3) for i in range(10 ** w)]
+
+
+def train_tokenizer(sparsa, out_path, vocab_size, seed=TRAIN_SEED_BASE - 1, samples=12, lengths=(1024, 4096),
+                    numbers="triples"):
+    """Byte-level BPE trained on the generator's text of every task, with EOS and mask as special
+    tokens 0 and 1. `numbers` (NUMBER_SPLITS): "digits" splits numbers digit by digit (Qwen2);
+    "triples" into runs of up to three (Llama 3), and the training text then also holds every
+    run 20 times so that each becomes one token (checked: an error naming --vocab if the
+    vocabulary is too small to hold them)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    if numbers not in NUMBER_SPLITS:
+        raise ValueError(f"--numbers: expected one of {', '.join(NUMBER_SPLITS)}, got {numbers!r}")
     rows = ruler_generate(sparsa, "all", list(lengths), samples, seed)
     text = [r["input"] + r["target"] for r in rows]
+    if numbers == "triples":
+        runs = number_runs()
+        text += [" ".join(runs)] * 20
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(NUMBER_SPLITS[numbers]), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(text, trainer)
+    if numbers == "triples":
+        split = [r for r in runs if len(tok.encode(r, add_special_tokens=False).ids) != 1]
+        if split:
+            raise ValueError(f"--vocab {vocab_size}: too small for --numbers triples ({len(split)} of the "
+                             f"{len(runs)} digit runs, e.g. {split[0]!r}, are not single tokens; try 2048 or more)")
     tok.save(out_path)
     return tok
+
+
+def number_tokens(tok):
+    """The ids of the tokens that are digits only (single digits, or runs of up to three)."""
+    return {i for t, i in tok.get_vocab().items() if t.isascii() and t.isdigit()}
 
 
 # ---------------------------------------------------------------- data
@@ -432,7 +465,10 @@ def cmd_tokenizer(a):
     os.makedirs(a.run, exist_ok=True)
     f = run_files(a.run)
     sparsa = find_sparsa(a.sparsa)
-    tok = train_tokenizer(sparsa, f["tokenizer"], a.vocab, samples=a.samples)
+    try:
+        tok = train_tokenizer(sparsa, f["tokenizer"], a.vocab, samples=a.samples, numbers=a.numbers)
+    except ValueError as e:
+        sys.exit(f"train_sdar: {e}")
     c = SdarConfig(vocab_size=tok.get_vocab_size(), dim=a.dim, layers=a.layers, heads=a.heads,
                    kv_heads=a.kv_heads, head_dim=a.head_dim, hidden=a.hidden, block_size=a.block,
                    max_len=a.max_len, rope_theta=a.rope_theta, mask_id=tok.token_to_id(SPECIALS[1]),
@@ -842,7 +878,7 @@ def cmd_probe(a):
     kinds[a.task] = [(r["max_len"], tok.encode(r["input"], add_special_tokens=False).ids,
                       tok.encode(r["target"], add_special_tokens=False).ids + [eos], r["gen_tokens"]) for r in rows]
     kinds["kv digits"] = [kv_item(a.length, rng, tok, eos) for _ in range(a.samples)]
-    digits = {tok.token_to_id(d) for d in "0123456789"} - {None}
+    digits = number_tokens(tok)
     report = {"run": a.run, "chance_ce": math.log(c.vocab_size), "length": a.length,
               "kinds": {k: answer_scores(model, v, c, a.one_positions, digits if k == "kv digits" else None)
                         for k, v in kinds.items()}}
@@ -850,7 +886,7 @@ def cmd_probe(a):
         print(json.dumps(report, indent=1))
         return
     print(f"answer tokens of {a.run} at {a.length} tokens (chance CE {report['chance_ce']:.2f}; "
-          f"of a digit known to be one, ln 10 = 2.30):")
+          f"of a number token known to be one, ln {len(digits)} = {math.log(max(len(digits), 1)):.2f}):")
     for k, r in report["kinds"].items():
         for mode, v in r.items():
             print(f"  {k:16s} {mode:3s}  CE {v['ce']:.3f}  argmax right {v['accuracy']:6.1%}  ({v['tokens']} tokens)")
@@ -873,6 +909,8 @@ def main(argv=None):
     t.add_argument("--sparsa")
     t.add_argument("--vocab", type=int, default=4096)
     t.add_argument("--samples", type=int, default=12, help="samples per task and length of the tokenizer's text")
+    t.add_argument("--numbers", choices=sorted(NUMBER_SPLITS), default="triples",
+                   help="numbers as runs of up to three digits, each run one token (the default), or digit by digit")
     t.add_argument("--dim", type=int, default=384)
     t.add_argument("--layers", type=int, default=8)
     t.add_argument("--heads", type=int, default=6)

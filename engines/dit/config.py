@@ -46,6 +46,7 @@ class TrainSection:
     log_every: int = 50
     eval_every: int = 500  # held-out loss during training (0: only at the start and the end)
     checkpoint_every: int = 500
+    compile: bool = False  # the model's forward under torch.compile (train.py: compiled_forward)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class ThroughputSection:
     steps: int = 3
     warmup: int = 1
     autocast_bf16: bool = True  # on CUDA only: bf16 autocast, as the paper trains
+    compile: bool = False  # the model's forward under torch.compile; it compiles in the warm-up steps
     paper_tokens_per_s: Dict[str, float] = field(default_factory=dict)
 
 
@@ -132,6 +134,9 @@ class ExperimentConfig:
         for name in ("batch_size", "steps"):
             _positive(f"throughput.{name}", getattr(self.throughput, name))
         _non_negative("throughput.warmup", self.throughput.warmup)
+        if self.throughput.compile and self.throughput.warmup < 1:
+            raise ValueError("throughput.warmup: throughput.compile needs at least one warm-up step (the first "
+                             "step compiles the model)")
         if not self.seeds:
             raise ValueError("seeds: expected at least one seed")
         for s in self.seeds:

@@ -3,7 +3,9 @@ sample them (the full-attention models also with BA-Att, training-free), and pri
 
     python -m engines.dit.train --config engines/dit/configs/seed.json [--seeds 0,1,2,3,4]
                                 [--device cpu|cuda] [--out DIR] [--threads N] [--fresh] [--table-only]
+                                [--compile]
     python -m engines.dit.train --config engines/dit/configs/dit_s_128.json --throughput [--device cuda]
+                                [--compile]
 
 Each run (attention x seed) lives in OUT/ATTENTION-seedS/: checkpoint.pt (written every
 train.checkpoint_every steps and at the end; a run that finds one resumes from it), log.csv
@@ -18,6 +20,9 @@ training step i are images [i*batch, (i+1)*batch) of stream data.stream + S, and
 timesteps come from a generator seeded by (S, i); so a resumed run repeats an uninterrupted one
 exactly (on the same machine and thread count). The held-out images, noise and timesteps depend
 on eval.stream alone: every model of every seed is scored on the same ones.
+
+--compile (train.compile, or throughput.compile with --throughput) runs the model's forward in
+the training steps through torch.compile (compiled_forward); evaluation and sampling stay eager.
 """
 from __future__ import annotations
 
@@ -120,7 +125,9 @@ LOG_FIELDS = ["step", "train_loss", "lr", "train_seconds", "heldout_loss"]
 def fingerprint(cfg: ExperimentConfig, kind: str, seed: int) -> Dict:
     """What a checkpoint must agree with to be resumed (not the step count or the intervals)."""
     d = config_mod.to_dict(cfg)
-    train = {k: v for k, v in d["train"].items() if k not in ("steps", "log_every", "eval_every", "checkpoint_every")}
+    # compile changes how the forward runs, not what it computes: a run may resume either way.
+    skip = ("steps", "log_every", "eval_every", "checkpoint_every", "compile")
+    train = {k: v for k, v in d["train"].items() if k not in skip}
     return {"model": d["model"], "attention": kind, "llsa": d["llsa"] if kind == "llsa" else None,
             "train": train, "data": d["data"], "seed": seed}
 
@@ -141,6 +148,30 @@ def _write_log(path: Path, rows: List[Dict]) -> None:
     os.replace(tmp, path)
 
 
+def compiled_forward(model: "PixelDiT") -> Callable:
+    """``model``'s forward through torch.compile (inductor): fullgraph, so a graph break is an
+    error rather than a silent return to eager (sparsa's ops trace as single nodes: their fake
+    kernels give the shapes); dynamic=False, one graph per input shape (a training run has one).
+    The parameters stay the model's own: the optimiser takes model.parameters() and the checkpoint
+    model.state_dict(), with no ``_orig_mod.`` prefix, loadable compiled or not."""
+    return torch.compile(model, fullgraph=True, dynamic=False)
+
+
+@contextlib.contextmanager
+def compile_errors_named(option: str, compiled: bool):
+    """In a compiled step, a torch.compile failure (tracing, or inductor's code generation in the
+    forward or the lazily compiled backward) as an error naming the option that asked for it."""
+    if not compiled:
+        yield
+        return
+    try:
+        yield
+    except torch._dynamo.exc.TorchDynamoException as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"{option} (--compile): torch.compile could not compile the model: {first}; run "
+                           f"without --compile") from e
+
+
 def build_model(cfg: ExperimentConfig, spec: AttentionSpec, seed: int, device) -> "PixelDiT":
     torch.manual_seed(seed)
     model = PixelDiT(cfg.model)
@@ -151,6 +182,23 @@ def build_model(cfg: ExperimentConfig, spec: AttentionSpec, seed: int, device) -
 def make_optimizer(cfg: ExperimentConfig, model):
     return torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.999),
                              weight_decay=cfg.train.weight_decay)
+
+
+def train_step(cfg: ExperimentConfig, model, forward, optimizer, batch, lr: float) -> float:
+    """One training step on ``batch`` (x0, eps, t, on the model's device): the flow loss of
+    ``forward`` (the model, or compiled_forward(model)), backward, gradient clipping, AdamW at
+    learning rate ``lr``. Returns the loss; float() waits for the device."""
+    x0, eps, t = batch
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with compile_errors_named("train.compile", forward is not model):
+        loss = flow_loss(forward, x0, eps, t, noise_scale(cfg.model.image_size))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+    if cfg.train.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    optimizer.step()
+    return float(loss.detach())
 
 
 def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device="cpu", num_threads: int = 0,
@@ -187,7 +235,9 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
 
     steps = cfg.train.steps
     target = steps if stop_after is None else min(steps, stop_after)
-    s = noise_scale(cfg.model.image_size)
+    # Held-out evaluation and sampling run the eager model: no_grad and other batch sizes would
+    # each be another graph to compile, for a few calls.
+    forward = compiled_forward(model) if cfg.train.compile else model
     if step == 0 and not rows:
         rows.append({"step": 0, "train_loss": None, "lr": None, "train_seconds": 0.0,
                      "heldout_loss": evaluate(model, heldout, cfg, device)})
@@ -195,19 +245,14 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
     model.train()
     window, session_steps = [], 0
     session_seconds = 0.0
+    if cfg.train.compile and step < target:
+        log(f"{tag} training steps under torch.compile (--compile); the first step compiles the model")
     while step < target:
         x0, eps, t = train_batch(cfg, seed, step)
         started = time.perf_counter()
         lr = lr_at(cfg, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = flow_loss(model, x0.to(device), eps.to(device), t.to(device), s)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        optimizer.step()
-        window.append(float(loss.detach()))  # float() waits for the device, so the time below is the step's
+        # train_step's float() waits for the device, so the time below is the step's.
+        window.append(train_step(cfg, model, forward, optimizer, (x0.to(device), eps.to(device), t.to(device)), lr))
         elapsed = time.perf_counter() - started
         train_seconds += elapsed
         session_seconds += elapsed
@@ -230,7 +275,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
             checkpoint()
 
     summary = {"attention": kind, "label": spec.label(), "seed": seed, "step": step, "steps": steps,
-               "finished": step >= steps, "train_seconds": round(train_seconds, 3),
+               "finished": step >= steps, "compiled": cfg.train.compile, "train_seconds": round(train_seconds, 3),
                "seconds_per_step": round(train_seconds / step, 5) if step else None,
                "keys_per_query": keys_per_query(cfg.model.tokens, spec),
                "parameters": sum(p.numel() for p in model.parameters()),
@@ -261,7 +306,8 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
         np.save(run_dir / f"samples{name}.npy", images)
         save_grid(run_dir / f"samples{name}.png", images, cfg)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(f"{tag} done: held-out {summary['heldout_loss']:.4f}, {summary['seconds_per_step']} s/step")
+    log(f"{tag} done: held-out {summary['heldout_loss']:.4f}, {summary['seconds_per_step']} s/step"
+        f"{' (compiled, the first step compiling)' if cfg.train.compile else ''}")
     return summary
 
 
@@ -294,21 +340,24 @@ def results_table(summaries: List[Dict]) -> List[Dict]:
     """One row per attention (and per BA-Att variant): held-out loss over seeds."""
     groups: Dict[str, Dict] = {}
 
-    def add(label, kind, keys, loss, seed, sps):
+    def add(label, kind, keys, loss, seed, sps, compiled):
         g = groups.setdefault(label, {"attention": label, "kind": kind, "keys_per_query": keys, "losses": [],
-                                      "seeds": [], "seconds_per_step": []})
+                                      "seeds": [], "seconds_per_step": [], "compiled": []})
         g["losses"].append(loss)
         g["seeds"].append(seed)
         if sps is not None:
             g["seconds_per_step"].append(sps)
+            g["compiled"].append(compiled)
 
     for s in summaries:
         if not s.get("finished"):
             continue
-        add(s["label"], s["attention"], s["keys_per_query"], s["heldout_loss"], s["seed"], s["seconds_per_step"])
+        add(s["label"], s["attention"], s["keys_per_query"], s["heldout_loss"], s["seed"], s["seconds_per_step"],
+            s.get("compiled", False))  # summaries written before train.compile existed ran eager
     for s in summaries:  # BA-Att rows after the trained ones
         for b in s.get("ba_att", []) if s.get("finished") else []:
-            add(f"full, sampled with {b['label']}", "ba_att", b["keys_per_query"], b["heldout_loss"], s["seed"], None)
+            add(f"full, sampled with {b['label']}", "ba_att", b["keys_per_query"], b["heldout_loss"], s["seed"], None,
+                False)
     rows = []
     for g in groups.values():
         g["mean"], g["std"] = _mean_std(g["losses"])
@@ -326,6 +375,9 @@ def format_table(rows: List[Dict], tokens: int) -> str:
         std = f"{r['std']:.4f}" if r["std"] is not None else "n/a (1 seed)"
         per_seed = ", ".join(f"{loss:.4f}" for loss in r["losses"])
         sps = f"{r['seconds_per_step']:.3f}" if r["seconds_per_step"] is not None else ""
+        runs, compiled = len(r["compiled"]), sum(r["compiled"])
+        if compiled:  # --compile: these seconds include the first step's compilation
+            sps += " compiled" if compiled == runs else f" ({compiled} of {runs} runs compiled)"
         lines.append(f"| {r['attention']} | {keys} | {len(r['losses'])} | {r['mean']:.4f} | {std} | {per_seed} | {sps} |")
     return "\n".join(lines)
 
@@ -409,7 +461,8 @@ def throughput(cfg: ExperimentConfig, device="cpu", num_threads: int = 0, batch_
                steps: Optional[int] = None, out: Optional[Path] = None, log: Callable[[str], None] = print) -> Dict:
     """Training throughput in pixel tokens/s (forward, backward and optimiser step) per attention:
     the median wall time of ``steps`` steps after ``warmup``, and the median process CPU time (all
-    threads; on a shared machine the measure of the work)."""
+    threads; on a shared machine the measure of the work). With throughput.compile (--compile) the
+    model's forward runs compiled; it compiles in the first warm-up step."""
     tp = cfg.throughput
     batch = batch_size or tp.batch_size
     steps = steps or tp.steps
@@ -424,6 +477,7 @@ def throughput(cfg: ExperimentConfig, device="cpu", num_threads: int = 0, batch_
         spec = cfg.spec(kind, num_threads)
         model = build_model(cfg, spec, 0, device)
         optimizer = make_optimizer(cfg, model)
+        forward = compiled_forward(model) if tp.compile else model
         times, cpu_times = [], []
         for i in range(tp.warmup + steps):
             g = step_generator(0, i)
@@ -432,8 +486,9 @@ def throughput(cfg: ExperimentConfig, device="cpu", num_threads: int = 0, batch_
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started, cpu_started = time.perf_counter(), time.process_time()
-            with backend(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                loss = flow_loss(model, x0, eps, t, s)
+            with backend(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp), \
+                    compile_errors_named("throughput.compile", tp.compile):
+                loss = flow_loss(forward, x0, eps, t, s)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             optimizer.step()
@@ -446,16 +501,17 @@ def throughput(cfg: ExperimentConfig, device="cpu", num_threads: int = 0, batch_
             log(f"[throughput {kind}] step {i + 1}/{tp.warmup + steps} {'(warm-up) ' if i < tp.warmup else ''}"
                 f"{elapsed:.3f} s (process CPU {cpu:.3f} s)")
         median = sorted(times)[len(times) // 2]
-        rows.append({"attention": spec.label(), "kind": kind, "batch": batch, "tokens": m.tokens,
+        rows.append({"attention": spec.label(), "kind": kind, "compiled": tp.compile, "batch": batch, "tokens": m.tokens,
                      "seconds_per_step": median, "tokens_per_s": batch * m.tokens / median,
                      "cpu_seconds_per_step": sorted(cpu_times)[len(cpu_times) // 2],
                      "keys_per_query": keys_per_query(m.tokens, spec),
                      "paper_tokens_per_s": tp.paper_tokens_per_s.get(kind)})
-        del model, optimizer
+        del model, optimizer, forward
     full = next((r for r in rows if r["kind"] == "full"), None)
     lines = [f"{cfg.name}: training throughput, {m.image_size}x{m.image_size} pixels ({m.tokens} tokens), "
              f"depth {m.depth}, width {m.width}, {m.heads} heads, batch {batch}, {device}"
-             f"{', bf16 autocast' if use_amp else ''}, median of {steps} steps",
+             f"{', bf16 autocast' if use_amp else ''}, {'compiled (--compile)' if tp.compile else 'eager'}, "
+             f"median of {steps} steps after {tp.warmup} warm-up",
              "| attention | keys per query | s/step | process CPU s/step | pixel tokens/s | vs full | paper (one H200) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -463,6 +519,9 @@ def throughput(cfg: ExperimentConfig, device="cpu", num_threads: int = 0, batch_
         paper = f"{r['paper_tokens_per_s'] / 1e3:.1f}K" if r["paper_tokens_per_s"] else ""
         lines.append(f"| {r['attention']} | {r['keys_per_query']:g} | {r['seconds_per_step']:.3f} | "
                      f"{r['cpu_seconds_per_step']:.3f} | {r['tokens_per_s'] / 1e3:.1f}K | {ratio} | {paper} |")
+    if tp.compile:
+        lines.append("Compiled: the model's forward under torch.compile (inductor, one graph; sparsa's LLSA one node "
+                     "in it), compiled in the first warm-up step; loss and optimiser step eager.")
     if device.type == "cuda":
         lines.append("Full attention is torch SDPA with cuDNN's kernel first (then flash, then the others).")
         if any(r["kind"] == "llsa" for r in rows) and m.width // m.heads not in (64, 128):
@@ -470,7 +529,7 @@ def throughput(cfg: ExperimentConfig, device="cpu", num_threads: int = 0, batch_
                          "head_dim 64 or 128): this row measures that path, not a GPU kernel.")
     table = "\n".join(lines)
     log("\n" + table)
-    result = {"config": cfg.name, "device": str(device), "rows": rows, "table": table}
+    result = {"config": cfg.name, "device": str(device), "compiled": tp.compile, "rows": rows, "table": table}
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -502,6 +561,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="ignore existing checkpoints and start over")
     parser.add_argument("--table-only", action="store_true",
                         help="train nothing: the table of the runs under --out that have finished")
+    parser.add_argument("--compile", action="store_true",
+                        help="the model's forward under torch.compile in the training steps (turns on train.compile, "
+                             "or throughput.compile with --throughput)")
     parser.add_argument("--throughput", action="store_true", help="measure training pixel tokens/s instead")
     parser.add_argument("--batch", type=int, help="--throughput: override throughput.batch_size")
     parser.add_argument("--throughput-steps", type=int, help="--throughput: override throughput.steps")
@@ -514,6 +576,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             changes["train.steps"] = args.steps
         if args.attention:
             changes["attention"] = [a.strip() for a in args.attention.split(",") if a.strip()]
+        if args.compile:
+            changes["throughput.compile" if args.throughput else "train.compile"] = True
         if changes:
             cfg = config_mod.override(cfg, **changes)
     except ValueError as e:

@@ -3,7 +3,8 @@
 The model's forward is checked against a plain reference written here (row-major pixels, loops
 over heads, explicit softmax, RoPE by explicit rotation); the sparse attentions against full
 attention where they select everything; training, resumption, the image generator, the token
-layout, the sampler and the PNG writer each on their own.
+layout, the sampler and the PNG writer each on their own; the compiled model (--compile) against
+the eager one.
 """
 import json
 import math
@@ -282,7 +283,10 @@ def test_config_errors_name_the_field(tmp_path):
              ({"attention": ["ba_att"]}, "attention: a trained model runs full or llsa"),
              ({"llsa": {"topk": 0}}, "llsa.topk"),
              ({"ba_att": {"densities": [1.5]}}, "ba_att.density"),
-             ({"eval": {"stream": 1000}}, "eval.stream")]
+             ({"eval": {"stream": 1000}}, "eval.stream"),
+             ({"train": {"compile": "yes"}}, "train.compile: expected true or false, got 'yes'"),
+             ({"throughput": {"compile": 1}}, "throughput.compile: expected true or false, got 1"),
+             ({"throughput": {"compile": True, "warmup": 0}}, "throughput.warmup: throughput.compile needs")]
     for change, message in cases:
         bad = json.loads(json.dumps(raw))
         for section, value in change.items():
@@ -374,6 +378,7 @@ def test_throughput_mode_measures_both_attentions(tmp_path):
     assert [r["kind"] for r in result["rows"]] == ["full", "llsa"]
     assert all(r["tokens_per_s"] > 0 and r["tokens"] == 256 for r in result["rows"])
     assert "pixel tokens/s" in result["table"] and (tmp_path / "throughput.json").exists()
+    assert not result["compiled"] and ", eager, " in result["table"] and "--compile" not in result["table"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -396,3 +401,130 @@ def test_llsa_attention_runs_on_the_device_for_cuda_tensors():
     assert qc.grad is not None and qc.grad.is_cuda and torch.isfinite(qc.grad).all()
     ref = attend(*(t.bfloat16().float() for t in (q, k, v)), spec)
     assert ((out.detach().cpu() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+# ---- torch.compile (--compile) ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled_steps():
+    """Two training steps (train_step, as train_run takes them) of the tiny model from the same
+    randomised weights and batches, eager and through compiled_forward, for full and llsa: per
+    step the loss, the gradients and the parameters' update so far (after minus before); and how
+    many graphs were compiled.
+    One compiled model per attention: compiling is the slow part (tens of seconds on 2 cores)."""
+    cfg = config_mod.load(CONFIGS / "tiny.json")
+    torch._dynamo.reset()  # a fresh cache, so that the graph count below is this fixture's
+    from torch._dynamo.utils import counters
+
+    results = {}
+    for kind in ("full", "llsa"):
+        spec = cfg.spec(kind, 1)
+        eager = randomised(train_mod.build_model(cfg, spec, 0, "cpu"), seed=11, std=0.1)
+        compiled = train_mod.build_model(cfg, spec, 0, "cpu")
+        compiled.load_state_dict(eager.state_dict())
+        start = [p.detach().clone() for p in eager.parameters()]
+        graphs_before = counters["stats"]["unique_graphs"]
+        runs = {}
+        for name, model, forward in (("eager", eager, eager),
+                                     ("compiled", compiled, train_mod.compiled_forward(compiled))):
+            optimizer = train_mod.make_optimizer(cfg, model)
+            steps = []
+            for step in range(2):
+                loss = train_mod.train_step(cfg, model, forward, optimizer, train_mod.train_batch(cfg, 0, step),
+                                            train_mod.lr_at(cfg, step))
+                steps.append({"loss": loss, "grad": torch.cat([p.grad.flatten() for p in model.parameters()]),
+                              "update": torch.cat([(p.detach() - s).flatten()
+                                                   for p, s in zip(model.parameters(), start)])})
+            runs[name] = steps
+        runs["graphs"] = counters["stats"]["unique_graphs"] - graphs_before
+        results[kind] = runs
+    return results
+
+
+# The compiled and the eager model compute in float32 on the CPU; inductor fuses the elementwise
+# chains and reorders reductions (LayerNorm, RMSNorm, the attention's softmax), each rounding at
+# 2^-24 = 6e-8 relative. Measured here: the loss agrees to 2e-7 relative and the
+# gradients to 2e-6 (relative L2 over every parameter); the bounds are 50x that, and still 25x and
+# 75x below the difference between full attention and LLSA on the same weights (asserted), so a
+# compiled graph that ran another attention, or dropped a term, cannot pass.
+LOSS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-4
+
+
+def relative_l2(got, want):
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("kind", ["full", "llsa"])
+def test_compiled_loss_and_gradients_equal_eager(compiled_steps, kind):
+    runs = compiled_steps[kind]
+    assert runs["graphs"] == 1  # it really compiled (one graph of the forward), and did not fall back to eager
+    for eager, compiled in zip(runs["eager"], runs["compiled"]):
+        assert abs(compiled["loss"] - eager["loss"]) <= LOSS_TOLERANCE * abs(eager["loss"]), (eager["loss"],
+                                                                                              compiled["loss"])
+        assert relative_l2(compiled["grad"], eager["grad"]) <= GRAD_TOLERANCE
+    full, llsa = compiled_steps["full"]["eager"][0], compiled_steps["llsa"]["eager"][0]
+    assert abs(full["loss"] - llsa["loss"]) > 10 * LOSS_TOLERANCE * abs(full["loss"])
+    assert relative_l2(llsa["grad"], full["grad"]) > 10 * GRAD_TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["full", "llsa"])
+def test_compiled_training_step_equals_eager(compiled_steps, kind):
+    # AdamW's first step moves each parameter by lr g / (|g| + eps), about lr whatever |g|, so an
+    # element whose gradient is near zero can move differently under rounding (measured: 2 or 3 of
+    # 41,187 elements, by 5-20% of the largest move). The update (parameters after minus before)
+    # is compared as a whole: relative L2 within 1e-2 (measured: at most 1e-3). A wrong gradient
+    # turns the sign of a large share of the moves: an O(1) difference. The second step's update
+    # also weighs the gradients' magnitudes (Adam's moments).
+    runs = compiled_steps[kind]
+    for eager, compiled in zip(runs["eager"], runs["compiled"]):
+        assert relative_l2(compiled["update"], eager["update"]) <= 1e-2
+    full, llsa = compiled_steps["full"]["eager"][-1], compiled_steps["llsa"]["eager"][-1]
+    assert relative_l2(llsa["update"], full["update"]) > 1e-2
+
+
+def test_compile_option_in_the_throughput_table_and_the_summary(tmp_path, capsys):
+    # Batch 8 as the fixture's training steps: the same shapes, so its graphs serve here.
+    tiny = str(CONFIGS / "tiny.json")
+    assert train_mod.main(["--config", tiny, "--throughput", "--compile", "--batch", "8", "--throughput-steps", "1",
+                           "--threads", "1", "--out", str(tmp_path / "throughput")]) == 0
+    printed = capsys.readouterr().out
+    assert "compiled (--compile)" in printed and "Compiled: the model's forward under torch.compile" in printed
+    result = json.loads((tmp_path / "throughput" / "throughput.json").read_text())
+    assert result["compiled"] and [r["compiled"] for r in result["rows"]] == [True, True]
+    out = tmp_path / "train"
+    assert train_mod.main(["--config", tiny, "--compile", "--steps", "1", "--attention", "llsa", "--threads", "1",
+                           "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "training steps under torch.compile (--compile)" in printed
+    assert " compiled |" in printed  # the table's s/step
+    assert json.loads((out / "llsa-seed0" / "summary.json").read_text())["compiled"] is True
+    # The checkpoint holds the model's own state (no torch.compile "_orig_mod." prefix): it loads
+    # into a plain model, and the run resumes eagerly.
+    ckpt = torch.load(out / "llsa-seed0" / "checkpoint.pt", weights_only=False)
+    PixelDiT(config_mod.load(tiny).model).load_state_dict(ckpt["model"])
+    assert train_mod.main(["--config", tiny, "--steps", "2", "--attention", "llsa", "--threads", "1",
+                           "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "resuming from step 1" in printed and " compiled |" not in printed
+    assert json.loads((out / "llsa-seed0" / "summary.json").read_text())["compiled"] is False
+
+
+def test_a_graph_break_is_an_error_naming_the_option():
+    # fullgraph: what torch.compile cannot put in one graph fails, naming the option, rather than
+    # running partly eager.
+    class Breaks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x, t):
+            torch._dynamo.graph_break()
+            return x * self.scale
+
+    cfg = config_mod.load(CONFIGS / "tiny.json")
+    model = Breaks()
+    optimizer = train_mod.make_optimizer(cfg, model)
+    with pytest.raises(RuntimeError, match=r"train\.compile \(--compile\): torch.compile could not compile"):
+        train_mod.train_step(cfg, model, train_mod.compiled_forward(model), optimizer,
+                             train_mod.train_batch(cfg, 0, 0), 1e-3)

@@ -36,6 +36,7 @@ struct RulerOptions {
 
 struct EvalModelOptions {
   std::string model, tasks = "niah_single_1", lengths = "1K", attention = "dense", svg, json_path, tokenizer;
+  std::string backend = "cpu";
   int64_t samples = 10, steps = 0, gen_len = 0;
   uint64_t seed = 0;
   int threads = 0;
@@ -274,13 +275,24 @@ Outcome run_eval_model(const EvalModelOptions& o) {
 
   // The model itself first (a runtime error), then every method's instance before any work,
   // so that a bad --attention fails at once, as a usage error naming it.
+  // The backend is checked with the plain model: a backend this build lacks, or one the model
+  // cannot run on (its head_dim), is a usage error naming --backend.
   {
-    auto plain = dlm::Model::load(o.model, dlm::LoadOptions{});
-    if (!plain.ok()) return runtime_error(plain.status());
+    dlm::LoadOptions lo;
+    lo.backend = o.backend;
+    auto plain = dlm::Model::load(o.model, lo);
+    if (!plain.ok()) {
+      if (plain.status().message().rfind("backend", 0) == 0 || plain.status().message().find("cuda backend") !=
+                                                                     std::string::npos) {
+        return usage_error(Status(plain.status().code(), "--backend " + o.backend + ": " + plain.status().message()));
+      }
+      return runtime_error(plain.status());
+    }
   }
   std::vector<dlm::Model> models;
   for (const std::string& m : methods.value()) {
     dlm::LoadOptions lo;
+    lo.backend = o.backend;
     lo.num_threads = o.threads;
     lo.attention = m;
     auto model = dlm::Model::load(o.model, lo);
@@ -352,6 +364,7 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   if (!o.quiet) std::fprintf(stderr, "\n");
 
   nlohmann::json j = {{"model", o.model},
+                      {"backend", o.backend},
                       {"arch", dlm::arch_name(config.arch)},
                       {"loop", dlm::loop_name(models[0].default_loop())},
                       {"seed", o.seed},
@@ -466,6 +479,10 @@ std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
                  "remask (llada): total steps (default: gen-len)");
   ev->add_option("--gen-len", e->gen_len, "tokens to generate (default: the task's budget)");
   ev->add_option("--tokenizer", e->tokenizer, "tokenizer.json (default: the model directory's)");
+  ev->add_option("--backend", e->backend,
+                 "cpu, cuda or cuda:N (bf16 on the GPU: dense, ba_att and mean_pool; quest, losa and xattention run "
+                 "on the cpu backend only)")
+      ->capture_default_str();
   ev->add_option("--threads", e->threads, "attention threads (0 = all cores)");
   ev->add_option_function<std::string>(
         "--json", [e](const std::string& v) {

@@ -154,6 +154,9 @@ def test_eval_model_smoke(sparsa_bin, tiny_model, tmp_path):
     ("--tasks", "nope", "--tasks"),
     ("--samples", "0", "--samples"),
     ("--svg", "/nonexistent-dir/x.svg", "--svg"),
+    ("--backend", "tpu", "--backend tpu"),
+    ("--backend", "cuda:x", "--backend cuda:x"),
+    ("--backend", "cuda", "--backend cuda"),  # no cuda in this build, no device, or head_dim 16: each names it
 ])
 def test_eval_model_bad_arguments(sparsa_bin, tiny_model, flag, value, needle):
     args = {"--lengths": "512", "--attention": "dense", "--tasks": "niah_single_1", "--samples": "1"}
@@ -162,6 +165,42 @@ def test_eval_model_bad_arguments(sparsa_bin, tiny_model, flag, value, needle):
     p = run(sparsa_bin, "eval-model", "--model", tiny_model, *flat, "--quiet", check=False)
     assert p.returncode == 2, p.stderr
     assert needle in p.stderr, p.stderr
+
+
+def test_eval_model_on_the_cuda_backend(sparsa_bin, tokenizer_path, tmp_path):
+    """--backend cuda (bf16): dense and BA-Att run on the device, the report says so, each
+    score is RULER's on its prediction, and a second run gives the same predictions; QUEST
+    (cpu only in the engine) is a usage error naming its --attention item. Skipped where the
+    cuda backend is absent (this CI); scripts/gpu-check --dlm runs it on the GPU machine."""
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    d = tmp_path / "hd64"
+    spec = R.Spec("sdar", dim=128, heads=2, kv_heads=1, head_dim=64, hidden=96, layers=2, block=16,
+                  vocab=tok.get_vocab_size(), max_len=2048, mask_id=tok.token_to_id("<|mask|>"),
+                  eos=tok.token_to_id("<|endoftext|>"))
+    R.write_model(d, spec, seed=5)
+    (d / "tokenizer.json").write_text(tokenizer_path.read_text())
+    args = ["eval-model", "--model", d, "--tasks", "niah_single_1", "--lengths", "512", "--samples", "2",
+            "--seed", "0", "--quiet", "--json", "--backend", "cuda"]
+    p = run(sparsa_bin, *args, "--attention", "dense;ba_att:density=0.5,min_tokens=0", check=False)
+    if p.returncode != 0 and ("not compiled" in p.stderr or "no CUDA device" in p.stderr
+                              or "has no cuda backend" in p.stderr):
+        pytest.skip(f"no CUDA backend here: {p.stderr.strip()}")
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert report["backend"] == "cuda"
+    assert [c["method"] for c in report["results"]] == ["dense", "ba_att:density=0.5,min_tokens=0"]
+    refs = {r["index"]: r for r in generate(sparsa_bin, "--tasks", "niah_single_1", "--lengths", "512",
+                                             "--samples", "2", "--seed", "0", "--tokenizer", d / "tokenizer.json")}
+    for c in report["results"]:
+        assert len(c["per_sample"]) == 2
+        for s in c["per_sample"]:
+            ref = refs[s["index"]]
+            assert s["score"] == ruler_score(s["prediction"], ref["outputs"], ref["metric"])
+    again = json.loads(run(sparsa_bin, *args, "--attention", "dense;ba_att:density=0.5,min_tokens=0").stdout)
+    assert [s["prediction"] for c in again["results"] for s in c["per_sample"]] == \
+        [s["prediction"] for c in report["results"] for s in c["per_sample"]]
+    q = run(sparsa_bin, *args, "--attention", "quest:budget=64", check=False)
+    assert q.returncode == 2 and "--attention quest:budget=64" in q.stderr, q.stderr
 
 
 def test_eval_model_missing_model_is_a_runtime_error(sparsa_bin, tmp_path):

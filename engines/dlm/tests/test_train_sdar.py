@@ -563,3 +563,39 @@ def test_triples_tokenizer_makes_every_digit_run_one_token_and_the_engine_agrees
     with pytest.raises(SystemExit, match="--vocab 400: too small for --numbers triples"):
         T.main(["tokenizer", "--run", str(tmp_path / "small"), "--sparsa", sparsa_bin, "--vocab", "400",
                 "--samples", "1"])
+
+
+def test_profile_logs_where_a_steps_time_goes(sparsa_bin, tmp_path_factory, capsys):
+    """--profile N: N steps from the stage's sixth under torch.profiler, then a table of the
+    operators by self time and the steps' wall time in the log; negative N is an error."""
+    run = make_run(sparsa_bin, tmp_path_factory, "sdar")
+    base = ["train", "--run", run, "--stage", "1", "--lengths", "512", "--tasks", TASKS, "--batch-tokens", "2048",
+            "--device", "cpu", "--attention", "sdpa", "--val-samples", "1", "--gen-threads", "1", "--chunk", "4",
+            "--sparsa", sparsa_bin, "--log-seconds", "0"]
+    capsys.readouterr()
+    T.main(base + ["--steps", "8", "--profile", "2"])
+    out = capsys.readouterr().out
+    assert "profile of steps 6-7:" in out and "ms a step" in out, out
+    assert "Self CPU" in out and "aten::" in out  # torch.profiler's table of operators
+    T.main(base + ["--steps", "3", "--profile", "2"])  # ends before the profile's last step
+    assert "the stage ended before 7 steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--profile: expected"):
+        T.main(base + ["--steps", "1", "--profile", "-1"])
+
+
+def test_a_non_finite_loss_stops_training_before_a_checkpoint_keeps_it(sparsa_bin, tmp_path_factory):
+    """The losses are read from the device only at log and checkpoint times; a non-finite loss
+    or weight found there (here: a learning rate that blows the weights up) stops the run with
+    an error before the checkpoint is written, so the last checkpoint on disk is finite."""
+    run = make_run(sparsa_bin, tmp_path_factory, "sdar")
+    args = ["train", "--run", run, "--stage", "1", "--lengths", "512", "--tasks", TASKS, "--batch-tokens", "2048",
+            "--device", "cpu", "--attention", "sdpa", "--val-samples", "1", "--gen-threads", "1", "--chunk", "4",
+            "--sparsa", sparsa_bin, "--log-seconds", "1000", "--warmup", "1"]
+    T.main(args + ["--steps", "2", "--lr", "1e-3"])
+    ckpt = os.path.join(run, "ckpt.pt")
+    before = torch.load(ckpt, map_location="cpu", weights_only=False)
+    with pytest.raises(SystemExit, match="(the loss|a weight) became"):
+        T.main(args + ["--steps", "40", "--lr", "1e30", "--save-minutes", "0"])
+    after = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in after["model"].values())
+    assert after["state"]["step"] >= before["state"]["step"]

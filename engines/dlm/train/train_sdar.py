@@ -574,6 +574,8 @@ def cmd_train(a):
     f = run_files(a.run)
     sparsa = find_sparsa(a.sparsa)
     plan = parse_plan(a)
+    if a.profile < 0:
+        sys.exit(f"train_sdar: --profile: expected a number of steps >= 0, got {a.profile}")
     for n, stage, _, _ in plan:
         if max(stage["lengths"]) > c.max_len:
             sys.exit(f"train_sdar: stage {n}'s length {max(stage['lengths'])} exceeds the model's max_len {c.max_len}")
@@ -625,6 +627,60 @@ def cmd_train(a):
         train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, state, n, stage, minutes, steps)
         if a.export:
             export_run(a.run, model, state, a.export, a.export_dtype, a.shard_mb)
+
+
+def check_finite(model, state):
+    """Exit (the checkpoint on disk untouched) if a weight is not finite: the last step's loss
+    can be finite while its update overflowed the weights."""
+    if not bool(torch.stack([p.detach().isfinite().all() for p in model.parameters()]).all()):
+        sys.exit(f"train_sdar: a weight became non-finite by step {state['step']}; the checkpoint keeps the last "
+                 "good state")
+
+
+class Profiler:
+    """`train --profile N`: torch.profiler over N training steps of the first stage, from its
+    sixth step on (after the warm-ups, which compile every shape), then the operators that took
+    the most device time (self CUDA time on a GPU, self CPU time otherwise) and the steps' wall
+    time in the log: where a step's time goes, measured inside a real run."""
+
+    FIRST = 5
+
+    def __init__(self, steps, device):
+        self.steps, self.device, self.prof, self.t0 = steps, device, None, 0.0
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def before_step(self, done):
+        if done == self.FIRST and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.sync()
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+            self.t0 = time.time()
+
+    def after_step(self, done):
+        """True once the profile is written."""
+        if self.prof is None or done < self.FIRST + self.steps:
+            return False
+        self.sync()
+        wall = time.time() - self.t0
+        self.prof.__exit__(None, None, None)
+        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = self.prof.key_averages().table(sort_by=key, row_limit=25)
+        log(f"profile of steps {self.FIRST + 1}-{self.FIRST + self.steps}: {wall / self.steps * 1e3:.1f} ms a step "
+            f"(wall, synchronised), operators by {key}:\n{table}")
+        self.prof = None
+        return True
+
+    def abandon(self):
+        """The stage ended before the profile's last step: stop it if it started, and say so."""
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            self.prof = None
+        log(f"profile: the stage ended before {self.FIRST + self.steps} steps; nothing profiled")
 
 
 def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, state, stage_no, stage, minutes,
@@ -737,7 +793,26 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     batcher.start()
     waited = 0.0  # seconds the loop spent waiting for batches: the data side's share
     tokens_at_log = state["tokens"]
+    # The steps' losses stay on the device until a log line or a checkpoint needs them: reading
+    # one waits for the GPU, and a read every step would keep the CPU from queueing the next
+    # step's kernels while the GPU runs this one.
+    pending = []
+
+    def read_losses():
+        if pending:
+            values = torch.stack([torch.stack(p) for p in pending]).float().tolist()
+            pending.clear()
+            for lv, cv in values:
+                if not math.isfinite(lv):
+                    sys.exit(f"train_sdar: the loss became {lv} by step {state['step']}; the checkpoint keeps the "
+                             "last good state")
+                losses.append(lv)
+                ces.append(cv)
+
+    profiler = Profiler(a.profile, device) if a.profile else None
     while done < max_steps and time.time() - start < budget_s:
+        if profiler:
+            profiler.before_step(done)
         t_wait = time.time()
         got = batches.get()
         waited += time.time() - t_wait
@@ -758,13 +833,13 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         done += 1
         state["step"] += 1
         state["tokens"] += int(batch["ids"].numel())
-        lv = float(loss.detach())
-        losses.append(lv)
-        ces.append(float(ce))
-        if not math.isfinite(lv):
-            sys.exit(f"train_sdar: the loss became {lv} at step {state['step']}; the checkpoint keeps the last good state")
+        pending.append((loss.detach(), ce))
+        if profiler and profiler.after_step(done):
+            a.profile = 0  # the first stage of this call only
+            profiler = None
         now = time.time()
         if now - last_log >= a.log_seconds or done == max_steps:
+            read_losses()
             mean = sum(losses[-50:]) / len(losses[-50:])
             mean_ce = sum(ces[-50:]) / len(ces[-50:])
             rate = (state["tokens"] - tokens_at_log) / max(now - last_log, 1e-9)
@@ -774,8 +849,14 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                 f"{rate / 1e3:.0f}K tokens/s  waited for data {waited:.0f} s  {now - start:.0f} s")
             last_log, tokens_at_log = now, state["tokens"]
         if now - last_save >= a.save_minutes * 60:
+            read_losses()  # never a checkpoint of a model whose loss or weights went non-finite
+            check_finite(model, state)
             save_ckpt(a.run, model, opt, state)
             last_save = now
+    read_losses()
+    check_finite(model, state)
+    if profiler:
+        profiler.abandon()
     stream.close()
     batcher.join(timeout=120)
     v = validate()
@@ -956,6 +1037,8 @@ def main(argv=None):
     s.add_argument("--compile", type=int, default=0,
                    help="1: torch.compile the model too (FlexAttention is always compiled on the GPU)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N steps of the first stage (from its sixth) and log where the time goes")
     s.add_argument("--save-minutes", type=float, default=2)
     s.add_argument("--log-seconds", type=float, default=20)
     s.add_argument("--shard-mb", type=int, default=16)

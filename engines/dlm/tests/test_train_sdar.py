@@ -599,3 +599,25 @@ def test_a_non_finite_loss_stops_training_before_a_checkpoint_keeps_it(sparsa_bi
     after = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert all(torch.isfinite(v).all() for v in after["model"].values())
     assert after["state"]["step"] >= before["state"]["step"]
+
+
+def test_loss_rows_found_on_the_host_give_the_boolean_index_loss(trained):
+    """loss_of reads the masked tokens' rows found on the host (with_loss_rows, in the batch
+    thread: no device sync); the same loss and cross-entropy as a boolean index of the device
+    tensors, computed here independently, bit for bit (the same rows in the same order), with
+    or without the rows precomputed."""
+    import torch.nn.functional as F
+    model = load_model(trained)
+    gen = torch.Generator().manual_seed(8)
+    items = [(512, list(range(5, 300)), [7, 8, 9, 0], 128), (512, list(range(9, 200)), [3, 4, 0], 128)]
+    batch, total = T.build_batch(items, model.c, 2, gen, 640)
+    with torch.no_grad():
+        h = model.hidden(batch["ids"], batch["pos"], S.sdpa_attention(T.dense_mask(batch["blk"], batch["copy"])))
+        sel = batch["labels"] != -100
+        ce = F.cross_entropy(model.head(h[sel]).float(), batch["labels"][sel], reduction="none")
+        want = ((ce * batch["weights"][sel]).sum() / total, ce.sum() / int(sel.sum()))
+        for b in (batch, T.with_loss_rows(batch)):
+            got = T.loss_of(model, b, total, "sdpa")
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got, want)
+    rows = T.with_loss_rows(batch)["rows"]
+    assert rows.numel() == int(sel.sum()) and bool((batch["labels"].reshape(-1)[rows] != -100).all())

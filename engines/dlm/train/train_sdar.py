@@ -422,19 +422,31 @@ def flex_block_mask(blk, copy):
     return create_block_mask(mask_mod, B, None, N, N, device=blk.device, _compile=blk.device.type == "cuda")
 
 
+def with_loss_rows(batch):
+    """The batch (host tensors) with the rows the loss reads, found on the host where the batch
+    is built: "rows" (flat indices of the noisy copies' masked tokens), their "row_labels" and
+    "row_weights". A boolean index on the device would make every step wait for the GPU."""
+    flat = batch["labels"].reshape(-1)
+    rows = (flat != -100).nonzero().squeeze(1)
+    return {**batch, "rows": rows, "row_labels": flat[rows], "row_weights": batch["weights"].reshape(-1)[rows]}
+
+
 def loss_of(model, batch, total, attention, compiled_flex=None):
     dev = model.embed_tokens.weight.device
-    b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+    if "rows" not in batch:
+        batch = with_loss_rows(batch)
+    b = {k: batch[k].to(dev, non_blocking=True) for k in ("ids", "pos", "blk", "copy", "rows", "row_labels",
+                                                           "row_weights")}
     if attention == "flex":
         attn = flex_attention_fn(flex_block_mask(b["blk"], b["copy"]), compiled_flex)
     else:
         attn = sdpa_attention(dense_mask(b["blk"], b["copy"]))
     h = model.hidden(b["ids"], b["pos"], attn)
-    sel = b["labels"] != -100  # the head only where there is a loss: the masked tokens of the noisy copies
-    logits = model.head(h[sel]).float()
-    ce = F.cross_entropy(logits, b["labels"][sel], reduction="none")
+    # the head only where there is a loss: the masked tokens of the noisy copies
+    logits = model.head(h.reshape(-1, h.shape[-1]).index_select(0, b["rows"])).float()
+    ce = F.cross_entropy(logits, b["row_labels"], reduction="none")
     # the objective (the ELBO's 1/t weights) and, to watch, the plain cross-entropy per masked token
-    return (ce * b["weights"][sel]).sum() / max(total, 1), ce.sum().detach() / max(int(sel.sum()), 1)
+    return (ce * b["row_weights"]).sum() / max(total, 1), ce.sum().detach() / max(int(batch["rows"].numel()), 1)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -778,6 +790,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                 if len(bk["items"]) >= bk["rows"]:
                     items, bk["items"] = bk["items"], []
                     batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range, full_mask)
+                    batch = with_loss_rows(batch)
                     if device.type == "cuda":
                         batch = {k: v.pin_memory() for k, v in batch.items()}
                     while not stream.stop:

@@ -652,7 +652,7 @@ def check_finite(model, state):
 class Profiler:
     """`train --profile N`: torch.profiler over N training steps of the first stage, from its
     sixth step on (after the warm-ups, which compile every shape), then the operators that took
-    the most device time (self CUDA time on a GPU, self CPU time otherwise) and the steps' wall
+    the most device time (self device time on a GPU, self CPU time otherwise) and the steps' wall
     time in the log: where a step's time goes, measured inside a real run."""
 
     FIRST = 5
@@ -680,7 +680,7 @@ class Profiler:
         self.sync()
         wall = time.time() - self.t0
         self.prof.__exit__(None, None, None)
-        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self.prof.key_averages().table(sort_by=key, row_limit=25)
         log(f"profile of steps {self.FIRST + 1}-{self.FIRST + self.steps}: {wall / self.steps * 1e3:.1f} ms a step "
             f"(wall, synchronised), operators by {key}:\n{table}")

@@ -7,10 +7,13 @@
 #   gpu-run.sh start SECONDS    build the CLI, make the run (a new tokenizer, or INIT's), start
 #                               PLAN in the background (EXTRA: more train flags), then watch
 #   gpu-run.sh watch SECONDS    tail the log until SECONDS have passed or training ends
-#   gpu-run.sh eval  ARGS...    sparsa eval-model on the run's export (ARGS: its flags)
+#   gpu-run.sh eval  ARGS...    sparsa eval-model on the run's export (ARGS: its flags); with
+#                               BACKEND=cuda on the GPU (dense and BA-Att cells), through a CLI
+#                               built with CUDA in build-gpu (built first if missing: minutes)
 #
 # Environment: PLAN (e.g. 0:6,3:4,4:7), EXTRA, INIT (an export directory carried in the working
-# tree, with run.json beside it), R (the run directory; default build/runs/sdar-ruler).
+# tree, with run.json beside it), R (the run directory; default build/runs/sdar-ruler), BACKEND
+# (eval: cpu, the default, cuda or cuda:N).
 set -u
 export PYTHONUNBUFFERED=1
 R=${R:-build/runs/sdar-ruler}
@@ -53,6 +56,17 @@ case "${1:-}" in
     echo "started --plan $PLAN ${EXTRA:-} ${INIT:+from $INIT} at $(( $(date +%s) - t0 )) s"
     watch "$2" ;;
   watch) watch "$2" ;;
-  eval) shift; build/tools/sparsa eval-model --model $R/export --threads 16 "$@" ;;
+  eval)
+    shift
+    if [ "${BACKEND:-cpu}" = cpu ]; then
+      build/tools/sparsa eval-model --model $R/export --threads 16 "$@"
+    else
+      if [ ! -x build-gpu/tools/sparsa ]; then
+        { cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSA_CUDA=ON -DSPARSA_TESTS=OFF \
+            -DSPARSA_BENCH=OFF -DSPARSA_PYTHON=OFF && cmake --build build-gpu --parallel 16 --target sparsa_cli; } \
+          > $R/cmake-gpu.log 2>&1 || { tail -30 $R/cmake-gpu.log; exit 1; }
+      fi
+      build-gpu/tools/sparsa eval-model --model $R/export --backend "$BACKEND" --threads 16 "$@"
+    fi ;;
   *) echo "usage: gpu-run.sh start|watch SECONDS, or gpu-run.sh eval ARGS" >&2; exit 2 ;;
 esac

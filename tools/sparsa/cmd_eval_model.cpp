@@ -274,19 +274,20 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   if (!count.ok()) return runtime_error(count.status());
 
   // The model itself first (a runtime error), then every method's instance before any work,
-  // so that a bad --attention fails at once, as a usage error naming it.
-  // The backend is checked with the plain model: a backend this build lacks, or one the model
-  // cannot run on (its head_dim), is a usage error naming --backend.
+  // so that a bad --attention fails at once, as a usage error naming it. Between them, for a
+  // backend other than cpu, the plain model on that backend: a model that loads on the cpu but
+  // not there (a backend this build or machine lacks, a head_dim its kernels do not take) is a
+  // usage error naming --backend.
   {
+    auto plain = dlm::Model::load(o.model, dlm::LoadOptions{});
+    if (!plain.ok()) return runtime_error(plain.status());
+  }
+  if (o.backend != "cpu") {
     dlm::LoadOptions lo;
     lo.backend = o.backend;
     auto plain = dlm::Model::load(o.model, lo);
     if (!plain.ok()) {
-      if (plain.status().message().rfind("backend", 0) == 0 || plain.status().message().find("cuda backend") !=
-                                                                     std::string::npos) {
-        return usage_error(Status(plain.status().code(), "--backend " + o.backend + ": " + plain.status().message()));
-      }
-      return runtime_error(plain.status());
+      return usage_error(Status(plain.status().code(), "--backend " + o.backend + ": " + plain.status().message()));
     }
   }
   std::vector<dlm::Model> models;

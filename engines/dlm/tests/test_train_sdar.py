@@ -15,6 +15,7 @@ holds with margin, while the negative control (a bidirectional canvas instead of
 block-causal one) moves the logits by far more."""
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -557,7 +558,7 @@ def test_triples_tokenizer_makes_every_digit_run_one_token_and_the_engine_agrees
     p = subprocess.run([sparsa_bin, "tokenize", "--tokenizer", os.path.join(run, "tokenizer.json"), "--text", text,
                         "--json"], capture_output=True, text=True, check=True)
     assert json.loads(p.stdout)["ids"] == ids
-    rng = __import__("random").Random(3)
+    rng = random.Random(3)
     _, _, target, _ = T.kv_item(256, rng, tok, 0)
     assert sum(t in T.number_tokens(tok) for t in target) == 6 * 3  # 6 values of 3 runs (3 + 3 + 1 digits)
     with pytest.raises(SystemExit, match="--vocab 400: too small for --numbers triples"):
@@ -593,12 +594,10 @@ def test_a_non_finite_loss_stops_training_before_a_checkpoint_keeps_it(sparsa_bi
             "--sparsa", sparsa_bin, "--log-seconds", "1000", "--warmup", "1"]
     T.main(args + ["--steps", "2", "--lr", "1e-3"])
     ckpt = os.path.join(run, "ckpt.pt")
-    before = torch.load(ckpt, map_location="cpu", weights_only=False)
     with pytest.raises(SystemExit, match="(the loss|a weight) became"):
         T.main(args + ["--steps", "40", "--lr", "1e30", "--save-minutes", "0"])
     after = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert all(torch.isfinite(v).all() for v in after["model"].values())
-    assert after["state"]["step"] >= before["state"]["step"]
 
 
 def test_loss_rows_found_on_the_host_give_the_boolean_index_loss(trained):

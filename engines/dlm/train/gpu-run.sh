@@ -8,8 +8,8 @@
 #                               PLAN in the background (EXTRA: more train flags), then watch
 #   gpu-run.sh watch SECONDS    tail the log until SECONDS have passed or training ends
 #   gpu-run.sh eval  ARGS...    sparsa eval-model on the run's export (ARGS: its flags); with
-#                               BACKEND=cuda on the GPU (dense and BA-Att cells), through a CLI
-#                               built with CUDA in build-gpu (built first if missing: minutes)
+#                               BACKEND=cuda on the GPU (dense and BA-Att cells), through
+#                               gpu-check's CUDA CLI (build-gpu) or one built in build-gpu-cli
 #
 # Environment: PLAN (e.g. 0:6,3:4,4:7), EXTRA, INIT (an export directory carried in the working
 # tree, with run.json beside it), R (the run directory; default build/runs/sdar-ruler), BACKEND
@@ -61,12 +61,16 @@ case "${1:-}" in
     if [ "${BACKEND:-cpu}" = cpu ]; then
       build/tools/sparsa eval-model --model $R/export --threads 16 "$@"
     else
-      if [ ! -x build-gpu/tools/sparsa ]; then
-        { cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSA_CUDA=ON -DSPARSA_TESTS=OFF \
-            -DSPARSA_BENCH=OFF -DSPARSA_PYTHON=OFF && cmake --build build-gpu --parallel 16 --target sparsa_cli; } \
+      # gpu-check's CLI when it has built one; else one of its own (a directory of its own, so
+      # that its cache, without tests, never becomes gpu-check's)
+      cli=build-gpu/tools/sparsa
+      if [ ! -x $cli ]; then
+        cli=build-gpu-cli/tools/sparsa
+        { cmake -S . -B build-gpu-cli -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSA_CUDA=ON -DSPARSA_TESTS=OFF \
+            -DSPARSA_BENCH=OFF -DSPARSA_PYTHON=OFF && cmake --build build-gpu-cli --parallel 16 --target sparsa_cli; } \
           > $R/cmake-gpu.log 2>&1 || { tail -30 $R/cmake-gpu.log; exit 1; }
       fi
-      build-gpu/tools/sparsa eval-model --model $R/export --backend "$BACKEND" --threads 16 "$@"
+      $cli eval-model --model $R/export --backend "$BACKEND" --threads 16 "$@"
     fi ;;
   *) echo "usage: gpu-run.sh start|watch SECONDS, or gpu-run.sh eval ARGS" >&2; exit 2 ;;
 esac

@@ -422,6 +422,9 @@ def flex_block_mask(blk, copy):
     return create_block_mask(mask_mod, B, None, N, N, device=blk.device, _compile=blk.device.type == "cuda")
 
 
+STEP_KEYS = ("ids", "pos", "blk", "copy", "rows", "row_labels", "row_weights")  # what loss_of moves to the device
+
+
 def with_loss_rows(batch):
     """The batch (host tensors) with the rows the loss reads, found on the host where the batch
     is built: "rows" (flat indices of the noisy copies' masked tokens), their "row_labels" and
@@ -435,8 +438,7 @@ def loss_of(model, batch, total, attention, compiled_flex=None):
     dev = model.embed_tokens.weight.device
     if "rows" not in batch:
         batch = with_loss_rows(batch)
-    b = {k: batch[k].to(dev, non_blocking=True) for k in ("ids", "pos", "blk", "copy", "rows", "row_labels",
-                                                           "row_weights")}
+    b = {k: batch[k].to(dev, non_blocking=True) for k in STEP_KEYS}
     if attention == "flex":
         attn = flex_attention_fn(flex_block_mask(b["blk"], b["copy"]), compiled_flex)
     else:
@@ -791,6 +793,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                     items, bk["items"] = bk["items"], []
                     batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range, full_mask)
                     batch = with_loss_rows(batch)
+                    batch = {k: batch[k] for k in STEP_KEYS}  # all a step reads (labels and weights: as the rows')
                     if device.type == "cuda":
                         batch = {k: v.pin_memory() for k, v in batch.items()}
                     while not stream.stop:

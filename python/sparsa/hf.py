@@ -181,7 +181,11 @@ def _traced_masked_attention(implementation, module, query, key, value, attentio
     def bidirectional_branch(q, k, v):
         return _attend(implementation, module, q, k, v, False, scaling)[0].contiguous()
 
-    out = torch.cond(is_causal & ~all_visible, causal_branch, bidirectional_branch, (query, key, value))
+    # The operands go in contiguous: transformers hands q/k/v over as transposed views, and torch
+    # 2.11's cond (aot_eager and inductor alike) traces its branches for one layout while the
+    # compiled graph may pass another (a silently wrong answer, or inductor's stride assertion).
+    operands = (query.contiguous(), key.contiguous(), value.contiguous())
+    out = torch.cond(is_causal & ~all_visible, causal_branch, bidirectional_branch, operands)
     return out, None
 
 

@@ -138,15 +138,22 @@ def main():
                 t = timed(lambda: model(ids), args)
                 rows.append({"mask": mask, "run": f"sparsa_ba_att d={args.density}", "seconds": t,
                              "sdpa_over_sparsa": t_sdpa / t, "vs_sdpa": agreement(got, want)})
+                for row in rows[first:]:  # what is measured so far, before compiling can fail
+                    print(json.dumps(row), flush=True)
+                printed = len(rows)
                 if not args.no_compile:
                     torch._dynamo.reset()
-                    compiled = torch.compile(model, fullgraph=True)
-                    out = compiled(ids).logits
-                    t = timed(lambda: compiled(ids), args)
-                    rows.append({"mask": mask, "run": f"sparsa_ba_att d={args.density} compiled", "seconds": t,
-                                 "sdpa_over_sparsa": t_sdpa / t, "vs_sdpa": agreement(out, want),
-                                 "vs_eager": agreement(out, got)})
-                    del compiled, out
+                    try:
+                        compiled = torch.compile(model, fullgraph=True)
+                        out = compiled(ids).logits
+                        t = timed(lambda: compiled(ids), args)
+                        rows.append({"mask": mask, "run": f"sparsa_ba_att d={args.density} compiled", "seconds": t,
+                                     "sdpa_over_sparsa": t_sdpa / t, "vs_sdpa": agreement(out, want),
+                                     "vs_eager": agreement(out, got)})
+                        del compiled, out
+                    except Exception as e:  # a row of its own: the eager rows above stand
+                        rows.append({"mask": mask, "run": f"sparsa_ba_att d={args.density} compiled",
+                                     "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
                 if not args.no_graph and args.device == "cuda":
                     side = torch.cuda.Stream()
                     side.wait_stream(torch.cuda.current_stream())
@@ -161,7 +168,7 @@ def main():
                                  "sdpa_over_sparsa": t_sdpa / t, "vs_eager": agreement(captured, got)})
                     del graph, captured
             del want, got
-        for row in rows[first:]:
+        for row in rows[printed:]:
             print(json.dumps(row), flush=True)
     print("\n| mask | run | time (s) | sdpa / run | agreement (max rel, norm rel, argmax) |")
     print("|---|---|---|---|---|")
@@ -172,11 +179,13 @@ def main():
                 if agree else "")
         seconds = f"{row['seconds']:.3f}" if "seconds" in row else ""
         ratio = f"{row['sdpa_over_sparsa']:.2f}x" if "sdpa_over_sparsa" in row else ""
+        if "error" in row:
+            text = f"failed: {row['error']}"
         print(f"| {row['mask']} | {row['run']} | {seconds} | {ratio} | {text} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
-    return 0
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

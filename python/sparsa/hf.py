@@ -181,12 +181,24 @@ def _traced_masked_attention(implementation, module, query, key, value, attentio
     def bidirectional_branch(q, k, v):
         return _attend(implementation, module, q, k, v, False, scaling)[0].contiguous()
 
-    # The operands go in contiguous: transformers hands q/k/v over as transposed views, and torch
-    # 2.11's cond (aot_eager and inductor alike) traces its branches for one layout while the
-    # compiled graph may pass another (a silently wrong answer, or inductor's stride assertion).
-    operands = (query.contiguous(), key.contiguous(), value.contiguous())
+    operands = (_pinned(query), _pinned(key), _pinned(value))
     out = torch.cond(is_causal & ~all_visible, causal_branch, bidirectional_branch, operands)
     return out, None
+
+
+@torch.library.custom_op("sparsa::hf_pinned", mutates_args=())
+def _pinned(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` whose layout a compiled graph cannot change. torch.cond traces
+    its branches for the layout its operands have when traced, but inductor may lay a computed
+    tensor out as it likes where the graph runs: with torch 2.11 on CUDA it handed the branches
+    q/k/v laid out [head_dim, tokens, heads] (inductor's stride assertion, also with .contiguous()
+    operands). An op's output keeps the layout its fake kernel gives."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@_pinned.register_fake
+def _pinned_fake(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _attend(implementation, module, query, key, value, causal: bool, scaling):

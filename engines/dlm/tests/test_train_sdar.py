@@ -487,15 +487,20 @@ def test_key_value_samples_ask_back_what_the_prompt_lists(run_dir, sparsa_bin):
     rng = random.Random(3)
     for L in (256, 512, 4096):
         for _ in range(5):
-            prompt, answer = T.kv_text(L // 32, rng)
+            prompt, answer, spans = T.kv_text(L // 32, rng)
             listed = re.findall(r"\n([a-z]+) is: ([0-9]{7})\.", prompt)
             asked = re.findall(r"\n([a-z]+) is: ([0-9]{7})\.", answer)
             assert len(listed) >= 2 and len({k for k, _ in listed}) == len(listed)
             assert 1 <= len(asked) <= 6 and set(asked) <= set(listed)
             assert answer == "".join(f"\n{k} is: {v}." for k, v in asked)
-            length, p, t, gen = T.kv_item(L, rng, tok, 0)
+            assert [answer[lo:hi] for lo, hi in spans] == [v for _, v in asked]
+            length, p, t, gen, maskable = T.kv_item(L, rng, tok, 0)
             assert length == L and t[-1] == 0 and len(t) <= 129 and gen == 128
             assert len(p) + len(t) <= L, (L, len(p), len(t))
+            # the maskable tokens are the values' digits, all of them, and nothing else
+            assert len(maskable) == len(t) and not maskable[-1]
+            values = re.findall(r" ([0-9]{7})\.", tok.decode(t[:-1]))
+            assert tok.decode([i for i, m in zip(t, maskable) if m]) == "".join(values)
     stream = T.TaskStream(sparsa_bin, f["tokenizer"], [512], TASKS, 5, 2, 1, kv_frac=1.0)
     try:
         items = [stream.get() for _ in range(3)]
@@ -504,6 +509,62 @@ def test_key_value_samples_ask_back_what_the_prompt_lists(run_dir, sparsa_bin):
     assert all("Recall them." in tok.decode(it[1]) for it in items)
     with pytest.raises(ValueError, match="together <= 1"):
         T.TaskStream(sparsa_bin, f["tokenizer"], [512], TASKS, 5, 2, 1, copy_frac=0.6, kv_frac=0.6)
+
+
+def test_key_value_drill_masks_the_values_alone_and_keeps_the_keys(run_dir, sparsa_bin, tmp_path, capsys):
+    """A kv_item's answer asks its keys in a random order, so a value can only be found with its
+    key visible: build_batch masks the value tokens alone (wholly with --full-mask 1), the keys
+    and the rest of the answer stay as they are, a block without a value gets no noisy copy,
+    and the loss is averaged over the maskable tokens. --kv-pairs/--kv-digits/--kv-asked shape
+    the drill; with --kv-frac 1 no generator task needs to fit the length (128 here, which no
+    needle task fits), and a shorter --answer-tokens shortens the rows."""
+    import random
+    import shutil
+    from tokenizers import Tokenizer
+    c = T.load_run(run_dir)
+    tok = Tokenizer.from_file(T.run_files(run_dir)["tokenizer"])
+    rng = random.Random(4)
+    item = T.kv_item(128, rng, tok, c.eos_id, pairs=5, digits=3, asked=3)
+    _, p, t, _, maskable = item
+    assert sum(maskable) == 3 * 3  # digit by digit: 3 asked values of 3 digits
+    batch, total = T.build_batch([item], c, 0, torch.Generator().manual_seed(1), t_range=(0.3, 0.5), full_mask=1.0)
+    noisy = (batch["copy"][0] >= 0) & (batch["copy"][0] < T.PAD_COPY)
+    masked = batch["ids"][0] == c.mask_id
+    assert total == 9 and int(masked.sum()) == 9 and bool((batch["labels"][0] != -100).eq(masked).all())
+    x0 = p + t
+    pos = batch["pos"][0][masked].tolist()
+    assert sorted(pos) == [len(p) + i for i, m in enumerate(maskable) if m]
+    for q, i in zip(batch["pos"][0][noisy].tolist(), batch["ids"][0][noisy].tolist()):
+        assert i == (c.mask_id if q in pos else (x0 + [c.eos_id] * 16)[q])  # keys and the rest: visible
+    blocks = set(batch["blk"][0][noisy].tolist())
+    assert blocks == {q // c.block_size for q in pos}
+    # partial masking draws among the values only, and always masks one
+    for seed in range(5):
+        b, total = T.build_batch([item], c, 0, torch.Generator().manual_seed(seed), t_range=(0.01, 0.01))
+        m = b["ids"][0] == c.mask_id
+        assert 1 <= int(m.sum()) and set(b["pos"][0][m].tolist()) <= set(pos) and total == 9
+    # noisy prompt blocks beside it are masked as before (any token), and the llada loss keeps to the values too
+    b, _ = T.build_batch([item], c, 2, torch.Generator().manual_seed(2), t_range=(0.5, 0.5), full_mask=1.0)
+    prompt_copies = (b["copy"][0] >= 0) & (b["copy"][0] < T.PAD_COPY) & (b["pos"][0] < (len(p) // 16) * 16)
+    assert int(prompt_copies.sum()) == 32 and bool((b["ids"][0][prompt_copies] == c.mask_id).any())
+    b, total = T.build_batch_llada([item], c, torch.Generator().manual_seed(2), t_range=(1.0, 1.0))
+    m = b["ids"][0] == c.mask_id
+    assert total == 9 and sorted(b["pos"][0][m].tolist()) == sorted(pos)
+    run = str(tmp_path / "run")
+    shutil.copytree(run_dir, run)
+    capsys.readouterr()
+    T.main(["train", "--run", run, "--stage", "0", "--lengths", "128", "--tasks", "niah_single_1", "--kv-frac", "1",
+            "--copy-frac", "0", "--kv-pairs", "4", "--kv-digits", "3", "--kv-asked", "2", "--full-mask", "1",
+            "--answer-tokens", "48", "--steps", "2", "--batch-tokens", "2048", "--device", "cpu", "--val-samples", "2",
+            "--gen-threads", "1", "--chunk", "4", "--sparsa", sparsa_bin, "--log-seconds", "0"])
+    out = capsys.readouterr().out
+    assert "100% key-value of 4 pairs, 3 digits, 2 asked" in out and "(11 x 256)" in out  # 2048 // (128 + 48) rows
+    # the drill's shape options refuse values they cannot build, naming the option
+    for option, value in (("--kv-digits", "0"), ("--kv-asked", "0"), ("--kv-pairs", "-1"), ("--answer-tokens", "0"),
+                          ("--kv-digits", "x")):
+        with pytest.raises(SystemExit):
+            T.main(["train", "--run", run, option, value])
+        assert option in capsys.readouterr().err
 
 
 def test_full_mask_masks_whole_answer_blocks(run_dir):
@@ -559,8 +620,9 @@ def test_triples_tokenizer_makes_every_digit_run_one_token_and_the_engine_agrees
                         "--json"], capture_output=True, text=True, check=True)
     assert json.loads(p.stdout)["ids"] == ids
     rng = random.Random(3)
-    _, _, target, _ = T.kv_item(256, rng, tok, 0)
+    _, _, target, _, maskable = T.kv_item(256, rng, tok, 0)
     assert sum(t in T.number_tokens(tok) for t in target) == 6 * 3  # 6 values of 3 runs (3 + 3 + 1 digits)
+    assert maskable == [t in T.number_tokens(tok) for t in target]  # the values' runs alone may be masked
     with pytest.raises(SystemExit, match="--vocab 400: too small for --numbers triples"):
         T.main(["tokenizer", "--run", str(tmp_path / "small"), "--sparsa", sparsa_bin, "--vocab", "400",
                 "--samples", "1"])

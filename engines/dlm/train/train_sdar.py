@@ -164,13 +164,14 @@ def copy_item(length, rng, vocab, eos):
     return (length, seq, seq + [eos], n + 1)
 
 
-def kv_text(pairs, rng):
+def kv_text(pairs, rng, digits=7, asked=6):
     """The text of a key-value recall sample (an associative recall drill shaped like the needle
-    tasks): the prompt lists `pairs` lines "KEY is: 7 DIGITS." with random letter keys, then asks
-    for some of them back; the answer repeats up to 6 of those lines in another order. Each
-    answer value is found by matching its key in the prompt and reading the digits after it, the
-    circuit a needle question needs, but about 40 digits a sample instead of 7; and the keys
-    anchor the values, so unlike an unanchored copy sample the wholly masked answer is learnable."""
+    tasks): the prompt lists `pairs` lines "KEY is: VALUE." with random letter keys and values of
+    `digits` random digits, then asks for some of them back; the answer repeats `asked` (at most
+    the pairs) of those lines in another order. Each answer value is found by matching its key
+    in the prompt and reading the digits after it, the circuit a needle question needs, but
+    several values a sample instead of one. Returns (prompt, answer, the answer's value spans
+    as (start, end) character offsets)."""
     def key():
         return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7)))
     listed, seen = [], set()
@@ -178,23 +179,34 @@ def kv_text(pairs, rng):
         k = key()
         if k not in seen:
             seen.add(k)
-            listed.append((k, "".join(rng.choice("0123456789") for _ in range(7))))
-    asked = rng.sample(listed, min(6, len(listed)))
+            listed.append((k, "".join(rng.choice("0123456789") for _ in range(digits))))
+    chosen = rng.sample(listed, min(asked, len(listed)))
     prompt = "Remember these numbers." + "".join(f"\n{k} is: {v}." for k, v in listed) + "\nRecall them."
-    return prompt, "".join(f"\n{k} is: {v}." for k, v in asked)
+    answer, spans = "", []
+    for k, v in chosen:
+        answer += f"\n{k} is: "
+        spans.append((len(answer), len(answer) + len(v)))
+        answer += f"{v}."
+    return prompt, answer, spans
 
 
-def kv_item(length, rng, tok, eos):
+def kv_item(length, rng, tok, eos, pairs=0, digits=7, asked=6):
     """A kv_text sample tokenized to fit `length` tokens (prompt, answer and EOS; the answer
-    within the 128-token budget): the tuple of TaskStream.tokenize's items. The prompt starts
-    at length / 32 pairs (about half of `length` with the 4096-token BPE) and loses pairs
-    until the sample fits."""
-    pairs = max(2, length // 32)
+    within the 128-token budget): the tuple of TaskStream.tokenize's items plus a fifth element,
+    the answer tokens that may be masked (build_batch): the value tokens alone. The keys of the
+    answer stay visible, so each masked value is determined by its key (with the keys masked
+    too, as before this element existed, a wholly masked answer line cannot be predicted: the
+    answer asks its keys in a random order). The prompt starts at `pairs` pairs (0: length / 32,
+    about half of `length` with the 4096-token BPE) and loses pairs until the sample fits."""
+    pairs = pairs or max(2, length // 32)
     while True:
-        prompt, answer = kv_text(pairs, rng)
-        p, t = tok.encode(prompt, add_special_tokens=False).ids, tok.encode(answer, add_special_tokens=False).ids
+        prompt, answer, spans = kv_text(pairs, rng, digits, asked)
+        p = tok.encode(prompt, add_special_tokens=False).ids
+        enc = tok.encode(answer, add_special_tokens=False)
+        t = enc.ids
         if (len(p) + len(t) + 1 <= length and len(t) <= 128) or pairs == 2:
-            return (length, p, t[:128] + [eos], 128)
+            value = [any(lo <= a and b <= hi for lo, hi in spans) and a < b for a, b in enc.offsets]
+            return (length, p, t[:128] + [eos], 128, value[:128] + [False])
         pairs = max(2, pairs * 3 // 4)
 
 
@@ -202,12 +214,13 @@ class TaskStream:
     """Tokenized samples from `sparsa ruler generate`, produced by a background thread."""
 
     def __init__(self, sparsa, tokenizer_path, lengths, tasks, seed0, chunk, threads, maxsize=4096, copy_frac=0.0,
-                 kv_frac=0.0):
+                 kv_frac=0.0, kv_shape=(0, 7, 6)):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.eos = self.tok.token_to_id(SPECIALS[0])
         self.copy_frac = copy_frac
         self.kv_frac = kv_frac
+        self.kv_shape = kv_shape  # kv_item's (pairs, digits, asked)
         if copy_frac < 0 or kv_frac < 0 or copy_frac + kv_frac > 1:
             raise ValueError(f"copy share {copy_frac} and key-value share {kv_frac}: each >= 0, together <= 1")
         self.args = (sparsa, tokenizer_path, lengths, tasks, chunk, threads)
@@ -227,12 +240,16 @@ class TaskStream:
         sparsa, tokenizer_path, lengths, tasks, chunk, threads = self.args
         try:
             while not self.stop:
-                rows = ruler_generate(sparsa, tasks, lengths, chunk, self.seed, tokenizer_path, threads)
+                if self.all_synthetic():
+                    # synthetic samples only: no generator call (its tasks need not fit the lengths)
+                    rows = [{"max_len": L} for L in lengths for _ in range(chunk)]
+                else:
+                    rows = ruler_generate(sparsa, tasks, lengths, chunk, self.seed, tokenizer_path, threads)
                 if not rows:
                     raise RuntimeError(f"no task of '{tasks}' fits the lengths {lengths} (sparsa ruler generate "
                                        "skipped them all)")
                 self.seed += 1
-                items = self.tokenize(rows)
+                items = self.tokenize(rows) if "input" in rows[0] else [(r["max_len"], [], [], 0) for r in rows]
                 rng = random.Random(self.seed)
                 if self.copy_frac > 0 or self.kv_frac > 0:
                     items = [self.synthetic(it, rng) for it in items]
@@ -247,13 +264,16 @@ class TaskStream:
         except Exception as e:  # reported by get()
             self.error = e
 
+    def all_synthetic(self):
+        return self.copy_frac + self.kv_frac >= 1 - 1e-9
+
     def synthetic(self, item, rng):
         """`item`, or in its place (same length bucket) a copy or a key-value sample."""
         u = rng.random()
         if u < self.copy_frac:
             return copy_item(item[0], rng, self.tok.get_vocab_size(), self.eos)
-        if u < self.copy_frac + self.kv_frac:
-            return kv_item(item[0], rng, self.tok, self.eos)
+        if u < self.copy_frac + self.kv_frac or self.all_synthetic():
+            return kv_item(item[0], rng, self.tok, self.eos, *self.kv_shape)
         return item
 
     def get(self):
@@ -274,10 +294,13 @@ class TaskStream:
         self.thread.join(timeout=120)
 
 
-def noisy_budget(c: SdarConfig, prompt_blocks):
-    """Tokens reserved for noisy copies: the answer's blocks (the generation budget is at most
-    128 tokens plus EOS and a partial first block: 10 blocks of 16) plus the prompt blocks."""
-    return c.block_size * (prompt_blocks + -(-160 // c.block_size))
+ANSWER_TOKENS = 160  # the generation budget (at most 128 tokens) plus EOS and a partial first block
+
+
+def noisy_budget(c: SdarConfig, prompt_blocks, answer_tokens=ANSWER_TOKENS):
+    """Tokens reserved for noisy copies: the answer's blocks (`answer_tokens` rounded up to
+    blocks: 10 blocks of 16 by default; `train --answer-tokens`) plus the prompt blocks."""
+    return c.block_size * (prompt_blocks + -(-answer_tokens // c.block_size))
 
 
 # Copy ids from here up mark padding tokens: each is its own singleton copy, so it sees only
@@ -295,21 +318,35 @@ def mask_rate(gen, t_range):
 FULL_T = (1e-3, 1.0)  # MDLM's whole range (t = 0 excluded: its 1/t weight)
 
 
+def answer_maskable(item, L):
+    """[L] bools: which tokens of the canvas prompt + target (+ EOS padding to L) a noisy copy
+    may mask. Prompt tokens never; answer tokens all, unless the item carries a fifth element,
+    the target's maskable tokens (kv_item: the values, with their keys kept visible), and then
+    those alone (not the padding)."""
+    P, n = len(item[1]), len(item[2])
+    if len(item) > 4 and item[4] is not None:
+        return [False] * P + list(item[4]) + [False] * (L - P - n)
+    return [False] * P + [True] * (L - P)
+
+
 def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_len=None, t_range=FULL_T,
-                full_mask=0.0):
+                full_mask=0.0, answer_tokens=ANSWER_TOKENS):
     """Two-stream sequences [B, N]: ids, positions, block ids, copy ids (-1 clean), labels
     (-100 where no loss), weights (1/t). N = seq_len (fixed shapes for torch.compile) or the
     batch's own maximum. Returns tensors and the token count the loss is averaged over."""
     Bsz = c.block_size
     rows = []
-    for _, prompt, target, _ in items:
+    for item in items:
+        prompt, target = item[1], item[2]
         x0 = prompt + target
         L = -(-len(x0) // Bsz) * Bsz
         x0 = x0 + [c.eos_id] * (L - len(x0))
         P = len(prompt)
+        maskable = answer_maskable(item, L)
         first_answer = P // Bsz
-        blocks = [(b, max(b * Bsz, P)) for b in range(first_answer, L // Bsz)]
-        budget = noisy_budget(c, prompt_blocks) // Bsz
+        blocks = [(b, max(b * Bsz, P)) for b in range(first_answer, L // Bsz)
+                  if any(maskable[max(b * Bsz, P):(b + 1) * Bsz])]  # (a block with nothing to mask: no copy)
+        budget = noisy_budget(c, prompt_blocks, answer_tokens) // Bsz
         blocks = blocks[-budget:]  # never more than the budget (the answer's last blocks)
         choices = list(range(first_answer))
         for _ in range(min(prompt_blocks, len(choices), budget - len(blocks))):
@@ -323,9 +360,11 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
             t = mask_rate(gen, t_range)
             if full_mask > 0 and b >= first_answer and float(torch.rand((), generator=gen)) < full_mask:
                 t = 1.0  # the whole answer block: the block loop's first step, where retrieval has no help
-            m = (torch.rand(hi - lo, generator=gen) < t).tolist()
+            allowed = maskable[lo:hi] if b >= first_answer else [True] * (hi - lo)  # noisy prompt blocks: all
+            m = [u and ok for u, ok in zip((torch.rand(hi - lo, generator=gen) < t).tolist(), allowed)]
             if not any(m):
-                m[int(torch.randint(hi - lo, (1,), generator=gen))] = True
+                where = [i for i, ok in enumerate(allowed) if ok]
+                m[where[int(torch.randint(len(where), (1,), generator=gen))]] = True
             for i in range(b * Bsz, hi):
                 masked = i >= lo and m[i - lo]
                 ids.append(c.mask_id if masked else x0[i])
@@ -334,7 +373,7 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
                 copy.append(j)
                 labels.append(x0[i] if masked else -100)
                 weights.append(1.0 / t if masked else 0.0)
-            eligible += hi - lo
+            eligible += sum(allowed)
         rows.append((ids, pos, blk, copy, labels, weights, eligible))
     N = seq_len or max(len(r[0]) for r in rows)
     out = {k: [] for k in ("ids", "pos", "blk", "copy", "labels", "weights")}
@@ -367,19 +406,22 @@ def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, 
     real token is 'clean' in block 0 (all see all), padding singletons see only themselves."""
     out = {k: [] for k in ("ids", "pos", "blk", "copy", "labels", "weights")}
     rows, total = [], 0
-    for _, prompt, target, gen_tokens in items:
+    for item in items:
+        prompt, target, gen_tokens = item[1], item[2], item[3]
         region = -(-gen_tokens // LLADA_BLOCK) * LLADA_BLOCK
         answer = (target + [c.eos_id] * region)[:region]
-        t = mask_rate(gen, t_range)
-        m = (torch.rand(region, generator=gen) < t).tolist()
-        if not any(m):
-            m[int(torch.randint(region, (1,), generator=gen))] = True
         P = len(prompt)
+        allowed = answer_maskable(item, P + max(region, len(target)))[P:P + region]
+        t = mask_rate(gen, t_range)
+        m = [u and ok for u, ok in zip((torch.rand(region, generator=gen) < t).tolist(), allowed)]
+        if not any(m):
+            where = [i for i, ok in enumerate(allowed) if ok]
+            m[where[int(torch.randint(len(where), (1,), generator=gen))]] = True
         ids = prompt + [c.mask_id if m[i] else answer[i] for i in range(region)]
         labels = [-100] * P + [answer[i] if m[i] else -100 for i in range(region)]
         weights = [0.0] * P + [1.0 / t if m[i] else 0.0 for i in range(region)]
         rows.append((ids, labels, weights))
-        total += region
+        total += sum(allowed)
     N = seq_len or max(len(r[0]) for r in rows)
     for ids, labels, weights in rows:
         n, pad = len(ids), N - len(ids)
@@ -395,10 +437,11 @@ def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, 
     return t, total
 
 
-def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None, t_range=FULL_T, full_mask=0.0):
+def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None, t_range=FULL_T, full_mask=0.0,
+               answer_tokens=ANSWER_TOKENS):
     if c.arch == "llada":
         return build_batch_llada(items, c, gen, seq_len, t_range)
-    return build_batch(items, c, prompt_blocks, gen, seq_len, t_range, full_mask)
+    return build_batch(items, c, prompt_blocks, gen, seq_len, t_range, full_mask, answer_tokens)
 
 
 def dense_mask(blk, copy):
@@ -508,6 +551,19 @@ def mask_rates_arg(text):
     if not 0 < lo <= hi <= 1:
         raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI <= 1, got '{text}'")
     return (lo, hi)
+
+
+def int_at_least(minimum):
+    """An argparse type: an integer >= minimum (the error names the value, argparse the option)."""
+    def parse(text):
+        try:
+            x = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got '{text}'")
+        if x < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got '{text}'")
+        return x
+    return parse
 
 
 def share_arg(text):
@@ -712,14 +768,18 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     if copy_frac + kv_frac > 1:
         sys.exit(f"train_sdar: --copy-frac {copy_frac} and --kv-frac {kv_frac}: together at most 1")
     t_range = tuple(a.mask_rates) if a.mask_rates else stage.get("t_range", FULL_T)
+    kv_shape = (a.kv_pairs, a.kv_digits, a.kv_asked)
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads,
-                        copy_frac=copy_frac, kv_frac=kv_frac)
+                        copy_frac=copy_frac, kv_frac=kv_frac, kv_shape=kv_shape)
     # Fixed shapes per length bucket: batch rows and sequence length.
-    nb = noisy_budget(c, prompt_blocks) if c.arch == "sdar" else 2 * LLADA_BLOCK
+    nb = noisy_budget(c, prompt_blocks, a.answer_tokens) if c.arch == "sdar" else 2 * LLADA_BLOCK
     buckets = {L: {"rows": max(1, a.batch_tokens // (L + nb)), "seq": -(-(L + nb) // 128) * 128, "items": []}
                for L in stage["lengths"]}
     val = None
-    if a.val_samples > 0:
+    if a.val_samples > 0 and stream.all_synthetic():  # the drills' own samples, on fixed seeds
+        vrng = random.Random(900_000 + stage_no)
+        val = [stream.synthetic((L, [], [], 0), vrng) for L in stage["lengths"] for _ in range(a.val_samples)]
+    elif a.val_samples > 0:
         rows = ruler_generate(sparsa, tasks, stage["lengths"], a.val_samples, 900_000 + stage_no, f["tokenizer"],
                               a.gen_threads)
         val = stream.tokenize(rows)
@@ -730,7 +790,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
             items = [v for v in val if v[0] == L]
             for i in range(0, len(items), buckets[L]["rows"]):
                 batch, total = make_batch(items[i:i + buckets[L]["rows"]], c, prompt_blocks, g, buckets[L]["seq"],
-                                          t_range, full_mask)
+                                          t_range, full_mask, a.answer_tokens)
                 yield L, pad_rows(batch, buckets[L]["rows"]), total
 
     def validate():
@@ -769,7 +829,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     budget_s = minutes * 60 if minutes else float("inf")
     max_steps = steps or (1 << 62)
     losses, ces = [], []
-    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks} ({copy_frac:.0%} copy, {kv_frac:.0%} key-value), "
+    kv_desc = f" of {a.kv_pairs or 'length/32'} pairs, {a.kv_digits} digits, {a.kv_asked} asked" if kv_frac else ""
+    log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks} ({copy_frac:.0%} copy, {kv_frac:.0%} key-value{kv_desc}), "
         f"{prompt_blocks} noisy prompt blocks, {full_mask:.0%} answer blocks wholly masked, "
         f"t ~ U({t_range[0]:g}, {t_range[1]:g}), {attention} attention on {device}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
@@ -791,7 +852,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                 bk["items"].append(item)
                 if len(bk["items"]) >= bk["rows"]:
                     items, bk["items"] = bk["items"], []
-                    batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range, full_mask)
+                    batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range, full_mask,
+                                               a.answer_tokens)
                     batch = with_loss_rows(batch)
                     batch = {k: batch[k] for k in STEP_KEYS}  # all a step reads (labels and weights: as the rows')
                     if device.type == "cuda":
@@ -924,7 +986,8 @@ def answer_scores(model, items, c, one_positions, only=None):
     out = {}
     for mode in ("all", "one"):
         ce = right = n = 0
-        for _, prompt, target, _ in items:
+        for item in items:
+            prompt, target = item[1], item[2]
             x0 = prompt + target
             L = -(-len(x0) // c.block_size) * c.block_size
             x0 = x0 + [c.eos_id] * (L - len(x0))
@@ -968,13 +1031,16 @@ def cmd_probe(a):
     tok = Tokenizer.from_file(f["tokenizer"])
     rng = random.Random(a.seed)
     kinds = {"copy": [copy_item(a.length, rng, tok.get_vocab_size(), c.eos_id) for _ in range(a.samples)]}
-    rows = ruler_generate(find_sparsa(a.sparsa), a.task, [a.length], a.samples, a.seed, f["tokenizer"])
-    if not rows:
-        sys.exit(f"train_sdar: --task {a.task} does not fit {a.length} tokens")
     eos = tok.token_to_id(SPECIALS[0])
-    kinds[a.task] = [(r["max_len"], tok.encode(r["input"], add_special_tokens=False).ids,
-                      tok.encode(r["target"], add_special_tokens=False).ids + [eos], r["gen_tokens"]) for r in rows]
-    kinds["kv digits"] = [kv_item(a.length, rng, tok, eos) for _ in range(a.samples)]
+    if a.task != "none":
+        rows = ruler_generate(find_sparsa(a.sparsa), a.task, [a.length], a.samples, a.seed, f["tokenizer"])
+        if not rows:
+            sys.exit(f"train_sdar: --task {a.task} does not fit {a.length} tokens (--task none: the drills alone)")
+        kinds[a.task] = [(r["max_len"], tok.encode(r["input"], add_special_tokens=False).ids,
+                          tok.encode(r["target"], add_special_tokens=False).ids + [eos], r["gen_tokens"])
+                         for r in rows]
+    kinds["kv digits"] = [kv_item(a.length, rng, tok, eos, a.kv_pairs, a.kv_digits, a.kv_asked)
+                          for _ in range(a.samples)]
     digits = number_tokens(tok)
     report = {"run": a.run, "chance_ce": math.log(c.vocab_size), "length": a.length,
               "kinds": {k: answer_scores(model, v, c, a.one_positions, digits if k == "kv digits" else None)
@@ -1040,11 +1106,29 @@ def main(argv=None):
                    help="masking rates t ~ U(LO, HI) (default: the stage's, else 0.001,1): a clipped range "
                         "lowers the ELBO's gradient variance (BD3-LM)")
     s.add_argument("--kv-frac", type=share_arg,
-                   help="share of samples replaced by key-value recall samples (default: the stage's, else 0)")
+                   help="share of samples replaced by key-value recall samples (multi-query associative recall: "
+                        "the prompt lists KEY is: VALUE lines, the answer asks some keys back; only the values "
+                        "are masked, the answer's keys stay visible; default: the stage's, else 0). With "
+                        "--copy-frac, 1 in all: synthetic samples only, no generator task need fit the lengths "
+                        "(e.g. --lengths 128 --kv-frac 1 --kv-pairs 8 --kv-asked 4 --kv-digits 3 "
+                        "--full-mask 1 --answer-tokens 64: a short recall drill)")
+    s.add_argument("--kv-pairs", type=int_at_least(0), default=0, metavar="N",
+                   help="pairs a key-value sample lists (0: the length / 32, fewer while it does not fit)")
+    s.add_argument("--kv-digits", type=int_at_least(1), default=7, metavar="D",
+                   help="digits of a key-value sample's values (7: a needle's; with --numbers triples 3 is "
+                        "one token)")
+    s.add_argument("--kv-asked", type=int_at_least(1), default=6, metavar="N",
+                   help="pairs a key-value sample asks back (its answer; keys visible, values maskable); keep it "
+                        "well under the pairs: the values of earlier answer lines are clean context to later "
+                        "blocks, and with every pair asked the last ones are found by elimination, not by key")
     s.add_argument("--full-mask", type=share_arg,
                    help="share of answer blocks masked whole (t = 1; default: the stage's, else 0)")
     s.add_argument("--copy-frac", type=share_arg,
                    help="share of samples replaced by synthetic copy samples (default: the stage's, else 0)")
+    s.add_argument("--answer-tokens", type=int_at_least(1), default=ANSWER_TOKENS, metavar="N",
+                   help="tokens of noisy answer blocks a row reserves (rounded up to blocks; the answer's last "
+                        f"blocks are kept; default {ANSWER_TOKENS}, a 128-token answer): a drill of short answers "
+                        "at short lengths needs fewer, and every row is shorter (sdar only)")
     s.add_argument("--chunk", type=int, default=32, help="samples per task and length per generator call")
     s.add_argument("--gen-threads", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     s.add_argument("--val-samples", type=int, default=8)
@@ -1068,11 +1152,15 @@ def main(argv=None):
     q = sub.add_parser("probe", help="does the model copy and retrieve yet (answer tokens' CE, two views)")
     q.add_argument("--run", required=True)
     q.add_argument("--weights", help="probe an export's weights (default: the run's checkpoint)")
-    q.add_argument("--task", default="niah_single_1")
+    q.add_argument("--task", default="niah_single_1",
+                   help="the generator task probed beside the drills (none: the copy and key-value drills alone)")
     q.add_argument("--length", type=int, default=256)
     q.add_argument("--samples", type=int, default=8)
     q.add_argument("--one-positions", type=int, default=4, help="answer tokens scored one at a time per sample")
     q.add_argument("--seed", type=int, default=5)
+    q.add_argument("--kv-pairs", type=int_at_least(0), default=0, help="the kv digits samples' pairs (as train's)")
+    q.add_argument("--kv-digits", type=int_at_least(1), default=7, help="the kv digits samples' value digits (as train's)")
+    q.add_argument("--kv-asked", type=int_at_least(1), default=6, help="the kv digits samples' asked pairs (as train's)")
     q.add_argument("--json", action="store_true")
     q.add_argument("--sparsa")
     a = p.parse_args(argv)

@@ -134,6 +134,15 @@ def test_generate_with_a_kv_cache_matches_sdpa():
         assert torch.equal(model.generate(x, **kw), ref.generate(x, **kw))
 
 
+def test_pinned_operand_is_a_contiguous_copy_with_a_matching_fake():
+    """torch.cond's operands under compile (sparsa::hf_pinned): the values of a transposed view,
+    laid out contiguously, in a new tensor; opcheck compares the fake kernel with the real one."""
+    x = torch.randn(1, 6, 4, 8).transpose(1, 2)  # [1, 4, 6, 8] as transformers hands q over
+    y = torch.ops.sparsa.hf_pinned(x)
+    assert y.is_contiguous() and torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    torch.library.opcheck(torch.ops.sparsa.hf_pinned, (x,), test_utils=("test_schema", "test_faketensor"))
+
+
 def set_causal(model, causal):
     for module in model.modules():
         if hasattr(module, "is_causal"):

@@ -241,15 +241,16 @@ class TaskStream:
         try:
             while not self.stop:
                 if self.all_synthetic():
-                    # synthetic samples only: no generator call (its tasks need not fit the lengths)
-                    rows = [{"max_len": L} for L in lengths for _ in range(chunk)]
+                    # synthetic samples only: no generator call (its tasks need not fit the lengths);
+                    # empty items of each length, which synthetic() replaces
+                    items = [(L, [], [], 0) for L in lengths for _ in range(chunk)]
                 else:
                     rows = ruler_generate(sparsa, tasks, lengths, chunk, self.seed, tokenizer_path, threads)
-                if not rows:
-                    raise RuntimeError(f"no task of '{tasks}' fits the lengths {lengths} (sparsa ruler generate "
-                                       "skipped them all)")
+                    if not rows:
+                        raise RuntimeError(f"no task of '{tasks}' fits the lengths {lengths} (sparsa ruler generate "
+                                           "skipped them all)")
+                    items = self.tokenize(rows)
                 self.seed += 1
-                items = self.tokenize(rows) if "input" in rows[0] else [(r["max_len"], [], [], 0) for r in rows]
                 rng = random.Random(self.seed)
                 if self.copy_frac > 0 or self.kv_frac > 0:
                     items = [self.synthetic(it, rng) for it in items]
@@ -566,6 +567,19 @@ def int_at_least(minimum):
     return parse
 
 
+def add_kv_shape(parser):
+    """The key-value drill's shape (kv_item's pairs, digits, asked), the same for train and probe."""
+    parser.add_argument("--kv-pairs", type=int_at_least(0), default=0, metavar="N",
+                        help="pairs a key-value sample lists (0: the length / 32, fewer while it does not fit)")
+    parser.add_argument("--kv-digits", type=int_at_least(1), default=7, metavar="D",
+                        help="digits of a key-value sample's values (7: a needle's; with --numbers triples 3 is "
+                             "one token)")
+    parser.add_argument("--kv-asked", type=int_at_least(1), default=6, metavar="N",
+                        help="pairs a key-value sample asks back (its answer; keys visible, values maskable); keep "
+                             "it well under the pairs: the values of earlier answer lines are clean context to "
+                             "later blocks, and with every pair asked the last ones are found by elimination")
+
+
 def share_arg(text):
     try:
         x = float(text)
@@ -644,8 +658,6 @@ def cmd_train(a):
     f = run_files(a.run)
     sparsa = find_sparsa(a.sparsa)
     plan = parse_plan(a)
-    if a.profile < 0:
-        sys.exit(f"train_sdar: --profile: expected a number of steps >= 0, got {a.profile}")
     for n, stage, _, _ in plan:
         if max(stage["lengths"]) > c.max_len:
             sys.exit(f"train_sdar: stage {n}'s length {max(stage['lengths'])} exceeds the model's max_len {c.max_len}")
@@ -1112,15 +1124,7 @@ def main(argv=None):
                         "--copy-frac, 1 in all: synthetic samples only, no generator task need fit the lengths "
                         "(e.g. --lengths 128 --kv-frac 1 --kv-pairs 8 --kv-asked 4 --kv-digits 3 "
                         "--full-mask 1 --answer-tokens 64: a short recall drill)")
-    s.add_argument("--kv-pairs", type=int_at_least(0), default=0, metavar="N",
-                   help="pairs a key-value sample lists (0: the length / 32, fewer while it does not fit)")
-    s.add_argument("--kv-digits", type=int_at_least(1), default=7, metavar="D",
-                   help="digits of a key-value sample's values (7: a needle's; with --numbers triples 3 is "
-                        "one token)")
-    s.add_argument("--kv-asked", type=int_at_least(1), default=6, metavar="N",
-                   help="pairs a key-value sample asks back (its answer; keys visible, values maskable); keep it "
-                        "well under the pairs: the values of earlier answer lines are clean context to later "
-                        "blocks, and with every pair asked the last ones are found by elimination, not by key")
+    add_kv_shape(s)
     s.add_argument("--full-mask", type=share_arg,
                    help="share of answer blocks masked whole (t = 1; default: the stage's, else 0)")
     s.add_argument("--copy-frac", type=share_arg,
@@ -1137,7 +1141,7 @@ def main(argv=None):
     s.add_argument("--compile", type=int, default=0,
                    help="1: torch.compile the model too (FlexAttention is always compiled on the GPU)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--profile", type=int, default=0, metavar="N",
+    s.add_argument("--profile", type=int_at_least(0), default=0, metavar="N",
                    help="profile N steps of the first stage (from its sixth) and log where the time goes")
     s.add_argument("--save-minutes", type=float, default=2)
     s.add_argument("--log-seconds", type=float, default=20)
@@ -1158,9 +1162,7 @@ def main(argv=None):
     q.add_argument("--samples", type=int, default=8)
     q.add_argument("--one-positions", type=int, default=4, help="answer tokens scored one at a time per sample")
     q.add_argument("--seed", type=int, default=5)
-    q.add_argument("--kv-pairs", type=int_at_least(0), default=0, help="the kv digits samples' pairs (as train's)")
-    q.add_argument("--kv-digits", type=int_at_least(1), default=7, help="the kv digits samples' value digits (as train's)")
-    q.add_argument("--kv-asked", type=int_at_least(1), default=6, help="the kv digits samples' asked pairs (as train's)")
+    add_kv_shape(q)  # the "kv digits" samples' shape, as train's
     q.add_argument("--json", action="store_true")
     q.add_argument("--sparsa")
     a = p.parse_args(argv)

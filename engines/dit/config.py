@@ -47,6 +47,7 @@ class TrainSection:
     eval_every: int = 500  # held-out loss during training (0: only at the start and the end)
     checkpoint_every: int = 500
     compile: bool = False  # the model's forward under torch.compile (train.py: compiled_forward)
+    autocast_bf16: bool = False  # on CUDA only: the training steps under bf16 autocast (evaluation stays f32)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ on eval.stream alone: every model of every seed is scored on the same ones.
 
 --compile (train.compile, or throughput.compile with --throughput) runs the model's forward in
 the training steps through torch.compile (compiled_forward); evaluation and sampling stay eager.
+--bf16 (train.autocast_bf16) runs the training steps under bf16 autocast on CUDA, as the
+throughput mode does; the weights, the optimiser, evaluation and sampling stay f32.
 """
 from __future__ import annotations
 
@@ -191,7 +193,9 @@ def train_step(cfg: ExperimentConfig, model, forward, optimizer, batch, lr: floa
     x0, eps, t = batch
     for group in optimizer.param_groups:
         group["lr"] = lr
-    with compile_errors_named("train.compile", forward is not model):
+    amp = cfg.train.autocast_bf16 and x0.device.type == "cuda"
+    with compile_errors_named("train.compile", forward is not model), \
+            torch.autocast(x0.device.type, dtype=torch.bfloat16, enabled=amp):
         loss = flow_loss(forward, x0, eps, t, noise_scale(cfg.model.image_size))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -247,6 +251,9 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
     session_seconds = 0.0
     if cfg.train.compile and step < target:
         log(f"{tag} training steps under torch.compile (--compile); the first step compiles the model")
+    if cfg.train.autocast_bf16 and step < target:
+        log(f"{tag} training steps under bf16 autocast (--bf16)" if torch.device(device).type == "cuda" else
+            f"{tag} train.autocast_bf16 applies on CUDA only: training in f32 on {device}")
     while step < target:
         x0, eps, t = train_batch(cfg, seed, step)
         started = time.perf_counter()
@@ -275,7 +282,8 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
             checkpoint()
 
     summary = {"attention": kind, "label": spec.label(), "seed": seed, "step": step, "steps": steps,
-               "finished": step >= steps, "compiled": cfg.train.compile, "train_seconds": round(train_seconds, 3),
+               "finished": step >= steps, "compiled": cfg.train.compile,
+               "autocast_bf16": cfg.train.autocast_bf16 and torch.device(device).type == "cuda", "train_seconds": round(train_seconds, 3),
                "seconds_per_step": round(train_seconds / step, 5) if step else None,
                "keys_per_query": keys_per_query(cfg.model.tokens, spec),
                "parameters": sum(p.numel() for p in model.parameters()),
@@ -564,6 +572,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--compile", action="store_true",
                         help="the model's forward under torch.compile in the training steps (turns on train.compile, "
                              "or throughput.compile with --throughput)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="the training steps under bf16 autocast on CUDA (turns on train.autocast_bf16; "
+                             "evaluation and sampling stay f32)")
     parser.add_argument("--throughput", action="store_true", help="measure training pixel tokens/s instead")
     parser.add_argument("--batch", type=int, help="--throughput: override throughput.batch_size")
     parser.add_argument("--throughput-steps", type=int, help="--throughput: override throughput.steps")
@@ -578,6 +589,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             changes["attention"] = [a.strip() for a in args.attention.split(",") if a.strip()]
         if args.compile:
             changes["throughput.compile" if args.throughput else "train.compile"] = True
+        if args.bf16:
+            if args.throughput:
+                raise ValueError("--bf16: throughput mode runs under throughput.autocast_bf16 (on by default)")
+            changes["train.autocast_bf16"] = True
         if changes:
             cfg = config_mod.override(cfg, **changes)
     except ValueError as e:

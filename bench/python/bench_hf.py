@@ -17,7 +17,10 @@ diffusion LM built on it attends):
                            and in a random-weight model BA-Att's block scores are near-ties that
                            such bits reorder: compiled and eager sparse logits then differ as two
                            sparse plans do (at density 1.0 they agree to rounding)
-  ... cuda graph           the eager sparse forward captured in a CUDA graph and replayed
+  ... cuda graph           the eager sparse forward captured in a CUDA graph and replayed (causal
+                           only: under capture transformers builds Qwen3's causal mask, which the
+                           layers set bidirectional by hand refuse)
+Each row is printed, and --json rewritten, as soon as it is measured.
 Times are medians of CUDA-event-timed forwards after warm-ups. Agreement: max|a-b|/max|b|,
 ||a-b||/||b|| over all logits, and the share of positions whose argmax token agrees.
 
@@ -119,57 +122,72 @@ def main():
           f"BA-Att block {args.block}, device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
           f"sparsa backends {sparsa.backends()}", flush=True)
     rows = []
+
+    def emit(row):
+        """Print the row and rewrite --json at once: a later failure (a crash, the machine
+        going away) keeps every row measured before it."""
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+
     masks = ["causal", "bidirectional"] if args.mask == "both" else [args.mask]
     sparse = dict(density=args.density, block_q=args.block, block_kv=args.block)
     for mask in masks:
-        first = len(rows)
         for m in (ref, model):
             set_causal(m, mask == "causal")
         with torch.no_grad():
             want = ref(ids).logits
             t_sdpa = timed(lambda: ref(ids), args)
-            rows.append({"mask": mask, "run": "sdpa", "seconds": t_sdpa})
+            emit({"mask": mask, "run": "sdpa", "seconds": t_sdpa})
             with sparsa.hf.options(density=1.0, block_q=args.block, block_kv=args.block):
                 exact = model(ids).logits
-            rows.append({"mask": mask, "run": "sparsa_ba_att d=1.0", "vs_sdpa": agreement(exact, want)})
+            emit({"mask": mask, "run": "sparsa_ba_att d=1.0", "vs_sdpa": agreement(exact, want)})
             del exact
             with sparsa.hf.options(**sparse):
                 got = model(ids).logits
                 t = timed(lambda: model(ids), args)
-                rows.append({"mask": mask, "run": f"sparsa_ba_att d={args.density}", "seconds": t,
-                             "sdpa_over_sparsa": t_sdpa / t, "vs_sdpa": agreement(got, want)})
-                for row in rows[first:]:  # what is measured so far, before compiling can fail
-                    print(json.dumps(row), flush=True)
-                printed = len(rows)
+                emit({"mask": mask, "run": f"sparsa_ba_att d={args.density}", "seconds": t,
+                      "sdpa_over_sparsa": t_sdpa / t, "vs_sdpa": agreement(got, want)})
                 if not args.no_compile:
                     torch._dynamo.reset()
                     try:
                         compiled = torch.compile(model, fullgraph=True)
                         out = compiled(ids).logits
                         t = timed(lambda: compiled(ids), args)
-                        rows.append({"mask": mask, "run": f"sparsa_ba_att d={args.density} compiled", "seconds": t,
-                                     "sdpa_over_sparsa": t_sdpa / t, "vs_sdpa": agreement(out, want),
-                                     "vs_eager": agreement(out, got)})
+                        emit({"mask": mask, "run": f"sparsa_ba_att d={args.density} compiled", "seconds": t,
+                              "sdpa_over_sparsa": t_sdpa / t, "vs_sdpa": agreement(out, want),
+                              "vs_eager": agreement(out, got)})
                         del compiled, out
                     except Exception as e:  # a row of its own: the eager rows above stand
-                        rows.append({"mask": mask, "run": f"sparsa_ba_att d={args.density} compiled",
-                                     "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
-                if not args.no_graph and args.device == "cuda":
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        model(ids)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        captured = model(ids).logits
-                    t = timed(graph.replay, args)
-                    rows.append({"mask": mask, "run": f"sparsa_ba_att d={args.density} cuda graph", "seconds": t,
-                                 "sdpa_over_sparsa": t_sdpa / t, "vs_eager": agreement(captured, got)})
-                    del graph, captured
+                        emit({"mask": mask, "run": f"sparsa_ba_att d={args.density} compiled",
+                              "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+                if not args.no_graph and args.device == "cuda" and mask == "bidirectional":
+                    # Under capture transformers builds Qwen3's causal mask (eager passes none), and
+                    # sparsa.hf follows the layer there and checks the mask on the device: a layer set
+                    # bidirectional by hand would fail that check, poisoning the CUDA context.
+                    emit({"mask": mask, "run": f"sparsa_ba_att d={args.density} cuda graph",
+                          "skipped": "transformers builds this model's causal mask under capture; a layer set "
+                                     "bidirectional by hand refuses it (docs/torch.md)"})
+                elif not args.no_graph and args.device == "cuda":
+                    try:
+                        side = torch.cuda.Stream()
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):
+                            model(ids)
+                        torch.cuda.current_stream().wait_stream(side)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            captured = model(ids).logits
+                        t = timed(graph.replay, args)
+                        emit({"mask": mask, "run": f"sparsa_ba_att d={args.density} cuda graph", "seconds": t,
+                              "sdpa_over_sparsa": t_sdpa / t, "vs_eager": agreement(captured, got)})
+                        del graph, captured
+                    except Exception as e:
+                        emit({"mask": mask, "run": f"sparsa_ba_att d={args.density} cuda graph",
+                              "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
             del want, got
-        for row in rows[printed:]:
-            print(json.dumps(row), flush=True)
     print("\n| mask | run | time (s) | sdpa / run | agreement (max rel, norm rel, argmax) |")
     print("|---|---|---|---|---|")
     for row in rows:
@@ -181,10 +199,9 @@ def main():
         ratio = f"{row['sdpa_over_sparsa']:.2f}x" if "sdpa_over_sparsa" in row else ""
         if "error" in row:
             text = f"failed: {row['error']}"
+        if "skipped" in row:
+            text = f"skipped: {row['skipped']}"
         print(f"| {row['mask']} | {row['run']} | {seconds} | {ratio} | {text} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     return 1 if any("error" in row for row in rows) else 0
 
 

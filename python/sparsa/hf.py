@@ -118,6 +118,25 @@ def _visible(attention_mask):
     return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _assert_mask_is(attention_mask, causal: bool, q_len: int, kv_len: int) -> None:
+    """A device-side check, no synchronisation: the mask is the causal pattern (``causal``) or
+    all visible."""
+    m = _visible(attention_mask)
+    if causal:
+        want = torch.ones(q_len, kv_len, dtype=torch.bool, device=m.device).tril()
+        ok = (m.to(torch.int8) == want.to(torch.int8)).all()
+        what = "the causal pattern (the layer is causal)"
+    else:
+        ok = m.all()
+        what = "all visible (the layer is bidirectional, or the queries are a chunk after a cache)"
+    torch._assert_async(ok, f"attention_mask: under CUDA-graph capture sparsa's attention follows the layer's "
+                            f"is_causal, and the mask must be {what}")
+
+
 def _mask_kind(attention_mask, q_len: int, kv_len: int) -> str:
     """'none' for an all-visible mask, 'causal' for the causal pattern; else an error."""
     m = _visible(attention_mask)
@@ -149,6 +168,13 @@ def _attention(implementation: str, module, query, key, value, attention_mask, d
         # between the causal and the bidirectional call; any other mask fails an assertion then
         # (an error, never a silent wrong answer).
         return _traced_masked_attention(implementation, module, query, key, value, attention_mask, scaling)
+    elif attention_mask is not None and _capturing():
+        # transformers builds its mask under CUDA-graph capture even where eager passes none, and
+        # reading the mask would synchronise, which capture forbids: the layer decides, and the
+        # mask must agree, checked on the device when the graph runs (an error, never a silent
+        # wrong answer).
+        causal = bool(causal) and q_len == kv_len and q_len > 1
+        _assert_mask_is(attention_mask, causal, q_len, kv_len)
     elif attention_mask is not None:
         kind = _mask_kind(attention_mask, q_len, kv_len)
         causal = kind == "causal"

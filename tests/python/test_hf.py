@@ -214,3 +214,34 @@ def test_explicit_mask_under_compile(implementation, layer_causal, mask_causal):
         padding[..., :5] = float("-inf")
         with pytest.raises(RuntimeError, match="attention_mask: sparsa's attention implementations take no padding"):
             compiled_run(q, k, v, padding)
+
+
+@pytest.mark.parametrize("layer_causal", [False, True])
+def test_under_capture_the_layer_decides_and_the_mask_is_checked_on_the_device(monkeypatch, layer_causal):
+    """Under CUDA-graph capture transformers builds its mask even where eager passes none, and
+    reading it (_mask_kind) would synchronise, which capture forbids. Capture simulated here
+    (sparsa.hf._capturing): the mask is never read on the host, the layer's is_causal decides,
+    the result equals eager's for the agreeing mask, and a disagreeing or padded mask fails the
+    device-side assertion (on CPU tensors it raises at once; on CUDA when the graph runs)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 64, 32, generator=g) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = layer_causal
+    causal = torch.where(torch.ones(64, 64, dtype=torch.bool).tril(), 0.0, float("-inf"))[None, None]
+    visible = torch.zeros(1, 1, 64, 64)
+    agreeing, other = (causal, visible) if layer_causal else (visible, causal)
+    with sparsa.hf.options(density=0.5, block_q=16, block_kv=16):
+        eager = sparsa.hf._attention("sparsa_ba_att", module, q, k, v, agreeing)[0]
+        monkeypatch.setattr(sparsa.hf, "_capturing", lambda: True)
+
+        def host_read(*args):
+            raise AssertionError("the mask was read on the host under capture")
+
+        monkeypatch.setattr(sparsa.hf, "_mask_kind", host_read)
+        got = sparsa.hf._attention("sparsa_ba_att", module, q, k, v, agreeing)[0]
+        assert torch.equal(got, eager)
+        padded = agreeing.clone()
+        padded[..., :5] = float("-inf")
+        for bad in (other, padded):
+            with pytest.raises(RuntimeError, match="under CUDA-graph capture sparsa's attention follows the layer"):
+                sparsa.hf._attention("sparsa_ba_att", module, q, k, v, bad)

@@ -48,6 +48,8 @@ class TrainSection:
     checkpoint_every: int = 500
     compile: bool = False  # the model's forward under torch.compile (train.py: compiled_forward)
     autocast_bf16: bool = False  # on CUDA only: the training steps under bf16 autocast (evaluation stays f32)
+    ema: float = 0.0  # decay of an exponential moving average of the weights, which is then evaluated and
+    #                   sampled (0: off, the trained weights themselves)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class ExperimentConfig:
             _non_negative(f"train.{name}", getattr(self.train, name))
         if not self.train.lr > 0:
             raise ValueError(f"train.lr: expected a positive learning rate, got {self.train.lr}")
+        if not 0 <= self.train.ema < 1:
+            raise ValueError(f"train.ema: expected a decay in [0, 1) (0: off), got {self.train.ema}")
         if self.train.weight_decay < 0 or self.train.grad_clip < 0:
             raise ValueError("train.weight_decay/grad_clip: expected non-negative values")
         for name in ("images", "batch_size"):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
 import json
 import math
@@ -186,6 +187,26 @@ def make_optimizer(cfg: ExperimentConfig, model):
                              weight_decay=cfg.train.weight_decay)
 
 
+def make_ema(cfg: ExperimentConfig, model) -> Optional["PixelDiT"]:
+    """With train.ema: a copy of ``model`` that follows its weights as an exponential moving
+    average (update_ema after every step); None without."""
+    if not cfg.train.ema:
+        return None
+    ema = copy.deepcopy(model)
+    ema.requires_grad_(False)
+    return ema
+
+
+@torch.no_grad()
+def update_ema(ema, model, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * model, every parameter and buffer."""
+    for a, b in zip(ema.state_dict().values(), model.state_dict().values()):
+        if a.dtype.is_floating_point:
+            a.lerp_(b, 1.0 - decay)
+        else:
+            a.copy_(b)
+
+
 def train_step(cfg: ExperimentConfig, model, forward, optimizer, batch, lr: float) -> float:
     """One training step on ``batch`` (x0, eps, t, on the model's device): the flow loss of
     ``forward`` (the model, or compiled_forward(model)), backward, gradient clipping, AdamW at
@@ -216,6 +237,8 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
     spec = cfg.spec(kind, num_threads)
     model = build_model(cfg, spec, seed, device)
     optimizer = make_optimizer(cfg, model)
+    ema = make_ema(cfg, model)
+    scored = ema if ema is not None else model  # what is evaluated and sampled
     heldout = heldout if heldout is not None else heldout_set(cfg)
     tag = f"[{kind} seed {seed}]"
     want = fingerprint(cfg, kind, seed)
@@ -229,12 +252,15 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
                              f"pass --fresh to start over or --out for another directory")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
+        if ema is not None:
+            ema.load_state_dict(ckpt["ema"])
         step, rows, train_seconds = ckpt["step"], ckpt["log"], ckpt["train_seconds"]
         log(f"{tag} resuming from step {step} ({ckpt_path})")
 
     def checkpoint():
         _save_atomic({"fingerprint": want, "step": step, "model": model.state_dict(),
-                      "optimizer": optimizer.state_dict(), "log": rows, "train_seconds": train_seconds}, ckpt_path)
+                      "optimizer": optimizer.state_dict(), "log": rows, "train_seconds": train_seconds,
+                      **({"ema": ema.state_dict()} if ema is not None else {})}, ckpt_path)
         _write_log(log_path, rows)
 
     steps = cfg.train.steps
@@ -244,7 +270,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
     forward = compiled_forward(model) if cfg.train.compile else model
     if step == 0 and not rows:
         rows.append({"step": 0, "train_loss": None, "lr": None, "train_seconds": 0.0,
-                     "heldout_loss": evaluate(model, heldout, cfg, device)})
+                     "heldout_loss": evaluate(scored, heldout, cfg, device)})
         log(f"{tag} step 0/{steps}  held-out {rows[-1]['heldout_loss']:.4f}")
     model.train()
     window, session_steps = [], 0
@@ -260,6 +286,8 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
         lr = lr_at(cfg, step)
         # train_step's float() waits for the device, so the time below is the step's.
         window.append(train_step(cfg, model, forward, optimizer, (x0.to(device), eps.to(device), t.to(device)), lr))
+        if ema is not None:
+            update_ema(ema, model, cfg.train.ema)
         elapsed = time.perf_counter() - started
         train_seconds += elapsed
         session_seconds += elapsed
@@ -267,7 +295,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
         step += 1
         at_eval = step == steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
         if step == target or at_eval or (cfg.train.log_every and step % cfg.train.log_every == 0):
-            heldout_loss = evaluate(model, heldout, cfg, device) if at_eval else None
+            heldout_loss = evaluate(scored, heldout, cfg, device) if at_eval else None
             model.train()
             rows.append({"step": step, "train_loss": sum(window) / len(window), "lr": lr,
                          "train_seconds": round(train_seconds, 3), "heldout_loss": heldout_loss})
@@ -287,29 +315,30 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
                "seconds_per_step": round(train_seconds / step, 5) if step else None,
                "keys_per_query": keys_per_query(cfg.model.tokens, spec),
                "parameters": sum(p.numel() for p in model.parameters()),
+               "ema": cfg.train.ema,
                "heldout_loss": rows[-1]["heldout_loss"] if rows[-1]["heldout_loss"] is not None
-               else evaluate(model, heldout, cfg, device)}
+               else evaluate(scored, heldout, cfg, device)}
     if not summary["finished"]:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log(f"{tag} stopped at step {step} (checkpointed; run again to resume)")
         return summary
 
     model.eval()
-    samples = {"": draw_samples(model, cfg, device)}
+    samples = {"": draw_samples(scored, cfg, device)}
     if kind == "full":
         summary["ba_att"] = []
         for sort in cfg.ba_att.sort:
             for density in cfg.ba_att.densities:
                 ba_spec = cfg.spec("ba_att", num_threads, density=density, sort=sort)
-                model.set_attention(ba_spec)
-                loss = evaluate(model, heldout, cfg, device)
+                scored.set_attention(ba_spec)
+                loss = evaluate(scored, heldout, cfg, device)
                 name = f"_ba_att_d{density:g}" + ("" if sort else "_unsorted")
-                samples[name] = draw_samples(model, cfg, device)
+                samples[name] = draw_samples(scored, cfg, device)
                 summary["ba_att"].append({"density": density, "sort": sort, "label": ba_spec.label(),
                                           "keys_per_query": keys_per_query(cfg.model.tokens, ba_spec),
                                           "heldout_loss": loss, "samples": f"samples{name}.png"})
                 log(f"{tag} sampled with {ba_spec.label()}: held-out {loss:.4f}")
-        model.set_attention(spec)
+        scored.set_attention(spec)
     for name, images in samples.items():
         np.save(run_dir / f"samples{name}.npy", images)
         save_grid(run_dir / f"samples{name}.png", images, cfg)

@@ -329,10 +329,11 @@ def test_tiny_trains_and_its_loss_decreases(tmp_path, capsys):
     assert not (out / "full-seed1").exists()
 
 
-@pytest.mark.parametrize("kind", ["full", "llsa"])
-def test_resume_equals_uninterrupted(tmp_path, kind):
+@pytest.mark.parametrize("kind,ema", [("full", 0.0), ("llsa", 0.0), ("full", 0.9)])
+def test_resume_equals_uninterrupted(tmp_path, kind, ema):
     cfg = config_mod.override(config_mod.load(CONFIGS / "tiny.json"),
-                              **{"train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 3})
+                              **{"train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 3,
+                                 "train.ema": ema})
     torch.set_num_threads(1)
     quiet = lambda message: None  # noqa: E731
     whole = train_mod.train_run(cfg, kind, 0, tmp_path / "whole", num_threads=1, log=quiet)
@@ -343,8 +344,9 @@ def test_resume_equals_uninterrupted(tmp_path, kind):
     a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
     b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
     assert a["step"] == b["step"] == 6
-    for name, tensor in a["model"].items():
-        assert torch.equal(tensor, b["model"][name]), name
+    for part in ("model", "ema") if ema else ("model",):
+        for name, tensor in a[part].items():
+            assert torch.equal(tensor, b[part][name]), (part, name)
     strip = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]  # noqa: E731
     assert strip(a["log"]) == strip(b["log"])
     # A checkpoint of another configuration is refused, naming what differs.
@@ -570,3 +572,33 @@ def test_bf16_training_step_on_cuda_tracks_f32(kind):
         assert all(torch.isfinite(p).all() for p in weights[amp])
         assert any(not torch.equal(a, b) for a, b in zip(before, weights[amp]))
     assert abs(losses[True] - losses[False]) / losses[False] < 2e-2
+
+
+# ---- EMA weights (train.ema) --------------------------------------------------------------------
+
+def test_update_ema_is_the_moving_average():
+    cfg = small_config()
+    a, b = randomised(PixelDiT(cfg), seed=1), randomised(PixelDiT(cfg), seed=2)
+    want = {k: 0.75 * v + 0.25 * b.state_dict()[k] for k, v in a.state_dict().items()}
+    train_mod.update_ema(a, b, 0.75)
+    for k, v in a.state_dict().items():
+        assert torch.allclose(v, want[k], rtol=0, atol=1e-6), k
+
+
+def test_ema_weights_are_evaluated_and_sampled(tmp_path):
+    """With train.ema the checkpoint carries the average beside the trained weights, they differ,
+    and the summary's held-out loss is the average's (not the trained weights')."""
+    cfg = config_mod.override(config_mod.load(CONFIGS / "tiny.json"), **{"train.steps": 4, "train.ema": 0.5,
+                                                                         "attention": ["llsa"]})
+    torch.set_num_threads(1)
+    summary = train_mod.train_run(cfg, "llsa", 0, tmp_path, num_threads=1, log=lambda message: None)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert summary["ema"] == 0.5
+    assert any(not torch.equal(v, ckpt["ema"][k]) for k, v in ckpt["model"].items())
+    heldout = train_mod.heldout_set(cfg)
+    for weights, same in (("ema", True), ("model", False)):
+        m = train_mod.build_model(cfg, cfg.spec("llsa", 1), 0, "cpu")
+        m.load_state_dict(ckpt[weights])
+        assert (train_mod.evaluate(m, heldout, cfg, "cpu") == summary["heldout_loss"]) is same, weights
+    with pytest.raises(ValueError, match=r"train.ema: expected a decay in \[0, 1\)"):
+        config_mod.override(cfg, **{"train.ema": 1.0}).validate()

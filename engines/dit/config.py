@@ -48,8 +48,8 @@ class TrainSection:
     checkpoint_every: int = 500
     compile: bool = False  # the model's forward under torch.compile (train.py: compiled_forward)
     autocast_bf16: bool = False  # on CUDA only: the training steps under bf16 autocast (evaluation stays f32)
-    ema: float = 0.0  # decay of an exponential moving average of the weights, which is then evaluated and
-    #                   sampled (0: off, the trained weights themselves)
+    ema: float = 0.0  # decay of an exponential moving average of the weights (lower in the first steps:
+    #                   train.py's ema_decay), which is then evaluated and sampled (0: off, the trained weights)
 
 
 @dataclass(frozen=True)

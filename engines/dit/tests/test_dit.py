@@ -585,6 +585,16 @@ def test_update_ema_is_the_moving_average():
         assert torch.allclose(v, want[k], rtol=0, atol=1e-6), k
 
 
+def test_ema_decay_is_lower_early_then_the_configured_one():
+    assert train_mod.ema_decay(0.999, 1) == pytest.approx(2 / 11)
+    assert train_mod.ema_decay(0.999, 100) == pytest.approx(101 / 110)
+    assert train_mod.ema_decay(0.999, 100000) == 0.999
+    share = 1.0  # what is left of the initial weights after 2000 steps
+    for step in range(1, 2001):
+        share *= train_mod.ema_decay(0.999, step)
+    assert share < 1e-4 < 0.999 ** 2000
+
+
 def test_ema_weights_are_evaluated_and_sampled(tmp_path):
     """With train.ema the checkpoint carries the average beside the trained weights, they differ,
     and the summary's held-out loss is the average's (not the trained weights')."""

@@ -318,7 +318,8 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
 
     summary = {"attention": kind, "label": spec.label(), "seed": seed, "step": step, "steps": steps,
                "finished": step >= steps, "compiled": cfg.train.compile,
-               "autocast_bf16": cfg.train.autocast_bf16 and torch.device(device).type == "cuda", "train_seconds": round(train_seconds, 3),
+               "autocast_bf16": cfg.train.autocast_bf16 and torch.device(device).type == "cuda",
+               "train_seconds": round(train_seconds, 3),
                "seconds_per_step": round(train_seconds / step, 5) if step else None,
                "keys_per_query": keys_per_query(cfg.model.tokens, spec),
                "parameters": sum(p.numel() for p in model.parameters()),

@@ -480,9 +480,13 @@ def run_experiment(cfg: ExperimentConfig, seeds: Sequence[int], out: Path, devic
               "num_threads": num_threads, "wall_seconds": round(time.time() - started, 1), "runs": summaries,
               "table": rows}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "results.md").write_text(f"# {cfg.name}\n\n{cfg.description}\n\n{table}\n")
+    how = "".join([f", {cfg.train.steps} steps",
+                   ", training steps under bf16 autocast" if any(s.get("autocast_bf16") for s in summaries) else "",
+                   f", EMA weights (decay {cfg.train.ema:g}) scored and sampled" if cfg.train.ema else ""])
+    (out / "results.md").write_text(f"# {cfg.name}\n\n{cfg.description}\n\nHeld-out flow-matching loss{how}.\n\n"
+                                    f"{table}\n")
     log(f"\n{cfg.name}: held-out flow-matching loss ({len(heldout[0])} held-out images, same noise and "
-        f"timesteps for every model), {cfg.train.steps} steps\n{table}")
+        f"timesteps for every model){how}\n{table}")
     if grid is not None:
         log(f"samples side by side: {grid} (rows: {out / 'compare.txt'})")
     return result

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -174,7 +175,12 @@ def _attention(implementation: str, module, query, key, value, attention_mask, d
         # mask must agree, checked on the device when the graph runs (an error, never a silent
         # wrong answer).
         causal = bool(causal) and q_len == kv_len and q_len > 1
-        _assert_mask_is(attention_mask, causal, q_len, kv_len)
+        # transformers hands every layer the same mask tensor: checked once (at 32K tokens a
+        # check reads a 1 GB mask and builds the pattern beside it).
+        checked = getattr(_local, "captured_mask", None)
+        if checked is None or checked[0]() is not attention_mask or checked[1] != causal:
+            _assert_mask_is(attention_mask, causal, q_len, kv_len)
+            _local.captured_mask = (weakref.ref(attention_mask), causal)
     elif attention_mask is not None:
         kind = _mask_kind(attention_mask, q_len, kv_len)
         causal = kind == "causal"

@@ -245,3 +245,13 @@ def test_under_capture_the_layer_decides_and_the_mask_is_checked_on_the_device(m
         for bad in (other, padded):
             with pytest.raises(RuntimeError, match="under CUDA-graph capture sparsa's attention follows the layer"):
                 sparsa.hf._attention("sparsa_ba_att", module, q, k, v, bad)
+        # Every layer gets the same mask tensor: it is checked once, a new one again.
+        checks = []
+        real = sparsa.hf._assert_mask_is
+        monkeypatch.setattr(sparsa.hf, "_assert_mask_is", lambda *a: (checks.append(a[0]), real(*a)))
+        fresh = agreeing.clone()
+        for _ in range(3):
+            sparsa.hf._attention("sparsa_ba_att", module, q, k, v, fresh)
+        assert len(checks) == 1 and checks[0] is fresh
+        sparsa.hf._attention("sparsa_ba_att", module, q, k, v, agreeing.clone())
+        assert len(checks) == 2

@@ -119,8 +119,12 @@ def _visible(attention_mask):
     return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _is_causal_pattern(m, q_len: int, kv_len: int):
+    """Whether the visibility ``m`` is the causal pattern, as a device bool (no synchronisation)."""
+    want = torch.ones(q_len, kv_len, dtype=torch.bool, device=m.device).tril()
+    # compared as int8: inductor's value-range analysis (torch 2.11's Triton codegen) fails on an
+    # == between two bool tensors ("A Boolean argument can only be used in Eq and Ne")
+    return (m.to(torch.int8) == want.to(torch.int8)).all()
 
 
 def _assert_mask_is(attention_mask, causal: bool, q_len: int, kv_len: int) -> None:
@@ -128,8 +132,7 @@ def _assert_mask_is(attention_mask, causal: bool, q_len: int, kv_len: int) -> No
     all visible."""
     m = _visible(attention_mask)
     if causal:
-        want = torch.ones(q_len, kv_len, dtype=torch.bool, device=m.device).tril()
-        ok = (m.to(torch.int8) == want.to(torch.int8)).all()
+        ok = _is_causal_pattern(m, q_len, kv_len)
         what = "the causal pattern (the layer is causal)"
     else:
         ok = m.all()
@@ -143,10 +146,8 @@ def _mask_kind(attention_mask, q_len: int, kv_len: int) -> str:
     m = _visible(attention_mask)
     if bool(m.all()):
         return "none"
-    if q_len == kv_len:
-        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=m.device).tril()
-        if bool((m == causal).all()):
-            return "causal"
+    if q_len == kv_len and bool(_is_causal_pattern(m, q_len, kv_len)):
+        return "causal"
     raise ValueError("attention_mask: sparsa's attention implementations take no padding or custom mask (only "
                      "none, all-visible or causal); run unpadded sequences, or pick another attn_implementation")
 
@@ -169,7 +170,7 @@ def _attention(implementation: str, module, query, key, value, attention_mask, d
         # between the causal and the bidirectional call; any other mask fails an assertion then
         # (an error, never a silent wrong answer).
         return _traced_masked_attention(implementation, module, query, key, value, attention_mask, scaling)
-    elif attention_mask is not None and _capturing():
+    elif attention_mask is not None and st._capturing():
         # transformers builds its mask under CUDA-graph capture even where eager passes none, and
         # reading the mask would synchronise, which capture forbids: the layer decides, and the
         # mask must agree, checked on the device when the graph runs (an error, never a silent
@@ -196,10 +197,7 @@ def _traced_masked_attention(implementation, module, query, key, value, attentio
     m = _visible(attention_mask)
     all_visible = m.all()
     if q_len == kv_len and q_len > 1:
-        want = torch.ones(q_len, kv_len, dtype=torch.bool, device=m.device).tril()
-        # compared as int8: inductor's value-range analysis (torch 2.11's Triton codegen) fails on
-        # an == between two bool tensors ("A Boolean argument can only be used in Eq and Ne")
-        is_causal = (m.to(torch.int8) == want.to(torch.int8)).all()
+        is_causal = _is_causal_pattern(m, q_len, kv_len)
     else:  # as _mask_kind: a causal mask is taken over the chunk's own keys only
         is_causal = torch.zeros((), dtype=torch.bool, device=m.device)
     torch._assert_async(all_visible | is_causal, "attention_mask: sparsa's attention implementations take no "

@@ -220,8 +220,8 @@ def test_explicit_mask_under_compile(implementation, layer_causal, mask_causal):
 def test_under_capture_the_layer_decides_and_the_mask_is_checked_on_the_device(monkeypatch, layer_causal):
     """Under CUDA-graph capture transformers builds its mask even where eager passes none, and
     reading it (_mask_kind) would synchronise, which capture forbids. Capture simulated here
-    (sparsa.hf._capturing): the mask is never read on the host, the layer's is_causal decides,
-    the result equals eager's for the agreeing mask, and a disagreeing or padded mask fails the
+    (sparsa.torch._capturing, which sparsa.hf asks): the mask is never read on the host, the
+    layer's is_causal decides, the result equals eager's for the agreeing mask, and a disagreeing or padded mask fails the
     device-side assertion (on CPU tensors it raises at once; on CUDA when the graph runs)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 64, 32, generator=g) for _ in range(3))
@@ -232,7 +232,7 @@ def test_under_capture_the_layer_decides_and_the_mask_is_checked_on_the_device(m
     agreeing, other = (causal, visible) if layer_causal else (visible, causal)
     with sparsa.hf.options(density=0.5, block_q=16, block_kv=16):
         eager = sparsa.hf._attention("sparsa_ba_att", module, q, k, v, agreeing)[0]
-        monkeypatch.setattr(sparsa.hf, "_capturing", lambda: True)
+        monkeypatch.setattr(st, "_capturing", lambda: True)
 
         def host_read(*args):
             raise AssertionError("the mask was read on the host under capture")

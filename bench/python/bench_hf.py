@@ -9,6 +9,8 @@ LM head instead of attention), bf16, one sequence of 32768 tokens.
 Rows, per mask (--mask causal: Qwen3 as it is; bidirectional: every layer's is_causal off, as a
 diffusion LM built on it attends):
   sdpa                     the reference: transformers' SDPA path (flash / cuDNN as torch picks)
+  sdpa, efficient kernel   the same model through SDPA's memory-efficient kernel: two exact
+                           kernels' agreement in this dtype, the floor for the rows below
   sparsa_ba_att d=1.0      sparsa at density 1.0: logits agreement with sdpa
   sparsa_ba_att d=F        the sparse run (default F = 0.1): the time ratio
   ... compiled             torch.compile(fullgraph=True) of the sparse model: its time, and its
@@ -20,7 +22,8 @@ diffusion LM built on it attends):
   ... cuda graph           the eager sparse forward captured in a CUDA graph and replayed (causal
                            only: under capture transformers builds Qwen3's causal mask, which the
                            layers set bidirectional by hand refuse)
-Each row is printed, and --json rewritten, as soon as it is measured.
+Each row is printed, and --json rewritten, as soon as it is measured. --profile also prints, per
+mask, the GPU kernels of one eager sparse forward by their total time (torch.profiler).
 Times are medians of CUDA-event-timed forwards after warm-ups. Agreement: max|a-b|/max|b|,
 ||a-b||/||b|| over all logits, and the share of positions whose argmax token agrees.
 
@@ -79,6 +82,19 @@ def timed(fn, args):
     return statistics.median(times)
 
 
+def profile(fn, args, what, rows=16):
+    """The kernels of one fn() (after timed()'s warm-ups) by total device time."""
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+    print(f"profile: {what}\n{prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)}",
+          flush=True)
+
+
 def agreement(a, b):
     a, b = a.float(), b.float()
     return {"max_rel": ((a - b).abs().max() / b.abs().max()).item(),
@@ -107,6 +123,7 @@ def main():
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph row")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--profile", action="store_true", help="print the kernels of one eager sparse forward")
     args = p.parse_args()
     args.dtype = getattr(torch, args.dtype)
     if args.device == "cuda":
@@ -141,6 +158,12 @@ def main():
             want = ref(ids).logits
             t_sdpa = timed(lambda: ref(ids), args)
             emit({"mask": mask, "run": "sdpa", "seconds": t_sdpa})
+            if args.device == "cuda":
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                    other = ref(ids).logits
+                emit({"mask": mask, "run": "sdpa, efficient kernel", "vs_sdpa": agreement(other, want)})
+                del other
             with sparsa.hf.options(density=1.0, block_q=args.block, block_kv=args.block):
                 exact = model(ids).logits
             emit({"mask": mask, "run": "sparsa_ba_att d=1.0", "vs_sdpa": agreement(exact, want)})
@@ -150,6 +173,8 @@ def main():
                 t = timed(lambda: model(ids), args)
                 emit({"mask": mask, "run": f"sparsa_ba_att d={args.density}", "seconds": t,
                       "sdpa_over_sparsa": t_sdpa / t, "vs_sdpa": agreement(got, want)})
+                if args.profile:
+                    profile(lambda: model(ids), args, f"{mask}, sparsa_ba_att d={args.density}")
                 if not args.no_compile:
                     torch._dynamo.reset()
                     try:

@@ -569,8 +569,25 @@ def causal_plan(q, k, *, block: int = 64, density: float = 1.0, compensate: bool
     return BlockIndex(block, block, counts, indices)
 
 
+def _flash_diagonal(q, k, v) -> bool:
+    """Whether torch's flash kernel can take the diagonal blocks: CUDA tensors (sparsa's CUDA
+    backend, which the rest of the composition needs, is built for sm_90a, where the kernel runs),
+    bf16 or f16, one head_dim for q, k and v, a multiple of 8 up to 256. Shapes and dtypes only,
+    so that torch.compile traces the choice without a graph break."""
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and k.shape[-1] == d and v.shape[-1] == d and d % 8 == 0 and d <= 256)
+
+
 def _diagonal_attention(q, k, v, block: int, scale: float):
-    """Exact causal attention of each query block over its own key block, ``(out, lse)``."""
+    """Exact causal attention of each query block over its own key block, ``(out, lse)``.
+
+    On a GPU (bf16/f16) each block is one sequence of a batch for torch's causal flash kernel,
+    which also returns the log-sum-exp: a pass over q, k and v. Elsewhere an f32 einsum over the
+    blocks' score tiles (at 32K tokens and 32 heads those tiles are 0.5 GB a layer, read and
+    written several times: the GPU path's cost before this one)."""
+    if _flash_diagonal(q, k, v):
+        return _diagonal_attention_flash(q, k, v, block, scale)
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     nb = -(-n // block)
@@ -586,6 +603,26 @@ def _diagonal_attention(q, k, v, block: int, scale: float):
     out = torch.einsum("bhgnij,bhnjd->bhgnid", torch.exp(s - lse[..., None]), vb)
     out = out.reshape(b, hq, nb * block, v.shape[-1])[:, :, :n].to(q.dtype)
     return out, lse.reshape(b, hq, nb * block)[:, :, :n]
+
+
+def _diagonal_attention_flash(q, k, v, block: int, scale: float):
+    """_diagonal_attention through torch's flash kernel: the blocks become the batch (GQA's k and v
+    repeated per query head; the padding of a last partial block is seen by padding rows only)."""
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    nb = -(-n // block)
+    pad = nb * block - n
+
+    def blocks(x, heads):  # [b, h, n, d] -> [b * nb, hq, block, d]
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(b, heads, 1, nb, block, d)
+        x = x.expand(b, heads, hq // heads, nb, block, d).permute(0, 3, 1, 2, 4, 5)
+        return x.reshape(b * nb, hq, block, d)
+
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(blocks(q, hq), blocks(k, hkv), blocks(v, hkv),
+                                                                  0.0, True, False, scale=scale)[:2]
+    out = out.view(b, nb, hq, block, d).transpose(1, 2).reshape(b, hq, nb * block, d)[:, :, :n]
+    lse = lse[..., :block].reshape(b, nb, hq, block).transpose(1, 2).reshape(b, hq, nb * block)[:, :, :n]
+    return out, lse.float()
 
 
 def causal_attention(q, k, v, *, block: int = 64, density: float = 1.0, compensate: bool = True,

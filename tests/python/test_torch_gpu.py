@@ -7,6 +7,7 @@ test_torch.py); a replayed graph or a compiled call runs the same kernels on the
 equal."""
 import math
 
+import numpy as np
 import pytest
 
 import sparsa
@@ -56,6 +57,31 @@ def test_ops_on_cuda_match_the_cpu():
                                                                       plan.perm_kv)))
     ref, _ = sparsa.block_sparse(*(t.float().cpu() for t in (q, k, v)), host)
     assert rel(gpu["block_sparse"].cpu(), ref) < BF16 and rel(gpu["ba_att"].cpu(), ref) < BF16
+
+
+@pytest.mark.parametrize("n,hq,hkv,block,density", [(1000, 8, 2, 128, 1.0), (1000, 8, 2, 128, 0.5),
+                                                     (77, 6, 3, 16, 0.4), (512, 4, 4, 64, 0.25)])
+def test_causal_attention_on_cuda_matches_the_cpu(n, hq, hkv, block, density):
+    """The causal composition (plan, diagonal blocks through torch's flash kernel, block-sparse
+    rest, merge) against sparsa's CPU block-sparse attention with the causal mask over the GPU's
+    own plan plus each row's diagonal block (the GPU plan's f32 block logits may break near-ties
+    otherwise than the CPU's f64 ones); last blocks partial where n is not a multiple of block.
+    LSE: f32 on both sides, the same bf16 inputs; the GPU's diagonal LSE comes from the flash
+    kernel, whose exp2-based softmax differs from the CPU's in the last bits: 1e-3 absolute."""
+    q, k, v = inputs(5, hq=hq, hkv=hkv, n=n)
+    out, lse, plan = st.causal_attention(q, k, v, block=block, density=density, return_plan=True)
+    counts, indices = plan.counts.cpu().numpy(), plan.indices.cpu().numpy()
+    nb = counts.shape[-1]
+    full = np.concatenate([indices, np.zeros(indices.shape[:-1] + (1,), np.int32)], -1)
+    rows = np.broadcast_to(np.arange(nb, dtype=np.int32)[None, None, :, None], counts.shape + (1,))
+    np.put_along_axis(full, counts[..., None].astype(np.int64), rows, -1)
+    host = sparsa.BlockIndex(block, block, counts + 1, full)
+    ref, ref_lse = sparsa.block_sparse(*(t.float().cpu() for t in (q, k, v)), host, mask="causal")
+    assert rel(out.cpu(), ref) < BF16
+    assert (lse.cpu() - torch.as_tensor(ref_lse)).abs().max().item() < 1e-3
+    if density == 1.0:
+        dense, _ = sparsa.dense(*(t.float().cpu() for t in (q, k, v)), mask="causal")
+        assert rel(out.cpu(), dense) < BF16
 
 
 def test_cuda_graph_capture_and_replay():

@@ -69,6 +69,7 @@ def test_causal_attention_on_cuda_matches_the_cpu(n, hq, hkv, block, density):
     LSE: f32 on both sides, the same bf16 inputs; the GPU's diagonal LSE comes from the flash
     kernel, whose exp2-based softmax differs from the CPU's in the last bits: 1e-3 absolute."""
     q, k, v = inputs(5, hq=hq, hkv=hkv, n=n)
+    assert st._flash_diagonal(q, k, v)  # the path under test (the f32 form is the CPU's)
     out, lse, plan = st.causal_attention(q, k, v, block=block, density=density, return_plan=True)
     counts, indices = plan.counts.cpu().numpy(), plan.indices.cpu().numpy()
     nb = counts.shape[-1]

@@ -605,9 +605,15 @@ def _diagonal_attention(q, k, v, block: int, scale: float):
     return out, lse.reshape(b, hq, nb * block)[:, :, :n]
 
 
-def _diagonal_attention_flash(q, k, v, block: int, scale: float):
+def _flash_kernel(q, k, v, scale: float):
+    """Causal attention of [batch, heads, L, d] q, k, v through torch's flash kernel: ``(out, lse)``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
+
+
+def _diagonal_attention_flash(q, k, v, block: int, scale: float, kernel=_flash_kernel):
     """_diagonal_attention through torch's flash kernel: the blocks become the batch (GQA's k and v
-    repeated per query head; the padding of a last partial block is seen by padding rows only)."""
+    repeated per query head; the padding of a last partial block is seen by padding rows only).
+    ``kernel``: the tests pass a reference in its place to check the layout on a CPU."""
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     nb = -(-n // block)
@@ -618,8 +624,7 @@ def _diagonal_attention_flash(q, k, v, block: int, scale: float):
         x = x.expand(b, heads, hq // heads, nb, block, d).permute(0, 3, 1, 2, 4, 5)
         return x.reshape(b * nb, hq, block, d)
 
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(blocks(q, hq), blocks(k, hkv), blocks(v, hkv),
-                                                                  0.0, True, False, scale=scale)[:2]
+    out, lse = kernel(blocks(q, hq), blocks(k, hkv), blocks(v, hkv), scale)
     out = out.view(b, nb, hq, block, d).transpose(1, 2).reshape(b, hq, nb * block, d)[:, :, :n]
     lse = lse[..., :block].reshape(b, nb, hq, block).transpose(1, 2).reshape(b, hq, nb * block)[:, :, :n]
     return out, lse.float()

@@ -257,6 +257,27 @@ def reference_causal_plan(q, k, block, density):
     return counts, indices
 
 
+@pytest.mark.parametrize("n,hq,hkv,block", [(1000, 8, 2, 128), (256, 4, 4, 64), (77, 6, 3, 16), (5, 2, 1, 16)])
+def test_the_gpu_diagonal_layout_on_the_cpu(n, hq, hkv, block):
+    """The GPU form of the causal composition's diagonal blocks (blocks as the batch of one causal
+    kernel call) with a plain f64 causal softmax in the kernel's place equals the CPU form (an f32
+    einsum over the blocks' score tiles): this checks the blocking, GQA repetition, padding and
+    unblocking that CI cannot run on a GPU (f32 against f64: 1e-5)."""
+    def kernel(q, k, v, scale):
+        assert q.shape == k.shape == v.shape and q.shape[2] == block
+        s = (q.double() @ k.double().transpose(-1, -2)) * scale
+        s = s.masked_fill(torch.ones(block, block, dtype=torch.bool).triu(1), float("-inf"))
+        return (torch.softmax(s, -1) @ v.double()).to(q.dtype), torch.logsumexp(s, -1).float()
+
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(2, h, n, 64, generator=g) for h in (hq, hkv, hkv))
+    want, want_lse = st._diagonal_attention(q, k, v, block, 0.125)
+    got, got_lse = st._diagonal_attention_flash(q, k, v, block, 0.125, kernel=kernel)
+    assert got.shape == want.shape and got_lse.shape == want_lse.shape
+    assert (got - want).abs().max() < 1e-5 and (got_lse - want_lse).abs().max() < 1e-5
+    assert not st._flash_diagonal(q, k, v)  # f32 CPU tensors take the einsum form
+
+
 def test_causal_plan_is_ba_att_choice_among_the_earlier_blocks():
     q, k, v = qkv(14, lq=300, lkv=300)
     plan = st.causal_plan(q, k, block=16, density=0.5)

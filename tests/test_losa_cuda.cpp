@@ -446,6 +446,23 @@ TEST(LosaCudaStep, ABatchOfSequencesOfDifferentLengths) {
   check_against_cpu(s, 3);
 }
 
+// Prefixes of several page tiles (128 pages each, the last partial), so that a row's pages come
+// from several tiles' candidates: a small budget (rounds of a warp minimum over the candidates),
+// a budget above 32 pages (the radix select over them, and a tile shorter than its keep padded),
+// and one above a tile's 128 pages (whole tiles as candidates).
+TEST(LosaCudaStep, PrefixesOfSeveralPageTilesAtEveryBudgetRegime) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int64_t budget : {256, 1024, 2560}) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    Shape s;
+    s.prefix = {5000, 2100};  // 313 pages (3 tiles, 57 in the last), 132 pages (2 tiles, 4 in the last)
+    s.budget = budget;
+    check_against_cpu(s, 3);
+    s.method = PrefixMethod::quest;
+    check_against_cpu(s, 2);
+  }
+}
+
 TEST(LosaCudaStep, AnEmptyPrefixTakesTheBlockAlone) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
   Shape s;

@@ -18,8 +18,8 @@
 // of the active rows over their own pages (or, on a first step and for method dense, dense
 // prefix attention through the split-KV executor), then intra-block attention of every row over
 // the block's own keys merged with (O_p, L_p) by log-sum-exp. Stable rows' O_p, L_p and Q_ref are
-// not touched. No step allocates once the state has seen the largest prefix (the page scores'
-// scratch grows with it), so a step can be captured in a CUDA graph and replayed while the prefix
+// not touched. No step allocates once the state has seen the largest prefix (the page
+// candidates' scratch grows with it), so a step can be captured in a CUDA graph and replayed while the prefix
 // does not change (between commits).
 #pragma once
 
@@ -152,8 +152,9 @@ class DevicePrefixAttention {
   int64_t steps_in_block_ = 0;
   int64_t capacity_ = 0;  // budget / page_size
   DeviceArray o_p_, l_p_, q_ref_, active_, active_counts_, plan_pages_, plan_counts_;
-  DeviceArray scores_;  // f32 [batch, heads_q, Bb, pages], grown with the prefix
-  int64_t score_pages_ = 0;
+  DeviceArray mse_;         // f64 [batch, Bb] as i32 pairs: the rows' query change
+  DeviceArray candidates_;  // u64 keys as i32 pairs [batch, heads_q, Bb, tiles, tile keep], grown with the prefix
+  int64_t candidate_tiles_ = 0;
 };
 
 }  // namespace sparsa

@@ -34,10 +34,9 @@ Status token_norms(const Tensor&, HostArray*) { return not_compiled(); }
 namespace sparsa::losa_cuda {
 static Status not_compiled() { return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"}; }
 Status append(const Pool&, int64_t, int64_t, const Tensor&, const Tensor&, void*) { return not_compiled(); }
-Status choose_rows(const StepArgs&) { return not_compiled(); }
-Status sparse_prefix(const StepArgs&) { return not_compiled(); }
-Status clear_plan(const StepArgs&) { return not_compiled(); }
-Status block_merge(const StepArgs&, bool) { return not_compiled(); }
+Status dense_rows(const StepArgs&) { return not_compiled(); }
+Status sparse_step(const StepArgs&) { return not_compiled(); }
+Status block_merge(const StepArgs&) { return not_compiled(); }
 }  // namespace sparsa::losa_cuda
 
 #include "methods/llsa/internal.h"

@@ -19,6 +19,7 @@ using cuda::detail::DeviceGuard;
 using namespace sparsa::cuda::losa;
 
 static_assert(cuda::losa::kMaxBatch == kMaxBatch, "one batch limit");
+static_assert(cuda::losa::kScorePages == kTilePages, "one tile of pages");
 
 template <class T>
 Rows4<const T> rows_of(const Tensor& t) {
@@ -85,27 +86,24 @@ Status append(const Pool& pool, int64_t first_page, int64_t old_length, const Te
   });
 }
 
-Status choose_rows(const StepArgs& a) {
+Status dense_rows(const StepArgs& a) {
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
   const auto s = static_cast<cudaStream_t>(a.stream);
-  return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
-    active_rows_kernel<T, D><<<static_cast<unsigned>(a.batch), 512, 0, s>>>(
-        rows_of<T>(a.q), static_cast<const T*>(a.q_ref), static_cast<int>(a.heads_q), static_cast<int>(a.block),
-        a.all_rows, a.active_k, a.use_threshold, a.threshold, a.active, a.active_counts);
-    SPARSA_CUDA_CHECK_LAUNCH();
-    return {};
-  });
+  all_rows_kernel<<<static_cast<unsigned>(a.batch), 64, 0, s>>>(static_cast<int>(a.block), a.active, a.active_counts);
+  SPARSA_CUDA_CHECK_LAUNCH();
+  SPARSA_CUDA_CHECK(cudaMemsetAsync(a.plan_counts, 0, static_cast<size_t>(a.batch * a.heads_q * a.block) * sizeof(int32_t), s));
+  return {};
 }
 
-// Dynamic shared memory of the score kernel: the tile's min and max rows, then q+ and q- of
-// every query of a group's active rows.
+// Dynamic shared memory of the candidates kernel: the tile's min and max rows, the keys of
+// kScoreQueries queries, then q+ and q- of every query of a group's active rows.
 template <class T, int D>
-size_t score_smem_bytes(const StepArgs& a) {
-  return score_tile_bytes<T, D>() + static_cast<size_t>(group_of(a)) * a.block * 2 * D * sizeof(float);
+size_t candidates_smem_bytes(const StepArgs& a) {
+  return score_tile_bytes<T, D>() + kScoreKeyBytes + static_cast<size_t>(group_of(a)) * a.block * 2 * D * sizeof(float);
 }
 
-Status sparse_prefix(const StepArgs& a) {
+Status sparse_step(const StepArgs& a) {
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
   const int device = a.pool.device;
@@ -114,63 +112,52 @@ Status sparse_prefix(const StepArgs& a) {
   int64_t max_pages = 0;
   for (int64_t b = 0; b < a.batch; ++b) max_pages = std::max(max_pages, (a.seqs[b].length + a.pool.page_size - 1) / a.pool.page_size);
   const int group = group_of(a), heads_q = static_cast<int>(a.heads_q), block = static_cast<int>(a.block);
-  const int batch = static_cast<int>(a.batch), capacity = static_cast<int>(a.capacity);
+  const int capacity = static_cast<int>(a.capacity), keep_tile = static_cast<int>(tile_keep(a.capacity));
+  const ActiveRule rule{a.mse, a.all_rows, a.active_k, a.use_threshold, a.threshold};
   return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
-    if (max_pages > 0) {
-      const size_t smem = score_smem_bytes<T, D>(a);
-      constexpr auto scores = quest_scores_kernel<T, D>;
-      SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(scores), device, smem));
-      const dim3 grid(static_cast<unsigned>((max_pages + kScorePages - 1) / kScorePages),
-                      static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.batch));
-      scores<<<grid, kScoreThreads, smem, s>>>(pool, rows_of<T>(a.q), a.active, a.active_counts, heads_q, group,
-                                               block, a.scores, a.score_pages);
+    if (!a.all_rows) {
+      row_mse_kernel<T, D><<<dim3(static_cast<unsigned>(a.block), static_cast<unsigned>(a.batch)), kMseWarps * 32, 0, s>>>(
+          rows_of<T>(a.q), static_cast<const T*>(a.q_ref), heads_q, block, a.mse);
       SPARSA_CUDA_CHECK_LAUNCH();
     }
-    // Selection: as many warps per CTA as fit their keys in shared memory (at most 4).
-    const size_t per_warp = (cuda::ba_att::kRadixBins + 2 * ((max_pages + 3) / 4 * 4)) * sizeof(uint32_t);
-    const int warps = static_cast<int>(std::clamp<size_t>((200 * 1024) / per_warp, 1, 4));
-    const size_t smem = per_warp * warps;
-    SPARSA_RETURN_IF_ERROR(
-        cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(quest_select_kernel), device, smem));
-    const int64_t rows = a.batch * a.heads_q * a.block;
-    int sms = 0;
-    SPARSA_RETURN_IF_ERROR(cuda::detail::sm_count(device, &sms));
-    const unsigned ctas = static_cast<unsigned>(std::min<int64_t>((rows + warps - 1) / warps, int64_t{sms} * 8));
-    quest_select_kernel<<<ctas, warps * 32, smem, s>>>(pool, a.active_counts, a.scores, batch, heads_q, block,
-                                                        a.score_pages, capacity, a.force_first, a.force_last,
-                                                        static_cast<int>(max_pages), a.plan_pages, a.plan_counts);
-    SPARSA_CUDA_CHECK_LAUNCH();
-    const dim3 grid(static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.block),
-                    static_cast<unsigned>(a.batch));
-    const int threads = std::min(group, kPagedThreads / 32 / kPageSplit) * kPageSplit * 32;
-    paged_attention_kernel<T, D><<<grid, threads, 0, s>>>(
-        pool, rows_of<T>(a.q), a.active, a.active_counts, a.plan_pages, a.plan_counts, capacity, heads_q, group, block,
-        a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));
+    {
+      const size_t smem = candidates_smem_bytes<T, D>(a);
+      constexpr auto kernel = quest_candidates_kernel<T, D>;
+      SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
+      const dim3 grid(static_cast<unsigned>(std::max<int64_t>(candidate_tiles(max_pages), 1)),
+                      static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.batch));
+      kernel<<<grid, kScoreThreads, smem, s>>>(pool, rows_of<T>(a.q), rule, a.active, a.active_counts, heads_q, group,
+                                               block, capacity, keep_tile, a.candidate_tiles, a.force_first,
+                                               a.force_last, a.candidates);
+      SPARSA_CUDA_CHECK_LAUNCH();
+    }
+    const int64_t keep = std::min<int64_t>(a.capacity, max_pages);
+    const size_t smem = rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
+    constexpr auto kernel = sparse_rows_kernel<T, D>;
+    SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
+    const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.block), static_cast<unsigned>(a.batch));
+    kernel<<<grid, kRowWarps * 32, smem, s>>>(
+        pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
+        mutable_rows_of<float>(a.lse), a.active, a.active_counts, a.candidates, a.candidate_tiles, keep_tile, capacity,
+        a.plan_pages, a.plan_counts, heads_q, group, block, a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p,
+        static_cast<T*>(a.q_ref));
     SPARSA_CUDA_CHECK_LAUNCH();
     return {};
   });
 }
 
-Status clear_plan(const StepArgs& a) {
-  DeviceGuard guard;
-  SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
-  SPARSA_CUDA_CHECK(cudaMemsetAsync(a.plan_counts, 0, static_cast<size_t>(a.batch * a.heads_q * a.block) * sizeof(int32_t),
-                                    static_cast<cudaStream_t>(a.stream)));
-  return {};
-}
-
-Status block_merge(const StepArgs& a, bool qref_all) {
+Status block_merge(const StepArgs& a) {
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
   const auto s = static_cast<cudaStream_t>(a.stream);
   const PoolView pool = pool_view(a);
   return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
-    const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.batch));
-    const int threads = static_cast<int>(std::min<int64_t>(a.block, 8)) * 32;  // a warp per row, up to 8
-    block_merge_kernel<T, D><<<grid, threads, 0, s>>>(
+    const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.batch),
+                    static_cast<unsigned>((a.block + kMergeWarps - 1) / kMergeWarps));
+    block_merge_kernel<T, D><<<grid, kMergeWarps * 32, 0, s>>>(
         pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
         mutable_rows_of<float>(a.lse), static_cast<const T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref),
-        static_cast<int>(a.heads_q), group_of(a), static_cast<int>(a.block), a.scale * kLog2e, qref_all);
+        static_cast<int>(a.heads_q), group_of(a), static_cast<int>(a.block), a.scale * kLog2e, /*qref_all=*/true);
     SPARSA_CUDA_CHECK_LAUNCH();
     return {};
   });

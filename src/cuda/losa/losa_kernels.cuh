@@ -1,6 +1,7 @@
 // Internal: the kernels of block-diffusion decoding on the device (losa.cu launches them): the
-// paged cache's append and page min/max, LoSA's active rows, QUEST's page scores and selection,
-// attention of a row over its pages, and intra-block attention merged with the prefix by LSE.
+// paged cache's append and page min/max, LoSA's query change per row, QUEST's page scores with
+// each tile's best pages, and one kernel that picks a row's pages, attends over them and merges
+// with intra-block attention by LSE. A sparse step is three launches (row mse, candidates, rows).
 //
 // Attention rows are one warp each: lane l holds elements [l * E, (l + 1) * E) of the query, the
 // output accumulator and every key / value row it reads (E = D / 32), a row's logit is a warp
@@ -86,50 +87,63 @@ __global__ void page_minmax_kernel(const T* k_pool, T* min_pool, T* max_pool, in
 
 // ---- LoSA's active rows ------------------------------------------------------------------------
 
-// Per batch entry (blockIdx.x): mse_i = mean over heads and dims of (q_i - q_ref_i)^2 in f64 (a
-// warp per row, its lanes over the row's elements, the loads of several heads in flight), then
-// the active rows ascending: all rows, those with mse above the threshold (or NaN), or the top
-// active_k (NaN first, larger first, ties to the lower row) — sparsa::active_rows' order.
+// Grid (block rows, batch), kMseWarps warps over the query heads: mse of row i of entry b = mean
+// over heads and dims of (q_i - q_ref_i)^2, summed in f64 in a fixed order (lanes, then warps).
+constexpr int kMseWarps = 4;
 template <class T, int D>
-__global__ void active_rows_kernel(Rows4<const T> q, const T* q_ref, int heads_q, int block, bool all_rows,
-                                   int active_k, bool use_threshold, double threshold, int32_t* active,
-                                   int32_t* counts) {
+__global__ void __launch_bounds__(kMseWarps * 32) row_mse_kernel(Rows4<const T> q, const T* q_ref, int heads_q,
+                                                                   int block, double* mse) {
   constexpr int E = D / 32;
-  __shared__ double mse[64];
-  const int b = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  int32_t* out = active + static_cast<int64_t>(b) * block;
-  if (all_rows) {
-    for (int i = threadIdx.x; i < block; i += blockDim.x) out[i] = i;
-    if (threadIdx.x == 0) counts[b] = block;
-    return;
-  }
-  for (int i = warp; i < block; i += warps) {
-    double sum = 0.0;
+  __shared__ double part[kMseWarps];
+  const int i = blockIdx.x, b = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double sum = 0.0;
 #pragma unroll 4
-    for (int h = 0; h < heads_q; ++h) {
-      const T* a = q.row(b, h, i) + lane * E;
-      const T* r = q_ref + ((static_cast<int64_t>(b) * heads_q + h) * block + i) * D + lane * E;
+  for (int h = warp; h < heads_q; h += kMseWarps) {
+    const T* a = q.row(b, h, i) + lane * E;
+    const T* r = q_ref + ((static_cast<int64_t>(b) * heads_q + h) * block + i) * D + lane * E;
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const double diff = static_cast<double>(to_float(a[e])) - to_float(r[e]);
-        sum += diff * diff;
-      }
+    for (int e = 0; e < E; ++e) {
+      const double diff = static_cast<double>(to_float(a[e])) - to_float(r[e]);
+      sum += diff * diff;
     }
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) mse[i] = sum / (static_cast<double>(heads_q) * D);
   }
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) part[warp] = sum;
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  int n = 0;
-  if (use_threshold) {
-    for (int i = 0; i < block; ++i)
-      if (mse[i] > threshold || isnan(mse[i])) out[n++] = i;
-    counts[b] = n;
-    return;
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int w = 0; w < kMseWarps; ++w) total += part[w];
+    mse[static_cast<int64_t>(b) * block + i] = total / (static_cast<double>(heads_q) * D);
   }
-  // Top active_k by selection (block <= 64): a row is taken when no untaken row ranks before it.
+}
+
+// Which rows of a step are active: all of them, those whose mse is above the threshold (or NaN),
+// or the top active_k (NaN first, larger first, ties to the lower row) — sparsa::active_rows'
+// order.
+struct ActiveRule {
+  const double* mse;  // [batch, block]; unread when all_rows
+  bool all_rows;
+  int active_k;
+  bool use_threshold;
+  double threshold;
+};
+
+// One thread: the active rows of entry b ascending into rows[0, count); returns count (block <= 64).
+__device__ inline int choose_active(const ActiveRule& rule, int b, int block, int32_t* rows) {
+  if (rule.all_rows) {
+    for (int i = 0; i < block; ++i) rows[i] = i;
+    return block;
+  }
+  const double* mse = rule.mse + static_cast<int64_t>(b) * block;
+  int n = 0;
+  if (rule.use_threshold) {
+    for (int i = 0; i < block; ++i)
+      if (mse[i] > rule.threshold || isnan(mse[i])) rows[n++] = i;
+    return n;
+  }
+  // Top active_k by selection: a row is taken when no untaken row ranks before it.
   uint64_t taken = 0;
-  const int k = min(active_k, block);
+  const int k = min(rule.active_k, block);
   for (int round = 0; round < k; ++round) {
     int best = -1;
     for (int i = 0; i < block; ++i) {
@@ -145,18 +159,33 @@ __global__ void active_rows_kernel(Rows4<const T> q, const T* q_ref, int heads_q
     taken |= uint64_t{1} << best;
   }
   for (int i = 0; i < block; ++i)
-    if (taken >> i & 1) out[n++] = i;
-  counts[b] = n;
+    if (taken >> i & 1) rows[n++] = i;
+  return n;
 }
 
-// ---- QUEST: page scores, selection ------------------------------------------------------------
+// Grid (batch): every row active (a block's first step, and dense steps).
+__global__ void all_rows_kernel(int block, int32_t* active, int32_t* counts) {
+  for (int i = threadIdx.x; i < block; i += blockDim.x) active[static_cast<int64_t>(blockIdx.x) * block + i] = i;
+  if (threadIdx.x == 0) counts[blockIdx.x] = block;
+}
+
+// ---- QUEST: page scores and each tile's candidates ---------------------------------------------
 
 // score(q, page) = sum_d max(q_d max_d, q_d min_d) = q+ . max + q- . min (q+ = max(q, 0), q- =
-// min(q, 0)). Grid (page tiles of kScorePages, heads_kv, batch); the tile's min and max rows are
-// staged in shared memory by coalesced 16-byte loads (rows padded by 16 bytes, so that the
-// threads' 16-byte reads of their own rows hit distinct banks), then one thread per page; the
-// queries of the kv head's group at the entry's active rows are in shared memory as q+ and q-
-// (f32, read by broadcast). Scores [batch, heads_q, block, score_pages] at (b, h, slot, page).
+// min(q, 0)). A page's order key: the high word ranks it (0 for a forced page, the best there
+// is; the score's order by ba_att::order_key; all ones for NaN, the worst), the low word is the
+// page, so every key is distinct and the smallest `keep` keys are the row's selection.
+//
+// Grid (page tiles of kScorePages, heads_kv, batch). Every CTA first chooses the entry's active
+// rows from the rows' mse (the CTA at tile 0 of kv head 0 writes them out). The tile's min and
+// max rows are staged in shared memory by coalesced 16-byte loads (rows padded by 16 bytes, so
+// that the threads' 16-byte reads of their own rows hit distinct banks), then one thread per
+// page; the queries of the kv head's group at the entry's active rows are in shared memory as q+
+// and q- (f32, read by broadcast). kScoreQueries queries at a time, the tile's keys go to shared
+// memory and a warp per query keeps the tile's `keep_tile` smallest, written ascending by page
+// (padded with all-ones keys) to candidates [batch, heads_q, block slots, tiles, keep_tile]: the
+// row's selection is the `keep` smallest of its candidates. Nothing is scored when the budget
+// covers the entry's prefix (every page is taken).
 constexpr int kScoreThreads = 128;
 constexpr int kScorePages = kScoreThreads;
 constexpr int kScoreQueries = 8;  // queries accumulated at once per pass over a page's metadata
@@ -167,20 +196,70 @@ template <class T, int D>
 __host__ __device__ constexpr size_t score_tile_bytes() {
   return static_cast<size_t>(2) * kScorePages * score_row_elems<D>() * sizeof(T);
 }
+constexpr size_t kScoreKeyBytes = static_cast<size_t>(kScoreQueries) * kScorePages * sizeof(uint64_t);
+
+__device__ __forceinline__ uint64_t page_key(float score, int32_t page, bool forced) {
+  const uint32_t high = forced ? 0u : isnan(score) ? 0xffffffffu : static_cast<uint32_t>(ba_att::order_key(score, page) >> 32);
+  return static_cast<uint64_t>(high) << 32 | static_cast<uint32_t>(page);
+}
+
+// One warp: the `keep` smallest of keys[0, n) (n <= kScorePages, keys distinct) by rounds of a
+// warp minimum over the lanes' registers, written ascending by position (= by page) to out,
+// then all-ones keys up to out[keep). Every key when keep >= n.
+__device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t* out) {
+  constexpr int kPer = kScorePages / 32;
+  const int lane = threadIdx.x % 32;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  uint64_t mine[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) mine[i] = lane + 32 * i < n ? keys[lane + 32 * i] : ~0ull;
+  unsigned taken = 0;
+  if (keep >= n) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) taken |= (lane + 32 * i < n ? 1u : 0u) << i;
+  } else {
+    for (int r = 0; r < keep; ++r) {
+      uint64_t best = ~0ull;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) best = (taken >> i & 1) ? best : min(best, mine[i]);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) best = min(best, __shfl_xor_sync(0xffffffffu, best, offset));
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) taken |= (mine[i] == best ? 1u : 0u) << i;
+    }
+  }
+  int written = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const bool kept = taken >> i & 1;
+    const unsigned ballot = __ballot_sync(0xffffffffu, kept);
+    if (kept) out[written + __popc(ballot & lanes_below)] = mine[i];
+    written += __popc(ballot);
+  }
+  for (int j = written + lane; j < keep; j += 32) out[j] = ~0ull;
+}
 
 template <class T, int D>
-__global__ void __launch_bounds__(kScoreThreads) quest_scores_kernel(PoolView pool, Rows4<const T> q,
-                                                                     const int32_t* active, const int32_t* counts,
-                                                                     int heads_q, int group, int block,
-                                                                     float* scores, int64_t score_pages) {
+__global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
+    PoolView pool, Rows4<const T> q, ActiveRule rule, int32_t* active, int32_t* counts, int heads_q, int group,
+    int block, int capacity, int keep_tile, int64_t tiles, bool force_first, bool force_last, uint64_t* candidates) {
   extern __shared__ __align__(16) unsigned char score_smem[];
   T* tile_min = reinterpret_cast<T*>(score_smem);                       // [kScorePages][D + 8]
   T* tile_max = tile_min + kScorePages * score_row_elems<D>();
-  float* query_smem = reinterpret_cast<float*>(score_smem + score_tile_bytes<T, D>());  // [queries][2][D]
+  uint64_t* keys = reinterpret_cast<uint64_t*>(score_smem + score_tile_bytes<T, D>());  // [kScoreQueries][pages]
+  float* query_smem = reinterpret_cast<float*>(score_smem + score_tile_bytes<T, D>() + kScoreKeyBytes);  // [queries][2][D]
+  __shared__ int32_t rows[64];
+  __shared__ int row_count;
   const int b = blockIdx.z, h_kv = blockIdx.y;
-  const int queries = group * counts[b];
+  if (threadIdx.x == 0) row_count = choose_active(rule, b, block, rows);
+  __syncthreads();
+  if (blockIdx.x == 0 && h_kv == 0) {
+    for (int i = threadIdx.x; i < row_count; i += blockDim.x) active[static_cast<int64_t>(b) * block + i] = rows[i];
+    if (threadIdx.x == 0) counts[b] = row_count;
+  }
+  const int queries = group * row_count;
   const int64_t pages = pool.pages(b), page0 = static_cast<int64_t>(blockIdx.x) * kScorePages;
-  if (page0 >= pages) return;
+  if (page0 >= pages || capacity >= pages) return;  // (uniform in the CTA)
   const int tile = static_cast<int>(min(static_cast<int64_t>(kScorePages), pages - page0));
   constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks of a row
   const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
@@ -196,15 +275,17 @@ __global__ void __launch_bounds__(kScoreThreads) quest_scores_kernel(PoolView po
   for (int e = threadIdx.x; e < queries * D; e += blockDim.x) {
     const int qi = e / D, c = e % D;
     const int g = qi % group, slot = qi / group;
-    const float x = to_float(q.row(b, h_kv * group + g, active[b * block + slot])[c]);
+    const float x = to_float(q.row(b, h_kv * group + g, rows[slot])[c]);
     query_smem[(qi * 2) * D + c] = fmaxf(x, 0.0f);
     query_smem[(qi * 2 + 1) * D + c] = fminf(x, 0.0f);
   }
   __syncthreads();
-  const int p = threadIdx.x;
-  if (p >= tile) return;
-  const T* my_min = tile_min + p * score_row_elems<D>();
-  const T* my_max = tile_max + p * score_row_elems<D>();
+  const int p = threadIdx.x, warp = threadIdx.x / 32;
+  const bool valid = p < tile;
+  const int32_t page = static_cast<int32_t>(page0 + p);
+  const bool forced = (force_first && page == 0) || (force_last && page == pages - 1);
+  const T* my_min = tile_min + (valid ? p : 0) * score_row_elems<D>();  // past the tile: row 0, unwritten
+  const T* my_max = tile_max + (valid ? p : 0) * score_row_elems<D>();
   for (int q0 = 0; q0 < queries; q0 += kScoreQueries) {
     float acc[kScoreQueries] = {};
 #pragma unroll 2
@@ -221,7 +302,7 @@ __global__ void __launch_bounds__(kScoreThreads) quest_scores_kernel(PoolView po
       }
 #pragma unroll
       for (int qq = 0; qq < kScoreQueries; ++qq) {
-        // A past-the-end query reads query 0's row (in bounds) and is not written: a predicate,
+        // A past-the-end query reads query 0's row (in bounds) and is not kept: a predicate,
         // not a break, so that acc stays in registers.
         const int qi = q0 + qq < queries ? q0 + qq : 0;
         const float4* pos = reinterpret_cast<const float4*>(query_smem + (qi * 2) * D + c0);
@@ -234,21 +315,23 @@ __global__ void __launch_bounds__(kScoreThreads) quest_scores_kernel(PoolView po
       }
     }
 #pragma unroll
-    for (int qq = 0; qq < kScoreQueries; ++qq) {
+    for (int qq = 0; qq < kScoreQueries; ++qq) keys[qq * kScorePages + p] = valid ? page_key(acc[qq], page, forced) : ~0ull;
+    __syncthreads();
+    for (int qq = warp; qq < kScoreQueries; qq += kScoreThreads / 32) {
       const int qi = q0 + qq;
-      if (qi >= queries) continue;
+      if (qi >= queries) continue;  // (uniform in the warp)
       const int g = qi % group, slot = qi / group;
-      scores[((static_cast<int64_t>(b) * heads_q + h_kv * group + g) * block + slot) * score_pages + page0 + p] =
-          acc[qq];
+      const int64_t row = (static_cast<int64_t>(b) * heads_q + h_kv * group + g) * block + slot;
+      tile_top(keys + qq * kScorePages, tile, keep_tile, candidates + (row * tiles + blockIdx.x) * keep_tile);
     }
+    __syncthreads();  // the keys are rewritten by the next queries
   }
 }
 
 // Up to kRoundsMaxKeep pages: `keep` rounds of a warp-wide minimum over the row's 64-bit keys
-// (order | page, so every key is distinct), each round's winner marked taken; then the chosen
-// pages in ascending order by their ranks. keep x pages / 32 shared-memory reads a lane, no
-// atomics: at keep 16 of 4096 pages it beats the radix select (whose match_any histogram passes
-// took 120 us for the 128 rows of a 64K step).
+// (order | position, so every key is distinct), each round's winner marked taken; then the chosen
+// positions in ascending order by their ranks. keep x n / 32 shared-memory reads a lane, no
+// atomics (at keep 16 it beats the radix select, whose match_any histogram passes are slow).
 constexpr int kRoundsMaxKeep = 32;
 __device__ inline void warp_rounds_select(uint64_t* keys, int n, int keep, int32_t* out) {
   const int lane = threadIdx.x % 32;
@@ -258,10 +341,10 @@ __device__ inline void warp_rounds_select(uint64_t* keys, int n, int keep, int32
     for (int j = lane; j < n; j += 32) best = min(best, keys[j]);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) best = min(best, __shfl_xor_sync(0xffffffffu, best, offset));
-    const int page = static_cast<int>(static_cast<uint32_t>(best));
+    const int at = static_cast<int>(static_cast<uint32_t>(best));
     __syncwarp();
-    if (lane == 0) keys[page] = ~0ull;  // taken
-    if (lane == r) chosen = page;
+    if (lane == 0) keys[at] = ~0ull;  // taken
+    if (lane == r) chosen = at;
     __syncwarp();
   }
   int rank = 0;
@@ -269,54 +352,9 @@ __device__ inline void warp_rounds_select(uint64_t* keys, int n, int keep, int32
   if (lane < keep) out[rank] = chosen;
 }
 
-// One warp per (batch, head, slot) row, grid-stride: the top `capacity` pages of the row's
-// scores, forced pages first (their keys the best there are), NaN scores last, ties to the lower
-// page; all pages when the budget covers the prefix; ascending. Dynamic shared memory: per warp,
-// 256 bins and 2 * max_pages words (32-bit keys for the radix select, 64-bit for the rounds).
-__global__ void quest_select_kernel(PoolView pool, const int32_t* counts, const float* scores, int batch,
-                                    int heads_q, int block, int64_t score_pages, int capacity, bool force_first, bool force_last,
-                                    int max_pages, int32_t* plan_pages, int32_t* plan_counts) {
-  extern __shared__ __align__(16) uint32_t select_smem[];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  uint32_t* hist = select_smem + static_cast<size_t>(warp) * (ba_att::kRadixBins + 2 * ((max_pages + 3) / 4 * 4));
-  uint32_t* keys = hist + ba_att::kRadixBins;
-  const int64_t rows = static_cast<int64_t>(batch) * heads_q * block;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * warps) {
-    const int b = static_cast<int>(row / (heads_q * block)), slot = static_cast<int>(row % block);
-    int32_t* out = plan_pages + row * capacity;
-    if (slot >= counts[b]) {
-      if (lane == 0) plan_counts[row] = 0;
-      continue;
-    }
-    const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
-    if (keep == n) {
-      for (int j = lane; j < n; j += 32) out[j] = j;
-    } else {
-      const float* row_scores = scores + row * score_pages;
-      const bool rounds = keep <= kRoundsMaxKeep;
-      uint64_t* keys64 = reinterpret_cast<uint64_t*>(keys);  // 16-byte aligned: after the 1 KiB of bins
-#pragma unroll 8
-      for (int j = lane; j < n; j += 32) {
-        const bool forced = (force_first && j == 0) || (force_last && j == n - 1);
-        const float s = row_scores[j];
-        const uint32_t high = forced ? 0u : isnan(s) ? 0xffffffffu : static_cast<uint32_t>(ba_att::order_key(s, j) >> 32);
-        if (rounds) {
-          keys64[j] = static_cast<uint64_t>(high) << 32 | static_cast<uint32_t>(j);
-        } else {
-          keys[j] = high;
-        }
-      }
-      __syncwarp();
-      if (rounds) {
-        warp_rounds_select(keys64, n, keep, out);
-      } else {
-        ba_att::warp_top_select(keys, hist, n, keep, out);
-      }
-    }
-    if (lane == 0) plan_counts[row] = keep;
-    __syncwarp();  // keys and bins are reused by the warp's next row
-  }
+// Dynamic shared memory of sparse_rows_kernel's selection for nc candidates.
+__host__ __device__ constexpr size_t rows_select_bytes(int64_t nc, int keep) {
+  return keep <= kRoundsMaxKeep ? static_cast<size_t>(nc) * 8 : ba_att::kRadixBins * 4 + static_cast<size_t>(nc) * 4;
 }
 
 // ---- attention rows ----------------------------------------------------------------------------
@@ -394,59 +432,123 @@ __device__ __forceinline__ void load_query(const T* row, float scale_log2, int l
   for (int e = 0; e < E; ++e) q[e] = to_float(row[lane * E + e]) * scale_log2;
 }
 
-// Grid (heads_kv, block slots, batch); kPageSplit warps per query head of the group (heads
-// looped when the group has more than blockDim.x / 32 / kPageSplit): the active row of the slot
-// attends over its plan's pages, each warp over every kPageSplit-th page a tile at a time, the
-// warps' states merged in shared memory; O_p (T), L_p and Q_ref of the row are written.
-constexpr int kPageSplit = 4;
-constexpr int kPagedThreads = 256;  // 2 heads x 4 warps per pass (the tiles' registers allow 256 threads)
-
+// One warp: row r of head h of entry b attends over the block's own keys (k_block, v_block),
+// merged with its prefix (o_p, l_p; nothing when the entry's prefix is empty) by LSE into out
+// and lse; with qref_all, q_ref = q.
 template <class T, int D>
-__global__ void __launch_bounds__(kPagedThreads) paged_attention_kernel(PoolView pool, Rows4<const T> q, const int32_t* active, const int32_t* counts,
-                                       const int32_t* plan_pages, const int32_t* plan_counts, int capacity,
-                                       int heads_q, int group, int block, float scale_log2, T* o_p, float* l_p,
-                                       T* q_ref) {
+__device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows4<const T>& q,
+                                                const Rows4<const T>& k_block, const Rows4<const T>& v_block,
+                                                const Rows4<T>& out, const Rows4<float>& lse, const T* o_p,
+                                                const float* l_p, T* q_ref, int heads_q, int group, int block,
+                                                float scale_log2, bool qref_all, int b, int h, int r, int lane) {
   constexpr int E = D / 32;
-  __shared__ float part_m[kPagedThreads / 32], part_l[kPagedThreads / 32];
-  __shared__ float part_acc[kPagedThreads / 32][D];
-  const int h_kv = blockIdx.x, slot = blockIdx.y, b = blockIdx.z;
-  if (slot >= counts[b]) return;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const int heads_per_pass = warps / kPageSplit, split = warp % kPageSplit;
-  const int r = active[b * block + slot];
-  const int64_t length = pool.length[b];
-  for (int g0 = 0; g0 < group; g0 += heads_per_pass) {
-    const int g = g0 + warp / kPageSplit;
-    RowState<E> st;
-    float qs[E] = {};
-    int h = 0;
-    int64_t row = 0;
-    if (g < group) {
-      h = h_kv * group + g;
-      row = (static_cast<int64_t>(b) * heads_q + h) * block;
-      load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
-      const int32_t* pages = plan_pages + (row + slot) * capacity;
-      const int n = plan_counts[row + slot];
-      // The warp's page ids in registers (lane j holds its j-th and (j + 32)-th), one load.
-      int32_t mine[2];
+  const int h_kv = h / group;
+  const T* q_row = q.row(b, h, r);
+  float qs[E];
+  load_query<T, E>(q_row, scale_log2, lane, qs);
+  RowState<E> st;
+  for (int t0 = 0; t0 < block; t0 += RowState<E>::kTile) {
+    st.add_tile(qs, k_block.row(b, h_kv, t0), k_block.ss, v_block.row(b, h_kv, t0), v_block.ss,
+                min(RowState<E>::kTile, block - t0), lane);
+  }
+  const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
+  float lb = st.lse2(), wb = 1.0f, wp = 0.0f, lp = -INFINITY;
+  if (pool.length[b] > 0) lp = l_p[at] * kLog2e;
+  float m = fmaxf(lb, lp), total = lb;
+  if (m > -INFINITY) {
+    wb = exp2f(lb - m);
+    wp = exp2f(lp - m);
+    total = m + log2f(wb + wp);
+  }
+  const float ib = st.l > 0.0f ? wb / (st.l * (wb + wp)) : 0.0f, ip = wp / (wb + wp);
+  T* o = out.row(b, h, r);
+  const T* op = o_p + at * D;
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int i = split + (lane + 32 * u) * kPageSplit;
-        mine[u] = i < n ? pages[i] : 0;
+  for (int e = 0; e < E; ++e) {
+    const float prefix = wp > 0.0f ? to_float(op[lane * E + e]) * ip : 0.0f;
+    o[lane * E + e] = from_float<T>(st.acc[e] * ib + prefix);
+    if (qref_all) q_ref[at * D + lane * E + e] = q_row[lane * E + e];
+  }
+  if (lane == 0) *lse.row(b, h, r) = total * kLn2;
+}
+
+// Grid (heads_q, batch, row groups of kMergeWarps), a warp per row: merge_block_row (the dense
+// steps' last launch, after the split-KV executor wrote o_p and l_p).
+constexpr int kMergeWarps = 4;
+template <class T, int D>
+__global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
+                                   Rows4<T> out, Rows4<float> lse, const T* o_p, const float* l_p, T* q_ref,
+                                   int heads_q, int group, int block, float scale_log2, bool qref_all) {
+  const int r = blockIdx.z * kMergeWarps + threadIdx.x / 32;
+  if (r >= block) return;
+  merge_block_row<T, D>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
+                        qref_all, blockIdx.y, blockIdx.x, r, threadIdx.x % 32);
+}
+
+// The sparse steps' last launch. Grid (heads_q, block rows, batch), kRowWarps warps. Row r of
+// head h, when active at slot s: warp 0 picks the row's `keep` pages from its candidates (the
+// `keep` smallest keys: rounds of a warp minimum up to kRoundsMaxKeep, the radix select above;
+// every page when the budget covers the prefix) into the plan, ascending; the warps attend over
+// every kRowWarps-th page a tile at a time, their states merged in shared memory; O_p (T), L_p
+// and Q_ref of the row are written. Then every row (active or stable, whose O_p and L_p are
+// kept): merge_block_row. The CTA of row y also zeroes the plan count of slot y when y is past
+// the entry's active rows.
+constexpr int kRowWarps = 8;
+template <class T, int D>
+__global__ void __launch_bounds__(kRowWarps * 32) sparse_rows_kernel(
+    PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
+    Rows4<float> lse, const int32_t* active, const int32_t* counts, const uint64_t* candidates, int64_t tiles,
+    int keep_tile, int capacity, int32_t* plan_pages, int32_t* plan_counts, int heads_q, int group, int block,
+    float scale_log2, T* o_p, float* l_p, T* q_ref) {
+  constexpr int E = D / 32;
+  extern __shared__ __align__(16) uint64_t rows_smem[];
+  __shared__ float part_m[kRowWarps], part_l[kRowWarps];
+  __shared__ float part_acc[kRowWarps][D];
+  const int h = blockIdx.x, r = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int count = counts[b];
+  const int64_t base = (static_cast<int64_t>(b) * heads_q + h) * block;
+  if (r >= count && threadIdx.x == 0) plan_counts[base + r] = 0;
+  int slot = -1;
+  for (int s = 0; s < count; ++s) slot = active[static_cast<int64_t>(b) * block + s] == r ? s : slot;
+  if (slot >= 0) {
+    const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
+    int32_t* plan = plan_pages + (base + slot) * capacity;
+    if (keep == n) {
+      for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = j;
+    } else if (warp == 0) {
+      const uint64_t* cand = candidates + (base + slot) * tiles * keep_tile;
+      const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
+      if (keep <= kRoundsMaxKeep) {
+        // Keys re-indexed by position: candidates are ascending by page, so ties go to the lower page.
+        for (int j = lane; j < nc; j += 32) rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
+        __syncwarp();
+        warp_rounds_select(rows_smem, nc, keep, plan);
+      } else {
+        uint32_t* hist = reinterpret_cast<uint32_t*>(rows_smem);
+        uint32_t* keys = hist + ba_att::kRadixBins;
+        for (int j = lane; j < nc; j += 32) keys[j] = static_cast<uint32_t>(cand[j] >> 32);
+        __syncwarp();
+        ba_att::warp_top_select(keys, hist, nc, keep, plan);
       }
-      for (int i = split, c = 0; i < n; i += kPageSplit, ++c) {
-        // (c is the same in every lane: the shuffles are uniform.)
-        const int32_t page = c < 32   ? __shfl_sync(0xffffffffu, mine[0], c)
-                             : c < 64 ? __shfl_sync(0xffffffffu, mine[1], c - 32)
-                                      : pages[i];
-        const int64_t begin = static_cast<int64_t>(page) * pool.page_size;
-        const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
-        const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
-        const T* k = static_cast<const T*>(pool.k) + at;
-        const T* v = static_cast<const T*>(pool.v) + at;
-        for (int t0 = 0; t0 < tokens; t0 += RowState<E>::kTile) {
-          st.add_tile(qs, k + t0 * D, D, v + t0 * D, D, min(RowState<E>::kTile, tokens - t0), lane);
-        }
+      __syncwarp();
+      for (int j = lane; j < keep; j += 32) plan[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
+    }
+    if (threadIdx.x == 0) plan_counts[base + slot] = keep;
+    __syncthreads();  // the plan is written
+    float qs[E];
+    load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
+    RowState<E> st;
+    const int h_kv = h / group;
+    const int64_t length = pool.length[b];
+    for (int i = warp; i < keep; i += kRowWarps) {
+      const int64_t begin = static_cast<int64_t>(plan[i]) * pool.page_size;
+      const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
+      const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
+      const T* k = static_cast<const T*>(pool.k) + at;
+      const T* v = static_cast<const T*>(pool.v) + at;
+      for (int t0 = 0; t0 < tokens; t0 += RowState<E>::kTile) {
+        st.add_tile(qs, k + t0 * D, D, v + t0 * D, D, min(RowState<E>::kTile, tokens - t0), lane);
       }
     }
     if (lane == 0) {
@@ -456,68 +558,28 @@ __global__ void __launch_bounds__(kPagedThreads) paged_attention_kernel(PoolView
 #pragma unroll
     for (int e = 0; e < E; ++e) part_acc[warp][lane * E + e] = st.acc[e];
     __syncthreads();
-    if (split == 0 && g < group) {
-      for (int w = warp + 1; w < warp + kPageSplit; ++w) {
-        float other[E];
+    if (warp != 0) return;
+    for (int w = 1; w < kRowWarps; ++w) {
+      float other[E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) other[e] = part_acc[w][lane * E + e];
-        st.merge(part_m[w], part_l[w], other);
-      }
-      const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
-      const T* q_row = q.row(b, h, r);
-      T* o = o_p + (row + r) * D;
-      T* qr = q_ref + (row + r) * D;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        o[lane * E + e] = from_float<T>(st.acc[e] * inv);
-        qr[lane * E + e] = q_row[lane * E + e];
-      }
-      if (lane == 0) l_p[row + r] = st.lse2() * kLn2;
+      for (int e = 0; e < E; ++e) other[e] = part_acc[w][lane * E + e];
+      st.merge(part_m[w], part_l[w], other);
     }
-    __syncthreads();  // the partial states are reused by the next pass
-  }
-}
-
-// Grid (heads_q, batch), warps over the block's rows: each row attends over the block's own keys
-// (k_block, v_block), merged with its prefix (o_p, l_p; nothing when the entry's prefix is empty)
-// by LSE into out and lse; with qref_all, q_ref = q.
-template <class T, int D>
-__global__ void __launch_bounds__(256) block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
-                                   Rows4<T> out, Rows4<float> lse, const T* o_p, const float* l_p, T* q_ref,
-                                   int heads_q, int group, int block, float scale_log2, bool qref_all) {
-  constexpr int E = D / 32;
-  const int h = blockIdx.x, b = blockIdx.y, h_kv = h / group;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const bool has_prefix = pool.length[b] > 0;
-  for (int r = warp; r < block; r += warps) {
+    const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
     const T* q_row = q.row(b, h, r);
-    float qs[E];
-    load_query<T, E>(q_row, scale_log2, lane, qs);
-    RowState<E> st;
-    for (int t0 = 0; t0 < block; t0 += RowState<E>::kTile) {
-      st.add_tile(qs, k_block.row(b, h_kv, t0), k_block.ss, v_block.row(b, h_kv, t0), v_block.ss,
-                  min(RowState<E>::kTile, block - t0), lane);
-    }
-    const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
-    float lb = st.lse2(), wb = 1.0f, wp = 0.0f, lp = -INFINITY;
-    if (has_prefix) lp = l_p[at] * kLog2e;
-    float m = fmaxf(lb, lp), total = lb;
-    if (m > -INFINITY) {
-      wb = exp2f(lb - m);
-      wp = exp2f(lp - m);
-      total = m + log2f(wb + wp);
-    }
-    const float ib = st.l > 0.0f ? wb / (st.l * (wb + wp)) : 0.0f, ip = wp / (wb + wp);
-    T* o = out.row(b, h, r);
-    const T* op = o_p + at * D;
+    T* o = o_p + (base + r) * D;
+    T* qr = q_ref + (base + r) * D;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const float prefix = wp > 0.0f ? to_float(op[lane * E + e]) * ip : 0.0f;
-      o[lane * E + e] = from_float<T>(st.acc[e] * ib + prefix);
-      if (qref_all) q_ref[at * D + lane * E + e] = q_row[lane * E + e];
+      o[lane * E + e] = from_float<T>(st.acc[e] * inv);
+      qr[lane * E + e] = q_row[lane * E + e];
     }
-    if (lane == 0) *lse.row(b, h, r) = total * kLn2;
+    if (lane == 0) l_p[base + r] = st.lse2() * kLn2;
+    __syncwarp();  // the row's O_p and L_p, read back by merge_block_row's lanes
   }
+  if (warp != 0) return;
+  merge_block_row<T, D>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
+                        /*qref_all=*/false, b, h, r, lane);
 }
 
 }  // namespace sparsa::cuda::losa

@@ -13,6 +13,10 @@ namespace sparsa::losa_cuda {
 constexpr int kMaxBatch = 64;
 constexpr int kMaxBlock = 64;
 constexpr int kMaxPageSize = 64;
+// Pages scored per CTA; each keeps at most its tile_keep best pages as the row's candidates.
+constexpr int kTilePages = 128;
+inline int64_t tile_keep(int64_t capacity) { return capacity < kTilePages ? capacity : kTilePages; }
+inline int64_t candidate_tiles(int64_t pages) { return (pages + kTilePages - 1) / kTilePages; }
 
 // The pool of a DevicePagedKVCache.
 struct Pool {
@@ -46,8 +50,7 @@ struct StepArgs {
   float scale = 1.0f;
   // State, contiguous: o_p, q_ref [batch, heads_q, block, head_dim] (pool dtype), l_p f32
   // [batch, heads_q, block], active i32 [batch, block], active_counts i32 [batch], plan pages
-  // i32 [batch, heads_q, block, capacity], plan counts [batch, heads_q, block], scores f32
-  // [batch, heads_q, block, score_pages].
+  // i32 [batch, heads_q, block, capacity], plan counts [batch, heads_q, block].
   void* o_p = nullptr;
   float* l_p = nullptr;
   void* q_ref = nullptr;
@@ -56,8 +59,12 @@ struct StepArgs {
   int32_t* plan_pages = nullptr;
   int32_t* plan_counts = nullptr;
   int64_t capacity = 0;
-  float* scores = nullptr;
-  int64_t score_pages = 0;
+  // Scratch of sparse steps: each page tile's best pages per (entry, head, slot), as 64-bit
+  // order keys [batch, heads_q, block, candidate_tiles, tile_keep(capacity)]; the rows' query
+  // mse, f64 [batch, block].
+  uint64_t* candidates = nullptr;
+  int64_t candidate_tiles = 0;
+  double* mse = nullptr;
   // Active rows: all (first steps, dense and quest), else top active_k by query MSE, or those
   // above threshold when use_threshold.
   bool all_rows = true;
@@ -67,15 +74,16 @@ struct StepArgs {
   bool force_first = false, force_last = true;
 };
 
-// The active rows of every batch entry (active, active_counts).
-Status choose_rows(const StepArgs& a);
-// QUEST over the active rows: page scores, the top `capacity` pages per (head, active row)
-// (forced pages first), attention of each over its pages into o_p, l_p; q_ref of those rows = q.
-Status sparse_prefix(const StepArgs& a);
-// Plan counts zero (a dense step has no page plan).
-Status clear_plan(const StepArgs& a);
-// Every row: attention over the block's own keys merged with (o_p, l_p) into out, lse (an
-// entry with an empty prefix takes the block's alone); with qref_all, q_ref = q for every row.
-Status block_merge(const StepArgs& a, bool qref_all);
+// A dense step's first launches: every row active (active, active_counts), plan counts zero.
+Status dense_rows(const StepArgs& a);
+// A sparse step, whole (three launches): the active rows (LoSA's query mse against q_ref, top-K
+// or threshold; all rows when a.all_rows), QUEST's top `capacity` pages per (head, active row)
+// (forced pages first), attention of each over its pages into o_p, l_p (q_ref of those rows =
+// q), and every row's attention over the block's own keys merged with (o_p, l_p) into out, lse.
+Status sparse_step(const StepArgs& a);
+// A dense step's last launch, after o_p and l_p are written: every row's attention over the
+// block's own keys merged with (o_p, l_p) into out, lse (an entry with an empty prefix takes the
+// block's alone); q_ref = q for every row.
+Status block_merge(const StepArgs& a);
 
 }  // namespace sparsa::losa_cuda

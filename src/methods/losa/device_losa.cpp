@@ -238,9 +238,12 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
     }
   }
   if (o.select.budget <= 0) return invalid_argument("budget: expected > 0 tokens per query, got " + str(o.select.budget));
-  // The score kernel keeps the group's active queries (q+ and q-, f32) in shared memory.
+  // The score kernel keeps the group's active queries (q+ and q-, f32) in shared memory, beside a
+  // tile's page metadata and the keys of 8 queries.
   const int64_t group = c.heads_q / c.heads_kv;
-  if (group * c.block_size * 2 * c.head_dim * 4 + 2 * 128 * (c.head_dim + 8) * 2 > 220 * 1024) {
+  if (group * c.block_size * 2 * c.head_dim * 4 + 2 * losa_cuda::kTilePages * (c.head_dim + 8) * 2 +
+          8 * losa_cuda::kTilePages * 8 >
+      220 * 1024) {
     return Status(StatusCode::unsupported, "heads_q: a GQA group of " + str(group) + " heads times block_size " +
                                          str(c.block_size) + " is too many queries for the device selector");
   }
@@ -260,7 +263,8 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   // capacity is set per cache page size at the first step (budget / page_size).
   for (Want w : {Want{&pa.o_p_, dtype, {B, H, Bb, D}}, Want{&pa.l_p_, DType::f32, {B, H, Bb}},
                  Want{&pa.q_ref_, dtype, {B, H, Bb, D}}, Want{&pa.active_, DType::i32, {B, Bb}},
-                 Want{&pa.active_counts_, DType::i32, {B}}, Want{&pa.plan_counts_, DType::i32, {B, H, Bb}}}) {
+                 Want{&pa.active_counts_, DType::i32, {B}}, Want{&pa.plan_counts_, DType::i32, {B, H, Bb}},
+                 Want{&pa.mse_, DType::i32, {B, Bb, 2}}}) {
     auto a = DeviceArray::allocate(w.dtype, w.shape, dev, /*zero_fill=*/true);
     if (!a.ok()) return a.status();
     *w.array = std::move(a).value();
@@ -332,7 +336,7 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
   const PrefixMethod m = options_.method;
   const bool dense_prefix = m == PrefixMethod::dense || (m == PrefixMethod::losa && first);
 
-  // The page plan and the scores' scratch, sized before any launch (grown only when a longer
+  // The page plan and the candidates' scratch, sized before any launch (grown only when a longer
   // prefix or another page size comes: a step captured in a graph then allocates nothing).
   if (!dense_prefix) {
     if (capacity_ != keep || plan_pages_.empty()) {
@@ -341,13 +345,16 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
       if (!pages.ok()) return pages.status();
       plan_pages_ = std::move(pages).value();
       capacity_ = keep;
+      candidate_tiles_ = 0;  // the candidates' rows depend on the capacity too
     }
-    if (max_pages > score_pages_) {
-      auto scores = DeviceArray::allocate(DType::f32, {B, H, Bb, max_pages}, Device{DeviceType::cuda, device_}, false,
-                                          stream);
-      if (!scores.ok()) return scores.status();
-      scores_ = std::move(scores).value();
-      score_pages_ = max_pages;
+    const int64_t tiles = losa_cuda::candidate_tiles(max_pages);
+    if (tiles > candidate_tiles_) {
+      // 64-bit keys, as pairs of i32 words.
+      auto cand = DeviceArray::allocate(DType::i32, {B, H, Bb, tiles, losa_cuda::tile_keep(keep), 2},
+                                        Device{DeviceType::cuda, device_}, false, stream);
+      if (!cand.ok()) return cand.status();
+      candidates_ = std::move(cand).value();
+      candidate_tiles_ = tiles;
     }
   }
   a.o_p = o_p_.data();
@@ -358,8 +365,9 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
   a.plan_pages = plan_pages_.empty() ? nullptr : plan_pages_.ptr<int32_t>();
   a.plan_counts = plan_counts_.ptr<int32_t>();
   a.capacity = capacity_;
-  a.scores = scores_.empty() ? nullptr : scores_.ptr<float>();
-  a.score_pages = score_pages_;
+  a.candidates = candidates_.empty() ? nullptr : static_cast<uint64_t*>(candidates_.data());
+  a.candidate_tiles = candidate_tiles_;
+  a.mse = static_cast<double*>(mse_.data());
   a.all_rows = first || m != PrefixMethod::losa;
   a.active_k = options_.active_k;
   a.use_threshold = options_.mse_threshold.has_value();
@@ -367,10 +375,9 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
   a.force_first = options_.select.force_first;
   a.force_last = options_.select.force_last;
 
-  SPARSA_RETURN_IF_ERROR(losa_cuda::choose_rows(a));
   if (dense_prefix) {
     // Every row, through the dense executor (split-KV for a long prefix), into O_p and L_p.
-    SPARSA_RETURN_IF_ERROR(losa_cuda::clear_plan(a));
+    SPARSA_RETURN_IF_ERROR(losa_cuda::dense_rows(a));
     AttentionOptions ao;
     ao.backend = Backend::cuda;
     ao.scale = a.scale;
@@ -381,10 +388,10 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
       const Tensor ob = entry(o_p_.view(), b), lb = entry(l_p_.view(), b);
       SPARSA_RETURN_IF_ERROR(dense(qb, prefix_k[b], prefix_v[b], ob, lb, ao));
     }
+    SPARSA_RETURN_IF_ERROR(losa_cuda::block_merge(a));
   } else {
-    SPARSA_RETURN_IF_ERROR(losa_cuda::sparse_prefix(a));
+    SPARSA_RETURN_IF_ERROR(losa_cuda::sparse_step(a));
   }
-  SPARSA_RETURN_IF_ERROR(losa_cuda::block_merge(a, /*qref_all=*/dense_prefix));
   ++steps_in_block_;
   return {};
 }

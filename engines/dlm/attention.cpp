@@ -15,6 +15,7 @@
 
 #include "engine.h"
 #include "sparsa/ba_att.h"
+#include "sparsa/device_losa.h"
 #include "sparsa/losa.h"
 #include "sparsa/quest.h"
 #include "sparsa/xattention.h"
@@ -409,6 +410,49 @@ class LosaAttention final : public SplitAttention {
   HostArray lse_;
 };
 
+// QUEST or LoSA on the cuda backend (sparsa/device_losa.h): the denoising steps of a block (the
+// chunk one bidirectional block of up to 64 tokens over a non-empty prefix) run the device step
+// over the engine's own paged cache — QUEST's pages for every row every step; LoSA's dense
+// first step, then QUEST for the top-K changed rows with the others' cached prefix output — and
+// merge the intra-block attention in the same launches. Prefill, commit and logits passes stay
+// exact (the base class), so on this backend QUEST selects on denoising steps only.
+class DevicePrefixMethod final : public SplitAttention {
+ public:
+  DevicePrefixMethod(const AttentionPolicy& policy, const LosaOptions& o) : SplitAttention(policy), o_(o) {
+    o_.attention.backend = Backend::cuda;
+    device_ = policy.device;
+  }
+
+  Status forward(const AttentionCall& call) override {
+    const int64_t heads_q = call.q.shape[1], n = call.q.shape[2], hd = call.q.shape[3];
+    const bool block_step = call.step >= 0 && call.device_prefix != nullptr && call.pos0 > 0 &&
+                            (call.block_causal == 0 || call.block_causal >= n);
+    if (!block_step) return SplitAttention::forward(call);
+    if (!state_ || state_->config().block_size != n || state_->config().heads_q != heads_q) {
+      DeviceLosaConfig c{1, heads_q, call.k.shape[1], hd, n};
+      auto s = DevicePrefixAttention::create(c, o_, device_, call.q.dtype);
+      if (!s.ok()) return Status(s.status().code(), std::string(prefix_method_name(o_.method)) + " on cuda: " + s.status().message());
+      state_ = std::make_unique<DevicePrefixAttention>(std::move(s).value());
+    }
+    if (call.step == 0) state_->begin_block();
+    auto lse = scratch_.get(0, DType::f32, {1, heads_q, n}, call.q.device, options_.stream);
+    if (!lse.ok()) return lse.status();
+    return state_->step(*call.device_prefix, {call.device_seq}, call.q, call.k, call.v, call.out, lse.value(),
+                        options_.stream);
+  }
+  void on_commit() override {
+    if (state_) state_->begin_block();
+  }
+  void on_reset() override {
+    if (state_) state_->begin_block();
+  }
+
+ private:
+  LosaOptions o_;
+  int device_ = 0;
+  std::unique_ptr<DevicePrefixAttention> state_;
+};
+
 Status page_options(Params& p, PageSelectOptions* s, const std::string& where) {
   SPARSA_RETURN_IF_ERROR(p.integer("budget", 16, int64_t{1} << 30, &s->budget));
   SPARSA_RETURN_IF_ERROR(p.flag("force_first", &s->force_first));
@@ -487,15 +531,16 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     ba.beta = static_cast<float>(beta);
     return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, name));
   }
-  if ((spec->name == "quest" || spec->name == "losa") && policy.backend == Backend::cuda) {
-    return Status(StatusCode::unsupported, where + ": " + spec->name +
-                                               " runs on the engine's cpu backend only for now (use dense or ba_att with "
-                                               "--backend cuda)");
-  }
   if (spec->name == "quest") {
     PageSelectOptions s;
     SPARSA_RETURN_IF_ERROR(page_options(p, &s, where + ": quest"));
     SPARSA_RETURN_IF_ERROR(p.done("budget, force_first, force_last"));
+    if (policy.backend == Backend::cuda) {
+      LosaOptions o;
+      o.method = PrefixMethod::quest;
+      o.select = s;
+      return std::unique_ptr<LayerAttention>(new DevicePrefixMethod(policy, o));
+    }
     return std::unique_ptr<LayerAttention>(new QuestAttention(policy, s));
   }
   if (spec->name == "losa") {
@@ -510,6 +555,7 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
       o.mse_threshold = t;
     }
     SPARSA_RETURN_IF_ERROR(p.done("budget, k, threshold, force_first, force_last"));
+    if (policy.backend == Backend::cuda) return std::unique_ptr<LayerAttention>(new DevicePrefixMethod(policy, o));
     return std::unique_ptr<LayerAttention>(new LosaAttention(policy, o));
   }
   return invalid_argument(where + ": unknown method '" + spec->name +

@@ -199,6 +199,37 @@ def test_cuda_errors_are_clear(sparsa_bin, cuda_ok, tmp_path):
     p = run(sparsa_bin, "logits", "--model", d2, "--ids", "1,2", "--out", tmp_path / "y.npy", "--backend", "cuda:999",
             check=False)
     assert p.returncode != 0 and "cuda:999" in p.stderr, p.stderr
-    p = run(sparsa_bin, "generate", "--model", d2, "--prompt-ids", "1,2", "--backend", "cuda", "--attention", "quest",
+    # The device step takes blocks of up to 64 tokens: a longer LoSA block is a clear error.
+    p = run(sparsa_bin, "generate", "--model", d2, "--prompt-ids", ",".join(["1"] * 40), "--backend", "cuda",
+            "--loop", "prefix_cache", "--gen-len", 80, "--block-len", 80, "--steps", 2, "--attention", "losa",
             "--quiet", check=False)
-    assert p.returncode != 0 and "quest" in p.stderr, p.stderr
+    assert p.returncode != 0 and "losa on cuda" in p.stderr and "block_size" in p.stderr, p.stderr
+
+
+LONG_PROMPTS = [[(7 * i + 3) % 60 for i in range(45)], [(11 * i + 5) % 60 for i in range(70)]]
+
+
+@pytest.mark.parametrize("method", ["quest:budget=256", "losa:budget=256,k=4"])
+def test_cuda_prefix_methods_at_a_covering_budget_commit_the_dense_tokens(sparsa_bin, cuda_ok, models, method):
+    """QUEST and LoSA on the device (the engine's paged cache read in place by the device step):
+    a budget of every prefix page (and, for LoSA, every row of a 4-token block active) attends
+    over exactly the dense keys, so the block loop commits the dense tokens at temperature 0.
+    (The two paths sum in other orders and round O_p to bf16 at other points; a decision whose
+    margin is below that would differ, which these prompts do not meet.)"""
+    _, ds = models
+    flags = ["--loop", "block", "--gen-len", 12, "--steps", 4, "--no-stop-at-eos"]
+    dense = generate_ids(sparsa_bin, ds, LONG_PROMPTS, "cuda", *flags)
+    assert generate_ids(sparsa_bin, ds, LONG_PROMPTS, "cuda", *flags, "--attention", method) == dense
+
+
+@pytest.mark.parametrize("method", ["quest:budget=16", "losa:budget=16,k=1", "losa:budget=32,threshold=0.5"])
+def test_cuda_prefix_methods_at_a_real_budget_run_deterministically(sparsa_bin, cuda_ok, models, method):
+    """One or two of up to five prefix pages: the loop runs on the device, every request gets its
+    tokens, a batch gives what each request gives alone, and a second run the same tokens."""
+    _, ds = models
+    flags = ["--loop", "block", "--gen-len", 12, "--steps", 4, "--no-stop-at-eos", "--attention", method]
+    batch = generate_ids(sparsa_bin, ds, LONG_PROMPTS, "cuda", *flags)
+    assert [len(g) for g in batch] == [12, 12]
+    assert all(0 <= t < 64 for g in batch for t in g)
+    assert [generate_ids(sparsa_bin, ds, [p], "cuda", *flags)[0] for p in LONG_PROMPTS] == batch
+    assert generate_ids(sparsa_bin, ds, LONG_PROMPTS, "cuda", *flags) == batch

@@ -21,8 +21,10 @@
 // sparsa's weight-streaming kernel (skinny_gemm.cu): microseconds and weight TB/s. The weights
 // rotate through copies that together exceed the 60 MB L2, so every call streams from HBM.
 // --gemm cublas|streaming: the engine's GEMM choice for the step rows (LoadOptions::gemm).
+// --attention SPEC: every layer's attention method (LoadOptions::attention, e.g. losa:budget=256,k=4);
+// the step rows time step 1 of a block, so a LoSA layer's untimed warm-up call is its dense first step.
 //   bench_dlm [--rows llada_canvas,llada_prefix,sdar_block,generate,gemm] [--canvas 4096]
-//             [--ctx 32768,65536,131072] [--iters 10] [--gemm cublas]
+//             [--ctx 32768,65536,131072] [--iters 10] [--gemm cublas] [--attention dense]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -374,7 +376,7 @@ int main(int argc, char** argv) {
   int64_t canvas = 4096;
   std::vector<int64_t> ctxs = {32768, 65536, 131072};
   int iters = 10;
-  std::string gemm = "cublas";
+  std::string gemm = "cublas", attention = "dense";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--rows") rows = argv[i + 1];
@@ -382,6 +384,7 @@ int main(int argc, char** argv) {
     else if (a == "--ctx") ctxs = parse_list(argv[i + 1]);
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
     else if (a == "--gemm") gemm = argv[i + 1];
+    else if (a == "--attention") attention = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown flag %s\n", a.c_str());
       return 2;
@@ -390,6 +393,7 @@ int main(int argc, char** argv) {
   LoadOptions lo;
   lo.backend = "cuda";
   lo.gemm = gemm;
+  lo.attention = attention;
   if (rows.find("gemm") != std::string::npos) bench_gemm_table(iters);
   std::vector<Row> out;
   std::vector<GenRow> gens;
@@ -419,8 +423,8 @@ int main(int argc, char** argv) {
     if (want_generate) gens.push_back(bench_generate(model.value(), Loop::block, 1024, 256, 16, 16));
   }
   if (out.empty() && gens.empty()) return 0;
-  std::printf("DLM engine steps on the device (bf16, random 8B-shaped weights, GEMMs %s; medians of CUDA-event "
-              "timings)\n", gemm.c_str());
+  std::printf("DLM engine steps on the device (bf16, random 8B-shaped weights, GEMMs %s, attention %s; medians of "
+              "CUDA-event timings)\n", gemm.c_str(), attention.c_str());
   std::printf("%-13s %6s %7s | %9s %9s %9s %9s (%7s %7s) | %8s %12s %9s\n", "row", "tokens", "ctx", "step ms",
               "gemm ms", "attn ms", "rest ms", "elemw", "sample", "TFLOP/s", "weights TB/s", "of HBM");
   for (const Row& r : out) {

@@ -463,6 +463,22 @@ TEST(LosaCudaStep, PrefixesOfSeveralPageTilesAtEveryBudgetRegime) {
   }
 }
 
+// The engine's tiny SDAR shape (2/1 heads, d 64, blocks of 4): the score kernel's shared memory
+// lands near the 48 KiB default limit, where a static array on top of it failed to launch.
+TEST(LosaCudaStep, ATinyGroupAndBlockAtHeadDim64) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.heads_q = 2;
+  s.heads_kv = 1;
+  s.block = 4;
+  s.active_k = 2;
+  s.prefix = {100, 44};
+  s.budget = 32;
+  check_against_cpu(s, 3);
+  s.method = PrefixMethod::quest;
+  check_against_cpu(s, 2);
+}
+
 TEST(LosaCudaStep, AnEmptyPrefixTakesTheBlockAlone) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
   Shape s;

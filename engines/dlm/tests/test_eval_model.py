@@ -169,8 +169,9 @@ def test_eval_model_bad_arguments(sparsa_bin, tiny_model, flag, value, needle):
 
 def test_eval_model_on_the_cuda_backend(sparsa_bin, tokenizer_path, tmp_path):
     """--backend cuda (bf16): dense and BA-Att run on the device, the report says so, each
-    score is RULER's on its prediction, and a second run gives the same predictions; QUEST
-    (cpu only in the engine) is a usage error naming its --attention item. Skipped where the
+    score is RULER's on its prediction, and a second run gives the same predictions; QUEST runs
+    there too (the device step); XAttention (cpu only in the engine) is a usage error naming its
+    --attention item. Skipped where the
     cuda backend is absent (this CI); scripts/gpu-check --dlm runs it on the GPU machine."""
     tok = Tokenizer.from_file(str(tokenizer_path))
     d = tmp_path / "hd64"
@@ -199,8 +200,10 @@ def test_eval_model_on_the_cuda_backend(sparsa_bin, tokenizer_path, tmp_path):
     again = json.loads(run(sparsa_bin, *args, "--attention", "dense;ba_att:density=0.5,min_tokens=0").stdout)
     assert [s["prediction"] for c in again["results"] for s in c["per_sample"]] == \
         [s["prediction"] for c in report["results"] for s in c["per_sample"]]
-    q = run(sparsa_bin, *args, "--attention", "quest:budget=64", check=False)
-    assert q.returncode == 2 and "--attention quest:budget=64" in q.stderr, q.stderr
+    q = json.loads(run(sparsa_bin, *args, "--attention", "quest:budget=64").stdout)
+    assert [c["method"] for c in q["results"]] == ["quest:budget=64"]
+    x = run(sparsa_bin, *args, "--attention", "xattention:density=0.5,min_tokens=0", check=False)
+    assert x.returncode == 2 and "--attention xattention:density=0.5,min_tokens=0" in x.stderr, x.stderr
 
 
 def test_eval_model_missing_model_is_a_runtime_error(sparsa_bin, tmp_path):

@@ -97,10 +97,11 @@ Status dense_rows(const StepArgs& a) {
 }
 
 // Dynamic shared memory of the candidates kernel: the tile's min and max rows, the keys of
-// kScoreQueries queries, then q+ and q- of every query of a group's active rows.
+// kScoreQueries queries, the active rows, then q+ and q- of every query of a group's active rows.
 template <class T, int D>
 size_t candidates_smem_bytes(const StepArgs& a) {
-  return score_tile_bytes<T, D>() + kScoreKeyBytes + static_cast<size_t>(group_of(a)) * a.block * 2 * D * sizeof(float);
+  return score_tile_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes +
+         static_cast<size_t>(group_of(a)) * a.block * 2 * D * sizeof(float);
 }
 
 Status sparse_step(const StepArgs& a) {
@@ -132,7 +133,7 @@ Status sparse_step(const StepArgs& a) {
       SPARSA_CUDA_CHECK_LAUNCH();
     }
     const int64_t keep = std::min<int64_t>(a.capacity, max_pages);
-    const size_t smem = rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
+    const size_t smem = rows_state_bytes<D>() + rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
     constexpr auto kernel = sparse_rows_kernel<T, D>;
     SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
     const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.block), static_cast<unsigned>(a.batch));

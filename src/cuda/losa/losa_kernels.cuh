@@ -197,6 +197,9 @@ __host__ __device__ constexpr size_t score_tile_bytes() {
   return static_cast<size_t>(2) * kScorePages * score_row_elems<D>() * sizeof(T);
 }
 constexpr size_t kScoreKeyBytes = static_cast<size_t>(kScoreQueries) * kScorePages * sizeof(uint64_t);
+constexpr size_t kScoreRowBytes = 80 * sizeof(int32_t);  // the active rows (up to 64) and their count, padded
+// Every byte of shared memory these kernels use is dynamic (a static array on top of a dynamic
+// size at the 48 KiB default limit is a launch error).
 
 __device__ __forceinline__ uint64_t page_key(float score, int32_t page, bool forced) {
   const uint32_t high = forced ? 0u : isnan(score) ? 0xffffffffu : static_cast<uint32_t>(ba_att::order_key(score, page) >> 32);
@@ -247,12 +250,12 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
   T* tile_min = reinterpret_cast<T*>(score_smem);                       // [kScorePages][D + 8]
   T* tile_max = tile_min + kScorePages * score_row_elems<D>();
   uint64_t* keys = reinterpret_cast<uint64_t*>(score_smem + score_tile_bytes<T, D>());  // [kScoreQueries][pages]
-  float* query_smem = reinterpret_cast<float*>(score_smem + score_tile_bytes<T, D>() + kScoreKeyBytes);  // [queries][2][D]
-  __shared__ int32_t rows[64];
-  __shared__ int row_count;
+  int32_t* rows = reinterpret_cast<int32_t*>(score_smem + score_tile_bytes<T, D>() + kScoreKeyBytes);  // [64], count
+  float* query_smem = reinterpret_cast<float*>(score_smem + score_tile_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes);
   const int b = blockIdx.z, h_kv = blockIdx.y;
-  if (threadIdx.x == 0) row_count = choose_active(rule, b, block, rows);
+  if (threadIdx.x == 0) rows[64] = choose_active(rule, b, block, rows);
   __syncthreads();
+  const int row_count = rows[64];
   if (blockIdx.x == 0 && h_kv == 0) {
     for (int i = threadIdx.x; i < row_count; i += blockDim.x) active[static_cast<int64_t>(b) * block + i] = rows[i];
     if (threadIdx.x == 0) counts[b] = row_count;
@@ -494,6 +497,11 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
 // kept): merge_block_row. The CTA of row y also zeroes the plan count of slot y when y is past
 // the entry's active rows.
 constexpr int kRowWarps = 8;
+// Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states.
+template <int D>
+__host__ __device__ constexpr size_t rows_state_bytes() {
+  return (static_cast<size_t>(kRowWarps) * D + 2 * kRowWarps) * sizeof(float);
+}
 template <class T, int D>
 __global__ void __launch_bounds__(kRowWarps * 32) sparse_rows_kernel(
     PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
@@ -501,9 +509,11 @@ __global__ void __launch_bounds__(kRowWarps * 32) sparse_rows_kernel(
     int keep_tile, int capacity, int32_t* plan_pages, int32_t* plan_counts, int heads_q, int group, int block,
     float scale_log2, T* o_p, float* l_p, T* q_ref) {
   constexpr int E = D / 32;
-  extern __shared__ __align__(16) uint64_t rows_smem[];
-  __shared__ float part_m[kRowWarps], part_l[kRowWarps];
-  __shared__ float part_acc[kRowWarps][D];
+  extern __shared__ __align__(16) unsigned char row_smem[];
+  float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);  // [kRowWarps][D], then m and l
+  float* part_m = reinterpret_cast<float*>(row_smem + rows_state_bytes<D>() - 2 * kRowWarps * sizeof(float));
+  float* part_l = part_m + kRowWarps;
+  uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>());  // the selection
   const int h = blockIdx.x, r = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int count = counts[b];

@@ -242,7 +242,7 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   // tile's page metadata and the keys of 8 queries.
   const int64_t group = c.heads_q / c.heads_kv;
   if (group * c.block_size * 2 * c.head_dim * 4 + 2 * losa_cuda::kTilePages * (c.head_dim + 8) * 2 +
-          8 * losa_cuda::kTilePages * 8 >
+          8 * losa_cuda::kTilePages * 8 + 320 >
       220 * 1024) {
     return Status(StatusCode::unsupported, "heads_q: a GQA group of " + str(group) + " heads times block_size " +
                                          str(c.block_size) + " is too many queries for the device selector");

@@ -431,7 +431,10 @@ class DevicePrefixMethod final : public SplitAttention {
     if (!state_ || state_->config().block_size != n || state_->config().heads_q != heads_q) {
       DeviceLosaConfig c{1, heads_q, call.k.shape[1], hd, n};
       auto s = DevicePrefixAttention::create(c, o_, device_, call.q.dtype);
-      if (!s.ok()) return Status(s.status().code(), std::string(prefix_method_name(o_.method)) + " on cuda: " + s.status().message());
+      if (!s.ok()) {
+        return Status(s.status().code(),
+                      std::string(prefix_method_name(o_.method)) + " on cuda: " + s.status().message());
+      }
       state_ = std::make_unique<DevicePrefixAttention>(std::move(s).value());
     }
     if (call.step == 0) state_->begin_block();

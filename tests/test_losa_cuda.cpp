@@ -463,6 +463,22 @@ TEST(LosaCudaStep, PrefixesOfSeveralPageTilesAtEveryBudgetRegime) {
   }
 }
 
+// Prefixes of many page tiles: a row's candidates are more than one slice of 128, so its
+// selection runs in levels (budget 256: 288 candidates, two levels; budget 512: 576 candidates,
+// three), each keeping the slices' best pages in position order.
+TEST(LosaCudaStep, PrefixesOfManyPageTilesSelectInLevels) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int64_t budget : {256, 512}) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    Shape s;
+    s.prefix = {36000, 17000};  // 2250 pages (18 tiles), 1063 pages (9 tiles)
+    s.budget = budget;
+    check_against_cpu(s, 2);
+    s.method = PrefixMethod::quest;
+    check_against_cpu(s, 2);
+  }
+}
+
 // The engine's tiny SDAR shape (2/1 heads, d 64, blocks of 4): the score kernel's shared memory
 // lands near the 48 KiB default limit, where a static array on top of it failed to launch.
 TEST(LosaCudaStep, ATinyGroupAndBlockAtHeadDim64) {

@@ -96,14 +96,6 @@ Status dense_rows(const StepArgs& a) {
   return {};
 }
 
-// Dynamic shared memory of the candidates kernel: the tile's min and max rows, the keys of
-// kScoreQueries queries, the active rows, then q+ and q- of every query of a group's active rows.
-template <class T, int D>
-size_t candidates_smem_bytes(const StepArgs& a) {
-  return score_tile_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes +
-         static_cast<size_t>(group_of(a)) * a.block * 2 * D * sizeof(float);
-}
-
 Status sparse_step(const StepArgs& a) {
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
@@ -122,13 +114,17 @@ Status sparse_step(const StepArgs& a) {
       SPARSA_CUDA_CHECK_LAUNCH();
     }
     {
-      const size_t smem = candidates_smem_bytes<T, D>(a);
+      // A CTA scores kChunkQueries of a kv head's queries (its group at the active rows): as
+      // many chunks as the most rows the rule can make active.
+      const int max_rows = a.all_rows || a.use_threshold ? block : std::min(a.active_k, block);
+      const int chunks = std::max((group * max_rows + kChunkQueries - 1) / kChunkQueries, 1);
+      constexpr size_t smem = candidates_smem_bytes<T, D>();
       constexpr auto kernel = quest_candidates_kernel<T, D>;
       SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
       const dim3 grid(static_cast<unsigned>(std::max<int64_t>(candidate_tiles(max_pages), 1)),
-                      static_cast<unsigned>(a.pool.heads_kv), static_cast<unsigned>(a.batch));
+                      static_cast<unsigned>(a.pool.heads_kv * chunks), static_cast<unsigned>(a.batch));
       kernel<<<grid, kScoreThreads, smem, s>>>(pool, rows_of<T>(a.q), rule, a.active, a.active_counts, heads_q, group,
-                                               block, capacity, keep_tile, a.candidate_tiles, a.force_first,
+                                               block, chunks, capacity, keep_tile, a.candidate_tiles, a.force_first,
                                                a.force_last, a.candidates);
       SPARSA_CUDA_CHECK_LAUNCH();
     }

@@ -89,7 +89,7 @@ __global__ void page_minmax_kernel(const T* k_pool, T* min_pool, T* max_pool, in
 
 // Grid (block rows, batch), kMseWarps warps over the query heads: mse of row i of entry b = mean
 // over heads and dims of (q_i - q_ref_i)^2, summed in f64 in a fixed order (lanes, then warps).
-constexpr int kMseWarps = 4;
+constexpr int kMseWarps = 8;  // 8 warps: a step's 32 heads are one load round per warp
 template <class T, int D>
 __global__ void __launch_bounds__(kMseWarps * 32) row_mse_kernel(Rows4<const T> q, const T* q_ref, int heads_q,
                                                                    int block, double* mse) {
@@ -176,19 +176,23 @@ __global__ void all_rows_kernel(int block, int32_t* active, int32_t* counts) {
 // is; the score's order by ba_att::order_key; all ones for NaN, the worst), the low word is the
 // page, so every key is distinct and the smallest `keep` keys are the row's selection.
 //
-// Grid (page tiles of kScorePages, heads_kv, batch). Every CTA first chooses the entry's active
-// rows from the rows' mse (the CTA at tile 0 of kv head 0 writes them out). The tile's min and
-// max rows are staged in shared memory by coalesced 16-byte loads (rows padded by 16 bytes, so
-// that the threads' 16-byte reads of their own rows hit distinct banks), then one thread per
-// page; the queries of the kv head's group at the entry's active rows are in shared memory as q+
-// and q- (f32, read by broadcast). kScoreQueries queries at a time, the tile's keys go to shared
-// memory and a warp per query keeps the tile's `keep_tile` smallest, written ascending by page
-// (padded with all-ones keys) to candidates [batch, heads_q, block slots, tiles, keep_tile]: the
-// row's selection is the `keep` smallest of its candidates. Nothing is scored when the budget
-// covers the entry's prefix (every page is taken).
-constexpr int kScoreThreads = 128;
-constexpr int kScorePages = kScoreThreads;
-constexpr int kScoreQueries = 8;  // queries accumulated at once per pass over a page's metadata
+// Grid (page tiles of kScorePages, heads_kv x query chunks, batch). Every CTA first chooses the
+// entry's active rows from the rows' mse (the CTA at tile 0, kv head 0, chunk 0 writes them out).
+// The queries of a kv head are its group's heads at the entry's active rows, slot-major (query
+// qi = slot * group + g); a CTA scores kChunkQueries of them. The tile's min and max rows are
+// staged in shared memory by coalesced 16-byte loads (rows padded by 16 bytes, so that the
+// threads' 16-byte reads of their own rows hit distinct banks); two threads per page, each
+// accumulating kScoreQueries queries, whose q+ and q- (f32) are read from shared memory by
+// broadcast. The tile's keys go to shared memory and a warp per query keeps the tile's
+// `keep_tile` smallest, written ascending by page (padded with all-ones keys) to candidates
+// [batch, heads_q, block slots, tiles, keep_tile]: the row's selection is the `keep` smallest of
+// its candidates. Nothing is scored when the budget covers the entry's prefix (every page is
+// taken).
+constexpr int kScorePages = 128;
+constexpr int kScoreQueries = 8;                          // queries one thread accumulates
+constexpr int kScoreHalves = 2;                           // threads per page
+constexpr int kScoreThreads = kScoreHalves * kScorePages;
+constexpr int kChunkQueries = kScoreHalves * kScoreQueries;  // queries of one CTA
 
 template <int D>
 __host__ __device__ constexpr int score_row_elems() { return D + 8; }  // a padded metadata row
@@ -196,8 +200,14 @@ template <class T, int D>
 __host__ __device__ constexpr size_t score_tile_bytes() {
   return static_cast<size_t>(2) * kScorePages * score_row_elems<D>() * sizeof(T);
 }
-constexpr size_t kScoreKeyBytes = static_cast<size_t>(kScoreQueries) * kScorePages * sizeof(uint64_t);
+constexpr size_t kScoreKeyBytes = static_cast<size_t>(kChunkQueries) * kScorePages * sizeof(uint64_t);
 constexpr size_t kScoreRowBytes = 80 * sizeof(int32_t);  // the active rows (up to 64) and their count, padded
+// The candidates kernel's dynamic shared memory: the tile, the keys, the rows, q+ and q-.
+template <class T, int D>
+__host__ __device__ constexpr size_t candidates_smem_bytes() {
+  return score_tile_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes +
+         static_cast<size_t>(kChunkQueries) * 2 * D * sizeof(float);
+}
 // Every byte of shared memory these kernels use is dynamic (a static array on top of a dynamic
 // size at the 48 KiB default limit is a launch error).
 
@@ -245,24 +255,25 @@ __device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t*
 template <class T, int D>
 __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     PoolView pool, Rows4<const T> q, ActiveRule rule, int32_t* active, int32_t* counts, int heads_q, int group,
-    int block, int capacity, int keep_tile, int64_t tiles, bool force_first, bool force_last, uint64_t* candidates) {
+    int block, int chunks, int capacity, int keep_tile, int64_t tiles, bool force_first, bool force_last,
+    uint64_t* candidates) {
   extern __shared__ __align__(16) unsigned char score_smem[];
   T* tile_min = reinterpret_cast<T*>(score_smem);                       // [kScorePages][D + 8]
   T* tile_max = tile_min + kScorePages * score_row_elems<D>();
-  uint64_t* keys = reinterpret_cast<uint64_t*>(score_smem + score_tile_bytes<T, D>());  // [kScoreQueries][pages]
+  uint64_t* keys = reinterpret_cast<uint64_t*>(score_smem + score_tile_bytes<T, D>());  // [kChunkQueries][pages]
   int32_t* rows = reinterpret_cast<int32_t*>(score_smem + score_tile_bytes<T, D>() + kScoreKeyBytes);  // [64], count
   float* query_smem = reinterpret_cast<float*>(score_smem + score_tile_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes);
-  const int b = blockIdx.z, h_kv = blockIdx.y;
+  const int b = blockIdx.z, h_kv = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
   if (threadIdx.x == 0) rows[64] = choose_active(rule, b, block, rows);
   __syncthreads();
   const int row_count = rows[64];
-  if (blockIdx.x == 0 && h_kv == 0) {
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
     for (int i = threadIdx.x; i < row_count; i += blockDim.x) active[static_cast<int64_t>(b) * block + i] = rows[i];
     if (threadIdx.x == 0) counts[b] = row_count;
   }
-  const int queries = group * row_count;
+  const int q_begin = chunk * kChunkQueries, queries = min(kChunkQueries, group * row_count - q_begin);
   const int64_t pages = pool.pages(b), page0 = static_cast<int64_t>(blockIdx.x) * kScorePages;
-  if (page0 >= pages || capacity >= pages) return;  // (uniform in the CTA)
+  if (queries <= 0 || page0 >= pages || capacity >= pages) return;  // (uniform in the CTA)
   const int tile = static_cast<int>(min(static_cast<int64_t>(kScorePages), pages - page0));
   constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks of a row
   const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
@@ -270,26 +281,26 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
   const uint4* src_max = reinterpret_cast<const uint4*>(static_cast<const T*>(pool.max) + at);
 #pragma unroll 8
   for (int e = threadIdx.x; e < tile * kChunks; e += blockDim.x) {
-    const int row = e / kChunks, chunk = e % kChunks;
-    *reinterpret_cast<uint4*>(tile_min + row * score_row_elems<D>() + chunk * 8) = src_min[e];
-    *reinterpret_cast<uint4*>(tile_max + row * score_row_elems<D>() + chunk * 8) = src_max[e];
+    const int row = e / kChunks, c = e % kChunks;
+    *reinterpret_cast<uint4*>(tile_min + row * score_row_elems<D>() + c * 8) = src_min[e];
+    *reinterpret_cast<uint4*>(tile_max + row * score_row_elems<D>() + c * 8) = src_max[e];
   }
-#pragma unroll 8
+#pragma unroll 4
   for (int e = threadIdx.x; e < queries * D; e += blockDim.x) {
-    const int qi = e / D, c = e % D;
+    const int lq = e / D, c = e % D, qi = q_begin + lq;
     const int g = qi % group, slot = qi / group;
     const float x = to_float(q.row(b, h_kv * group + g, rows[slot])[c]);
-    query_smem[(qi * 2) * D + c] = fmaxf(x, 0.0f);
-    query_smem[(qi * 2 + 1) * D + c] = fminf(x, 0.0f);
+    query_smem[(lq * 2) * D + c] = fmaxf(x, 0.0f);
+    query_smem[(lq * 2 + 1) * D + c] = fminf(x, 0.0f);
   }
   __syncthreads();
-  const int p = threadIdx.x, warp = threadIdx.x / 32;
-  const bool valid = p < tile;
-  const int32_t page = static_cast<int32_t>(page0 + p);
-  const bool forced = (force_first && page == 0) || (force_last && page == pages - 1);
-  const T* my_min = tile_min + (valid ? p : 0) * score_row_elems<D>();  // past the tile: row 0, unwritten
-  const T* my_max = tile_max + (valid ? p : 0) * score_row_elems<D>();
-  for (int q0 = 0; q0 < queries; q0 += kScoreQueries) {
+  const int p = threadIdx.x % kScorePages, q0 = threadIdx.x / kScorePages * kScoreQueries, warp = threadIdx.x / 32;
+  if (q0 < queries) {  // (uniform in the warp)
+    const bool valid = p < tile;
+    const int32_t page = static_cast<int32_t>(page0 + p);
+    const bool forced = (force_first && page == 0) || (force_last && page == pages - 1);
+    const T* my_min = tile_min + (valid ? p : 0) * score_row_elems<D>();  // past the tile: row 0, unwritten
+    const T* my_max = tile_max + (valid ? p : 0) * score_row_elems<D>();
     float acc[kScoreQueries] = {};
 #pragma unroll 2
     for (int c0 = 0; c0 < D; c0 += 8) {
@@ -307,9 +318,9 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
       for (int qq = 0; qq < kScoreQueries; ++qq) {
         // A past-the-end query reads query 0's row (in bounds) and is not kept: a predicate,
         // not a break, so that acc stays in registers.
-        const int qi = q0 + qq < queries ? q0 + qq : 0;
-        const float4* pos = reinterpret_cast<const float4*>(query_smem + (qi * 2) * D + c0);
-        const float4* neg = reinterpret_cast<const float4*>(query_smem + (qi * 2 + 1) * D + c0);
+        const int lq = q0 + qq < queries ? q0 + qq : 0;
+        const float4* pos = reinterpret_cast<const float4*>(query_smem + (lq * 2) * D + c0);
+        const float4* neg = reinterpret_cast<const float4*>(query_smem + (lq * 2 + 1) * D + c0);
         const float4 p0 = pos[0], p1 = pos[1], n0 = neg[0], n1 = neg[1];
         const float qp[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
         const float qn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
@@ -318,52 +329,54 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
       }
     }
 #pragma unroll
-    for (int qq = 0; qq < kScoreQueries; ++qq) keys[qq * kScorePages + p] = valid ? page_key(acc[qq], page, forced) : ~0ull;
-    __syncthreads();
-    for (int qq = warp; qq < kScoreQueries; qq += kScoreThreads / 32) {
-      const int qi = q0 + qq;
-      if (qi >= queries) continue;  // (uniform in the warp)
-      const int g = qi % group, slot = qi / group;
-      const int64_t row = (static_cast<int64_t>(b) * heads_q + h_kv * group + g) * block + slot;
-      tile_top(keys + qq * kScorePages, tile, keep_tile, candidates + (row * tiles + blockIdx.x) * keep_tile);
+    for (int qq = 0; qq < kScoreQueries; ++qq) {
+      keys[(q0 + qq) * kScorePages + p] = valid ? page_key(acc[qq], page, forced) : ~0ull;
     }
-    __syncthreads();  // the keys are rewritten by the next queries
+  }
+  __syncthreads();
+  for (int lq = warp; lq < queries; lq += kScoreThreads / 32) {
+    const int qi = q_begin + lq, g = qi % group, slot = qi / group;
+    const int64_t row = (static_cast<int64_t>(b) * heads_q + h_kv * group + g) * block + slot;
+    tile_top(keys + lq * kScorePages, tile, keep_tile, candidates + (row * tiles + blockIdx.x) * keep_tile);
   }
 }
 
-// Up to kRoundsMaxKeep pages: `keep` rounds of a warp-wide minimum over the row's 64-bit keys
-// (order | position, so every key is distinct), each round's winner marked taken; then the chosen
-// positions in ascending order by their ranks. keep x n / 32 shared-memory reads a lane, no
-// atomics (at keep 16 it beats the radix select, whose match_any histogram passes are slow).
+// Up to kRoundsMaxKeep pages, a CTA's selection of a row's `keep` smallest candidates (the keys
+// re-indexed by position, so every key is distinct and ties go to the lower position = the lower
+// page): the keys in slices of kScorePages, each slice's `keep` smallest kept by one warp's
+// tile_top (keys in registers, `keep` rounds of a warp minimum), level after level until one
+// slice is left, whose `keep` smallest warp 0 writes ascending by position (slices keep their
+// keys in position order, so the order survives every level). keys: [n] then scratch of
+// rows_select_bytes; returns (to warp 0) where the chosen keys are.
 constexpr int kRoundsMaxKeep = 32;
-__device__ inline void warp_rounds_select(uint64_t* keys, int n, int keep, int32_t* out) {
-  const int lane = threadIdx.x % 32;
-  int32_t chosen = 0x7fffffff;
-  for (int r = 0; r < keep; ++r) {
-    uint64_t best = ~0ull;
-    for (int j = lane; j < n; j += 32) best = min(best, keys[j]);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) best = min(best, __shfl_xor_sync(0xffffffffu, best, offset));
-    const int at = static_cast<int>(static_cast<uint32_t>(best));
-    __syncwarp();
-    if (lane == 0) keys[at] = ~0ull;  // taken
-    if (lane == r) chosen = at;
-    __syncwarp();
+__device__ inline const uint64_t* cta_rounds_select(uint64_t* keys, uint64_t* scratch, int n, int keep, int warps) {
+  const int warp = threadIdx.x / 32;
+  uint64_t *src = keys, *dst = scratch;
+  while (n > kScorePages) {
+    const int slices = (n + kScorePages - 1) / kScorePages;
+    for (int s = warp; s < slices; s += warps) tile_top(src + s * kScorePages, min(kScorePages, n - s * kScorePages), keep, dst + s * keep);
+    __syncthreads();
+    n = slices * keep;
+    uint64_t* t = src;
+    src = dst;
+    dst = t;
   }
-  int rank = 0;
-  for (int t = 0; t < keep; ++t) rank += __shfl_sync(0xffffffffu, chosen, t) < chosen;
-  if (lane < keep) out[rank] = chosen;
+  if (warp == 0) tile_top(src, n, keep, dst);
+  return dst;
 }
 
-// Dynamic shared memory of sparse_rows_kernel's selection for nc candidates.
+// Dynamic shared memory of sparse_rows_kernel's selection for nc candidates: the keys and the
+// first level's survivors (the rounds), or the radix bins and 32-bit keys.
 __host__ __device__ constexpr size_t rows_select_bytes(int64_t nc, int keep) {
-  return keep <= kRoundsMaxKeep ? static_cast<size_t>(nc) * 8 : ba_att::kRadixBins * 4 + static_cast<size_t>(nc) * 4;
+  return keep <= kRoundsMaxKeep ? static_cast<size_t>(nc + (nc + kScorePages - 1) / kScorePages * keep) * 8
+                                : ba_att::kRadixBins * 4 + static_cast<size_t>(nc) * 4;
 }
 
 // ---- attention rows ----------------------------------------------------------------------------
 
-// The online-softmax state of one warp's row in base 2: lane elements of the accumulator.
-template <int E>
+// The online-softmax state of one warp's row in base 2: lane elements of the accumulator; keys
+// and values a Tile of rows at a time (the sparse rows kernel's 8 keep it at two CTAs an SM).
+template <int E, int Tile = 16>
 struct RowState {
   float m = -INFINITY, l = 0.0f;
   float acc[E] = {};
@@ -371,7 +384,7 @@ struct RowState {
   // Keys / values rows [0, n) (n <= kTile) at k + t * k_stride, v + t * v_stride: every load of the
   // tile issued first (one memory round trip for the tile, not one per key), the logits' warp
   // sums, one rescale of the state for the tile.
-  static constexpr int kTile = 16;
+  static constexpr int kTile = Tile;
   template <class T>
   __device__ __forceinline__ void add_tile(const float (&q)[E], const T* k, int64_t k_stride, const T* v,
                                            int64_t v_stride, int n, int lane) {
@@ -438,7 +451,7 @@ __device__ __forceinline__ void load_query(const T* row, float scale_log2, int l
 // One warp: row r of head h of entry b attends over the block's own keys (k_block, v_block),
 // merged with its prefix (o_p, l_p; nothing when the entry's prefix is empty) by LSE into out
 // and lse; with qref_all, q_ref = q.
-template <class T, int D>
+template <class T, int D, int Tile = 16>
 __device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows4<const T>& q,
                                                 const Rows4<const T>& k_block, const Rows4<const T>& v_block,
                                                 const Rows4<T>& out, const Rows4<float>& lse, const T* o_p,
@@ -449,10 +462,10 @@ __device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows
   const T* q_row = q.row(b, h, r);
   float qs[E];
   load_query<T, E>(q_row, scale_log2, lane, qs);
-  RowState<E> st;
-  for (int t0 = 0; t0 < block; t0 += RowState<E>::kTile) {
+  RowState<E, Tile> st;
+  for (int t0 = 0; t0 < block; t0 += Tile) {
     st.add_tile(qs, k_block.row(b, h_kv, t0), k_block.ss, v_block.row(b, h_kv, t0), v_block.ss,
-                min(RowState<E>::kTile, block - t0), lane);
+                min(Tile, block - t0), lane);
   }
   const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
   float lb = st.lse2(), wb = 1.0f, wp = 0.0f, lp = -INFINITY;
@@ -488,14 +501,15 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
                         qref_all, blockIdx.y, blockIdx.x, r, threadIdx.x % 32);
 }
 
-// The sparse steps' last launch. Grid (heads_q, block rows, batch), kRowWarps warps. Row r of
-// head h, when active at slot s: warp 0 picks the row's `keep` pages from its candidates (the
-// `keep` smallest keys: rounds of a warp minimum up to kRoundsMaxKeep, the radix select above;
-// every page when the budget covers the prefix) into the plan, ascending; the warps attend over
-// every kRowWarps-th page a tile at a time, their states merged in shared memory; O_p (T), L_p
-// and Q_ref of the row are written. Then every row (active or stable, whose O_p and L_p are
-// kept): merge_block_row. The CTA of row y also zeroes the plan count of slot y when y is past
-// the entry's active rows.
+// The sparse steps' last launch. Grid (heads_q, block rows, batch), kRowWarps warps; the CTA at
+// y takes the entry's active row of slot y, or past the active rows the (y - count)-th stable
+// row (so the long CTAs start first). An active row r of head h: its `keep` pages picked from
+// its candidates by the CTA (cta_rounds_select up to kRoundsMaxKeep, warp 0's radix select
+// above; every page when the budget covers the prefix) into the plan, ascending; the warps attend
+// over every kRowWarps-th page a tile at a time, their states merged in shared memory; O_p (T),
+// L_p and Q_ref of the row are written. Then every row (active or stable, whose O_p and L_p are
+// kept): merge_block_row. The CTA at y also zeroes the plan count of slot y when y is past the
+// entry's active rows.
 constexpr int kRowWarps = 8;
 // Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states.
 template <int D>
@@ -503,7 +517,7 @@ __host__ __device__ constexpr size_t rows_state_bytes() {
   return (static_cast<size_t>(kRowWarps) * D + 2 * kRowWarps) * sizeof(float);
 }
 template <class T, int D>
-__global__ void __launch_bounds__(kRowWarps * 32) sparse_rows_kernel(
+__global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
     Rows4<float> lse, const int32_t* active, const int32_t* counts, const uint64_t* candidates, int64_t tiles,
     int keep_tile, int capacity, int32_t* plan_pages, int32_t* plan_counts, int heads_q, int group, int block,
@@ -514,41 +528,61 @@ __global__ void __launch_bounds__(kRowWarps * 32) sparse_rows_kernel(
   float* part_m = reinterpret_cast<float*>(row_smem + rows_state_bytes<D>() - 2 * kRowWarps * sizeof(float));
   float* part_l = part_m + kRowWarps;
   uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>());  // the selection
-  const int h = blockIdx.x, r = blockIdx.y, b = blockIdx.z;
+  const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int count = counts[b];
   const int64_t base = (static_cast<int64_t>(b) * heads_q + h) * block;
-  if (r >= count && threadIdx.x == 0) plan_counts[base + r] = 0;
-  int slot = -1;
-  for (int s = 0; s < count; ++s) slot = active[static_cast<int64_t>(b) * block + s] == r ? s : slot;
+  if (y >= count && threadIdx.x == 0) plan_counts[base + y] = 0;
+  const int slot = y < count ? y : -1;
+  int r = 0;
+  if (slot >= 0) {
+    r = active[static_cast<int64_t>(b) * block + y];
+  } else {  // the (y - count)-th row that is not active (block <= 64)
+    uint64_t taken = 0;
+    for (int s = 0; s < count; ++s) taken |= uint64_t{1} << active[static_cast<int64_t>(b) * block + s];
+    for (int i = 0, want = y - count; i < block; ++i) {
+      if (taken >> i & 1) continue;
+      if (want-- == 0) {
+        r = i;
+        break;
+      }
+    }
+  }
   if (slot >= 0) {
     const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
     int32_t* plan = plan_pages + (base + slot) * capacity;
     if (keep == n) {
       for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = j;
-    } else if (warp == 0) {
+    } else {
       const uint64_t* cand = candidates + (base + slot) * tiles * keep_tile;
       const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
       if (keep <= kRoundsMaxKeep) {
         // Keys re-indexed by position: candidates are ascending by page, so ties go to the lower page.
-        for (int j = lane; j < nc; j += 32) rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
-        __syncwarp();
-        warp_rounds_select(rows_smem, nc, keep, plan);
-      } else {
+        for (int j = threadIdx.x; j < nc; j += blockDim.x) {
+          rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
+        }
+        __syncthreads();
+        const uint64_t* chosen = cta_rounds_select(rows_smem, rows_smem + nc, nc, keep, kRowWarps);
+        if (warp == 0) {
+          __syncwarp();
+          for (int j = lane; j < keep; j += 32) plan[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
+        }
+      } else if (warp == 0) {
         uint32_t* hist = reinterpret_cast<uint32_t*>(rows_smem);
         uint32_t* keys = hist + ba_att::kRadixBins;
         for (int j = lane; j < nc; j += 32) keys[j] = static_cast<uint32_t>(cand[j] >> 32);
         __syncwarp();
         ba_att::warp_top_select(keys, hist, nc, keep, plan);
+        __syncwarp();
+        for (int j = lane; j < keep; j += 32) plan[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
       }
-      __syncwarp();
-      for (int j = lane; j < keep; j += 32) plan[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
     }
     if (threadIdx.x == 0) plan_counts[base + slot] = keep;
     __syncthreads();  // the plan is written
     float qs[E];
     load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
-    RowState<E> st;
+    constexpr int kTile = 8;
+    RowState<E, kTile> st;
     const int h_kv = h / group;
     const int64_t length = pool.length[b];
     for (int i = warp; i < keep; i += kRowWarps) {
@@ -557,8 +591,8 @@ __global__ void __launch_bounds__(kRowWarps * 32) sparse_rows_kernel(
       const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
       const T* k = static_cast<const T*>(pool.k) + at;
       const T* v = static_cast<const T*>(pool.v) + at;
-      for (int t0 = 0; t0 < tokens; t0 += RowState<E>::kTile) {
-        st.add_tile(qs, k + t0 * D, D, v + t0 * D, D, min(RowState<E>::kTile, tokens - t0), lane);
+      for (int t0 = 0; t0 < tokens; t0 += kTile) {
+        st.add_tile(qs, k + t0 * D, D, v + t0 * D, D, min(kTile, tokens - t0), lane);
       }
     }
     if (lane == 0) {
@@ -588,8 +622,8 @@ __global__ void __launch_bounds__(kRowWarps * 32) sparse_rows_kernel(
     __syncwarp();  // the row's O_p and L_p, read back by merge_block_row's lanes
   }
   if (warp != 0) return;
-  merge_block_row<T, D>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
-                        /*qref_all=*/false, b, h, r, lane);
+  merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
+                           /*qref_all=*/false, b, h, r, lane);
 }
 
 }  // namespace sparsa::cuda::losa

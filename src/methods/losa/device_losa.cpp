@@ -238,15 +238,6 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
     }
   }
   if (o.select.budget <= 0) return invalid_argument("budget: expected > 0 tokens per query, got " + str(o.select.budget));
-  // The score kernel keeps the group's active queries (q+ and q-, f32) in shared memory, beside a
-  // tile's page metadata and the keys of 8 queries.
-  const int64_t group = c.heads_q / c.heads_kv;
-  if (group * c.block_size * 2 * c.head_dim * 4 + 2 * losa_cuda::kTilePages * (c.head_dim + 8) * 2 +
-          8 * losa_cuda::kTilePages * 8 + 320 >
-      220 * 1024) {
-    return Status(StatusCode::unsupported, "heads_q: a GQA group of " + str(group) + " heads times block_size " +
-                                         str(c.block_size) + " is too many queries for the device selector");
-  }
   SPARSA_RETURN_IF_ERROR(check_device("device", device));
   DevicePrefixAttention pa;
   pa.config_ = c;

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/mma.cuh"
 #include "cuda/select/ba_att_common.cuh"
 #include "cuda/select/warp_select.cuh"
 
@@ -176,37 +177,43 @@ __global__ void all_rows_kernel(int block, int32_t* active, int32_t* counts) {
 // is; the score's order by ba_att::order_key; all ones for NaN, the worst), the low word is the
 // page, so every key is distinct and the smallest `keep` keys are the row's selection.
 //
-// Grid (page tiles of kScorePages, heads_kv x query chunks, batch). Every CTA first chooses the
-// entry's active rows from the rows' mse (the CTA at tile 0, kv head 0, chunk 0 writes them out).
-// The queries of a kv head are its group's heads at the entry's active rows, slot-major (query
-// qi = slot * group + g); a CTA scores kChunkQueries of them. The tile's min and max rows are
-// staged in shared memory by coalesced 16-byte loads (rows padded by 16 bytes, so that the
-// threads' 16-byte reads of their own rows hit distinct banks); two threads per page, each
-// accumulating kScoreQueries queries, whose q+ and q- (f32) are read from shared memory by
-// broadcast. The tile's keys go to shared memory and a warp per query keeps the tile's
-// `keep_tile` smallest, written ascending by page (padded with all-ones keys) to candidates
-// [batch, heads_q, block slots, tiles, keep_tile]: the row's selection is the `keep` smallest of
-// its candidates. Nothing is scored when the budget covers the entry's prefix (every page is
-// taken).
+// Grid (page tiles of kScorePages, heads_kv x query chunks, batch), kScoreWarps warps. Every CTA
+// first chooses the entry's active rows from the rows' mse (the CTA at tile 0, kv head 0, chunk 0
+// writes them out). The queries of a kv head are its group's heads at the entry's active rows,
+// slot-major (query qi = slot * group + g); a CTA scores kChunkQueries (one m16 tile) of them.
+// The scores are one tensor-core product, [q+ | q-] (16 x 2D) times [max | min]^T (2D x pages):
+// q+ and q- of a 16-bit query are exact in its own type, so is every product, and the sums are
+// f32 (in the tensor cores' order, not the CPU's: scores a few ulps apart may order differently,
+// the "ties aside" of the contract). The tile's min and max rows are copied to shared memory
+// (cp.async, rows padded by 16 bytes: ldmatrix's eight row reads hit distinct banks); warp w
+// scores pages [16w, 16w + 16). The keys go to shared memory and a warp per query keeps the
+// tile's `keep_tile` smallest, written ascending by page (padded with all-ones keys) to
+// candidates [batch, heads_q, block slots, tiles, keep_tile]: the row's selection is the `keep`
+// smallest of its candidates. Nothing is scored when the budget covers the entry's prefix (every
+// page is taken).
 constexpr int kScorePages = 128;
-constexpr int kScoreQueries = 8;                          // queries one thread accumulates
-constexpr int kScoreHalves = 2;                           // threads per page
-constexpr int kScoreThreads = kScoreHalves * kScorePages;
-constexpr int kChunkQueries = kScoreHalves * kScoreQueries;  // queries of one CTA
+constexpr int kScoreWarps = kScorePages / 16;  // 16 pages (two n8 tiles) a warp
+constexpr int kScoreThreads = kScoreWarps * 32;
+constexpr int kChunkQueries = 16;              // one m16 tile of queries a CTA
 
 template <int D>
 __host__ __device__ constexpr int score_row_elems() { return D + 8; }  // a padded metadata row
+template <int D>
+__host__ __device__ constexpr int query_row_elems() { return 2 * D + 8; }  // q+ | q- | pad
 template <class T, int D>
 __host__ __device__ constexpr size_t score_tile_bytes() {
   return static_cast<size_t>(2) * kScorePages * score_row_elems<D>() * sizeof(T);
 }
+template <class T, int D>
+__host__ __device__ constexpr size_t score_query_bytes() {
+  return static_cast<size_t>(kChunkQueries) * query_row_elems<D>() * sizeof(T);
+}
 constexpr size_t kScoreKeyBytes = static_cast<size_t>(kChunkQueries) * kScorePages * sizeof(uint64_t);
 constexpr size_t kScoreRowBytes = 80 * sizeof(int32_t);  // the active rows (up to 64) and their count, padded
-// The candidates kernel's dynamic shared memory: the tile, the keys, the rows, q+ and q-.
+// The candidates kernel's dynamic shared memory: the tile, the queries, the keys, the rows.
 template <class T, int D>
 __host__ __device__ constexpr size_t candidates_smem_bytes() {
-  return score_tile_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes +
-         static_cast<size_t>(kChunkQueries) * 2 * D * sizeof(float);
+  return score_tile_bytes<T, D>() + score_query_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes;
 }
 // Every byte of shared memory these kernels use is dynamic (a static array on top of a dynamic
 // size at the 48 KiB default limit is a launch error).
@@ -216,40 +223,79 @@ __device__ __forceinline__ uint64_t page_key(float score, int32_t page, bool for
   return static_cast<uint64_t>(high) << 32 | static_cast<uint32_t>(page);
 }
 
-// One warp: the `keep` smallest of keys[0, n) (n <= kScorePages, keys distinct) by rounds of a
-// warp minimum over the lanes' registers, written ascending by position (= by page) to out,
-// then all-ones keys up to out[keep). Every key when keep >= n.
+__device__ __forceinline__ void order2(uint64_t& a, uint64_t& b) {
+  const uint64_t lo = min(a, b), hi = max(a, b);
+  a = lo;
+  b = hi;
+}
+
+// One warp: the `keep` smallest of keys[0, n) (n <= kScorePages), written ascending by their low
+// words (positions; equal low words, as the all-ones padding, by round) to out, then all-ones
+// keys up to out[keep). Every key when keep >= n. Each lane sorts its kScorePages / 32 keys; a
+// round's minimum is two warp reductions (the high words, then the low words of the lanes at that
+// high word) and the lane holding it steps to its next key. Keys must be distinct but for all-ones
+// padding, which a round takes only once the real keys are spent.
 __device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t* out) {
   constexpr int kPer = kScorePages / 32;
+  static_assert(kPer == 4, "a lane sorts four keys");
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
   uint64_t mine[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) mine[i] = lane + 32 * i < n ? keys[lane + 32 * i] : ~0ull;
-  unsigned taken = 0;
   if (keep >= n) {
+    int written = 0;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) taken |= (lane + 32 * i < n ? 1u : 0u) << i;
-  } else {
-    for (int r = 0; r < keep; ++r) {
-      uint64_t best = ~0ull;
+    for (int i = 0; i < kPer; ++i) {
+      const bool kept = lane + 32 * i < n;
+      const unsigned ballot = __ballot_sync(0xffffffffu, kept);
+      if (kept) out[written + __popc(ballot & lanes_below)] = mine[i];
+      written += __popc(ballot);
+    }
+    for (int j = written + lane; j < keep; j += 32) out[j] = ~0ull;
+    return;
+  }
+  order2(mine[0], mine[1]);
+  order2(mine[2], mine[3]);
+  order2(mine[0], mine[2]);
+  order2(mine[1], mine[3]);
+  order2(mine[1], mine[2]);
+  uint64_t chosen[kPer];  // round r's key at lane r % 32, slot r / 32
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) best = (taken >> i & 1) ? best : min(best, mine[i]);
+  for (int i = 0; i < kPer; ++i) chosen[i] = ~0ull;
+  for (int r = 0; r < keep; ++r) {
+    const uint32_t head_hi = static_cast<uint32_t>(mine[0] >> 32);
+    const uint32_t hi = __reduce_min_sync(0xffffffffu, head_hi);
+    const uint32_t lo = __reduce_min_sync(0xffffffffu, head_hi == hi ? static_cast<uint32_t>(mine[0]) : 0xffffffffu);
+    const uint64_t best = static_cast<uint64_t>(hi) << 32 | lo;
+    if (mine[0] == best) {
+      mine[0] = mine[1];
+      mine[1] = mine[2];
+      mine[2] = mine[3];
+      mine[3] = ~0ull;
+    }
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) best = min(best, __shfl_xor_sync(0xffffffffu, best, offset));
+    for (int i = 0; i < kPer; ++i) chosen[i] = (r == 32 * i + lane) ? best : chosen[i];
+  }
+  // Rank every chosen key among them by (low word, round): its place in out.
+  int rank[kPer] = {};
+  for (int t = 0; t < keep; ++t) {
+    uint64_t other = 0;
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) taken |= (mine[i] == best ? 1u : 0u) << i;
+    for (int i = 0; i < kPer; ++i) {
+      const uint64_t x = __shfl_sync(0xffffffffu, chosen[i], t % 32);
+      other = (t / 32 == i) ? x : other;
+    }
+    const uint32_t lo_t = static_cast<uint32_t>(other);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const uint32_t lo_i = static_cast<uint32_t>(chosen[i]);
+      rank[i] += lo_t < lo_i || (lo_t == lo_i && t < 32 * i + lane);
     }
   }
-  int written = 0;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const bool kept = taken >> i & 1;
-    const unsigned ballot = __ballot_sync(0xffffffffu, kept);
-    if (kept) out[written + __popc(ballot & lanes_below)] = mine[i];
-    written += __popc(ballot);
-  }
-  for (int j = written + lane; j < keep; j += 32) out[j] = ~0ull;
+  for (int i = 0; i < kPer; ++i)
+    if (32 * i + lane < keep) out[rank[i]] = chosen[i];
 }
 
 template <class T, int D>
@@ -257,13 +303,33 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     PoolView pool, Rows4<const T> q, ActiveRule rule, int32_t* active, int32_t* counts, int heads_q, int group,
     int block, int chunks, int capacity, int keep_tile, int64_t tiles, bool force_first, bool force_last,
     uint64_t* candidates) {
+  using cuda::detail::ldmatrix_x4;
+  using cuda::detail::mma_16816;
+  using cuda::detail::smem_addr;
   extern __shared__ __align__(16) unsigned char score_smem[];
-  T* tile_min = reinterpret_cast<T*>(score_smem);                       // [kScorePages][D + 8]
-  T* tile_max = tile_min + kScorePages * score_row_elems<D>();
-  uint64_t* keys = reinterpret_cast<uint64_t*>(score_smem + score_tile_bytes<T, D>());  // [kChunkQueries][pages]
-  int32_t* rows = reinterpret_cast<int32_t*>(score_smem + score_tile_bytes<T, D>() + kScoreKeyBytes);  // [64], count
-  float* query_smem = reinterpret_cast<float*>(score_smem + score_tile_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes);
+  constexpr int kRow = score_row_elems<D>(), kQRow = query_row_elems<D>();
+  T* tile_min = reinterpret_cast<T*>(score_smem);  // [kScorePages][D + 8]
+  T* tile_max = tile_min + kScorePages * kRow;
+  T* query_smem = reinterpret_cast<T*>(score_smem + score_tile_bytes<T, D>());  // [16][2D + 8]
+  uint64_t* keys = reinterpret_cast<uint64_t*>(score_smem + score_tile_bytes<T, D>() + score_query_bytes<T, D>());
+  int32_t* rows = reinterpret_cast<int32_t*>(reinterpret_cast<unsigned char*>(keys) + kScoreKeyBytes);  // [64], count
   const int b = blockIdx.z, h_kv = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t pages = pool.pages(b), page0 = static_cast<int64_t>(blockIdx.x) * kScorePages;
+  const bool scoring = page0 < pages && capacity < pages;  // (uniform in the CTA)
+  const int tile = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(kScorePages), pages - page0)));
+  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks of a row
+  if (scoring) {  // the tile's copy starts before the rows are chosen
+    const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
+    const T* src_min = static_cast<const T*>(pool.min) + at;
+    const T* src_max = static_cast<const T*>(pool.max) + at;
+    for (int e = threadIdx.x; e < tile * kChunks; e += blockDim.x) {
+      const int row = e / kChunks, c = e % kChunks;
+      cuda::detail::cp_async_16(smem_addr(tile_min + row * kRow + c * 8), src_min + e * 8, 16);
+      cuda::detail::cp_async_16(smem_addr(tile_max + row * kRow + c * 8), src_max + e * 8, 16);
+    }
+    cuda::detail::cp_async_commit();
+  }
   if (threadIdx.x == 0) rows[64] = choose_active(rule, b, block, rows);
   __syncthreads();
   const int row_count = rows[64];
@@ -272,71 +338,50 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     if (threadIdx.x == 0) counts[b] = row_count;
   }
   const int q_begin = chunk * kChunkQueries, queries = min(kChunkQueries, group * row_count - q_begin);
-  const int64_t pages = pool.pages(b), page0 = static_cast<int64_t>(blockIdx.x) * kScorePages;
-  if (queries <= 0 || page0 >= pages || capacity >= pages) return;  // (uniform in the CTA)
-  const int tile = static_cast<int>(min(static_cast<int64_t>(kScorePages), pages - page0));
-  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks of a row
-  const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
-  const uint4* src_min = reinterpret_cast<const uint4*>(static_cast<const T*>(pool.min) + at);
-  const uint4* src_max = reinterpret_cast<const uint4*>(static_cast<const T*>(pool.max) + at);
-#pragma unroll 8
-  for (int e = threadIdx.x; e < tile * kChunks; e += blockDim.x) {
-    const int row = e / kChunks, c = e % kChunks;
-    *reinterpret_cast<uint4*>(tile_min + row * score_row_elems<D>() + c * 8) = src_min[e];
-    *reinterpret_cast<uint4*>(tile_max + row * score_row_elems<D>() + c * 8) = src_max[e];
+  if (!scoring || queries <= 0) {
+    cuda::detail::cp_async_wait<0>();  // nothing left in flight at exit
+    return;
   }
-#pragma unroll 4
-  for (int e = threadIdx.x; e < queries * D; e += blockDim.x) {
+  // q+ and q- of the chunk's queries (rows past them zero).
+  for (int e = threadIdx.x; e < kChunkQueries * D; e += blockDim.x) {
     const int lq = e / D, c = e % D, qi = q_begin + lq;
-    const int g = qi % group, slot = qi / group;
-    const float x = to_float(q.row(b, h_kv * group + g, rows[slot])[c]);
-    query_smem[(lq * 2) * D + c] = fmaxf(x, 0.0f);
-    query_smem[(lq * 2 + 1) * D + c] = fminf(x, 0.0f);
+    float x = 0.0f;
+    if (lq < queries) x = to_float(q.row(b, h_kv * group + qi % group, rows[qi / group])[c]);
+    query_smem[lq * kQRow + c] = from_float<T>(fmaxf(x, 0.0f));
+    query_smem[lq * kQRow + D + c] = from_float<T>(fminf(x, 0.0f));
   }
+  cuda::detail::cp_async_wait<0>();
   __syncthreads();
-  const int p = threadIdx.x % kScorePages, q0 = threadIdx.x / kScorePages * kScoreQueries, warp = threadIdx.x / 32;
-  if (q0 < queries) {  // (uniform in the warp)
-    const bool valid = p < tile;
-    const int32_t page = static_cast<int32_t>(page0 + p);
-    const bool forced = (force_first && page == 0) || (force_last && page == pages - 1);
-    const T* my_min = tile_min + (valid ? p : 0) * score_row_elems<D>();  // past the tile: row 0, unwritten
-    const T* my_max = tile_max + (valid ? p : 0) * score_row_elems<D>();
-    float acc[kScoreQueries] = {};
-#pragma unroll 2
-    for (int c0 = 0; c0 < D; c0 += 8) {
-      const uint4 raw_min = *reinterpret_cast<const uint4*>(my_min + c0);
-      const uint4 raw_max = *reinterpret_cast<const uint4*>(my_max + c0);
-      const T* mn_t = reinterpret_cast<const T*>(&raw_min);
-      const T* mx_t = reinterpret_cast<const T*>(&raw_max);
-      float mn[8], mx[8];
+  // Warp w: pages [16w, 16w + 16) as two n8 tiles, k over [q+ | q-] against [max | min].
+  float acc[2][4] = {};
+  const int m = lane / 8, r8 = lane % 8;  // ldmatrix: lane l gives row l % 8 of matrix l / 8
+  const T* a_row = query_smem + ((m % 2) * 8 + r8) * kQRow + (m / 2) * 8;
+  const int b_page = warp * 16 + (m / 2) * 8 + r8, b_col = (m % 2) * 8;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        mn[j] = to_float(mn_t[j]);
-        mx[j] = to_float(mx_t[j]);
-      }
+  for (int kk = 0; kk < 2 * D / 16; ++kk) {
+    uint32_t a[4], bf[4];
+    ldmatrix_x4(a, smem_addr(a_row + kk * 16));
+    const T* meta = kk < D / 16 ? tile_max : tile_min;
+    ldmatrix_x4(bf, smem_addr(meta + b_page * kRow + (kk % (D / 16)) * 16 + b_col));
+    mma_16816<T>(acc[0], a, bf[0], bf[1]);
+    mma_16816<T>(acc[1], a, bf[2], bf[3]);
+  }
+  // Lane (g, c) holds queries g and g + 8 at pages 16w + 8t + 2c + {0, 1}.
+  const int g = lane / 4, c = lane % 4;
 #pragma unroll
-      for (int qq = 0; qq < kScoreQueries; ++qq) {
-        // A past-the-end query reads query 0's row (in bounds) and is not kept: a predicate,
-        // not a break, so that acc stays in registers.
-        const int lq = q0 + qq < queries ? q0 + qq : 0;
-        const float4* pos = reinterpret_cast<const float4*>(query_smem + (lq * 2) * D + c0);
-        const float4* neg = reinterpret_cast<const float4*>(query_smem + (lq * 2 + 1) * D + c0);
-        const float4 p0 = pos[0], p1 = pos[1], n0 = neg[0], n1 = neg[1];
-        const float qp[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
-        const float qn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+  for (int t = 0; t < 2; ++t) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[qq] = fmaf(qp[j], mx[j], fmaf(qn[j], mn[j], acc[qq]));
-      }
-    }
-#pragma unroll
-    for (int qq = 0; qq < kScoreQueries; ++qq) {
-      keys[(q0 + qq) * kScorePages + p] = valid ? page_key(acc[qq], page, forced) : ~0ull;
+    for (int j = 0; j < 4; ++j) {
+      const int lq = g + (j / 2) * 8, p = warp * 16 + t * 8 + 2 * c + j % 2;
+      const int32_t page = static_cast<int32_t>(page0 + p);
+      const bool forced = (force_first && page == 0) || (force_last && page == pages - 1);
+      keys[lq * kScorePages + p] = p < tile ? page_key(acc[t][j], page, forced) : ~0ull;
     }
   }
   __syncthreads();
-  for (int lq = warp; lq < queries; lq += kScoreThreads / 32) {
-    const int qi = q_begin + lq, g = qi % group, slot = qi / group;
-    const int64_t row = (static_cast<int64_t>(b) * heads_q + h_kv * group + g) * block + slot;
+  for (int lq = warp; lq < queries; lq += kScoreWarps) {
+    const int qi = q_begin + lq, gq = qi % group, slot = qi / group;
+    const int64_t row = (static_cast<int64_t>(b) * heads_q + h_kv * group + gq) * block + slot;
     tile_top(keys + lq * kScorePages, tile, keep_tile, candidates + (row * tiles + blockIdx.x) * keep_tile);
   }
 }

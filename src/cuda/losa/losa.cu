@@ -129,7 +129,8 @@ Status sparse_step(const StepArgs& a) {
       SPARSA_CUDA_CHECK_LAUNCH();
     }
     const int64_t keep = std::min<int64_t>(a.capacity, max_pages);
-    const size_t smem = rows_state_bytes<D>() + rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
+    const size_t smem = rows_state_bytes<D>() + rows_plan_bytes(capacity) +
+                        rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
     constexpr auto kernel = sparse_rows_kernel<T, D>;
     SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
     const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.block), static_cast<unsigned>(a.batch));

@@ -129,39 +129,46 @@ struct ActiveRule {
   double threshold;
 };
 
-// One thread: the active rows of entry b ascending into rows[0, count); returns count (block <= 64).
-__device__ inline int choose_active(const ActiveRule& rule, int b, int block, int32_t* rows) {
+// One warp: the active rows of entry b ascending into rows[0, count), count into rows[64]
+// (block <= 64). Top active_k by rank: lane l ranks rows l and l + 32 against every row (NaN
+// first, larger first, ties to the lower row; a total order, so the top k are the rows of rank
+// below k, the serial selection's rows).
+__device__ inline void choose_active(const ActiveRule& rule, int b, int block, int32_t* rows) {
+  const int lane = threadIdx.x % 32;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  bool take[2];
   if (rule.all_rows) {
-    for (int i = 0; i < block; ++i) rows[i] = i;
-    return block;
-  }
-  const double* mse = rule.mse + static_cast<int64_t>(b) * block;
-  int n = 0;
-  if (rule.use_threshold) {
-    for (int i = 0; i < block; ++i)
-      if (mse[i] > rule.threshold || isnan(mse[i])) rows[n++] = i;
-    return n;
-  }
-  // Top active_k by selection: a row is taken when no untaken row ranks before it.
-  uint64_t taken = 0;
-  const int k = min(rule.active_k, block);
-  for (int round = 0; round < k; ++round) {
-    int best = -1;
-    for (int i = 0; i < block; ++i) {
-      if (taken >> i & 1) continue;
-      if (best < 0) {
-        best = i;
-        continue;
+    take[0] = lane < block;
+    take[1] = lane + 32 < block;
+  } else {
+    const double* mse = rule.mse + static_cast<int64_t>(b) * block;
+    double mine[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) mine[i] = lane + 32 * i < block ? mse[lane + 32 * i] : 0.0;
+    if (rule.use_threshold) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) take[i] = lane + 32 * i < block && (mine[i] > rule.threshold || isnan(mine[i]));
+    } else {
+      int rank[2] = {0, 0};
+      for (int j = 0; j < block; ++j) {
+        const double other = __shfl_sync(0xffffffffu, j < 32 ? mine[0] : mine[1], j % 32);
+        const bool nj = isnan(other);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int row = lane + 32 * i;
+          const bool ni = isnan(mine[i]);
+          const bool before = nj != ni ? nj : (nj ? j < row : (other > mine[i] || (other == mine[i] && j < row)));
+          rank[i] += before;
+        }
       }
-      const bool ni = isnan(mse[i]), nb = isnan(mse[best]);
-      const bool before = ni != nb ? ni : (!ni && mse[i] > mse[best]);  // ties keep the lower row
-      if (before) best = i;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) take[i] = lane + 32 * i < block && rank[i] < rule.active_k;
     }
-    taken |= uint64_t{1} << best;
   }
-  for (int i = 0; i < block; ++i)
-    if (taken >> i & 1) rows[n++] = i;
-  return n;
+  const unsigned low = __ballot_sync(0xffffffffu, take[0]), high = __ballot_sync(0xffffffffu, take[1]);
+  if (take[0]) rows[__popc(low & lanes_below)] = lane;
+  if (take[1]) rows[__popc(low) + __popc(high & lanes_below)] = lane + 32;
+  if (lane == 0) rows[64] = __popc(low) + __popc(high);
 }
 
 // Grid (batch): every row active (a block's first step, and dense steps).
@@ -330,7 +337,7 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     }
     cuda::detail::cp_async_commit();
   }
-  if (threadIdx.x == 0) rows[64] = choose_active(rule, b, block, rows);
+  if (threadIdx.x < 32) choose_active(rule, b, block, rows);
   __syncthreads();
   const int row_count = rows[64];
   if (blockIdx.x == 0 && blockIdx.y == 0) {
@@ -343,8 +350,10 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     return;
   }
   // q+ and q- of the chunk's queries (rows past them zero).
-  for (int e = threadIdx.x; e < kChunkQueries * D; e += blockDim.x) {
-    const int lq = e / D, c = e % D, qi = q_begin + lq;
+  static_assert(kChunkQueries * D % kScoreThreads == 0, "whole rounds of query elements");
+#pragma unroll
+  for (int i = 0; i < kChunkQueries * D / kScoreThreads; ++i) {  // every load in flight at once
+    const int e = threadIdx.x + i * kScoreThreads, lq = e / D, c = e % D, qi = q_begin + lq;
     float x = 0.0f;
     if (lq < queries) x = to_float(q.row(b, h_kv * group + qi % group, rows[qi / group])[c]);
     query_smem[lq * kQRow + c] = from_float<T>(fmaxf(x, 0.0f));
@@ -561,6 +570,8 @@ template <int D>
 __host__ __device__ constexpr size_t rows_state_bytes() {
   return (static_cast<size_t>(kRowWarps) * D + 2 * kRowWarps) * sizeof(float);
 }
+// Then the row's plan (capacity pages), read back by the attending warps from shared memory.
+__host__ __device__ constexpr size_t rows_plan_bytes(int capacity) { return (static_cast<size_t>(capacity) * 4 + 15) / 16 * 16; }
 template <class T, int D>
 __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
@@ -572,7 +583,8 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
   float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);  // [kRowWarps][D], then m and l
   float* part_m = reinterpret_cast<float*>(row_smem + rows_state_bytes<D>() - 2 * kRowWarps * sizeof(float));
   float* part_l = part_m + kRowWarps;
-  uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>());  // the selection
+  int32_t* plan_smem = reinterpret_cast<int32_t*>(row_smem + rows_state_bytes<D>());  // the row's plan, read back
+  uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(capacity));  // the selection
   const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int count = counts[b];
@@ -597,12 +609,13 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
     int32_t* plan = plan_pages + (base + slot) * capacity;
     if (keep == n) {
-      for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = j;
+      for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = plan_smem[j] = j;
     } else {
       const uint64_t* cand = candidates + (base + slot) * tiles * keep_tile;
       const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
       if (keep <= kRoundsMaxKeep) {
         // Keys re-indexed by position: candidates are ascending by page, so ties go to the lower page.
+#pragma unroll 4
         for (int j = threadIdx.x; j < nc; j += blockDim.x) {
           rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
         }
@@ -610,7 +623,9 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
         const uint64_t* chosen = cta_rounds_select(rows_smem, rows_smem + nc, nc, keep, kRowWarps);
         if (warp == 0) {
           __syncwarp();
-          for (int j = lane; j < keep; j += 32) plan[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
+          for (int j = lane; j < keep; j += 32) {
+            plan[j] = plan_smem[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
+          }
         }
       } else if (warp == 0) {
         uint32_t* hist = reinterpret_cast<uint32_t*>(rows_smem);
@@ -619,7 +634,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
         __syncwarp();
         ba_att::warp_top_select(keys, hist, nc, keep, plan);
         __syncwarp();
-        for (int j = lane; j < keep; j += 32) plan[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
+        for (int j = lane; j < keep; j += 32) plan[j] = plan_smem[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
       }
     }
     if (threadIdx.x == 0) plan_counts[base + slot] = keep;
@@ -631,7 +646,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     const int h_kv = h / group;
     const int64_t length = pool.length[b];
     for (int i = warp; i < keep; i += kRowWarps) {
-      const int64_t begin = static_cast<int64_t>(plan[i]) * pool.page_size;
+      const int64_t begin = static_cast<int64_t>(plan_smem[i]) * pool.page_size;
       const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
       const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
       const T* k = static_cast<const T*>(pool.k) + at;

@@ -284,20 +284,20 @@ __device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t*
 #pragma unroll
     for (int i = 0; i < kPer; ++i) chosen[i] = (r == 32 * i + lane) ? best : chosen[i];
   }
-  // Rank every chosen key among them by (low word, round): its place in out.
+  // Rank every chosen key among them by (low word, round): its place in out. Only the low words
+  // travel, and only the slots that hold rounds (one when keep <= 32).
   int rank[kPer] = {};
-  for (int t = 0; t < keep; ++t) {
-    uint64_t other = 0;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const uint64_t x = __shfl_sync(0xffffffffu, chosen[i], t % 32);
-      other = (t / 32 == i) ? x : other;
-    }
-    const uint32_t lo_t = static_cast<uint32_t>(other);
+  for (int i0 = 0; i0 < kPer; ++i0) {
+    if (32 * i0 >= keep) break;  // (uniform)
+    const uint32_t lo_src = static_cast<uint32_t>(chosen[i0]);
+    for (int t = 32 * i0; t < min(keep, 32 * i0 + 32); ++t) {
+      const uint32_t lo_t = __shfl_sync(0xffffffffu, lo_src, t % 32);
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const uint32_t lo_i = static_cast<uint32_t>(chosen[i]);
-      rank[i] += lo_t < lo_i || (lo_t == lo_i && t < 32 * i + lane);
+      for (int i = 0; i < kPer; ++i) {
+        const uint32_t lo_i = static_cast<uint32_t>(chosen[i]);
+        rank[i] += lo_t < lo_i || (lo_t == lo_i && t < 32 * i + lane);
+      }
     }
   }
 #pragma unroll
@@ -556,14 +556,14 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
 }
 
 // The sparse steps' last launch. Grid (heads_q, block rows, batch), kRowWarps warps; the CTA at
-// y takes the entry's active row of slot y, or past the active rows the (y - count)-th stable
-// row (so the long CTAs start first). An active row r of head h: its `keep` pages picked from
-// its candidates by the CTA (cta_rounds_select up to kRoundsMaxKeep, warp 0's radix select
-// above; every page when the budget covers the prefix) into the plan, ascending; the warps attend
-// over every kRowWarps-th page a tile at a time, their states merged in shared memory; O_p (T),
-// L_p and Q_ref of the row are written. Then every row (active or stable, whose O_p and L_p are
-// kept): merge_block_row. The CTA at y also zeroes the plan count of slot y when y is past the
-// entry's active rows.
+// y takes the entry's active row of slot y, or past the active rows kRowWarps stable rows, a warp
+// each (the long CTAs start first; the CTAs past the rows exit). An active row r of head h: its
+// `keep` pages picked from its candidates by the CTA (cta_rounds_select up to kRoundsMaxKeep,
+// warp 0's radix select above; every page when the budget covers the prefix) into the plan,
+// ascending; the warps attend over every kRowWarps-th page a tile at a time, their states merged
+// in shared memory; O_p (T), L_p and Q_ref of the row are written, and warp 0 merges it with the
+// block (merge_block_row, as the stable rows' warps do with their kept O_p and L_p). The CTA at
+// y also zeroes the plan count of slot y when y is past the entry's active rows.
 constexpr int kRowWarps = 8;
 // Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states.
 template <int D>
@@ -591,21 +591,25 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
   const int64_t base = (static_cast<int64_t>(b) * heads_q + h) * block;
   if (y >= count && threadIdx.x == 0) plan_counts[base + y] = 0;
   const int slot = y < count ? y : -1;
-  int r = 0;
-  if (slot >= 0) {
-    r = active[static_cast<int64_t>(b) * block + y];
-  } else {  // the (y - count)-th row that is not active (block <= 64)
-    uint64_t taken = 0;
+  if (slot < 0) {  // stable rows, kRowWarps a CTA: warp w takes the ((y - count) * kRowWarps + w)-th
+    const int want = (y - count) * kRowWarps + warp;
+    if (want >= block - count) return;
+    uint64_t taken = 0;  // (block <= 64)
     for (int s = 0; s < count; ++s) taken |= uint64_t{1} << active[static_cast<int64_t>(b) * block + s];
-    for (int i = 0, want = y - count; i < block; ++i) {
+    int r = 0;
+    for (int i = 0, left = want; i < block; ++i) {
       if (taken >> i & 1) continue;
-      if (want-- == 0) {
+      if (left-- == 0) {
         r = i;
         break;
       }
     }
+    merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
+                             /*qref_all=*/false, b, h, r, lane);
+    return;
   }
-  if (slot >= 0) {
+  const int r = active[static_cast<int64_t>(b) * block + y];
+  {
     const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
     int32_t* plan = plan_pages + (base + slot) * capacity;
     if (keep == n) {
@@ -681,7 +685,6 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     if (lane == 0) l_p[base + r] = st.lse2() * kLn2;
     __syncwarp();  // the row's O_p and L_p, read back by merge_block_row's lanes
   }
-  if (warp != 0) return;
   merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
                            /*qref_all=*/false, b, h, r, lane);
 }

@@ -350,14 +350,21 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     return;
   }
   // q+ and q- of the chunk's queries (rows past them zero).
+  // Every load first, into registers (the stores to shared memory could alias q for the
+  // compiler, which would otherwise keep each load behind the previous store).
   static_assert(kChunkQueries * D % kScoreThreads == 0, "whole rounds of query elements");
+  constexpr int kPerThread = kChunkQueries * D / kScoreThreads;
+  float x[kPerThread];
 #pragma unroll
-  for (int i = 0; i < kChunkQueries * D / kScoreThreads; ++i) {  // every load in flight at once
+  for (int i = 0; i < kPerThread; ++i) {
     const int e = threadIdx.x + i * kScoreThreads, lq = e / D, c = e % D, qi = q_begin + lq;
-    float x = 0.0f;
-    if (lq < queries) x = to_float(q.row(b, h_kv * group + qi % group, rows[qi / group])[c]);
-    query_smem[lq * kQRow + c] = from_float<T>(fmaxf(x, 0.0f));
-    query_smem[lq * kQRow + D + c] = from_float<T>(fminf(x, 0.0f));
+    x[i] = lq < queries ? to_float(q.row(b, h_kv * group + qi % group, rows[qi / group])[c]) : 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = threadIdx.x + i * kScoreThreads, lq = e / D, c = e % D;
+    query_smem[lq * kQRow + c] = from_float<T>(fmaxf(x[i], 0.0f));
+    query_smem[lq * kQRow + D + c] = from_float<T>(fminf(x[i], 0.0f));
   }
   cuda::detail::cp_async_wait<0>();
   __syncthreads();

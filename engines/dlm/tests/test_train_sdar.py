@@ -511,6 +511,39 @@ def test_key_value_samples_ask_back_what_the_prompt_lists(run_dir, sparsa_bin):
         T.TaskStream(sparsa_bin, f["tokenizer"], [512], TASKS, 5, 2, 1, copy_frac=0.6, kv_frac=0.6)
 
 
+def test_single_token_keys_stay_one_token_in_the_drill(run_dir):
+    """--kv-keys tokens: every key of a sample is a word of the vocabulary that the tokenizer keeps
+    as one token where the drill writes it (after a newline, before " is: "), in the prompt and in
+    the answer; the value comes 4 tokens after it in both. Letter keys are several pieces. An
+    unknown key kind is an error naming the option."""
+    import random
+    import re
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(T.run_files(run_dir)["tokenizer"])
+    pool = T.single_token_keys(tok)
+    assert len(pool) >= 10 and all(w.isalpha() and w.islower() for w in pool)  # a small test vocabulary
+    rng = random.Random(5)
+    for _ in range(20):
+        length, p, t, gen, maskable = T.kv_item(256, rng, tok, 0, pairs=6, digits=3, asked=3, keys="tokens")
+        prompt, answer = tok.decode(p), tok.decode(t[:-1])
+        keys = re.findall(r"\n([a-z]+) is: ", prompt)
+        assert len(keys) == 6 and set(keys) <= set(pool) and len(set(keys)) == 6
+        for ids in (p, t):
+            # each line's key: one token (of the keys, found nowhere else), then " is: " and the
+            # value's first digits four tokens on
+            pieces = [tok.id_to_token(i) for i in ids]
+            lines = re.findall(r"\n([a-z]+) is: ", tok.decode(ids))
+            assert [x for x in pieces if x in pool] == lines
+            for k in lines:
+                at = pieces.index(k)
+                assert pieces[at + 1:at + 4] == ["Ġis", ":", "Ġ"] and pieces[at + 4].isdigit()
+    letters = T.kv_item(256, random.Random(5), tok, 0, pairs=6, digits=3, asked=3)
+    pieces = [tok.id_to_token(i) for i in letters[1]]
+    assert pieces.index("Ġis") - pieces.index(".Ċ") > 2  # the first letter key: several pieces
+    with pytest.raises(ValueError, match="--kv-keys"):
+        T.kv_item(256, rng, tok, 0, keys="words")
+
+
 def test_key_value_drill_masks_the_values_alone_and_keeps_the_keys(run_dir, sparsa_bin, tmp_path, capsys):
     """A kv_item's answer asks its keys in a random order, so a value can only be found with its
     key visible: build_batch masks the value tokens alone (wholly with --full-mask 1), the keys

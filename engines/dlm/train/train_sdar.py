@@ -164,15 +164,40 @@ def copy_item(length, rng, vocab, eos):
     return (length, seq, seq + [eos], n + 1)
 
 
-def kv_text(pairs, rng, digits=7, asked=6):
+KV_KEYS = ("letters", "tokens")
+KV_OPEN, KV_CLOSE = "Remember these numbers.", "\nRecall them."  # the drill's text around its lines
+KV_TEMPLATE = KV_OPEN + KV_CLOSE
+
+
+def single_token_keys(tok):
+    """The words of the tokenizer's vocabulary (3-8 lowercase letters) that stay one token as a
+    drill key, after a newline and before " is: ", on the first line and on later ones: keys
+    that a model can match with one token's identity (random letter keys are 3-5 BPE pieces,
+    whose last is often shared by many keys). Words that are pieces of the drill's own text
+    ("Remember these numbers.", "Recall them.") are left out: a key must occur once a line."""
+    template = {tok.id_to_token(i) for i in tok.encode(KV_TEMPLATE, add_special_tokens=False).ids}
+    words = []
+    for t in sorted(tok.get_vocab()):
+        if not (t.isascii() and t.isalpha() and t.islower() and 3 <= len(t) <= 8) or t in template:
+            continue
+        if all(t in [tok.id_to_token(i) for i in tok.encode(pre + t + " is: ", add_special_tokens=False).ids]
+               for pre in ("\n", ".\n")):
+            words.append(t)
+    return words
+
+
+def kv_text(pairs, rng, digits=7, asked=6, keys=None):
     """The text of a key-value recall sample (an associative recall drill shaped like the needle
     tasks): the prompt lists `pairs` lines "KEY is: VALUE." with random letter keys and values of
     `digits` random digits, then asks for some of them back; the answer repeats `asked` (at most
     the pairs) of those lines in another order. Each answer value is found by matching its key
     in the prompt and reading the digits after it, the circuit a needle question needs, but
-    several values a sample instead of one. Returns (prompt, answer, the answer's value spans
-    as (start, end) character offsets)."""
+    several values a sample instead of one. `keys`: a list of words to draw the keys from
+    (single_token_keys) instead of random letters. Returns (prompt, answer, the answer's value
+    spans as (start, end) character offsets)."""
     def key():
+        if keys:
+            return rng.choice(keys)
         return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7)))
     listed, seen = [], set()
     while len(listed) < max(2, pairs):
@@ -181,7 +206,7 @@ def kv_text(pairs, rng, digits=7, asked=6):
             seen.add(k)
             listed.append((k, "".join(rng.choice("0123456789") for _ in range(digits))))
     chosen = rng.sample(listed, min(asked, len(listed)))
-    prompt = "Remember these numbers." + "".join(f"\n{k} is: {v}." for k, v in listed) + "\nRecall them."
+    prompt = KV_OPEN + "".join(f"\n{k} is: {v}." for k, v in listed) + KV_CLOSE
     answer, spans = "", []
     for k, v in chosen:
         answer += f"\n{k} is: "
@@ -190,17 +215,30 @@ def kv_text(pairs, rng, digits=7, asked=6):
     return prompt, answer, spans
 
 
-def kv_item(length, rng, tok, eos, pairs=0, digits=7, asked=6):
+_KEY_POOLS = {}
+
+
+def kv_item(length, rng, tok, eos, pairs=0, digits=7, asked=6, keys="letters"):
     """A kv_text sample tokenized to fit `length` tokens (prompt, answer and EOS; the answer
     within the 128-token budget): the tuple of TaskStream.tokenize's items plus a fifth element,
     the answer tokens that may be masked (build_batch): the value tokens alone. The keys of the
     answer stay visible, so each masked value is determined by its key (with the keys masked
     too, as before this element existed, a wholly masked answer line cannot be predicted: the
     answer asks its keys in a random order). The prompt starts at `pairs` pairs (0: length / 32,
-    about half of `length` with the 4096-token BPE) and loses pairs until the sample fits."""
+    about half of `length` with the 4096-token BPE) and loses pairs until the sample fits. `keys`
+    (KV_KEYS): random letter strings, or words that are single tokens of `tok`."""
+    if keys not in KV_KEYS:
+        raise ValueError(f"--kv-keys: expected one of {', '.join(KV_KEYS)}, got {keys!r}")
+    pool = None
+    if keys == "tokens":
+        if id(tok) not in _KEY_POOLS:
+            _KEY_POOLS[id(tok)] = (tok, single_token_keys(tok))  # (tok kept: its id stays its own)
+        pool = _KEY_POOLS[id(tok)][1]
+        if len(pool) < 2:
+            raise ValueError("--kv-keys tokens: the tokenizer has fewer than 2 single-token words")
     pairs = pairs or max(2, length // 32)
     while True:
-        prompt, answer, spans = kv_text(pairs, rng, digits, asked)
+        prompt, answer, spans = kv_text(pairs, rng, digits, asked, pool)
         p = tok.encode(prompt, add_special_tokens=False).ids
         enc = tok.encode(answer, add_special_tokens=False)
         t = enc.ids
@@ -214,13 +252,13 @@ class TaskStream:
     """Tokenized samples from `sparsa ruler generate`, produced by a background thread."""
 
     def __init__(self, sparsa, tokenizer_path, lengths, tasks, seed0, chunk, threads, maxsize=4096, copy_frac=0.0,
-                 kv_frac=0.0, kv_shape=(0, 7, 6)):
+                 kv_frac=0.0, kv_shape=(0, 7, 6, "letters")):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.eos = self.tok.token_to_id(SPECIALS[0])
         self.copy_frac = copy_frac
         self.kv_frac = kv_frac
-        self.kv_shape = kv_shape  # kv_item's (pairs, digits, asked)
+        self.kv_shape = kv_shape  # kv_item's (pairs, digits, asked, keys)
         if copy_frac < 0 or kv_frac < 0 or copy_frac + kv_frac > 1:
             raise ValueError(f"copy share {copy_frac} and key-value share {kv_frac}: each >= 0, together <= 1")
         self.args = (sparsa, tokenizer_path, lengths, tasks, chunk, threads)
@@ -568,12 +606,15 @@ def int_at_least(minimum):
 
 
 def add_kv_shape(parser):
-    """The key-value drill's shape (kv_item's pairs, digits, asked), the same for train and probe."""
+    """The key-value drill's shape (kv_item's pairs, digits, asked, keys), the same for train and probe."""
     parser.add_argument("--kv-pairs", type=int_at_least(0), default=0, metavar="N",
                         help="pairs a key-value sample lists (0: the length / 32, fewer while it does not fit)")
     parser.add_argument("--kv-digits", type=int_at_least(1), default=7, metavar="D",
                         help="digits of a key-value sample's values (7: a needle's; with --numbers triples 3 is "
                              "one token)")
+    parser.add_argument("--kv-keys", choices=KV_KEYS, default="letters",
+                        help="the drill's keys: random letter strings (3-5 BPE pieces each), or words that are "
+                             "single tokens of the run's tokenizer (a key matched by one token's identity)")
     parser.add_argument("--kv-asked", type=int_at_least(1), default=6, metavar="N",
                         help="pairs a key-value sample asks back (its answer; keys visible, values maskable); keep "
                              "it well under the pairs: the values of earlier answer lines are clean context to "
@@ -780,7 +821,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     if copy_frac + kv_frac > 1:
         sys.exit(f"train_sdar: --copy-frac {copy_frac} and --kv-frac {kv_frac}: together at most 1")
     t_range = tuple(a.mask_rates) if a.mask_rates else stage.get("t_range", FULL_T)
-    kv_shape = (a.kv_pairs, a.kv_digits, a.kv_asked)
+    kv_shape = (a.kv_pairs, a.kv_digits, a.kv_asked, a.kv_keys)
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads,
                         copy_frac=copy_frac, kv_frac=kv_frac, kv_shape=kv_shape)
     # Fixed shapes per length bucket: batch rows and sequence length.
@@ -841,7 +882,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     budget_s = minutes * 60 if minutes else float("inf")
     max_steps = steps or (1 << 62)
     losses, ces = [], []
-    kv_desc = f" of {a.kv_pairs or 'length/32'} pairs, {a.kv_digits} digits, {a.kv_asked} asked" if kv_frac else ""
+    kv_desc = (f" of {a.kv_pairs or 'length/32'} pairs, {a.kv_digits} digits, {a.kv_asked} asked, {a.kv_keys} keys"
+               if kv_frac else "")
     log(f"stage {stage_no}: lengths {stage['lengths']}, tasks {tasks} ({copy_frac:.0%} copy, {kv_frac:.0%} key-value{kv_desc}), "
         f"{prompt_blocks} noisy prompt blocks, {full_mask:.0%} answer blocks wholly masked, "
         f"t ~ U({t_range[0]:g}, {t_range[1]:g}), {attention} attention on {device}, "
@@ -1051,7 +1093,7 @@ def cmd_probe(a):
         kinds[a.task] = [(r["max_len"], tok.encode(r["input"], add_special_tokens=False).ids,
                           tok.encode(r["target"], add_special_tokens=False).ids + [eos], r["gen_tokens"])
                          for r in rows]
-    kinds["kv digits"] = [kv_item(a.length, rng, tok, eos, a.kv_pairs, a.kv_digits, a.kv_asked)
+    kinds["kv digits"] = [kv_item(a.length, rng, tok, eos, a.kv_pairs, a.kv_digits, a.kv_asked, a.kv_keys)
                           for _ in range(a.samples)]
     digits = number_tokens(tok)
     report = {"run": a.run, "chance_ce": math.log(c.vocab_size), "length": a.length,

@@ -479,6 +479,24 @@ TEST(LosaCudaStep, PrefixesOfManyPageTilesSelectInLevels) {
   }
 }
 
+// Budgets far past the prefix, and plans longer than the rows kernel keeps in shared memory
+// (kPlanSmemPages = 2048 pages): a budget of 2^20 tokens over short prefixes takes every page
+// without a plan in shared memory sized by the budget; a budget of 2100 pages over a 2500-page
+// prefix reads its plan back from global memory.
+TEST(LosaCudaStep, HugeBudgetsAndLongPlans) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.prefix = {700, 40};
+  s.budget = int64_t{1} << 20;
+  check_against_cpu(s, 2);
+  s.method = PrefixMethod::quest;
+  check_against_cpu(s, 2);
+  s.prefix = {40000};
+  s.budget = 2100 * 16;
+  s.method = PrefixMethod::losa;
+  check_against_cpu(s, 2);
+}
+
 // The engine's tiny SDAR shape (2/1 heads, d 64, blocks of 4): the score kernel's shared memory
 // lands near the 48 KiB default limit, where a static array on top of it failed to launch.
 TEST(LosaCudaStep, ATinyGroupAndBlockAtHeadDim64) {

@@ -129,7 +129,7 @@ Status sparse_step(const StepArgs& a) {
       SPARSA_CUDA_CHECK_LAUNCH();
     }
     const int64_t keep = std::min<int64_t>(a.capacity, max_pages);
-    const size_t smem = rows_state_bytes<D>() + rows_plan_bytes(capacity) +
+    const size_t smem = rows_state_bytes<D>() + rows_plan_bytes(keep) +
                         rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
     constexpr auto kernel = sparse_rows_kernel<T, D>;
     SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
@@ -137,7 +137,7 @@ Status sparse_step(const StepArgs& a) {
     kernel<<<grid, kRowWarps * 32, smem, s>>>(
         pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
         mutable_rows_of<float>(a.lse), a.active, a.active_counts, a.candidates, a.candidate_tiles, keep_tile, capacity,
-        a.plan_pages, a.plan_counts, heads_q, group, block, a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p,
+        static_cast<int>(keep), a.plan_pages, a.plan_counts, heads_q, group, block, a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p,
         static_cast<T*>(a.q_ref));
     SPARSA_CUDA_CHECK_LAUNCH();
     return {};

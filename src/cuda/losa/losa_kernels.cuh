@@ -577,21 +577,30 @@ template <int D>
 __host__ __device__ constexpr size_t rows_state_bytes() {
   return (static_cast<size_t>(kRowWarps) * D + 2 * kRowWarps) * sizeof(float);
 }
-// Then the row's plan (capacity pages), read back by the attending warps from shared memory.
-__host__ __device__ constexpr size_t rows_plan_bytes(int capacity) { return (static_cast<size_t>(capacity) * 4 + 15) / 16 * 16; }
+// Then the row's plan, read back by the attending warps from shared memory when it has at most
+// kPlanSmemPages pages (from the plan in global memory above; every page when the budget covers
+// the prefix needs no plan). plan_slots: the host's bound on a row's pages, min(capacity, the
+// batch's longest prefix in pages).
+constexpr int kPlanSmemPages = 2048;
+__host__ __device__ constexpr int rows_plan_smem_pages(int64_t plan_slots) {
+  return static_cast<int>(plan_slots < kPlanSmemPages ? plan_slots : kPlanSmemPages);
+}
+__host__ __device__ constexpr size_t rows_plan_bytes(int64_t plan_slots) {
+  return (static_cast<size_t>(rows_plan_smem_pages(plan_slots)) * 4 + 15) / 16 * 16;
+}
 template <class T, int D>
 __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
     Rows4<float> lse, const int32_t* active, const int32_t* counts, const uint64_t* candidates, int64_t tiles,
-    int keep_tile, int capacity, int32_t* plan_pages, int32_t* plan_counts, int heads_q, int group, int block,
-    float scale_log2, T* o_p, float* l_p, T* q_ref) {
+    int keep_tile, int capacity, int plan_slots, int32_t* plan_pages, int32_t* plan_counts, int heads_q, int group,
+    int block, float scale_log2, T* o_p, float* l_p, T* q_ref) {
   constexpr int E = D / 32;
   extern __shared__ __align__(16) unsigned char row_smem[];
   float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);  // [kRowWarps][D], then m and l
   float* part_m = reinterpret_cast<float*>(row_smem + rows_state_bytes<D>() - 2 * kRowWarps * sizeof(float));
   float* part_l = part_m + kRowWarps;
   int32_t* plan_smem = reinterpret_cast<int32_t*>(row_smem + rows_state_bytes<D>());  // the row's plan, read back
-  uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(capacity));  // the selection
+  uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(plan_slots));  // the selection
   const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int count = counts[b];
@@ -619,8 +628,10 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
   {
     const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
     int32_t* plan = plan_pages + (base + slot) * capacity;
-    if (keep == n) {
-      for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = plan_smem[j] = j;
+    const bool every_page = keep == n, plan_in_smem = !every_page && keep <= rows_plan_smem_pages(plan_slots);
+    int32_t* plan_copy = plan_in_smem ? plan_smem : plan;  // where the chosen pages are also written
+    if (every_page) {
+      for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = j;
     } else {
       const uint64_t* cand = candidates + (base + slot) * tiles * keep_tile;
       const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
@@ -635,7 +646,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
         if (warp == 0) {
           __syncwarp();
           for (int j = lane; j < keep; j += 32) {
-            plan[j] = plan_smem[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
+            plan[j] = plan_copy[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
           }
         }
       } else if (warp == 0) {
@@ -645,7 +656,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
         __syncwarp();
         ba_att::warp_top_select(keys, hist, nc, keep, plan);
         __syncwarp();
-        for (int j = lane; j < keep; j += 32) plan[j] = plan_smem[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
+        for (int j = lane; j < keep; j += 32) plan[j] = plan_copy[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
       }
     }
     if (threadIdx.x == 0) plan_counts[base + slot] = keep;
@@ -657,7 +668,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     const int h_kv = h / group;
     const int64_t length = pool.length[b];
     for (int i = warp; i < keep; i += kRowWarps) {
-      const int64_t begin = static_cast<int64_t>(plan_smem[i]) * pool.page_size;
+      const int64_t begin = static_cast<int64_t>(every_page ? i : plan_copy[i]) * pool.page_size;
       const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
       const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
       const T* k = static_cast<const T*>(pool.k) + at;

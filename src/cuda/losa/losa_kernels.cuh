@@ -236,73 +236,104 @@ __device__ __forceinline__ void order2(uint64_t& a, uint64_t& b) {
   b = hi;
 }
 
-// One warp: the `keep` smallest of keys[0, n) (n <= kScorePages), written ascending by their low
-// words (positions; equal low words, as the all-ones padding, by round) to out, then all-ones
-// keys up to out[keep). Every key when keep >= n. Each lane sorts its kScorePages / 32 keys; a
-// round's minimum is two warp reductions (the high words, then the low words of the lanes at that
-// high word) and the lane holding it steps to its next key. Keys must be distinct but for all-ones
-// padding, which a round takes only once the real keys are spent.
-__device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t* out) {
+// One warp, Q rows of keys at once: the `keep` smallest of keys[q][0, n) (n <= kScorePages),
+// written ascending by their low words (positions; equal low words, as the all-ones padding, by
+// round) to out[q], then all-ones keys up to out[q][keep). Every key when keep >= n. Each lane
+// sorts its kScorePages / 32 keys of a row; a round's minimum is two warp reductions (the high
+// words, then the low words of the lanes at that high word) and the lane holding it steps to its
+// next key; the Q rows' rounds interleave (independent chains of reductions). Keys must be
+// distinct but for all-ones padding, which a round takes only once the real keys are spent.
+template <int Q>
+__device__ inline void tile_top(const uint64_t* const (&keys)[Q], int n, int keep, uint64_t* const (&out)[Q]) {
   constexpr int kPer = kScorePages / 32;
   static_assert(kPer == 4, "a lane sorts four keys");
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
-  uint64_t mine[kPer];
+  uint64_t mine[Q][kPer];
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) mine[i] = lane + 32 * i < n ? keys[lane + 32 * i] : ~0ull;
+  for (int q = 0; q < Q; ++q)
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) mine[q][i] = lane + 32 * i < n ? keys[q][lane + 32 * i] : ~0ull;
   if (keep >= n) {
-    int written = 0;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const bool kept = lane + 32 * i < n;
-      const unsigned ballot = __ballot_sync(0xffffffffu, kept);
-      if (kept) out[written + __popc(ballot & lanes_below)] = mine[i];
-      written += __popc(ballot);
+    for (int q = 0; q < Q; ++q) {
+      int written = 0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const bool kept = lane + 32 * i < n;
+        const unsigned ballot = __ballot_sync(0xffffffffu, kept);
+        if (kept) out[q][written + __popc(ballot & lanes_below)] = mine[q][i];
+        written += __popc(ballot);
+      }
+      for (int j = written + lane; j < keep; j += 32) out[q][j] = ~0ull;
     }
-    for (int j = written + lane; j < keep; j += 32) out[j] = ~0ull;
     return;
   }
-  order2(mine[0], mine[1]);
-  order2(mine[2], mine[3]);
-  order2(mine[0], mine[2]);
-  order2(mine[1], mine[3]);
-  order2(mine[1], mine[2]);
-  uint64_t chosen[kPer];  // round r's key at lane r % 32, slot r / 32
+  uint64_t chosen[Q][kPer];  // round r's key at lane r % 32, slot r / 32
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) chosen[i] = ~0ull;
+  for (int q = 0; q < Q; ++q) {
+    order2(mine[q][0], mine[q][1]);
+    order2(mine[q][2], mine[q][3]);
+    order2(mine[q][0], mine[q][2]);
+    order2(mine[q][1], mine[q][3]);
+    order2(mine[q][1], mine[q][2]);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) chosen[q][i] = ~0ull;
+  }
   for (int r = 0; r < keep; ++r) {
-    const uint32_t head_hi = static_cast<uint32_t>(mine[0] >> 32);
-    const uint32_t hi = __reduce_min_sync(0xffffffffu, head_hi);
-    const uint32_t lo = __reduce_min_sync(0xffffffffu, head_hi == hi ? static_cast<uint32_t>(mine[0]) : 0xffffffffu);
-    const uint64_t best = static_cast<uint64_t>(hi) << 32 | lo;
-    if (mine[0] == best) {
-      mine[0] = mine[1];
-      mine[1] = mine[2];
-      mine[2] = mine[3];
-      mine[3] = ~0ull;
+    uint32_t head_hi[Q], hi[Q], lo[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      head_hi[q] = static_cast<uint32_t>(mine[q][0] >> 32);
+      hi[q] = __reduce_min_sync(0xffffffffu, head_hi[q]);
     }
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) chosen[i] = (r == 32 * i + lane) ? best : chosen[i];
+    for (int q = 0; q < Q; ++q) {
+      lo[q] = __reduce_min_sync(0xffffffffu, head_hi[q] == hi[q] ? static_cast<uint32_t>(mine[q][0]) : 0xffffffffu);
+    }
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      const uint64_t best = static_cast<uint64_t>(hi[q]) << 32 | lo[q];
+      if (mine[q][0] == best) {
+        mine[q][0] = mine[q][1];
+        mine[q][1] = mine[q][2];
+        mine[q][2] = mine[q][3];
+        mine[q][3] = ~0ull;
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) chosen[q][i] = (r == 32 * i + lane) ? best : chosen[q][i];
+    }
   }
-  // Rank every chosen key among them by (low word, round): its place in out. Only the low words
-  // travel, and only the slots that hold rounds (one when keep <= 32).
-  int rank[kPer] = {};
+  // Rank every chosen key among its row's by (low word, round): its place in out. Only the low
+  // words travel, and only the slots that hold rounds (one when keep <= 32).
+  int rank[Q][kPer] = {};
 #pragma unroll
   for (int i0 = 0; i0 < kPer; ++i0) {
     if (32 * i0 >= keep) break;  // (uniform)
-    const uint32_t lo_src = static_cast<uint32_t>(chosen[i0]);
     for (int t = 32 * i0; t < min(keep, 32 * i0 + 32); ++t) {
-      const uint32_t lo_t = __shfl_sync(0xffffffffu, lo_src, t % 32);
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const uint32_t lo_i = static_cast<uint32_t>(chosen[i]);
-        rank[i] += lo_t < lo_i || (lo_t == lo_i && t < 32 * i + lane);
+      for (int q = 0; q < Q; ++q) {
+        const uint32_t lo_t = __shfl_sync(0xffffffffu, static_cast<uint32_t>(chosen[q][i0]), t % 32);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const uint32_t lo_i = static_cast<uint32_t>(chosen[q][i]);
+          rank[q][i] += lo_t < lo_i || (lo_t == lo_i && t < 32 * i + lane);
+        }
       }
     }
   }
 #pragma unroll
-  for (int i = 0; i < kPer; ++i)
-    if (32 * i + lane < keep) out[rank[i]] = chosen[i];
+  for (int q = 0; q < Q; ++q)
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (32 * i + lane < keep) out[q][rank[q][i]] = chosen[q][i];
+}
+
+// One row of keys.
+__device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t* out) {
+  const uint64_t* const in[1] = {keys};
+  uint64_t* const to[1] = {out};
+  tile_top<1>(in, n, keep, to);
 }
 
 template <class T, int D>
@@ -395,10 +426,19 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     }
   }
   __syncthreads();
-  for (int lq = warp; lq < queries; lq += kScoreWarps) {
+  // Warp w: queries w and w + kScoreWarps, their selection rounds interleaved.
+  static_assert(kChunkQueries == 2 * kScoreWarps, "two queries a warp");
+  auto candidates_of = [&](int lq) {
     const int qi = q_begin + lq, gq = qi % group, slot = qi / group;
     const int64_t row = (static_cast<int64_t>(b) * heads_q + h_kv * group + gq) * block + slot;
-    tile_top(keys + lq * kScorePages, tile, keep_tile, candidates + (row * tiles + blockIdx.x) * keep_tile);
+    return candidates + (row * tiles + blockIdx.x) * keep_tile;
+  };
+  if (warp + kScoreWarps < queries) {
+    const uint64_t* const in[2] = {keys + warp * kScorePages, keys + (warp + kScoreWarps) * kScorePages};
+    uint64_t* const to[2] = {candidates_of(warp), candidates_of(warp + kScoreWarps)};
+    tile_top<2>(in, tile, keep_tile, to);
+  } else if (warp < queries) {
+    tile_top(keys + warp * kScorePages, tile, keep_tile, candidates_of(warp));
   }
 }
 

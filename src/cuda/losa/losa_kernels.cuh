@@ -549,28 +549,26 @@ __device__ __forceinline__ void load_query(const T* row, float scale_log2, int l
   for (int e = 0; e < E; ++e) q[e] = to_float(row[lane * E + e]) * scale_log2;
 }
 
-// One warp: row r of head h of entry b attends over the block's own keys (k_block, v_block),
-// merged with its prefix (o_p, l_p; nothing when the entry's prefix is empty) by LSE into out
-// and lse; with qref_all, q_ref = q.
-template <class T, int D, int Tile = 16>
-__device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows4<const T>& q,
-                                                const Rows4<const T>& k_block, const Rows4<const T>& v_block,
-                                                const Rows4<T>& out, const Rows4<float>& lse, const T* o_p,
-                                                const float* l_p, T* q_ref, int heads_q, int group, int block,
-                                                float scale_log2, bool qref_all, int b, int h, int r, int lane) {
-  constexpr int E = D / 32;
-  const int h_kv = h / group;
-  const T* q_row = q.row(b, h, r);
-  float qs[E];
-  load_query<T, E>(q_row, scale_log2, lane, qs);
-  RowState<E, Tile> st;
+// One warp: row r of head h of entry b over the block's own keys (k_block, v_block); qs its
+// query pre-scaled (load_query).
+template <class T, int D, int Tile>
+__device__ __forceinline__ RowState<D / 32, Tile> block_state(const float (&qs)[D / 32], const Rows4<const T>& k_block,
+                                                             const Rows4<const T>& v_block, int block, int b,
+                                                             int h_kv, int lane) {
+  RowState<D / 32, Tile> st;
   for (int t0 = 0; t0 < block; t0 += Tile) {
     st.add_tile(qs, k_block.row(b, h_kv, t0), k_block.ss, v_block.row(b, h_kv, t0), v_block.ss,
                 min(Tile, block - t0), lane);
   }
-  const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
-  float lb = st.lse2(), wb = 1.0f, wp = 0.0f, lp = -INFINITY;
-  if (pool.length[b] > 0) lp = l_p[at] * kLog2e;
+  return st;
+}
+
+// One warp: a row's output and LSE, its block state `st` merged by LSE with its prefix (LSE lp in
+// base 2, -inf without one; prefix(e) the lane's element e of O_p, read only when it weighs).
+template <class T, int E, int Tile, class Prefix>
+__device__ __forceinline__ void merge_out(const RowState<E, Tile>& st, float lp, Prefix prefix, T* o, float* lse_out,
+                                          int lane) {
+  float lb = st.lse2(), wb = 1.0f, wp = 0.0f;
   float m = fmaxf(lb, lp), total = lb;
   if (m > -INFINITY) {
     wb = exp2f(lb - m);
@@ -578,15 +576,36 @@ __device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows
     total = m + log2f(wb + wp);
   }
   const float ib = st.l > 0.0f ? wb / (st.l * (wb + wp)) : 0.0f, ip = wp / (wb + wp);
-  T* o = out.row(b, h, r);
-  const T* op = o_p + at * D;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
-    const float prefix = wp > 0.0f ? to_float(op[lane * E + e]) * ip : 0.0f;
-    o[lane * E + e] = from_float<T>(st.acc[e] * ib + prefix);
-    if (qref_all) q_ref[at * D + lane * E + e] = q_row[lane * E + e];
+    const float pre = wp > 0.0f ? prefix(e) * ip : 0.0f;
+    o[lane * E + e] = from_float<T>(st.acc[e] * ib + pre);
   }
-  if (lane == 0) *lse.row(b, h, r) = total * kLn2;
+  if (lane == 0) *lse_out = total * kLn2;
+}
+
+// One warp: row r of head h of entry b attends over the block's own keys, merged with its prefix
+// (o_p, l_p; nothing when the entry's prefix is empty) by LSE into out and lse; with qref_all,
+// q_ref = q.
+template <class T, int D, int Tile = 16>
+__device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows4<const T>& q,
+                                                const Rows4<const T>& k_block, const Rows4<const T>& v_block,
+                                                const Rows4<T>& out, const Rows4<float>& lse, const T* o_p,
+                                                const float* l_p, T* q_ref, int heads_q, int group, int block,
+                                                float scale_log2, bool qref_all, int b, int h, int r, int lane) {
+  constexpr int E = D / 32;
+  const T* q_row = q.row(b, h, r);
+  float qs[E];
+  load_query<T, E>(q_row, scale_log2, lane, qs);
+  const RowState<E, Tile> st = block_state<T, D, Tile>(qs, k_block, v_block, block, b, h / group, lane);
+  const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
+  const float lp = pool.length[b] > 0 ? l_p[at] * kLog2e : -INFINITY;
+  const T* op = o_p + at * D + lane * E;
+  merge_out<T, E, Tile>(st, lp, [&](int e) { return to_float(op[e]); }, out.row(b, h, r), lse.row(b, h, r), lane);
+  if (qref_all) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) q_ref[at * D + lane * E + e] = q_row[lane * E + e];
+  }
 }
 
 // Grid (heads_q, batch, row groups of kMergeWarps), a warp per row: merge_block_row (the dense
@@ -615,7 +634,7 @@ constexpr int kRowWarps = 8;
 // Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states.
 template <int D>
 __host__ __device__ constexpr size_t rows_state_bytes() {
-  return (static_cast<size_t>(kRowWarps) * D + 2 * kRowWarps) * sizeof(float);
+  return (static_cast<size_t>(kRowWarps + 1) * D + 2 * kRowWarps + 2) * sizeof(float);
 }
 // Then the row's plan, read back by the attending warps from shared memory when it has at most
 // kPlanSmemPages pages (from the plan in global memory above; every page when the budget covers
@@ -636,9 +655,12 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     int block, float scale_log2, T* o_p, float* l_p, T* q_ref) {
   constexpr int E = D / 32;
   extern __shared__ __align__(16) unsigned char row_smem[];
-  float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);  // [kRowWarps][D], then m and l
-  float* part_m = reinterpret_cast<float*>(row_smem + rows_state_bytes<D>() - 2 * kRowWarps * sizeof(float));
+  // The warps' prefix states [kRowWarps][D], the block's state [D], then their m and l.
+  float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);
+  float* block_acc = part_acc[kRowWarps];
+  float* part_m = block_acc + D;
   float* part_l = part_m + kRowWarps;
+  float* block_ml = part_l + kRowWarps;
   int32_t* plan_smem = reinterpret_cast<int32_t*>(row_smem + rows_state_bytes<D>());  // the row's plan, read back
   uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(plan_slots));  // the selection
   const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
@@ -717,6 +739,17 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
         st.add_tile(qs, k + t0 * D, D, v + t0 * D, D, min(kTile, tokens - t0), lane);
       }
     }
+    // The block's own keys: one more unit of work, for a warp with one page fewer than the first
+    // ones when keep is not a multiple of the warps.
+    if (warp == keep % kRowWarps) {
+      const RowState<E, kTile> blk = block_state<T, D, kTile>(qs, k_block, v_block, block, b, h_kv, lane);
+#pragma unroll
+      for (int e = 0; e < E; ++e) block_acc[lane * E + e] = blk.acc[e];
+      if (lane == 0) {
+        block_ml[0] = blk.m;
+        block_ml[1] = blk.l;
+      }
+    }
     if (lane == 0) {
       part_m[warp] = st.m;
       part_l[warp] = st.l;
@@ -731,20 +764,30 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
       for (int e = 0; e < E; ++e) other[e] = part_acc[w][lane * E + e];
       st.merge(part_m[w], part_l[w], other);
     }
+    // O_p (T), L_p and Q_ref of the row; then its output: the block state merged with the O_p
+    // and L_p as stored (what a stable row reads back on the next step).
     const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
     const T* q_row = q.row(b, h, r);
     T* o = o_p + (base + r) * D;
     T* qr = q_ref + (base + r) * D;
+    float prefix[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      o[lane * E + e] = from_float<T>(st.acc[e] * inv);
+      const T stored = from_float<T>(st.acc[e] * inv);
+      o[lane * E + e] = stored;
+      prefix[e] = to_float(stored);
       qr[lane * E + e] = q_row[lane * E + e];
     }
-    if (lane == 0) l_p[base + r] = st.lse2() * kLn2;
-    __syncwarp();  // the row's O_p and L_p, read back by merge_block_row's lanes
+    const float l_stored = st.lse2() * kLn2;
+    if (lane == 0) l_p[base + r] = l_stored;
+    RowState<E, kTile> blk;
+    blk.m = block_ml[0];
+    blk.l = block_ml[1];
+#pragma unroll
+    for (int e = 0; e < E; ++e) blk.acc[e] = block_acc[lane * E + e];
+    merge_out<T, E, kTile>(blk, length > 0 ? l_stored * kLog2e : -INFINITY, [&](int e) { return prefix[e]; },
+                           out.row(b, h, r), lse.row(b, h, r), lane);
   }
-  merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
-                           /*qref_all=*/false, b, h, r, lane);
 }
 
 }  // namespace sparsa::cuda::losa

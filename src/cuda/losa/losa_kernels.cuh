@@ -665,8 +665,23 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
   uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(plan_slots));  // the selection
   const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int count = counts[b];
   const int64_t base = (static_cast<int64_t>(b) * heads_q + h) * block;
+  // Loads in flight together before any is used: the active rows' count, the row of slot y, and
+  // (when the rounds select) slot y's candidates, re-indexed by position into shared memory
+  // (candidates are ascending by page, so ties go to the lower page). The candidates of a slot
+  // past the count are stale and unused.
+  const int count = counts[b];
+  const int slot_row = active[static_cast<int64_t>(b) * block + y];
+  const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
+  const bool every_page = keep == n, rounds = !every_page && keep <= kRoundsMaxKeep;
+  const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
+  const uint64_t* cand = candidates + (base + y) * tiles * keep_tile;
+  if (rounds) {
+#pragma unroll 4
+    for (int j = threadIdx.x; j < nc; j += blockDim.x) {
+      rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
+    }
+  }
   if (y >= count && threadIdx.x == 0) plan_counts[base + y] = 0;
   const int slot = y < count ? y : -1;
   if (slot < 0) {  // stable rows, kRowWarps a CTA: warp w takes the ((y - count) * kRowWarps + w)-th
@@ -686,24 +701,18 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
                              /*qref_all=*/false, b, h, r, lane);
     return;
   }
-  const int r = active[static_cast<int64_t>(b) * block + y];
+  const int r = slot_row;
+  float qs[E];  // in flight during the selection
+  load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
   {
-    const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
     int32_t* plan = plan_pages + (base + slot) * capacity;
-    const bool every_page = keep == n, plan_in_smem = !every_page && keep <= rows_plan_smem_pages(plan_slots);
+    const bool plan_in_smem = !every_page && keep <= rows_plan_smem_pages(plan_slots);
     int32_t* plan_copy = plan_in_smem ? plan_smem : plan;  // where the chosen pages are also written
     if (every_page) {
       for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = j;
     } else {
-      const uint64_t* cand = candidates + (base + slot) * tiles * keep_tile;
-      const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
-      if (keep <= kRoundsMaxKeep) {
-        // Keys re-indexed by position: candidates are ascending by page, so ties go to the lower page.
-#pragma unroll 4
-        for (int j = threadIdx.x; j < nc; j += blockDim.x) {
-          rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
-        }
-        __syncthreads();
+      if (rounds) {
+        __syncthreads();  // the candidates are in
         const uint64_t* chosen = cta_rounds_select(rows_smem, rows_smem + nc, nc, keep, kRowWarps);
         if (warp == 0) {
           __syncwarp();
@@ -723,8 +732,6 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     }
     if (threadIdx.x == 0) plan_counts[base + slot] = keep;
     __syncthreads();  // the plan is written
-    float qs[E];
-    load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
     constexpr int kTile = 8;
     RowState<E, kTile> st;
     const int h_kv = h / group;

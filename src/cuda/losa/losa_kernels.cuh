@@ -129,11 +129,19 @@ struct ActiveRule {
   double threshold;
 };
 
-// One warp: the active rows of entry b ascending into rows[0, count), count into rows[64]
-// (block <= 64). Top active_k by rank: lane l ranks rows l and l + 32 against every row (NaN
+// One warp: the active rows of an entry ascending into rows[0, count), count into rows[64]
+// (block <= 64), from its rows' mse (load_mse). Top active_k by rank: lane l ranks rows l and l + 32 against every row (NaN
 // first, larger first, ties to the lower row; a total order, so the top k are the rows of rank
 // below k, the serial selection's rows).
-__device__ inline void choose_active(const ActiveRule& rule, int b, int block, int32_t* rows) {
+// The lane's two rows' mse (rows lane and lane + 32 of entry b; zero past the block or when
+// every row is taken), loaded apart from choose_active so that a kernel can issue them first.
+__device__ inline void load_mse(const ActiveRule& rule, int b, int block, double (&mine)[2]) {
+  const int lane = threadIdx.x % 32;
+  const double* mse = rule.mse + static_cast<int64_t>(b) * block;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) mine[i] = !rule.all_rows && lane + 32 * i < block ? mse[lane + 32 * i] : 0.0;
+}
+__device__ inline void choose_active(const ActiveRule& rule, int block, const double (&mine)[2], int32_t* rows) {
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
   bool take[2];
@@ -141,10 +149,6 @@ __device__ inline void choose_active(const ActiveRule& rule, int b, int block, i
     take[0] = lane < block;
     take[1] = lane + 32 < block;
   } else {
-    const double* mse = rule.mse + static_cast<int64_t>(b) * block;
-    double mine[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) mine[i] = lane + 32 * i < block ? mse[lane + 32 * i] : 0.0;
     if (rule.use_threshold) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) take[i] = lane + 32 * i < block && (mine[i] > rule.threshold || isnan(mine[i]));
@@ -357,6 +361,8 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
   const bool scoring = page0 < pages && capacity < pages;  // (uniform in the CTA)
   const int tile = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(kScorePages), pages - page0)));
   constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks of a row
+  double mse[2];  // warp 0's loads first: behind the tile's copies they would wait for the whole tile
+  if (warp == 0) load_mse(rule, b, block, mse);
   if (scoring) {  // the tile's copy starts before the rows are chosen
     const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
     const T* src_min = static_cast<const T*>(pool.min) + at;
@@ -368,7 +374,7 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     }
     cuda::detail::cp_async_commit();
   }
-  if (threadIdx.x < 32) choose_active(rule, b, block, rows);
+  if (warp == 0) choose_active(rule, block, mse, rows);
   __syncthreads();
   const int row_count = rows[64];
   if (blockIdx.x == 0 && blockIdx.y == 0) {

@@ -50,6 +50,13 @@ struct PoolView {
   __device__ __forceinline__ int64_t pages(int b) const { return (length[b] + page_size - 1) / page_size; }
 };
 
+// Programmatic dependent launch (sm_90): a kernel launched as a dependent of the stream's
+// previous kernel may start once every CTA of that one has called launch_dependents (each of ours
+// does so first), and waits (wait_for_previous) before it reads what that kernel writes; a kernel
+// launched plainly passes through the wait. losa.cu says which launches are dependent.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_for_previous() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // ---- the cache: append, page min/max -----------------------------------------------------------
 
 // k, v [1, heads_kv, n, D] into the pool at tokens [token0, token0 + n) of kv head h (pool rows).
@@ -96,6 +103,7 @@ __global__ void __launch_bounds__(kMseWarps * 32) row_mse_kernel(Rows4<const T> 
                                                                    int block, double* mse) {
   constexpr int E = D / 32;
   __shared__ double part[kMseWarps];
+  launch_dependents();  // the candidates kernel may start its tile copies
   const int i = blockIdx.x, b = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   double sum = 0.0;
 #pragma unroll 4
@@ -361,8 +369,12 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
   const bool scoring = page0 < pages && capacity < pages;  // (uniform in the CTA)
   const int tile = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(kScorePages), pages - page0)));
   constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks of a row
+  launch_dependents();  // the rows kernel may start (it waits for this one before reading)
   double mse[2];  // warp 0's loads first: behind the tile's copies they would wait for the whole tile
-  if (warp == 0) load_mse(rule, b, block, mse);
+  if (warp == 0) {
+    wait_for_previous();  // the row-change kernel's mse (q and the pool were written before it)
+    load_mse(rule, b, block, mse);
+  }
   if (scoring) {  // the tile's copy starts before the rows are chosen
     const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
     const T* src_min = static_cast<const T*>(pool.min) + at;
@@ -672,6 +684,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
   const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t base = (static_cast<int64_t>(b) * heads_q + h) * block;
+  wait_for_previous();  // the candidates kernel's active rows, counts and candidates
   // Loads in flight together before any is used: the active rows' count, the row of slot y, and
   // (when the rounds select) slot y's candidates, re-indexed by position into shared memory
   // (candidates are ascending by page, so ties go to the lower page). The candidates of a slot

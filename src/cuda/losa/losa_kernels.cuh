@@ -649,10 +649,11 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
 // block (merge_block_row, as the stable rows' warps do with their kept O_p and L_p). The CTA at
 // y also zeroes the plan count of slot y when y is past the entry's active rows.
 constexpr int kRowWarps = 8;
-// Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states.
+// Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states, rounded
+// up to 16 bytes (the plan and the selection after them are read with 16-byte loads).
 template <int D>
 __host__ __device__ constexpr size_t rows_state_bytes() {
-  return (static_cast<size_t>(kRowWarps + 1) * D + 2 * kRowWarps + 2) * sizeof(float);
+  return ((static_cast<size_t>(kRowWarps + 1) * D + 2 * kRowWarps + 2) * sizeof(float) + 15) / 16 * 16;
 }
 // Then the row's plan, read back by the attending warps from shared memory when it has at most
 // kPlanSmemPages pages (from the plan in global memory above; every page when the budget covers

@@ -500,31 +500,78 @@ struct RowState {
   float m = -INFINITY, l = 0.0f;
   float acc[E] = {};
 
-  // Keys / values rows [0, n) (n <= kTile) at k + t * k_stride, v + t * v_stride: every load of the
-  // tile issued first (one memory round trip for the tile, not one per key), the logits' warp
-  // sums, one rescale of the state for the tile.
   static constexpr int kTile = Tile;
+  // A lane's E elements of a key or value row (16-bit), two to a 32-bit word. With Aligned (every
+  // row's slice at lane * E starts on E * 2 bytes, as the pool's pages do) one vector load;
+  // a caller's block rows may have any strides.
+  static_assert(E % 2 == 0 && E <= 8, "E: an even count of at most 8 elements");
   template <class T>
-  __device__ __forceinline__ void add_tile(const float (&q)[E], const T* k, int64_t k_stride, const T* v,
-                                           int64_t v_stride, int n, int lane) {
-    T kr[kTile][E], vr[kTile][E];
+  struct Slice {
+    static_assert(sizeof(T) == 2, "T: a 16-bit type");
+    uint32_t w[E / 2];
+  };
+  template <class T>
+  __device__ __forceinline__ static uint32_t bits(T x) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return __bfloat16_as_ushort(x);
+    } else {
+      return __half_as_ushort(x);
+    }
+  }
+  template <bool Aligned, class T>
+  __device__ __forceinline__ static void load_slice(Slice<T>& s, const T* p) {
+    if constexpr (Aligned && E == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      s.w[0] = u.x;
+      s.w[1] = u.y;
+    } else if constexpr (Aligned && E == 2) {
+      s.w[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+#pragma unroll
+      for (int i = 0; i < E / 2; ++i) s.w[i] = bits(p[2 * i]) | bits(p[2 * i + 1]) << 16;
+    }
+  }
+  // Element e as f32 (bf16 by a shift or a mask of its word).
+  template <class T>
+  __device__ __forceinline__ static float elem(const Slice<T>& s, int e) {
+    const uint32_t w = s.w[e / 2];
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return __uint_as_float(e % 2 ? (w & 0xffff0000u) : (w << 16));
+    } else {
+      return __half2float(__ushort_as_half(static_cast<unsigned short>(e % 2 ? w >> 16 : w & 0xffffu)));
+    }
+  }
+  // A tile of keys and values in registers, loaded but not yet added.
+  template <class T>
+  struct Loaded {
+    Slice<T> k[kTile], v[kTile];
+    int n = 0;
+  };
+  // Issues the loads of keys / values rows [0, n) (n <= kTile) at k + t * k_stride, v + t *
+  // v_stride (one memory round trip for the tile, not one per key).
+  template <bool Aligned = false, class T>
+  __device__ __forceinline__ static void load(Loaded<T>& tile, const T* k, int64_t k_stride, const T* v,
+                                              int64_t v_stride, int n, int lane) {
+    tile.n = n;
 #pragma unroll
     for (int t = 0; t < kTile; ++t) {
       if (t < n) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          kr[t][e] = k[t * k_stride + lane * E + e];
-          vr[t][e] = v[t * v_stride + lane * E + e];
-        }
+        load_slice<Aligned>(tile.k[t], k + t * k_stride + lane * E);
+        load_slice<Aligned>(tile.v[t], v + t * v_stride + lane * E);
       }
     }
+  }
+  // Adds a loaded tile: the logits' warp sums, one rescale of the state for the tile.
+  template <class T>
+  __device__ __forceinline__ void add(const float (&q)[E], const Loaded<T>& tile) {
+    const int n = tile.n;
     float s[kTile];
     float tile_max = -INFINITY;
 #pragma unroll
     for (int t = 0; t < kTile; ++t) {
       float x = 0.0f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) x = fmaf(q[e], to_float(t < n ? kr[t][e] : kr[0][e]), x);
+      for (int e = 0; e < E; ++e) x = fmaf(q[e], t < n ? elem(tile.k[t], e) : 0.0f, x);
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
       s[t] = t < n ? x : -INFINITY;
@@ -542,10 +589,17 @@ struct RowState {
         const float p = exp2f(s[t] - m_new);
         l += p;
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = fmaf(p, to_float(vr[t][e]), acc[e]);
+        for (int e = 0; e < E; ++e) acc[e] = fmaf(p, elem(tile.v[t], e), acc[e]);
       }
     }
     m = m_new;
+  }
+  template <bool Aligned = false, class T>
+  __device__ __forceinline__ void add_tile(const float (&q)[E], const T* k, int64_t k_stride, const T* v,
+                                           int64_t v_stride, int n, int lane) {
+    Loaded<T> tile;
+    load<Aligned>(tile, k, k_stride, v, v_stride, n, lane);
+    add(q, tile);
   }
   // Folds another state (of disjoint keys) into this one.
   __device__ __forceinline__ void merge(float m2, float l2, const float (&acc2)[E]) {
@@ -605,7 +659,7 @@ __device__ __forceinline__ void merge_out(const RowState<E, Tile>& st, float lp,
 // One warp: row r of head h of entry b attends over the block's own keys, merged with its prefix
 // (o_p, l_p; nothing when the entry's prefix is empty) by LSE into out and lse; with qref_all,
 // q_ref = q.
-template <class T, int D, int Tile = 16>
+template <class T, int D, int Tile>
 __device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows4<const T>& q,
                                                 const Rows4<const T>& k_block, const Rows4<const T>& v_block,
                                                 const Rows4<T>& out, const Rows4<float>& lse, const T* o_p,
@@ -635,8 +689,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
                                    int heads_q, int group, int block, float scale_log2, bool qref_all) {
   const int r = blockIdx.z * kMergeWarps + threadIdx.x / 32;
   if (r >= block) return;
-  merge_block_row<T, D>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
-                        qref_all, blockIdx.y, blockIdx.x, r, threadIdx.x % 32);
+  merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
+                           qref_all, blockIdx.y, blockIdx.x, r, threadIdx.x % 32);
 }
 
 // The sparse steps' last launch. Grid (heads_q, block rows, batch), kRowWarps warps; the CTA at
@@ -752,24 +806,39 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     }
     if (threadIdx.x == 0) plan_counts[base + slot] = keep;
     __syncthreads();  // the plan is written
-    constexpr int kTile = 8;
+    // Tiles of 8 keys, each lane's slice one vector load, two tiles in flight; the block's keys,
+    // strided as the caller has them, 8 at a time.
+    constexpr int kTile = 8, kBlockTile = 8;
     RowState<E, kTile> st;
     const int h_kv = h / group;
     const int64_t length = pool.length[b];
-    for (int i = warp; i < keep; i += kRowWarps) {
-      const int64_t begin = static_cast<int64_t>(every_page ? i : plan_copy[i]) * pool.page_size;
-      const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
-      const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
-      const T* k = static_cast<const T*>(pool.k) + at;
-      const T* v = static_cast<const T*>(pool.v) + at;
-      for (int t0 = 0; t0 < tokens; t0 += kTile) {
-        st.add_tile(qs, k + t0 * D, D, v + t0 * D, D, min(kTile, tokens - t0), lane);
+    // The warp's tiles (its pages every kRowWarps-th, kTile keys a tile) in a software pipeline:
+    // the next tile's loads are issued before the current one is added.
+    const int tiles_per_page = (pool.page_size + kTile - 1) / kTile;
+    const int warp_pages = keep > warp ? (keep - warp + kRowWarps - 1) / kRowWarps : 0;
+    const int warp_tiles = warp_pages * tiles_per_page;
+    const T* pool_k = static_cast<const T*>(pool.k) + (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size) * D;
+    const T* pool_v = static_cast<const T*>(pool.v) + (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size) * D;
+    auto load_tile = [&](typename RowState<E, kTile>::template Loaded<T>& tile, int j) {
+      const int i = warp + (j / tiles_per_page) * kRowWarps, t0 = (j % tiles_per_page) * kTile;
+      const int64_t begin = static_cast<int64_t>(every_page ? i : plan_copy[i]) * pool.page_size + t0;
+      const int n = static_cast<int>(min(static_cast<int64_t>(min(kTile, pool.page_size - t0)), length - begin));
+      RowState<E, kTile>::template load</*Aligned=*/true>(tile, pool_k + begin * D, D, pool_v + begin * D, D, n, lane);
+    };
+    typename RowState<E, kTile>::template Loaded<T> even, odd;  // two buffers, named (not indexed)
+    if (warp_tiles > 0) load_tile(even, 0);
+    for (int j = 0; j < warp_tiles; j += 2) {
+      if (j + 1 < warp_tiles) load_tile(odd, j + 1);
+      st.add(qs, even);
+      if (j + 1 < warp_tiles) {
+        if (j + 2 < warp_tiles) load_tile(even, j + 2);
+        st.add(qs, odd);
       }
     }
     // The block's own keys: one more unit of work, for a warp with one page fewer than the first
     // ones when keep is not a multiple of the warps.
     if (warp == keep % kRowWarps) {
-      const RowState<E, kTile> blk = block_state<T, D, kTile>(qs, k_block, v_block, block, b, h_kv, lane);
+      const RowState<E, kBlockTile> blk = block_state<T, D, kBlockTile>(qs, k_block, v_block, block, b, h_kv, lane);
 #pragma unroll
       for (int e = 0; e < E; ++e) block_acc[lane * E + e] = blk.acc[e];
       if (lane == 0) {
@@ -807,12 +876,12 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     }
     const float l_stored = st.lse2() * kLn2;
     if (lane == 0) l_p[base + r] = l_stored;
-    RowState<E, kTile> blk;
+    RowState<E, kBlockTile> blk;
     blk.m = block_ml[0];
     blk.l = block_ml[1];
 #pragma unroll
     for (int e = 0; e < E; ++e) blk.acc[e] = block_acc[lane * E + e];
-    merge_out<T, E, kTile>(blk, length > 0 ? l_stored * kLog2e : -INFINITY, [&](int e) { return prefix[e]; },
+    merge_out<T, E, kBlockTile>(blk, length > 0 ? l_stored * kLog2e : -INFINITY, [&](int e) { return prefix[e]; },
                            out.row(b, h, r), lse.row(b, h, r), lane);
   }
 }

@@ -236,6 +236,7 @@ TEST(LosaCudaCache, CapacityAndArgumentErrorsAreClear) {
 
 struct Shape {
   int64_t heads_q = 8, heads_kv = 2, d = 64, block = 16;
+  int64_t page_size = 16;
   int64_t budget = 64;  // 4 pages of 16
   std::vector<int64_t> prefix = {700};  // per batch entry
   PrefixMethod method = PrefixMethod::losa;
@@ -312,8 +313,9 @@ void check_against_cpu(const Shape& s, int steps) {
   DeviceKVCacheConfig cc;
   cc.heads_kv = s.heads_kv;
   cc.head_dim = s.d;
+  cc.page_size = s.page_size;
   int64_t pages = 0;
-  for (int64_t n : s.prefix) pages += (n + s.block + 15) / 16;
+  for (int64_t n : s.prefix) pages += (n + s.block + s.page_size - 1) / s.page_size;
   cc.pool_pages = pages + 4;
   auto cache = DevicePagedKVCache::create(cc);
   ASSERT_TRUE(cache.ok()) << cache.status().to_string();
@@ -338,7 +340,7 @@ void check_against_cpu(const Shape& s, int steps) {
   std::vector<PagedKVCache> host_cache;
   std::vector<PrefixAttention> host_state;
   for (int64_t b = 0; b < B; ++b) {
-    auto hc = PagedKVCache::create({s.heads_kv, s.d, 16});
+    auto hc = PagedKVCache::create({s.heads_kv, s.d, s.page_size});
     ASSERT_TRUE(hc.ok());
     if (s.prefix[b] > 0) ASSERT_TRUE(hc->append(tr.prefix_k[b].view(), tr.prefix_v[b].view()).ok());
     host_cache.push_back(std::move(hc).value());
@@ -463,6 +465,23 @@ TEST(LosaCudaStep, PrefixesOfSeveralPageTilesAtEveryBudgetRegime) {
   }
 }
 
+// Pages of other sizes than the 8-key tiles the rows kernel loads: smaller than a tile (4), not
+// a multiple of it (12, 20) and larger (40), at head_dim 128; a tile never reads past its page.
+TEST(LosaCudaStep, PageSizesOtherThanSixteen) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int64_t page : {4, 12, 20, 40}) {
+    SCOPED_TRACE("page size " + std::to_string(page));
+    Shape s;
+    s.d = 128;
+    s.page_size = page;
+    s.budget = 8 * page;
+    s.prefix = {1003, 250};
+    check_against_cpu(s, 3);
+    s.method = PrefixMethod::quest;
+    check_against_cpu(s, 2);
+  }
+}
+
 // Prefixes of many page tiles: a row's candidates are more than one slice of 128, so its
 // selection runs in levels (budget 256: 288 candidates, two levels; budget 512: 576 candidates,
 // three), each keeping the slices' best pages in position order.
@@ -477,6 +496,24 @@ TEST(LosaCudaStep, PrefixesOfManyPageTilesSelectInLevels) {
     s.method = PrefixMethod::quest;
     check_against_cpu(s, 2);
   }
+}
+
+// Budgets far past the prefix, and plans longer than the rows kernel keeps in shared memory
+// (kPlanSmemPages = 2048 pages): a budget of 2^20 tokens over short prefixes takes every page
+// without a plan in shared memory sized by the budget; a budget of 2100 pages over a 2500-page
+// prefix reads its plan back from global memory.
+TEST(LosaCudaStep, HugeBudgetsAndLongPlans) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.prefix = {700, 40};
+  s.budget = int64_t{1} << 20;
+  check_against_cpu(s, 2);
+  s.method = PrefixMethod::quest;
+  check_against_cpu(s, 2);
+  s.prefix = {40000};
+  s.budget = 2100 * 16;
+  s.method = PrefixMethod::losa;
+  check_against_cpu(s, 2);
 }
 
 // The engine's tiny SDAR shape (2/1 heads, d 64, blocks of 4): the score kernel's shared memory

@@ -23,8 +23,10 @@
 // --gemm cublas|streaming: the engine's GEMM choice for the step rows (LoadOptions::gemm).
 // --attention SPEC: every layer's attention method (LoadOptions::attention, e.g. losa:budget=256,k=4);
 // the step rows time step 1 of a block, so a LoSA layer's untimed warm-up call is its dense first step.
+// --batch N: the sdar_block rows step N requests together, each with its own cache of ctx tokens
+// (one batched forward; rows "sdar_block xN", tokens = 16 N).
 //   bench_dlm [--rows llada_canvas,llada_prefix,sdar_block,generate,gemm] [--canvas 4096]
-//             [--ctx 32768,65536,131072] [--iters 10] [--gemm cublas] [--attention dense]
+//             [--ctx 32768,65536,131072] [--iters 10] [--gemm cublas] [--attention dense] [--batch 1]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -150,87 +152,105 @@ struct Row {
   double flops = 0, weight_bytes = 0;
 };
 
-Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t ctx, int64_t logit_rows, int iters) {
+// One step of `batch` requests decoded together (one batched forward: the GEMMs over all their
+// rows, attention per request over its own cache of ctx tokens); n tokens and logit_rows logits a
+// request.
+Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t ctx, int64_t logit_rows, int iters,
+               int64_t batch = 1) {
   const Model::Impl& m = model.impl();
   const Config& c = m.config;
   Ops& ops = *m.ops;
   auto stream = static_cast<cudaStream_t>(ops.stream());
-  auto seq = make_sequence(c, m.policy, ctx + n);
-  CHECK(seq.status());
-  fill_cache(c, seq.value(), ctx, stream);
+  std::vector<Sequence> seqs;
+  for (int64_t b = 0; b < batch; ++b) {
+    auto seq = make_sequence(c, m.policy, ctx + n);
+    CHECK(seq.status());
+    seqs.push_back(std::move(seq.value()));
+    fill_cache(c, seqs.back(), ctx, stream);
+  }
   State s;
   s.ops = &ops;
   std::vector<int32_t> tokens(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) tokens[i] = static_cast<int32_t>((i * 7919) % c.vocab_size);
-  std::vector<float> logits(static_cast<size_t>(logit_rows * c.vocab_size));
+  const int64_t N = n * batch, L = logit_rows * batch;  // the batch's rows and logit rows
+  std::vector<int32_t> all_tokens;
+  for (int64_t b = 0; b < batch; ++b) all_tokens.insert(all_tokens.end(), tokens.begin(), tokens.end());
+  std::vector<float> logits(static_cast<size_t>(L * c.vocab_size));
   ForwardOptions fo;
   fo.block_causal = c.arch == Arch::sdar ? c.block_size : 0;
   fo.logits_begin = 0;
   fo.logits_count = logit_rows;
   fo.step = 1;
+  ForwardOptions ao = fo;  // the attention-only calls: no logits
+  ao.logits_count = 0;
+  std::vector<Chunk> chunks, attention_chunks;
+  std::vector<ChunkRows> rows;
+  for (int64_t b = 0; b < batch; ++b) {
+    chunks.push_back({&seqs[b], tokens, fo});
+    attention_chunks.push_back({&seqs[b], tokens, ao});
+    rows.push_back({b * n, n, ctx, b * logit_rows});
+  }
   Row r;
-  r.name = name;
-  r.tokens = n;
+  r.name = batch > 1 ? name + " x" + std::to_string(batch) : name;
+  r.tokens = N;
   r.ctx = ctx;
   // A step as the loops run it at temperature 0: the forward, then the greedy sampler on the
   // device (only the picks come back).
-  std::vector<Pick> picks(static_cast<size_t>(logit_rows));
+  std::vector<Pick> picks(static_cast<size_t>(L));
   const std::vector<int32_t> banned;
   r.step = time_ms(stream, iters, [&] {
-    CHECK(m.forward(s, seq.value(), tokens, fo, nullptr));
-    if (!ops.greedy(s.logits, logit_rows, c.vocab_size, banned, picks.data())) {
-      ops.to_host(logits.data(), s.logits, logit_rows * c.vocab_size);
+    CHECK(m.forward(s, chunks, nullptr));
+    if (!ops.greedy(s.logits, L, c.vocab_size, banned, picks.data())) {
+      ops.to_host(logits.data(), s.logits, L * c.vocab_size);
     }
   });
   // The GEMMs alone, in the step's order and shapes.
   const Weights& w = m.weights;
   r.gemm = time_ms(stream, iters, [&] {
-    for (const LayerWeights& L : w.layers) {
-      ops.matmul(s.qkv, s.xb, n, L.wqkv);
-      ops.matmul_add(s.x, s.att, n, L.wo);
-      ops.matmul(s.gu, s.xb, n, L.w_gate_up);
-      ops.matmul_add(s.x, s.h, n, L.w_down);
+    for (const LayerWeights& Lw : w.layers) {
+      ops.matmul(s.qkv, s.xb, N, Lw.wqkv);
+      ops.matmul_add(s.x, s.att, N, Lw.wo);
+      ops.matmul(s.gu, s.xb, N, Lw.w_gate_up);
+      ops.matmul_add(s.x, s.h, N, Lw.w_down);
     }
-    ops.matmul_f32(s.logits, s.xb, logit_rows, w.lm_head);
+    ops.matmul_f32(s.logits, s.xb, L, w.lm_head);
   });
-  // The attention alone: every layer's call over the same views (the qkv scratch holds the last
+  // The attention alone: every layer's calls over the same views (the qkv scratch holds the last
   // step's last layer, real numbers of the right scale).
-  ForwardOptions ao = fo;
-  ao.logits_count = 0;
   r.attention = time_ms(stream, iters, [&] {
-    for (int l = 0; l < c.n_layers; ++l) CHECK(attend(c, s, seq.value(), l, n, ao));
+    for (int l = 0; l < c.n_layers; ++l) CHECK(attend(c, s, attention_chunks, rows, l));
   });
   // The elementwise kernels alone (norms, head norms, RoPE, SwiGLU, the embedding), and the sampler
   // with its read-back alone: the two known parts of the rest (what remains is launch gaps and host work).
   r.elementwise = time_ms(stream, iters, [&] {
-    ops.embed(s.x, w.embed, tokens);
-    for (const LayerWeights& L : w.layers) {
-      ops.rms_norm(s.xb, s.x, L.attn_norm, n, c.dim, c.norm_eps);
+    ops.embed(s.x, w.embed, all_tokens);
+    for (const LayerWeights& Lw : w.layers) {
+      ops.rms_norm(s.xb, s.x, Lw.attn_norm, N, c.dim, c.norm_eps);
       if (c.qk_norm) {
-        ops.head_norm(s.qkv, n, c.n_heads, c.head_dim, qkv_width(c), L.q_norm, c.norm_eps);
-        ops.head_norm(static_cast<char*>(s.qkv) + c.n_heads * c.head_dim * 2, n, c.n_kv_heads, c.head_dim,
-                      qkv_width(c), L.k_norm, c.norm_eps);
+        ops.head_norm(s.qkv, N, c.n_heads, c.head_dim, qkv_width(c), Lw.q_norm, c.norm_eps);
+        ops.head_norm(static_cast<char*>(s.qkv) + c.n_heads * c.head_dim * 2, N, c.n_kv_heads, c.head_dim,
+                      qkv_width(c), Lw.k_norm, c.norm_eps);
       }
-      ops.rope(s.qkv, n, c.n_heads + c.n_kv_heads, c.head_dim, qkv_width(c), ctx, c.rope);
-      ops.rms_norm(s.xb, s.x, L.ffn_norm, n, c.dim, c.norm_eps);
-      ops.swiglu(s.h, s.gu, n, c.hidden_dim);
+      rope_chunks(c, s, rows, c.n_heads + c.n_kv_heads);
+      ops.rms_norm(s.xb, s.x, Lw.ffn_norm, N, c.dim, c.norm_eps);
+      ops.swiglu(s.h, s.gu, N, c.hidden_dim);
     }
-    ops.rms_norm(s.xb, s.x, w.final_norm, logit_rows, c.dim, c.norm_eps);
+    ops.rms_norm(s.xb, s.x, w.final_norm, L, c.dim, c.norm_eps);
   });
   r.sample = time_ms(stream, iters, [&] {
-    if (!ops.greedy(s.logits, logit_rows, c.vocab_size, banned, picks.data())) {
-      ops.to_host(logits.data(), s.logits, logit_rows * c.vocab_size);
+    if (!ops.greedy(s.logits, L, c.vocab_size, banned, picks.data())) {
+      ops.to_host(logits.data(), s.logits, L * c.vocab_size);
     }
   });
   CHECK(ops.check());
   double matrix_params = 0;
-  for (const LayerWeights& L : w.layers) {
-    for (const Weight* x : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}) matrix_params += double(x->rows) * x->cols;
+  for (const LayerWeights& Lw : w.layers) {
+    for (const Weight* x : {&Lw.wqkv, &Lw.wo, &Lw.w_gate_up, &Lw.w_down}) matrix_params += double(x->rows) * x->cols;
   }
   const double head = double(w.lm_head.rows) * w.lm_head.cols;
   r.weight_bytes = 2 * (matrix_params + head);
-  const double pairs = double(n) * (ctx + n);  // the chunk's own keys counted whole (bidirectional chunk)
-  r.flops = 2 * matrix_params * n + 2 * head * logit_rows + 4.0 * pairs * c.head_dim * c.n_heads * c.n_layers;
+  const double pairs = double(n) * (ctx + n) * batch;  // each chunk's own keys counted whole (bidirectional chunk)
+  r.flops = 2 * matrix_params * N + 2 * head * L + 4.0 * pairs * c.head_dim * c.n_heads * c.n_layers;
   return r;
 }
 
@@ -377,6 +397,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> ctxs = {32768, 65536, 131072};
   int iters = 10;
   std::string gemm = "cublas", attention = "dense";
+  int64_t batch = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--rows") rows = argv[i + 1];
@@ -385,6 +406,7 @@ int main(int argc, char** argv) {
     else if (a == "--iters") iters = std::atoi(argv[i + 1]);
     else if (a == "--gemm") gemm = argv[i + 1];
     else if (a == "--attention") attention = argv[i + 1];
+    else if (a == "--batch") batch = std::max<int64_t>(std::strtoll(argv[i + 1], nullptr, 10), 1);
     else {
       std::fprintf(stderr, "unknown flag %s\n", a.c_str());
       return 2;
@@ -419,7 +441,17 @@ int main(int argc, char** argv) {
   if (want_sdar) {
     auto model = Model::random(sdar_8b(), lo, 2);
     CHECK(model.status());
-    for (int64_t ctx : ctxs) out.push_back(bench_step(model.value(), "sdar_block", 16, ctx, 16, iters));
+    const Config& c = model->config();
+    for (int64_t ctx : ctxs) {
+      // The batch's K/V caches must fit beside the weights (batch 8 at 128K would need 151 GB).
+      const double kv_bytes = double(batch) * (ctx + 16) * c.n_layers * c.n_kv_heads * c.head_dim * 2 * 2;
+      if (kv_bytes > 100e9) {
+        std::printf("sdar_block x%lld at %lld cached tokens: skipped, its K/V caches would take %.0f GB\n",
+                    static_cast<long long>(batch), static_cast<long long>(ctx), kv_bytes / 1e9);
+        continue;
+      }
+      out.push_back(bench_step(model.value(), "sdar_block", 16, ctx, 16, iters, batch));
+    }
     if (want_generate) gens.push_back(bench_generate(model.value(), Loop::block, 1024, 256, 16, 16));
   }
   if (out.empty() && gens.empty()) return 0;

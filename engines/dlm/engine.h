@@ -318,13 +318,19 @@ struct ForwardOptions {
   int64_t logits_count = 0;
   int step = -1;
 };
-// Runs the chunk `tokens` at positions [seq.length(), seq.length() + n) over the cached
-// prefix; the logits of the requested rows are left in s.logits (backend f32 [logits_count,
-// vocab]) and also read back to `logits` (host) when it is not null.
-Status forward_llada(const Config& c, const Weights& w, State& s, Sequence& seq, std::span<const int32_t> tokens,
-                     const ForwardOptions& options, float* logits);
-Status forward_sdar(const Config& c, const Weights& w, State& s, Sequence& seq, std::span<const int32_t> tokens,
-                    const ForwardOptions& options, float* logits);
+// One request's part of a forward: the chunk `tokens` at positions [seq->length(),
+// seq->length() + n) of its own sequence, over that sequence's cached prefix, with its options.
+// A forward runs one chunk or a batch of them (requests decoded together): every layer's GEMMs,
+// norms and MLP over all the chunks' rows at once, RoPE and attention per chunk.
+struct Chunk {
+  Sequence* seq = nullptr;
+  std::span<const int32_t> tokens;
+  ForwardOptions options;
+};
+// The logits of every chunk's requested rows, chunk after chunk, are left in s.logits (backend
+// f32 [sum of logits_count, vocab]) and also read back to `logits` (host) when it is not null.
+Status forward_llada(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits);
+Status forward_sdar(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits);
 
 struct Model::Impl {
   std::string dir;
@@ -338,14 +344,23 @@ struct Model::Impl {
 
   bool graphs = false;  // forwards that store no K/V are replayed from CUDA graphs (model.cpp)
 
+  Status forward_eager(State& s, std::span<const Chunk> chunks, float* logits) const {
+    return config.arch == Arch::llada ? forward_llada(config, weights, s, chunks, logits)
+                                      : forward_sdar(config, weights, s, chunks, logits);
+  }
   Status forward_eager(State& s, Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o,
                        float* logits) const {
-    return config.arch == Arch::llada ? forward_llada(config, weights, s, seq, tokens, o, logits)
-                                      : forward_sdar(config, weights, s, seq, tokens, o, logits);
+    const Chunk one{&seq, tokens, o};
+    return forward_eager(s, std::span<const Chunk>(&one, 1), logits);
   }
   // forward_eager, or the replay of its graph (model.cpp).
   Status forward(State& s, Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o,
                  float* logits) const;
+  // A batch of chunks: one chunk as forward() above (graphs), more eagerly.
+  Status forward(State& s, std::span<const Chunk> chunks, float* logits) const {
+    if (chunks.size() == 1) return forward(s, *chunks[0].seq, chunks[0].tokens, chunks[0].options, logits);
+    return forward_eager(s, chunks, logits);
+  }
 };
 
 // ---- the shared pieces of the loops (sampler.cpp) ------------------------------------------

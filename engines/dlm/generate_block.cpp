@@ -24,8 +24,9 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
   s.ops = m.ops.get();
   std::vector<float> logits(static_cast<size_t>(B * c.vocab_size));
 
-  // Each request advances one forward per round, so a batch interleaves (the shape a batched
-  // backend runs as one launch sequence).
+  // Each request advances one forward per round, and a round's requests run as batched
+  // forwards: those whose block is final (the pass that writes its K/V) together, then those
+  // that denoise a step together (one forward of every such request's block).
   struct Request {
     Canvas cv;
     Sequence seq;
@@ -60,38 +61,65 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
     q.schedule = transfer_schedule(q.cv.masks_in(begin, begin + B), o.steps);
   }
 
+  std::vector<Chunk> chunks;
+  std::vector<size_t> members;
   for (bool active = true; active;) {
     active = false;
+    // The requests whose block is final: write its K/V, move on.
+    chunks.clear();
+    members.clear();
     for (size_t r = 0; r < reqs.size(); ++r) {
       Request& q = reqs[r];
       if (q.finished) continue;
       active = true;
-      const int64_t begin = q.block * B, end = begin + B;
-      const std::span<const int32_t> chunk(q.cv.x.data() + begin, static_cast<size_t>(B));
+      const int64_t begin = q.block * B;
+      if (q.cv.masks_in(begin, begin + B) != 0) continue;
       ForwardOptions fo;
-      if (q.cv.masks_in(begin, end) == 0) {  // the block is final: write its K/V, move on
-        fo.store_kv = B;
-        SPARSA_RETURN_IF_ERROR(m.forward(s, q.seq, chunk, fo, nullptr));
-        res.steps++;
-        res.forward_tokens += B;
-        const bool eos = o.stop_at_eos && q.cv.eos_in(c, begin, end);
-        if (cb) cb(r, q.cv.generated(c, std::min(end, q.cv.prompt_len + o.gen_len), o.stop_at_eos));
-        q.block++;
-        q.step = 0;
-        if (eos || q.block == q.blocks) {
-          q.finished = true;
-        } else {
-          q.schedule = transfer_schedule(q.cv.masks_in(q.block * B, q.block * B + B), o.steps);
-        }
-        continue;
-      }
-      fo.logits_count = B;
-      fo.step = static_cast<int>(q.step);
-      auto picked = forward_candidates(m, s, q.seq, chunk, fo, c, o, q.cv, begin, logits);
-      if (!picked.ok()) return picked.status();
+      fo.store_kv = B;
+      chunks.push_back({&q.seq, std::span<const int32_t>(q.cv.x.data() + begin, static_cast<size_t>(B)), fo});
+      members.push_back(r);
+    }
+    if (!chunks.empty()) SPARSA_RETURN_IF_ERROR(m.forward(s, chunks, nullptr));
+    for (size_t r : members) {
+      Request& q = reqs[r];
+      const int64_t begin = q.block * B, end = begin + B;
       res.steps++;
       res.forward_tokens += B;
-      const Candidates& k = picked.value();
+      const bool eos = o.stop_at_eos && q.cv.eos_in(c, begin, end);
+      if (cb) cb(r, q.cv.generated(c, std::min(end, q.cv.prompt_len + o.gen_len), o.stop_at_eos));
+      q.block++;
+      q.step = 0;
+      if (eos || q.block == q.blocks) {
+        q.finished = true;
+      } else {
+        q.schedule = transfer_schedule(q.cv.masks_in(q.block * B, q.block * B + B), o.steps);
+      }
+    }
+    // The others: one denoising step of their blocks.
+    chunks.clear();
+    std::vector<size_t> stepping;
+    std::vector<Canvas*> canvases;
+    std::vector<int64_t> begins;
+    for (size_t r = 0; r < reqs.size(); ++r) {
+      Request& q = reqs[r];
+      if (q.finished || std::find(members.begin(), members.end(), r) != members.end()) continue;
+      const int64_t begin = q.block * B;
+      ForwardOptions fo;
+      fo.logits_count = B;
+      fo.step = static_cast<int>(q.step);
+      chunks.push_back({&q.seq, std::span<const int32_t>(q.cv.x.data() + begin, static_cast<size_t>(B)), fo});
+      stepping.push_back(r);
+      canvases.push_back(&q.cv);
+      begins.push_back(begin);
+    }
+    if (chunks.empty()) continue;
+    auto picked = forward_candidates(m, s, chunks, c, o, canvases, begins, logits);
+    if (!picked.ok()) return picked.status();
+    for (size_t i = 0; i < stepping.size(); ++i) {
+      Request& q = reqs[stepping[i]];
+      res.steps++;
+      res.forward_tokens += B;
+      const Candidates& k = picked.value()[i];
       const int64_t want =
           std::max<int64_t>(q.step < static_cast<int64_t>(q.schedule.size()) ? q.schedule[q.step] : 1, 1);
       std::vector<int64_t> chosen;

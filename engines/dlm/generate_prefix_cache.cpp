@@ -35,41 +35,57 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
                               step < static_cast<int64_t>(schedule.size()) ? schedule[step] : 1);
   };
 
-  // Blocks outer, requests inner: every request decodes block b (its own cache) before block b + 1.
+  // Blocks outer, requests inner: every request decodes block b (its own cache) before block b + 1;
+  // each step's forwards of the requests run as one batch.
+  std::vector<Chunk> chunks;
+  std::vector<size_t> members;
+  std::vector<Canvas*> canvases;
+  std::vector<int64_t> begins;
+  std::vector<std::vector<int64_t>> schedule(prompts.size());
   for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t step = 0;; ++step) {
+      // Step 0: every request's whole canvas, keeping the K/V of [0, begin) as its prefix cache;
+      // later steps: the suffix [begin, end of canvas) of the requests whose block has masks.
+      chunks.clear();
+      members.clear();
+      canvases.clear();
+      begins.clear();
+      for (size_t r = 0; r < prompts.size(); ++r) {
+        Canvas& cv = canvas[r];
+        if (cv.done) continue;
+        const int64_t begin = cv.prompt_len + b * o.block_len, end = begin + o.block_len;
+        ForwardOptions fo;
+        fo.logits_count = o.block_len;
+        fo.step = static_cast<int>(step);
+        if (step == 0) {
+          schedule[r] = transfer_schedule(cv.masks_in(begin, end), steps_per_block);
+          SPARSA_RETURN_IF_ERROR(reset_cache(c, seqs[r]));
+          fo.store_kv = begin;
+          fo.logits_begin = begin;
+          chunks.push_back({&seqs[r], cv.x, fo});
+        } else {
+          if (cv.masks_in(begin, end) == 0) continue;
+          chunks.push_back({&seqs[r], std::span<const int32_t>(cv.x.data() + begin, cv.x.size() - begin), fo});
+        }
+        members.push_back(r);
+        canvases.push_back(&cv);
+        begins.push_back(begin);
+      }
+      if (chunks.empty()) break;
+      auto picked = forward_candidates(m, s, chunks, c, o, canvases, begins, logits);
+      if (!picked.ok()) return picked.status();
+      for (size_t i = 0; i < members.size(); ++i) {
+        Canvas& cv = canvas[members[i]];
+        res.steps++;
+        res.forward_tokens += static_cast<int64_t>(chunks[i].tokens.size());
+        const Candidates& k = picked.value()[i];
+        if (!k.position.empty()) commit(cv, k, choose(k, schedule[members[i]], step));
+      }
+    }
     for (size_t r = 0; r < prompts.size(); ++r) {
       Canvas& cv = canvas[r];
-      Sequence& seq = seqs[r];
       if (cv.done) continue;
       const int64_t begin = cv.prompt_len + b * o.block_len, end = begin + o.block_len;
-      const std::vector<int64_t> schedule = transfer_schedule(cv.masks_in(begin, end), steps_per_block);
-      // step 0: the whole canvas; keep the K/V of [0, begin) as the prefix cache
-      SPARSA_RETURN_IF_ERROR(reset_cache(c, seq));
-      ForwardOptions fo;
-      fo.store_kv = begin;
-      fo.logits_begin = begin;
-      fo.logits_count = o.block_len;
-      fo.step = 0;
-      auto picked = forward_candidates(m, s, seq, cv.x, fo, c, o, cv, begin, logits);
-      if (!picked.ok()) return picked.status();
-      res.steps++;
-      res.forward_tokens += static_cast<int64_t>(cv.x.size());
-      Candidates k = std::move(picked.value());
-      if (!k.position.empty()) commit(cv, k, choose(k, schedule, 0));
-      // later steps: the suffix [begin, end of canvas) against the cached prefix
-      for (int64_t step = 1; cv.masks_in(begin, end) > 0; ++step) {
-        ForwardOptions so;
-        so.logits_begin = 0;
-        so.logits_count = o.block_len;
-        so.step = static_cast<int>(step);
-        const std::span<const int32_t> suffix(cv.x.data() + begin, cv.x.size() - begin);
-        picked = forward_candidates(m, s, seq, suffix, so, c, o, cv, begin, logits);
-        if (!picked.ok()) return picked.status();
-        res.steps++;
-        res.forward_tokens += static_cast<int64_t>(suffix.size());
-        k = std::move(picked.value());
-        commit(cv, k, choose(k, schedule, step));
-      }
       if (o.stop_at_eos && cv.eos_in(c, begin, end)) cv.done = true;
       if (cb) cb(r, cv.generated(c, end, o.stop_at_eos));
     }

@@ -35,30 +35,45 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
       const int64_t begin = canvas[r].prompt_len + b * o.block_len;
       schedule[r] = transfer_schedule(canvas[r].masks_in(begin, begin + o.block_len), steps_per_block);
     }
+    std::vector<Chunk> chunks;
+    std::vector<size_t> members;
+    std::vector<Canvas*> canvases;
+    std::vector<int64_t> begins;
     for (int64_t step = 0;; ++step) {
-      bool any = false;
+      // The requests still denoising this block: one batched forward of their canvases.
+      chunks.clear();
+      members.clear();
+      canvases.clear();
+      begins.clear();
       for (size_t r = 0; r < prompts.size(); ++r) {
         Canvas& cv = canvas[r];
         if (cv.done) continue;
         const int64_t begin = cv.prompt_len + b * o.block_len;
         if (o.threshold > 0 ? cv.masks_in(begin, begin + o.block_len) == 0 : step >= steps_per_block) continue;
-        any = true;
         ForwardOptions fo;
         fo.logits_begin = begin;
         fo.logits_count = o.block_len;
         fo.step = static_cast<int>(step);
-        auto picked = forward_candidates(m, s, seqs[r], cv.x, fo, c, o, cv, begin, logits);
-        if (!picked.ok()) return picked.status();
+        chunks.push_back({&seqs[r], cv.x, fo});
+        members.push_back(r);
+        canvases.push_back(&cv);
+        begins.push_back(begin);
+      }
+      if (chunks.empty()) break;
+      auto picked = forward_candidates(m, s, chunks, c, o, canvases, begins, logits);
+      if (!picked.ok()) return picked.status();
+      for (size_t i = 0; i < members.size(); ++i) {
+        const size_t r = members[i];
+        Canvas& cv = canvas[r];
         res.steps++;
         res.forward_tokens += static_cast<int64_t>(cv.x.size());
-        const Candidates& k = picked.value();
+        const Candidates& k = picked.value()[i];
         if (o.threshold > 0) {
           commit(cv, k, threshold_or_top_k(k.confidence, o.threshold, 1));
         } else {
           commit(cv, k, top_k(k.confidence, schedule[r][step]));
         }
       }
-      if (!any) break;
     }
     for (size_t r = 0; r < prompts.size(); ++r) {
       Canvas& cv = canvas[r];

@@ -71,38 +71,63 @@ inline Candidates candidates(const Config& c, const GenerateOptions& o, Canvas& 
   }
   return k;
 }
-// One denoising forward of a request and the picks of rows [begin, begin + fo.logits_count) of its
-// canvas (the forward's logit rows): on a backend with a greedy sampler at temperature 0 the picks
-// are made where the logits are and only they come back; otherwise the logits are read back into
-// `host` and sampled there.
-inline Result<Candidates> forward_candidates(const Model::Impl& m, State& s, Sequence& seq,
-                                             std::span<const int32_t> tokens, const ForwardOptions& fo,
-                                             const Config& c, const GenerateOptions& o, Canvas& cv, int64_t begin,
-                                             std::vector<float>& host) {
-  const int64_t rows = fo.logits_count;
+// One denoising forward of a batch of requests' chunks and, per chunk, the picks of its logit
+// rows: rows [begins[i], begins[i] + logits_count) of canvas i. On a backend with a greedy
+// sampler at temperature 0 the picks are made where the logits are and only they come back;
+// otherwise the logits are read back into `host` and sampled there, request by request (each
+// with its own generator).
+inline Result<std::vector<Candidates>> forward_candidates(const Model::Impl& m, State& s, std::span<const Chunk> chunks,
+                                                          const Config& c, const GenerateOptions& o,
+                                                          std::span<Canvas* const> canvases,
+                                                          std::span<const int64_t> begins, std::vector<float>& host) {
+  int64_t rows = 0;
+  for (const Chunk& ch : chunks) rows += ch.options.logits_count;
+  if (static_cast<int64_t>(host.size()) < rows * c.vocab_size) host.resize(static_cast<size_t>(rows * c.vocab_size));
+  std::vector<Candidates> out(chunks.size());
   if (o.temperature == 0 && m.ops->device().type == DeviceType::cuda) {
-    SPARSA_RETURN_IF_ERROR(m.forward(s, seq, tokens, fo, nullptr));
+    SPARSA_RETURN_IF_ERROR(m.forward(s, chunks, nullptr));
     std::vector<int32_t> banned;
     if (o.ban_eos) banned = c.eos_token_ids;
     std::vector<Pick> picks(static_cast<size_t>(rows));
     if (m.ops->greedy(s.logits, rows, c.vocab_size, banned, picks.data())) {
       SPARSA_RETURN_IF_ERROR(m.ops->check());
-      Candidates k;
-      for (int64_t i = 0; i < rows; ++i) {
-        if (!cv.masked[begin + i]) continue;
-        k.position.push_back(begin + i);
-        k.pick.push_back(picks[i]);
-        k.confidence.push_back(picks[i].confidence);
+      int64_t at = 0;
+      for (size_t r = 0; r < chunks.size(); ++r) {
+        Canvas& cv = *canvases[r];
+        for (int64_t i = 0; i < chunks[r].options.logits_count; ++i, ++at) {
+          if (!cv.masked[begins[r] + i]) continue;
+          out[r].position.push_back(begins[r] + i);
+          out[r].pick.push_back(picks[at]);
+          out[r].confidence.push_back(picks[at].confidence);
+        }
       }
-      return k;
+      return out;
     }
     SPARSA_RETURN_IF_ERROR(m.ops->check());
     m.ops->to_host(host.data(), s.logits, rows * c.vocab_size);
     SPARSA_RETURN_IF_ERROR(m.ops->check());
-    return candidates(c, o, cv, host.data(), begin, rows);
+  } else {
+    SPARSA_RETURN_IF_ERROR(m.forward(s, chunks, host.data()));
   }
-  SPARSA_RETURN_IF_ERROR(m.forward(s, seq, tokens, fo, host.data()));
-  return candidates(c, o, cv, host.data(), begin, rows);
+  int64_t at = 0;
+  for (size_t r = 0; r < chunks.size(); ++r) {
+    const int64_t count = chunks[r].options.logits_count;
+    out[r] = candidates(c, o, *canvases[r], host.data() + at * c.vocab_size, begins[r], count);
+    at += count;
+  }
+  return out;
+}
+// One request's forward and its picks (the batch of one).
+inline Result<Candidates> forward_candidates(const Model::Impl& m, State& s, Sequence& seq,
+                                             std::span<const int32_t> tokens, const ForwardOptions& fo,
+                                             const Config& c, const GenerateOptions& o, Canvas& cv, int64_t begin,
+                                             std::vector<float>& host) {
+  const Chunk one{&seq, tokens, fo};
+  Canvas* const canvas[1] = {&cv};
+  const int64_t begins[1] = {begin};
+  auto k = forward_candidates(m, s, std::span<const Chunk>(&one, 1), c, o, canvas, begins, host);
+  if (!k.ok()) return k.status();
+  return std::move(k.value()[0]);
 }
 
 // Fast-dLLM's parallel decoding rule: with threshold > 0 the most confident candidate and every

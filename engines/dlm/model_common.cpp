@@ -166,17 +166,22 @@ Tensor heads_view(void* data, DType dtype, Device device, int64_t n, int64_t hea
 }
 }  // namespace
 
-Status attend(const Config& c, State& s, Sequence& seq, int layer, int64_t n, const ForwardOptions& o) {
+namespace {
+// One chunk's attention (its rows from row0 of s.qkv and s.att), then its K/V append.
+Status attend_chunk(const Config& c, State& s, Sequence& seq, int layer, int64_t row0, int64_t n,
+                    const ForwardOptions& o) {
   const DType act = s.ops->act_dtype();
   const Device dev = s.ops->device();
   const int64_t hd = c.head_dim, qd = c.n_heads * hd, kvd = c.n_kv_heads * hd, w = qkv_width(c);
+  void* qkv = static_cast<char*>(s.qkv) + row0 * w * dtype_size(act);
+  void* att = static_cast<char*>(s.att) + row0 * qd * dtype_size(act);
   AttentionCall call;
   call.layer = layer;
   call.pos0 = layer_length(seq, static_cast<size_t>(layer));
-  call.q = heads_view(s.qkv, act, dev, n, c.n_heads, hd, w, 0);
-  call.k = heads_view(s.qkv, act, dev, n, c.n_kv_heads, hd, w, qd);
-  call.v = heads_view(s.qkv, act, dev, n, c.n_kv_heads, hd, w, qd + kvd);
-  call.out = heads_view(s.att, act, dev, n, c.n_heads, hd, qd, 0);
+  call.q = heads_view(qkv, act, dev, n, c.n_heads, hd, w, 0);
+  call.k = heads_view(qkv, act, dev, n, c.n_kv_heads, hd, w, qd);
+  call.v = heads_view(qkv, act, dev, n, c.n_kv_heads, hd, w, qd + kvd);
+  call.out = heads_view(att, act, dev, n, c.n_heads, hd, qd, 0);
   call.block_causal = o.block_causal;
   call.step = o.step;
   if (!seq.cache.empty()) {
@@ -199,8 +204,8 @@ Status attend(const Config& c, State& s, Sequence& seq, int layer, int64_t n, co
   SPARSA_RETURN_IF_ERROR(seq.attention[layer]->forward(call));
   if (o.store_kv > 0) {
     const int64_t m = o.store_kv;
-    const Tensor k = heads_view(s.qkv, act, dev, m, c.n_kv_heads, hd, w, qd);
-    const Tensor v = heads_view(s.qkv, act, dev, m, c.n_kv_heads, hd, w, qd + kvd);
+    const Tensor k = heads_view(qkv, act, dev, m, c.n_kv_heads, hd, w, qd);
+    const Tensor v = heads_view(qkv, act, dev, m, c.n_kv_heads, hd, w, qd + kvd);
     if (!seq.cache.empty()) {
       SPARSA_RETURN_IF_ERROR(seq.cache[layer].append(k, v));
     } else if (!seq.device_cache.empty()) {
@@ -211,6 +216,50 @@ Status attend(const Config& c, State& s, Sequence& seq, int layer, int64_t n, co
     seq.attention[layer]->on_commit();
   }
   return Status::Ok();
+}
+}  // namespace
+
+Status attend(const Config& c, State& s, std::span<const Chunk> chunks, std::span<const ChunkRows> rows, int layer) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    SPARSA_RETURN_IF_ERROR(attend_chunk(c, s, *chunks[i].seq, layer, rows[i].row0, rows[i].n, chunks[i].options));
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<ChunkRows>> begin_forward(const Config& c, const Weights& w, State& s,
+                                             std::span<const Chunk> chunks) {
+  if (chunks.empty()) return invalid_argument("forward: no chunk");
+  std::vector<ChunkRows> rows(chunks.size());
+  int64_t total = 0, logit_rows = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const Chunk& ch = chunks[i];
+    if (ch.seq == nullptr) return invalid_argument("forward: a chunk without a sequence");
+    for (size_t j = 0; j < i; ++j) {
+      if (chunks[j].seq == ch.seq) return invalid_argument("forward: one sequence in two chunks of a batch");
+    }
+    SPARSA_RETURN_IF_ERROR(check_chunk(c, *ch.seq, ch.tokens, ch.options));
+    rows[i] = {total, static_cast<int64_t>(ch.tokens.size()), ch.seq->length(), logit_rows};
+    total += rows[i].n;
+    logit_rows += ch.options.logits_count;
+  }
+  s.reserve(c, total, logit_rows);
+  if (chunks.size() == 1) {
+    s.ops->embed(s.x, w.embed, chunks[0].tokens);
+  } else {
+    std::vector<int32_t> tokens;
+    tokens.reserve(static_cast<size_t>(total));
+    for (const Chunk& ch : chunks) tokens.insert(tokens.end(), ch.tokens.begin(), ch.tokens.end());
+    s.ops->embed(s.x, w.embed, tokens);
+  }
+  return rows;
+}
+
+void rope_chunks(const Config& c, State& s, std::span<const ChunkRows> rows, int64_t heads) {
+  const int64_t w = qkv_width(c);
+  const size_t row_bytes = static_cast<size_t>(w) * dtype_size(s.ops->act_dtype());
+  for (const ChunkRows& r : rows) {
+    s.ops->rope(static_cast<char*>(s.qkv) + r.row0 * row_bytes, r.n, heads, c.head_dim, w, r.pos0, c.rope);
+  }
 }
 
 Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o) {
@@ -233,12 +282,20 @@ Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t
   return Status::Ok();
 }
 
-Status head(const Config& c, const Weights& w, State& s, const ForwardOptions& o, float* logits) {
-  if (o.logits_count == 0) return s.ops->check();
-  const int64_t rows = o.logits_count;
-  s.ops->rms_norm(s.xb, s.x + o.logits_begin * c.dim, w.final_norm, rows, c.dim, c.norm_eps);
-  s.ops->matmul_f32(s.logits, s.xb, rows, w.lm_head);
-  if (logits != nullptr) s.ops->to_host(logits, s.logits, rows * c.vocab_size);
+Status head(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks,
+            std::span<const ChunkRows> rows, float* logits) {
+  int64_t total = 0;
+  const size_t row_bytes = static_cast<size_t>(c.dim) * dtype_size(s.ops->act_dtype());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const ForwardOptions& o = chunks[i].options;
+    if (o.logits_count == 0) continue;
+    s.ops->rms_norm(static_cast<char*>(s.xb) + rows[i].logit0 * row_bytes,
+                    s.x + (rows[i].row0 + o.logits_begin) * c.dim, w.final_norm, o.logits_count, c.dim, c.norm_eps);
+    total += o.logits_count;
+  }
+  if (total == 0) return s.ops->check();
+  s.ops->matmul_f32(s.logits, s.xb, total, w.lm_head);
+  if (logits != nullptr) s.ops->to_host(logits, s.logits, total * c.vocab_size);
   return s.ops->check();
 }
 

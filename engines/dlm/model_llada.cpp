@@ -50,21 +50,18 @@ Result<Weights> load_llada_weights(const Config& c, WeightSource& src) {
   return w;
 }
 
-Status forward_llada(const Config& c, const Weights& w, State& s, Sequence& seq, std::span<const int32_t> tokens,
-                     const ForwardOptions& o, float* logits) {
-  SPARSA_RETURN_IF_ERROR(check_chunk(c, seq, tokens, o));
+Status forward_llada(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits) {
+  auto rows = begin_forward(c, w, s, chunks);
+  if (!rows.ok()) return rows.status();
   Ops& ops = *s.ops;
-  const int64_t n = static_cast<int64_t>(tokens.size()), d = c.dim, hd = c.head_dim;
-  const int64_t pos0 = seq.length(), qkv = qkv_width(c);
-  s.reserve(c, n, o.logits_count);
-  ops.embed(s.x, w.embed, tokens);
+  const int64_t n = rows->back().row0 + rows->back().n, d = c.dim;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w.layers[l];
     // attention block: q, k, v in one GEMM, RoPE on q and k
     ops.rms_norm(s.xb, s.x, L.attn_norm, n, d, c.norm_eps);
     ops.matmul(s.qkv, s.xb, n, L.wqkv);
-    ops.rope(s.qkv, n, c.n_heads + c.n_kv_heads, hd, qkv, pos0, c.rope);
-    SPARSA_RETURN_IF_ERROR(attend(c, s, seq, l, n, o));
+    rope_chunks(c, s, *rows, c.n_heads + c.n_kv_heads);
+    SPARSA_RETURN_IF_ERROR(attend(c, s, chunks, *rows, l));
     ops.matmul_add(s.x, s.att, n, L.wo);
     // SwiGLU feed-forward: gate and up in one GEMM
     ops.rms_norm(s.xb, s.x, L.ffn_norm, n, d, c.norm_eps);
@@ -72,7 +69,7 @@ Status forward_llada(const Config& c, const Weights& w, State& s, Sequence& seq,
     ops.swiglu(s.h, s.gu, n, c.hidden_dim);
     ops.matmul_add(s.x, s.h, n, L.w_down);
   }
-  return head(c, w, s, o, logits);
+  return head(c, w, s, chunks, *rows, logits);
 }
 
 }  // namespace sparsa::dlm

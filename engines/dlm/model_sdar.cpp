@@ -54,14 +54,12 @@ Result<Weights> load_sdar_weights(const Config& c, WeightSource& src) {
   return w;
 }
 
-Status forward_sdar(const Config& c, const Weights& w, State& s, Sequence& seq, std::span<const int32_t> tokens,
-                    const ForwardOptions& o, float* logits) {
-  SPARSA_RETURN_IF_ERROR(check_chunk(c, seq, tokens, o));
+Status forward_sdar(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits) {
+  auto rows = begin_forward(c, w, s, chunks);
+  if (!rows.ok()) return rows.status();
   Ops& ops = *s.ops;
-  const int64_t n = static_cast<int64_t>(tokens.size()), d = c.dim, hd = c.head_dim;
-  const int64_t pos0 = seq.length(), qkv = qkv_width(c), qd = c.n_heads * hd;
-  s.reserve(c, n, o.logits_count);
-  ops.embed(s.x, w.embed, tokens);
+  const int64_t n = rows->back().row0 + rows->back().n, d = c.dim, hd = c.head_dim;
+  const int64_t qkv = qkv_width(c), qd = c.n_heads * hd;
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w.layers[l];
     // attention block: q, k, v in one GEMM, then RMSNorm of every query and key head before RoPE
@@ -70,8 +68,8 @@ Status forward_sdar(const Config& c, const Weights& w, State& s, Sequence& seq, 
     ops.head_norm(s.qkv, n, c.n_heads, hd, qkv, L.q_norm, c.norm_eps);
     ops.head_norm(static_cast<char*>(s.qkv) + qd * dtype_size(ops.act_dtype()), n, c.n_kv_heads, hd, qkv, L.k_norm,
                   c.norm_eps);
-    ops.rope(s.qkv, n, c.n_heads + c.n_kv_heads, hd, qkv, pos0, c.rope);
-    SPARSA_RETURN_IF_ERROR(attend(c, s, seq, l, n, o));
+    rope_chunks(c, s, *rows, c.n_heads + c.n_kv_heads);
+    SPARSA_RETURN_IF_ERROR(attend(c, s, chunks, *rows, l));
     ops.matmul_add(s.x, s.att, n, L.wo);
     // SwiGLU MLP: gate and up in one GEMM
     ops.rms_norm(s.xb, s.x, L.ffn_norm, n, d, c.norm_eps);
@@ -79,7 +77,7 @@ Status forward_sdar(const Config& c, const Weights& w, State& s, Sequence& seq, 
     ops.swiglu(s.h, s.gu, n, c.hidden_dim);
     ops.matmul_add(s.x, s.h, n, L.w_down);
   }
-  return head(c, w, s, o, logits);
+  return head(c, w, s, chunks, *rows, logits);
 }
 
 }  // namespace sparsa::dlm

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "cuda/common/check.h"
 #include "cuda/common/device_facts.h"
@@ -54,6 +55,26 @@ Status dispatch(DType dtype, int64_t head_dim, F&& f) {
   const bool bf16 = dtype == DType::bf16;
   if (head_dim == 64) return bf16 ? f.template operator()<__nv_bfloat16, 64>() : f.template operator()<__half, 64>();
   return bf16 ? f.template operator()<__nv_bfloat16, 128>() : f.template operator()<__half, 128>();
+}
+
+// Launches kernel<<<grid, threads, smem, s>>>(args...); `dependent`: as a programmatic dependent
+// launch of the stream's previous kernel, which must be one of this file's that calls
+// launch_dependents() (losa_kernels.cuh): the kernel may start while that one runs.
+template <class... Params, class... Args>
+Status launch(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem, cudaStream_t s, bool dependent,
+              Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = s;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = dependent ? attribute : nullptr;
+  config.numAttrs = dependent ? 1 : 0;
+  SPARSA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  return {};
 }
 
 unsigned elementwise_grid(int64_t total) {
@@ -123,24 +144,24 @@ Status sparse_step(const StepArgs& a) {
       SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
       const dim3 grid(static_cast<unsigned>(std::max<int64_t>(candidate_tiles(max_pages), 1)),
                       static_cast<unsigned>(a.pool.heads_kv * chunks), static_cast<unsigned>(a.batch));
-      kernel<<<grid, kScoreThreads, smem, s>>>(pool, rows_of<T>(a.q), rule, a.active, a.active_counts, heads_q, group,
-                                               block, chunks, capacity, keep_tile, a.candidate_tiles, a.force_first,
-                                               a.force_last, a.candidates);
-      SPARSA_CUDA_CHECK_LAUNCH();
+      // Dependent of the row-change kernel when there is one (LoSA after a block's first step).
+      SPARSA_RETURN_IF_ERROR(launch(kernel, grid, kScoreThreads, smem, s, /*dependent=*/!a.all_rows, pool,
+                                    rows_of<T>(a.q), rule, a.active, a.active_counts, heads_q, group, block, chunks,
+                                    capacity, keep_tile, a.candidate_tiles, a.force_first, a.force_last,
+                                    a.candidates));
     }
     const int64_t keep = std::min<int64_t>(a.capacity, max_pages);
-    const size_t smem = rows_state_bytes<D>() + rows_plan_bytes(capacity) +
+    const size_t smem = rows_state_bytes<D>() + rows_plan_bytes(keep) +
                         rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
     constexpr auto kernel = sparse_rows_kernel<T, D>;
     SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
     const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.block), static_cast<unsigned>(a.batch));
-    kernel<<<grid, kRowWarps * 32, smem, s>>>(
-        pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
-        mutable_rows_of<float>(a.lse), a.active, a.active_counts, a.candidates, a.candidate_tiles, keep_tile, capacity,
-        a.plan_pages, a.plan_counts, heads_q, group, block, a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p,
-        static_cast<T*>(a.q_ref));
-    SPARSA_CUDA_CHECK_LAUNCH();
-    return {};
+    // Dependent of the candidates kernel.
+    return launch(kernel, grid, kRowWarps * 32, smem, s, /*dependent=*/true, pool, rows_of<T>(a.q),
+                  rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
+                  mutable_rows_of<float>(a.lse), a.active, a.active_counts, a.candidates, a.candidate_tiles, keep_tile,
+                  capacity, static_cast<int>(keep), a.plan_pages, a.plan_counts, heads_q, group, block,
+                  a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));
   });
 }
 

@@ -50,6 +50,13 @@ struct PoolView {
   __device__ __forceinline__ int64_t pages(int b) const { return (length[b] + page_size - 1) / page_size; }
 };
 
+// Programmatic dependent launch (sm_90): a kernel launched as a dependent of the stream's
+// previous kernel may start once every CTA of that one has called launch_dependents (each of ours
+// does so first), and waits (wait_for_previous) before it reads what that kernel writes; a kernel
+// launched plainly passes through the wait. losa.cu says which launches are dependent.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_for_previous() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // ---- the cache: append, page min/max -----------------------------------------------------------
 
 // k, v [1, heads_kv, n, D] into the pool at tokens [token0, token0 + n) of kv head h (pool rows).
@@ -96,6 +103,7 @@ __global__ void __launch_bounds__(kMseWarps * 32) row_mse_kernel(Rows4<const T> 
                                                                    int block, double* mse) {
   constexpr int E = D / 32;
   __shared__ double part[kMseWarps];
+  launch_dependents();  // the candidates kernel may start its tile copies
   const int i = blockIdx.x, b = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   double sum = 0.0;
 #pragma unroll 4
@@ -129,11 +137,19 @@ struct ActiveRule {
   double threshold;
 };
 
-// One warp: the active rows of entry b ascending into rows[0, count), count into rows[64]
-// (block <= 64). Top active_k by rank: lane l ranks rows l and l + 32 against every row (NaN
+// One warp: the active rows of an entry ascending into rows[0, count), count into rows[64]
+// (block <= 64), from its rows' mse (load_mse). Top active_k by rank: lane l ranks rows l and l + 32 against every row (NaN
 // first, larger first, ties to the lower row; a total order, so the top k are the rows of rank
 // below k, the serial selection's rows).
-__device__ inline void choose_active(const ActiveRule& rule, int b, int block, int32_t* rows) {
+// The lane's two rows' mse (rows lane and lane + 32 of entry b; zero past the block or when
+// every row is taken), loaded apart from choose_active so that a kernel can issue them first.
+__device__ inline void load_mse(const ActiveRule& rule, int b, int block, double (&mine)[2]) {
+  const int lane = threadIdx.x % 32;
+  const double* mse = rule.mse + static_cast<int64_t>(b) * block;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) mine[i] = !rule.all_rows && lane + 32 * i < block ? mse[lane + 32 * i] : 0.0;
+}
+__device__ inline void choose_active(const ActiveRule& rule, int block, const double (&mine)[2], int32_t* rows) {
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
   bool take[2];
@@ -141,10 +157,6 @@ __device__ inline void choose_active(const ActiveRule& rule, int b, int block, i
     take[0] = lane < block;
     take[1] = lane + 32 < block;
   } else {
-    const double* mse = rule.mse + static_cast<int64_t>(b) * block;
-    double mine[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) mine[i] = lane + 32 * i < block ? mse[lane + 32 * i] : 0.0;
     if (rule.use_threshold) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) take[i] = lane + 32 * i < block && (mine[i] > rule.threshold || isnan(mine[i]));
@@ -236,73 +248,104 @@ __device__ __forceinline__ void order2(uint64_t& a, uint64_t& b) {
   b = hi;
 }
 
-// One warp: the `keep` smallest of keys[0, n) (n <= kScorePages), written ascending by their low
-// words (positions; equal low words, as the all-ones padding, by round) to out, then all-ones
-// keys up to out[keep). Every key when keep >= n. Each lane sorts its kScorePages / 32 keys; a
-// round's minimum is two warp reductions (the high words, then the low words of the lanes at that
-// high word) and the lane holding it steps to its next key. Keys must be distinct but for all-ones
-// padding, which a round takes only once the real keys are spent.
-__device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t* out) {
+// One warp, Q rows of keys at once: the `keep` smallest of keys[q][0, n) (n <= kScorePages),
+// written ascending by their low words (positions; equal low words, as the all-ones padding, by
+// round) to out[q], then all-ones keys up to out[q][keep). Every key when keep >= n. Each lane
+// sorts its kScorePages / 32 keys of a row; a round's minimum is two warp reductions (the high
+// words, then the low words of the lanes at that high word) and the lane holding it steps to its
+// next key; the Q rows' rounds interleave (independent chains of reductions). Keys must be
+// distinct but for all-ones padding, which a round takes only once the real keys are spent.
+template <int Q>
+__device__ inline void tile_top(const uint64_t* const (&keys)[Q], int n, int keep, uint64_t* const (&out)[Q]) {
   constexpr int kPer = kScorePages / 32;
   static_assert(kPer == 4, "a lane sorts four keys");
   const int lane = threadIdx.x % 32;
   const unsigned lanes_below = (1u << lane) - 1u;
-  uint64_t mine[kPer];
+  uint64_t mine[Q][kPer];
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) mine[i] = lane + 32 * i < n ? keys[lane + 32 * i] : ~0ull;
+  for (int q = 0; q < Q; ++q)
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) mine[q][i] = lane + 32 * i < n ? keys[q][lane + 32 * i] : ~0ull;
   if (keep >= n) {
-    int written = 0;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const bool kept = lane + 32 * i < n;
-      const unsigned ballot = __ballot_sync(0xffffffffu, kept);
-      if (kept) out[written + __popc(ballot & lanes_below)] = mine[i];
-      written += __popc(ballot);
+    for (int q = 0; q < Q; ++q) {
+      int written = 0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const bool kept = lane + 32 * i < n;
+        const unsigned ballot = __ballot_sync(0xffffffffu, kept);
+        if (kept) out[q][written + __popc(ballot & lanes_below)] = mine[q][i];
+        written += __popc(ballot);
+      }
+      for (int j = written + lane; j < keep; j += 32) out[q][j] = ~0ull;
     }
-    for (int j = written + lane; j < keep; j += 32) out[j] = ~0ull;
     return;
   }
-  order2(mine[0], mine[1]);
-  order2(mine[2], mine[3]);
-  order2(mine[0], mine[2]);
-  order2(mine[1], mine[3]);
-  order2(mine[1], mine[2]);
-  uint64_t chosen[kPer];  // round r's key at lane r % 32, slot r / 32
+  uint64_t chosen[Q][kPer];  // round r's key at lane r % 32, slot r / 32
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) chosen[i] = ~0ull;
+  for (int q = 0; q < Q; ++q) {
+    order2(mine[q][0], mine[q][1]);
+    order2(mine[q][2], mine[q][3]);
+    order2(mine[q][0], mine[q][2]);
+    order2(mine[q][1], mine[q][3]);
+    order2(mine[q][1], mine[q][2]);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) chosen[q][i] = ~0ull;
+  }
   for (int r = 0; r < keep; ++r) {
-    const uint32_t head_hi = static_cast<uint32_t>(mine[0] >> 32);
-    const uint32_t hi = __reduce_min_sync(0xffffffffu, head_hi);
-    const uint32_t lo = __reduce_min_sync(0xffffffffu, head_hi == hi ? static_cast<uint32_t>(mine[0]) : 0xffffffffu);
-    const uint64_t best = static_cast<uint64_t>(hi) << 32 | lo;
-    if (mine[0] == best) {
-      mine[0] = mine[1];
-      mine[1] = mine[2];
-      mine[2] = mine[3];
-      mine[3] = ~0ull;
+    uint32_t head_hi[Q], hi[Q], lo[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      head_hi[q] = static_cast<uint32_t>(mine[q][0] >> 32);
+      hi[q] = __reduce_min_sync(0xffffffffu, head_hi[q]);
     }
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) chosen[i] = (r == 32 * i + lane) ? best : chosen[i];
+    for (int q = 0; q < Q; ++q) {
+      lo[q] = __reduce_min_sync(0xffffffffu, head_hi[q] == hi[q] ? static_cast<uint32_t>(mine[q][0]) : 0xffffffffu);
+    }
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      const uint64_t best = static_cast<uint64_t>(hi[q]) << 32 | lo[q];
+      if (mine[q][0] == best) {
+        mine[q][0] = mine[q][1];
+        mine[q][1] = mine[q][2];
+        mine[q][2] = mine[q][3];
+        mine[q][3] = ~0ull;
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) chosen[q][i] = (r == 32 * i + lane) ? best : chosen[q][i];
+    }
   }
-  // Rank every chosen key among them by (low word, round): its place in out. Only the low words
-  // travel, and only the slots that hold rounds (one when keep <= 32).
-  int rank[kPer] = {};
+  // Rank every chosen key among its row's by (low word, round): its place in out. Only the low
+  // words travel, and only the slots that hold rounds (one when keep <= 32).
+  int rank[Q][kPer] = {};
 #pragma unroll
   for (int i0 = 0; i0 < kPer; ++i0) {
     if (32 * i0 >= keep) break;  // (uniform)
-    const uint32_t lo_src = static_cast<uint32_t>(chosen[i0]);
     for (int t = 32 * i0; t < min(keep, 32 * i0 + 32); ++t) {
-      const uint32_t lo_t = __shfl_sync(0xffffffffu, lo_src, t % 32);
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const uint32_t lo_i = static_cast<uint32_t>(chosen[i]);
-        rank[i] += lo_t < lo_i || (lo_t == lo_i && t < 32 * i + lane);
+      for (int q = 0; q < Q; ++q) {
+        const uint32_t lo_t = __shfl_sync(0xffffffffu, static_cast<uint32_t>(chosen[q][i0]), t % 32);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const uint32_t lo_i = static_cast<uint32_t>(chosen[q][i]);
+          rank[q][i] += lo_t < lo_i || (lo_t == lo_i && t < 32 * i + lane);
+        }
       }
     }
   }
 #pragma unroll
-  for (int i = 0; i < kPer; ++i)
-    if (32 * i + lane < keep) out[rank[i]] = chosen[i];
+  for (int q = 0; q < Q; ++q)
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (32 * i + lane < keep) out[q][rank[q][i]] = chosen[q][i];
+}
+
+// One row of keys.
+__device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t* out) {
+  const uint64_t* const in[1] = {keys};
+  uint64_t* const to[1] = {out};
+  tile_top<1>(in, n, keep, to);
 }
 
 template <class T, int D>
@@ -326,6 +369,12 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
   const bool scoring = page0 < pages && capacity < pages;  // (uniform in the CTA)
   const int tile = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(kScorePages), pages - page0)));
   constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks of a row
+  launch_dependents();  // the rows kernel may start (it waits for this one before reading)
+  double mse[2];  // warp 0's loads first: behind the tile's copies they would wait for the whole tile
+  if (warp == 0) {
+    wait_for_previous();  // the row-change kernel's mse (q and the pool were written before it)
+    load_mse(rule, b, block, mse);
+  }
   if (scoring) {  // the tile's copy starts before the rows are chosen
     const int64_t at = (h_kv * pool.pool_pages + pool.first_page[b] + page0) * D;
     const T* src_min = static_cast<const T*>(pool.min) + at;
@@ -337,7 +386,7 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     }
     cuda::detail::cp_async_commit();
   }
-  if (threadIdx.x < 32) choose_active(rule, b, block, rows);
+  if (warp == 0) choose_active(rule, block, mse, rows);
   __syncthreads();
   const int row_count = rows[64];
   if (blockIdx.x == 0 && blockIdx.y == 0) {
@@ -395,10 +444,19 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     }
   }
   __syncthreads();
-  for (int lq = warp; lq < queries; lq += kScoreWarps) {
+  // Warp w: queries w and w + kScoreWarps, their selection rounds interleaved.
+  static_assert(kChunkQueries == 2 * kScoreWarps, "two queries a warp");
+  auto candidates_of = [&](int lq) {
     const int qi = q_begin + lq, gq = qi % group, slot = qi / group;
     const int64_t row = (static_cast<int64_t>(b) * heads_q + h_kv * group + gq) * block + slot;
-    tile_top(keys + lq * kScorePages, tile, keep_tile, candidates + (row * tiles + blockIdx.x) * keep_tile);
+    return candidates + (row * tiles + blockIdx.x) * keep_tile;
+  };
+  if (warp + kScoreWarps < queries) {
+    const uint64_t* const in[2] = {keys + warp * kScorePages, keys + (warp + kScoreWarps) * kScorePages};
+    uint64_t* const to[2] = {candidates_of(warp), candidates_of(warp + kScoreWarps)};
+    tile_top<2>(in, tile, keep_tile, to);
+  } else if (warp < queries) {
+    tile_top(keys + warp * kScorePages, tile, keep_tile, candidates_of(warp));
   }
 }
 
@@ -442,31 +500,78 @@ struct RowState {
   float m = -INFINITY, l = 0.0f;
   float acc[E] = {};
 
-  // Keys / values rows [0, n) (n <= kTile) at k + t * k_stride, v + t * v_stride: every load of the
-  // tile issued first (one memory round trip for the tile, not one per key), the logits' warp
-  // sums, one rescale of the state for the tile.
   static constexpr int kTile = Tile;
+  // A lane's E elements of a key or value row (16-bit), two to a 32-bit word. With Aligned (every
+  // row's slice at lane * E starts on E * 2 bytes, as the pool's pages do) one vector load;
+  // a caller's block rows may have any strides.
+  static_assert(E % 2 == 0 && E <= 8, "E: an even count of at most 8 elements");
   template <class T>
-  __device__ __forceinline__ void add_tile(const float (&q)[E], const T* k, int64_t k_stride, const T* v,
-                                           int64_t v_stride, int n, int lane) {
-    T kr[kTile][E], vr[kTile][E];
+  struct Slice {
+    static_assert(sizeof(T) == 2, "T: a 16-bit type");
+    uint32_t w[E / 2];
+  };
+  template <class T>
+  __device__ __forceinline__ static uint32_t bits(T x) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return __bfloat16_as_ushort(x);
+    } else {
+      return __half_as_ushort(x);
+    }
+  }
+  template <bool Aligned, class T>
+  __device__ __forceinline__ static void load_slice(Slice<T>& s, const T* p) {
+    if constexpr (Aligned && E == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      s.w[0] = u.x;
+      s.w[1] = u.y;
+    } else if constexpr (Aligned && E == 2) {
+      s.w[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+#pragma unroll
+      for (int i = 0; i < E / 2; ++i) s.w[i] = bits(p[2 * i]) | bits(p[2 * i + 1]) << 16;
+    }
+  }
+  // Element e as f32 (bf16 by a shift or a mask of its word).
+  template <class T>
+  __device__ __forceinline__ static float elem(const Slice<T>& s, int e) {
+    const uint32_t w = s.w[e / 2];
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return __uint_as_float(e % 2 ? (w & 0xffff0000u) : (w << 16));
+    } else {
+      return __half2float(__ushort_as_half(static_cast<unsigned short>(e % 2 ? w >> 16 : w & 0xffffu)));
+    }
+  }
+  // A tile of keys and values in registers, loaded but not yet added.
+  template <class T>
+  struct Loaded {
+    Slice<T> k[kTile], v[kTile];
+    int n = 0;
+  };
+  // Issues the loads of keys / values rows [0, n) (n <= kTile) at k + t * k_stride, v + t *
+  // v_stride (one memory round trip for the tile, not one per key).
+  template <bool Aligned = false, class T>
+  __device__ __forceinline__ static void load(Loaded<T>& tile, const T* k, int64_t k_stride, const T* v,
+                                              int64_t v_stride, int n, int lane) {
+    tile.n = n;
 #pragma unroll
     for (int t = 0; t < kTile; ++t) {
       if (t < n) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          kr[t][e] = k[t * k_stride + lane * E + e];
-          vr[t][e] = v[t * v_stride + lane * E + e];
-        }
+        load_slice<Aligned>(tile.k[t], k + t * k_stride + lane * E);
+        load_slice<Aligned>(tile.v[t], v + t * v_stride + lane * E);
       }
     }
+  }
+  // Adds a loaded tile: the logits' warp sums, one rescale of the state for the tile.
+  template <class T>
+  __device__ __forceinline__ void add(const float (&q)[E], const Loaded<T>& tile) {
+    const int n = tile.n;
     float s[kTile];
     float tile_max = -INFINITY;
 #pragma unroll
     for (int t = 0; t < kTile; ++t) {
       float x = 0.0f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) x = fmaf(q[e], to_float(t < n ? kr[t][e] : kr[0][e]), x);
+      for (int e = 0; e < E; ++e) x = fmaf(q[e], t < n ? elem(tile.k[t], e) : 0.0f, x);
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
       s[t] = t < n ? x : -INFINITY;
@@ -484,10 +589,17 @@ struct RowState {
         const float p = exp2f(s[t] - m_new);
         l += p;
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = fmaf(p, to_float(vr[t][e]), acc[e]);
+        for (int e = 0; e < E; ++e) acc[e] = fmaf(p, elem(tile.v[t], e), acc[e]);
       }
     }
     m = m_new;
+  }
+  template <bool Aligned = false, class T>
+  __device__ __forceinline__ void add_tile(const float (&q)[E], const T* k, int64_t k_stride, const T* v,
+                                           int64_t v_stride, int n, int lane) {
+    Loaded<T> tile;
+    load<Aligned>(tile, k, k_stride, v, v_stride, n, lane);
+    add(q, tile);
   }
   // Folds another state (of disjoint keys) into this one.
   __device__ __forceinline__ void merge(float m2, float l2, const float (&acc2)[E]) {
@@ -509,28 +621,26 @@ __device__ __forceinline__ void load_query(const T* row, float scale_log2, int l
   for (int e = 0; e < E; ++e) q[e] = to_float(row[lane * E + e]) * scale_log2;
 }
 
-// One warp: row r of head h of entry b attends over the block's own keys (k_block, v_block),
-// merged with its prefix (o_p, l_p; nothing when the entry's prefix is empty) by LSE into out
-// and lse; with qref_all, q_ref = q.
-template <class T, int D, int Tile = 16>
-__device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows4<const T>& q,
-                                                const Rows4<const T>& k_block, const Rows4<const T>& v_block,
-                                                const Rows4<T>& out, const Rows4<float>& lse, const T* o_p,
-                                                const float* l_p, T* q_ref, int heads_q, int group, int block,
-                                                float scale_log2, bool qref_all, int b, int h, int r, int lane) {
-  constexpr int E = D / 32;
-  const int h_kv = h / group;
-  const T* q_row = q.row(b, h, r);
-  float qs[E];
-  load_query<T, E>(q_row, scale_log2, lane, qs);
-  RowState<E, Tile> st;
+// One warp: row r of head h of entry b over the block's own keys (k_block, v_block); qs its
+// query pre-scaled (load_query).
+template <class T, int D, int Tile>
+__device__ __forceinline__ RowState<D / 32, Tile> block_state(const float (&qs)[D / 32], const Rows4<const T>& k_block,
+                                                             const Rows4<const T>& v_block, int block, int b,
+                                                             int h_kv, int lane) {
+  RowState<D / 32, Tile> st;
   for (int t0 = 0; t0 < block; t0 += Tile) {
     st.add_tile(qs, k_block.row(b, h_kv, t0), k_block.ss, v_block.row(b, h_kv, t0), v_block.ss,
                 min(Tile, block - t0), lane);
   }
-  const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
-  float lb = st.lse2(), wb = 1.0f, wp = 0.0f, lp = -INFINITY;
-  if (pool.length[b] > 0) lp = l_p[at] * kLog2e;
+  return st;
+}
+
+// One warp: a row's output and LSE, its block state `st` merged by LSE with its prefix (LSE lp in
+// base 2, -inf without one; prefix(e) the lane's element e of O_p, read only when it weighs).
+template <class T, int E, int Tile, class Prefix>
+__device__ __forceinline__ void merge_out(const RowState<E, Tile>& st, float lp, Prefix prefix, T* o, float* lse_out,
+                                          int lane) {
+  float lb = st.lse2(), wb = 1.0f, wp = 0.0f;
   float m = fmaxf(lb, lp), total = lb;
   if (m > -INFINITY) {
     wb = exp2f(lb - m);
@@ -538,15 +648,36 @@ __device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows
     total = m + log2f(wb + wp);
   }
   const float ib = st.l > 0.0f ? wb / (st.l * (wb + wp)) : 0.0f, ip = wp / (wb + wp);
-  T* o = out.row(b, h, r);
-  const T* op = o_p + at * D;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
-    const float prefix = wp > 0.0f ? to_float(op[lane * E + e]) * ip : 0.0f;
-    o[lane * E + e] = from_float<T>(st.acc[e] * ib + prefix);
-    if (qref_all) q_ref[at * D + lane * E + e] = q_row[lane * E + e];
+    const float pre = wp > 0.0f ? prefix(e) * ip : 0.0f;
+    o[lane * E + e] = from_float<T>(st.acc[e] * ib + pre);
   }
-  if (lane == 0) *lse.row(b, h, r) = total * kLn2;
+  if (lane == 0) *lse_out = total * kLn2;
+}
+
+// One warp: row r of head h of entry b attends over the block's own keys, merged with its prefix
+// (o_p, l_p; nothing when the entry's prefix is empty) by LSE into out and lse; with qref_all,
+// q_ref = q.
+template <class T, int D, int Tile>
+__device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows4<const T>& q,
+                                                const Rows4<const T>& k_block, const Rows4<const T>& v_block,
+                                                const Rows4<T>& out, const Rows4<float>& lse, const T* o_p,
+                                                const float* l_p, T* q_ref, int heads_q, int group, int block,
+                                                float scale_log2, bool qref_all, int b, int h, int r, int lane) {
+  constexpr int E = D / 32;
+  const T* q_row = q.row(b, h, r);
+  float qs[E];
+  load_query<T, E>(q_row, scale_log2, lane, qs);
+  const RowState<E, Tile> st = block_state<T, D, Tile>(qs, k_block, v_block, block, b, h / group, lane);
+  const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
+  const float lp = pool.length[b] > 0 ? l_p[at] * kLog2e : -INFINITY;
+  const T* op = o_p + at * D + lane * E;
+  merge_out<T, E, Tile>(st, lp, [&](int e) { return to_float(op[e]); }, out.row(b, h, r), lse.row(b, h, r), lane);
+  if (qref_all) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) q_ref[at * D + lane * E + e] = q_row[lane * E + e];
+  }
 }
 
 // Grid (heads_q, batch, row groups of kMergeWarps), a warp per row: merge_block_row (the dense
@@ -558,8 +689,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
                                    int heads_q, int group, int block, float scale_log2, bool qref_all) {
   const int r = blockIdx.z * kMergeWarps + threadIdx.x / 32;
   if (r >= block) return;
-  merge_block_row<T, D>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
-                        qref_all, blockIdx.y, blockIdx.x, r, threadIdx.x % 32);
+  merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
+                           qref_all, blockIdx.y, blockIdx.x, r, threadIdx.x % 32);
 }
 
 // The sparse steps' last launch. Grid (heads_q, block rows, batch), kRowWarps warps; the CTA at
@@ -572,30 +703,59 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
 // block (merge_block_row, as the stable rows' warps do with their kept O_p and L_p). The CTA at
 // y also zeroes the plan count of slot y when y is past the entry's active rows.
 constexpr int kRowWarps = 8;
-// Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states.
+// Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states, rounded
+// up to 16 bytes (the plan and the selection after them are read with 16-byte loads).
 template <int D>
 __host__ __device__ constexpr size_t rows_state_bytes() {
-  return (static_cast<size_t>(kRowWarps) * D + 2 * kRowWarps) * sizeof(float);
+  return ((static_cast<size_t>(kRowWarps + 1) * D + 2 * kRowWarps + 2) * sizeof(float) + 15) / 16 * 16;
 }
-// Then the row's plan (capacity pages), read back by the attending warps from shared memory.
-__host__ __device__ constexpr size_t rows_plan_bytes(int capacity) { return (static_cast<size_t>(capacity) * 4 + 15) / 16 * 16; }
+// Then the row's plan, read back by the attending warps from shared memory when it has at most
+// kPlanSmemPages pages (from the plan in global memory above; every page when the budget covers
+// the prefix needs no plan). plan_slots: the host's bound on a row's pages, min(capacity, the
+// batch's longest prefix in pages).
+constexpr int kPlanSmemPages = 2048;
+__host__ __device__ constexpr int rows_plan_smem_pages(int64_t plan_slots) {
+  return static_cast<int>(plan_slots < kPlanSmemPages ? plan_slots : kPlanSmemPages);
+}
+__host__ __device__ constexpr size_t rows_plan_bytes(int64_t plan_slots) {
+  return (static_cast<size_t>(rows_plan_smem_pages(plan_slots)) * 4 + 15) / 16 * 16;
+}
 template <class T, int D>
 __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
     Rows4<float> lse, const int32_t* active, const int32_t* counts, const uint64_t* candidates, int64_t tiles,
-    int keep_tile, int capacity, int32_t* plan_pages, int32_t* plan_counts, int heads_q, int group, int block,
-    float scale_log2, T* o_p, float* l_p, T* q_ref) {
+    int keep_tile, int capacity, int plan_slots, int32_t* plan_pages, int32_t* plan_counts, int heads_q, int group,
+    int block, float scale_log2, T* o_p, float* l_p, T* q_ref) {
   constexpr int E = D / 32;
   extern __shared__ __align__(16) unsigned char row_smem[];
-  float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);  // [kRowWarps][D], then m and l
-  float* part_m = reinterpret_cast<float*>(row_smem + rows_state_bytes<D>() - 2 * kRowWarps * sizeof(float));
+  // The warps' prefix states [kRowWarps][D], the block's state [D], then their m and l.
+  float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);
+  float* block_acc = part_acc[kRowWarps];
+  float* part_m = block_acc + D;
   float* part_l = part_m + kRowWarps;
+  float* block_ml = part_l + kRowWarps;
   int32_t* plan_smem = reinterpret_cast<int32_t*>(row_smem + rows_state_bytes<D>());  // the row's plan, read back
-  uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(capacity));  // the selection
+  uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(plan_slots));  // the selection
   const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int count = counts[b];
   const int64_t base = (static_cast<int64_t>(b) * heads_q + h) * block;
+  wait_for_previous();  // the candidates kernel's active rows, counts and candidates
+  // Loads in flight together before any is used: the active rows' count, the row of slot y, and
+  // (when the rounds select) slot y's candidates, re-indexed by position into shared memory
+  // (candidates are ascending by page, so ties go to the lower page). The candidates of a slot
+  // past the count are stale and unused.
+  const int count = counts[b];
+  const int slot_row = active[static_cast<int64_t>(b) * block + y];
+  const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
+  const bool every_page = keep == n, rounds = !every_page && keep <= kRoundsMaxKeep;
+  const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
+  const uint64_t* cand = candidates + (base + y) * tiles * keep_tile;
+  if (rounds) {
+#pragma unroll 4
+    for (int j = threadIdx.x; j < nc; j += blockDim.x) {
+      rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
+    }
+  }
   if (y >= count && threadIdx.x == 0) plan_counts[base + y] = 0;
   const int slot = y < count ? y : -1;
   if (slot < 0) {  // stable rows, kRowWarps a CTA: warp w takes the ((y - count) * kRowWarps + w)-th
@@ -615,27 +775,23 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
                              /*qref_all=*/false, b, h, r, lane);
     return;
   }
-  const int r = active[static_cast<int64_t>(b) * block + y];
+  const int r = slot_row;
+  float qs[E];  // in flight during the selection
+  load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
   {
-    const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
     int32_t* plan = plan_pages + (base + slot) * capacity;
-    if (keep == n) {
-      for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = plan_smem[j] = j;
+    const bool plan_in_smem = !every_page && keep <= rows_plan_smem_pages(plan_slots);
+    int32_t* plan_copy = plan_in_smem ? plan_smem : plan;  // where the chosen pages are also written
+    if (every_page) {
+      for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = j;
     } else {
-      const uint64_t* cand = candidates + (base + slot) * tiles * keep_tile;
-      const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
-      if (keep <= kRoundsMaxKeep) {
-        // Keys re-indexed by position: candidates are ascending by page, so ties go to the lower page.
-#pragma unroll 4
-        for (int j = threadIdx.x; j < nc; j += blockDim.x) {
-          rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
-        }
-        __syncthreads();
+      if (rounds) {
+        __syncthreads();  // the candidates are in
         const uint64_t* chosen = cta_rounds_select(rows_smem, rows_smem + nc, nc, keep, kRowWarps);
         if (warp == 0) {
           __syncwarp();
           for (int j = lane; j < keep; j += 32) {
-            plan[j] = plan_smem[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
+            plan[j] = plan_copy[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
           }
         }
       } else if (warp == 0) {
@@ -645,25 +801,49 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
         __syncwarp();
         ba_att::warp_top_select(keys, hist, nc, keep, plan);
         __syncwarp();
-        for (int j = lane; j < keep; j += 32) plan[j] = plan_smem[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
+        for (int j = lane; j < keep; j += 32) plan[j] = plan_copy[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
       }
     }
     if (threadIdx.x == 0) plan_counts[base + slot] = keep;
     __syncthreads();  // the plan is written
-    float qs[E];
-    load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
-    constexpr int kTile = 8;
+    // Tiles of 8 keys, each lane's slice one vector load, two tiles in flight; the block's keys,
+    // strided as the caller has them, 8 at a time.
+    constexpr int kTile = 8, kBlockTile = 8;
     RowState<E, kTile> st;
     const int h_kv = h / group;
     const int64_t length = pool.length[b];
-    for (int i = warp; i < keep; i += kRowWarps) {
-      const int64_t begin = static_cast<int64_t>(plan_smem[i]) * pool.page_size;
-      const int tokens = static_cast<int>(min(static_cast<int64_t>(pool.page_size), length - begin));
-      const int64_t at = (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size + begin) * D;
-      const T* k = static_cast<const T*>(pool.k) + at;
-      const T* v = static_cast<const T*>(pool.v) + at;
-      for (int t0 = 0; t0 < tokens; t0 += kTile) {
-        st.add_tile(qs, k + t0 * D, D, v + t0 * D, D, min(kTile, tokens - t0), lane);
+    // The warp's tiles (its pages every kRowWarps-th, kTile keys a tile) in a software pipeline:
+    // the next tile's loads are issued before the current one is added.
+    const int tiles_per_page = (pool.page_size + kTile - 1) / kTile;
+    const int warp_pages = keep > warp ? (keep - warp + kRowWarps - 1) / kRowWarps : 0;
+    const int warp_tiles = warp_pages * tiles_per_page;
+    const T* pool_k = static_cast<const T*>(pool.k) + (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size) * D;
+    const T* pool_v = static_cast<const T*>(pool.v) + (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size) * D;
+    auto load_tile = [&](typename RowState<E, kTile>::template Loaded<T>& tile, int j) {
+      const int i = warp + (j / tiles_per_page) * kRowWarps, t0 = (j % tiles_per_page) * kTile;
+      const int64_t begin = static_cast<int64_t>(every_page ? i : plan_copy[i]) * pool.page_size + t0;
+      const int n = static_cast<int>(min(static_cast<int64_t>(min(kTile, pool.page_size - t0)), length - begin));
+      RowState<E, kTile>::template load</*Aligned=*/true>(tile, pool_k + begin * D, D, pool_v + begin * D, D, n, lane);
+    };
+    typename RowState<E, kTile>::template Loaded<T> even, odd;  // two buffers, named (not indexed)
+    if (warp_tiles > 0) load_tile(even, 0);
+    for (int j = 0; j < warp_tiles; j += 2) {
+      if (j + 1 < warp_tiles) load_tile(odd, j + 1);
+      st.add(qs, even);
+      if (j + 1 < warp_tiles) {
+        if (j + 2 < warp_tiles) load_tile(even, j + 2);
+        st.add(qs, odd);
+      }
+    }
+    // The block's own keys: one more unit of work, for a warp with one page fewer than the first
+    // ones when keep is not a multiple of the warps.
+    if (warp == keep % kRowWarps) {
+      const RowState<E, kBlockTile> blk = block_state<T, D, kBlockTile>(qs, k_block, v_block, block, b, h_kv, lane);
+#pragma unroll
+      for (int e = 0; e < E; ++e) block_acc[lane * E + e] = blk.acc[e];
+      if (lane == 0) {
+        block_ml[0] = blk.m;
+        block_ml[1] = blk.l;
       }
     }
     if (lane == 0) {
@@ -680,20 +860,30 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
       for (int e = 0; e < E; ++e) other[e] = part_acc[w][lane * E + e];
       st.merge(part_m[w], part_l[w], other);
     }
+    // O_p (T), L_p and Q_ref of the row; then its output: the block state merged with the O_p
+    // and L_p as stored (what a stable row reads back on the next step).
     const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
     const T* q_row = q.row(b, h, r);
     T* o = o_p + (base + r) * D;
     T* qr = q_ref + (base + r) * D;
+    float prefix[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      o[lane * E + e] = from_float<T>(st.acc[e] * inv);
+      const T stored = from_float<T>(st.acc[e] * inv);
+      o[lane * E + e] = stored;
+      prefix[e] = to_float(stored);
       qr[lane * E + e] = q_row[lane * E + e];
     }
-    if (lane == 0) l_p[base + r] = st.lse2() * kLn2;
-    __syncwarp();  // the row's O_p and L_p, read back by merge_block_row's lanes
+    const float l_stored = st.lse2() * kLn2;
+    if (lane == 0) l_p[base + r] = l_stored;
+    RowState<E, kBlockTile> blk;
+    blk.m = block_ml[0];
+    blk.l = block_ml[1];
+#pragma unroll
+    for (int e = 0; e < E; ++e) blk.acc[e] = block_acc[lane * E + e];
+    merge_out<T, E, kBlockTile>(blk, length > 0 ? l_stored * kLog2e : -INFINITY, [&](int e) { return prefix[e]; },
+                           out.row(b, h, r), lse.row(b, h, r), lane);
   }
-  merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
-                           /*qref_all=*/false, b, h, r, lane);
 }
 
 }  // namespace sparsa::cuda::losa

@@ -303,7 +303,6 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
   a.heads_q = H;
   a.block = Bb;
   int64_t max_pages = 0;
-  std::vector<Tensor> prefix_k(B), prefix_v(B);
   for (int64_t b = 0; b < B; ++b) {
     auto s = cache.sequence(seqs[b]);
     if (!s.ok()) return Status(s.status().code(), "seqs[" + str(b) + "]: " + s.status().message());
@@ -312,10 +311,6 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
     }
     a.seqs[b] = {s->first_page, s->length};
     max_pages = std::max(max_pages, (s->length + cc.page_size - 1) / cc.page_size);
-    if (s->length > 0) {
-      prefix_k[b] = cache.keys(seqs[b]).value();
-      prefix_v[b] = cache.values(seqs[b]).value();
-    }
   }
   a.q = q;
   a.k_block = k_block;
@@ -377,7 +372,11 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
       if (a.seqs[b].length == 0) continue;  // no prefix: block_merge takes the block alone
       const Tensor qb = entry(q, b);
       const Tensor ob = entry(o_p_.view(), b), lb = entry(l_p_.view(), b);
-      SPARSA_RETURN_IF_ERROR(dense(qb, prefix_k[b], prefix_v[b], ob, lb, ao));
+      // The prefix read in place: the sequence's run of pages as one strided view.
+      auto kb = cache.keys(seqs[b]), vb = cache.values(seqs[b]);
+      if (!kb.ok()) return kb.status();
+      if (!vb.ok()) return vb.status();
+      SPARSA_RETURN_IF_ERROR(dense(qb, kb.value(), vb.value(), ob, lb, ao));
     }
     SPARSA_RETURN_IF_ERROR(losa_cuda::block_merge(a));
   } else {

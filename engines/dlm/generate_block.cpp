@@ -61,8 +61,9 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
     q.schedule = transfer_schedule(q.cv.masks_in(begin, begin + B), o.steps);
   }
 
-  std::vector<Chunk> chunks;
+  std::vector<Chunk> chunks;   // the requests whose block is final, as one batched forward
   std::vector<size_t> members;
+  StepBatch batch;             // the others' denoising step
   for (bool active = true; active;) {
     active = false;
     // The requests whose block is final: write its K/V, move on.
@@ -96,10 +97,7 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
       }
     }
     // The others: one denoising step of their blocks.
-    chunks.clear();
-    std::vector<size_t> stepping;
-    std::vector<Canvas*> canvases;
-    std::vector<int64_t> begins;
+    batch.clear();
     for (size_t r = 0; r < reqs.size(); ++r) {
       Request& q = reqs[r];
       if (q.finished || std::find(members.begin(), members.end(), r) != members.end()) continue;
@@ -107,16 +105,13 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
       ForwardOptions fo;
       fo.logits_count = B;
       fo.step = static_cast<int>(q.step);
-      chunks.push_back({&q.seq, std::span<const int32_t>(q.cv.x.data() + begin, static_cast<size_t>(B)), fo});
-      stepping.push_back(r);
-      canvases.push_back(&q.cv);
-      begins.push_back(begin);
+      batch.add(r, q.cv, begin, {&q.seq, std::span<const int32_t>(q.cv.x.data() + begin, static_cast<size_t>(B)), fo});
     }
-    if (chunks.empty()) continue;
-    auto picked = forward_candidates(m, s, chunks, c, o, canvases, begins, logits);
+    if (batch.empty()) continue;
+    auto picked = forward_candidates(m, s, batch, c, o, logits);
     if (!picked.ok()) return picked.status();
-    for (size_t i = 0; i < stepping.size(); ++i) {
-      Request& q = reqs[stepping[i]];
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Request& q = reqs[batch.requests[i]];
       res.steps++;
       res.forward_tokens += B;
       const Candidates& k = picked.value()[i];

@@ -37,19 +37,13 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
 
   // Blocks outer, requests inner: every request decodes block b (its own cache) before block b + 1;
   // each step's forwards of the requests run as one batch.
-  std::vector<Chunk> chunks;
-  std::vector<size_t> members;
-  std::vector<Canvas*> canvases;
-  std::vector<int64_t> begins;
+  StepBatch batch;
   std::vector<std::vector<int64_t>> schedule(prompts.size());
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t step = 0;; ++step) {
       // Step 0: every request's whole canvas, keeping the K/V of [0, begin) as its prefix cache;
       // later steps: the suffix [begin, end of canvas) of the requests whose block has masks.
-      chunks.clear();
-      members.clear();
-      canvases.clear();
-      begins.clear();
+      batch.clear();
       for (size_t r = 0; r < prompts.size(); ++r) {
         Canvas& cv = canvas[r];
         if (cv.done) continue;
@@ -62,24 +56,21 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
           SPARSA_RETURN_IF_ERROR(reset_cache(c, seqs[r]));
           fo.store_kv = begin;
           fo.logits_begin = begin;
-          chunks.push_back({&seqs[r], cv.x, fo});
+          batch.add(r, cv, begin, {&seqs[r], cv.x, fo});
         } else {
           if (cv.masks_in(begin, end) == 0) continue;
-          chunks.push_back({&seqs[r], std::span<const int32_t>(cv.x.data() + begin, cv.x.size() - begin), fo});
+          batch.add(r, cv, begin, {&seqs[r], std::span<const int32_t>(cv.x.data() + begin, cv.x.size() - begin), fo});
         }
-        members.push_back(r);
-        canvases.push_back(&cv);
-        begins.push_back(begin);
       }
-      if (chunks.empty()) break;
-      auto picked = forward_candidates(m, s, chunks, c, o, canvases, begins, logits);
+      if (batch.empty()) break;
+      auto picked = forward_candidates(m, s, batch, c, o, logits);
       if (!picked.ok()) return picked.status();
-      for (size_t i = 0; i < members.size(); ++i) {
-        Canvas& cv = canvas[members[i]];
+      for (size_t i = 0; i < batch.size(); ++i) {
+        Canvas& cv = canvas[batch.requests[i]];
         res.steps++;
-        res.forward_tokens += static_cast<int64_t>(chunks[i].tokens.size());
+        res.forward_tokens += static_cast<int64_t>(batch.chunks[i].tokens.size());
         const Candidates& k = picked.value()[i];
-        if (!k.position.empty()) commit(cv, k, choose(k, schedule[members[i]], step));
+        if (!k.position.empty()) commit(cv, k, choose(k, schedule[batch.requests[i]], step));
       }
     }
     for (size_t r = 0; r < prompts.size(); ++r) {

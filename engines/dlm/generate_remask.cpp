@@ -35,16 +35,10 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
       const int64_t begin = canvas[r].prompt_len + b * o.block_len;
       schedule[r] = transfer_schedule(canvas[r].masks_in(begin, begin + o.block_len), steps_per_block);
     }
-    std::vector<Chunk> chunks;
-    std::vector<size_t> members;
-    std::vector<Canvas*> canvases;
-    std::vector<int64_t> begins;
+    StepBatch batch;
     for (int64_t step = 0;; ++step) {
       // The requests still denoising this block: one batched forward of their canvases.
-      chunks.clear();
-      members.clear();
-      canvases.clear();
-      begins.clear();
+      batch.clear();
       for (size_t r = 0; r < prompts.size(); ++r) {
         Canvas& cv = canvas[r];
         if (cv.done) continue;
@@ -54,16 +48,13 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
         fo.logits_begin = begin;
         fo.logits_count = o.block_len;
         fo.step = static_cast<int>(step);
-        chunks.push_back({&seqs[r], cv.x, fo});
-        members.push_back(r);
-        canvases.push_back(&cv);
-        begins.push_back(begin);
+        batch.add(r, cv, begin, {&seqs[r], cv.x, fo});
       }
-      if (chunks.empty()) break;
-      auto picked = forward_candidates(m, s, chunks, c, o, canvases, begins, logits);
+      if (batch.empty()) break;
+      auto picked = forward_candidates(m, s, batch, c, o, logits);
       if (!picked.ok()) return picked.status();
-      for (size_t i = 0; i < members.size(); ++i) {
-        const size_t r = members[i];
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const size_t r = batch.requests[i];
         Canvas& cv = canvas[r];
         res.steps++;
         res.forward_tokens += static_cast<int64_t>(cv.x.size());

@@ -118,6 +118,36 @@ inline Result<std::vector<Candidates>> forward_candidates(const Model::Impl& m, 
   return out;
 }
 // One request's forward and its picks (the batch of one).
+// The requests of one batched denoising step: per chunk the request's index, its canvas and the
+// canvas position of the chunk's first logit row.
+struct StepBatch {
+  std::vector<Chunk> chunks;
+  std::vector<size_t> requests;
+  std::vector<Canvas*> canvases;
+  std::vector<int64_t> begins;
+
+  void clear() {
+    chunks.clear();
+    requests.clear();
+    canvases.clear();
+    begins.clear();
+  }
+  void add(size_t request, Canvas& cv, int64_t begin, const Chunk& chunk) {
+    chunks.push_back(chunk);
+    requests.push_back(request);
+    canvases.push_back(&cv);
+    begins.push_back(begin);
+  }
+  bool empty() const { return chunks.empty(); }
+  size_t size() const { return chunks.size(); }
+};
+
+inline Result<std::vector<Candidates>> forward_candidates(const Model::Impl& m, State& s, const StepBatch& batch,
+                                                          const Config& c, const GenerateOptions& o,
+                                                          std::vector<float>& host) {
+  return forward_candidates(m, s, batch.chunks, c, o, batch.canvases, batch.begins, host);
+}
+
 inline Result<Candidates> forward_candidates(const Model::Impl& m, State& s, Sequence& seq,
                                              std::span<const int32_t> tokens, const ForwardOptions& fo,
                                              const Config& c, const GenerateOptions& o, Canvas& cv, int64_t begin,

@@ -482,6 +482,23 @@ TEST(LosaCudaStep, PageSizesOtherThanSixteen) {
   }
 }
 
+// GQA groups of 4 and 8 at head_dim 128: a candidates CTA's 16 queries are a group's heads at
+// 4 and 2 active rows (query qi = slot * group + g), and K = 4 rows of a group of 8 fill two CTAs.
+TEST(LosaCudaStep, GroupsOfFourAndEightAtHeadDim128) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int64_t heads_q : {8, 16}) {
+    SCOPED_TRACE("heads_q " + std::to_string(heads_q));
+    Shape s;
+    s.d = 128;
+    s.heads_q = heads_q;
+    s.heads_kv = 2;
+    s.prefix = {2600, 700};
+    check_against_cpu(s, 3);
+    s.method = PrefixMethod::quest;
+    check_against_cpu(s, 2);
+  }
+}
+
 // Prefixes of many page tiles: a row's candidates are more than one slice of 128, so its
 // selection runs in levels (budget 256: 288 candidates, two levels; budget 512: 576 candidates,
 // three), each keeping the slices' best pages in position order.

@@ -698,10 +698,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
 // each (the long CTAs start first; the CTAs past the rows exit). An active row r of head h: its
 // `keep` pages picked from its candidates by the CTA (cta_rounds_select up to kRoundsMaxKeep,
 // warp 0's radix select above; every page when the budget covers the prefix) into the plan,
-// ascending; the warps attend over every kRowWarps-th page a tile at a time, their states merged
-// in shared memory; O_p (T), L_p and Q_ref of the row are written, and warp 0 merges it with the
-// block (merge_block_row, as the stable rows' warps do with their kept O_p and L_p). The CTA at
-// y also zeroes the plan count of slot y when y is past the entry's active rows.
+// ascending; the warps attend over every kRowWarps-th page a tile at a time, one over the block's
+// keys, states merged in shared memory; O_p (T), L_p and Q_ref are written, and warp 0 merges the
+// block's state with them (merge_out; a stable row's warp: merge_block_row with its kept O_p and
+// L_p). The CTA at y also zeroes the plan count of slot y when y is past the active rows.
 constexpr int kRowWarps = 8;
 // Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states, rounded
 // up to 16 bytes (the plan and the selection after them are read with 16-byte loads).

@@ -715,3 +715,69 @@ def test_loss_rows_found_on_the_host_give_the_boolean_index_loss(trained):
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got, want)
     rows = T.with_loss_rows(batch)["rows"]
     assert rows.numel() == int(sel.sum()) and bool((batch["labels"].reshape(-1)[rows] != -100).all())
+
+
+def worker_spec(run_dir, sparsa_bin, **over):
+    """A data worker's description (train_stage builds the same from its flags)."""
+    c = T.load_run(run_dir)
+    spec = {"config": dict(c.__dict__), "sparsa": sparsa_bin, "tokenizer": T.run_files(run_dir)["tokenizer"],
+            "lengths": [512], "tasks": TASKS, "seed0": 5, "chunk": 2, "threads": 1, "copy_frac": 0.0,
+            "kv_frac": 0.5, "kv_shape": [0, 7, 6, "letters"], "gen_seed": 11, "prompt_blocks": 2,
+            "t_range": [0.3, 0.8], "full_mask": 0.0, "answer_tokens": T.ANSWER_TOKENS,
+            "buckets": {512: {"rows": 3, "seq": 1024}}}
+    spec.update(over)
+    return spec
+
+
+def worker_batches(spec, worker, n):
+    """The first n things data worker `worker` puts on its queue (run in a thread here)."""
+    import queue
+    import threading
+    out, stop = queue.Queue(maxsize=2), threading.Event()
+    th = threading.Thread(target=T.data_worker, args=(spec, worker, out, stop), daemon=True)
+    th.start()
+    got = [out.get(timeout=120) for _ in range(n)]
+    stop.set()
+    while th.is_alive():  # a put blocked on the full queue sees the stop within its timeout
+        try:
+            out.get(timeout=0.5)
+        except queue.Empty:
+            pass
+    return got
+
+
+def test_data_workers_build_whole_batches_from_samples_of_their_own(run_dir, sparsa_bin):
+    """train --data-workers: a worker puts whole batches (every STEP_KEYS array, the bucket's
+    shape) as numpy arrays; two workers draw different samples (their seeds are
+    WORKER_SEED_STRIDE apart), and a worker repeats itself given the same seeds."""
+    spec = worker_spec(run_dir, sparsa_bin)
+    a0, a1 = worker_batches(spec, 0, 2), worker_batches(spec, 1, 1)
+    again = worker_batches(spec, 0, 1)
+    for batch, total in a0 + a1:
+        assert set(batch) == set(T.STEP_KEYS) and all(isinstance(v, np.ndarray) for v in batch.values())
+        assert batch["ids"].shape == (3, 1024) and total > 0
+        assert batch["rows"].size == batch["row_labels"].size == batch["row_weights"].size > 0
+    assert not np.array_equal(a0[0][0]["ids"], a1[0][0]["ids"])
+    assert not np.array_equal(a0[0][0]["ids"], a0[1][0]["ids"])
+    assert np.array_equal(a0[0][0]["ids"], again[0][0]["ids"])
+
+
+def test_a_data_workers_error_reaches_the_loop_naming_the_worker(run_dir, sparsa_bin, tmp_path):
+    spec = worker_spec(run_dir, sparsa_bin, tokenizer=str(tmp_path / "missing.json"))
+    (err,) = worker_batches(spec, 3, 1)
+    assert isinstance(err, RuntimeError) and str(err).startswith("data worker 3: ")
+
+
+def test_training_with_data_worker_processes(sparsa_bin, tmp_path_factory):
+    """The stage's batches from two worker processes: the steps run, the loss is finite, and no
+    worker process outlives the stage."""
+    import multiprocessing
+    run = make_run(sparsa_bin, tmp_path_factory, "sdar")
+    T.main(["train", "--run", run, "--stage", "1", "--lengths", "512", "--tasks", TASKS, "--steps", "6",
+            "--batch-tokens", "4096", "--device", "cpu", "--attention", "sdpa", "--val-samples", "2",
+            "--gen-threads", "2", "--chunk", "4", "--kv-frac", "0.3", "--warmup", "2", "--sparsa", sparsa_bin,
+            "--log-seconds", "0", "--data-workers", "2"])
+    with open(os.path.join(run, "log.jsonl")) as f:
+        rec = json.loads(f.readline())
+    assert rec["steps"] == 6 and len(rec["losses"]) == 6 and all(np.isfinite(rec["losses"]))
+    assert not multiprocessing.active_children()

@@ -252,7 +252,7 @@ class TaskStream:
     """Tokenized samples from `sparsa ruler generate`, produced by a background thread."""
 
     def __init__(self, sparsa, tokenizer_path, lengths, tasks, seed0, chunk, threads, maxsize=4096, copy_frac=0.0,
-                 kv_frac=0.0, kv_shape=(0, 7, 6, "letters")):
+                 kv_frac=0.0, kv_shape=(0, 7, 6, "letters"), start=True):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.eos = self.tok.token_to_id(SPECIALS[0])
@@ -267,7 +267,8 @@ class TaskStream:
         self.error = None
         self.stop = False
         self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        if start:  # (start=False: a stream for its tokenizer and synthetic() alone, as validation's)
+            self.thread.start()
 
     def tokenize(self, rows):
         prompts = self.tok.encode_batch([r["input"] for r in rows], add_special_tokens=False)
@@ -330,7 +331,8 @@ class TaskStream:
         """Stops the producer and waits for it (a thread left inside torch or a subprocess at
         interpreter exit aborts the process)."""
         self.stop = True
-        self.thread.join(timeout=120)
+        if self.thread.is_alive():
+            self.thread.join(timeout=120)
 
 
 ANSWER_TOKENS = 160  # the generation budget (at most 128 tokens) plus EOS and a partial first block
@@ -806,6 +808,81 @@ class Profiler:
         log(f"profile: the stage ended before {self.FIRST + self.steps} steps; nothing profiled")
 
 
+def step_batches(stream, buckets, c, prompt_blocks, gen, t_range, full_mask, answer_tokens):
+    """The training batches of a sample stream: samples fill their length's bucket (`buckets`:
+    rows and sequence length per length, and the bucket's waiting items); a full bucket is one
+    batch of all a step reads (STEP_KEYS), with the token count its loss is averaged over.
+    Ends when the stream stops."""
+    while True:
+        item = stream.get()
+        if item is None:
+            return
+        bk = buckets[item[0]]
+        bk["items"].append(item)
+        if len(bk["items"]) >= bk["rows"]:
+            items, bk["items"] = bk["items"], []
+            batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range, full_mask, answer_tokens)
+            batch = with_loss_rows(batch)
+            yield {k: batch[k] for k in STEP_KEYS}, total  # (labels and weights: as the rows')
+
+
+WORKER_SEED_STRIDE = 100_000_000  # data worker w's generator seeds start at the stage's seed0 + w * this
+
+
+def data_worker(spec, worker, out, stop):
+    """`train --data-workers N`: one process of the data side. Its own sample stream (generator
+    seeds from spec's seed0 + worker * WORKER_SEED_STRIDE up, so no two workers draw the same
+    sample) and masking generator build whole batches (step_batches) and put them on `out`
+    until `stop` is set; an error goes on `out` for the training loop to raise. Sampling and
+    masking are Python loops: in the training process they hold the interpreter lock that the
+    loop needs to launch each step's kernels."""
+    torch.set_num_threads(1)
+    stream = None
+    try:
+        c = SdarConfig(**spec["config"])
+        stream = TaskStream(spec["sparsa"], spec["tokenizer"], spec["lengths"], spec["tasks"],
+                            spec["seed0"] + worker * WORKER_SEED_STRIDE, spec["chunk"], spec["threads"],
+                            copy_frac=spec["copy_frac"], kv_frac=spec["kv_frac"], kv_shape=tuple(spec["kv_shape"]))
+        gen = torch.Generator().manual_seed(spec["gen_seed"] + 7_777_777 * (worker + 1))
+        buckets = {L: {"rows": b["rows"], "seq": b["seq"], "items": []} for L, b in spec["buckets"].items()}
+        for got in step_batches(stream, buckets, c, spec["prompt_blocks"], gen, tuple(spec["t_range"]),
+                                spec["full_mask"], spec["answer_tokens"]):
+            # as numpy arrays, pickled by value: a tensor would travel as a shared-memory handle
+            # that its receiver can no longer open once this process has ended
+            got = ({k: v.numpy() for k, v in got[0].items()}, got[1])
+            while not stop.is_set():
+                try:
+                    out.put(got, timeout=1)
+                    break
+                except queue.Full:
+                    pass
+            if stop.is_set():
+                break
+    except Exception as e:  # raised by the training loop
+        out.put(RuntimeError(f"data worker {worker}: {type(e).__name__}: {e}"))
+    finally:
+        if stream is not None:
+            stream.close()
+
+
+def stop_data_workers(procs, out, stop, timeout=60):
+    """Stops the data workers: sets `stop`, takes what they still put on `out` (a worker blocked
+    on a full queue sees the stop once its put times out), waits for them, and ends any that
+    have not stopped by `timeout` seconds."""
+    stop.set()
+    deadline = time.time() + timeout
+    while any(p.is_alive() for p in procs) and time.time() < deadline:
+        try:
+            out.get(timeout=0.2)
+        except queue.Empty:
+            pass
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.time()))
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+
+
 def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, state, stage_no, stage, minutes,
                 steps):
     for g_ in opt.param_groups:
@@ -822,8 +899,10 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         sys.exit(f"train_sdar: --copy-frac {copy_frac} and --kv-frac {kv_frac}: together at most 1")
     t_range = tuple(a.mask_rates) if a.mask_rates else stage.get("t_range", FULL_T)
     kv_shape = (a.kv_pairs, a.kv_digits, a.kv_asked, a.kv_keys)
+    workers = a.data_workers if a.data_workers is not None else (4 if device.type == "cuda" else 0)
+    # (with data workers this stream only serves validation's samples; each worker has its own)
     stream = TaskStream(sparsa, f["tokenizer"], stage["lengths"], tasks, seed0, a.chunk, a.gen_threads,
-                        copy_frac=copy_frac, kv_frac=kv_frac, kv_shape=kv_shape)
+                        copy_frac=copy_frac, kv_frac=kv_frac, kv_shape=kv_shape, start=workers == 0)
     # Fixed shapes per length bucket: batch rows and sequence length.
     nb = noisy_budget(c, prompt_blocks, a.answer_tokens) if c.arch == "sdar" else 2 * LLADA_BLOCK
     buckets = {L: {"rows": max(1, a.batch_tokens // (L + nb)), "seq": -(-(L + nb) // 128) * 128, "items": []}
@@ -888,38 +967,67 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         f"{prompt_blocks} noisy prompt blocks, {full_mask:.0%} answer blocks wholly masked, "
         f"t ~ U({t_range[0]:g}, {t_range[1]:g}), {attention} attention on {device}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-        f"budget {minutes or '-'} min / {steps or '-'} steps")
+        f"budget {minutes or '-'} min / {steps or '-'} steps, "
+        f"{f'{workers} data worker processes' if workers else 'batches built in this process'}")
     model.train()
     done = 0
     # Batches are built by a thread of their own (Python work that overlaps the GPU's): samples
     # fill their length's bucket; a full bucket is one batch. One thread, so the order (and
     # the masking generator's draws) stays the same from run to run.
+    # Batches come from a thread of their own (Python work that overlaps the GPU's), fed either
+    # by this process's sample stream (--data-workers 0: one thread, so the order and the masking
+    # generator's draws stay the same from run to run) or by data worker processes, whose Python
+    # work does not compete with the loop's for the interpreter lock.
     batches = queue.Queue(maxsize=4)
 
-    def make_batches():
-        try:
+    def deliver(got):
+        while not stream.stop:
+            try:
+                batches.put(got, timeout=1)
+                return
+            except queue.Full:
+                pass
+
+    def pinned(got):
+        batch, total = got
+        return ({k: v.pin_memory() for k, v in batch.items()} if device.type == "cuda" else batch), total
+
+    procs = []
+    if workers:
+        ctx = torch.multiprocessing.get_context("spawn")
+        worker_q, worker_stop = ctx.Queue(maxsize=2 * workers), ctx.Event()
+        spec = {"config": dict(c.__dict__), "sparsa": sparsa, "tokenizer": f["tokenizer"],
+                "lengths": list(stage["lengths"]), "tasks": tasks, "seed0": seed0, "chunk": a.chunk,
+                "threads": max(1, a.gen_threads // workers), "copy_frac": copy_frac, "kv_frac": kv_frac,
+                "kv_shape": list(kv_shape), "gen_seed": a.seed * 7919 + step0, "prompt_blocks": prompt_blocks,
+                "t_range": list(t_range), "full_mask": full_mask, "answer_tokens": a.answer_tokens,
+                "buckets": {L: {"rows": b["rows"], "seq": b["seq"]} for L, b in buckets.items()}}
+        procs = [ctx.Process(target=data_worker, args=(spec, w, worker_q, worker_stop), daemon=True)
+                 for w in range(workers)]
+        for p in procs:
+            p.start()
+
+        def make_batches():
             while not stream.stop:
-                item = stream.get()
-                if item is None:
-                    break
-                bk = buckets[item[0]]
-                bk["items"].append(item)
-                if len(bk["items"]) >= bk["rows"]:
-                    items, bk["items"] = bk["items"], []
-                    batch, total = make_batch(items, c, prompt_blocks, gen, bk["seq"], t_range, full_mask,
-                                               a.answer_tokens)
-                    batch = with_loss_rows(batch)
-                    batch = {k: batch[k] for k in STEP_KEYS}  # all a step reads (labels and weights: as the rows')
-                    if device.type == "cuda":
-                        batch = {k: v.pin_memory() for k, v in batch.items()}
-                    while not stream.stop:
-                        try:
-                            batches.put((batch, total), timeout=1)
-                            break
-                        except queue.Full:
-                            pass
-        except Exception as e:  # reported by the training loop
-            batches.put(e)
+                try:
+                    got = worker_q.get(timeout=1)
+                except queue.Empty:
+                    if not any(p.is_alive() for p in procs):
+                        deliver(RuntimeError("every data worker process ended without a word (killed?)"))
+                        return
+                    continue
+                if not isinstance(got, Exception):
+                    got = pinned(({k: torch.from_numpy(v) for k, v in got[0].items()}, got[1]))
+                deliver(got)
+                if isinstance(got, Exception):
+                    return
+    else:
+        def make_batches():
+            try:
+                for got in step_batches(stream, buckets, c, prompt_blocks, gen, t_range, full_mask, a.answer_tokens):
+                    deliver(pinned(got))
+            except Exception as e:  # reported by the training loop
+                deliver(e)
 
     batcher = threading.Thread(target=make_batches, daemon=True)
     batcher.start()
@@ -941,56 +1049,61 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
                 losses.append(lv)
                 ces.append(cv)
 
-    profiler = Profiler(a.profile, device) if a.profile else None
-    while done < max_steps and time.time() - start < budget_s:
+    # the data side stops however the loop ends (its worker processes would outlive an error)
+    try:
+        profiler = Profiler(a.profile, device) if a.profile else None
+        while done < max_steps and time.time() - start < budget_s:
+            if profiler:
+                profiler.before_step(done)
+            t_wait = time.time()
+            got = batches.get()
+            waited += time.time() - t_wait
+            if isinstance(got, Exception):
+                raise got
+            batch, total = got
+            progress = max((time.time() - start) / budget_s, done / max_steps if steps else 0.0)
+            warm = min(1.0, (done + 1) / stage["warmup"])
+            lr = stage["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+            for g_ in opt.param_groups:
+                g_["lr"] = lr
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss, ce = loss_of(model, batch, total, attention, compiled_flex)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            done += 1
+            state["step"] += 1
+            state["tokens"] += int(batch["ids"].numel())
+            pending.append((loss.detach(), ce))
+            if profiler and profiler.after_step(done):
+                a.profile = 0  # the first stage of this call only
+                profiler = None
+            now = time.time()
+            if now - last_log >= a.log_seconds or done == max_steps:
+                read_losses()
+                mean = sum(losses[-50:]) / len(losses[-50:])
+                mean_ce = sum(ces[-50:]) / len(ces[-50:])
+                rate = (state["tokens"] - tokens_at_log) / max(now - last_log, 1e-9)
+                state["history"].append({"step": state["step"], "loss": mean, "ce": mean_ce, "lr": lr,
+                                         "tokens": state["tokens"], "stage": stage_no, "seconds": now - start})
+                log(f"step {state['step']}  loss {mean:.4f}  ce {mean_ce:.4f}  lr {lr:.2e}  {state['tokens'] / 1e6:.1f}M tokens  "
+                    f"{rate / 1e3:.0f}K tokens/s  waited for data {waited:.0f} s  {now - start:.0f} s")
+                last_log, tokens_at_log = now, state["tokens"]
+            if now - last_save >= a.save_minutes * 60:
+                read_losses()  # never a checkpoint of a model whose loss or weights went non-finite
+                check_finite(model, state)
+                save_ckpt(a.run, model, opt, state)
+                last_save = now
+        read_losses()
+        check_finite(model, state)
         if profiler:
-            profiler.before_step(done)
-        t_wait = time.time()
-        got = batches.get()
-        waited += time.time() - t_wait
-        if isinstance(got, Exception):
-            raise got
-        batch, total = got
-        progress = max((time.time() - start) / budget_s, done / max_steps if steps else 0.0)
-        warm = min(1.0, (done + 1) / stage["warmup"])
-        lr = stage["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-        for g_ in opt.param_groups:
-            g_["lr"] = lr
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, ce = loss_of(model, batch, total, attention, compiled_flex)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        done += 1
-        state["step"] += 1
-        state["tokens"] += int(batch["ids"].numel())
-        pending.append((loss.detach(), ce))
-        if profiler and profiler.after_step(done):
-            a.profile = 0  # the first stage of this call only
-            profiler = None
-        now = time.time()
-        if now - last_log >= a.log_seconds or done == max_steps:
-            read_losses()
-            mean = sum(losses[-50:]) / len(losses[-50:])
-            mean_ce = sum(ces[-50:]) / len(ces[-50:])
-            rate = (state["tokens"] - tokens_at_log) / max(now - last_log, 1e-9)
-            state["history"].append({"step": state["step"], "loss": mean, "ce": mean_ce, "lr": lr,
-                                     "tokens": state["tokens"], "stage": stage_no, "seconds": now - start})
-            log(f"step {state['step']}  loss {mean:.4f}  ce {mean_ce:.4f}  lr {lr:.2e}  {state['tokens'] / 1e6:.1f}M tokens  "
-                f"{rate / 1e3:.0f}K tokens/s  waited for data {waited:.0f} s  {now - start:.0f} s")
-            last_log, tokens_at_log = now, state["tokens"]
-        if now - last_save >= a.save_minutes * 60:
-            read_losses()  # never a checkpoint of a model whose loss or weights went non-finite
-            check_finite(model, state)
-            save_ckpt(a.run, model, opt, state)
-            last_save = now
-    read_losses()
-    check_finite(model, state)
-    if profiler:
-        profiler.abandon()
-    stream.close()
-    batcher.join(timeout=120)
+            profiler.abandon()
+    finally:
+        stream.close()
+        batcher.join(timeout=120)
+        if procs:
+            stop_data_workers(procs, worker_q, worker_stop)
     v = validate()
     state["stages"].append({"stage": stage_no, "lengths": stage["lengths"], "steps": done, "val_loss": v,
                             "seconds": time.time() - start})
@@ -1176,7 +1289,11 @@ def main(argv=None):
                         f"blocks are kept; default {ANSWER_TOKENS}, a 128-token answer): a drill of short answers "
                         "at short lengths needs fewer, and every row is shorter (sdar only)")
     s.add_argument("--chunk", type=int, default=32, help="samples per task and length per generator call")
-    s.add_argument("--gen-threads", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    s.add_argument("--gen-threads", type=int, default=max(1, (os.cpu_count() or 2) - 2),
+                   help="threads of `sparsa ruler generate` (shared by the data workers)")
+    s.add_argument("--data-workers", type=int_at_least(0), default=None, metavar="N",
+                   help="processes that sample and build the batches (default: 4 on a GPU; 0, the CPU's "
+                        "default: a thread of the training process, the same batches on every run)")
     s.add_argument("--val-samples", type=int, default=8)
     s.add_argument("--device")
     s.add_argument("--attention", choices=["sdpa", "flex"])

@@ -81,14 +81,26 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
 
 
-def rope(x, pos, theta):
-    """x [B, heads, N, hd] at positions pos [B, N] (NeoX: the two halves rotate together)."""
+def rope_tables(pos, head_dim, theta):
+    """NeoX RoPE's cos and sin at positions pos [B, N]: [B, 1, N, head_dim/2] each, the angles
+    in f64 (the engine's precision); computed once a forward, shared by every layer."""
+    inv = theta ** (-torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float64) / head_dim)
+    ang = (pos.to(torch.float64)[..., None] * inv)[:, None]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, heads, N, hd] rotated by rope_tables' cos and sin (NeoX: the two halves rotate
+    together), in x's dtype."""
     hd = x.shape[-1]
-    inv = theta ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float64) / hd)
-    ang = (pos.to(torch.float64)[..., None] * inv)[:, None]  # [B, 1, N, hd/2], angles in f64
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope(x, pos, theta):
+    """x [B, heads, N, hd] at positions pos [B, N]."""
+    return apply_rope(x, *rope_tables(pos, x.shape[-1], theta))
 
 
 class Layer(nn.Module):
@@ -108,7 +120,11 @@ class Layer(nn.Module):
         self.up_proj = nn.Linear(c.dim, c.hidden, bias=False)
         self.down_proj = nn.Linear(c.hidden, c.dim, bias=False)
 
-    def forward(self, x, pos, attn):
+    # The layer in two halves around attention (forward), each a fixed graph of matrix products
+    # and elementwise work that `compile_layers` can fuse; the attention between them takes any
+    # pattern (a mask, a flex block mask).
+    def qkv(self, x, cos, sin):
+        """q [B, heads, N, hd], k and v [B, kv_heads, N, hd]: normed, projected, RoPE applied."""
         c = self.c
         B, N, _ = x.shape
         h = self.input_layernorm(x)
@@ -118,11 +134,20 @@ class Layer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(h).view(B, N, c.kv_heads, c.head_dim).transpose(1, 2)
-        q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
-        a = attn(q, k, v).transpose(1, 2).reshape(B, N, c.heads * c.head_dim)
-        x = x + self.o_proj(a)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def rest(self, x, a):
+        """The residual stream after attention's output a [B, heads, N, hd]: o_proj, then the MLP."""
+        B, N, _ = x.shape
+        x = x + self.o_proj(a.transpose(1, 2).reshape(B, N, -1))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def forward(self, x, tables, attn, halves=None):
+        """tables: rope_tables' (cos, sin); halves: compiled (qkv, rest) or None (compile_layers)."""
+        qkv, rest = halves or (Layer.qkv, Layer.rest)
+        q, k, v = qkv(self, x, *tables)
+        return rest(self, x, attn(q, k, v))
 
 
 def sdpa_attention(mask):
@@ -160,6 +185,7 @@ class Sdar(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList([Layer(c) for _ in range(c.layers)])
         self.norm = RMSNorm(c.dim, c.eps)
+        self.halves = None  # compile_layers
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -173,9 +199,17 @@ class Sdar(nn.Module):
 
     def hidden(self, ids, pos, attn):
         x = self.embed_tokens(ids)
+        tables = rope_tables(pos, self.c.head_dim, self.c.rope_theta)
         for layer in self.layers:
-            x = layer(x, pos, attn)
+            x = layer(x, tables, attn, self.halves)
         return self.norm(x)
+
+    def compile_layers(self):
+        """torch.compile each layer's two halves (Layer.qkv, Layer.rest: one compiled graph each,
+        shared by every layer, whose weights are its inputs), fusing the norms, RoPE, SwiGLU
+        and the casts around the matrix products; attention stays as given. The weights and
+        the state_dict are unchanged."""
+        self.halves = (torch.compile(Layer.qkv, dynamic=False), torch.compile(Layer.rest, dynamic=False))
 
     def head(self, h):
         return h @ self.embed_tokens.weight.to(h.dtype).T  # tied

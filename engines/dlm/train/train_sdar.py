@@ -746,8 +746,8 @@ def cmd_train(a):
             if hasattr(dynamo.config, name):
                 setattr(dynamo.config, name, 64)
         compiled_flex = torch.compile(flex_attention, dynamic=False)
-    if a.compile and device.type == "cuda":
-        model.hidden = torch.compile(model.hidden, dynamic=False)  # the state_dict is unchanged
+    if a.compile:
+        model.compile_layers()  # the state_dict is unchanged
     for n, stage, minutes, steps in plan:
         train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, state, n, stage, minutes, steps)
         if a.export:
@@ -1298,7 +1298,8 @@ def main(argv=None):
     s.add_argument("--device")
     s.add_argument("--attention", choices=["sdpa", "flex"])
     s.add_argument("--compile", type=int, default=0,
-                   help="1: torch.compile the model too (FlexAttention is always compiled on the GPU)")
+                   help="1: torch.compile each layer's work around attention too (Sdar.compile_layers; "
+                        "FlexAttention is always compiled on the GPU)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--profile", type=int_at_least(0), default=0, metavar="N",
                    help="profile N steps of the first stage (from its sixth) and log where the time goes")

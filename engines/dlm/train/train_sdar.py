@@ -971,9 +971,6 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         f"{f'{workers} data worker processes' if workers else 'batches built in this process'}")
     model.train()
     done = 0
-    # Batches are built by a thread of their own (Python work that overlaps the GPU's): samples
-    # fill their length's bucket; a full bucket is one batch. One thread, so the order (and
-    # the masking generator's draws) stays the same from run to run.
     # Batches come from a thread of their own (Python work that overlaps the GPU's), fed either
     # by this process's sample stream (--data-workers 0: one thread, so the order and the masking
     # generator's draws stay the same from run to run) or by data worker processes, whose Python

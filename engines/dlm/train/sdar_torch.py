@@ -98,11 +98,6 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def rope(x, pos, theta):
-    """x [B, heads, N, hd] at positions pos [B, N]."""
-    return apply_rope(x, *rope_tables(pos, x.shape[-1], theta))
-
-
 class Layer(nn.Module):
     def __init__(self, c: SdarConfig):
         super().__init__()

@@ -890,7 +890,8 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
     tasks = a.tasks or stage.get("tasks", "all")
     prompt_blocks = a.prompt_blocks if a.prompt_blocks is not None else stage.get("prompt_blocks", 2)
     step0 = state["step"]
-    gen = torch.Generator().manual_seed(a.seed * 7919 + step0)
+    gen_seed = a.seed * 7919 + step0  # the masking generator's (a data worker derives its own from it)
+    gen = torch.Generator().manual_seed(gen_seed)
     seed0 = TRAIN_SEED_BASE + 10_000 * stage_no + step0  # fresh data on every resume
     copy_frac = a.copy_frac if a.copy_frac is not None else stage.get("copy", 0.0)
     kv_frac = a.kv_frac if a.kv_frac is not None else stage.get("kv", 0.0)
@@ -996,7 +997,7 @@ def train_stage(a, c, f, sparsa, device, attention, compiled_flex, model, opt, s
         spec = {"config": dict(c.__dict__), "sparsa": sparsa, "tokenizer": f["tokenizer"],
                 "lengths": list(stage["lengths"]), "tasks": tasks, "seed0": seed0, "chunk": a.chunk,
                 "threads": max(1, a.gen_threads // workers), "copy_frac": copy_frac, "kv_frac": kv_frac,
-                "kv_shape": list(kv_shape), "gen_seed": a.seed * 7919 + step0, "prompt_blocks": prompt_blocks,
+                "kv_shape": list(kv_shape), "gen_seed": gen_seed, "prompt_blocks": prompt_blocks,
                 "t_range": list(t_range), "full_mask": full_mask, "answer_tokens": a.answer_tokens,
                 "buckets": {L: {"rows": b["rows"], "seq": b["seq"]} for L, b in buckets.items()}}
         procs = [ctx.Process(target=data_worker, args=(spec, w, worker_q, worker_stop), daemon=True)

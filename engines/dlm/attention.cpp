@@ -466,6 +466,8 @@ Status page_options(Params& p, PageSelectOptions* s, const std::string& where) {
 
 }  // namespace
 
+int64_t canvas_block_default(Backend backend) { return backend == Backend::cuda ? 128 : 64; }
+
 namespace {
 
 Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& policy, const std::string& text,
@@ -482,7 +484,7 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     // method's own switches.
     const std::string& name = spec->name;
     double density = 0.5, tau = 0.9;
-    int64_t top_kappa = 0, block = 64, min_tokens = 1024;
+    int64_t top_kappa = 0, block = canvas_block_default(policy.backend), min_tokens = 1024;
     const int budgets = int{p.has("density")} + int{p.has("top_kappa")} + int{p.has("tau")};
     if (budgets > 1) return invalid_argument(where + ": " + name + " takes one of density, top_kappa, tau");
     SPARSA_RETURN_IF_ERROR(p.number("density", 1e-9, 1.0, &density));

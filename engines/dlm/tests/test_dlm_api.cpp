@@ -244,3 +244,37 @@ TEST(DlmApi, Errors) {
   EXPECT_NE(tok.status().message().find("merges"), std::string::npos);
   EXPECT_FALSE(dlm::parse_loop("beam").ok());
 }
+
+// The canvas selectors' block when the spec names none: 128 on the cuda backend (the executor's
+// tile), 64 on the cpu; the plan a cpu ba_att builds over a 300-token canvas has 64-token blocks
+// by default and the spec's block when it gives one.
+TEST(DlmApi, CanvasSelectorsBlockDefaultsToTheBackendsTile) {
+  EXPECT_EQ(dlm::canvas_block_default(Backend::cuda), 128);
+  EXPECT_EQ(dlm::canvas_block_default(Backend::cpu), 64);
+  const int64_t heads = 2, n = 300, hd = 16;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  HostArray q(DType::f32, {1, heads, n, hd}), k(DType::f32, {1, heads, n, hd}), v(DType::f32, {1, heads, n, hd}),
+      out(DType::f32, {1, heads, n, hd});
+  for (HostArray* a : {&q, &k, &v})
+    for (int64_t i = 0; i < a->numel(); ++i) a->ptr<float>()[i] = dist(rng);
+  dlm::AttentionCall call;
+  call.q = q.view();
+  call.k = k.view();
+  call.v = v.view();
+  call.out = out.view();
+  dlm::AttentionPolicy policy;
+  for (const auto& [spec, block] : std::vector<std::pair<std::string, int>>{
+           {"ba_att:density=0.5,min_tokens=0", 64}, {"mean_pool:min_tokens=0", 64},
+           {"ba_att:density=0.5,min_tokens=0,block=32", 32}}) {
+    policy.method = spec;
+    auto layer = dlm::make_layer_attention(policy, 0);
+    ASSERT_TRUE(layer.ok()) << spec << ": " << layer.status().message();
+    ASSERT_TRUE((*layer)->forward(call).ok()) << spec;
+    auto plan = (*layer)->plan_of(call);
+    ASSERT_TRUE(plan.ok() && plan->has_value()) << spec;
+    EXPECT_EQ((*plan)->plan.block_q, block) << spec;
+    EXPECT_EQ((*plan)->plan.block_kv, block) << spec;
+    EXPECT_NE((*plan)->params.find("block_q=" + std::to_string(block) + " "), std::string::npos) << (*plan)->params;
+  }
+}

@@ -819,3 +819,40 @@ def test_compile_flag_compiles_the_layers(run_dir, sparsa_bin, tmp_path, monkeyp
             "--batch-tokens", "2048", "--device", "cpu", "--attention", "sdpa", "--val-samples", "1", "--gen-threads",
             "1", "--chunk", "1", "--sparsa", sparsa_bin, "--log-seconds", "0", "--compile", "1"])
     assert len(calls) == 1
+
+
+def test_probe_all_view_masks_one_answer_block_at_a_time():
+    """The probe's "all" view on an sdar model: one canvas per answer block, that block's answer
+    tokens masked and the blocks before it clean (the block loop's first step of each block);
+    the answer of an earlier block is context, never a mask. llada: one canvas, all masked."""
+    c = S.SdarConfig(vocab_size=40, dim=32, layers=2, heads=2, kv_heads=1, head_dim=16, hidden=48, block_size=4,
+                     max_len=64)
+    torch.manual_seed(0)
+    model = S.Sdar(c).eval()
+    prompt = [5, 6, 7, 8, 9, 10]
+    target = [11, 12, 13, 14, 15, 16, 17, 18, 19, c.eos_id]  # answer at 6..14: blocks 4-7, 8-11, 12-15
+
+    def expected(target, arch_views):
+        x0 = prompt + target
+        ce = []
+        for lo, hi in arch_views:
+            ids = [c.mask_id if len(prompt) <= q and lo <= q < hi else t for q, t in enumerate(x0)]
+            with torch.no_grad():
+                logits = model.canvas_logits(ids).float()
+            ce += [float(-torch.log_softmax(logits[j], -1)[x0[j]]) for j in range(max(lo, len(prompt)), min(hi, 15))]
+        return sum(ce) / len(ce), len(ce)
+
+    got = T.answer_scores(model, [(32, prompt, target, 16)], c, 4)["all"]
+    want, n = expected(target, [(4, 8), (8, 12), (12, 16)])
+    assert got["tokens"] == n == 9
+    assert abs(got["ce"] - want) < 1e-5
+    # A later block sees the earlier block's answer: changing it changes the score.
+    other = [21, 22] + target[2:]
+    assert abs(T.answer_scores(model, [(32, prompt, other, 16)], c, 4)["all"]["ce"] - got["ce"]) > 1e-6
+    # only= masks and scores the listed tokens alone, still block by block.
+    part = T.answer_scores(model, [(32, prompt, target, 16)], c, 4, only={12, 17})["all"]
+    assert part["tokens"] == 2
+    c.arch = "llada"
+    got = T.answer_scores(model, [(32, prompt, target, 16)], c, 4)["all"]
+    want, n = expected(target, [(0, 16)])
+    assert got["tokens"] == n and abs(got["ce"] - want) < 1e-5

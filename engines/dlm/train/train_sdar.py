@@ -1143,7 +1143,10 @@ def copy_to_cpu(model):
 def answer_scores(model, items, c, one_positions, only=None):
     """Cross-entropy and argmax accuracy of the answer tokens (the target without its EOS), in
     two views: "all" masks the whole answer region (the block loop's first step), "one" masks a
-    single answer token with the others visible (the last step). A model that retrieves or copies
+    single answer token with the others visible (the last step). On an sdar model "all" is one
+    canvas per answer block: that block masked, the blocks before it clean, as the block loop's
+    first step of each block sees them (and as training's noisy copies do); masks in a block
+    before it would put mask tokens where the model only ever saw clean ones. A model that retrieves or copies
     scores far below chance in both; one that only knows the answers' form stays at the tokens'
     unigram in both, and one that copies only from its own block does better in "one".
     `only` (a set of token ids): mask and score just the answer tokens among them (the value
@@ -1160,8 +1163,15 @@ def answer_scores(model, items, c, one_positions, only=None):
             if not answer:
                 continue
             if mode == "all":
-                hidden = set(answer) if only is not None else range(len(prompt), len(x0))
-                views = [(answer, [c.mask_id if q in hidden else t for q, t in enumerate(x0)])]
+                hidden = set(answer) if only is not None else set(range(len(prompt), len(x0)))
+                # sdar: one view per answer block; llada: the whole canvas attends both ways, one view
+                B = c.block_size if c.arch == "sdar" else L
+                views = []
+                for lo in range(len(prompt) // B * B, L, B):
+                    scored = [j for j in answer if lo <= j < lo + B]
+                    if scored:
+                        views.append((scored, [c.mask_id if q in hidden and lo <= q < lo + B else t
+                                               for q, t in enumerate(x0)]))
             else:
                 step = max(1, len(answer) // one_positions)
                 views = [([j], [c.mask_id if q == j else t for q, t in enumerate(x0)]) for j in answer[::step]]

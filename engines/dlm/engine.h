@@ -184,10 +184,9 @@ class LayerAttention {
 // block=B, min_tokens=1024]; xattention[:density=|..., block=B, min_tokens=1024, stride=8,
 // force_first=true, force_diagonal=true] (cpu); quest[:budget=256, force_first=false,
 // force_last=true]; losa[:budget=256, k=4, threshold=, force_first=false, force_last=true].
-// B (both sides of a block) defaults to canvas_block_default(policy.backend).
-// The canvas selectors' block when the spec gives none: 128 on the cuda backend, whose
-// block-sparse executor runs tiles of 128 query rows by 128 keys (a 64-token block fills half of
-// each; docs/dlm.md gives the measurement), 64 on the cpu.
+// B (both sides of a block) defaults to canvas_block_default(policy.backend): 128 on the cuda
+// backend, whose block-sparse executor runs tiles of 128 query rows by 128 keys (a 64-token block
+// fills half of each; docs/dlm.md gives the measurement), 64 on the cpu.
 int64_t canvas_block_default(Backend backend);
 class AttentionRecorder;  // attention_recorder.cpp: attention time and the capture (cpu backend)
 struct AttentionPolicy {

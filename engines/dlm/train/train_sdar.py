@@ -1146,8 +1146,8 @@ def answer_scores(model, items, c, one_positions, only=None):
     single answer token with the others visible (the last step). On an sdar model "all" is one
     canvas per answer block: that block masked, the blocks before it clean, as the block loop's
     first step of each block sees them (and as training's noisy copies do); masks in a block
-    before it would put mask tokens where the model only ever saw clean ones. A model that retrieves or copies
-    scores far below chance in both; one that only knows the answers' form stays at the tokens'
+    before it would put mask tokens where the model only ever saw clean ones. A model that
+    retrieves or copies scores far below chance in both; one that only knows the answers' form stays at the tokens'
     unigram in both, and one that copies only from its own block does better in "one".
     `only` (a set of token ids): mask and score just the answer tokens among them (the value
     digits of key-value samples, whose keys stay visible)."""

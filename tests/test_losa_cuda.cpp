@@ -630,6 +630,113 @@ TEST(LosaCudaStep, AGraphReplayEqualsEagerSteps) {
   cudaStreamDestroy(stream);
 }
 
+// Entries [b, b + count) of a [B, ...] tensor (a view).
+Tensor batch_entries(Tensor t, int64_t b, int64_t count) {
+  t.data = static_cast<std::byte*>(t.data) + b * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
+  t.shape[0] = count;
+  return t;
+}
+
+// Entries of one batched state that do not step together (the engine's requests: one idle while
+// the others step, one starting a new block while the others are mid-block) give, entry by
+// entry, what a state of its own gives for the same calls: step_entries over sub-ranges, step()
+// over entries in different phases (a dense first step beside sparse ones in one call), and
+// begin_block of one entry.
+TEST(LosaCudaStep, EntriesOutOfStepMatchAStateEach) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (PrefixMethod method : {PrefixMethod::losa, PrefixMethod::quest}) {
+    SCOPED_TRACE(method == PrefixMethod::losa ? "losa" : "quest");
+    Shape s;
+    s.method = method;
+    s.prefix = {700, 1500, 2100};  // 44, 94 and 132 pages: one, one and two page tiles
+    const int64_t B = 3;
+    // Rounds: (first entry, count, entry that begins a new block before the round or -1).
+    struct Round {
+      int64_t first, count, begin;
+    };
+    const std::vector<Round> rounds = {{0, 3, -1}, {0, 2, -1}, {0, 3, 1}, {1, 2, -1}, {2, 1, -1}, {0, 3, 2}, {0, 1, 0}};
+    const Trace tr = make_trace(s, static_cast<int>(rounds.size()), 41);
+    DeviceKVCacheConfig cc;
+    cc.heads_kv = s.heads_kv;
+    cc.head_dim = s.d;
+    cc.pool_pages = 400;
+    auto cache = DevicePagedKVCache::create(cc);
+    ASSERT_TRUE(cache.ok());
+    std::vector<int> seqs;
+    for (int64_t b = 0; b < B; ++b) {
+      seqs.push_back(cache->add_sequence(s.prefix[b]).value());
+      const DeviceArray k = to_device(tr.prefix_k[b]), v = to_device(tr.prefix_v[b]);
+      ASSERT_TRUE(cache->append(seqs[b], k.view(), v.view()).ok());
+    }
+    const LosaOptions o = options_of(s, Backend::cuda);
+    auto batched = DevicePrefixAttention::create({B, s.heads_q, s.heads_kv, s.d, s.block}, o);
+    ASSERT_TRUE(batched.ok()) << batched.status().to_string();
+    std::vector<DevicePrefixAttention> single;
+    for (int64_t b = 0; b < B; ++b) {
+      auto one = DevicePrefixAttention::create({1, s.heads_q, s.heads_kv, s.d, s.block}, o);
+      ASSERT_TRUE(one.ok());
+      single.push_back(std::move(one).value());
+    }
+    const Device cuda0{DeviceType::cuda, 0};
+    auto out = DeviceArray::allocate(DType::bf16, {B, s.heads_q, s.block, s.d}, cuda0);
+    auto lse = DeviceArray::allocate(DType::f32, {B, s.heads_q, s.block}, cuda0);
+    auto out1 = DeviceArray::allocate(DType::bf16, {1, s.heads_q, s.block, s.d}, cuda0);
+    auto lse1 = DeviceArray::allocate(DType::f32, {1, s.heads_q, s.block}, cuda0);
+    ASSERT_TRUE(out.ok() && lse.ok() && out1.ok() && lse1.ok());
+    for (size_t r = 0; r < rounds.size(); ++r) {
+      const Round& rd = rounds[r];
+      SCOPED_TRACE("round " + std::to_string(r));
+      if (rd.begin >= 0) {
+        batched->begin_block(rd.begin);
+        single[rd.begin].begin_block();
+      }
+      const DeviceArray q = to_device(tr.q[r]), k = to_device(tr.k[r]), v = to_device(tr.v[r]);
+      const std::vector<int> ids(seqs.begin() + rd.first, seqs.begin() + rd.first + rd.count);
+      const Tensor o_run = batch_entries(out->view(), 0, rd.count), l_run = batch_entries(lse->view(), 0, rd.count);
+      const Status st =
+          rd.count == B ? batched->step(*cache, ids, q.view(), k.view(), v.view(), o_run, l_run)
+                        : batched->step_entries(rd.first, *cache, ids, batch_entries(q.view(), rd.first, rd.count),
+                                                batch_entries(k.view(), rd.first, rd.count),
+                                                batch_entries(v.view(), rd.first, rd.count), o_run, l_run);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      const std::vector<float> got_out = to_host_f32(o_run), got_lse = to_host_f32(l_run);
+      const int64_t per_out = s.heads_q * s.block * s.d, per_lse = s.heads_q * s.block;
+      for (int64_t i = 0; i < rd.count; ++i) {
+        const int64_t b = rd.first + i;
+        ASSERT_TRUE(single[b]
+                        .step(*cache, {seqs[b]}, batch_entries(q.view(), b, 1), batch_entries(k.view(), b, 1),
+                              batch_entries(v.view(), b, 1), out1->view(), lse1->view())
+                        .ok());
+        const std::vector<float> want_out = to_host_f32(out1->view()), want_lse = to_host_f32(lse1->view());
+        // The same launches on the same data, entry by entry: equal bit for bit.
+        EXPECT_TRUE(std::equal(want_out.begin(), want_out.end(), got_out.begin() + i * per_out)) << "out, entry " << b;
+        EXPECT_TRUE(std::equal(want_lse.begin(), want_lse.end(), got_lse.begin() + i * per_lse)) << "lse, entry " << b;
+        EXPECT_EQ(batched->steps_in_block(b), single[b].steps_in_block()) << "entry " << b;
+      }
+    }
+  }
+  // A range outside the batch, named.
+  Shape s;
+  s.prefix = {64};
+  DeviceKVCacheConfig cc;
+  cc.heads_kv = s.heads_kv;
+  cc.head_dim = s.d;
+  cc.pool_pages = 20;
+  auto cache = DevicePagedKVCache::create(cc);
+  ASSERT_TRUE(cache.ok());
+  const int id = cache->add_sequence(64).value();
+  auto state = DevicePrefixAttention::create({2, s.heads_q, s.heads_kv, s.d, s.block}, options_of(s, Backend::cuda));
+  ASSERT_TRUE(state.ok());
+  auto q = DeviceArray::allocate(DType::bf16, {1, s.heads_q, s.block, s.d}, {DeviceType::cuda, 0});
+  auto kv = DeviceArray::allocate(DType::bf16, {1, s.heads_kv, s.block, s.d}, {DeviceType::cuda, 0});
+  auto l = DeviceArray::allocate(DType::f32, {1, s.heads_q, s.block}, {DeviceType::cuda, 0});
+  ASSERT_TRUE(q.ok() && kv.ok() && l.ok());
+  const Status far = state->step_entries(2, *cache, {id}, q->view(), kv->view(), kv->view(), q->view(), l->view());
+  EXPECT_EQ(far.message().rfind("first:", 0), 0u) << far.to_string();
+  const Status many = state->step_entries(1, *cache, {id, id}, q->view(), kv->view(), kv->view(), q->view(), l->view());
+  EXPECT_EQ(many.message().rfind("seqs:", 0), 0u) << many.to_string();
+}
+
 TEST(LosaCudaStep, BadStepInputsNameTheArgument) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
   DeviceKVCacheConfig cc;

@@ -135,11 +135,11 @@ void fill_cache(const Config& c, Sequence& seq, int64_t tokens, void* stream) {
   Tensor k = Tensor::contiguous(kv->data(), DType::bf16, {1, c.n_kv_heads, chunk, c.head_dim}, {DeviceType::cuda, 0});
   Tensor v = k;
   v.data = static_cast<uint16_t*>(kv->data()) + c.n_kv_heads * chunk * c.head_dim;
-  for (auto& cache : seq.device_cache) {
+  for (auto& cache : *seq.device_cache) {
     for (int64_t done = 0; done < tokens; done += chunk) {
       Tensor kk = k, vv = v;
       kk.shape[2] = vv.shape[2] = std::min(chunk, tokens - done);
-      CHECK(cache.append(0, kk, vv, stream));
+      CHECK(cache.append(seq.device_seq, kk, vv, stream));
     }
   }
   cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
@@ -161,13 +161,13 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
   const Config& c = m.config;
   Ops& ops = *m.ops;
   auto stream = static_cast<cudaStream_t>(ops.stream());
-  std::vector<Sequence> seqs;
-  for (int64_t b = 0; b < batch; ++b) {
-    auto seq = make_sequence(c, m.policy, ctx + n);
-    CHECK(seq.status());
-    seqs.push_back(std::move(seq.value()));
-    fill_cache(c, seqs.back(), ctx, stream);
-  }
+  // The batch's sequences made together: one device cache per layer, and QUEST's and LoSA's
+  // batched state, as the block loop makes them.
+  const std::vector<int64_t> max_tokens(static_cast<size_t>(batch), ctx + n);
+  auto made = make_sequences(c, m.policy, max_tokens);
+  CHECK(made.status());
+  std::vector<Sequence> seqs = std::move(made.value());
+  for (Sequence& seq : seqs) fill_cache(c, seq, ctx, stream);
   State s;
   s.ops = &ops;
   std::vector<int32_t> tokens(static_cast<size_t>(n));

@@ -410,50 +410,127 @@ class LosaAttention final : public SplitAttention {
   HostArray lse_;
 };
 
+// The device state of one layer's QUEST or LoSA, shared by the sequences made together
+// (make_sequences): the batched DevicePrefixAttention (made at the first block step), sequence i
+// its entry i, and the batched steps' log-sum-exp scratch.
+struct DeviceBatch {
+  int64_t size = 1;
+  std::unique_ptr<DevicePrefixAttention> state;
+  Scratch scratch;
+};
+
 // QUEST or LoSA on the cuda backend (sparsa/device_losa.h): the denoising steps of a block (the
 // chunk one bidirectional block of up to 64 tokens over a non-empty prefix) run the device step
 // over the engine's own paged cache — QUEST's pages for every row every step; LoSA's dense
 // first step, then QUEST for the top-K changed rows with the others' cached prefix output — and
 // merge the intra-block attention in the same launches. Prefill, commit and logits passes stay
-// exact (the base class), so on this backend QUEST selects on denoising steps only.
+// exact (the base class), so on this backend QUEST selects on denoising steps only. The block
+// steps of a batched forward's sequences run together: consecutive entries whose rows are
+// consecutive in the forward's scratch as one step_entries call, each entry in its own phase.
 class DevicePrefixMethod final : public SplitAttention {
  public:
-  DevicePrefixMethod(const AttentionPolicy& policy, const LosaOptions& o) : SplitAttention(policy), o_(o) {
+  DevicePrefixMethod(const AttentionPolicy& policy, const LosaOptions& o, std::shared_ptr<DeviceBatch> batch,
+                     int64_t entry)
+      : SplitAttention(policy), o_(o), batch_(std::move(batch)), entry_(entry) {
     o_.attention.backend = Backend::cuda;
     device_ = policy.device;
   }
 
+  const void* batch_state() const override { return batch_.get(); }
+
   Status forward(const AttentionCall& call) override {
-    const int64_t heads_q = call.q.shape[1], n = call.q.shape[2], hd = call.q.shape[3];
-    const bool block_step = call.step >= 0 && call.device_prefix != nullptr && call.pos0 > 0 &&
-                            (call.block_causal == 0 || call.block_causal >= n);
-    if (!block_step) return SplitAttention::forward(call);
-    if (!state_ || state_->config().block_size != n || state_->config().heads_q != heads_q) {
-      DeviceLosaConfig c{1, heads_q, call.k.shape[1], hd, n};
-      auto s = DevicePrefixAttention::create(c, o_, device_, call.q.dtype);
-      if (!s.ok()) {
-        return Status(s.status().code(),
-                      std::string(prefix_method_name(o_.method)) + " on cuda: " + s.status().message());
+    LayerAttention* self = this;
+    return forward_batch(std::span<LayerAttention* const>(&self, 1), std::span<const AttentionCall>(&call, 1));
+  }
+
+  // members: DevicePrefixMethods of this layer sharing batch_ (attend() groups them by batch_state).
+  Status forward_batch(std::span<LayerAttention* const> members, std::span<const AttentionCall> calls) override {
+    std::vector<size_t> steps;  // the members on a block step, in the given order
+    for (size_t i = 0; i < members.size(); ++i) {
+      auto* m = static_cast<DevicePrefixMethod*>(members[i]);
+      if (m->batch_.get() != batch_.get()) return Status(StatusCode::internal, "attention: a batch of another layer");
+      if (block_step(calls[i])) {
+        steps.push_back(i);
+      } else {
+        SPARSA_RETURN_IF_ERROR(m->SplitAttention::forward(calls[i]));
       }
-      state_ = std::make_unique<DevicePrefixAttention>(std::move(s).value());
     }
-    if (call.step == 0) state_->begin_block();
-    auto lse = scratch_.get(0, DType::f32, {1, heads_q, n}, call.q.device, options_.stream);
-    if (!lse.ok()) return lse.status();
-    return state_->step(*call.device_prefix, {call.device_seq}, call.q, call.k, call.v, call.out, lse.value(),
-                        options_.stream);
+    if (steps.empty()) return Status::Ok();
+    const AttentionCall& c0 = calls[steps[0]];
+    const int64_t heads_q = c0.q.shape[1], n = c0.q.shape[2], hd = c0.q.shape[3];
+    if (!batch_->state || batch_->state->config().block_size != n || batch_->state->config().heads_q != heads_q) {
+      DeviceLosaConfig dc{batch_->size, heads_q, c0.k.shape[1], hd, n};
+      auto made = DevicePrefixAttention::create(dc, o_, device_, c0.q.dtype);
+      if (!made.ok()) {
+        return Status(made.status().code(),
+                      std::string(prefix_method_name(o_.method)) + " on cuda: " + made.status().message());
+      }
+      batch_->state = std::make_unique<DevicePrefixAttention>(std::move(made).value());
+    }
+    DevicePrefixAttention* state = batch_->state.get();
+    auto entry_of = [&](size_t i) { return static_cast<DevicePrefixMethod*>(members[steps[i]])->entry_; };
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const AttentionCall& c = calls[steps[i]];
+      if (c.q.shape[2] != n || c.q.shape[1] != heads_q) {
+        return Status(StatusCode::internal, "attention: block steps of different shapes in one batch");
+      }
+      if (c.step == 0) state->begin_block(entry_of(i));
+    }
+    // Runs of entries e, e + 1, ... whose calls' rows follow each other in the scratch (one
+    // strided [count, heads, n, head_dim] view each) over one cache.
+    auto follows = [&](const AttentionCall& a, const AttentionCall& b) {
+      auto next = [](const Tensor& x, const Tensor& y) {
+        return static_cast<const std::byte*>(x.data) + x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype)) ==
+               static_cast<const std::byte*>(y.data);
+      };
+      return a.device_prefix == b.device_prefix && next(a.q, b.q) && next(a.k, b.k) && next(a.v, b.v) &&
+             next(a.out, b.out);
+    };
+    for (size_t r0 = 0; r0 < steps.size();) {
+      size_t r1 = r0 + 1;
+      while (r1 < steps.size() && entry_of(r1) == entry_of(r1 - 1) + 1 &&
+             follows(calls[steps[r1 - 1]], calls[steps[r1]])) {
+        ++r1;
+      }
+      const int64_t count = static_cast<int64_t>(r1 - r0);
+      const AttentionCall& first = calls[steps[r0]];
+      std::vector<int> seqs;
+      for (size_t i = r0; i < r1; ++i) seqs.push_back(calls[steps[i]].device_seq);
+      auto run = [&](Tensor t) {
+        t.shape[0] = count;
+        return t;
+      };
+      auto lse = batch_->scratch.get(0, DType::f32, {count, heads_q, n}, first.q.device, options_.stream);
+      if (!lse.ok()) return lse.status();
+      SPARSA_RETURN_IF_ERROR(state->step_entries(entry_of(r0), *first.device_prefix, seqs, run(first.q), run(first.k),
+                                                 run(first.v), run(first.out), lse.value(), options_.stream));
+      r0 = r1;
+    }
+    return Status::Ok();
+  }
+  // Entry `entry` of a batch of sequences made together (make_layer_attentions).
+  void join(std::shared_ptr<DeviceBatch> batch, int64_t entry) {
+    batch_ = std::move(batch);
+    entry_ = entry;
   }
   void on_commit() override {
-    if (state_) state_->begin_block();
+    if (batch_->state) batch_->state->begin_block(entry_);
   }
   void on_reset() override {
-    if (state_) state_->begin_block();
+    if (batch_->state) batch_->state->begin_block(entry_);
   }
 
  private:
+  static bool block_step(const AttentionCall& call) {
+    const int64_t n = call.q.shape[2];
+    return call.step >= 0 && call.device_prefix != nullptr && call.pos0 > 0 &&
+           (call.block_causal == 0 || call.block_causal >= n);
+  }
+
   LosaOptions o_;
   int device_ = 0;
-  std::unique_ptr<DevicePrefixAttention> state_;
+  std::shared_ptr<DeviceBatch> batch_;
+  int64_t entry_ = 0;
 };
 
 Status page_options(Params& p, PageSelectOptions* s, const std::string& where) {
@@ -544,7 +621,7 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
       LosaOptions o;
       o.method = PrefixMethod::quest;
       o.select = s;
-      return std::unique_ptr<LayerAttention>(new DevicePrefixMethod(policy, o));
+      return std::unique_ptr<LayerAttention>(new DevicePrefixMethod(policy, o, std::make_shared<DeviceBatch>(), 0));
     }
     return std::unique_ptr<LayerAttention>(new QuestAttention(policy, s));
   }
@@ -560,7 +637,9 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
       o.mse_threshold = t;
     }
     SPARSA_RETURN_IF_ERROR(p.done("budget, k, threshold, force_first, force_last"));
-    if (policy.backend == Backend::cuda) return std::unique_ptr<LayerAttention>(new DevicePrefixMethod(policy, o));
+    if (policy.backend == Backend::cuda) {
+      return std::unique_ptr<LayerAttention>(new DevicePrefixMethod(policy, o, std::make_shared<DeviceBatch>(), 0));
+    }
     return std::unique_ptr<LayerAttention>(new LosaAttention(policy, o));
   }
   return invalid_argument(where + ": unknown method '" + spec->name +
@@ -577,6 +656,27 @@ Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPoli
   auto method = make_method(policy, text, "attention (layer " + std::to_string(layer) + ")");
   if (!method.ok() || !policy.recorder || request < 0) return method;
   return policy.recorder->wrap(std::move(method).value(), layer, request, text);
+}
+
+Result<std::vector<std::unique_ptr<LayerAttention>>> make_layer_attentions(const AttentionPolicy& policy, int layer,
+                                                                           std::span<const int> requests) {
+  if (requests.empty() || static_cast<int64_t>(requests.size()) > kDeviceLosaMaxBatch) {
+    return invalid_argument("requests: expected 1 to " + std::to_string(kDeviceLosaMaxBatch) + " sequences, got " +
+                            std::to_string(requests.size()));
+  }
+  std::vector<std::unique_ptr<LayerAttention>> out;
+  for (int request : requests) {
+    auto a = make_layer_attention(policy, layer, request);
+    if (!a.ok()) return a.status();
+    out.push_back(std::move(a).value());
+  }
+  // The device prefix methods of the batch share one state, entry i for sequence i.
+  auto batch = std::make_shared<DeviceBatch>();
+  batch->size = static_cast<int64_t>(out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (auto* d = dynamic_cast<DevicePrefixMethod*>(out[i].get())) d->join(batch, static_cast<int64_t>(i));
+  }
+  return out;
 }
 
 Status expand_layer_methods(const std::vector<std::string>& overrides, int n_layers,

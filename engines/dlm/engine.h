@@ -173,6 +173,16 @@ class LayerAttention {
     (void)call;
     return std::optional<CallPlan>{};
   }
+  // Where a method steps several sequences together (QUEST and LoSA on the cuda backend), the
+  // state its sequences' objects share for one layer (nullptr: none). attend() hands the calls of
+  // a forward's chunks whose objects share one to forward_batch at once.
+  virtual const void* batch_state() const { return nullptr; }
+  // members[i]'s call calls[i], for members sharing this object's batch_state (this among them);
+  // the default runs each member's forward.
+  virtual Status forward_batch(std::span<LayerAttention* const> members, std::span<const AttentionCall> calls) {
+    for (size_t i = 0; i < members.size(); ++i) SPARSA_RETURN_IF_ERROR(members[i]->forward(calls[i]));
+    return Status::Ok();
+  }
   // The chunk's K/V were appended to the prefix cache (a block was committed).
   virtual void on_commit() {}
   // The prefix cache was emptied (prefix_cache refreshes it every block): drop cached state.
@@ -202,6 +212,11 @@ struct AttentionPolicy {
 // request >= 0 (a sequence's layers): wrapped by the policy's recorder, if any, as that request.
 Result<std::unique_ptr<LayerAttention>> make_layer_attention(const AttentionPolicy& policy, int layer,
                                                              int request = -1);
+// Layer `layer`'s methods for a batch of sequences made together (make_sequences), one per
+// request; on the cuda backend QUEST and LoSA objects share one device state, sequence i being
+// its entry i (at most kDeviceLosaMaxBatch sequences).
+Result<std::vector<std::unique_ptr<LayerAttention>>> make_layer_attentions(const AttentionPolicy& policy, int layer,
+                                                                           std::span<const int> requests);
 // "0,1,31=dense" entries into one method per layer ("" where the policy's method applies).
 Status expand_layer_methods(const std::vector<std::string>& overrides, int n_layers,
                             std::vector<std::string>* layer_methods);
@@ -268,17 +283,24 @@ Result<Weights> load_llada_weights(const Config& c, WeightSource& source);
 Result<Weights> load_sdar_weights(const Config& c, WeightSource& source);
 
 // One request: its KV cache of the prefix of positions [0, length) (one cache per layer: CPU
-// PagedKVCache, or on CUDA a DevicePagedKVCache holding this one sequence) and the per-layer
-// attention state.
+// PagedKVCache, or on CUDA a DevicePagedKVCache per layer shared by the sequences made together,
+// this one being its sequence device_seq) and the per-layer attention state.
 struct Sequence {
   std::vector<PagedKVCache> cache;
-  std::vector<DevicePagedKVCache> device_cache;
+  std::shared_ptr<std::vector<DevicePagedKVCache>> device_cache;
+  int device_seq = 0;
   std::vector<std::unique_ptr<LayerAttention>> attention;
   int64_t length() const;
 };
 // A sequence whose caches hold up to max_tokens tokens (the CUDA caches reserve them up front;
 // 0: no cache, for forwards that store nothing).
 Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy, int64_t max_tokens);
+// Sequences decoded together, sequence i holding up to max_tokens[i] tokens: on the cuda backend
+// each group of up to kDeviceLosaMaxBatch shares one device cache per layer and the layer
+// methods' batched state (make_layer_attentions), so that a batched forward steps the group's
+// chunks in one launch sequence per layer. On the cpu, max_tokens.size() make_sequence calls.
+Result<std::vector<Sequence>> make_sequences(const Config& c, const AttentionPolicy& policy,
+                                             std::span<const int64_t> max_tokens);
 Status reset_cache(const Config& c, Sequence& seq);  // empty caches, keep the attention objects
 
 // Scratch activations for chunks of up to `capacity` tokens (grown on demand): x the f32

@@ -34,14 +34,20 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
     std::vector<int64_t> schedule;
     bool finished = false;
   };
+  // The requests' sequences made together: their denoising steps share each layer's batched
+  // attention state where the method has one (make_sequences).
+  std::vector<int64_t> max_tokens;
+  for (const auto& prompt : prompts) {
+    max_tokens.push_back((static_cast<int64_t>(prompt.size()) + o.gen_len + B - 1) / B * B);
+  }
+  auto seqs = make_sequences(c, m.policy, max_tokens);
+  if (!seqs.ok()) return seqs.status();
   std::vector<Request> reqs;
   for (size_t r = 0; r < prompts.size(); ++r) {
     const int64_t p = static_cast<int64_t>(prompts[r].size());
-    const int64_t blocks = (p + o.gen_len + B - 1) / B;
-    auto seq = make_sequence(c, m.policy, blocks * B);
-    if (!seq.ok()) return seq.status();
+    const int64_t blocks = max_tokens[r] / B;
     reqs.push_back({Canvas(prompts[r], blocks * B, c.mask_token_id, o.seed, r),
-                    std::move(seq.value()),
+                    std::move(seqs.value()[r]),
                     p / B,
                     blocks,
                     0,

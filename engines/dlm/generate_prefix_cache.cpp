@@ -19,13 +19,14 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
   const int64_t steps_per_block = std::max<int64_t>(o.steps / blocks, 1);
   GenerateResult res;
   std::vector<Canvas> canvas;
-  std::vector<Sequence> seqs;
+  std::vector<int64_t> max_tokens;
   for (size_t r = 0; r < prompts.size(); ++r) {
     canvas.emplace_back(prompts[r], static_cast<int64_t>(prompts[r].size()) + o.gen_len, c.mask_token_id, o.seed, r);
-    auto seq = make_sequence(c, m.policy, static_cast<int64_t>(prompts[r].size()) + o.gen_len);
-    if (!seq.ok()) return seq.status();
-    seqs.push_back(std::move(seq.value()));
+    max_tokens.push_back(static_cast<int64_t>(prompts[r].size()) + o.gen_len);
   }
+  auto made = make_sequences(c, m.policy, max_tokens);  // made together: one device cache per layer
+  if (!made.ok()) return made.status();
+  std::vector<Sequence> seqs = std::move(made.value());
   State s;
   s.ops = m.ops.get();
   std::vector<float> logits(static_cast<size_t>(o.block_len * c.vocab_size));

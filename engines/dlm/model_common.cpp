@@ -95,8 +95,8 @@ namespace {
 // The cached length of one layer (the layers of a forward that stores K/V grow one by one).
 int64_t layer_length(const Sequence& seq, size_t layer) {
   if (layer < seq.cache.size()) return seq.cache[layer].length();
-  if (layer < seq.device_cache.size()) {
-    auto n = seq.device_cache[layer].length(0);
+  if (seq.device_cache && layer < seq.device_cache->size()) {
+    auto n = (*seq.device_cache)[layer].length(seq.device_seq);
     return n.ok() ? n.value() : 0;
   }
   return 0;
@@ -105,40 +105,70 @@ int64_t layer_length(const Sequence& seq, size_t layer) {
 
 int64_t Sequence::length() const { return layer_length(*this, 0); }
 
-Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy, int64_t max_tokens) {
-  Sequence seq;
-  if (policy.backend == Backend::cuda) {
-    if (max_tokens > 0) {
-      DeviceKVCacheConfig kc;
-      kc.heads_kv = c.n_kv_heads;
-      kc.head_dim = c.head_dim;
-      kc.page_size = 16;
-      kc.dtype = DType::bf16;
-      kc.pool_pages = (max_tokens + kc.page_size - 1) / kc.page_size;
-      kc.device = policy.device;
-      for (int64_t l = 0; l < c.n_layers; ++l) {
-        auto cache = DevicePagedKVCache::create(kc);
-        if (!cache.ok()) return cache.status();
-        auto id = cache->add_sequence(max_tokens);
-        if (!id.ok()) return id.status();
-        seq.device_cache.push_back(std::move(cache.value()));
+Result<std::vector<Sequence>> make_sequences(const Config& c, const AttentionPolicy& policy,
+                                             std::span<const int64_t> max_tokens) {
+  std::vector<Sequence> seqs(max_tokens.size());
+  const bool device = policy.backend == Backend::cuda;
+  // cuda: groups of up to kDeviceLosaMaxBatch sequences, each group one pool per layer.
+  const size_t group = device ? static_cast<size_t>(kDeviceLosaMaxBatch) : 1;
+  for (size_t g0 = 0; g0 < seqs.size(); g0 += group) {
+    const size_t g1 = std::min(seqs.size(), g0 + group);
+    if (device) {
+      // A group of sequences of 0 tokens has no cache (forwards that store nothing); in a group
+      // with others, such a sequence holds one page.
+      int64_t pages = 0;
+      bool any = false;
+      for (size_t i = g0; i < g1; ++i) {
+        if (max_tokens[i] < 0) return invalid_argument("max_tokens: expected >= 0, got " + std::to_string(max_tokens[i]));
+        any = any || max_tokens[i] > 0;
+        pages += std::max<int64_t>(1, (max_tokens[i] + 15) / 16);
       }
+      if (any) {
+        DeviceKVCacheConfig kc;
+        kc.heads_kv = c.n_kv_heads;
+        kc.head_dim = c.head_dim;
+        kc.page_size = 16;
+        kc.dtype = DType::bf16;
+        kc.pool_pages = pages;
+        kc.device = policy.device;
+        auto layers = std::make_shared<std::vector<DevicePagedKVCache>>();
+        for (int64_t l = 0; l < c.n_layers; ++l) {
+          auto cache = DevicePagedKVCache::create(kc);
+          if (!cache.ok()) return cache.status();
+          for (size_t i = g0; i < g1; ++i) {
+            auto id = cache->add_sequence(std::max<int64_t>(1, max_tokens[i]));  // sequence i is id i - g0
+            if (!id.ok()) return id.status();
+          }
+          layers->push_back(std::move(cache.value()));
+        }
+        for (size_t i = g0; i < g1; ++i) {
+          seqs[i].device_cache = layers;
+          seqs[i].device_seq = static_cast<int>(i - g0);
+        }
+      }
+    } else {
+      for (size_t i = g0; i < g1; ++i) SPARSA_RETURN_IF_ERROR(reset_cache(c, seqs[i]));
     }
-  } else {
-    SPARSA_RETURN_IF_ERROR(reset_cache(c, seq));
+    std::vector<int> requests;
+    for (size_t i = g0; i < g1; ++i) requests.push_back(policy.recorder ? policy.recorder->new_request() : -1);
+    for (int l = 0; l < c.n_layers; ++l) {
+      auto a = make_layer_attentions(policy, l, requests);
+      if (!a.ok()) return a.status();
+      for (size_t i = g0; i < g1; ++i) seqs[i].attention.push_back(std::move(a.value()[i - g0]));
+    }
   }
-  const int request = policy.recorder ? policy.recorder->new_request() : -1;
-  for (int l = 0; l < c.n_layers; ++l) {
-    auto a = make_layer_attention(policy, l, request);
-    if (!a.ok()) return a.status();
-    seq.attention.push_back(std::move(a.value()));
-  }
-  return seq;
+  return seqs;
+}
+
+Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy, int64_t max_tokens) {
+  auto seqs = make_sequences(c, policy, std::span<const int64_t>(&max_tokens, 1));
+  if (!seqs.ok()) return seqs.status();
+  return std::move(seqs.value()[0]);
 }
 
 Status reset_cache(const Config& c, Sequence& seq) {
-  if (!seq.device_cache.empty()) {
-    for (auto& cache : seq.device_cache) SPARSA_RETURN_IF_ERROR(cache.reset(0));
+  if (seq.device_cache) {
+    for (auto& cache : *seq.device_cache) SPARSA_RETURN_IF_ERROR(cache.reset(seq.device_seq));
   } else {
     seq.cache.clear();
     for (int64_t l = 0; l < c.n_layers; ++l) {
@@ -167,9 +197,9 @@ Tensor heads_view(void* data, DType dtype, Device device, int64_t n, int64_t hea
 }  // namespace
 
 namespace {
-// One chunk's attention (its rows from row0 of s.qkv and s.att), then its K/V append.
-Status attend_chunk(const Config& c, State& s, Sequence& seq, int layer, int64_t row0, int64_t n,
-                    const ForwardOptions& o) {
+// One chunk's attention call (its rows from row0 of s.qkv and s.att) over its sequence's cache.
+Status chunk_call(const Config& c, State& s, Sequence& seq, int layer, int64_t row0, int64_t n,
+                  const ForwardOptions& o, AttentionCall* out) {
   const DType act = s.ops->act_dtype();
   const Device dev = s.ops->device();
   const int64_t hd = c.head_dim, qd = c.n_heads * hd, kvd = c.n_kv_heads * hd, w = qkv_width(c);
@@ -190,38 +220,79 @@ Status attend_chunk(const Config& c, State& s, Sequence& seq, int layer, int64_t
       call.prefix_k = seq.cache[layer].keys();
       call.prefix_v = seq.cache[layer].values();
     }
-  } else if (!seq.device_cache.empty()) {
-    call.device_prefix = &seq.device_cache[layer];
+  } else if (seq.device_cache) {
+    const DevicePagedKVCache& cache = (*seq.device_cache)[layer];
+    call.device_prefix = &cache;
+    call.device_seq = seq.device_seq;
     if (call.pos0 > 0) {
-      auto k = seq.device_cache[layer].keys(0);
-      auto v = seq.device_cache[layer].values(0);
+      auto k = cache.keys(seq.device_seq);
+      auto v = cache.values(seq.device_seq);
       if (!k.ok()) return k.status();
       if (!v.ok()) return v.status();
       call.prefix_k = k.value();
       call.prefix_v = v.value();
     }
   }
-  SPARSA_RETURN_IF_ERROR(seq.attention[layer]->forward(call));
-  if (o.store_kv > 0) {
-    const int64_t m = o.store_kv;
-    const Tensor k = heads_view(qkv, act, dev, m, c.n_kv_heads, hd, w, qd);
-    const Tensor v = heads_view(qkv, act, dev, m, c.n_kv_heads, hd, w, qd + kvd);
-    if (!seq.cache.empty()) {
-      SPARSA_RETURN_IF_ERROR(seq.cache[layer].append(k, v));
-    } else if (!seq.device_cache.empty()) {
-      SPARSA_RETURN_IF_ERROR(seq.device_cache[layer].append(0, k, v, s.ops->stream()));
-    } else {
-      return Status(StatusCode::internal, "forward: store_kv on a sequence made without a cache");
-    }
-    seq.attention[layer]->on_commit();
+  *out = call;
+  return Status::Ok();
+}
+
+// After the layer's attention: the K/V of the chunk's first store_kv tokens appended to its cache.
+Status store_chunk(const Config& c, State& s, Sequence& seq, int layer, int64_t row0, const ForwardOptions& o) {
+  if (o.store_kv <= 0) return Status::Ok();
+  const DType act = s.ops->act_dtype();
+  const Device dev = s.ops->device();
+  const int64_t hd = c.head_dim, qd = c.n_heads * hd, kvd = c.n_kv_heads * hd, w = qkv_width(c);
+  void* qkv = static_cast<char*>(s.qkv) + row0 * w * dtype_size(act);
+  const int64_t m = o.store_kv;
+  const Tensor k = heads_view(qkv, act, dev, m, c.n_kv_heads, hd, w, qd);
+  const Tensor v = heads_view(qkv, act, dev, m, c.n_kv_heads, hd, w, qd + kvd);
+  if (!seq.cache.empty()) {
+    SPARSA_RETURN_IF_ERROR(seq.cache[layer].append(k, v));
+  } else if (seq.device_cache) {
+    SPARSA_RETURN_IF_ERROR((*seq.device_cache)[layer].append(seq.device_seq, k, v, s.ops->stream()));
+  } else {
+    return Status(StatusCode::internal, "forward: store_kv on a sequence made without a cache");
   }
+  seq.attention[layer]->on_commit();
   return Status::Ok();
 }
 }  // namespace
 
+// Every chunk's call first; the chunks whose layer methods share a batched state (batch_state)
+// then run together, in chunk order, the others alone; the K/V appends come last (each chunk's
+// attention reads its own sequence's cache only).
 Status attend(const Config& c, State& s, std::span<const Chunk> chunks, std::span<const ChunkRows> rows, int layer) {
+  std::vector<AttentionCall> calls(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
-    SPARSA_RETURN_IF_ERROR(attend_chunk(c, s, *chunks[i].seq, layer, rows[i].row0, rows[i].n, chunks[i].options));
+    SPARSA_RETURN_IF_ERROR(
+        chunk_call(c, s, *chunks[i].seq, layer, rows[i].row0, rows[i].n, chunks[i].options, &calls[i]));
+  }
+  std::vector<bool> done(chunks.size(), false);
+  std::vector<LayerAttention*> members;
+  std::vector<AttentionCall> member_calls;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (done[i]) continue;
+    LayerAttention* a = chunks[i].seq->attention[layer].get();
+    const void* shared = a->batch_state();
+    if (shared == nullptr) {
+      SPARSA_RETURN_IF_ERROR(a->forward(calls[i]));
+      continue;
+    }
+    members.clear();
+    member_calls.clear();
+    for (size_t j = i; j < chunks.size(); ++j) {
+      LayerAttention* b = chunks[j].seq->attention[layer].get();
+      if (!done[j] && b->batch_state() == shared) {
+        members.push_back(b);
+        member_calls.push_back(calls[j]);
+        done[j] = true;
+      }
+    }
+    SPARSA_RETURN_IF_ERROR(a->forward_batch(members, member_calls));
+  }
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    SPARSA_RETURN_IF_ERROR(store_chunk(c, s, *chunks[i].seq, layer, rows[i].row0, chunks[i].options));
   }
   return Status::Ok();
 }

@@ -99,8 +99,10 @@ class DevicePagedKVCache {
   std::vector<Sequence> sequences_;
 };
 
+inline constexpr int64_t kDeviceLosaMaxBatch = 64;  // the most sequences one DevicePrefixAttention steps
+
 struct DeviceLosaConfig {
-  int64_t batch = 1;       // sequences stepped together, 1 to 64
+  int64_t batch = 1;       // sequences stepped together, 1 to kDeviceLosaMaxBatch
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
   int64_t head_dim = 0;    // 64 or 128
@@ -119,17 +121,29 @@ class DevicePrefixAttention {
   // seqs[i] of `cache`. q [batch, heads_q, Bb, d]; k_block, v_block [batch, heads_kv, Bb, d] (the
   // blocks' own keys and values this step); out [batch, heads_q, Bb, d] (q's dtype) and lse f32
   // [batch, heads_q, Bb]: prefix + block. All on the state's device, in its dtype (lse f32).
+  // Each entry keeps its own place in its block: an entry on its block's first step takes LoSA's
+  // dense step while the others take sparse ones (a run of entries in one phase is one launch
+  // sequence).
   Status step(const DevicePagedKVCache& cache, const std::vector<int>& seqs, const Tensor& q, const Tensor& k_block,
               const Tensor& v_block, const Tensor& out, const Tensor& lse, void* stream = nullptr);
+  // The step of entries [first, first + seqs.size()) alone (requests of a batch that do not all
+  // step together: the others' state is untouched): the tensors hold those entries only
+  // ([seqs.size(), heads, Bb, d]). step() is step_entries(0, ...) over the whole batch.
+  Status step_entries(int64_t first, const DevicePagedKVCache& cache, const std::vector<int>& seqs, const Tensor& q,
+                      const Tensor& k_block, const Tensor& v_block, const Tensor& out, const Tensor& lse,
+                      void* stream = nullptr);
   // Appends every entry's finished block (k_block, v_block [batch, heads_kv, Bb, d]) to its
-  // sequence and makes the next step a first step.
+  // sequence and makes every entry's next step a first step.
   Status commit(DevicePagedKVCache& cache, const std::vector<int>& seqs, const Tensor& k_block, const Tensor& v_block,
                 void* stream = nullptr);
-  void begin_block() { steps_in_block_ = 0; }
+  // The next step of every entry, or of one, is its block's first.
+  void begin_block();
+  void begin_block(int64_t entry);
 
   const DeviceLosaConfig& config() const { return config_; }
   const LosaOptions& options() const { return options_; }
-  int64_t steps_in_block() const { return steps_in_block_; }
+  // Steps taken in its current block by entry `entry` (0 for an entry outside the batch).
+  int64_t steps_in_block(int64_t entry = 0) const;
   // The device state (after a block's first step): O_p [batch, heads_q, Bb, d] (q's dtype), L_p
   // f32 [batch, heads_q, Bb], Q_ref like O_p; the last step's active rows i32 [batch, Bb]
   // (ascending, the first active_counts[b] valid) and counts i32 [batch]; its page plan i32
@@ -149,7 +163,13 @@ class DevicePrefixAttention {
   LosaOptions options_{};
   int device_ = 0;
   DType dtype_ = DType::bf16;
-  int64_t steps_in_block_ = 0;
+  // The launches of entries [first, first + count), all on a first step or all not (tensors and
+  // seqs of those entries alone).
+  Status run_entries(int64_t first, int64_t count, bool first_step, const DevicePagedKVCache& cache,
+                     const std::vector<int>& seqs, const Tensor& q, const Tensor& k_block, const Tensor& v_block,
+                     const Tensor& out, const Tensor& lse, void* stream);
+
+  std::vector<int64_t> steps_in_block_;  // per entry
   int64_t capacity_ = 0;  // budget / page_size
   DeviceArray o_p_, l_p_, q_ref_, active_, active_counts_, plan_pages_, plan_counts_;
   DeviceArray mse_;         // f64 [batch, Bb] as i32 pairs: the rows' query change

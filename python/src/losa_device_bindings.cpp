@@ -159,8 +159,8 @@ void bind_losa_device(nb::module_& m) {
             check_status(s.commit(cache, seqs, tk, tv, reinterpret_cast<void*>(stream)));
           },
           "cache"_a, "seqs"_a, "k_block"_a, "v_block"_a, "stream"_a = 0)
-      .def("begin_block", &DevicePrefixAttention::begin_block)
-      .def_prop_ro("steps_in_block", &DevicePrefixAttention::steps_in_block)
+      .def("begin_block", [](DevicePrefixAttention& s) { s.begin_block(); })
+      .def_prop_ro("steps_in_block", [](const DevicePrefixAttention& s) { return s.steps_in_block(0); })
       .def("o_p", [](const DevicePrefixAttention& s) { return owned_device_array(s.o_p()); })
       .def("l_p", [](const DevicePrefixAttention& s) { return owned_device_array(s.l_p()); })
       .def("q_ref", [](const DevicePrefixAttention& s) { return owned_device_array(s.q_ref()); })

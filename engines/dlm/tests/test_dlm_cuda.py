@@ -233,3 +233,18 @@ def test_cuda_prefix_methods_at_a_real_budget_run_deterministically(sparsa_bin, 
     assert all(0 <= t < 64 for g in batch for t in g)
     assert [generate_ids(sparsa_bin, ds, [p], "cuda", *flags)[0] for p in LONG_PROMPTS] == batch
     assert generate_ids(sparsa_bin, ds, LONG_PROMPTS, "cuda", *flags) == batch
+
+
+@pytest.mark.parametrize("method", ["quest:budget=16", "losa:budget=16,k=1"])
+def test_cuda_prefix_methods_batch_requests_out_of_step(sparsa_bin, cuda_ok, models, method):
+    """Three requests of different prompt lengths decoded with a confidence threshold: each
+    finishes its blocks after its own number of steps, so the batched device step sees entries
+    idle (committing a block) beside entries stepping, and entries on a block's first step beside
+    entries mid-block. Each request gets what it gets alone."""
+    _, ds = models
+    prompts = LONG_PROMPTS + [[(13 * i + 1) % 60 for i in range(58)]]
+    flags = ["--loop", "block", "--gen-len", 16, "--steps", 4, "--threshold", 0.2, "--no-stop-at-eos",
+             "--attention", method]
+    batch = generate_ids(sparsa_bin, ds, prompts, "cuda", *flags)
+    assert [len(g) for g in batch] == [16, 16, 16]
+    assert [generate_ids(sparsa_bin, ds, [p], "cuda", *flags)[0] for p in prompts] == batch

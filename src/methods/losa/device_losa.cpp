@@ -12,6 +12,8 @@
 
 namespace sparsa {
 
+static_assert(kDeviceLosaMaxBatch == losa_cuda::kMaxBatch, "one batch limit");
+
 namespace {
 
 std::string str(int64_t x) { return std::to_string(x); }
@@ -36,13 +38,15 @@ Status check_device_tensor(const char* name, const Tensor& t, int device, DType 
   return detail::check_shape(name, t, shape);
 }
 
-// Batch entry b of t, as a batch of one (a view).
-Tensor entry(const Tensor& t, int64_t b) {
+// Batch entries [b, b + count) of t (a view).
+Tensor entries(const Tensor& t, int64_t b, int64_t count) {
   Tensor e = t;
   e.data = static_cast<std::byte*>(t.data) + b * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
-  e.shape[0] = 1;
+  e.shape[0] = count;
   return e;
 }
+// Batch entry b of t, as a batch of one.
+Tensor entry(const Tensor& t, int64_t b) { return entries(t, b, 1); }
 
 }  // namespace
 
@@ -241,6 +245,7 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   SPARSA_RETURN_IF_ERROR(check_device("device", device));
   DevicePrefixAttention pa;
   pa.config_ = c;
+  pa.steps_in_block_.assign(static_cast<size_t>(c.batch), 0);
   pa.options_ = o;
   pa.device_ = device;
   pa.dtype_ = dtype;
@@ -267,6 +272,17 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
                                    const Tensor& k_block, const Tensor& v_block, const Tensor& out, const Tensor& lse,
                                    void* stream) {
   if (o_p_.empty()) return invalid_argument("DevicePrefixAttention: not created (use DevicePrefixAttention::create)");
+  if (static_cast<int64_t>(seqs.size()) != config_.batch) {
+    return invalid_argument("seqs: expected " + str(config_.batch) + " sequence ids (the batch), got " +
+                            str(seqs.size()));
+  }
+  return step_entries(0, cache, seqs, q, k_block, v_block, out, lse, stream);
+}
+
+Status DevicePrefixAttention::step_entries(int64_t first, const DevicePagedKVCache& cache,
+                                           const std::vector<int>& seqs, const Tensor& q, const Tensor& k_block,
+                                           const Tensor& v_block, const Tensor& out, const Tensor& lse, void* stream) {
+  if (o_p_.empty()) return invalid_argument("DevicePrefixAttention: not created (use DevicePrefixAttention::create)");
   const DeviceKVCacheConfig& cc = cache.config();
   const int64_t B = config_.batch, H = config_.heads_q, Hkv = config_.heads_kv, Bb = config_.block_size,
                 D = config_.head_dim;
@@ -275,14 +291,19 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
                             " on cuda:" + str(device_) + ", got " + str(cc.heads_kv) + ", " + str(cc.head_dim) + ", " +
                             dtype_name(cc.dtype) + " on cuda:" + str(cc.device));
   }
-  if (static_cast<int64_t>(seqs.size()) != B) {
-    return invalid_argument("seqs: expected " + str(B) + " sequence ids (the batch), got " + str(seqs.size()));
+  if (first < 0 || first >= B) {
+    return invalid_argument("first: expected an entry of the batch in [0, " + str(B) + "), got " + str(first));
   }
-  SPARSA_RETURN_IF_ERROR(check_device_tensor("q", q, device_, dtype_, {B, H, Bb, D}));
-  SPARSA_RETURN_IF_ERROR(check_device_tensor("k_block", k_block, device_, dtype_, {B, Hkv, Bb, D}));
-  SPARSA_RETURN_IF_ERROR(check_device_tensor("v_block", v_block, device_, dtype_, {B, Hkv, Bb, D}));
-  SPARSA_RETURN_IF_ERROR(check_device_tensor("out", out, device_, dtype_, {B, H, Bb, D}));
-  SPARSA_RETURN_IF_ERROR(detail::check_shape("lse", lse, {B, H, Bb}));
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  if (n < 1 || first + n > B) {
+    return invalid_argument("seqs: expected 1 to " + str(B - first) + " sequence ids (entries " + str(first) +
+                            " onward of a batch of " + str(B) + "), got " + str(n));
+  }
+  SPARSA_RETURN_IF_ERROR(check_device_tensor("q", q, device_, dtype_, {n, H, Bb, D}));
+  SPARSA_RETURN_IF_ERROR(check_device_tensor("k_block", k_block, device_, dtype_, {n, Hkv, Bb, D}));
+  SPARSA_RETURN_IF_ERROR(check_device_tensor("v_block", v_block, device_, dtype_, {n, Hkv, Bb, D}));
+  SPARSA_RETURN_IF_ERROR(check_device_tensor("out", out, device_, dtype_, {n, H, Bb, D}));
+  SPARSA_RETURN_IF_ERROR(detail::check_shape("lse", lse, {n, H, Bb}));
   SPARSA_RETURN_IF_ERROR(detail::check_dtype("lse", lse, DType::f32));
   if (!(lse.device == Device{DeviceType::cuda, device_})) {
     return invalid_argument("lse: expected a tensor on cuda:" + str(device_) + ", got " + device_name(lse.device));
@@ -293,38 +314,24 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
        keep < int64_t{options_.select.force_first} + int64_t{options_.select.force_last})) {
     SPARSA_RETURN_IF_ERROR(validate(options_.select, cc.page_size));
   }
-
-  losa_cuda::StepArgs a;
-  a.pool = {cc.dtype,          cc.device,         cc.heads_kv,        cc.head_dim,       cc.pool_pages,
-            cc.page_size,      cache.pool_keys().data(), cache.pool_values().data(), cache.pool_min().data(),
-            cache.pool_max().data()};
-  a.stream = stream;
-  a.batch = B;
-  a.heads_q = H;
-  a.block = Bb;
   int64_t max_pages = 0;
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < n; ++b) {
     auto s = cache.sequence(seqs[b]);
     if (!s.ok()) return Status(s.status().code(), "seqs[" + str(b) + "]: " + s.status().message());
     for (int64_t c = 0; c < b; ++c) {
       if (seqs[c] == seqs[b]) return invalid_argument("seqs: sequence " + str(seqs[b]) + " appears twice in the batch");
     }
-    a.seqs[b] = {s->first_page, s->length};
     max_pages = std::max(max_pages, (s->length + cc.page_size - 1) / cc.page_size);
   }
-  a.q = q;
-  a.k_block = k_block;
-  a.v_block = v_block;
-  a.out = out;
-  a.lse = lse;
-  a.scale = options_.attention.scale.value_or(1.0f / std::sqrt(static_cast<float>(D)));
-  const bool first = steps_in_block_ == 0;
   const PrefixMethod m = options_.method;
-  const bool dense_prefix = m == PrefixMethod::dense || (m == PrefixMethod::losa && first);
+  auto dense_prefix = [&](int64_t e) { return m == PrefixMethod::dense || (m == PrefixMethod::losa && steps_in_block_[e] == 0); };
 
-  // The page plan and the candidates' scratch, sized before any launch (grown only when a longer
-  // prefix or another page size comes: a step captured in a graph then allocates nothing).
-  if (!dense_prefix) {
+  // The page plan and the candidates' scratch (for the whole batch), sized before any launch
+  // (grown only when a longer prefix or another page size comes: a step captured in a graph then
+  // allocates nothing).
+  bool any_sparse = false;
+  for (int64_t b = 0; b < n; ++b) any_sparse = any_sparse || !dense_prefix(first + b);
+  if (any_sparse) {
     if (capacity_ != keep || plan_pages_.empty()) {
       auto pages = DeviceArray::allocate(DType::i32, {B, H, Bb, std::max<int64_t>(keep, 1)},
                                          Device{DeviceType::cuda, device_}, true, stream);
@@ -343,47 +350,100 @@ Status DevicePrefixAttention::step(const DevicePagedKVCache& cache, const std::v
       candidate_tiles_ = tiles;
     }
   }
-  a.o_p = o_p_.data();
-  a.l_p = l_p_.ptr<float>();
-  a.q_ref = q_ref_.data();
-  a.active = active_.ptr<int32_t>();
-  a.active_counts = active_counts_.ptr<int32_t>();
-  a.plan_pages = plan_pages_.empty() ? nullptr : plan_pages_.ptr<int32_t>();
-  a.plan_counts = plan_counts_.ptr<int32_t>();
+  // Runs of consecutive entries in one phase (their block's first step or not): one launch
+  // sequence each.
+  for (int64_t r0 = 0; r0 < n;) {
+    const bool phase = dense_prefix(first + r0);
+    int64_t r1 = r0 + 1;
+    while (r1 < n && dense_prefix(first + r1) == phase) ++r1;
+    const std::vector<int> run_seqs(seqs.begin() + r0, seqs.begin() + r1);
+    SPARSA_RETURN_IF_ERROR(run_entries(first + r0, r1 - r0, steps_in_block_[first + r0] == 0, cache, run_seqs,
+                                       entries(q, r0, r1 - r0), entries(k_block, r0, r1 - r0),
+                                       entries(v_block, r0, r1 - r0), entries(out, r0, r1 - r0),
+                                       entries(lse, r0, r1 - r0), stream));
+    r0 = r1;
+  }
+  for (int64_t b = 0; b < n; ++b) ++steps_in_block_[first + b];
+  return {};
+}
+
+Status DevicePrefixAttention::run_entries(int64_t first, int64_t count, bool first_step,
+                                          const DevicePagedKVCache& cache, const std::vector<int>& seqs,
+                                          const Tensor& q, const Tensor& k_block, const Tensor& v_block,
+                                          const Tensor& out, const Tensor& lse, void* stream) {
+  const DeviceKVCacheConfig& cc = cache.config();
+  const int64_t B = config_.batch, D = config_.head_dim;
+  // Entry `first` of a state array laid out [batch, ...]: the runs' arrays start there.
+  auto at = [&](const DeviceArray& a) -> void* {
+    return a.empty() ? nullptr : static_cast<std::byte*>(a.data()) + a.nbytes() / static_cast<size_t>(B) * first;
+  };
+  losa_cuda::StepArgs a;
+  a.pool = {cc.dtype,          cc.device,         cc.heads_kv,        cc.head_dim,       cc.pool_pages,
+            cc.page_size,      cache.pool_keys().data(), cache.pool_values().data(), cache.pool_min().data(),
+            cache.pool_max().data()};
+  a.stream = stream;
+  a.batch = count;
+  a.heads_q = config_.heads_q;
+  a.block = config_.block_size;
+  for (int64_t b = 0; b < count; ++b) {
+    auto s = cache.sequence(seqs[b]);
+    if (!s.ok()) return s.status();
+    a.seqs[b] = {s->first_page, s->length};
+  }
+  a.q = q;
+  a.k_block = k_block;
+  a.v_block = v_block;
+  a.out = out;
+  a.lse = lse;
+  a.scale = options_.attention.scale.value_or(1.0f / std::sqrt(static_cast<float>(D)));
+  const PrefixMethod m = options_.method;
+  const bool dense_prefix = m == PrefixMethod::dense || (m == PrefixMethod::losa && first_step);
+  a.o_p = at(o_p_);
+  a.l_p = static_cast<float*>(at(l_p_));
+  a.q_ref = at(q_ref_);
+  a.active = static_cast<int32_t*>(at(active_));
+  a.active_counts = static_cast<int32_t*>(at(active_counts_));
+  a.plan_pages = static_cast<int32_t*>(at(plan_pages_));
+  a.plan_counts = static_cast<int32_t*>(at(plan_counts_));
   a.capacity = capacity_;
-  a.candidates = candidates_.empty() ? nullptr : static_cast<uint64_t*>(candidates_.data());
+  a.candidates = static_cast<uint64_t*>(at(candidates_));
   a.candidate_tiles = candidate_tiles_;
-  a.mse = static_cast<double*>(mse_.data());
-  a.all_rows = first || m != PrefixMethod::losa;
+  a.mse = static_cast<double*>(at(mse_));
+  a.all_rows = first_step || m != PrefixMethod::losa;
   a.active_k = options_.active_k;
   a.use_threshold = options_.mse_threshold.has_value();
   a.threshold = options_.mse_threshold.value_or(0.0);
   a.force_first = options_.select.force_first;
   a.force_last = options_.select.force_last;
 
-  if (dense_prefix) {
-    // Every row, through the dense executor (split-KV for a long prefix), into O_p and L_p.
-    SPARSA_RETURN_IF_ERROR(losa_cuda::dense_rows(a));
-    AttentionOptions ao;
-    ao.backend = Backend::cuda;
-    ao.scale = a.scale;
-    ao.stream = stream;
-    for (int64_t b = 0; b < B; ++b) {
-      if (a.seqs[b].length == 0) continue;  // no prefix: block_merge takes the block alone
-      const Tensor qb = entry(q, b);
-      const Tensor ob = entry(o_p_.view(), b), lb = entry(l_p_.view(), b);
-      // The prefix read in place: the sequence's run of pages as one strided view.
-      auto kb = cache.keys(seqs[b]), vb = cache.values(seqs[b]);
-      if (!kb.ok()) return kb.status();
-      if (!vb.ok()) return vb.status();
-      SPARSA_RETURN_IF_ERROR(dense(qb, kb.value(), vb.value(), ob, lb, ao));
-    }
-    SPARSA_RETURN_IF_ERROR(losa_cuda::block_merge(a));
-  } else {
-    SPARSA_RETURN_IF_ERROR(losa_cuda::sparse_step(a));
+  if (!dense_prefix) return losa_cuda::sparse_step(a);
+  // Every row, through the dense executor (split-KV for a long prefix), into O_p and L_p.
+  SPARSA_RETURN_IF_ERROR(losa_cuda::dense_rows(a));
+  AttentionOptions ao;
+  ao.backend = Backend::cuda;
+  ao.scale = a.scale;
+  ao.stream = stream;
+  for (int64_t b = 0; b < count; ++b) {
+    if (a.seqs[b].length == 0) continue;  // no prefix: block_merge takes the block alone
+    const Tensor qb = entry(q, b);
+    const Tensor ob = entry(o_p_.view(), first + b), lb = entry(l_p_.view(), first + b);
+    // The prefix read in place: the sequence's run of pages as one strided view.
+    auto kb = cache.keys(seqs[b]), vb = cache.values(seqs[b]);
+    if (!kb.ok()) return kb.status();
+    if (!vb.ok()) return vb.status();
+    SPARSA_RETURN_IF_ERROR(dense(qb, kb.value(), vb.value(), ob, lb, ao));
   }
-  ++steps_in_block_;
-  return {};
+  return losa_cuda::block_merge(a);
+}
+
+void DevicePrefixAttention::begin_block() { std::fill(steps_in_block_.begin(), steps_in_block_.end(), 0); }
+
+void DevicePrefixAttention::begin_block(int64_t entry) {
+  if (entry >= 0 && entry < static_cast<int64_t>(steps_in_block_.size())) steps_in_block_[entry] = 0;
+}
+
+int64_t DevicePrefixAttention::steps_in_block(int64_t entry) const {
+  return entry >= 0 && entry < static_cast<int64_t>(steps_in_block_.size()) ? steps_in_block_[entry] : 0;
 }
 
 Status DevicePrefixAttention::commit(DevicePagedKVCache& cache, const std::vector<int>& seqs, const Tensor& k_block,
@@ -409,7 +469,7 @@ Status DevicePrefixAttention::commit(DevicePagedKVCache& cache, const std::vecto
   for (int64_t b = 0; b < B; ++b) {
     SPARSA_RETURN_IF_ERROR(cache.append(seqs[b], entry(k_block, b), entry(v_block, b), stream));
   }
-  steps_in_block_ = 0;
+  begin_block();
   return {};
 }
 

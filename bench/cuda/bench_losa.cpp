@@ -203,14 +203,17 @@ double split_kv_ms(const DevicePagedKVCache& cache, int seq) {
 }  // namespace
 
 // --one: only LoSA at 64K (budget 256, K 4) for a few steps: the run to profile (ncu).
+// --one-batch: the same for a batch of 8 sequences of 64K each (the engine's batch-8 step).
 int main(int argc, char** argv) {
-  const bool one = argc > 1 && std::string(argv[1]) == "--one";
+  const bool one_batch = argc > 1 && std::string(argv[1]) == "--one-batch";
+  const bool one = one_batch || (argc > 1 && std::string(argv[1]) == "--one");
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   std::printf("LoSA / QUEST / dense prefix attention on the device (%s): 32/8 heads, d 128, bf16, block 16, "
               "pages of 16; median step time after a block's first\n",
               prop.name);
-  const std::vector<int64_t> lengths = one ? std::vector<int64_t>{32768, 65536}
+  const std::vector<int64_t> lengths = one_batch ? std::vector<int64_t>(9, 65536)
+                                       : one     ? std::vector<int64_t>{32768, 65536}
                                            : std::vector<int64_t>{32768, 65536, 131072, 8192, 16384, 24576, 40960,
                                                                   49152, 57344};
   int64_t pages = 0;
@@ -230,6 +233,12 @@ int main(int argc, char** argv) {
     CHECK(cache->append(ids[i], k.view(), v.view()));
   }
   cudaDeviceSynchronize();
+  if (one_batch) {
+    const std::vector<int> batch(ids.begin() + 1, ids.end());
+    const StepTime r = run(*cache, batch, std::vector<int64_t>(8, 65536), PrefixMethod::losa, 256, 4, 3);
+    std::printf("losa, batch of 8 at 64K: %.1f us\n", r.ms * 1e3);
+    return 0;
+  }
   if (one) {
     const StepTime r = run(*cache, {ids[1]}, {lengths[1]}, PrefixMethod::losa, 256, 4, 3);
     std::printf("losa at 64K: %.1f us\n", r.ms * 1e3);

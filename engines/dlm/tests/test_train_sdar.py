@@ -14,6 +14,7 @@ round at ~sqrt(K)·2^-24 ≈ 1e-6, amplified ~10-30x by two layers of norms and 
 holds with margin, while the negative control (a bidirectional canvas instead of the
 block-causal one) moves the logits by far more."""
 import json
+import math
 import os
 import random
 import subprocess
@@ -350,6 +351,9 @@ def test_probe_reports_both_views_of_copy_and_needle_answers(trained, sparsa_bin
         assert all(v["tokens"] > 0 and np.isfinite(v["ce"]) and 0 <= v["accuracy"] <= 1 for v in kind.values())
     # 30 steps on needles cannot copy 16-96 random tokens: at or above the uniform guess's CE
     assert rep["kinds"]["copy"]["all"]["ce"] > 0.8 * rep["chance_ce"]
+    bag = rep["kv_bag"]  # the key-value answers' bag baseline, over the tokens the views score
+    assert bag["tokens"] == rep["kinds"]["kv digits"]["all"]["tokens"]
+    assert np.isfinite(bag["ce"]) and bag["ce"] > 0 and 0 < bag["accuracy"] < 1
     with pytest.raises(SystemExit, match="does not fit"):
         T.main(["probe", "--run", trained, "--sparsa", sparsa_bin, "--task", "cwe", "--length", "64"])
 
@@ -856,3 +860,19 @@ def test_probe_all_view_masks_one_answer_block_at_a_time():
     got = T.answer_scores(model, [(32, prompt, target, 16)], c, 4)["all"]
     want, n = expected(target, [(0, 16)])
     assert got["tokens"] == n and abs(got["ce"] - want) < 1e-5
+
+
+def test_bag_scores_are_the_prompts_number_frequencies():
+    """bag_scores: each scored answer token predicted from the prompt's tokens in `only` as a
+    bag: CE of their frequencies (an absent token as half an occurrence), right for the most
+    frequent, a tie's credit shared. Tokens outside `only` and the EOS are not scored."""
+    only = {5, 7, 9, 11}
+    prompt = [1, 5, 2, 5, 3, 7]  # bag {5: 2, 7: 1} of 3
+    target = [4, 5, 7, 9, 99]    # 4: not scored; 99: the EOS
+    got = T.bag_scores([(16, prompt, target, 8)], only)
+    want_ce = (-math.log(2 / 3) - math.log(1 / 3) - math.log(0.5 / 3)) / 3
+    assert got["tokens"] == 3
+    assert abs(got["ce"] - want_ce) < 1e-12 and abs(got["accuracy"] - 1 / 3) < 1e-12
+    tie = T.bag_scores([(16, [5, 7], [7, 99], 8)], only)  # 5 and 7 tie: half the credit
+    assert tie["tokens"] == 1 and abs(tie["accuracy"] - 0.5) < 1e-12 and abs(tie["ce"] - math.log(2)) < 1e-12
+    assert T.bag_scores([(16, [1, 2], [5, 99], 8)], only)["tokens"] == 0  # no number in the prompt: skipped

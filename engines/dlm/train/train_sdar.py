@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -1186,6 +1187,29 @@ def answer_scores(model, items, c, one_positions, only=None):
     return out
 
 
+def bag_scores(items, only):
+    """What a model that reads the prompt's values but matches no key reaches, over the tokens
+    answer_scores scores with `only`: each answer token in `only` predicted from the prompt's
+    tokens in `only` taken as a bag: CE of the bag's frequencies (a token absent from it counted as
+    half an occurrence), and right when it is the bag's most frequent (a tie's credit shared among
+    the tied). For key-value samples with one-token values this is the pairs' bag exactly; for
+    values of several tokens, the prompt's frequencies of those tokens."""
+    ce = right = n = 0
+    for item in items:
+        prompt, target = item[1], item[2]
+        bag = Counter(t for t in prompt if t in only)
+        if not bag:
+            continue
+        total, top = sum(bag.values()), max(bag.values())
+        modes = [t for t, k in bag.items() if k == top]
+        for t in target[:-1]:  # the target without its EOS, as answer_scores
+            if t in only:
+                ce += -math.log(max(bag[t], 0.5) / total)
+                right += (t in modes) / len(modes)
+                n += 1
+    return {"ce": ce / max(n, 1), "accuracy": right / max(n, 1), "tokens": n}
+
+
 def cmd_probe(a):
     """Does the run's model copy and retrieve yet? answer_scores on copy samples and on a
     needle task, from the checkpoint, on the CPU (a minute at 256-512 tokens)."""
@@ -1219,7 +1243,8 @@ def cmd_probe(a):
     digits = number_tokens(tok)
     report = {"run": a.run, "chance_ce": math.log(c.vocab_size), "length": a.length,
               "kinds": {k: answer_scores(model, v, c, a.one_positions, digits if k == "kv digits" else None)
-                        for k, v in kinds.items()}}
+                        for k, v in kinds.items()},
+              "kv_bag": bag_scores(kinds["kv digits"], digits)}
     if a.json:
         print(json.dumps(report, indent=1))
         return
@@ -1228,6 +1253,9 @@ def cmd_probe(a):
     for k, r in report["kinds"].items():
         for mode, v in r.items():
             print(f"  {k:16s} {mode:3s}  CE {v['ce']:.3f}  argmax right {v['accuracy']:6.1%}  ({v['tokens']} tokens)")
+    v = report["kv_bag"]
+    print(f"  {'kv digits':16s} bag  CE {v['ce']:.3f}  argmax right {v['accuracy']:6.1%}  ({v['tokens']} tokens: "
+          f"the prompt's numbers as a bag, what reading values without matching keys reaches)")
 
 
 def cmd_export(a):

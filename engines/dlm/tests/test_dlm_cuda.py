@@ -248,3 +248,16 @@ def test_cuda_prefix_methods_batch_requests_out_of_step(sparsa_bin, cuda_ok, mod
     batch = generate_ids(sparsa_bin, ds, prompts, "cuda", *flags)
     assert [len(g) for g in batch] == [16, 16, 16]
     assert [generate_ids(sparsa_bin, ds, [p], "cuda", *flags)[0] for p in prompts] == batch
+
+
+def test_cuda_more_requests_than_one_device_batch(sparsa_bin, cuda_ok, models):
+    """66 requests: the device caches and LoSA's batched state take 64 sequences a group
+    (kDeviceLosaMaxBatch), so the batch is two groups; requests on both sides of the boundary get
+    what they get alone."""
+    _, ds = models
+    prompts = [[(5 * i + 3 * r) % 60 for i in range(20 + r % 17)] for r in range(66)]
+    flags = ["--loop", "block", "--gen-len", 8, "--steps", 2, "--no-stop-at-eos", "--attention", "losa:budget=16,k=1"]
+    batch = generate_ids(sparsa_bin, ds, prompts, "cuda", *flags)
+    assert [len(g) for g in batch] == [8] * 66
+    for r in (0, 63, 64, 65):
+        assert generate_ids(sparsa_bin, ds, [prompts[r]], "cuda", *flags)[0] == batch[r], r

@@ -154,3 +154,14 @@ def test_bad_specs_are_one_clear_error(sparsa_bin, llada, flags, words):
     assert p.returncode != 0
     for word in words:
         assert word in p.stderr, p.stderr
+
+
+def test_many_requests_with_a_prefix_method(sparsa_bin, sdar):
+    """66 requests made together (make_sequences) with LoSA: each gets what it gets alone."""
+    s, w, d = sdar
+    prompts = [[(5 * i + 3 * r) % 60 for i in range(20 + r % 17)] for r in range(66)]
+    flags = ["--loop", "block", "--gen-len", 8, "--steps", 2, "--no-stop-at-eos", "--attention", "losa:budget=16,k=1"]
+    batch = generate_ids(sparsa_bin, d, prompts, *flags)
+    assert [len(g) for g in batch] == [8] * 66
+    for r in (0, 63, 64, 65):
+        assert generate_ids(sparsa_bin, d, [prompts[r]], *flags)[0] == batch[r], r

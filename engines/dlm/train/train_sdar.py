@@ -81,7 +81,9 @@ LLAMA3_SPLIT = QWEN_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")  # numbers in run
 # over a haystack of values and copying it needs the two or three digits before it; with
 # triples, a value is 3 tokens from ~1,110 and each run is nearly unique in a context, so one
 # visible run finds the next by plain induction, the circuit the second H200 run did learn on
-# unique tokens (docs/eval.md).
+# unique tokens. On the key-value drill the value vocabulary decided it: with one-digit values
+# (ten tokens) the key match formed in about 3,000 steps, with three-digit ones (a thousand, each
+# to be copied to the output token by token first) not in 7,662 (docs/eval.md).
 NUMBER_SPLITS = {"digits": QWEN_SPLIT, "triples": LLAMA3_SPLIT}
 
 

@@ -298,7 +298,7 @@ Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy, i
 // Sequences decoded together, sequence i holding up to max_tokens[i] tokens: on the cuda backend
 // each group of up to kDeviceLosaMaxBatch shares one device cache per layer and the layer
 // methods' batched state (make_layer_attentions), so that a batched forward steps the group's
-// chunks in one launch sequence per layer. On the cpu, max_tokens.size() make_sequence calls.
+// chunks in one launch sequence per layer. On the cpu the sequences share nothing.
 Result<std::vector<Sequence>> make_sequences(const Config& c, const AttentionPolicy& policy,
                                              std::span<const int64_t> max_tokens);
 Status reset_cache(const Config& c, Sequence& seq);  // empty caches, keep the attention objects

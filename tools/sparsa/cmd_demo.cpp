@@ -1,10 +1,12 @@
 // `sparsa demo`: every demo method on the embedded default workload, against dense.
 #include <cmath>
+#include <filesystem>
 #include <iostream>
 #include <limits>
 
 #include <nlohmann/json.hpp>
 
+#include "cmd_eval_model.h"
 #include "cmd_trace.h"
 #include "commands.h"
 #include "common.h"
@@ -42,6 +44,14 @@ Outcome cmd_demo(const DemoOptions& o) {
   if (o.threads < 0 || o.threads > kMaxThreads) {
     return usage_error(invalid_argument("--threads: expected an integer in [0, " + std::to_string(kMaxThreads) +
                                         "] (0 = all cores), got " + std::to_string(o.threads)));
+  }
+  if (o.model_length < 1 || o.model_length > (1 << 20)) {
+    return usage_error(invalid_argument("--model-length: expected an integer in [1, " + std::to_string(1 << 20) +
+                                        "], got " + std::to_string(o.model_length)));
+  }
+  if (o.model_samples < 1 || o.model_samples > 1000) {
+    return usage_error(invalid_argument("--model-samples: expected an integer in [1, 1000], got " +
+                                        std::to_string(o.model_samples)));
   }
   auto selected = select_methods(o.methods, /*demo_only=*/true);
   if (!selected.ok()) return usage_error(selected.status());
@@ -175,6 +185,29 @@ Outcome cmd_demo(const DemoOptions& o) {
     }
     const Outcome t = cmd_trace(trace);
     if (t.exit_code != 0) return t;
+  }
+
+  // A real model: the shipped small diffusion LM (docs/eval.md) finds a 7-digit needle in a
+  // noise haystack with dense attention, QUEST and LoSA at budget 128 (accuracy and seconds
+  // per question; `sparsa eval-model` is the full evaluation).
+  if (!o.json && !o.model.empty()) {
+    if (o.model == kDemoModel && !std::filesystem::exists(o.model)) {
+      std::cout << "\n(no model at " << o.model << ": run from the repository root, or pass --model DIR)\n";
+      return success();
+    }
+    std::cout << "\nneedle in a haystack on a real model: " << o.model << ", niah_single_1 at " << o.model_length
+              << " tokens, " << o.model_samples << " questions per method\n";
+    std::cout.flush();
+    EvalModelOptions e;
+    e.model = o.model;
+    e.tasks = "niah_single_1";
+    e.lengths = std::to_string(o.model_length);
+    e.samples = o.model_samples;
+    e.attention = "dense;quest:budget=128;losa:budget=128,k=4";
+    e.backend = o.backend == "cuda" ? "cuda" : "cpu";
+    e.threads = o.threads;
+    const Outcome m = run_eval_model(e);
+    if (m.exit_code != 0) return m;
   }
   return success();
 }

@@ -34,15 +34,6 @@ struct RulerOptions {
   bool json = false, skip_unfit = false;
 };
 
-struct EvalModelOptions {
-  std::string model, tasks = "niah_single_1", lengths = "1K", attention = "dense", svg, json_path, tokenizer;
-  std::string backend = "cpu";
-  int64_t samples = 10, steps = 0, gen_len = 0;
-  uint64_t seed = 0;
-  int threads = 0;
-  bool json = false, quiet = false;
-};
-
 nlohmann::json sample_json(const eval::Sample& s) {
   return {{"task", s.task},
           {"max_len", s.max_len},
@@ -251,6 +242,8 @@ std::string accuracy_svg(const std::vector<Cell>& cells, const std::vector<std::
          left + right + "</svg>\n";
 }
 
+}  // namespace
+
 Outcome run_eval_model(const EvalModelOptions& o) {
   auto tasks = eval::parse_task_list("--tasks", o.tasks);
   if (!tasks.ok()) return usage_error(tasks.status());
@@ -431,14 +424,25 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   std::vector<std::string> row = {"mean", ""};
   for (const std::string& m : methods.value()) row.push_back(format("%.1f", mean[m].first / std::max(1, mean[m].second)));
   table.add_row(row);
+  // Speed beside accuracy: the mean wall time of one sample's generation (prefill and decode).
+  row = {"s/sample", ""};
+  for (const std::string& m : methods.value()) {
+    double seconds = 0;
+    size_t n = 0;
+    for (const Cell& c : cells) {
+      if (c.method != m) continue;
+      seconds += c.seconds();
+      n += c.samples.size();
+    }
+    row.push_back(format("%.2f", seconds / static_cast<double>(std::max<size_t>(1, n))));
+  }
+  table.add_row(row);
   std::cout << "accuracy (%) of " << o.model << " (" << dlm::arch_name(config.arch) << ", "
             << dlm::loop_name(models[0].default_loop()) << " loop), " << o.samples << " samples per cell, seed "
             << o.seed << "\n"
             << table.render();
   return success();
 }
-
-}  // namespace
 
 std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
   std::vector<Subcommand> out;

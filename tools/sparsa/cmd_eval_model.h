@@ -2,6 +2,8 @@
 // the accuracy of a diffusion LM on it, per task x length x attention method (docs/eval.md).
 #pragma once
 
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -9,6 +11,19 @@
 #include "cmd_selectors.h"
 
 namespace sparsa::cli {
+
+struct EvalModelOptions {
+  std::string model, tasks = "niah_single_1", lengths = "1K", attention = "dense", svg, json_path, tokenizer;
+  std::string backend = "cpu";
+  int64_t samples = 10, steps = 0, gen_len = 0;
+  uint64_t seed = 0;
+  int threads = 0;
+  bool json = false, quiet = false;
+};
+
+// The accuracy table (or JSON) of one model over tasks x lengths x methods; `sparsa demo` runs
+// it on the shipped model for its needle part.
+Outcome run_eval_model(const EvalModelOptions& o);
 
 std::vector<Subcommand> add_eval_model_commands(CLI::App& app);
 

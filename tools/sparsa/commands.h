@@ -62,6 +62,7 @@ struct BenchOptions {
 // The demo's default length: dense dominates the demo's time and is quadratic in it; the run
 // docs/cli.md cites shows the table 10 s after start on the 2-core build machine.
 inline constexpr long long kDemoDefaultLength = 16384;
+inline constexpr const char* kDemoModel = "models/sparsa-sdar-ruler";  // relative to the working directory
 
 struct DemoOptions {
   long long length = kDemoDefaultLength;
@@ -73,6 +74,10 @@ struct DemoOptions {
   bool json = false;      // JSON on stdout instead of the table
   std::string json_path;  // JSON to this file (the table still printed)
   bool trace = true;  // also run the default decode trace (LoSA vs QUEST vs dense prefix attention)
+  // The needle part: the shipped model answers a needle question with dense, QUEST and LoSA
+  // (`sparsa eval-model`); skipped when `model` is empty, or is the default and absent.
+  std::string model = std::string(kDemoModel);
+  long long model_length = 2048, model_samples = 4;
 };
 
 Outcome cmd_info(const InfoOptions& options);

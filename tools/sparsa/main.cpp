@@ -157,6 +157,13 @@ int run_main(int argc, char** argv) {
   bool demo_no_trace = false;  // a plain flag: CLI11 prints a negated one as "--no-trace{false}"
   demo_cmd->add_flag("--no-trace", demo_no_trace,
                      "skip the block-diffusion decode section (LoSA, QUEST, dense prefix attention; see `trace`)");
+  demo_cmd->add_option("--model", demo.model,
+                       "the needle part's model directory ('' to skip it; the default is skipped where absent)")
+      ->capture_default_str();
+  demo_cmd->add_option("--model-length", demo.model_length, "the needle part's context length in tokens")
+      ->capture_default_str();
+  demo_cmd->add_option("--model-samples", demo.model_samples, "the needle part's questions per method")
+      ->capture_default_str();
   demo_cmd->footer(methods_help());
 
   const Subcommand plan_cmd = add_plan_command(app);

@@ -610,6 +610,87 @@ TEST(DecodeTrace, LosaOnATraceFollowsDenseWithFullBudget) {
   EXPECT_EQ(cache->length(), c.prefix_len + 16);
 }
 
+// A trace rebuilt from its own recorded parts (what `sparsa trace --capture` builds from a
+// model's capture) is the same trace: run_trace gives bit-identical results on both.
+TEST(DecodeTrace, FromRecordedRebuildsATraceExactly) {
+  DecodeTraceConfig c;
+  c.prefix_len = 16 * 6 + 5;  // a partial last page
+  c.block_size = 8;
+  c.num_blocks = 2;
+  c.tokens_per_step = 3;  // 3 steps a block (3 + 3 + 2)
+  Clean cl(4, 2, 16, c.prefix_len + 16, 16);
+  auto tr = DecodeTrace::from_tensors(c, cl.q.view(), cl.k.view(), cl.v.view());
+  ASSERT_TRUE(tr.ok());
+  std::vector<RecordedTraceBlock> blocks(2);
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t s = 0; s < tr->steps_per_block(); ++s) {
+      blocks[b].q.push_back(tr->q(b, s));
+      blocks[b].k.push_back(tr->k(b, s));
+      blocks[b].v.push_back(tr->v(b, s));
+      blocks[b].unmasked.push_back(tr->unmasked_after(b, s));
+    }
+    blocks[b].final_k = tr->final_k(b);
+    blocks[b].final_v = tr->final_v(b);
+  }
+  auto rec = DecodeTrace::from_recorded(tr->prefix_k(), tr->prefix_v(), blocks);
+  ASSERT_TRUE(rec.ok()) << rec.status().to_string();
+  EXPECT_EQ(rec->config().prefix_len, c.prefix_len);
+  EXPECT_EQ(rec->config().num_blocks, 2);
+  EXPECT_EQ(rec->steps_per_block(), 3);
+  EXPECT_EQ(rec->config().tokens_per_step, 3);
+  EXPECT_EQ(rec->heads_q(), 4);
+  EXPECT_EQ(rec->heads_kv(), 2);
+  LosaOptions dn, quest, losa;
+  dn.method = PrefixMethod::dense;
+  quest.method = PrefixMethod::quest;
+  quest.select.budget = 32;
+  losa.active_k = 2;
+  losa.select.budget = 32;
+  auto a = run_trace(*tr, {dn, quest, losa});
+  auto r = run_trace(*rec, {dn, quest, losa});
+  ASSERT_TRUE(a.ok() && r.ok());
+  for (size_t m = 0; m < 3; ++m) {
+    ASSERT_EQ((*a)[m].size(), (*r)[m].size());
+    for (size_t i = 0; i < (*a)[m].size(); ++i) {
+      EXPECT_EQ((*a)[m][i].err, (*r)[m][i].err) << m << " " << i;
+      EXPECT_EQ((*a)[m][i].err_masked, (*r)[m][i].err_masked) << m << " " << i;
+      EXPECT_EQ((*a)[m][i].recall, (*r)[m][i].recall) << m << " " << i;
+      EXPECT_EQ((*a)[m][i].stats.pages_loaded, (*r)[m][i].stats.pages_loaded) << m << " " << i;
+    }
+  }
+  EXPECT_GT((*a)[2][4].err, 0.0);  // the sparse steps do differ from dense: the comparison has teeth
+
+  // No prefix: the trace starts at the first block.
+  auto bare = DecodeTrace::from_recorded(Tensor{}, Tensor{}, blocks);
+  ASSERT_TRUE(bare.ok()) << bare.status().to_string();
+  EXPECT_EQ(bare->config().prefix_len, 0);
+  EXPECT_FALSE(bare->prefix_k().defined());
+
+  // Bad parts name themselves.
+  const auto err = [&](std::vector<RecordedTraceBlock> bl, const std::string& what, Tensor pk = {}, Tensor pv = {}) {
+    auto t = DecodeTrace::from_recorded(pk, pv, bl);
+    ASSERT_FALSE(t.ok()) << what;
+    EXPECT_NE(t.status().message().find(what), std::string::npos) << t.status().message();
+  };
+  err({}, "blocks: expected at least one");
+  auto fewer = blocks;
+  fewer[1].q.pop_back();
+  err(fewer, "blocks[1]: expected 3 steps");
+  auto badu = blocks;
+  badu[1].unmasked[2] = {5, 5};
+  err(badu, "blocks[1][step 2].unmasked");
+  badu[1].unmasked[2] = {8};
+  err(badu, "blocks[1][step 2].unmasked");
+  auto badk = blocks;
+  badk[0].k[1] = tr->q(0, 1);  // 4 heads where 2 belong
+  err(badk, "blocks[0][step 1].k");
+  auto nofinal = blocks;
+  nofinal[1].final_v = Tensor{};
+  err(nofinal, "blocks[1].final_v");
+  err(blocks, "prefix_v", tr->prefix_k(), Tensor{});
+  err(blocks, "prefix_v: expected [1, 2, 8, 16]", tr->final_k(0), tr->prefix_v());  // 8 rows of keys, 101 of values
+}
+
 TEST(DecodeTrace, RunTraceMeasuresEveryMethodAgainstDense) {
   DecodeTraceConfig c;
   c.prefix_len = 16 * 10;

@@ -1,6 +1,6 @@
-// sparsa/decode_trace.h — a synthetic block-diffusion decode trace on the workload
-// generator (docs/workload.md): the inputs one attention layer sees while a block-diffusion
-// LM decodes blocks of tokens against a long prefix.
+// sparsa/decode_trace.h — a block-diffusion decode trace: the inputs one attention layer
+// sees while a block-diffusion LM decodes blocks of tokens against a long prefix, either
+// synthetic, on the workload generator (docs/workload.md), or recorded from a real model.
 //
 // The workload generator supplies the clean tensors of a sequence of prefix_len +
 // num_blocks * block_size tokens (its queries are the last num_blocks * block_size
@@ -51,6 +51,14 @@ struct DecodeTraceConfig {
 
 Status validate(const DecodeTraceConfig& config);
 
+// One block of a recorded trace (DecodeTrace::from_recorded): each step's inputs, the block's
+// clean K/V (the commit pass) and the tokens unmasked after each step (ascending, in [0, B)).
+struct RecordedTraceBlock {
+  std::vector<Tensor> q, k, v;                  // per step: [1, heads_q, B, d]; [1, heads_kv, B, d]
+  Tensor final_k, final_v;                      // [1, heads_kv, B, d]
+  std::vector<std::vector<int64_t>> unmasked;   // per step
+};
+
 class DecodeTrace {
  public:
   // Generates the clean tensors with generate_workload(), then the trace.
@@ -60,6 +68,13 @@ class DecodeTrace {
   // block_size, d]. config.workload's shape fields are ignored.
   static Result<DecodeTrace> from_tensors(const DecodeTraceConfig& config, const Tensor& q, const Tensor& k,
                                           const Tensor& v);
+  // A trace a model recorded (the engine's attention capture, docs/dlm.md; `sparsa trace
+  // --capture`): the prefix cache's K/V, f32 [1, heads_kv, P, d] (both undefined when P = 0),
+  // then the blocks in order, every block with the same size B (4 to 32) and number of steps.
+  // The config is derived: prefix_len P, block_size B, num_blocks, steps_per_block, and
+  // tokens_per_step = ceil(B / steps); its move fields and seed are unused.
+  static Result<DecodeTrace> from_recorded(const Tensor& prefix_k, const Tensor& prefix_v,
+                                           const std::vector<RecordedTraceBlock>& blocks);
 
   const DecodeTraceConfig& config() const { return config_; }
   int64_t heads_q() const { return heads_q_; }

@@ -1,6 +1,7 @@
 // `sparsa trace` (block-diffusion decode traces): dense / quest / losa / reuse prefix
-// attention run step by step over a synthetic decode trace (sparsa/decode_trace.h),
-// each measured against dense: pages loaded, output error, mass kept, CPU time.
+// attention run step by step over a decode trace (sparsa/decode_trace.h), synthetic or
+// captured from a model, each measured against dense: pages loaded, output error, mass kept,
+// CPU time.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,10 @@ struct TraceOptions {
   bool json = false;      // JSON on stdout instead of the table
   std::string json_path;  // JSON to this file (the table still printed)
   std::string plot_path;  // an SVG bar chart of the table ('' for none)
+  // A trace recorded by the engine (`generate --dump-attention DIR`) instead of a synthetic one:
+  // the decoded blocks of one request at one layer (the shape flags above then do not apply).
+  std::string capture;
+  long long layer = -1, request = 0;
 };
 
 // Adds the subcommand `name` to app, bound to `options`.

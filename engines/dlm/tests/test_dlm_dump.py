@@ -156,3 +156,78 @@ def test_generate_reports_the_attention_share(sparsa_bin, llada):
     j = json.loads(p.stdout)
     assert 0 <= j["attention_seconds"] <= j["seconds"]
     assert "forward passes" in p.stderr and "attention" in p.stderr and "the rest" in p.stderr
+
+
+def test_trace_over_a_captured_decode(sparsa_bin, sdar, tmp_path):
+    """`sparsa trace --capture`: one request's decode at one layer, as the engine ran it, under
+    dense, QUEST and LoSA. Checked here independently of the tool: the trace's prefix and blocks
+    are the capture's (its metadata); the unmasking order it reads from layer 0 is the one the
+    captured keys show (a token is unmasked by step s exactly when its layer-0 key already equals
+    its committed key); dense is its own reference, QUEST and LoSA with a budget covering the
+    prefix (and LoSA recomputing every row) equal it, and a one-page budget does not."""
+    s, w, d = sdar
+    dump = tmp_path / "dump"
+    # 40 tokens, ten whole blocks of 4 (the decoded blocks hold no prompt token) and three pages
+    prompt = ",".join(str((7 * i + 5) % 60) for i in range(40))
+    run(sparsa_bin, "generate", "--model", d, "--prompt-ids", prompt, "--gen-len", 12, "--steps", 2,
+        "--no-stop-at-eos", "--ban-eos", "--quiet", "--dump-attention", dump, "--dump-layers", "0,1")
+    metas = {int(f.split("-f")[1].split(".")[0]): R.read_safetensors(dump / f)[1]
+             for f in os.listdir(dump) if f.startswith("r0-l1-")}
+    steps0 = [f for f in sorted(metas) if metas[f]["step"] == "0"]
+    commits = [f for f in sorted(metas) if metas[f]["step"] == "-1" and f > steps0[0]]
+    assert len(steps0) == 3 and len(commits) == 3  # 12 tokens, blocks of 4
+
+    def trace(*flags, check=True):
+        return run(sparsa_bin, "trace", "--capture", dump, *flags, "--json", "--threads", 1, check=check)
+
+    full = json.loads(trace("--layer", 1, "--methods", "dense,quest,losa", "-P", "budget=64", "-P", "k=4").stdout)
+    t = full["trace"]
+    assert (t["prefix"], t["block"], t["blocks"], t["steps_per_block"]) == (int(metas[steps0[0]]["pos0"]), 4, 3, 2)
+    assert (t["heads"], t["kv_heads"], t["head_dim"]) == (s.heads, s.kv_heads, s.head_dim)
+    dense, quest, losa = full["methods"]
+    assert all(x["err"] == 0 and x["mass_kept"] == 1 for x in dense["steps"])
+    assert all(x["err"] < 1e-5 for x in quest["steps"] + losa["steps"])
+    for b, first in enumerate(steps0):
+        k0 = [R.read_safetensors(dump / f"r0-l0-f{first + i}.safetensors")[0]["k"] for i in range(3)]  # 2 steps, commit
+        done = set()
+        for step in range(2):
+            rec = dense["steps"][b * 2 + step]
+            assert (rec["block"], rec["step"]) == (b, step)
+            for i in range(4):
+                assert (i in done) == np.array_equal(k0[step][:, :, i], k0[2][:, :, i]), (b, step, i)
+            assert len(rec["unmasked"]) == 2 and not done & set(rec["unmasked"])
+            done |= set(rec["unmasked"])
+        assert done == {0, 1, 2, 3}
+    sparse = json.loads(trace("--layer", 1, "--methods", "dense,quest", "-P", "budget=16").stdout)["methods"][1]
+    assert max(x["err"] for x in sparse["steps"]) > 1e-3  # the comparison has teeth
+
+    # Bad captures and flags: usage errors naming what is wrong.
+    p = trace("--layer", 1, "--prefix", 64, check=False)
+    assert p.returncode == 2 and "--prefix" in p.stderr, p.stderr
+    p = run(sparsa_bin, "trace", "--layer", 1, check=False)
+    assert p.returncode == 2 and "--capture" in p.stderr, p.stderr
+    p = trace(check=False)
+    assert p.returncode == 2 and "--layer" in p.stderr, p.stderr
+    p = trace("--layer", 5, check=False)
+    assert p.returncode == 2 and "r0-l5-f" in p.stderr, p.stderr
+    only1 = tmp_path / "only1"
+    only1.mkdir()
+    for f in os.listdir(dump):
+        if f.startswith("r0-l1-"):
+            (only1 / f).write_bytes((dump / f).read_bytes())
+    p = run(sparsa_bin, "trace", "--capture", only1, "--layer", 1, check=False)
+    assert p.returncode == 2 and "layer 0" in p.stderr, p.stderr
+    # A forward left out (as --dump-forwards or --dump-max would): refused, naming the file.
+    (only1 / f"r0-l1-f{steps0[1] + 1}.safetensors").unlink()
+    for f in os.listdir(dump):
+        if f.startswith("r0-l0-"):
+            (only1 / f).write_bytes((dump / f).read_bytes())
+    p = run(sparsa_bin, "trace", "--capture", only1, "--layer", 1, check=False)
+    assert p.returncode == 2 and "commit pass" in p.stderr, p.stderr
+    # Metadata that is not an integer: a malformed file, named with its field.
+    name = only1 / f"r0-l1-f{steps0[0]}.safetensors"
+    raw = name.read_bytes()
+    assert raw.count(b'"step":"0"') == 1
+    name.write_bytes(raw.replace(b'"step":"0"', b'"step":"x"'))
+    p = run(sparsa_bin, "trace", "--capture", only1, "--layer", 1, check=False)
+    assert p.returncode == 1 and "step: expected an integer" in p.stderr and name.name in p.stderr, p.stderr

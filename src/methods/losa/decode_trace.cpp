@@ -183,6 +183,93 @@ Result<DecodeTrace> DecodeTrace::from_tensors(const DecodeTraceConfig& config, c
   return trace;
 }
 
+Result<DecodeTrace> DecodeTrace::from_recorded(const Tensor& prefix_k, const Tensor& prefix_v,
+                                               const std::vector<RecordedTraceBlock>& blocks) {
+  if (blocks.empty()) return invalid_argument("blocks: expected at least one recorded block");
+  const RecordedTraceBlock& first = blocks.front();
+  if (first.q.empty()) return invalid_argument("blocks[0].q: expected at least one step");
+  SPARSA_RETURN_IF_ERROR(check_clean("blocks[0].q[0]", first.q[0], -1, 4, -1, true));
+  const int64_t heads_q = first.q[0].shape[1], B = first.q[0].shape[2], d = first.q[0].shape[3];
+  const int64_t S = static_cast<int64_t>(first.q.size());
+  if (first.final_k.data == nullptr) return invalid_argument("blocks[0].final_k: expected a tensor");
+  SPARSA_RETURN_IF_ERROR(check_clean("blocks[0].final_k", first.final_k, -1, B, d, false));
+  const int64_t heads_kv = first.final_k.shape[1];
+  if (heads_q % heads_kv != 0) {
+    return invalid_argument("blocks[0].q[0]: heads_q (" + std::to_string(heads_q) +
+                            ") must be a multiple of heads_kv (" + std::to_string(heads_kv) + ")");
+  }
+  const bool has_prefix = prefix_k.data != nullptr || prefix_v.data != nullptr;
+  int64_t P = 0;
+  if (has_prefix) {
+    SPARSA_RETURN_IF_ERROR(check_clean("prefix_k", prefix_k, heads_kv, 1, d, true));
+    P = prefix_k.shape[2];
+    SPARSA_RETURN_IF_ERROR(check_clean("prefix_v", prefix_v, heads_kv, P, d, false));
+  }
+  DecodeTraceConfig config;
+  config.prefix_len = P;
+  config.block_size = B;
+  config.num_blocks = static_cast<int64_t>(blocks.size());
+  config.steps_per_block = S;
+  config.tokens_per_step = (B + S - 1) / S;
+  if (Status s = validate(config); !s.ok()) return invalid_argument("blocks: " + s.message());
+
+  DecodeTrace trace;
+  trace.config_ = config;
+  trace.heads_q_ = heads_q;
+  trace.heads_kv_ = heads_kv;
+  trace.head_dim_ = d;
+  trace.steps_ = S;
+  const int64_t total = P + config.num_blocks * B;
+  trace.k_clean_ = HostArray(DType::f32, {1, heads_kv, total, d});
+  trace.v_clean_ = HostArray(DType::f32, {1, heads_kv, total, d});
+  // Rows [first, first + rows) of the clean K/V from t [1, heads_kv, rows, d].
+  const auto place = [&](HostArray& dst, const Tensor& t, int64_t first_row) {
+    for (int64_t h = 0; h < heads_kv; ++h)
+      for (int64_t i = 0; i < t.shape[2]; ++i) {
+        detail::load_row(t.data, DType::f32, t.offset({0, h, i, 0}), d,
+                         dst.ptr<float>() + (h * total + first_row + i) * d);
+      }
+  };
+  if (P > 0) {
+    place(trace.k_clean_, prefix_k, 0);
+    place(trace.v_clean_, prefix_v, 0);
+  }
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const RecordedTraceBlock& rb = blocks[b];
+    const std::string at = "blocks[" + std::to_string(b) + "]";
+    if (static_cast<int64_t>(rb.q.size()) != S || rb.k.size() != rb.q.size() || rb.v.size() != rb.q.size() ||
+        rb.unmasked.size() != rb.q.size()) {
+      return invalid_argument(at + ": expected " + std::to_string(S) + " steps of q, k, v and unmasked (block 0's), got " +
+                              std::to_string(rb.q.size()) + ", " + std::to_string(rb.k.size()) + ", " +
+                              std::to_string(rb.v.size()) + ", " + std::to_string(rb.unmasked.size()));
+    }
+    for (const auto& [name, t] : {std::pair{".final_k", &rb.final_k}, std::pair{".final_v", &rb.final_v}}) {
+      if (t->data == nullptr) return invalid_argument(at + name + ": expected a tensor");
+      SPARSA_RETURN_IF_ERROR(check_clean((at + name).c_str(), *t, heads_kv, B, d, false));
+    }
+    place(trace.k_clean_, rb.final_k, P + static_cast<int64_t>(b) * B);
+    place(trace.v_clean_, rb.final_v, P + static_cast<int64_t>(b) * B);
+    for (int64_t st = 0; st < S; ++st) {
+      const std::string step = at + "[step " + std::to_string(st) + "]";
+      SPARSA_RETURN_IF_ERROR(check_clean((step + ".q").c_str(), rb.q[st], heads_q, B, d, false));
+      SPARSA_RETURN_IF_ERROR(check_clean((step + ".k").c_str(), rb.k[st], heads_kv, B, d, false));
+      SPARSA_RETURN_IF_ERROR(check_clean((step + ".v").c_str(), rb.v[st], heads_kv, B, d, false));
+      const std::vector<int64_t>& u = rb.unmasked[st];
+      for (size_t i = 0; i < u.size(); ++i) {
+        if (u[i] < 0 || u[i] >= B || (i > 0 && u[i] <= u[i - 1])) {
+          return invalid_argument(step + ".unmasked: expected ascending distinct tokens in [0, " + std::to_string(B) +
+                                  "), got " + std::to_string(u[i]) + " at " + std::to_string(i));
+        }
+      }
+      trace.q_steps_.push_back(HostArray::copy_of(rb.q[st]));
+      trace.k_steps_.push_back(HostArray::copy_of(rb.k[st]));
+      trace.v_steps_.push_back(HostArray::copy_of(rb.v[st]));
+      trace.unmasked_.push_back(u);
+    }
+  }
+  return trace;
+}
+
 Tensor DecodeTrace::prefix_view(const HostArray& a) const {
   if (config_.prefix_len == 0) return {};
   Tensor t = a.view();

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "sparsa/losa.h"
@@ -75,6 +76,18 @@ class DecodeTrace {
   // tokens_per_step = ceil(B / steps); its move fields and seed are unused.
   static Result<DecodeTrace> from_recorded(const Tensor& prefix_k, const Tensor& prefix_v,
                                            const std::vector<RecordedTraceBlock>& blocks);
+  // The decoded blocks of request R at layer L in a directory the engine's attention capture
+  // wrote (`sparsa generate --dump-attention DIR`: DIR/rR-lL-fF.safetensors with q, k, v,
+  // prefix_k/prefix_v and the metadata step, pos0, tokens). A block is a run of denoising
+  // steps 0, 1, ..., S-1 at one position followed by its commit pass (step -1): those K/V are
+  // the block's clean K/V. The tokens unmasked after each step are read from layer 0's keys
+  // (which DIR must hold: there a key depends only on its token and position). Prefill passes
+  // and a last block never committed are left out (their count in *skipped). Errors:
+  // invalid_argument for a capture that cannot be a trace (no such files, no layer 0, forwards
+  // missing, blocks not consecutive or of different step counts), malformed_file / io_error
+  // for files that do not read or lack their entries, each naming the file.
+  static Result<DecodeTrace> from_capture(const std::string& dir, int64_t request, int64_t layer,
+                                          int64_t* skipped = nullptr);
 
   const DecodeTraceConfig& config() const { return config_; }
   int64_t heads_q() const { return heads_q_; }

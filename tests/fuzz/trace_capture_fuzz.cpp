@@ -77,7 +77,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (layer == 0 && !layer0) continue;
       std::vector<std::pair<std::string, sparsa::HostArray>> arrays;
       arrays.emplace_back("q", filled({1, 2, tokens, 2}, in));
-      arrays.emplace_back("k", filled({1, 1, flaw % 16 == 5 ? tokens + 1 : tokens, 2}, in));
+      if (flaw % 16 == 8) {
+        arrays.emplace_back("k", filled({tokens, 2}, in));  // not [1, heads, tokens, d]
+      } else if (flaw % 16 == 9) {
+        arrays.emplace_back("k", sparsa::HostArray(sparsa::DType::i32, {1, 1, tokens, 2}));  // not f32
+      } else {
+        arrays.emplace_back("k", filled({1, 1, flaw % 16 == 5 ? tokens + 1 : tokens, 2}, in));
+      }
       arrays.emplace_back("v", filled({1, 1, tokens, 2}, in));
       if (pos0 > 0) {
         arrays.emplace_back("prefix_k", filled({1, 1, flaw % 16 == 6 ? pos0 + 1 : pos0, 2}, in));

@@ -184,7 +184,6 @@ Result<DecodeTrace> DecodeTrace::from_capture(const std::string& dir, int64_t re
 
   std::vector<HostArray> keep;  // the tensors the views below point into
   keep.reserve(blocks.size() * (blocks[0].steps.size() * 3 + 2) + 2);
-  const auto read = [&](const std::string& path) -> Result<std::vector<NamedArray>> { return read_safetensors(path); };
   const auto take = [&](std::vector<NamedArray>& arrays, const std::string& name, const std::string& path) -> Result<Tensor> {
     auto a = entry(arrays, name, path);
     if (!a.ok()) return a.status();
@@ -197,9 +196,16 @@ Result<DecodeTrace> DecodeTrace::from_capture(const std::string& dir, int64_t re
       return invalid_argument("layer 0's forward " + std::to_string(forward) + " of request " +
                               std::to_string(request) + " is not in " + dir + " (it gives the unmasking order)");
     }
-    auto arrays = read(it->second);
+    auto arrays = read_safetensors(it->second);
     if (!arrays.ok()) return arrays.status();
-    return entry(*arrays, "k", it->second);
+    auto k = entry(*arrays, "k", it->second);
+    if (!k.ok()) return k.status();
+    const Tensor t = k->view();
+    if (t.dtype != DType::f32 || t.ndim != 4 || t.shape[0] != 1 || t.shape[2] != B) {
+      return malformed(it->second + ": k: expected f32 [1, heads_kv, " + std::to_string(B) + ", head_dim], got " +
+                       t.shape_string() + (t.dtype != DType::f32 ? " (not f32)" : ""));
+    }
+    return k;
   };
   Tensor prefix_k, prefix_v;
   std::vector<RecordedTraceBlock> recorded(blocks.size());
@@ -209,7 +215,7 @@ Result<DecodeTrace> DecodeTrace::from_capture(const std::string& dir, int64_t re
     for (size_t s = 0; s <= blocks[b].steps.size(); ++s) {
       const bool commit = s == blocks[b].steps.size();
       const CapturedForward& f = (*fw)[commit ? blocks[b].commit : blocks[b].steps[s]];
-      auto arrays = read(f.path);
+      auto arrays = read_safetensors(f.path);
       if (!arrays.ok()) return arrays.status();
       if (b == 0 && s == 0 && P > 0) {
         auto pk = take(*arrays, "prefix_k", f.path);
@@ -241,6 +247,5 @@ Result<DecodeTrace> DecodeTrace::from_capture(const std::string& dir, int64_t re
   }
   return DecodeTrace::from_recorded(prefix_k, prefix_v, recorded);
 }
-
 
 }  // namespace sparsa

@@ -196,7 +196,8 @@ Outcome cmd_demo(const DemoOptions& o) {
       return success();
     }
     std::cout << "\nneedle in a haystack on a real model: " << o.model << ", niah_single_1 at " << o.model_length
-              << " tokens, " << o.model_samples << " questions per method\n";
+              << " tokens, " << o.model_samples << (o.model_samples == 1 ? " question" : " questions")
+              << " per method\n";
     std::cout.flush();
     EvalModelOptions e;
     e.model = o.model;
@@ -206,8 +207,16 @@ Outcome cmd_demo(const DemoOptions& o) {
     e.attention = "dense;quest:budget=128;losa:budget=128,k=4";
     e.backend = o.backend == "cuda" ? "cuda" : "cpu";
     e.threads = o.threads;
-    const Outcome m = run_eval_model(e);
-    if (m.exit_code != 0) return m;
+    Outcome m = run_eval_model(e);
+    if (m.exit_code != 0) {
+      // eval-model names its own flags; here they are the demo's.
+      std::string message = m.status.message();
+      for (const auto& [theirs, ours] : {std::pair{"--lengths", "--model-length"}, std::pair{"--samples", "--model-samples"}}) {
+        if (message.rfind(theirs, 0) == 0) message = ours + message.substr(std::string(theirs).size());
+      }
+      m.status = Status(m.status.code(), message);
+      return m;
+    }
   }
   return success();
 }

@@ -563,8 +563,8 @@ Result<int64_t> fit_units(const std::function<Built(int64_t)>& text, int64_t lo,
   const int64_t t_lo = tokens(lo);
   if (t_lo > budget) {
     return Status(StatusCode::unsupported, what + ": even the smallest instance takes " + std::to_string(t_lo) +
-                                               " tokens, more than the " + std::to_string(budget) +
-                                               " the length leaves");
+                                               " tokens, more than the " + std::to_string(std::max<int64_t>(budget, 0)) +
+                                               " the length leaves for the input after the answer's budget");
   }
   constexpr int64_t kMaxUnits = int64_t{1} << 24;
   const int64_t probe = lo + std::max<int64_t>(8, lo);

@@ -265,8 +265,8 @@ def test_demo_asks_the_shipped_model_a_needle_question(sparsa_bin, tmp_path):
     assert len(rows["s/sample"]) == 4 and all(float(x) > 0 for x in rows["s/sample"][1:])
     p = run(sparsa_bin, *args, cwd=tmp_path)
     assert "no model at models/sparsa-sdar-ruler" in p.stdout
-    for flag, value in (("--model-length", "0"), ("--model-samples", "0")):
-        bad = run(sparsa_bin, *args, flag, value, check=False)
-        assert bad.returncode == 2 and flag in bad.stderr, bad.stderr
+    for flag, value in (("--model-length", "0"), ("--model-samples", "0"), ("--model-length", "99999")):
+        bad = run(sparsa_bin, *args, "--model", SHIPPED, flag, value, check=False)
+        assert bad.returncode == 2 and flag in bad.stderr, bad.stderr  # 99999: past the model's 16384
     bad = run(sparsa_bin, *args, "--model", tmp_path / "nowhere", check=False)
     assert bad.returncode != 0 and "nowhere" in bad.stderr, bad.stderr

@@ -81,8 +81,9 @@ class DecodeTrace {
   // prefix_k/prefix_v and the metadata step, pos0, tokens). A block is a run of denoising
   // steps 0, 1, ..., S-1 at one position followed by its commit pass (step -1): those K/V are
   // the block's clean K/V. The tokens unmasked after each step are read from layer 0's keys
-  // (which DIR must hold: there a key depends only on its token and position). Prefill passes
-  // and a last block never committed are left out (their count in *skipped). Errors:
+  // (which DIR must hold: there a key depends only on its token and position). Prefill passes,
+  // a last block never committed and a first block with fewer steps than the next (the prompt
+  // ended inside it) are left out (their forwards counted in *skipped). Errors:
   // invalid_argument for a capture that cannot be a trace (no such files, no layer 0, forwards
   // missing, blocks not consecutive or of different step counts), malformed_file / io_error
   // for files that do not read or lack their entries, each naming the file.

@@ -201,6 +201,19 @@ def test_trace_over_a_captured_decode(sparsa_bin, sdar, tmp_path):
     sparse = json.loads(trace("--layer", 1, "--methods", "dense,quest", "-P", "budget=16").stdout)["methods"][1]
     assert max(x["err"] for x in sparse["steps"]) > 1e-3  # the comparison has teeth
 
+    # A prompt ending inside a block: the first decoded block has fewer masked tokens and steps,
+    # and joins the prefix (its forwards counted as left out).
+    odd = tmp_path / "odd"
+    run(sparsa_bin, "generate", "--model", d, "--prompt-ids", prompt + ",11", "--gen-len", 11,  # a token a step
+        "--no-stop-at-eos", "--ban-eos", "--quiet", "--dump-attention", odd, "--dump-layers", "0,1")
+    odd_meta = {int(f.split("-f")[1].split(".")[0]): R.read_safetensors(odd / f)[1]
+                for f in os.listdir(odd) if f.startswith("r0-l1-")}
+    odd_steps0 = [f for f in sorted(odd_meta) if odd_meta[f]["step"] == "0"]
+    assert [int(odd_meta[f]["pos0"]) for f in odd_steps0] == [40, 44, 48]
+    p = run(sparsa_bin, "trace", "--capture", odd, "--layer", 1, "--json", "--threads", 1)
+    t = json.loads(p.stdout)["trace"]
+    assert (t["prefix"], t["blocks"], t["steps_per_block"]) == (44, 2, 4)
+
     # Bad captures and flags: usage errors naming what is wrong.
     p = trace("--layer", 1, "--prefix", 64, check=False)
     assert p.returncode == 2 and "--prefix" in p.stderr, p.stderr

@@ -170,6 +170,12 @@ Result<DecodeTrace> DecodeTrace::from_capture(const std::string& dir, int64_t re
     return invalid_argument(dir + " holds no committed block of request " + std::to_string(request) +
                             " at layer " + std::to_string(layer) + " (only prefill or logits passes)");
   }
+  // A prompt that ends inside a block leaves the first decoded block with fewer masked tokens,
+  // so fewer steps: that block joins the prefix (its commit is in the next block's prefix_k).
+  if (blocks.size() > 1 && blocks[0].steps.size() != blocks[1].steps.size()) {
+    *skipped += static_cast<int64_t>(blocks[0].steps.size()) + 1;
+    blocks.erase(blocks.begin());
+  }
   const int64_t B = (*fw)[blocks[0].steps[0]].tokens, P = (*fw)[blocks[0].steps[0]].pos0;
   for (size_t b = 0; b < blocks.size(); ++b) {
     const CapturedForward& f = (*fw)[blocks[b].steps[0]];

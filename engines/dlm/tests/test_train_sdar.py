@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -876,3 +877,104 @@ def test_bag_scores_are_the_prompts_number_frequencies():
     tie = T.bag_scores([(16, [5, 7], [7, 99], 8)], only)  # 5 and 7 tie: half the credit
     assert tie["tokens"] == 1 and abs(tie["accuracy"] - 0.5) < 1e-12 and abs(tie["ce"] - math.log(2)) < 1e-12
     assert T.bag_scores([(16, [1, 2], [5, 99], 8)], only)["tokens"] == 0  # no number in the prompt: skipped
+
+
+def test_llada_full_mask_masks_the_whole_answer_region(run_dir):
+    """--full-mask for llada: that share of samples has every maskable answer token masked (t = 1,
+    weight 1), the remask loop's first step; without it t ~ U(0.3, 0.5) leaves some visible."""
+    c = T.load_run(run_dir)
+    c.arch = "llada"
+    prompt, target = list(range(5, 300)), list(range(10, 40)) + [c.eos_id]
+    item = [(512, prompt, target, 64)]
+    region = slice(len(prompt), len(prompt) + 64)
+    plain, _ = T.make_batch(item, c, 0, torch.Generator().manual_seed(4), t_range=(0.3, 0.5))
+    assert not bool((plain["ids"][0][region] == c.mask_id).all())
+    full, total = T.make_batch(item, c, 0, torch.Generator().manual_seed(4), t_range=(0.3, 0.5), full_mask=1.0)
+    assert bool((full["ids"][0][region] == c.mask_id).all()) and total == 64
+    assert torch.equal(full["weights"][0][region], torch.ones(64))
+    assert not bool((full["ids"][0][:len(prompt)] == c.mask_id).any())  # the prompt stays clean
+    # a share: over many samples about that share is masked whole
+    gen = torch.Generator().manual_seed(9)
+    whole = sum(bool((T.build_batch_llada(item, c, gen, t_range=(0.3, 0.5), full_mask=0.5)[0]["ids"][0][region]
+                      == c.mask_id).all()) for _ in range(200))
+    assert 70 <= whole <= 130, whole  # Binomial(200, 0.5): 6 standard deviations either side
+
+
+def tiny_sdar(layers, seed=0):
+    torch.manual_seed(seed)
+    c = S.SdarConfig(vocab_size=60, dim=48, layers=layers, heads=4, kv_heads=2, head_dim=16, hidden=64,
+                     block_size=16, max_len=256, rope_theta=1e4, mask_id=1, eos_id=0)
+    m = S.Sdar(c).double()
+    with torch.no_grad():  # gains away from their uniform start, so a wrong axis shows
+        for L in m.layers:
+            L.q_norm.weight.uniform_(0.5, 2.0)
+            L.k_norm.weight.uniform_(0.5, 2.0)
+    return m
+
+
+def test_fold_qk_norm_scales_each_heads_projection_by_its_gain_over_its_rms():
+    src = tiny_sdar(layers=2)
+    gen = torch.Generator().manual_seed(3)
+    canvases = [torch.randint(2, 60, (n,), generator=gen).tolist() for n in (40, 17)]
+    q_rms, k_rms = S.qk_rms(src, canvases)
+    assert q_rms.shape == (2, 4) and k_rms.shape == (2, 2)
+    # qk_rms against a direct computation for layer 0 (its input is the embedding alone)
+    with torch.no_grad():
+        h = torch.cat([src.layers[0].input_layernorm(src.embed_tokens(torch.tensor(ids))) for ids in canvases])
+        q = src.layers[0].q_proj(h).view(-1, 4, 16)
+        want = q.pow(2).mean(-1).sqrt().mean(0)
+    assert torch.allclose(q_rms[0], want, rtol=1e-12)
+    dst = S.fold_qk_norm(src, q_rms, k_rms)
+    assert dst.c.arch == "llada" and not hasattr(dst.layers[0], "q_norm")
+    a, b = src.state_dict(), dst.state_dict()
+    for name, t in b.items():  # every weight but the q and k projections is copied
+        if not name.endswith(("q_proj.weight", "k_proj.weight")):
+            assert torch.equal(t, a[name]), name
+    # per layer and head: the folded projection is the gain times the projection over the head's rms,
+    # so a vector whose projection has exactly that rms is projected to the normed q (and k)
+    x = torch.randn(5, 48, dtype=torch.float64, generator=gen)
+    for i in range(2):
+        for proj, norm, rms, heads in (("q_proj", "q_norm", q_rms, 4), ("k_proj", "k_norm", k_rms, 2)):
+            raw = getattr(src.layers[i], proj)(x).view(5, heads, 16)
+            got = getattr(dst.layers[i], proj)(x).view(5, heads, 16)
+            gain = getattr(src.layers[i], norm).weight
+            assert torch.allclose(got, gain * raw / rms[i][None, :, None], rtol=1e-12)
+            scaled = raw / raw.pow(2).mean(-1, keepdim=True).sqrt() * rms[i][None, :, None]  # rms = the head's
+            # (the norm's eps 1e-6 against mean squares of about 0.01 here: 5e-5 relative)
+            assert torch.allclose(gain * scaled / rms[i][None, :, None], getattr(src.layers[i], norm)(scaled),
+                                  rtol=1e-3)
+    with pytest.raises(ValueError, match="expected sdar"):
+        S.fold_qk_norm(dst, q_rms, k_rms)
+    with pytest.raises(ValueError, match="no tokens"):
+        S.qk_rms(src, [])
+
+
+def test_convert_makes_an_engine_llada_model_from_an_sdar_export(trained, sparsa_bin, tmp_path):
+    sdar_export = tmp_path / "sdar"
+    T.main(["export", "--run", trained, "--out", str(sdar_export), "--dtype", "f32"])
+    run = tmp_path / "llada_run"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns("ckpt.pt", "log.jsonl"))
+    cfg = json.loads((run / "run.json").read_text())
+    cfg["model"]["arch"] = "llada"
+    (run / "run.json").write_text(json.dumps(cfg))
+    out = tmp_path / "llada"
+    T.main(["convert", "--run", str(run), "--weights", str(sdar_export), "--out", str(out), "--length", "512",
+            "--samples", "1", "--tasks", "niah_single_1", "--sparsa", sparsa_bin])
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llada"
+    note = json.loads((out / "training.json").read_text())["history"][0]
+    assert note["qk_rms_tokens"] > 100 and len(note["q_rms"]) == cfg["model"]["layers"]
+    info = json.loads(subprocess.run([sparsa_bin, "model", "info", str(out), "--json"], capture_output=True,
+                                     text=True, check=True).stdout)
+    assert info["arch"] == "llada"
+    # the engine runs the folded model as the PyTorch llada model with the same weights does
+    model = S.Sdar(T.load_run(str(run))).double()
+    S.import_hf(model, str(out))
+    ids = list(range(2, 40))
+    got = engine_logits(sparsa_bin, out, ids, tmp_path)
+    with torch.no_grad():
+        assert rel_err(got, model.canvas_logits(ids).numpy()) < LOGIT_TOL
+    # a run whose model is not llada, and weights that are not an sdar export, are refused by name
+    with pytest.raises(SystemExit, match="convert makes a llada model"):
+        T.main(["convert", "--run", trained, "--weights", str(sdar_export), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--weights: .*no tensor"):
+        T.main(["convert", "--run", str(run), "--weights", str(out), "--out", str(tmp_path / "y")])

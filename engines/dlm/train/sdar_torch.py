@@ -20,7 +20,7 @@ import json
 import math
 import os
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -222,6 +222,54 @@ class Sdar(nn.Module):
         mask = (blk[None, :] <= blk[:, None])[None]
         pos = torch.arange(n, device=ids.device)[None]
         return self.forward(ids, pos, sdpa_attention(mask))[0]
+
+
+# ---- an sdar model as a bidirectional (llada) one: the QK norm folded into the projections ----
+
+@torch.no_grad()
+def qk_rms(model: Sdar, canvases):
+    """Mean over the canvases' tokens of each head's q and k root-mean-square before the QK norm:
+    ([layers, heads], [layers, kv_heads]) in f64. canvases: token id lists, each run on its own."""
+    c = model.c
+    sums = [torch.zeros(c.layers, c.heads, dtype=torch.float64), torch.zeros(c.layers, c.kv_heads, dtype=torch.float64)]
+    count = 0
+    hooks = []
+    for i, L in enumerate(model.layers):
+        for j, (proj, heads) in enumerate(((L.q_proj, c.heads), (L.k_proj, c.kv_heads))):
+            def hook(_m, _inp, out, i=i, j=j, heads=heads):
+                x = out.to(torch.float64).reshape(-1, heads, c.head_dim)
+                sums[j][i] += x.pow(2).mean(-1).sqrt().sum(0)
+            hooks.append(proj.register_forward_hook(hook))
+    try:
+        for ids in canvases:
+            model.canvas_logits(ids)
+            count += len(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    if count == 0:
+        raise ValueError("qk_rms: no tokens to measure")
+    return sums[0] / count, sums[1] / count
+
+
+@torch.no_grad()
+def fold_qk_norm(src: Sdar, q_rms, k_rms):
+    """A llada model with src's weights where each head's QK RMSNorm becomes a fixed scale:
+    W'_q = diag(g_q) W_q / rms_q (per layer and head; rms from qk_rms), the same for k. A token
+    whose projection has the head's mean rms then gets exactly the normed q; others are off by
+    their rms' ratio to the mean, which fine-tuning absorbs. Every other weight is copied."""
+    if src.c.arch != "sdar":
+        raise ValueError(f"fold_qk_norm: the source is {src.c.arch}, expected sdar")
+    c = replace(src.c, arch="llada")
+    dst = Sdar(c).to(next(src.parameters()).dtype)
+    state = {k: v for k, v in src.state_dict().items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+    dst.load_state_dict(state)
+    for i, (a, b) in enumerate(zip(src.layers, dst.layers)):
+        for norm, proj, out, rms in ((a.q_norm, a.q_proj, b.q_proj, q_rms[i]), (a.k_norm, a.k_proj, b.k_proj, k_rms[i])):
+            w = proj.weight.to(torch.float64).view(rms.numel(), c.head_dim, -1)
+            w = w * norm.weight.to(torch.float64)[None, :, None] / rms.to(torch.float64)[:, None, None]
+            out.weight.copy_(w.reshape(out.weight.shape).to(out.weight.dtype))
+    return dst
 
 
 # ---- Hugging Face export / import (the engine's format) ----------------------------------------

@@ -38,12 +38,14 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdar_torch import Sdar, SdarConfig, export_hf, flex_attention_fn, import_hf, sdpa_attention  # noqa: E402
+from sdar_torch import (Sdar, SdarConfig, export_hf, flex_attention_fn, fold_qk_norm, import_hf, qk_rms,  # noqa: E402
+                        sdpa_attention)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 
@@ -442,12 +444,13 @@ def build_batch(items, c: SdarConfig, prompt_blocks, gen: torch.Generator, seq_l
 LLADA_BLOCK = 32  # eval-model's remask blocks: the answer region is gen_tokens rounded up to them
 
 
-def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, t_range=FULL_T):
+def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, t_range=FULL_T, full_mask=0.0):
     """Masked diffusion for a bidirectional (llada) model, as LLaDA's SFT: the canvas is the
     prompt then the answer region (target + EOS, EOS-padded to gen_tokens rounded up to 32
-    tokens, what the remask loop decodes), the region masked at one rate t ~ U(0, 1) per sample,
-    CE / t on the masked tokens over the region's length. Same tensors as build_batch: every
-    real token is 'clean' in block 0 (all see all), padding singletons see only themselves."""
+    tokens, what the remask loop decodes), the region masked at one rate t ~ U(0, 1) per sample
+    (t = 1 for a share full_mask of the samples: every maskable token, the remask loop's first
+    step), CE / t on the masked tokens over the region's length. Same tensors as build_batch:
+    every real token is 'clean' in block 0 (all see all), padding singletons see only themselves."""
     out = {k: [] for k in ("ids", "pos", "blk", "copy", "labels", "weights")}
     rows, total = [], 0
     for item in items:
@@ -457,6 +460,8 @@ def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, 
         P = len(prompt)
         allowed = answer_maskable(item, P + max(region, len(target)))[P:P + region]
         t = mask_rate(gen, t_range)
+        if full_mask > 0 and float(torch.rand((), generator=gen)) < full_mask:
+            t = 1.0
         m = [u and ok for u, ok in zip((torch.rand(region, generator=gen) < t).tolist(), allowed)]
         if not any(m):
             where = [i for i, ok in enumerate(allowed) if ok]
@@ -484,7 +489,7 @@ def build_batch_llada(items, c: SdarConfig, gen: torch.Generator, seq_len=None, 
 def make_batch(items, c: SdarConfig, prompt_blocks, gen, seq_len=None, t_range=FULL_T, full_mask=0.0,
                answer_tokens=ANSWER_TOKENS):
     if c.arch == "llada":
-        return build_batch_llada(items, c, gen, seq_len, t_range)
+        return build_batch_llada(items, c, gen, seq_len, t_range, full_mask)
     return build_batch(items, c, prompt_blocks, gen, seq_len, t_range, full_mask, answer_tokens)
 
 
@@ -1269,6 +1274,37 @@ def cmd_export(a):
     export_run(a.run, model, ck["state"], a.out, a.dtype, a.shard_mb)
 
 
+def cmd_convert(a):
+    """An sdar export as the run's bidirectional (llada) model: each head's QK norm folded into its
+    projection at the head's mean rms, measured over generated task prompts (fold_qk_norm). A
+    start for fine-tuning: a llada model trained from scratch without the QK norm's gains did not
+    form the key match in the time the sdar one did (docs/eval.md)."""
+    c = load_run(a.run)
+    if c.arch != "llada":
+        sys.exit(f"train_sdar: {a.run}: the run's model is {c.arch}; convert makes a llada model "
+                 "(`tokenizer --arch llada`)")
+    f = run_files(a.run)
+    src = Sdar(replace(c, arch="sdar"))
+    try:
+        import_hf(src, a.weights)
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"train_sdar: --weights: {e}")
+    src.eval()
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(f["tokenizer"])
+    rows = ruler_generate(find_sparsa(a.sparsa), a.tasks, [a.length], a.samples, a.seed, f["tokenizer"])
+    if not rows:
+        sys.exit(f"train_sdar: --tasks {a.tasks} does not fit {a.length} tokens")
+    canvases = [tok.encode(r["input"], add_special_tokens=False).ids for r in rows]
+    q, k = qk_rms(src, canvases)
+    dst = fold_qk_norm(src, q, k)
+    log(f"q rms per layer {[round(x, 3) for x in q.mean(1).tolist()]}, k {[round(x, 3) for x in k.mean(1).tolist()]} "
+        f"({sum(map(len, canvases))} tokens)")
+    note = {"converted_from": os.path.abspath(a.weights), "qk_rms_tokens": sum(map(len, canvases)),
+            "q_rms": q.tolist(), "k_rms": k.tolist()}
+    export_run(a.run, dst, {"step": 0, "tokens": 0, "stages": [], "history": [note]}, a.out, "bf16", a.shard_mb)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1319,7 +1355,7 @@ def main(argv=None):
                         "--full-mask 1 --answer-tokens 64: a short recall drill)")
     add_kv_shape(s)
     s.add_argument("--full-mask", type=share_arg,
-                   help="share of answer blocks masked whole (t = 1; default: the stage's, else 0)")
+                   help="share of answer blocks masked whole (t = 1; llada: of answer regions; default: the stage's, else 0)")
     s.add_argument("--copy-frac", type=share_arg,
                    help="share of samples replaced by synthetic copy samples (default: the stage's, else 0)")
     s.add_argument("--answer-tokens", type=int_at_least(1), default=ANSWER_TOKENS, metavar="N",
@@ -1351,6 +1387,16 @@ def main(argv=None):
     e.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     e.add_argument("--shard-mb", type=int, default=16)
     sub.add_parser("stages", help="print the curriculum")
+    v = sub.add_parser("convert", help="an sdar export as the run's llada model (QK norm folded into the projections)")
+    v.add_argument("--run", required=True, help="a llada run (`tokenizer --arch llada`) of the same shape and tokenizer")
+    v.add_argument("--weights", required=True, help="the sdar export")
+    v.add_argument("--out", required=True)
+    v.add_argument("--tasks", default="niah", help="generator tasks whose prompts measure the q and k rms")
+    v.add_argument("--length", type=int, default=1024)
+    v.add_argument("--samples", type=int, default=4, help="samples per task")
+    v.add_argument("--seed", type=int, default=7)
+    v.add_argument("--shard-mb", type=int, default=16)
+    v.add_argument("--sparsa")
     q = sub.add_parser("probe", help="does the model copy and retrieve yet (answer tokens' CE, two views)")
     q.add_argument("--run", required=True)
     q.add_argument("--weights", help="probe an export's weights (default: the run's checkpoint)")
@@ -1365,7 +1411,7 @@ def main(argv=None):
     q.add_argument("--sparsa")
     a = p.parse_args(argv)
     {"tokenizer": cmd_tokenizer, "train": cmd_train, "export": cmd_export, "stages": cmd_stages,
-     "probe": cmd_probe}[a.cmd](a)
+     "probe": cmd_probe, "convert": cmd_convert}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -207,16 +207,10 @@ Outcome cmd_demo(const DemoOptions& o) {
     e.attention = "dense;quest:budget=128;losa:budget=128,k=4";
     e.backend = o.backend == "cuda" ? "cuda" : "cpu";
     e.threads = o.threads;
+    e.lengths_flag = "--model-length";  // its errors name the demo's flags
+    e.samples_flag = "--model-samples";
     Outcome m = run_eval_model(e);
-    if (m.exit_code != 0) {
-      // eval-model names its own flags; here they are the demo's.
-      std::string message = m.status.message();
-      for (const auto& [theirs, ours] : {std::pair{"--lengths", "--model-length"}, std::pair{"--samples", "--model-samples"}}) {
-        if (message.rfind(theirs, 0) == 0) message = ours + message.substr(std::string(theirs).size());
-      }
-      m.status = Status(m.status.code(), message);
-      return m;
-    }
+    if (m.exit_code != 0) return m;
   }
   return success();
 }

@@ -247,11 +247,11 @@ std::string accuracy_svg(const std::vector<Cell>& cells, const std::vector<std::
 Outcome run_eval_model(const EvalModelOptions& o) {
   auto tasks = eval::parse_task_list("--tasks", o.tasks);
   if (!tasks.ok()) return usage_error(tasks.status());
-  auto lengths = eval::parse_length_list("--lengths", o.lengths);
+  auto lengths = eval::parse_length_list(o.lengths_flag, o.lengths);
   if (!lengths.ok()) return usage_error(lengths.status());
   auto methods = eval::parse_method_list("--attention", o.attention);
   if (!methods.ok()) return usage_error(methods.status());
-  if (o.samples < 1 || o.samples > 1000000) return usage_error(invalid_argument("--samples: expected 1 to 10^6"));
+  if (o.samples < 1 || o.samples > 1000000) return usage_error(invalid_argument(o.samples_flag + ": expected 1 to 10^6"));
   if (o.steps < 0) return usage_error(invalid_argument("--steps: expected >= 0 (0: one token per step)"));
   if (o.gen_len < 0) return usage_error(invalid_argument("--gen-len: expected >= 0 (0: the task's budget)"));
   if (!o.svg.empty()) {
@@ -296,7 +296,7 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   const dlm::Config& config = models[0].config();
   for (int64_t len : lengths.value()) {
     if (len > config.max_seq_len) {
-      return usage_error(invalid_argument("--lengths: " + eval::length_label(len) + " exceeds the model's " +
+      return usage_error(invalid_argument(o.lengths_flag + ": " + eval::length_label(len) + " exceeds the model's " +
                                           "max_position_embeddings (" + std::to_string(config.max_seq_len) + ")"));
     }
   }

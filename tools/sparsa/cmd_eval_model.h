@@ -19,6 +19,8 @@ struct EvalModelOptions {
   uint64_t seed = 0;
   int threads = 0;
   bool json = false, quiet = false;
+  // The flags that set lengths and samples, as errors name them (`sparsa demo` passes its own).
+  std::string lengths_flag = "--lengths", samples_flag = "--samples";
 };
 
 // The accuracy table (or JSON) of one model over tasks x lengths x methods; `sparsa demo` runs

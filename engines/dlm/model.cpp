@@ -104,6 +104,28 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
   return Status::Ok();
 }
 
+}  // namespace
+
+Status check_attention(const Config& config, const LoadOptions& options) {
+  AttentionPolicy policy;
+  if (options.backend == "cuda" || options.backend.rfind("cuda:", 0) == 0) {
+    policy.backend = Backend::cuda;  // the device number is init_backend's to check
+  } else if (options.backend != "cpu") {
+    return invalid_argument("backend: expected cpu or cuda, got '" + options.backend + "'");
+  }
+  policy.num_threads = options.num_threads;
+  policy.method = options.attention;
+  SPARSA_RETURN_IF_ERROR(
+      expand_layer_methods(options.attention_layers, static_cast<int>(config.n_layers), &policy.layer_methods));
+  for (int l = 0; l < config.n_layers; ++l) {  // the methods' objects: host state only until their first call
+    auto a = make_layer_attention(policy, l);
+    if (!a.ok()) return a.status();
+  }
+  return Status::Ok();
+}
+
+namespace {
+
 Status load_weights(Model::Impl& impl, WeightSource& source) {
   impl.graphs = impl.options.cuda_graphs && impl.policy.backend == Backend::cuda;
   for (int l = 0; l < impl.config.n_layers && impl.graphs; ++l) {  // host decisions inside a method: eager

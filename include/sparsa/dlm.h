@@ -103,6 +103,11 @@ struct LoadOptions {
   AttentionDumpOptions dump_attention;
 };
 
+// The errors Model::load would give for options.attention and options.attention_layers on a
+// model of this config and options.backend ("cpu", "cuda" or "cuda:N"), without weights or a
+// device: a command that runs several methods checks them all before loading one model at a time.
+Status check_attention(const Config& config, const LoadOptions& options);
+
 // Denoising loops (one file each in engines/dlm/).
 enum class Loop : uint8_t {
   remask,        // LLaDA: semi-autoregressive low-confidence remasking, full canvas every step

@@ -266,14 +266,19 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   auto count = token_counter(tok_path, &tok);
   if (!count.ok()) return runtime_error(count.status());
 
-  // The model itself first (a runtime error), then every method's instance before any work,
-  // so that a bad --attention fails at once, as a usage error naming it. Between them, for a
-  // backend other than cpu, the plain model on that backend: a model that loads on the cpu but
-  // not there (a backend this build or machine lacks, a head_dim its kernels do not take) is a
-  // usage error naming --backend.
+  // The model itself first (a runtime error), then every method's spec before any work, so that a
+  // bad --attention fails at once, as a usage error naming it. Between them, for a backend other
+  // than cpu, the plain model on that backend: a model that loads on the cpu but not there (a
+  // backend this build or machine lacks, a head_dim its kernels do not take) is a usage error
+  // naming --backend. The methods' models are then loaded one at a time, each freed before the
+  // next: one copy of the weights at a time, on the GPU too.
+  dlm::Config config;
+  dlm::Loop loop = dlm::Loop::block;
   {
     auto plain = dlm::Model::load(o.model, dlm::LoadOptions{});
     if (!plain.ok()) return runtime_error(plain.status());
+    config = plain->config();
+    loop = plain->default_loop();
   }
   if (o.backend != "cpu") {
     dlm::LoadOptions lo;
@@ -283,17 +288,18 @@ Outcome run_eval_model(const EvalModelOptions& o) {
       return usage_error(Status(plain.status().code(), "--backend " + o.backend + ": " + plain.status().message()));
     }
   }
-  std::vector<dlm::Model> models;
-  for (const std::string& m : methods.value()) {
+  auto load_options = [&](const std::string& method) {
     dlm::LoadOptions lo;
     lo.backend = o.backend;
     lo.num_threads = o.threads;
-    lo.attention = m;
-    auto model = dlm::Model::load(o.model, lo);
-    if (!model.ok()) return usage_error(invalid_argument("--attention " + m + ": " + model.status().message()));
-    models.push_back(std::move(model.value()));
+    lo.attention = method;
+    return lo;
+  };
+  for (const std::string& m : methods.value()) {
+    if (Status st = dlm::check_attention(config, load_options(m)); !st.ok()) {
+      return usage_error(invalid_argument("--attention " + m + ": " + st.message()));
+    }
   }
-  const dlm::Config& config = models[0].config();
   for (int64_t len : lengths.value()) {
     if (len > config.max_seq_len) {
       return usage_error(invalid_argument(o.lengths_flag + ": " + eval::length_label(len) + " exceeds the model's " +
@@ -306,10 +312,13 @@ Outcome run_eval_model(const EvalModelOptions& o) {
 
   std::vector<Cell> cells;
   const auto start = std::chrono::steady_clock::now();
-  const size_t total = samples->size() * models.size();
+  const size_t total = samples->size() * methods->size();
   size_t done = 0;
-  for (size_t mi = 0; mi < models.size(); ++mi) {
-    const dlm::Model& model = models[mi];
+  for (size_t mi = 0; mi < methods->size(); ++mi) {
+    auto loaded = dlm::Model::load(o.model, load_options(methods->at(mi)));
+    if (!loaded.ok()) return runtime_error(Status(loaded.status().code(), "--attention " + methods->at(mi) + ": " +
+                                                                         loaded.status().message()));
+    const dlm::Model& model = loaded.value();
     dlm::GenerateOptions g;
     g.loop = model.default_loop();
     g.steps = o.steps > 0 ? o.steps
@@ -360,7 +369,7 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   nlohmann::json j = {{"model", o.model},
                       {"backend", o.backend},
                       {"arch", dlm::arch_name(config.arch)},
-                      {"loop", dlm::loop_name(models[0].default_loop())},
+                      {"loop", dlm::loop_name(loop)},
                       {"seed", o.seed},
                       {"samples", o.samples},
                       {"tasks", tasks.value()},
@@ -438,7 +447,7 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   }
   table.add_row(row);
   std::cout << "accuracy (%) of " << o.model << " (" << dlm::arch_name(config.arch) << ", "
-            << dlm::loop_name(models[0].default_loop()) << " loop), " << o.samples << " samples per cell, seed "
+            << dlm::loop_name(loop) << " loop), " << o.samples << " samples per cell, seed "
             << o.seed << "\n"
             << table.render();
   return success();

@@ -245,6 +245,45 @@ TEST(DlmApi, Errors) {
   EXPECT_FALSE(dlm::parse_loop("beam").ok());
 }
 
+// check_attention: the errors Model::load gives for the attention options, from the config alone
+// (no weights, no device), so a command can check every method before loading any.
+TEST(DlmApi, CheckAttentionGivesLoadsErrorsWithoutWeights) {
+  const fs::path dir = write_model("llada", Tiny{}, "check_attention");
+  auto model = dlm::Model::load(dir.string());
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  const dlm::Config& config = model->config();
+  auto options = [](std::string backend, std::string attention, std::vector<std::string> layers = {}) {
+    dlm::LoadOptions o;
+    o.backend = std::move(backend);
+    o.attention = std::move(attention);
+    o.attention_layers = std::move(layers);
+    return o;
+  };
+  for (const auto& o : {options("cpu", "dense"), options("cpu", "ba_att:density=0.3,sort=0"),
+                        options("cpu", "xattention:density=0.5"), options("cpu", "losa:budget=64,k=2"),
+                        options("cpu", "quest", {"0=dense"}), options("cuda", "ba_att:density=0.1"),
+                        options("cuda:1", "losa:budget=128,k=4")}) {
+    EXPECT_TRUE(dlm::check_attention(config, o).ok()) << o.backend << " " << o.attention;
+  }
+  // Each refusal is the one a load gives (on the cpu backend, where a load runs here), word for word.
+  for (const auto& o : {options("cpu", "ba_att:density=2"), options("cpu", "nonsense"),
+                        options("cpu", "quest:budget=64,k=4"), options("cpu", "dense", {"7=dense"}),
+                        options("cpu", "dense", {"0=ba_att:sort=maybe"})}) {
+    const Status want = dlm::Model::load(dir.string(), o).status();
+    const Status got = dlm::check_attention(config, o);
+    ASSERT_FALSE(want.ok()) << o.attention;
+    EXPECT_FALSE(got.ok()) << o.attention;
+    EXPECT_EQ(got.message(), want.message()) << o.attention;
+  }
+  const Status x = dlm::check_attention(config, options("cuda", "xattention:density=0.5"));
+  EXPECT_FALSE(x.ok());
+  EXPECT_NE(x.message().find("cpu backend only"), std::string::npos) << x.message();
+  const Status b = dlm::check_attention(config, options("tpu", "dense"));
+  EXPECT_FALSE(b.ok());
+  EXPECT_NE(b.message().find("backend"), std::string::npos) << b.message();
+  fs::remove_all(dir);
+}
+
 // The canvas selectors' block when the spec names none: 128 on the cuda backend (the executor's
 // tile), 64 on the cpu; the plan a cpu ba_att builds over a 300-token canvas has 64-token blocks
 // by default and the spec's block when it gives one.

@@ -963,6 +963,7 @@ def test_convert_makes_an_engine_llada_model_from_an_sdar_export(trained, sparsa
     assert json.loads((out / "config.json").read_text())["model_type"] == "llada"
     note = json.loads((out / "training.json").read_text())["history"][0]
     assert note["qk_rms_tokens"] > 100 and len(note["q_rms"]) == cfg["model"]["layers"]
+    assert note["converted_from"] == "sdar"  # the directory's name, no machine path
     info = json.loads(subprocess.run([sparsa_bin, "model", "info", str(out), "--json"], capture_output=True,
                                      text=True, check=True).stdout)
     assert info["arch"] == "llada"

@@ -1300,7 +1300,7 @@ def cmd_convert(a):
     dst = fold_qk_norm(src, q, k)
     log(f"q rms per layer {[round(x, 3) for x in q.mean(1).tolist()]}, k {[round(x, 3) for x in k.mean(1).tolist()]} "
         f"({sum(map(len, canvases))} tokens)")
-    note = {"converted_from": os.path.abspath(a.weights), "qk_rms_tokens": sum(map(len, canvases)),
+    note = {"converted_from": os.path.basename(os.path.normpath(a.weights)), "qk_rms_tokens": sum(map(len, canvases)),
             "q_rms": q.tolist(), "k_rms": k.tolist()}
     export_run(a.run, dst, {"step": 0, "tokens": 0, "stages": [], "history": [note]}, a.out, "bf16", a.shard_mb)
 

@@ -320,7 +320,7 @@ Outcome run_eval_model(const EvalModelOptions& o) {
                                                                          loaded.status().message()));
     const dlm::Model& model = loaded.value();
     dlm::GenerateOptions g;
-    g.loop = model.default_loop();
+    g.loop = loop;  // the model's default loop, as read from the plain load
     g.steps = o.steps > 0 ? o.steps
                           : (g.loop == dlm::Loop::block ? std::max<int64_t>(config.block_size, 1) : 0);
     g.block_len = 32;

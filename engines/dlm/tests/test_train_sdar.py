@@ -939,10 +939,14 @@ def test_fold_qk_norm_scales_each_heads_projection_by_its_gain_over_its_rms():
             got = getattr(dst.layers[i], proj)(x).view(5, heads, 16)
             gain = getattr(src.layers[i], norm).weight
             assert torch.allclose(got, gain * raw / rms[i][None, :, None], rtol=1e-12)
-            scaled = raw / raw.pow(2).mean(-1, keepdim=True).sqrt() * rms[i][None, :, None]  # rms = the head's
-            # (the norm's eps 1e-6 against mean squares of about 0.01 here: 5e-5 relative)
-            assert torch.allclose(gain * scaled / rms[i][None, :, None], getattr(src.layers[i], norm)(scaled),
-                                  rtol=1e-3)
+            # an input scaled so that head h's projection has exactly the head's mean rms: there the
+            # folded projection gives the normed one (the norm's eps 1e-6 against mean squares of
+            # about 0.01 here: 5e-5 relative)
+            for h in range(heads):
+                xs = x * (rms[i][h] / raw[:, h].pow(2).mean(-1).sqrt())[:, None]
+                normed = getattr(src.layers[i], norm)(getattr(src.layers[i], proj)(xs).view(5, heads, 16))[:, h]
+                folded = getattr(dst.layers[i], proj)(xs).view(5, heads, 16)[:, h]
+                assert torch.allclose(folded, normed, rtol=1e-3), (i, proj, h)
     with pytest.raises(ValueError, match="expected sdar"):
         S.fold_qk_norm(dst, q_rms, k_rms)
     with pytest.raises(ValueError, match="no tokens"):

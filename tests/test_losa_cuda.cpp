@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -241,6 +242,7 @@ struct Shape {
   std::vector<int64_t> prefix = {700};  // per batch entry
   PrefixMethod method = PrefixMethod::losa;
   int active_k = 4;
+  std::optional<double> mse_threshold;
 };
 
 // One decode trace per batch entry: the prefix, then per step q (rows drifting slightly, two
@@ -285,6 +287,7 @@ LosaOptions options_of(const Shape& s, Backend backend) {
   o.select.force_first = true;
   o.select.force_last = true;
   o.active_k = s.active_k;
+  o.mse_threshold = s.mse_threshold;
   o.attention.backend = backend;
   return o;
 }
@@ -428,6 +431,27 @@ TEST(LosaCudaStep, DenseMatchesTheCpu) {
   s.method = PrefixMethod::dense;
   s.prefix = {1000};  // the split-KV route
   check_against_cpu(s, 2);
+}
+
+// The rules' extremes, each its own launch shape of the rows kernel (one CTA per row the rule
+// can make active, then CTAs for the rows it can leave stable): no row active (K 0), every row
+// active (K = the block), and thresholds whose active rows change in number from step to step
+// (the two rows that jump, one when they coincide; every row at threshold 0).
+TEST(LosaCudaStep, ActiveRuleExtremesMatchTheCpu) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int k : {0, 16}) {
+    SCOPED_TRACE("active_k " + std::to_string(k));
+    Shape s;
+    s.active_k = k;
+    check_against_cpu(s, 3);
+  }
+  for (double threshold : {0.05, 0.0}) {
+    SCOPED_TRACE("mse_threshold " + std::to_string(threshold));
+    Shape s;
+    s.mse_threshold = threshold;
+    s.prefix = {700, 1500};
+    check_against_cpu(s, 4);
+  }
 }
 
 TEST(LosaCudaStep, HeadDim128GqaFourAndAPartialLastPage) {

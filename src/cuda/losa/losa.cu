@@ -134,14 +134,19 @@ Status sparse_step(const StepArgs& a) {
           rows_of<T>(a.q), static_cast<const T*>(a.q_ref), heads_q, block, a.mse);
       SPARSA_CUDA_CHECK_LAUNCH();
     }
+    // The most and the fewest rows the rule makes active (the top-K rule: exactly min(K, block)).
+    const int max_rows = a.all_rows || a.use_threshold ? block : std::min(a.active_k, block);
+    const int min_rows = a.use_threshold ? 0 : max_rows;
     {
       // A CTA scores kChunkQueries of a kv head's queries (its group at the active rows): as
       // many chunks as the most rows the rule can make active.
-      const int max_rows = a.all_rows || a.use_threshold ? block : std::min(a.active_k, block);
       const int chunks = std::max((group * max_rows + kChunkQueries - 1) / kChunkQueries, 1);
       constexpr size_t smem = candidates_smem_bytes<T, D>();
       constexpr auto kernel = quest_candidates_kernel<T, D>;
       SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
+      // The whole carveout for shared memory: three CTAs an SM (kScoreCtasPerSm).
+      SPARSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             cudaSharedmemCarveoutMaxShared));
       const dim3 grid(static_cast<unsigned>(std::max<int64_t>(candidate_tiles(max_pages), 1)),
                       static_cast<unsigned>(a.pool.heads_kv * chunks), static_cast<unsigned>(a.batch));
       // Dependent of the row-change kernel when there is one (LoSA after a block's first step).
@@ -155,12 +160,13 @@ Status sparse_step(const StepArgs& a) {
                         rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
     constexpr auto kernel = sparse_rows_kernel<T, D>;
     SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
-    const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.block), static_cast<unsigned>(a.batch));
+    const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(max_rows + rows_stable_ctas(block, min_rows)),
+                    static_cast<unsigned>(a.batch));
     // Dependent of the candidates kernel.
     return launch(kernel, grid, kRowWarps * 32, smem, s, /*dependent=*/true, pool, rows_of<T>(a.q),
                   rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
                   mutable_rows_of<float>(a.lse), a.active, a.active_counts, a.candidates, a.candidate_tiles, keep_tile,
-                  capacity, static_cast<int>(keep), a.plan_pages, a.plan_counts, heads_q, group, block,
+                  capacity, static_cast<int>(keep), a.plan_pages, a.plan_counts, heads_q, group, block, max_rows,
                   a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));
   });
 }

@@ -204,8 +204,10 @@ __global__ void all_rows_kernel(int block, int32_t* active, int32_t* counts) {
 // q+ and q- of a 16-bit query are exact in its own type, so is every product, and the sums are
 // f32 (in the tensor cores' order, not the CPU's: scores a few ulps apart may order differently,
 // the "ties aside" of the contract). The tile's min and max rows are copied to shared memory
-// (cp.async, rows padded by 16 bytes: ldmatrix's eight row reads hit distinct banks); warp w
-// scores pages [16w, 16w + 16). The keys go to shared memory and a warp per query keeps the
+// (cp.async, each row's 16-byte chunks swizzled, chunk c of page p at c ^ (p % 8): ldmatrix's
+// eight row reads hit distinct banks without padding); warp w scores pages [16w, 16w + 16). The
+// keys go to shared memory (over the tile, which the product no longer needs: with the keys
+// apart the kernel would not fit three CTAs an SM) and a warp per query keeps the
 // tile's `keep_tile` smallest, written ascending by page (padded with all-ones keys) to
 // candidates [batch, heads_q, block slots, tiles, keep_tile]: the row's selection is the `keep`
 // smallest of its candidates. Nothing is scored when the budget covers the entry's prefix (every
@@ -216,12 +218,10 @@ constexpr int kScoreThreads = kScoreWarps * 32;
 constexpr int kChunkQueries = 16;              // one m16 tile of queries a CTA
 
 template <int D>
-__host__ __device__ constexpr int score_row_elems() { return D + 8; }  // a padded metadata row
-template <int D>
 __host__ __device__ constexpr int query_row_elems() { return 2 * D + 8; }  // q+ | q- | pad
 template <class T, int D>
 __host__ __device__ constexpr size_t score_tile_bytes() {
-  return static_cast<size_t>(2) * kScorePages * score_row_elems<D>() * sizeof(T);
+  return static_cast<size_t>(2) * kScorePages * D * sizeof(T);
 }
 template <class T, int D>
 __host__ __device__ constexpr size_t score_query_bytes() {
@@ -229,10 +229,18 @@ __host__ __device__ constexpr size_t score_query_bytes() {
 }
 constexpr size_t kScoreKeyBytes = static_cast<size_t>(kChunkQueries) * kScorePages * sizeof(uint64_t);
 constexpr size_t kScoreRowBytes = 80 * sizeof(int32_t);  // the active rows (up to 64) and their count, padded
-// The candidates kernel's dynamic shared memory: the tile, the queries, the keys, the rows.
+// The candidates kernel's dynamic shared memory: the tile (later the keys), the queries, the rows.
 template <class T, int D>
 __host__ __device__ constexpr size_t candidates_smem_bytes() {
-  return score_tile_bytes<T, D>() + score_query_bytes<T, D>() + kScoreKeyBytes + kScoreRowBytes;
+  static_assert(kScoreKeyBytes <= score_tile_bytes<T, D>(), "the keys fit in the tile's place");
+  return score_tile_bytes<T, D>() + score_query_bytes<T, D>() + kScoreRowBytes;
+}
+// The candidates kernel's CTAs an SM (three at D 128 in 16 bits: 72.6 KB each).
+constexpr int kScoreCtasPerSm = 3;
+// Element offset of 16-byte chunk c of page row p in a swizzled tile of D-element rows.
+template <int D>
+__device__ __forceinline__ int tile_at(int p, int c) {
+  return p * D + ((c ^ (p % 8)) * 8);
 }
 // Every byte of shared memory these kernels use is dynamic (a static array on top of a dynamic
 // size at the 48 KiB default limit is a launch error).
@@ -349,7 +357,7 @@ __device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t*
 }
 
 template <class T, int D>
-__global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
+__global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) quest_candidates_kernel(
     PoolView pool, Rows4<const T> q, ActiveRule rule, int32_t* active, int32_t* counts, int heads_q, int group,
     int block, int chunks, int capacity, int keep_tile, int64_t tiles, bool force_first, bool force_last,
     uint64_t* candidates) {
@@ -357,12 +365,12 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
   using cuda::detail::mma_16816;
   using cuda::detail::smem_addr;
   extern __shared__ __align__(16) unsigned char score_smem[];
-  constexpr int kRow = score_row_elems<D>(), kQRow = query_row_elems<D>();
-  T* tile_min = reinterpret_cast<T*>(score_smem);  // [kScorePages][D + 8]
-  T* tile_max = tile_min + kScorePages * kRow;
+  constexpr int kQRow = query_row_elems<D>();
+  T* tile_min = reinterpret_cast<T*>(score_smem);  // [kScorePages][D], swizzled (tile_at)
+  T* tile_max = tile_min + kScorePages * D;
+  uint64_t* keys = reinterpret_cast<uint64_t*>(score_smem);  // [16][kScorePages], once the product is done
   T* query_smem = reinterpret_cast<T*>(score_smem + score_tile_bytes<T, D>());  // [16][2D + 8]
-  uint64_t* keys = reinterpret_cast<uint64_t*>(score_smem + score_tile_bytes<T, D>() + score_query_bytes<T, D>());
-  int32_t* rows = reinterpret_cast<int32_t*>(reinterpret_cast<unsigned char*>(keys) + kScoreKeyBytes);  // [64], count
+  int32_t* rows = reinterpret_cast<int32_t*>(score_smem + score_tile_bytes<T, D>() + score_query_bytes<T, D>());  // [64], count
   const int b = blockIdx.z, h_kv = blockIdx.y / chunks, chunk = blockIdx.y % chunks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t pages = pool.pages(b), page0 = static_cast<int64_t>(blockIdx.x) * kScorePages;
@@ -381,8 +389,8 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
     const T* src_max = static_cast<const T*>(pool.max) + at;
     for (int e = threadIdx.x; e < tile * kChunks; e += blockDim.x) {
       const int row = e / kChunks, c = e % kChunks;
-      cuda::detail::cp_async_16(smem_addr(tile_min + row * kRow + c * 8), src_min + e * 8, 16);
-      cuda::detail::cp_async_16(smem_addr(tile_max + row * kRow + c * 8), src_max + e * 8, 16);
+      cuda::detail::cp_async_16(smem_addr(tile_min + tile_at<D>(row, c)), src_min + e * 8, 16);
+      cuda::detail::cp_async_16(smem_addr(tile_max + tile_at<D>(row, c)), src_max + e * 8, 16);
     }
     cuda::detail::cp_async_commit();
   }
@@ -421,16 +429,17 @@ __global__ void __launch_bounds__(kScoreThreads) quest_candidates_kernel(
   float acc[2][4] = {};
   const int m = lane / 8, r8 = lane % 8;  // ldmatrix: lane l gives row l % 8 of matrix l / 8
   const T* a_row = query_smem + ((m % 2) * 8 + r8) * kQRow + (m / 2) * 8;
-  const int b_page = warp * 16 + (m / 2) * 8 + r8, b_col = (m % 2) * 8;
+  const int b_page = warp * 16 + (m / 2) * 8 + r8, b_chunk = m % 2;
 #pragma unroll
   for (int kk = 0; kk < 2 * D / 16; ++kk) {
     uint32_t a[4], bf[4];
     ldmatrix_x4(a, smem_addr(a_row + kk * 16));
     const T* meta = kk < D / 16 ? tile_max : tile_min;
-    ldmatrix_x4(bf, smem_addr(meta + b_page * kRow + (kk % (D / 16)) * 16 + b_col));
+    ldmatrix_x4(bf, smem_addr(meta + tile_at<D>(b_page, (kk % (D / 16)) * 2 + b_chunk)));
     mma_16816<T>(acc[0], a, bf[0], bf[1]);
     mma_16816<T>(acc[1], a, bf[2], bf[3]);
   }
+  __syncthreads();  // every warp is done with the tile: the keys take its place
   // Lane (g, c) holds queries g and g + 8 at pages 16w + 8t + 2c + {0, 1}.
   const int g = lane / 4, c = lane % 4;
 #pragma unroll
@@ -693,16 +702,23 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
                            qref_all, blockIdx.y, blockIdx.x, r, threadIdx.x % 32);
 }
 
-// The sparse steps' last launch. Grid (heads_q, block rows, batch), kRowWarps warps; the CTA at
-// y takes the entry's active row of slot y, or past the active rows kRowWarps stable rows, a warp
-// each (the long CTAs start first; the CTAs past the rows exit). An active row r of head h: its
+// The sparse steps' last launch. Grid (heads_q, max_rows + stable CTAs, batch), kRowWarps warps:
+// the CTA at y < max_rows (the most rows the rule can make active) takes the entry's active row
+// of slot y (none past the entry's count: it zeroes that slot's plan count), the CTAs after
+// them kRowWarps stable rows each, a warp a row (the long CTAs start first; no CTA is launched
+// for rows the rule can never leave stable). An active row r of head h: its
 // `keep` pages picked from its candidates by the CTA (cta_rounds_select up to kRoundsMaxKeep,
 // warp 0's radix select above; every page when the budget covers the prefix) into the plan,
 // ascending; the warps attend over every kRowWarps-th page a tile at a time, one over the block's
 // keys, states merged in shared memory; O_p (T), L_p and Q_ref are written, and warp 0 merges the
 // block's state with them (merge_out; a stable row's warp: merge_block_row with its kept O_p and
-// L_p). The CTA at y also zeroes the plan count of slot y when y is past the active rows.
+// L_p). The first stable CTA zeroes the plan counts of the slots from max_rows on.
 constexpr int kRowWarps = 8;
+// The rows kernel's CTAs for stable rows: enough for every row the rule can leave stable
+// (block - min_rows; min_rows: the fewest it makes active).
+__host__ __device__ constexpr int rows_stable_ctas(int block, int min_rows) {
+  return (block - min_rows + kRowWarps - 1) / kRowWarps;
+}
 // Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states, rounded
 // up to 16 bytes (the plan and the selection after them are read with 16-byte loads).
 template <int D>
@@ -725,7 +741,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
     Rows4<float> lse, const int32_t* active, const int32_t* counts, const uint64_t* candidates, int64_t tiles,
     int keep_tile, int capacity, int plan_slots, int32_t* plan_pages, int32_t* plan_counts, int heads_q, int group,
-    int block, float scale_log2, T* o_p, float* l_p, T* q_ref) {
+    int block, int max_rows, float scale_log2, T* o_p, float* l_p, T* q_ref) {
   constexpr int E = D / 32;
   extern __shared__ __align__(16) unsigned char row_smem[];
   // The warps' prefix states [kRowWarps][D], the block's state [D], then their m and l.
@@ -745,21 +761,27 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
   // (candidates are ascending by page, so ties go to the lower page). The candidates of a slot
   // past the count are stale and unused.
   const int count = counts[b];
-  const int slot_row = active[static_cast<int64_t>(b) * block + y];
+  const bool slot_cta = y < max_rows;
+  const int slot_row = slot_cta ? active[static_cast<int64_t>(b) * block + y] : 0;
   const int n = static_cast<int>(pool.pages(b)), keep = min(capacity, n);
   const bool every_page = keep == n, rounds = !every_page && keep <= kRoundsMaxKeep;
   const int nc = (n + kScorePages - 1) / kScorePages * keep_tile;  // the entry's tiles only
   const uint64_t* cand = candidates + (base + y) * tiles * keep_tile;
-  if (rounds) {
+  if (rounds && slot_cta) {
 #pragma unroll 4
     for (int j = threadIdx.x; j < nc; j += blockDim.x) {
       rows_smem[j] = (cand[j] & 0xffffffff00000000ull) | static_cast<uint32_t>(j);
     }
   }
-  if (y >= count && threadIdx.x == 0) plan_counts[base + y] = 0;
-  const int slot = y < count ? y : -1;
-  if (slot < 0) {  // stable rows, kRowWarps a CTA: warp w takes the ((y - count) * kRowWarps + w)-th
-    const int want = (y - count) * kRowWarps + warp;
+  if (slot_cta && y >= count) {
+    if (threadIdx.x == 0) plan_counts[base + y] = 0;
+    return;
+  }
+  if (!slot_cta) {  // stable rows, kRowWarps a CTA: warp w takes the ((y - max_rows) * kRowWarps + w)-th
+    if (y == max_rows) {
+      for (int j = max_rows + static_cast<int>(threadIdx.x); j < block; j += blockDim.x) plan_counts[base + j] = 0;
+    }
+    const int want = (y - max_rows) * kRowWarps + warp;
     if (want >= block - count) return;
     uint64_t taken = 0;  // (block <= 64)
     for (int s = 0; s < count; ++s) taken |= uint64_t{1} << active[static_cast<int64_t>(b) * block + s];
@@ -775,7 +797,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
                              /*qref_all=*/false, b, h, r, lane);
     return;
   }
-  const int r = slot_row;
+  const int r = slot_row, slot = y;
   float qs[E];  // in flight during the selection
   load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
   {

@@ -243,6 +243,7 @@ struct Shape {
   PrefixMethod method = PrefixMethod::losa;
   int active_k = 4;
   std::optional<double> mse_threshold;
+  bool padded_q = false;  // q's rows d + 1 elements apart (not on 16 bytes)
 };
 
 // One decode trace per batch entry: the prefix, then per step q (rows drifting slightly, two
@@ -290,6 +291,21 @@ LosaOptions options_of(const Shape& s, Backend backend) {
   o.mse_threshold = s.mse_threshold;
   o.attention.backend = backend;
   return o;
+}
+
+// f32 values [..., d] as a bf16 device view whose rows are d + 1 elements apart (rows on 2-byte
+// boundaries only); buf holds the memory.
+Tensor to_device_padded_rows(const HostArray& f32, DeviceArray& buf) {
+  std::vector<int64_t> shape = f32.shape();
+  const int64_t d = shape.back(), rows = f32.numel() / d;
+  shape.back() = d + 1;
+  HostArray wide(DType::f32, shape);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e <= d; ++e) wide.ptr<float>()[r * (d + 1) + e] = e < d ? f32.ptr<float>()[r * d + e] : 0.0f;
+  buf = to_device(wide);
+  Tensor t = buf.view();
+  t.shape[t.ndim - 1] = d;
+  return t;
 }
 
 struct DeviceRun {
@@ -356,8 +372,10 @@ void check_against_cpu(const Shape& s, int steps) {
   auto lse = DeviceArray::allocate(DType::f32, {B, s.heads_q, s.block}, {DeviceType::cuda, 0});
   ASSERT_TRUE(out.ok() && lse.ok());
   for (int step = 0; step < steps; ++step) {
-    const DeviceArray q = to_device(tr.q[step]), k = to_device(tr.k[step]), v = to_device(tr.v[step]);
-    const Status st = dev->step(*cache, seqs, q.view(), k.view(), v.view(), out->view(), lse->view());
+    const DeviceArray k = to_device(tr.k[step]), v = to_device(tr.v[step]);
+    DeviceArray q;
+    const Tensor q_view = s.padded_q ? to_device_padded_rows(tr.q[step], q) : (q = to_device(tr.q[step])).view();
+    const Status st = dev->step(*cache, seqs, q_view, k.view(), v.view(), out->view(), lse->view());
     ASSERT_TRUE(st.ok()) << st.to_string();
     const std::vector<float> o = to_host_f32(out->view()), l = to_host_f32(lse->view());
     const std::vector<int32_t> active = ints(dev->active_rows()), counts = ints(dev->active_counts());
@@ -451,6 +469,20 @@ TEST(LosaCudaStep, ActiveRuleExtremesMatchTheCpu) {
     s.mse_threshold = threshold;
     s.prefix = {700, 1500};
     check_against_cpu(s, 4);
+  }
+}
+
+// q whose rows do not start on 16 bytes: the candidates kernel reads it element by element
+// (the other tests' q takes its 16-byte vector loads).
+TEST(LosaCudaStep, QueriesOffSixteenByteRowsMatchTheCpu) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int64_t d : {64, 128}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    Shape s;
+    s.d = d;
+    s.padded_q = true;
+    s.prefix = {700, 2100};
+    check_against_cpu(s, 3);
   }
 }
 

@@ -250,19 +250,16 @@ __device__ __forceinline__ uint64_t page_key(float score, int32_t page, bool for
   return static_cast<uint64_t>(high) << 32 | static_cast<uint32_t>(page);
 }
 
-__device__ __forceinline__ void order2(uint64_t& a, uint64_t& b) {
-  const uint64_t lo = min(a, b), hi = max(a, b);
-  a = lo;
-  b = hi;
-}
-
 // One warp, Q rows of keys at once: the `keep` smallest of keys[q][0, n) (n <= kScorePages),
-// written ascending by their low words (positions; equal low words, as the all-ones padding, by
-// round) to out[q], then all-ones keys up to out[q][keep). Every key when keep >= n. Each lane
-// sorts its kScorePages / 32 keys of a row; a round's minimum is two warp reductions (the high
-// words, then the low words of the lanes at that high word) and the lane holding it steps to its
-// next key; the Q rows' rounds interleave (independent chains of reductions). Keys must be
-// distinct but for all-ones padding, which a round takes only once the real keys are spent.
+// written ascending by position to out[q], then all-ones keys up to out[q][keep). Every key when
+// keep >= n. Each lane sorts its kScorePages / 32 keys of a row (positions lane + 32 i), each
+// with its slot i; a round's minimum is two warp reductions (the high words, then the low words
+// of the lanes at that high word) and the lane holding it marks that slot taken and steps to its
+// next key; the Q rows' rounds interleave (independent chains of reductions). A taken key's place
+// in out is the count of taken keys at lower positions (a ballot per slot). Every caller's keys
+// ascend by low word with position (pages, or indices into the candidates), so out ascends by
+// low word too. Keys must be distinct but for all-ones padding past the real keys, which a round
+// never reaches when keep < n real keys are there.
 template <int Q>
 __device__ inline void tile_top(const uint64_t* const (&keys)[Q], int n, int keep, uint64_t* const (&out)[Q]) {
   constexpr int kPer = kScorePages / 32;
@@ -289,16 +286,27 @@ __device__ inline void tile_top(const uint64_t* const (&keys)[Q], int n, int kee
     }
     return;
   }
-  uint64_t chosen[Q][kPer];  // round r's key at lane r % 32, slot r / 32
+  // The lane's keys sorted, their slots packed two bits each in the same order.
+  uint32_t slots[Q], taken[Q];
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
-    order2(mine[q][0], mine[q][1]);
-    order2(mine[q][2], mine[q][3]);
-    order2(mine[q][0], mine[q][2]);
-    order2(mine[q][1], mine[q][3]);
-    order2(mine[q][1], mine[q][2]);
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) chosen[q][i] = ~0ull;
+    uint32_t at[kPer] = {0, 1, 2, 3};
+    auto order = [&](int a, int b) {
+      const bool swap = mine[q][b] < mine[q][a];
+      const uint64_t lo = swap ? mine[q][b] : mine[q][a], hi = swap ? mine[q][a] : mine[q][b];
+      const uint32_t slo = swap ? at[b] : at[a], shi = swap ? at[a] : at[b];
+      mine[q][a] = lo;
+      mine[q][b] = hi;
+      at[a] = slo;
+      at[b] = shi;
+    };
+    order(0, 1);
+    order(2, 3);
+    order(0, 2);
+    order(1, 3);
+    order(1, 2);
+    slots[q] = at[0] | at[1] << 2 | at[2] << 4 | at[3] << 6;
+    taken[q] = 0;
   }
   for (int r = 0; r < keep; ++r) {
     uint32_t head_hi[Q], hi[Q], lo[Q];
@@ -313,40 +321,27 @@ __device__ inline void tile_top(const uint64_t* const (&keys)[Q], int n, int kee
     }
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
-      const uint64_t best = static_cast<uint64_t>(hi[q]) << 32 | lo[q];
-      if (mine[q][0] == best) {
+      if (mine[q][0] == (static_cast<uint64_t>(hi[q]) << 32 | lo[q])) {
+        taken[q] |= 1u << (slots[q] & 3u);
+        slots[q] >>= 2;
         mine[q][0] = mine[q][1];
         mine[q][1] = mine[q][2];
         mine[q][2] = mine[q][3];
         mine[q][3] = ~0ull;
       }
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) chosen[q][i] = (r == 32 * i + lane) ? best : chosen[q][i];
-    }
-  }
-  // Rank every chosen key among its row's by (low word, round): its place in out. Only the low
-  // words travel, and only the slots that hold rounds (one when keep <= 32).
-  int rank[Q][kPer] = {};
-#pragma unroll
-  for (int i0 = 0; i0 < kPer; ++i0) {
-    if (32 * i0 >= keep) break;  // (uniform)
-    for (int t = 32 * i0; t < min(keep, 32 * i0 + 32); ++t) {
-#pragma unroll
-      for (int q = 0; q < Q; ++q) {
-        const uint32_t lo_t = __shfl_sync(0xffffffffu, static_cast<uint32_t>(chosen[q][i0]), t % 32);
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-          const uint32_t lo_i = static_cast<uint32_t>(chosen[q][i]);
-          rank[q][i] += lo_t < lo_i || (lo_t == lo_i && t < 32 * i + lane);
-        }
-      }
     }
   }
 #pragma unroll
-  for (int q = 0; q < Q; ++q)
+  for (int q = 0; q < Q; ++q) {
+    int before = 0;  // taken keys at lower slots' positions
 #pragma unroll
-    for (int i = 0; i < kPer; ++i)
-      if (32 * i + lane < keep) out[q][rank[q][i]] = chosen[q][i];
+    for (int i = 0; i < kPer; ++i) {
+      const bool mine_taken = taken[q] >> i & 1u;
+      const unsigned ballot = __ballot_sync(0xffffffffu, mine_taken);
+      if (mine_taken) out[q][before + __popc(ballot & lanes_below)] = keys[q][lane + 32 * i];
+      before += __popc(ballot);
+    }
+  }
 }
 
 // One row of keys.
@@ -358,8 +353,8 @@ __device__ inline void tile_top(const uint64_t* keys, int n, int keep, uint64_t*
 
 template <class T, int D>
 __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) quest_candidates_kernel(
-    PoolView pool, Rows4<const T> q, ActiveRule rule, int32_t* active, int32_t* counts, int heads_q, int group,
-    int block, int chunks, int capacity, int keep_tile, int64_t tiles, bool force_first, bool force_last,
+    PoolView pool, Rows4<const T> q, bool q_vec, ActiveRule rule, int32_t* active, int32_t* counts, int heads_q,
+    int group, int block, int chunks, int capacity, int keep_tile, int64_t tiles, bool force_first, bool force_last,
     uint64_t* candidates) {
   using cuda::detail::ldmatrix_x4;
   using cuda::detail::mma_16816;
@@ -409,19 +404,40 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) quest_candidat
   // q+ and q- of the chunk's queries (rows past them zero).
   // Every load first, into registers (the stores to shared memory could alias q for the
   // compiler, which would otherwise keep each load behind the previous store).
-  static_assert(kChunkQueries * D % kScoreThreads == 0, "whole rounds of query elements");
-  constexpr int kPerThread = kChunkQueries * D / kScoreThreads;
-  float x[kPerThread];
+  if (q_vec) {  // 16-byte rows of q: one vector of 8 elements a thread (its loads queue behind the tile's)
+    constexpr int kVecs = kChunkQueries * D / 8;
+    static_assert(kVecs <= kScoreThreads, "one vector a thread at most");
+    if (threadIdx.x < kVecs) {
+      const int lq = threadIdx.x / (D / 8), c = threadIdx.x % (D / 8) * 8, qi = q_begin + lq;
+      union {
+        uint4 u;
+        T e[8];
+      } in, pos, neg;
+      in.u = lq < queries ? *reinterpret_cast<const uint4*>(q.row(b, h_kv * group + qi % group, rows[qi / group]) + c)
+                          : make_uint4(0, 0, 0, 0);
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int e = threadIdx.x + i * kScoreThreads, lq = e / D, c = e % D, qi = q_begin + lq;
-    x[i] = lq < queries ? to_float(q.row(b, h_kv * group + qi % group, rows[qi / group])[c]) : 0.0f;
-  }
+      for (int e = 0; e < 8; ++e) {
+        pos.e[e] = from_float<T>(fmaxf(to_float(in.e[e]), 0.0f));
+        neg.e[e] = from_float<T>(fminf(to_float(in.e[e]), 0.0f));
+      }
+      *reinterpret_cast<uint4*>(query_smem + lq * kQRow + c) = pos.u;
+      *reinterpret_cast<uint4*>(query_smem + lq * kQRow + D + c) = neg.u;
+    }
+  } else {
+    static_assert(kChunkQueries * D % kScoreThreads == 0, "whole rounds of query elements");
+    constexpr int kPerThread = kChunkQueries * D / kScoreThreads;
+    float x[kPerThread];
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int e = threadIdx.x + i * kScoreThreads, lq = e / D, c = e % D;
-    query_smem[lq * kQRow + c] = from_float<T>(fmaxf(x[i], 0.0f));
-    query_smem[lq * kQRow + D + c] = from_float<T>(fminf(x[i], 0.0f));
+    for (int i = 0; i < kPerThread; ++i) {
+      const int e = threadIdx.x + i * kScoreThreads, lq = e / D, c = e % D, qi = q_begin + lq;
+      x[i] = lq < queries ? to_float(q.row(b, h_kv * group + qi % group, rows[qi / group])[c]) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int e = threadIdx.x + i * kScoreThreads, lq = e / D, c = e % D;
+      query_smem[lq * kQRow + c] = from_float<T>(fmaxf(x[i], 0.0f));
+      query_smem[lq * kQRow + D + c] = from_float<T>(fminf(x[i], 0.0f));
+    }
   }
   cuda::detail::cp_async_wait<0>();
   __syncthreads();
@@ -709,9 +725,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
 // for rows the rule can never leave stable). An active row r of head h: its
 // `keep` pages picked from its candidates by the CTA (cta_rounds_select up to kRoundsMaxKeep,
 // warp 0's radix select above; every page when the budget covers the prefix) into the plan,
-// ascending; the warps attend over every kRowWarps-th page a tile at a time, one over the block's
-// keys, states merged in shared memory; O_p (T), L_p and Q_ref are written, and warp 0 merges the
-// block's state with them (merge_out; a stable row's warp: merge_block_row with its kept O_p and
+// ascending; each warp attends over every kRowWarps-th of the block's keys (before the
+// selection) and every kRowWarps-th page a tile at a time, prefix and block states merged apart
+// in shared memory; O_p (T), L_p and Q_ref are written, and warp 0 merges the block's state with
+// them (merge_out; a stable row's warp: merge_block_row with its kept O_p and
 // L_p). The first stable CTA zeroes the plan counts of the slots from max_rows on.
 constexpr int kRowWarps = 8;
 // The rows kernel's CTAs for stable rows: enough for every row the rule can leave stable
@@ -719,11 +736,12 @@ constexpr int kRowWarps = 8;
 __host__ __device__ constexpr int rows_stable_ctas(int block, int min_rows) {
   return (block - min_rows + kRowWarps - 1) / kRowWarps;
 }
-// Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' states, rounded
-// up to 16 bytes (the plan and the selection after them are read with 16-byte loads).
+// Dynamic shared memory of sparse_rows_kernel before its selection's: the warps' prefix and block
+// states, rounded up to 16 bytes (the plan and the selection after them are read with 16-byte
+// loads).
 template <int D>
 __host__ __device__ constexpr size_t rows_state_bytes() {
-  return ((static_cast<size_t>(kRowWarps + 1) * D + 2 * kRowWarps + 2) * sizeof(float) + 15) / 16 * 16;
+  return ((static_cast<size_t>(2 * kRowWarps) * D + 4 * kRowWarps) * sizeof(float) + 15) / 16 * 16;
 }
 // Then the row's plan, read back by the attending warps from shared memory when it has at most
 // kPlanSmemPages pages (from the plan in global memory above; every page when the budget covers
@@ -744,12 +762,14 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     int block, int max_rows, float scale_log2, T* o_p, float* l_p, T* q_ref) {
   constexpr int E = D / 32;
   extern __shared__ __align__(16) unsigned char row_smem[];
-  // The warps' prefix states [kRowWarps][D], the block's state [D], then their m and l.
+  // The warps' prefix states [kRowWarps][D], their block states [kRowWarps][D], then the m and l
+  // of each.
   float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);
-  float* block_acc = part_acc[kRowWarps];
-  float* part_m = block_acc + D;
+  float(*block_acc)[D] = part_acc + kRowWarps;
+  float* part_m = block_acc[kRowWarps];
   float* part_l = part_m + kRowWarps;
-  float* block_ml = part_l + kRowWarps;
+  float* block_m = part_l + kRowWarps;
+  float* block_l = block_m + kRowWarps;
   int32_t* plan_smem = reinterpret_cast<int32_t*>(row_smem + rows_state_bytes<D>());  // the row's plan, read back
   uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(plan_slots));  // the selection
   const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
@@ -798,8 +818,18 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     return;
   }
   const int r = slot_row, slot = y;
-  float qs[E];  // in flight during the selection
+  float qs[E];
   load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
+  constexpr int kTile = 8, kBlockTile = 8;
+  const int h_kv = h / group;
+  // The block's own keys, every kRowWarps-th to warp w (one tile: block <= 64), while the
+  // candidates load: no warp waits on them after the pages.
+  RowState<E, kBlockTile> blk;
+  static_assert(kRowWarps * kBlockTile >= 64, "a block of up to 64 keys is one tile a warp");
+  if (warp < block) {
+    blk.add_tile(qs, k_block.row(b, h_kv, warp), k_block.ss * kRowWarps, v_block.row(b, h_kv, warp),
+                 v_block.ss * kRowWarps, (block - warp + kRowWarps - 1) / kRowWarps, lane);
+  }
   {
     int32_t* plan = plan_pages + (base + slot) * capacity;
     const bool plan_in_smem = !every_page && keep <= rows_plan_smem_pages(plan_slots);
@@ -828,11 +858,8 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     }
     if (threadIdx.x == 0) plan_counts[base + slot] = keep;
     __syncthreads();  // the plan is written
-    // Tiles of 8 keys, each lane's slice one vector load, two tiles in flight; the block's keys,
-    // strided as the caller has them, 8 at a time.
-    constexpr int kTile = 8, kBlockTile = 8;
+    // Tiles of 8 keys, each lane's slice one vector load, two tiles in flight.
     RowState<E, kTile> st;
-    const int h_kv = h / group;
     const int64_t length = pool.length[b];
     // The warp's tiles (its pages every kRowWarps-th, kTile keys a tile) in a software pipeline:
     // the next tile's loads are issued before the current one is added.
@@ -857,30 +884,28 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
         st.add(qs, odd);
       }
     }
-    // The block's own keys: one more unit of work, for a warp with one page fewer than the first
-    // ones when keep is not a multiple of the warps.
-    if (warp == keep % kRowWarps) {
-      const RowState<E, kBlockTile> blk = block_state<T, D, kBlockTile>(qs, k_block, v_block, block, b, h_kv, lane);
-#pragma unroll
-      for (int e = 0; e < E; ++e) block_acc[lane * E + e] = blk.acc[e];
-      if (lane == 0) {
-        block_ml[0] = blk.m;
-        block_ml[1] = blk.l;
-      }
-    }
     if (lane == 0) {
       part_m[warp] = st.m;
       part_l[warp] = st.l;
+      block_m[warp] = blk.m;
+      block_l[warp] = blk.l;
     }
 #pragma unroll
-    for (int e = 0; e < E; ++e) part_acc[warp][lane * E + e] = st.acc[e];
+    for (int e = 0; e < E; ++e) {
+      part_acc[warp][lane * E + e] = st.acc[e];
+      block_acc[warp][lane * E + e] = blk.acc[e];
+    }
     __syncthreads();
     if (warp != 0) return;
     for (int w = 1; w < kRowWarps; ++w) {
-      float other[E];
+      float other[E], other_block[E];
 #pragma unroll
-      for (int e = 0; e < E; ++e) other[e] = part_acc[w][lane * E + e];
+      for (int e = 0; e < E; ++e) {
+        other[e] = part_acc[w][lane * E + e];
+        other_block[e] = block_acc[w][lane * E + e];
+      }
       st.merge(part_m[w], part_l[w], other);
+      blk.merge(block_m[w], block_l[w], other_block);
     }
     // O_p (T), L_p and Q_ref of the row; then its output: the block state merged with the O_p
     // and L_p as stored (what a stable row reads back on the next step).
@@ -898,11 +923,6 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     }
     const float l_stored = st.lse2() * kLn2;
     if (lane == 0) l_p[base + r] = l_stored;
-    RowState<E, kBlockTile> blk;
-    blk.m = block_ml[0];
-    blk.l = block_ml[1];
-#pragma unroll
-    for (int e = 0; e < E; ++e) blk.acc[e] = block_acc[lane * E + e];
     merge_out<T, E, kBlockTile>(blk, length > 0 ? l_stored * kLog2e : -INFINITY, [&](int e) { return prefix[e]; },
                            out.row(b, h, r), lse.row(b, h, r), lane);
   }

@@ -519,8 +519,9 @@ __host__ __device__ constexpr size_t rows_select_bytes(int64_t nc, int keep) {
 // ---- attention rows ----------------------------------------------------------------------------
 
 // The online-softmax state of one warp's row in base 2: lane elements of the accumulator; keys
-// and values a Tile of rows at a time (the sparse rows kernel's 8 keep it at two CTAs an SM).
-template <int E, int Tile = 16>
+// and values a Tile of 8 rows at a time (two tiles in flight keep the sparse rows kernel at two
+// CTAs an SM; add sums the tile's logits together).
+template <int E, int Tile = 8>
 struct RowState {
   float m = -INFINITY, l = 0.0f;
   float acc[E] = {};
@@ -586,32 +587,50 @@ struct RowState {
       }
     }
   }
-  // Adds a loaded tile: the logits' warp sums, one rescale of the state for the tile.
+  // Adds a loaded tile: the logits' warp sums, one rescale of the state for the tile. A tile of 8
+  // keys sums its 8 logits together: three exchange rounds leave lane l with half, a quarter,
+  // then an eighth of the keys (key 4 b4 + 2 b3 + b2 from the lane's bits 4, 3, 2), two more
+  // finish each key's sum in its group of four lanes (9 shuffles, not 40); each lane takes the
+  // exponential of its key and the weights are broadcast key by key.
   template <class T>
   __device__ __forceinline__ void add(const float (&q)[E], const Loaded<T>& tile) {
-    const int n = tile.n;
-    float s[kTile];
-    float tile_max = -INFINITY;
+    static_assert(kTile == 8, "the logits are summed eight keys together");
+    const int n = tile.n, lane = threadIdx.x % 32;
+    float x[8];
 #pragma unroll
-    for (int t = 0; t < kTile; ++t) {
-      float x = 0.0f;
+    for (int t = 0; t < 8; ++t) {
+      x[t] = 0.0f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) x = fmaf(q[e], t < n ? elem(tile.k[t], e) : 0.0f, x);
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-      s[t] = t < n ? x : -INFINITY;
-      tile_max = fmaxf(tile_max, s[t]);
+      for (int e = 0; e < E; ++e) x[t] = fmaf(q[e], t < n ? elem(tile.k[t], e) : 0.0f, x[t]);
     }
+    const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+    float y[4], z[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      y[i] = (b4 ? x[i + 4] : x[i]) + __shfl_xor_sync(0xffffffffu, b4 ? x[i] : x[i + 4], 16);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      z[i] = (b3 ? y[i + 2] : y[i]) + __shfl_xor_sync(0xffffffffu, b3 ? y[i] : y[i + 2], 8);
+    }
+    float w = (b2 ? z[1] : z[0]) + __shfl_xor_sync(0xffffffffu, b2 ? z[0] : z[1], 4);
+    w += __shfl_xor_sync(0xffffffffu, w, 2);
+    w += __shfl_xor_sync(0xffffffffu, w, 1);
+    const int key = (b4 ? 4 : 0) + (b3 ? 2 : 0) + (b2 ? 1 : 0);
+    const float s_mine = key < n ? w : -INFINITY;
+    float tile_max = fmaxf(s_mine, __shfl_xor_sync(0xffffffffu, s_mine, 4));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 8));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 16));
     const float m_new = fmaxf(m, tile_max);
     if (m_new == -INFINITY) return;  // nothing finite yet
-    const float correction = exp2f(m - m_new);
+    const float correction = exp2f(m - m_new), p_mine = exp2f(s_mine - m_new);
     l *= correction;
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] *= correction;
 #pragma unroll
-    for (int t = 0; t < kTile; ++t) {
+    for (int t = 0; t < 8; ++t) {
+      const float p = __shfl_sync(0xffffffffu, p_mine, (t & 4) * 4 + (t & 2) * 4 + (t & 1) * 4);
       if (t < n) {
-        const float p = exp2f(s[t] - m_new);
         l += p;
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[e] = fmaf(p, elem(tile.v[t], e), acc[e]);

@@ -209,6 +209,24 @@ def test_cuda_errors_are_clear(sparsa_bin, cuda_ok, tmp_path):
 LONG_PROMPTS = [[(7 * i + 3) % 60 for i in range(45)], [(11 * i + 5) % 60 for i in range(70)]]
 
 
+CANVAS = [5, 9, 30, 63, 63, 63, 12, 7, 63, 63, 41, 2, 63, 63, 63, 63, 19, 27, 33, 63, 6, 63, 63, 63, 8]
+
+
+@pytest.mark.parametrize("method", ["ba_att:density=1,block=4,min_tokens=0",
+                                    "ba_att:density=1,block=16,min_tokens=0,sort=false,compensate=false",
+                                    "mean_pool:density=1,block=8,min_tokens=0"])
+def test_cuda_canvas_selectors_at_density_one_give_the_dense_logits(sparsa_bin, cuda_ok, models, tmp_path, method):
+    """BA-Att and mean pooling on the device over a whole canvas: at density 1 every key block is
+    kept, so the block-sparse executor attends over the dense keys (in another order of sums):
+    the logits are the dense ones within the bf16 bound."""
+    dl, _ = models
+    dense = engine_logits(sparsa_bin, dl, CANVAS, tmp_path)
+    out = tmp_path / "sparse.npy"
+    run(sparsa_bin, "logits", "--model", dl, "--ids", ",".join(map(str, CANVAS)), "--out", out, "--quiet",
+        "--backend", "cuda", "--attention", method)
+    assert rel_err(np.load(out), dense) < BF16_TOL
+
+
 @pytest.mark.parametrize("method", ["quest:budget=256", "losa:budget=256,k=4"])
 def test_cuda_prefix_methods_at_a_covering_budget_commit_the_dense_tokens(sparsa_bin, cuda_ok, models, method):
     """QUEST and LoSA on the device (the engine's paged cache read in place by the device step):

@@ -150,10 +150,10 @@ Status sparse_step(const StepArgs& a) {
                                              cudaSharedmemCarveoutMaxShared));
       const dim3 grid(static_cast<unsigned>(std::max<int64_t>(candidate_tiles(max_pages), 1)),
                       static_cast<unsigned>(a.pool.heads_kv * chunks), static_cast<unsigned>(a.batch));
+      // Dependent of the row-change kernel when there is one (LoSA after a block's first step).
       // q's rows as 16-byte vectors when every row starts on 16 bytes.
       const bool q_vec = reinterpret_cast<uintptr_t>(a.q.data) % 16 == 0 && a.q.strides[0] % 8 == 0 &&
                          a.q.strides[1] % 8 == 0 && a.q.strides[2] % 8 == 0;
-      // Dependent of the row-change kernel when there is one (LoSA after a block's first step).
       SPARSA_RETURN_IF_ERROR(launch(kernel, grid, kScoreThreads, smem, s, /*dependent=*/!a.all_rows, pool,
                                     rows_of<T>(a.q), q_vec, rule, a.active, a.active_counts, heads_q, group, block, chunks,
                                     capacity, keep_tile, a.candidate_tiles, a.force_first, a.force_last,

@@ -437,6 +437,150 @@ TEST(MaskBaAtt, ExecutorMasksOriginalPositions) {
   EXPECT_GT(count_mismatches(*unmasked, *got, DType::f32, "ba_att", false), 0);
 }
 
+// ---- BA-Att with a selection that sees the mask (mask_aware) ----------------------------------
+
+// The plan mask_aware must give, stated independently: per query block, the key blocks with no
+// visible pair are out, those holding the last key a query of the block sees are kept (with a
+// mask), and the budget picks among the rest by BA-Att's block logit (ties to the lower block),
+// counted over all the blocks with a visible pair.
+std::vector<int32_t> expected_mask_aware_row(const Mask& m, const float* logits, int64_t qb, int64_t len_q,
+                                             int64_t len_kv, int bq, int bkv, const Budget& budget) {
+  const int64_t nkv = (len_kv + bkv - 1) / bkv;
+  std::vector<int> kind(nkv, 0);  // 0 hidden, 1 visible, 2 holds a query's last visible key
+  for (int64_t i = qb * bq; i < std::min<int64_t>((qb + 1) * bq, len_q); ++i) {
+    int64_t last = -1;
+    for (int64_t j = 0; j < len_kv; ++j) {
+      if (!mask_visible(m, i, j, len_q, len_kv)) continue;
+      kind[j / bkv] = std::max(kind[j / bkv], 1);
+      last = j;
+    }
+    if (last >= 0 && !m.is_none()) kind[last / bkv] = 2;
+  }
+  std::vector<int32_t> cut, whole;  // forced first, then the candidates
+  for (int64_t kb = 0; kb < nkv; ++kb) {
+    if (kind[kb] == 2) cut.push_back(static_cast<int32_t>(kb));
+    if (kind[kb] == 1) whole.push_back(static_cast<int32_t>(kb));
+  }
+  const int64_t n = static_cast<int64_t>(cut.size() + whole.size());
+  if (n == 0) return {};
+  std::stable_sort(whole.begin(), whole.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  std::vector<int32_t> order = cut;
+  order.insert(order.end(), whole.begin(), whole.end());
+  int64_t keep = 0;
+  if (budget.kind == BudgetKind::top_kappa) {
+    keep = std::min<int64_t>(static_cast<int64_t>(budget.value), n);
+  } else if (budget.kind == BudgetKind::density) {
+    keep = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(budget.value * static_cast<double>(n) - 1e-9)), 1, n);
+  } else {
+    double top = -std::numeric_limits<double>::infinity(), total = 0, sum = 0;
+    for (int32_t kb : order) top = std::max(top, static_cast<double>(logits[kb]));
+    for (int32_t kb : order) total += std::exp(logits[kb] - top);
+    while (keep < n && sum < budget.value * total) sum += std::exp(logits[order[keep++]] - top);
+  }
+  keep = std::max<int64_t>(keep, static_cast<int64_t>(cut.size()));
+  std::vector<int32_t> row(order.begin(), order.begin() + keep);
+  std::sort(row.begin(), row.end());
+  return row;
+}
+
+TEST(MaskAwareBaAtt, PlanKeepsTheCutBlocksAndTheBestVisibleOnes) {
+  std::mt19937 rng(41);
+  for (const Mask& m : all_masks()) {
+    for (auto [len_q, len_kv, bq, bkv] : {std::tuple<int64_t, int64_t, int, int>{100, 100, 16, 16},
+                                          {37, 90, 8, 12}, {90, 37, 12, 8}, {203, 203, 16, 8}}) {
+      const Input q = make_input(1, 4, len_q, 32, DType::f32, false, rng);
+      const Input k = make_input(1, 2, len_kv, 32, DType::f32, false, rng);
+      for (Budget budget : {Budget::density(0.3), Budget::top_kappa(2), Budget::mass(0.8)}) {
+        for (Backend be : {Backend::cpu_ref, Backend::cpu}) {
+          BaAttOptions o;
+          o.block_q = bq;
+          o.block_kv = bkv;
+          o.sort_q = o.sort_k = false;
+          o.compensate = budget.kind != BudgetKind::mass;
+          o.budget = budget;
+          o.backend = be;
+          o.mask = m;
+          o.mask_aware = true;
+          auto scores = ba_att_scores(q.view, k.view, o);
+          ASSERT_TRUE(scores.ok()) << scores.status().to_string();
+          auto plan = ba_att_plan(q.view, k.view, o);
+          ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+          const std::string what = mask_string(m) + " " + describe(budget) + " " + backend_name(be) + " " +
+                                   std::to_string(len_q) + "x" + std::to_string(len_kv);
+          ASSERT_TRUE(validate_block_index(plan->view(), 1, 4, 2, len_q, len_kv).ok()) << what;
+          const int64_t nq = plan->num_q_blocks, nkv = plan->num_kv_blocks, cap = plan->view().capacity();
+          for (int64_t row = 0; row < 4 * nq; ++row) {
+            const std::vector<int32_t> expected = expected_mask_aware_row(
+                m, scores->logits.ptr<float>() + row * nkv, row % nq, len_q, len_kv, bq, bkv, budget);
+            const int32_t count = plan->counts.ptr<int32_t>()[row];
+            const int32_t* ix = plan->indices.ptr<int32_t>() + row * cap;
+            ASSERT_EQ(std::vector<int32_t>(ix, ix + count), expected) << what << " row " << row;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The engine's use: a causal or block-causal prefill (and the other masks, len_q == len_kv, where
+// every query sees itself). Every query keeps the block of the last key it sees, so even one key
+// block a row leaves no query without keys; with every visible block kept, ba_att is masked
+// dense attention; and a sparse plan differs from it.
+TEST(MaskAwareBaAtt, EveryQueryKeepsKeysAndFullDensityIsMaskedDense) {
+  std::mt19937 rng(43);
+  const Input q = make_input(1, 4, 300, 64, DType::f32, false, rng);
+  const Input k = make_input(1, 2, 300, 64, DType::f32, false, rng);
+  const Input v = make_input(1, 2, 300, 64, DType::f32, false, rng);
+  for (const Mask& m : all_masks()) {
+    for (auto [bq, bkv] : {std::pair<int, int>{32, 16}, {16, 16}, {64, 64}, {16, 48}}) {
+      const std::string what = mask_string(m) + " blocks " + std::to_string(bq) + "/" + std::to_string(bkv);
+      BaAttOptions o;
+      o.block_q = bq;
+      o.block_kv = bkv;
+      o.sort_q = o.sort_k = false;
+      o.mask = m;
+      o.mask_aware = true;
+      o.budget = Budget::top_kappa(1);
+      auto sparse = ba_att(q.view, k.view, v.view, o);
+      ASSERT_TRUE(sparse.ok()) << sparse.status().to_string();
+      for (int64_t i = 0; i < sparse->lse.numel(); ++i) {
+        ASSERT_TRUE(std::isfinite(sparse->lse.ptr<float>()[i])) << what << " row " << i;
+      }
+      auto ref = dense(q.view, k.view, v.view, with_backend(Backend::cpu_ref, m));
+      ASSERT_TRUE(ref.ok());
+      if (m.kind == MaskKind::causal || m.kind == MaskKind::block_causal) {
+        EXPECT_GT(count_mismatches(*ref, *sparse, DType::f32, "kappa 1", false), 0) << what;
+      }
+      o.budget = Budget::density(1.0);
+      auto full = ba_att(q.view, k.view, v.view, o);
+      ASSERT_TRUE(full.ok()) << full.status().to_string();
+      expect_close(*ref, *full, DType::f32, "mask_aware density 1 " + what);
+    }
+  }
+}
+
+TEST(MaskAwareBaAtt, RefusesNormSortsAndTheCudaBackendByName) {
+  std::mt19937 rng(47);
+  const Input q = make_input(1, 2, 64, 16, DType::f32, false, rng);
+  BaAttOptions o;
+  o.mask = Mask::causal();
+  o.mask_aware = true;
+  o.sort_q = false;  // sort_k still on
+  auto plan = ba_att_plan(q.view, q.view, o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::invalid_argument);
+  EXPECT_NE(plan.status().message().find("mask_aware: "), std::string::npos) << plan.status().to_string();
+  o.sort_k = false;
+  o.backend = Backend::cuda;
+  plan = ba_att_plan(q.view, q.view, o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::unsupported) << plan.status().to_string();
+  EXPECT_NE(plan.status().message().find("mask_aware: the cpu and cpu_ref backends only"), std::string::npos);
+  auto scores = ba_att_scores(q.view, q.view, o);
+  ASSERT_FALSE(scores.ok());
+  EXPECT_NE(scores.status().message().find("mask_aware: "), std::string::npos);
+}
+
 // ---- variable-length batches ------------------------------------------------------------------
 
 // A varlen operand [total, heads, d] of normal values.

@@ -261,11 +261,13 @@ const char* bool_text(bool b) { return b ? "true" : "false"; }
 
 // A block selector over the chunk's own keys where the chunk is one bidirectional canvas of at
 // least min_tokens tokens (LLaDA's full-canvas steps, Fast-dLLM's block-and-suffix chunks), then
-// the block-sparse executor; dense below that and for block-causal chunks (block-diffusion
-// prefill); the prefix stays dense. The methods differ only in their selector (the hooks).
+// the block-sparse executor; dense below that; block-causal chunks (block-diffusion prefill) dense
+// too unless the method selects under the mask (`block_causal=true`); the prefix stays dense. The
+// methods differ only in their selector (the hooks).
 class CanvasAttention : public SplitAttention {
  public:
-  CanvasAttention(const AttentionPolicy& policy, int64_t min_tokens) : SplitAttention(policy), min_tokens_(min_tokens) {}
+  CanvasAttention(const AttentionPolicy& policy, int64_t min_tokens, bool block_causal)
+      : SplitAttention(policy), min_tokens_(min_tokens), block_causal_(block_causal) {}
 
   Result<std::optional<CallPlan>> plan_of(const AttentionCall& call) override {
     if (!sparse(call)) return std::optional<CallPlan>{};
@@ -285,26 +287,34 @@ class CanvasAttention : public SplitAttention {
   }
 
  private:
-  bool sparse(const AttentionCall& call) const { return call.block_causal == 0 && call.q.shape[2] >= min_tokens_; }
+  bool sparse(const AttentionCall& call) const {
+    return (call.block_causal == 0 || block_causal_) && call.q.shape[2] >= min_tokens_;
+  }
   int64_t min_tokens_;
+  bool block_causal_;
 };
 
 // BA-Att (norm-sorted, compensated mean-pool logits), or with the sorts and the compensation off,
 // mean-pool top-k (`mean_pool`); on the cpu or, with its device selection, the cuda backend.
 class BaAttAttention final : public CanvasAttention {
  public:
-  BaAttAttention(const AttentionPolicy& policy, const BaAttOptions& ba, int64_t min_tokens, std::string name)
-      : CanvasAttention(policy, min_tokens), ba_(ba), name_(std::move(name)) {
+  BaAttAttention(const AttentionPolicy& policy, const BaAttOptions& ba, int64_t min_tokens, bool block_causal,
+                 std::string name)
+      : CanvasAttention(policy, min_tokens, block_causal), ba_(ba), name_(std::move(name)) {
     ba_.backend = policy.backend;
     ba_.num_threads = policy.num_threads;
   }
 
  protected:
   Status attend_sparse(const AttentionCall& call, const Tensor& lse) override {
-    return ba_att(call.q, call.k, call.v, call.out, lse, ba_);
+    auto options = options_for(call);
+    if (!options.ok()) return options.status();
+    return ba_att(call.q, call.k, call.v, call.out, lse, *options);
   }
   Result<CallPlan> select(const AttentionCall& call) override {
-    auto plan = ba_att_plan(call.q, call.k, ba_);
+    auto options = options_for(call);
+    if (!options.ok()) return options.status();
+    auto plan = ba_att_plan(call.q, call.k, *options);
     if (!plan.ok()) return plan.status();
     std::string params = budget_param(ba_.budget) + " block_q=" + std::to_string(ba_.block_q) +
                          " block_kv=" + std::to_string(ba_.block_kv);
@@ -314,10 +324,25 @@ class BaAttAttention final : public CanvasAttention {
       params += std::string(" beta=") + beta + " compensate=" + bool_text(ba_.compensate) +
                 " sort_q=" + bool_text(ba_.sort_q) + " sort_k=" + bool_text(ba_.sort_k);
     }
+    if (options->mask_aware) params += " mask_aware=true";
     return CallPlan{std::move(plan).value(), name_, params};
   }
 
  private:
+  // A block-causal chunk: the selection sees the mask, the executor applies it (the chunk starts
+  // on a block boundary, so the mask's blocks are the model's).
+  Result<BaAttOptions> options_for(const AttentionCall& call) const {
+    const int64_t b = call.block_causal;
+    if (b == 0 || b >= call.q.shape[2]) return ba_;
+    if (call.pos0 % b != 0) {
+      return Status(StatusCode::internal, "attention: a block-causal chunk must start at a block boundary");
+    }
+    BaAttOptions o = ba_;
+    o.mask = Mask::block_causal(b);
+    o.mask_aware = true;
+    return o;
+  }
+
   BaAttOptions ba_;
   std::string name_;  // "ba_att" or "mean_pool"
 };
@@ -326,7 +351,7 @@ class BaAttAttention final : public CanvasAttention {
 class XAttentionAttention final : public CanvasAttention {
  public:
   XAttentionAttention(const AttentionPolicy& policy, const XAttentionOptions& x, int64_t min_tokens)
-      : CanvasAttention(policy, min_tokens), x_(x) {
+      : CanvasAttention(policy, min_tokens, /*block_causal=*/false), x_(x) {
     x_.backend = policy.backend;
     x_.num_threads = policy.num_threads;
   }
@@ -591,11 +616,19 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     BaAttOptions ba;
     ba.budget = budget;
     ba.block_q = ba.block_kv = static_cast<int>(block);
+    // block_causal: also the block-causal chunks (sdar's prefill), the selection seeing the mask.
+    bool block_causal = false;
+    SPARSA_RETURN_IF_ERROR(p.flag("block_causal", &block_causal));
+    if (block_causal && policy.backend == Backend::cuda) {
+      return Status(StatusCode::unsupported, where + ": " + name +
+                                                 " block_causal: the cuda backend's selector does not see the mask "
+                                                 "yet (cpu backend only)");
+    }
     if (name == "mean_pool") {  // BA-Att's selector without the norm sort and the compensation
-      SPARSA_RETURN_IF_ERROR(p.done("density, top_kappa, tau, block, min_tokens"));
+      SPARSA_RETURN_IF_ERROR(p.done("density, top_kappa, tau, block, min_tokens, block_causal"));
       ba.sort_q = ba.sort_k = false;
       ba.compensate = false;
-      return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, name));
+      return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, block_causal, name));
     }
     double beta = 1.0;
     SPARSA_RETURN_IF_ERROR(p.number("beta", 0.0, 16.0, &beta));
@@ -609,9 +642,13 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     SPARSA_RETURN_IF_ERROR(p.flag("sort_q", &ba.sort_q));
     SPARSA_RETURN_IF_ERROR(p.flag("sort_k", &ba.sort_k));
     SPARSA_RETURN_IF_ERROR(
-        p.done("density, top_kappa, tau, block, min_tokens, beta, compensate, sort, sort_q, sort_k"));
+        p.done("density, top_kappa, tau, block, min_tokens, beta, compensate, sort, sort_q, sort_k, block_causal"));
+    if (block_causal && (ba.sort_q || ba.sort_k)) {
+      return invalid_argument(where + ": ba_att block_causal needs sort=false (a norm sort moves tokens across the "
+                                      "mask's blocks)");
+    }
     ba.beta = static_cast<float>(beta);
-    return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, name));
+    return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, block_causal, name));
   }
   if (spec->name == "quest") {
     PageSelectOptions s;

@@ -88,9 +88,19 @@ struct BaAttOptions {
   // selector's error word) synchronises this stream, not the device.
   void* stream = nullptr;
   // ba_att: the executor's per-element mask (sparsa/attention.h), on original token positions,
-  // so a sorted plan is masked exactly too. The selection does not see it: a plan may spend its
-  // budget on key blocks the mask then hides (those cost nothing: the executor skips them).
+  // so a sorted plan is masked exactly too. Without mask_aware the selection does not see it: a
+  // plan may spend its budget on key blocks the mask then hides (those cost nothing: the executor
+  // skips them).
   Mask mask;
+  // The selection sees the mask (causal prefill, block diffusion's block-causal prefill): per
+  // query block, key blocks the mask hides from every query of the block are never chosen; the
+  // blocks holding the last key some query of the block sees (the diagonal of a causal mask) are
+  // always kept, so no query is left without keys; the budget counts the blocks the mask leaves
+  // visible (density F keeps ceil(F * visible) blocks, the diagonal ones first). With mask none
+  // nothing is hidden or forced: the plain selection. Needs sort_q = sort_k = false (a norm sort
+  // moves tokens across the mask's blocks); the cpu and cpu_ref backends (the cuda selector does
+  // not see the mask yet).
+  bool mask_aware = false;
 };
 
 // The selector's intermediate results, for tests, evaluation and `sparsa plan`.
@@ -124,6 +134,15 @@ int64_t fixed_block_count(const Budget& budget, int64_t n);
 // against kappa and mass. Writes the kept indices ascending to out and returns their count.
 int64_t select_blocks(const double* key, const double* weight, const bool* forced, int64_t n,
                       const Budget& budget, int32_t* out);
+
+// How a mask leaves key block j to query block qb (unsorted blocks of block_q / block_kv tokens,
+// queries aligned at the end of the keys as the mask defines): hidden (no query of the block sees
+// a key of it), diagonal (it holds the last key some query of the block sees; none with mask
+// none, where every key is visible) or visible (the others).
+enum class BlockVisibility : uint8_t { hidden, visible, diagonal };
+// out[0..ceil(len_kv / block_kv)): the visibility of every key block to query block qb.
+void mask_block_visibility(const Mask& mask, int64_t qb, int block_q, int block_kv, int64_t len_q, int64_t len_kv,
+                           BlockVisibility* out);
 
 // The norm sort of step 1 for one sequence: perm[p] = original token at sorted position p.
 // norms[0..len); window 0 = global. Stable: equal norms keep their original order.

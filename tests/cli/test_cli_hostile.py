@@ -398,6 +398,12 @@ BOUNDS = [
     (["demo", "--threads", "300"], "--threads"),
     (["bench", "--threads", "300"], "--threads"),
     (["plan", "--method", "ba_att", "--length", "99999999999999999999999"], "--length"),
+    (["plan", "--method", "xattention", "--length", "256", "--mask", "causal"],
+     "--mask: only ba_att and mean_pool plans see a mask"),
+    (["plan", "--method", "ba_att", "--length", "256", "--mask", "causal(3)"], "--mask"),
+    (["plan", "--method", "ba_att", "--length", "256", "--mask", "causal", "-P", "mask_aware=true"],
+     "params: mask_aware needs sort=false"),
+    (["plan", "--method", "ba_att", "--length", "256", "-P", "mask_aware=perhaps"], "mask_aware"),
 ]
 
 

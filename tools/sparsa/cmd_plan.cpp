@@ -20,7 +20,8 @@ namespace {
 
 
 struct PlanOptions {
-  std::string method = "ba_att", q, k, json_path, svg_path, index_path, backend = "cpu", layout = "bhsd";
+  std::string method = "ba_att", q, k, json_path, svg_path, index_path, backend = "cpu", layout = "bhsd",
+              mask = "none";
   std::vector<std::string> params;
   long long length = 4096;
   int heads = 8, kv_heads = 2, head_dim = 64, threads = 0, head = 0, batch = 0;
@@ -113,6 +114,12 @@ Outcome run_plan(const PlanOptions& o) {
   if (!backend.ok()) return usage_error(backend.status());
   Result<FileLayout> layout = parse_layout(o.layout);
   if (!layout.ok()) return usage_error(layout.status());
+  Result<Mask> mask = parse_mask(o.mask, "--mask");
+  if (!mask.ok()) return usage_error(mask.status());
+  if (!mask->is_none() && o.method != "ba_att" && o.method != "mean_pool") {
+    return usage_error(invalid_argument("--mask: only ba_att and mean_pool plans see a mask (with -P mask_aware=true), "
+                                        "not " + o.method));
+  }
   if (o.threads < 0 || o.threads > kMaxThreads) return usage_error(invalid_argument("--threads: expected 0.." + std::to_string(kMaxThreads)));
   if (o.q.empty() != o.k.empty()) return usage_error(invalid_argument("--q and --k: give both or neither (neither: the generated workload)"));
   if (!o.svg_path.empty()) {
@@ -137,6 +144,7 @@ Outcome run_plan(const PlanOptions& o) {
   in.k = swap_layout(k.view(), *layout);
   in.options.backend = *backend;
   in.options.num_threads = o.threads;
+  in.options.mask = *mask;
   in.params = *params;
   const double t0 = now_seconds();
   Result<BlockIndexBuffer> plan = Status{};
@@ -235,6 +243,10 @@ Subcommand add_plan_command(CLI::App& app) {
   cmd->add_option("--head-dim", o->head_dim, "workload head dimension")->capture_default_str();
   cmd->add_option("--seed", o->seed, "workload seed")->capture_default_str();
   cmd->add_option("--backend", o->backend, "cpu or cpu_ref")->capture_default_str();
+  cmd->add_option("--mask", o->mask,
+                  "ba_att / mean_pool: the mask a -P mask_aware=true selection sees (causal, block_causal(B), "
+                  "sliding_window(W)...)")
+      ->capture_default_str();
   cmd->add_option("--threads", o->threads, "CPU threads (0 = all cores)");
   cmd->add_option("--index", o->index_path,
                   "write the plan as the .safetensors index file that `run --method block_sparse --index` reads");

@@ -103,6 +103,39 @@ def test_ba_att_plan_inside_the_engine_is_the_plan_of_sparsa_plan(sparsa_bin, ll
     assert "ba_att" in p.stdout and "mean_pool" in p.stdout
 
 
+@pytest.mark.parametrize("method", ["ba_att:top_kappa=2,block=8,min_tokens=0,sort=false,block_causal=true",
+                                    "mean_pool:density=0.5,block=8,min_tokens=0,block_causal=true"])
+def test_block_causal_plan_inside_the_engine_is_the_plan_of_sparsa_plan(sparsa_bin, sdar, tmp_path, method):
+    """sdar's canvas is one block-causal chunk: with block_causal the selector sees the mask, and
+    `sparsa plan --mask block_causal(B) -P mask_aware=true` on the captured q, k gives its plan."""
+    s, w, d = sdar
+    dump = tmp_path / "dump"
+    logits(sparsa_bin, d, tmp_path / "a.npy", "--attention", method, "--dump-attention", dump)
+    name = method.split(":")[0]
+    for layer in range(s.layers):
+        f = dump / f"r0-l{layer}-f0.safetensors"
+        _, meta = R.read_safetensors(f)
+        assert meta["block_causal"] == str(s.block) and meta["plan_method"] == name
+        assert "mask_aware=true" in meta["plan_params"].split()
+        engine_plan, engine_meta = R.read_safetensors(dump / meta["plan"])
+        params = [x for kv in meta["plan_params"].split() for x in ("-P", kv)]
+        index = tmp_path / f"plan{layer}.safetensors"
+        run(sparsa_bin, "plan", "--method", name, "--q", f"{f}:q", "--k", f"{f}:k", *params,
+            "--mask", f"block_causal({s.block})", "--index", index)
+        cli_plan, cli_meta = R.read_safetensors(index)
+        assert set(engine_plan) == set(cli_plan) == {"counts", "indices"}
+        for key in engine_plan:
+            assert np.array_equal(engine_plan[key], cli_plan[key]), (layer, key)
+        assert engine_meta == cli_meta
+        # Query block i (8 tokens = 2 of the model's blocks) never keeps a key block after its own.
+        counts, indices = engine_plan["counts"], engine_plan["indices"]
+        for row in range(counts.shape[2]):
+            kept = indices[0, :, row, :].tolist()
+            for h in range(counts.shape[1]):
+                assert all(j <= row for j in kept[h][:counts[0, h, row]]), (layer, h, row)
+                assert row in kept[h][:counts[0, h, row]]  # the diagonal block: the mask cuts it
+
+
 def test_block_loop_capture_selects_layers_and_forwards(sparsa_bin, sdar, tmp_path):
     s, w, d = sdar
     dump = tmp_path / "dump"

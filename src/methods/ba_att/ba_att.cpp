@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <numeric>
 #include <vector>
 
 #include "core/attention_params.h"
@@ -79,7 +81,22 @@ Status check_options(const BaAttOptions& o, int64_t head_dim) {
   if (o.backend != Backend::cpu && o.backend != Backend::cpu_ref && o.backend != Backend::cuda) {
     return invalid_argument("backend: unknown value " + std::to_string(static_cast<int>(o.backend)));
   }
+  SPARSA_RETURN_IF_ERROR(validate_mask(o.mask));
+  if (o.mask_aware && (o.sort_q || o.sort_k)) {
+    return invalid_argument(
+        "mask_aware: the selection sees the mask only without the norm sorts (a sort moves tokens across the "
+        "mask's blocks); set sort_q and sort_k to false");
+  }
   return validate(o.budget);
+}
+
+// The cuda selector does not see the mask: refused before anything touches the device.
+Status check_mask_aware_backend(const BaAttOptions& o) {
+  if (o.mask_aware && o.backend == Backend::cuda) {
+    return {StatusCode::unsupported,
+            "mask_aware: the cpu and cpu_ref backends only (the cuda selector does not see the mask yet)"};
+  }
+  return {};
 }
 
 // Step 1 for every (batch, head) of x: f64 norms, then the shared stable sort.
@@ -147,6 +164,7 @@ ba_att_cuda::Request cuda_request(const Tensor& q, const Tensor& k, const BaAttO
 }  // namespace
 
 Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
+  SPARSA_RETURN_IF_ERROR(check_mask_aware_backend(options));
   SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
   SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
   if (options.backend == Backend::cuda) {
@@ -193,6 +211,7 @@ Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttO
 
 Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
   if (options.backend == Backend::cuda) {
+    SPARSA_RETURN_IF_ERROR(check_mask_aware_backend(options));
     SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
     SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
     BlockIndexBuffer plan;
@@ -207,15 +226,45 @@ Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaA
   std::vector<int32_t> kept(rows * nk);
   std::vector<int32_t> counts(rows);
   const int threads = options.backend == Backend::cpu_ref ? 1 : options.num_threads;
+  // mask_aware: which key blocks each query block may choose (the same for every batch and head).
+  std::vector<BlockVisibility> visibility(options.mask_aware ? nq * nk : 0);
+  if (options.mask_aware) {
+    for (int64_t qb = 0; qb < nq; ++qb) {
+      mask_block_visibility(options.mask, qb, options.block_q, options.block_kv, q.shape[2], k.shape[2],
+                            visibility.data() + qb * nk);
+    }
+  }
   cpu::parallel_for(rows, threads, [&](int64_t r, int) {
     // Step 4 (Alg. 1 lines 9-10): softmax over key blocks; top-kappa by m' equals top-kappa by l'.
+    // mask_aware: over the blocks the mask leaves visible (slot c holds block column[c]), the
+    // diagonal ones forced.
     const float* logits = s.logits.ptr<float>() + r * nk;
-    std::vector<double> key(nk), weight(nk);
+    std::vector<int32_t> column;
+    std::unique_ptr<bool[]> forced;
+    if (options.mask_aware) {
+      const BlockVisibility* vis = visibility.data() + (r % nq) * nk;
+      forced.reset(new bool[nk]());
+      for (int64_t j = 0; j < nk; ++j) {
+        if (vis[j] == BlockVisibility::hidden) continue;
+        forced[column.size()] = vis[j] == BlockVisibility::diagonal;
+        column.push_back(static_cast<int32_t>(j));
+      }
+    } else {
+      column.resize(nk);
+      std::iota(column.begin(), column.end(), 0);
+    }
+    const int64_t n = static_cast<int64_t>(column.size());
+    if (n == 0) {  // the mask hides every key from this query block
+      counts[r] = 0;
+      return;
+    }
+    std::vector<double> key(n), weight(n);
     double max_logit = -std::numeric_limits<double>::infinity();
-    for (int64_t j = 0; j < nk; ++j) max_logit = std::max(max_logit, key[j] = logits[j]);
-    for (int64_t j = 0; j < nk; ++j) weight[j] = std::exp(key[j] - max_logit);
-    counts[r] = static_cast<int32_t>(select_blocks(key.data(), weight.data(), nullptr, nk, options.budget,
-                                                   kept.data() + r * nk));
+    for (int64_t c = 0; c < n; ++c) max_logit = std::max(max_logit, key[c] = logits[column[c]]);
+    for (int64_t c = 0; c < n; ++c) weight[c] = std::exp(key[c] - max_logit);
+    int32_t* out = kept.data() + r * nk;
+    counts[r] = static_cast<int32_t>(select_blocks(key.data(), weight.data(), forced.get(), n, options.budget, out));
+    for (int32_t c = 0; c < counts[r]; ++c) out[c] = column[out[c]];  // ascending slots -> ascending blocks
   });
   BlockIndexBuffer plan = BlockIndexBuffer::from_rows(batch, heads_q, q.shape[2], k.shape[2], options.block_q,
                                                       options.block_kv, counts, kept.data(), nk);

@@ -101,6 +101,21 @@ int64_t select_blocks(const double* key, const double* weight, const bool* force
   return keep;
 }
 
+void mask_block_visibility(const Mask& mask, int64_t qb, int block_q, int block_kv, int64_t len_q, int64_t len_kv,
+                           BlockVisibility* out) {
+  const int64_t nk = (len_kv + block_kv - 1) / block_kv;
+  std::fill(out, out + nk, BlockVisibility::hidden);
+  // Each query sees one interval of keys, [begin, end) (empty when begin >= end).
+  for (int64_t i = qb * block_q; i < std::min(len_q, (qb + 1) * block_q); ++i) {
+    const int64_t begin = mask_key_begin(mask, i, len_q, len_kv), end = mask_key_end(mask, i, len_q, len_kv);
+    if (begin >= end) continue;
+    for (int64_t j = begin / block_kv; j <= (end - 1) / block_kv; ++j) {
+      if (out[j] == BlockVisibility::hidden) out[j] = BlockVisibility::visible;
+    }
+    if (!mask.is_none()) out[(end - 1) / block_kv] = BlockVisibility::diagonal;
+  }
+}
+
 void norm_sort(const double* norms, int64_t len, int64_t window, int32_t* perm) {
   std::iota(perm, perm + len, 0);
   const int64_t w = window > 0 ? window : std::max<int64_t>(len, 1);

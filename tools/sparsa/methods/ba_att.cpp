@@ -52,13 +52,15 @@ Result<std::pair<int, int>> block_params(const Params& p, int fallback) {
 Result<BaAttOptions> ba_att_options_from(const std::string& method, const MethodInputs& in) {
   Params p = in.params;
   if (method == "mean_pool") {
-    SPARSA_RETURN_IF_ERROR(check_known_params(method, p, {"block", "block_q", "block_kv", "density", "kappa", "tau"}));
+    SPARSA_RETURN_IF_ERROR(
+        check_known_params(method, p, {"block", "block_q", "block_kv", "density", "kappa", "tau", "mask_aware"}));
     p["sort"] = false;
     p["compensate"] = false;
   }
   SPARSA_RETURN_IF_ERROR(check_known_params(method, p,
                                             {"block", "block_q", "block_kv", "density", "kappa", "tau", "sort",
-                                             "sort_q", "sort_k", "window", "compensate", "compensation", "beta"}));
+                                             "sort_q", "sort_k", "window", "compensate", "compensation", "beta",
+                                             "mask_aware"}));
   BaAttOptions o;
   auto blocks = block_params(p, 64);
   if (!blocks.ok()) return blocks.status();
@@ -97,6 +99,12 @@ Result<BaAttOptions> ba_att_options_from(const std::string& method, const Method
   o.num_threads = in.options.num_threads;
   o.check_finite = in.options.check_finite;
   o.mask = in.options.mask;
+  auto mask_aware = param_bool(p, "mask_aware", false);
+  if (!mask_aware.ok()) return mask_aware.status();
+  o.mask_aware = *mask_aware;
+  if (o.mask_aware && (o.sort_q || o.sort_k)) {
+    return invalid_argument("params: mask_aware needs sort=false (a norm sort moves tokens across the mask's blocks)");
+  }
   return o;
 }
 
@@ -151,7 +159,9 @@ SPARSA_REGISTER_METHOD(Method{
                    "window=0       sort within windows of this many tokens (0: global)",
                    "compensate=true  add beta * Delta to the block logits",
                    "compensation=diagonal  diagonal (Eq. 14), exact, or trace (Eq. 13)",
-                   "beta=1         compensation weight"},
+                   "beta=1         compensation weight",
+                   "mask_aware=false  the selection sees --mask: hidden key blocks never chosen, cut ones kept, the "
+                   "budget over the visible ones (needs sort=false)"},
     .run = run_ba_att,
     .in_demo = true,
     .demo_params = Params{{"block", 64}, {"density", 0.1}},
@@ -165,7 +175,8 @@ SPARSA_REGISTER_METHOD(Method{
     .name = "mean_pool",
     .summary = "plain mean-pool top-k (ba_att without sorting or compensation), the baseline of the sorting ablation",
     .param_help = {"block=64       tokens per block (sets block_q and block_kv)",
-                   "density=0.1    fraction of key blocks kept per query block (or kappa=K, or tau=T)"},
+                   "density=0.1    fraction of key blocks kept per query block (or kappa=K, or tau=T)",
+                   "mask_aware=false  the selection sees --mask (as ba_att's)"},
     .run = run_mean_pool,
     .in_demo = false,
     .demo_params = Params{{"block", 64}, {"density", 0.1}},

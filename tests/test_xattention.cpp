@@ -1,6 +1,7 @@
 // XAttention selector: the antidiagonal scores, forced blocks, budgets, errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -118,6 +119,97 @@ TEST(XAttention, EveryBlockKeptEqualsDense) {
   auto ref = dense(q.view(), k.view(), v.view());
   ASSERT_TRUE(out.ok() && ref.ok());
   for (int64_t i = 0; i < ref->out.numel(); ++i) EXPECT_NEAR(out->out.ptr<float>()[i], ref->out.ptr<float>()[i], 1e-5);
+}
+
+// mask_aware, stated independently on a small case: each query group's softmax runs over the
+// key groups holding a key some query of the group sees (brute force over the element rule);
+// the plan never keeps a hidden block, always keeps the block of each query's last visible key,
+// and at density 1 the output is masked dense attention. cpu against cpu_ref; mask none with
+// mask_aware is the plain selector.
+TEST(XAttention, MaskAwareSoftmaxAndPlanSeeTheMask) {
+  const int64_t Lq = 40, Lk = 56, d = 8, S = 4, B = 8;
+  HostArray q = randn({1, 2, Lq, d}, 12), k = randn({1, 1, Lk, d}, 13), v = randn({1, 1, Lk, d}, 14);
+  auto dot = [&](int64_t h, int64_t i, int64_t j) {
+    double s = 0;
+    for (int64_t t = 0; t < d; ++t) s += (double)q.ptr<float>()[(h * Lq + i) * d + t] * k.ptr<float>()[j * d + t];
+    return s;
+  };
+  for (const Mask& m : {Mask::causal(), Mask::block_causal(12), Mask::sliding_window(9, 2)}) {
+    XAttentionOptions o;
+    o.block_q = o.block_kv = B;
+    o.stride = S;
+    o.mask = m;
+    o.mask_aware = true;
+    o.backend = Backend::cpu_ref;
+    auto x = xattention_scores(q.view(), k.view(), o);
+    ASSERT_TRUE(x.ok()) << x.status().to_string();
+    o.backend = Backend::cpu;
+    auto fast = xattention_scores(q.view(), k.view(), o);
+    ASSERT_TRUE(fast.ok());
+    for (int64_t i = 0; i < x->numel(); ++i) ASSERT_NEAR(x->ptr<float>()[i], fast->ptr<float>()[i], 1e-5) << i;
+    const double scale = 1.0 / std::sqrt(double(d)) / S;
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t qb = 0; qb < Lq / B; ++qb) {
+        std::vector<double> mass(Lk / B, 0.0);
+        for (int64_t g = qb * B / S; g < (qb + 1) * B / S; ++g) {
+          std::vector<double> a;
+          std::vector<int64_t> groups;
+          for (int64_t c = 0; c < Lk / S; ++c) {
+            bool seen = false;
+            for (int64_t i = g * S; i < (g + 1) * S; ++i)
+              for (int64_t j = c * S; j < (c + 1) * S; ++j) seen = seen || mask_visible(m, i, j, Lq, Lk);
+            if (!seen) continue;
+            double sum = 0;
+            for (int64_t s2 = 0; s2 < S; ++s2) sum += dot(h, g * S + S - 1 - s2, c * S + s2);
+            a.push_back(scale * sum);
+            groups.push_back(c);
+          }
+          double z = 0;
+          for (double t : a) z += std::exp(t);
+          for (size_t t = 0; t < a.size(); ++t) mass[groups[t] * S / B] += std::exp(a[t]) / z;
+        }
+        for (int64_t kb = 0; kb < Lk / B; ++kb) {
+          EXPECT_NEAR(x->ptr<float>()[(h * (Lq / B) + qb) * (Lk / B) + kb], mass[kb], 1e-6) << mask_string(m);
+        }
+      }
+    }
+    o.budget = Budget::top_kappa(1);
+    o.force_first = o.force_diagonal = false;
+    auto plan = xattention_plan(q.view(), k.view(), o);
+    ASSERT_TRUE(plan.ok());
+    for (int64_t r = 0; r < 2 * (Lq / B); ++r) {
+      const auto row = row_of(*plan, r);
+      const int64_t qb = r % (Lq / B);
+      for (int64_t kb = 0; kb < Lk / B; ++kb) {
+        bool any = false;
+        for (int64_t i = qb * B; i < (qb + 1) * B; ++i)
+          for (int64_t j = kb * B; j < (kb + 1) * B; ++j) any = any || mask_visible(m, i, j, Lq, Lk);
+        if (!any) EXPECT_EQ(std::count(row.begin(), row.end(), kb), 0) << mask_string(m) << " hidden " << kb;
+      }
+      for (int64_t i = qb * B; i < (qb + 1) * B; ++i) {
+        int64_t last = -1;
+        for (int64_t j = 0; j < Lk; ++j)
+          if (mask_visible(m, i, j, Lq, Lk)) last = j;
+        if (last >= 0) EXPECT_EQ(std::count(row.begin(), row.end(), last / B), 1) << mask_string(m) << " query " << i;
+      }
+    }
+    o.budget = Budget::density(1.0);
+    auto out = xattention(q.view(), k.view(), v.view(), o);
+    AttentionOptions masked;
+    masked.mask = m;
+    auto ref = dense(q.view(), k.view(), v.view(), masked);
+    ASSERT_TRUE(out.ok() && ref.ok());
+    for (int64_t i = 0; i < ref->out.numel(); ++i) {
+      ASSERT_NEAR(out->out.ptr<float>()[i], ref->out.ptr<float>()[i], 1e-5) << mask_string(m) << " " << i;
+    }
+  }
+  XAttentionOptions plain, none;
+  none.block_q = none.block_kv = plain.block_q = plain.block_kv = B;
+  none.stride = plain.stride = S;
+  none.mask_aware = true;
+  auto a = xattention_plan(q.view(), k.view(), plain), b = xattention_plan(q.view(), k.view(), none);
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (int64_t r = 0; r < 2 * (Lq / B); ++r) EXPECT_EQ(row_of(*a, r), row_of(*b, r));
 }
 
 TEST(XAttention, BadArgumentsGiveClearErrors) {

@@ -286,6 +286,17 @@ class CanvasAttention : public SplitAttention {
     return sparse(call) ? attend_sparse(call, lse) : dense_own(call, lse);
   }
 
+  // The mask of the chunk's own keys: none for a bidirectional canvas, block_causal(b) for a
+  // block-causal chunk (it starts on a block boundary, so the mask's blocks are the model's).
+  static Result<Mask> chunk_mask(const AttentionCall& call) {
+    const int64_t b = call.block_causal;
+    if (b == 0 || b >= call.q.shape[2]) return Mask::none();
+    if (call.pos0 % b != 0) {
+      return Status(StatusCode::internal, "attention: a block-causal chunk must start at a block boundary");
+    }
+    return Mask::block_causal(b);
+  }
+
  private:
   bool sparse(const AttentionCall& call) const {
     return (call.block_causal == 0 || block_causal_) && call.q.shape[2] >= min_tokens_;
@@ -329,17 +340,13 @@ class BaAttAttention final : public CanvasAttention {
   }
 
  private:
-  // A block-causal chunk: the selection sees the mask, the executor applies it (the chunk starts
-  // on a block boundary, so the mask's blocks are the model's).
+  // A block-causal chunk: the selection sees the mask, the executor applies it.
   Result<BaAttOptions> options_for(const AttentionCall& call) const {
-    const int64_t b = call.block_causal;
-    if (b == 0 || b >= call.q.shape[2]) return ba_;
-    if (call.pos0 % b != 0) {
-      return Status(StatusCode::internal, "attention: a block-causal chunk must start at a block boundary");
-    }
+    auto mask = chunk_mask(call);
+    if (!mask.ok()) return mask.status();
     BaAttOptions o = ba_;
-    o.mask = Mask::block_causal(b);
-    o.mask_aware = true;
+    o.mask = *mask;
+    o.mask_aware = !mask->is_none();
     return o;
   }
 
@@ -350,28 +357,46 @@ class BaAttAttention final : public CanvasAttention {
 // XAttention (antidiagonal block scores, sparsa/xattention.h): its selection runs on the cpu.
 class XAttentionAttention final : public CanvasAttention {
  public:
-  XAttentionAttention(const AttentionPolicy& policy, const XAttentionOptions& x, int64_t min_tokens)
-      : CanvasAttention(policy, min_tokens, /*block_causal=*/false), x_(x) {
+  XAttentionAttention(const AttentionPolicy& policy, const XAttentionOptions& x, int64_t min_tokens,
+                      bool block_causal)
+      : CanvasAttention(policy, min_tokens, block_causal), x_(x) {
     x_.backend = policy.backend;
     x_.num_threads = policy.num_threads;
   }
 
  protected:
   Status attend_sparse(const AttentionCall& call, const Tensor& lse) override {
-    auto plan = xattention_plan(call.q, call.k, x_);
+    auto options = options_for(call);
+    if (!options.ok()) return options.status();
+    auto plan = xattention_plan(call.q, call.k, *options);
     if (!plan.ok()) return plan.status();
-    return block_sparse(call.q, call.k, call.v, plan->view(), call.out, lse, options_);
+    AttentionOptions executor = options_;
+    executor.mask = options->mask;
+    return block_sparse(call.q, call.k, call.v, plan->view(), call.out, lse, executor);
   }
   Result<CallPlan> select(const AttentionCall& call) override {
-    auto plan = xattention_plan(call.q, call.k, x_);
+    auto options = options_for(call);
+    if (!options.ok()) return options.status();
+    auto plan = xattention_plan(call.q, call.k, *options);
     if (!plan.ok()) return plan.status();
     return CallPlan{std::move(plan).value(), "xattention",
                     budget_param(x_.budget) + " block=" + std::to_string(x_.block_q) + " stride=" +
                         std::to_string(x_.stride) + " force_first=" + bool_text(x_.force_first) +
-                        " force_diagonal=" + bool_text(x_.force_diagonal)};
+                        " force_diagonal=" + bool_text(x_.force_diagonal) +
+                        (options->mask_aware ? " mask_aware=true" : "")};
   }
 
  private:
+  // A block-causal chunk: the selection sees the mask, the executor applies it.
+  Result<XAttentionOptions> options_for(const AttentionCall& call) const {
+    auto mask = chunk_mask(call);
+    if (!mask.ok()) return mask.status();
+    XAttentionOptions o = x_;
+    o.mask = *mask;
+    o.mask_aware = !mask->is_none();
+    return o;
+  }
+
   XAttentionOptions x_;
 };
 
@@ -597,6 +622,9 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     const Budget budget = p.has("top_kappa") ? Budget::top_kappa(top_kappa)
                           : p.has("tau")     ? Budget::mass(tau)
                                              : Budget::density(density);
+    // block_causal: also the block-causal chunks (sdar's prefill), the selection seeing the mask.
+    bool block_causal = false;
+    SPARSA_RETURN_IF_ERROR(p.flag("block_causal", &block_causal));
     if (name == "xattention") {
       XAttentionOptions x;
       int64_t stride = 8;
@@ -604,21 +632,18 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
       SPARSA_RETURN_IF_ERROR(p.flag("force_first", &x.force_first));
       SPARSA_RETURN_IF_ERROR(p.flag("force_diagonal", &x.force_diagonal));
       SPARSA_RETURN_IF_ERROR(
-          p.done("density, top_kappa, tau, block, min_tokens, stride, force_first, force_diagonal"));
+          p.done("density, top_kappa, tau, block, min_tokens, stride, force_first, force_diagonal, block_causal"));
       if (policy.backend == Backend::cuda) {
         return Status(StatusCode::unsupported, where + ": xattention's selection runs on the cpu backend only");
       }
       x.budget = budget;
       x.block_q = x.block_kv = static_cast<int>(block);
       x.stride = static_cast<int>(stride);
-      return std::unique_ptr<LayerAttention>(new XAttentionAttention(policy, x, min_tokens));
+      return std::unique_ptr<LayerAttention>(new XAttentionAttention(policy, x, min_tokens, block_causal));
     }
     BaAttOptions ba;
     ba.budget = budget;
     ba.block_q = ba.block_kv = static_cast<int>(block);
-    // block_causal: also the block-causal chunks (sdar's prefill), the selection seeing the mask.
-    bool block_causal = false;
-    SPARSA_RETURN_IF_ERROR(p.flag("block_causal", &block_causal));
     if (block_causal && policy.backend == Backend::cuda) {
       return Status(StatusCode::unsupported, where + ": " + name +
                                                  " block_causal: the cuda backend's selector does not see the mask "

@@ -144,6 +144,13 @@ enum class BlockVisibility : uint8_t { hidden, visible, diagonal };
 void mask_block_visibility(const Mask& mask, int64_t qb, int block_q, int block_kv, int64_t len_q, int64_t len_kv,
                            BlockVisibility* out);
 
+// select_blocks over the key blocks a mask leaves (mask_aware selections): hidden ones are out,
+// diagonal ones forced (with forced[j], which may be null, for the others), the budget counted
+// over the n' blocks not hidden. Writes block indices ascending to out; returns their count (0
+// when every block is hidden).
+int64_t select_visible_blocks(const double* key, const double* weight, const bool* forced,
+                              const BlockVisibility* visibility, int64_t n, const Budget& budget, int32_t* out);
+
 // The norm sort of step 1 for one sequence: perm[p] = original token at sorted position p.
 // norms[0..len); window 0 = global. Stable: equal norms keep their original order.
 void norm_sort(const double* norms, int64_t len, int64_t window, int32_t* perm);

@@ -9,7 +9,8 @@
 //   - block mass X[qb, kb] = sum of the probabilities of the groups of qb (rows) and kb (columns);
 //   - per query block, forced blocks (key block 0 and the diagonal key block
 //     qb + num_kv_blocks - num_q_blocks, as XAttention aligns them) and then blocks in
-//     descending X until the budget is met (default: cumulative mass tau = 0.9 of the row).
+//     descending X until the budget is met (default: cumulative mass tau = 0.9 of the row);
+//   - mask_aware (below): the softmax and the choice see the mask.
 // No norm sort: the plan carries no permutations. GQA: query head h scores kv head h / group.
 #pragma once
 
@@ -30,6 +31,13 @@ struct XAttentionOptions {
   Backend backend = Backend::cpu;  // cpu_ref and cpu share one implementation (threads over heads)
   int num_threads = 0;
   bool check_finite = false;
+  // The executor's per-element mask (sparsa/attention.h). With mask_aware the selection sees it
+  // too: each query group's softmax runs over the key groups it can see (a key group with a
+  // visible pair), key blocks hidden from the whole query block are never chosen, the block of
+  // each query's last visible key is kept (as BA-Att's mask_aware, sparsa/ba_att.h), and the
+  // budget counts the visible blocks. XAttention was made for causal prefill; this is its mask.
+  Mask mask;
+  bool mask_aware = false;
 };
 
 // Block masses X: f32 [batch, heads_q, num_q_blocks, num_kv_blocks]; each row sums to the

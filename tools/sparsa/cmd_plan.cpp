@@ -116,9 +116,9 @@ Outcome run_plan(const PlanOptions& o) {
   if (!layout.ok()) return usage_error(layout.status());
   Result<Mask> mask = parse_mask(o.mask, "--mask");
   if (!mask.ok()) return usage_error(mask.status());
-  if (!mask->is_none() && o.method != "ba_att" && o.method != "mean_pool") {
-    return usage_error(invalid_argument("--mask: only ba_att and mean_pool plans see a mask (with -P mask_aware=true), "
-                                        "not " + o.method));
+  if (!mask->is_none() && o.method == "llsa") {
+    return usage_error(invalid_argument("--mask: only ba_att, mean_pool and xattention plans see a mask (with -P "
+                                        "mask_aware=true), not llsa"));
   }
   if (o.threads < 0 || o.threads > kMaxThreads) return usage_error(invalid_argument("--threads: expected 0.." + std::to_string(kMaxThreads)));
   if (o.q.empty() != o.k.empty()) return usage_error(invalid_argument("--q and --k: give both or neither (neither: the generated workload)"));
@@ -244,7 +244,7 @@ Subcommand add_plan_command(CLI::App& app) {
   cmd->add_option("--seed", o->seed, "workload seed")->capture_default_str();
   cmd->add_option("--backend", o->backend, "cpu or cpu_ref")->capture_default_str();
   cmd->add_option("--mask", o->mask,
-                  "ba_att / mean_pool: the mask a -P mask_aware=true selection sees (causal, block_causal(B), "
+                  "ba_att / mean_pool / xattention: the mask a -P mask_aware=true selection sees (causal, block_causal(B), "
                   "sliding_window(W)...)")
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "CPU threads (0 = all cores)");

@@ -104,7 +104,9 @@ def test_ba_att_plan_inside_the_engine_is_the_plan_of_sparsa_plan(sparsa_bin, ll
 
 
 @pytest.mark.parametrize("method", ["ba_att:top_kappa=2,block=8,min_tokens=0,sort=false,block_causal=true",
-                                    "mean_pool:density=0.5,block=8,min_tokens=0,block_causal=true"])
+                                    "mean_pool:density=0.5,block=8,min_tokens=0,block_causal=true",
+                                    "xattention:top_kappa=2,block=8,stride=2,min_tokens=0,force_first=false,"
+                                    "block_causal=true"])
 def test_block_causal_plan_inside_the_engine_is_the_plan_of_sparsa_plan(sparsa_bin, sdar, tmp_path, method):
     """sdar's canvas is one block-causal chunk: with block_causal the selector sees the mask, and
     `sparsa plan --mask block_causal(B) -P mask_aware=true` on the captured q, k gives its plan."""

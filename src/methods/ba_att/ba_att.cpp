@@ -4,8 +4,6 @@
 
 #include <cmath>
 #include <limits>
-#include <memory>
-#include <numeric>
 #include <vector>
 
 #include "core/attention_params.h"
@@ -236,35 +234,20 @@ Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaA
   }
   cpu::parallel_for(rows, threads, [&](int64_t r, int) {
     // Step 4 (Alg. 1 lines 9-10): softmax over key blocks; top-kappa by m' equals top-kappa by l'.
-    // mask_aware: over the blocks the mask leaves visible (slot c holds block column[c]), the
-    // diagonal ones forced.
+    // mask_aware: over the blocks the mask leaves visible, the diagonal ones forced.
     const float* logits = s.logits.ptr<float>() + r * nk;
-    std::vector<int32_t> column;
-    std::unique_ptr<bool[]> forced;
-    if (options.mask_aware) {
-      const BlockVisibility* vis = visibility.data() + (r % nq) * nk;
-      forced.reset(new bool[nk]());
-      for (int64_t j = 0; j < nk; ++j) {
-        if (vis[j] == BlockVisibility::hidden) continue;
-        forced[column.size()] = vis[j] == BlockVisibility::diagonal;
-        column.push_back(static_cast<int32_t>(j));
-      }
-    } else {
-      column.resize(nk);
-      std::iota(column.begin(), column.end(), 0);
-    }
-    const int64_t n = static_cast<int64_t>(column.size());
-    if (n == 0) {  // the mask hides every key from this query block
-      counts[r] = 0;
-      return;
-    }
-    std::vector<double> key(n), weight(n);
+    std::vector<double> key(nk), weight(nk);
     double max_logit = -std::numeric_limits<double>::infinity();
-    for (int64_t c = 0; c < n; ++c) max_logit = std::max(max_logit, key[c] = logits[column[c]]);
-    for (int64_t c = 0; c < n; ++c) weight[c] = std::exp(key[c] - max_logit);
+    const BlockVisibility* vis = options.mask_aware ? visibility.data() + (r % nq) * nk : nullptr;
+    for (int64_t j = 0; j < nk; ++j) {
+      key[j] = logits[j];
+      if (vis == nullptr || vis[j] != BlockVisibility::hidden) max_logit = std::max(max_logit, key[j]);
+    }
+    for (int64_t j = 0; j < nk; ++j) weight[j] = std::exp(key[j] - max_logit);
     int32_t* out = kept.data() + r * nk;
-    counts[r] = static_cast<int32_t>(select_blocks(key.data(), weight.data(), forced.get(), n, options.budget, out));
-    for (int32_t c = 0; c < counts[r]; ++c) out[c] = column[out[c]];  // ascending slots -> ascending blocks
+    counts[r] = static_cast<int32_t>(
+        vis != nullptr ? select_visible_blocks(key.data(), weight.data(), nullptr, vis, nk, options.budget, out)
+                       : select_blocks(key.data(), weight.data(), nullptr, nk, options.budget, out));
   });
   BlockIndexBuffer plan = BlockIndexBuffer::from_rows(batch, heads_q, q.shape[2], k.shape[2], options.block_q,
                                                       options.block_kv, counts, kept.data(), nk);

@@ -3,6 +3,7 @@
 // ba_att (and xattention) call these, so plans agree wherever the scores agree.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -114,6 +115,24 @@ void mask_block_visibility(const Mask& mask, int64_t qb, int block_q, int block_
     }
     if (!mask.is_none()) out[(end - 1) / block_kv] = BlockVisibility::diagonal;
   }
+}
+
+int64_t select_visible_blocks(const double* key, const double* weight, const bool* forced,
+                              const BlockVisibility* visibility, int64_t n, const Budget& budget, int32_t* out) {
+  std::vector<int32_t> column;  // slot c of the compacted row holds block column[c]
+  std::vector<double> k, w;
+  std::unique_ptr<bool[]> f(new bool[n]());
+  for (int64_t j = 0; j < n; ++j) {
+    if (visibility[j] == BlockVisibility::hidden) continue;
+    f[column.size()] = visibility[j] == BlockVisibility::diagonal || (forced != nullptr && forced[j]);
+    column.push_back(static_cast<int32_t>(j));
+    k.push_back(key[j]);
+    w.push_back(weight[j]);
+  }
+  if (column.empty()) return 0;
+  const int64_t count = select_blocks(k.data(), w.data(), f.get(), static_cast<int64_t>(column.size()), budget, out);
+  for (int64_t c = 0; c < count; ++c) out[c] = column[out[c]];  // ascending slots -> ascending blocks
+  return count;
 }
 
 void norm_sort(const double* norms, int64_t len, int64_t window, int32_t* perm) {

@@ -28,7 +28,28 @@ struct XProblem {
   int64_t nq, nk, q_groups, k_groups;
   float scale;
   int num_threads;
+  Mask mask;
+  bool mask_aware = false;
   int64_t group() const { return heads_q / heads_kv; }
+  // The key groups [*lo, *hi) query group g's softmax runs over: all of them, or with mask_aware
+  // those holding a key some query of the group sees (each query sees one interval, and the
+  // intervals move forward with the query, so their union is one interval). Empty: none.
+  void visible_groups(int64_t g, int64_t* lo, int64_t* hi) const {
+    if (!mask_aware) {
+      *lo = 0;
+      *hi = k_groups;
+      return;
+    }
+    int64_t begin = len_kv, end = 0;
+    for (int64_t i = g * stride; i < std::min(len_q, (g + 1) * stride); ++i) {
+      const int64_t b = mask_key_begin(mask, i, len_q, len_kv), e = mask_key_end(mask, i, len_q, len_kv);
+      if (b >= e) continue;
+      begin = std::min(begin, b);
+      end = std::max(end, e);
+    }
+    *lo = begin < end ? begin / stride : 0;
+    *hi = begin < end ? ceil_div(end, stride) : 0;
+  }
 };
 
 Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o, XProblem* p) {
@@ -44,6 +65,7 @@ Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o
                             std::to_string(o.block_kv) + "), got " + std::to_string(o.stride));
   }
   SPARSA_RETURN_IF_ERROR(validate(o.budget));
+  SPARSA_RETURN_IF_ERROR(validate_mask(o.mask));
   if (o.backend != Backend::cpu && o.backend != Backend::cpu_ref) {
     return {StatusCode::unsupported, std::string("backend: xattention has no ") + backend_name(o.backend) +
                                          " selector yet; use cpu or cpu_ref"};
@@ -73,17 +95,22 @@ Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o
   p->q_groups = ceil_div(p->len_q, o.stride);
   p->k_groups = ceil_div(p->len_kv, o.stride);
   p->num_threads = o.backend == Backend::cpu_ref ? 1 : o.num_threads;
+  p->mask = o.mask;
+  p->mask_aware = o.mask_aware;
   return {};
 }
 
-// Softmax of one row of antidiagonal scores, added into the block masses of its query block.
-void add_row_masses(const XProblem& p, const double* a, double* block_mass) {
+// Softmax of query group g's row of antidiagonal scores over the key groups it sees, added into
+// the block masses of its query block.
+void add_row_masses(const XProblem& p, int64_t g, const double* a, double* block_mass) {
+  int64_t lo = 0, hi = 0;
+  p.visible_groups(g, &lo, &hi);
   double max_a = -std::numeric_limits<double>::infinity();
-  for (int64_t c = 0; c < p.k_groups; ++c) max_a = std::max(max_a, a[c]);
+  for (int64_t c = lo; c < hi; ++c) max_a = std::max(max_a, a[c]);
   double sum = 0;
-  for (int64_t c = 0; c < p.k_groups; ++c) sum += std::exp(a[c] - max_a);
+  for (int64_t c = lo; c < hi; ++c) sum += std::exp(a[c] - max_a);
   const int64_t groups_per_block = p.block_kv / p.stride;
-  for (int64_t c = 0; c < p.k_groups; ++c) block_mass[c / groups_per_block] += std::exp(a[c] - max_a) / sum;
+  for (int64_t c = lo; c < hi; ++c) block_mass[c / groups_per_block] += std::exp(a[c] - max_a) / sum;
 }
 
 void scores_ref(const XProblem& p, float* out) {
@@ -107,7 +134,7 @@ void scores_ref(const XProblem& p, float* out) {
             }
             a[c] = sum * p.scale / static_cast<double>(S);
           }
-          add_row_masses(p, a.data(), mass.data());
+          add_row_masses(p, g, a.data(), mass.data());
         }
         float* row = out + ((b * p.heads_q + h) * p.nq + qb) * p.nk;
         for (int64_t kb = 0; kb < p.nk; ++kb) row[kb] = static_cast<float>(mass[kb]);
@@ -152,7 +179,7 @@ void scores_fast(const XProblem& p, float* out) {
         for (int64_t c = 0; c < nkg; ++c) acc[c] += x * kf[c];
       }
       for (int64_t c = 0; c < nkg; ++c) a[c] = acc[c] * a_scale;
-      add_row_masses(p, a.data(), mass.data());
+      add_row_masses(p, g, a.data(), mass.data());
     }
     float* row = out + ((b * p.heads_q + h) * p.nq + qb) * p.nk;
     for (int64_t kb = 0; kb < p.nk; ++kb) row[kb] = static_cast<float>(mass[kb]);
@@ -187,6 +214,12 @@ Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const
   const int64_t nq = ceil_div(q.shape[2], options.block_q), nk = ceil_div(k.shape[2], options.block_kv);
   const int64_t rows = batch * heads_q * nq;
   std::vector<int32_t> kept(rows * nk), counts(rows);
+  // mask_aware: which key blocks each query block may choose (the same for every batch and head).
+  std::vector<BlockVisibility> visibility(options.mask_aware ? nq * nk : 0);
+  for (int64_t qb = 0; options.mask_aware && qb < nq; ++qb) {
+    mask_block_visibility(options.mask, qb, options.block_q, options.block_kv, q.shape[2], k.shape[2],
+                          visibility.data() + qb * nk);
+  }
   cpu::parallel_for(rows, options.backend == Backend::cpu_ref ? 1 : options.num_threads, [&](int64_t r, int) {
     const int64_t qb = r % nq;
     const float* x = scores->ptr<float>() + r * nk;
@@ -195,8 +228,12 @@ Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const
     if (options.force_first) forced[0] = true;
     const int64_t diagonal = qb + nk - nq;  // XAttention aligns the diagonal to the end of the keys
     if (options.force_diagonal && diagonal >= 0 && diagonal < nk) forced[diagonal] = true;
+    int32_t* out = kept.data() + r * nk;
     counts[r] = static_cast<int32_t>(
-        select_blocks(mass.data(), mass.data(), forced.get(), nk, options.budget, kept.data() + r * nk));
+        options.mask_aware
+            ? select_visible_blocks(mass.data(), mass.data(), forced.get(), visibility.data() + qb * nk, nk,
+                                    options.budget, out)
+            : select_blocks(mass.data(), mass.data(), forced.get(), nk, options.budget, out));
   });
   BlockIndexBuffer plan = BlockIndexBuffer::from_rows(batch, heads_q, q.shape[2], k.shape[2], options.block_q,
                                                       options.block_kv, counts, kept.data(), nk);
@@ -211,6 +248,7 @@ Result<AttentionOutput> xattention(const Tensor& q, const Tensor& k, const Tenso
   attention.backend = options.backend;
   attention.num_threads = options.num_threads;
   attention.check_finite = options.check_finite;
+  attention.mask = options.mask;
   return block_sparse(q, k, v, plan->view(), attention);
 }
 

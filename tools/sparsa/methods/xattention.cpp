@@ -18,7 +18,7 @@ constexpr int64_t kMaxBlock = 1 << 20;
 Result<XAttentionOptions> xattention_options_from(const MethodInputs& in) {
   const Params& p = in.params;
   SPARSA_RETURN_IF_ERROR(check_known_params(
-      "xattention", p, {"block", "stride", "tau", "density", "kappa", "force_first", "force_diagonal"}));
+      "xattention", p, {"block", "stride", "tau", "density", "kappa", "force_first", "force_diagonal", "mask_aware"}));
   XAttentionOptions o;
   auto block = param_int(p, "block", 64, 1, kMaxBlock);
   if (!block.ok()) return block.status();
@@ -51,6 +51,10 @@ Result<XAttentionOptions> xattention_options_from(const MethodInputs& in) {
   o.backend = in.options.backend;
   o.num_threads = in.options.num_threads;
   o.check_finite = in.options.check_finite;
+  o.mask = in.options.mask;
+  auto mask_aware = param_bool(p, "mask_aware", false);
+  if (!mask_aware.ok()) return mask_aware.status();
+  o.mask_aware = *mask_aware;
   return o;
 }
 
@@ -77,7 +81,8 @@ SPARSA_REGISTER_METHOD(Method{
     .param_help = {"block=64       tokens per block (query and key)",
                    "stride=8       antidiagonal stride S (divides block)",
                    "tau=0.9        keep blocks until this share of the row's mass (or density=F, or kappa=K)",
-                   "force_first=true, force_diagonal=true  always keep key block 0 and the diagonal block"},
+                   "force_first=true, force_diagonal=true  always keep key block 0 and the diagonal block",
+                   "mask_aware=false  the selection sees --mask (softmax over the visible key groups; as ba_att's)"},
     .run = run_xattention,
     .in_demo = true,
     .demo_params = Params{{"block", 64}, {"density", 0.1}},  // matched to ba_att; tau=0.9 keeps most blocks on the workload

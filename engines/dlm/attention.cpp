@@ -286,15 +286,19 @@ class CanvasAttention : public SplitAttention {
     return sparse(call) ? attend_sparse(call, lse) : dense_own(call, lse);
   }
 
-  // The mask of the chunk's own keys: none for a bidirectional canvas, block_causal(b) for a
-  // block-causal chunk (it starts on a block boundary, so the mask's blocks are the model's).
-  static Result<Mask> chunk_mask(const AttentionCall& call) {
+  // A selector's options (BaAttOptions, XAttentionOptions) for the call: over a block-causal
+  // chunk the selection sees the mask and the executor applies it (the chunk starts on a block
+  // boundary, so the mask's blocks are the model's); a bidirectional canvas has none.
+  template <class Options>
+  static Result<Options> for_chunk(Options o, const AttentionCall& call) {
     const int64_t b = call.block_causal;
-    if (b == 0 || b >= call.q.shape[2]) return Mask::none();
+    if (b == 0 || b >= call.q.shape[2]) return o;
     if (call.pos0 % b != 0) {
       return Status(StatusCode::internal, "attention: a block-causal chunk must start at a block boundary");
     }
-    return Mask::block_causal(b);
+    o.mask = Mask::block_causal(b);
+    o.mask_aware = true;
+    return o;
   }
 
  private:
@@ -318,12 +322,12 @@ class BaAttAttention final : public CanvasAttention {
 
  protected:
   Status attend_sparse(const AttentionCall& call, const Tensor& lse) override {
-    auto options = options_for(call);
+    auto options = for_chunk(ba_, call);
     if (!options.ok()) return options.status();
     return ba_att(call.q, call.k, call.v, call.out, lse, *options);
   }
   Result<CallPlan> select(const AttentionCall& call) override {
-    auto options = options_for(call);
+    auto options = for_chunk(ba_, call);
     if (!options.ok()) return options.status();
     auto plan = ba_att_plan(call.q, call.k, *options);
     if (!plan.ok()) return plan.status();
@@ -340,16 +344,6 @@ class BaAttAttention final : public CanvasAttention {
   }
 
  private:
-  // A block-causal chunk: the selection sees the mask, the executor applies it.
-  Result<BaAttOptions> options_for(const AttentionCall& call) const {
-    auto mask = chunk_mask(call);
-    if (!mask.ok()) return mask.status();
-    BaAttOptions o = ba_;
-    o.mask = *mask;
-    o.mask_aware = !mask->is_none();
-    return o;
-  }
-
   BaAttOptions ba_;
   std::string name_;  // "ba_att" or "mean_pool"
 };
@@ -366,7 +360,7 @@ class XAttentionAttention final : public CanvasAttention {
 
  protected:
   Status attend_sparse(const AttentionCall& call, const Tensor& lse) override {
-    auto options = options_for(call);
+    auto options = for_chunk(x_, call);
     if (!options.ok()) return options.status();
     auto plan = xattention_plan(call.q, call.k, *options);
     if (!plan.ok()) return plan.status();
@@ -375,7 +369,7 @@ class XAttentionAttention final : public CanvasAttention {
     return block_sparse(call.q, call.k, call.v, plan->view(), call.out, lse, executor);
   }
   Result<CallPlan> select(const AttentionCall& call) override {
-    auto options = options_for(call);
+    auto options = for_chunk(x_, call);
     if (!options.ok()) return options.status();
     auto plan = xattention_plan(call.q, call.k, *options);
     if (!plan.ok()) return plan.status();
@@ -387,16 +381,6 @@ class XAttentionAttention final : public CanvasAttention {
   }
 
  private:
-  // A block-causal chunk: the selection sees the mask, the executor applies it.
-  Result<XAttentionOptions> options_for(const AttentionCall& call) const {
-    auto mask = chunk_mask(call);
-    if (!mask.ok()) return mask.status();
-    XAttentionOptions o = x_;
-    o.mask = *mask;
-    o.mask_aware = !mask->is_none();
-    return o;
-  }
-
   XAttentionOptions x_;
 };
 

@@ -621,7 +621,7 @@ def ba_att_plan(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = T
                 sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
                 top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
                 scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
-                check_finite: bool = False, stream=None) -> BlockIndex:
+                check_finite: bool = False, stream=None, mask: Any = None, mask_aware: bool = False) -> BlockIndex:
     """The BA-Att plan (Block Approximate Sparse Attention, Algorithm 1; docs/ba_att.md).
 
     Per (batch, head): optional stable norm sort of q (per query head) and k (per kv
@@ -639,11 +639,16 @@ def ba_att_plan(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = T
     device and the plan's arrays stay there: torch (or cupy) CUDA tensors for torch (cupy)
     inputs, zero copy; block_sparse / ba_att take them as they are. The selection runs on
     ``stream`` (as in :func:`dense`: torch's current stream by default) and the plan's arrays are
-    allocated there."""
+    allocated there.
+
+    ``mask_aware`` (with ``sort_q = sort_k = False``; CPU backends): the selection sees ``mask``
+    (``"causal"``, ``("block_causal", 16)``, ...): key blocks it hides from a whole query block are
+    never chosen, the block of each query's last visible key is always kept, and the budget counts
+    the visible blocks (docs/ba_att.md, "Under a causal or block-causal mask")."""
     kind, value = _budget(top_kappa, density, tau, ("density", 0.5))
     return _plan(_core.ba_att_plan(q, k, block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
                                    beta, kind, value, scale, backend, num_threads, check_finite,
-                                   _stream(q, stream)), like=q)
+                                   _stream(q, stream), _mask_text(mask), mask_aware), like=q)
 
 
 @dataclass
@@ -676,18 +681,19 @@ def ba_att_scores(q, k, *, block_q: int = 64, block_kv: int = 64, sort_q: bool =
 def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = True, sort_k: bool = True,
            sort_window: int = 0, compensate: bool = True, compensation: str = "diagonal", beta: float = 1.0,
            top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
-           scale: Optional[float] = None, mask: Any = None, backend: str = "auto", num_threads: int = 0,
-           check_finite: bool = False, out=None, lse=None, stream=None):
+           scale: Optional[float] = None, mask: Any = None, mask_aware: bool = False, backend: str = "auto",
+           num_threads: int = 0, check_finite: bool = False, out=None, lse=None, stream=None):
     """BA-Att attention: :func:`ba_att_plan` then :func:`block_sparse` on the same
     backend (and the same ``stream``). Returns ``(out, lse)`` in the original token order of q.
     ``mask``: the executor's mask (on original positions, through the norm sort); the selection
-    does not see it."""
+    sees it only with ``mask_aware`` (see :func:`ba_att_plan`)."""
     text = _mask_text(mask)
     stream = _stream(q, stream)
     plan = ba_att_plan(q, k, block_q=block_q, block_kv=block_kv, sort_q=sort_q, sort_k=sort_k,
                        sort_window=sort_window, compensate=compensate, compensation=compensation, beta=beta,
                        top_kappa=top_kappa, density=density, tau=tau, scale=scale, backend=backend,
-                       num_threads=num_threads, check_finite=check_finite, stream=stream)
+                       num_threads=num_threads, check_finite=check_finite, stream=stream, mask=text,
+                       mask_aware=mask_aware)
     return block_sparse(q, k, v, plan, scale=scale, mask=text, backend=backend, check_finite=check_finite,
                         num_threads=num_threads, check_index=False, out=out, lse=lse,  # the plan just made
                         stream=stream)
@@ -696,15 +702,18 @@ def ba_att(q, k, v, *, block_q: int = 64, block_kv: int = 64, sort_q: bool = Tru
 def xattention_plan(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
                     top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
                     force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
-                    backend: str = "auto", num_threads: int = 0, check_finite: bool = False) -> BlockIndex:
+                    backend: str = "auto", num_threads: int = 0, check_finite: bool = False, mask: Any = None,
+                    mask_aware: bool = False) -> BlockIndex:
     """The XAttention plan (Xu et al., ICML 2025; docs/ba_att.md): antidiagonal scores
     over ``stride``-token groups (stride divides both block sizes), block masses, then
     per query block the forced blocks (key block 0 when ``force_first``; the diagonal
     block ``qb + num_kv_blocks - num_q_blocks`` when ``force_diagonal``) and blocks in
-    descending mass until the budget is met (default tau=0.9). No permutations."""
+    descending mass until the budget is met (default tau=0.9). No permutations. ``mask_aware``:
+    the selection sees ``mask`` (each query group's softmax over the key groups it sees; the
+    choice as :func:`ba_att_plan`'s)."""
     kind, value = _budget(top_kappa, density, tau, ("mass", 0.9))
     return _plan(_core.xattention_plan(q, k, block_q, block_kv, stride, kind, value, force_first, force_diagonal,
-                                       scale, backend, num_threads, check_finite))
+                                       scale, backend, num_threads, check_finite, _mask_text(mask), mask_aware))
 
 
 def xattention_scores(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
@@ -718,13 +727,16 @@ def xattention_scores(q, k, *, block_q: int = 128, block_kv: int = 128, stride: 
 def xattention(q, k, v, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
                top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
                force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
-               backend: str = "auto", num_threads: int = 0, check_finite: bool = False, out=None, lse=None):
-    """XAttention attention: :func:`xattention_plan` then :func:`block_sparse`.
-    Returns ``(out, lse)``."""
+               mask: Any = None, mask_aware: bool = False, backend: str = "auto", num_threads: int = 0,
+               check_finite: bool = False, out=None, lse=None):
+    """XAttention attention: :func:`xattention_plan` then :func:`block_sparse` under ``mask``
+    (which the selection sees with ``mask_aware``). Returns ``(out, lse)``."""
+    text = _mask_text(mask)
     plan = xattention_plan(q, k, block_q=block_q, block_kv=block_kv, stride=stride, top_kappa=top_kappa,
                            density=density, tau=tau, force_first=force_first, force_diagonal=force_diagonal,
-                           scale=scale, backend=backend, num_threads=num_threads, check_finite=check_finite)
-    return block_sparse(q, k, v, plan, scale=scale, backend=backend, check_finite=check_finite,
+                           scale=scale, backend=backend, num_threads=num_threads, check_finite=check_finite,
+                           mask=text, mask_aware=mask_aware)
+    return block_sparse(q, k, v, plan, scale=scale, mask=text, backend=backend, check_finite=check_finite,
                         num_threads=num_threads, out=out, lse=lse)
 
 

@@ -468,11 +468,13 @@ NB_MODULE(_sparsa, m) {
       [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
                        bool compensate, const std::string& compensation, float beta, const std::string& budget_kind,
                        double budget_value, std::optional<float> scale, const std::string& backend, int num_threads,
-                       bool check_finite, uintptr_t stream) {
+                       bool check_finite, uintptr_t stream, const std::string& mask, bool mask_aware) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
-        const BaAttOptions o = ba_att_options(block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
-                                              beta, budget_kind, budget_value, scale, backend, num_threads,
-                                              check_finite, tq, stream);
+        BaAttOptions o = ba_att_options(block_q, block_kv, sort_q, sort_k, sort_window, compensate, compensation,
+                                        beta, budget_kind, budget_value, scale, backend, num_threads, check_finite, tq,
+                                        stream);
+        o.mask = take(parse_mask(mask));
+        o.mask_aware = mask_aware;
         Result<BlockIndexBuffer> plan = [&] {
           nb::gil_scoped_release release;
           return ba_att_plan(tq, tk, o);
@@ -481,7 +483,9 @@ NB_MODULE(_sparsa, m) {
       },
       "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "sort_q"_a, "sort_k"_a, "sort_window"_a, "compensate"_a,
       "compensation"_a, "beta"_a, "budget_kind"_a, "budget_value"_a, "scale"_a.none(), "backend"_a,
-      "num_threads"_a, "check_finite"_a, "stream"_a = 0, "The BA-Att plan (Algorithm 1) as a dict of numpy arrays (DLPack device arrays with backend cuda).");
+      "num_threads"_a, "check_finite"_a, "stream"_a = 0, "mask"_a = "none", "mask_aware"_a = false,
+      "The BA-Att plan (Algorithm 1) as a dict of numpy arrays (DLPack device arrays with backend cuda); with "
+      "mask_aware the selection sees mask.");
   m.def(
       "ba_att_scores",
       [ba_att_options](InArray q, InArray k, int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
@@ -529,11 +533,13 @@ NB_MODULE(_sparsa, m) {
       "xattention_plan",
       [xattention_options](InArray q, InArray k, int block_q, int block_kv, int stride, const std::string& budget_kind,
                            double budget_value, bool force_first, bool force_diagonal, std::optional<float> scale,
-                           const std::string& backend, int num_threads, bool check_finite) {
+                           const std::string& backend, int num_threads, bool check_finite, const std::string& mask,
+                           bool mask_aware) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
-        const XAttentionOptions o = xattention_options(block_q, block_kv, stride, budget_kind, budget_value,
-                                                       force_first, force_diagonal, scale, backend, num_threads,
-                                                       check_finite, tq);
+        XAttentionOptions o = xattention_options(block_q, block_kv, stride, budget_kind, budget_value, force_first,
+                                                 force_diagonal, scale, backend, num_threads, check_finite, tq);
+        o.mask = take(parse_mask(mask));
+        o.mask_aware = mask_aware;
         Result<BlockIndexBuffer> plan = [&] {
           nb::gil_scoped_release release;
           return xattention_plan(tq, tk, o);
@@ -541,8 +547,9 @@ NB_MODULE(_sparsa, m) {
         return plan_dict(take(std::move(plan)));
       },
       "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "stride"_a, "budget_kind"_a, "budget_value"_a, "force_first"_a,
-      "force_diagonal"_a, "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a,
-      "The XAttention plan as a dict of numpy arrays (no permutations).");
+      "force_diagonal"_a, "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a, "mask"_a = "none",
+      "mask_aware"_a = false, "The XAttention plan as a dict of numpy arrays (no permutations); with mask_aware the "
+      "selection sees mask.");
   m.def(
       "xattention_scores",
       [xattention_options](InArray q, InArray k, int block_q, int block_kv, int stride, std::optional<float> scale,

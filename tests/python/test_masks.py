@@ -127,6 +127,35 @@ def test_ba_att_takes_the_mask(rng):
     assert rel_err(out, plain) > 1e-3
 
 
+def test_selections_that_see_the_mask(rng):
+    """mask_aware from Python: no kept block is hidden from its query block, the block of each
+    query's last visible key is kept, every query attends; density 1 is masked dense; the sort
+    with mask_aware is refused by name."""
+    q, k, v = rand(rng, 1, 2, 200, 32), rand(rng, 1, 2, 200, 32), rand(rng, 1, 2, 200, 32)
+    visible = numpy_mask("block_causal", 200, 200, block=24)
+    for plan in (sparsa.ba_att_plan(q, k, block_q=32, block_kv=16, sort_q=False, sort_k=False, top_kappa=1,
+                                    mask=("block_causal", 24), mask_aware=True),
+                 sparsa.xattention_plan(q, k, block_q=32, block_kv=16, stride=8, top_kappa=1, force_first=False,
+                                        mask=("block_causal", 24), mask_aware=True)):
+        for h, qb in np.ndindex(2, plan.counts.shape[2]):
+            kept = set(plan.indices[0, h, qb, :plan.counts[0, h, qb]].tolist())
+            rows = visible[qb * 32:(qb + 1) * 32]
+            assert all(rows[:, j * 16:(j + 1) * 16].any() for j in kept), (h, qb)
+            assert {int(np.nonzero(r)[0][-1]) // 16 for r in rows} <= kept, (h, qb)
+    ref_o, ref_lse = sparsa.dense(q, k, v, mask=("block_causal", 24), backend="cpu_ref")
+    for out, lse in (sparsa.ba_att(q, k, v, block_q=32, block_kv=16, sort_q=False, sort_k=False, density=1.0,
+                                   mask=("block_causal", 24), mask_aware=True),
+                     sparsa.xattention(q, k, v, block_q=32, block_kv=16, stride=8, density=1.0,
+                                       mask=("block_causal", 24), mask_aware=True)):
+        assert rel_err(out, ref_o) < F32_RTOL
+        same_lse(lse, ref_lse)
+    sparse, lse = sparsa.ba_att(q, k, v, block_q=32, block_kv=16, sort_q=False, sort_k=False, top_kappa=1,
+                                mask="causal", mask_aware=True)
+    assert np.isfinite(lse).all()
+    with pytest.raises(ValueError, match="mask_aware: the selection sees the mask only without the norm sorts"):
+        sparsa.ba_att_plan(q, k, mask="causal", mask_aware=True)
+
+
 # ---- variable-length batches -------------------------------------------------------------
 
 LENS_Q = [33, 0, 90, 1, 5, 0]

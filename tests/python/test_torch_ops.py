@@ -289,6 +289,25 @@ def test_causal_plan_is_ba_att_choice_among_the_earlier_blocks():
     assert rel(out, dense) > 1e-3  # sparser: not the dense result
 
 
+def test_mask_aware_ba_att_is_the_causal_composition():
+    """sparsa's mask-aware BA-Att under the causal mask (C++, f32 logits) keeps what causal_plan
+    (torch, f64 logits) keeps plus the diagonal block, and attends the same: two implementations
+    of one rule."""
+    q, k, v = qkv(16, lq=300, lkv=300)
+    for density in (0.5, 0.3):
+        plan = sparsa.ba_att_plan(q.numpy(), k.numpy(), block_q=16, block_kv=16, sort_q=False, sort_k=False,
+                                  density=density, mask="causal", mask_aware=True)
+        causal = st.causal_plan(q, k, block=16, density=density)
+        counts, indices = causal.counts.numpy(), causal.indices.numpy()
+        for bi, hi, i in np.ndindex(*counts.shape):
+            want = sorted(indices[bi, hi, i, :counts[bi, hi, i]].tolist() + [i])
+            assert plan.indices[bi, hi, i, :plan.counts[bi, hi, i]].tolist() == want, (density, hi, i)
+        out, _ = sparsa.ba_att(q.numpy(), k.numpy(), v.numpy(), block_q=16, block_kv=16, sort_q=False, sort_k=False,
+                               density=density, mask="causal", mask_aware=True)
+        ref, _ = st.causal_attention(q, k, v, block=16, density=density)
+        assert rel(torch.from_numpy(out), ref) < 1e-5
+
+
 def test_causal_attention_refuses_cross_attention():
     q, k, v = qkv(15, lq=10, lkv=20)
     with pytest.raises(ValueError, match=r"k: causal attention here needs len_q == len_kv, got 10 and 20"):

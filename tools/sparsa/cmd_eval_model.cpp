@@ -293,8 +293,15 @@ Outcome run_eval_model(const EvalModelOptions& o) {
     lo.backend = o.backend;
     lo.num_threads = o.threads;
     lo.attention = method;
+    lo.attention_layers = o.attention_layers;
     return lo;
   };
+  if (!o.attention_layers.empty()) {  // the overrides alone first, so that their errors name their flag
+    dlm::LoadOptions lo = load_options("dense");
+    if (Status st = dlm::check_attention(config, lo); !st.ok()) {
+      return usage_error(invalid_argument("--attention-layers: " + st.message()));
+    }
+  }
   for (const std::string& m : methods.value()) {
     if (Status st = dlm::check_attention(config, load_options(m)); !st.ok()) {
       return usage_error(invalid_argument("--attention " + m + ": " + st.message()));
@@ -374,7 +381,8 @@ Outcome run_eval_model(const EvalModelOptions& o) {
                       {"samples", o.samples},
                       {"tasks", tasks.value()},
                       {"lengths", lengths.value()},
-                      {"methods", methods.value()}};
+                      {"methods", methods.value()},
+                      {"attention_layers", o.attention_layers}};
   nlohmann::json results = nlohmann::json::array();
   for (const Cell& c : cells) {
     nlohmann::json per = nlohmann::json::array();
@@ -447,9 +455,9 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   }
   table.add_row(row);
   std::cout << "accuracy (%) of " << o.model << " (" << dlm::arch_name(config.arch) << ", "
-            << dlm::loop_name(loop) << " loop), " << o.samples << " samples per cell, seed "
-            << o.seed << "\n"
-            << table.render();
+            << dlm::loop_name(loop) << " loop), " << o.samples << " samples per cell, seed " << o.seed;
+  for (const std::string& l : o.attention_layers) std::cout << ", layers " << l;
+  std::cout << "\n" << table.render();
   return success();
 }
 
@@ -486,6 +494,9 @@ std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
                  "attention methods, e.g. dense,ba_att:density=0.5,quest:budget=128;losa:budget=128,k=4 (an item "
                  "with '=' and no ':' continues the previous method; ';' always separates)")
       ->capture_default_str();
+  ev->add_option("--attention-layers", e->attention_layers,
+                 "per-layer overrides LAYERS=METHOD under every method, e.g. 0=dense (repeatable)")
+      ->allow_extra_args(false);
   ev->add_option("--samples", e->samples, "samples per task and length")->capture_default_str();
   ev->add_option("--seed", e->seed, "task seed")->capture_default_str();
   ev->add_option("--steps", e->steps,

@@ -15,6 +15,8 @@ namespace sparsa::cli {
 struct EvalModelOptions {
   std::string model, tasks = "niah_single_1", lengths = "1K", attention = "dense", svg, json_path, tokenizer;
   std::string backend = "cpu";
+  // Per-layer overrides LAYERS=METHOD applied under every method (e.g. 0=dense).
+  std::vector<std::string> attention_layers;
   int64_t samples = 10, steps = 0, gen_len = 0;
   uint64_t seed = 0;
   int threads = 0;

@@ -150,6 +150,24 @@ def test_eval_model_smoke(sparsa_bin, tiny_model, tmp_path):
         assert [s["prediction"] for s in a["per_sample"]] == [s["prediction"] for s in b["per_sample"]]
 
 
+def test_eval_model_layer_overrides_apply_under_every_method(sparsa_bin, tiny_model):
+    """--attention-layers applies under each method: with both layers overridden to dense, a
+    sparse prefill (BA-Att over the block-causal chunk, one key block a row) answers exactly as
+    dense; with one layer left sparse it is applied (the prediction of some question moves)."""
+    sparse = "ba_att:top_kappa=1,block=16,min_tokens=64,sort=false,block_causal=true"
+    base = ["eval-model", "--model", tiny_model, "--tasks", "niah_single_1", "--lengths", "512", "--samples", "3",
+            "--threads", "1", "--json", "--quiet", "--attention", f"dense;{sparse}"]
+    report = json.loads(run(sparsa_bin, *base, "--attention-layers", "0,1=dense").stdout)
+    assert report["attention_layers"] == ["0,1=dense"]
+    dense, masked = ([s["prediction"] for s in c["per_sample"]] for c in report["results"])
+    assert dense == masked
+    report = json.loads(run(sparsa_bin, *base, "--attention-layers", "1=dense").stdout)
+    dense_again, one_sparse = ([s["prediction"] for s in c["per_sample"]] for c in report["results"])
+    assert dense_again == dense and one_sparse != dense
+    p = run(sparsa_bin, *base, "--attention-layers", "2=dense", check=False)
+    assert p.returncode == 2 and "--attention-layers: attention_layers: layer '2'" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("flag,value,needle", [
     ("--lengths", "99999", "--lengths"),
     ("--lengths", "2M", "--lengths"),

@@ -106,14 +106,18 @@ void mask_block_visibility(const Mask& mask, int64_t qb, int block_q, int block_
                            BlockVisibility* out) {
   const int64_t nk = (len_kv + block_kv - 1) / block_kv;
   std::fill(out, out + nk, BlockVisibility::hidden);
-  // Each query sees one interval of keys, [begin, end) (empty when begin >= end).
+  // Each query sees one interval of keys, [begin, end) (empty when begin >= end); both ends move
+  // forward with the query, so every block is marked once: blocks before `next` already are.
+  int64_t next = 0;
   for (int64_t i = qb * block_q; i < std::min(len_q, (qb + 1) * block_q); ++i) {
     const int64_t begin = mask_key_begin(mask, i, len_q, len_kv), end = mask_key_end(mask, i, len_q, len_kv);
     if (begin >= end) continue;
-    for (int64_t j = begin / block_kv; j <= (end - 1) / block_kv; ++j) {
+    const int64_t last = (end - 1) / block_kv;
+    for (int64_t j = std::max(begin / block_kv, next); j <= last; ++j) {
       if (out[j] == BlockVisibility::hidden) out[j] = BlockVisibility::visible;
     }
-    if (!mask.is_none()) out[(end - 1) / block_kv] = BlockVisibility::diagonal;
+    next = std::max(next, last + 1);
+    if (!mask.is_none()) out[last] = BlockVisibility::diagonal;
   }
 }
 

@@ -109,6 +109,31 @@ def test_eval_matched_densities(sparsa_bin, tmp_path, qkv):
             assert row["density"] < 0.5
 
 
+def test_eval_under_a_mask(sparsa_bin, tmp_path, qkv):
+    """--mask: the dense reference and the executors apply it; with mask_aware the selections see
+    it, so at density 1 they are the masked reference exactly and below it they list no block the
+    mask hides (the causal plan's visible share of the blocks bounds the density)."""
+    _, _, _, (pq, pk, pv) = qkv
+    aware = ["-P", "ba_att.sort=false", "-P", "ba_att.mask_aware=true", "-P", "mean_pool.mask_aware=true",
+             "-P", "xattention.mask_aware=true", "-P", "xattention.stride=4"]
+    blocks = [x for m in ("ba_att", "mean_pool", "xattention") for x in ("-P", f"{m}.block=16")]
+    r = run_cli(sparsa_bin, "eval", "--q", pq, "--k", pk, "--v", pv, "--methods", "ba_att,mean_pool,xattention",
+                "--densities", "0.3,1", "--mask", "causal", *aware, *blocks, "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["mask"] == "causal" and len(report["results"]) == 6
+    plain = json.loads(run_cli(sparsa_bin, "eval", "--q", pq, "--k", pk, "--v", pv, "--methods", "ba_att",
+                               "--densities", "1", *blocks[:2], "--json").stdout)["results"][0]
+    for row in report["results"]:
+        if row["target_density"] == 1:
+            assert row["mass_recall"] > 1 - 1e-5 and row["rel_err"] < 1e-5, row
+            assert row["density"] < plain["density"]  # the hidden blocks are not listed
+        else:
+            assert 0 < row["mass_recall"] < 1 and row["rel_err"] > 1e-3, row
+    r = run_cli(sparsa_bin, "eval", "--q", pq, "--k", pk, "--v", pv, "--methods", "ba_att", "--mask", "causal(2)")
+    assert r.returncode == 2 and "--mask" in r.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["plan", "--method", "dense"], "--method: plan supports"),
     (["plan", "--method", "ba_att", "-P", "density=0.1", "-P", "tau=0.5"], "alternative budgets"),

@@ -23,7 +23,7 @@ namespace {
 
 struct EvalOptions {
   std::string methods = "ba_att,mean_pool,xattention,block_sparse", densities = "0.05,0.1,0.2,0.3";
-  std::string q, k, v, backend = "cpu";
+  std::string q, k, v, backend = "cpu", mask = "none";
   std::vector<std::string> params;  // method.key=value
   long long length = 4096;
   int heads = 8, kv_heads = 2, head_dim = 64, threads = 0;
@@ -88,6 +88,13 @@ Outcome run_eval(const EvalOptions& o) {
   for (const Method* m : *selected) {
     if (m->name == "dense") return usage_error(invalid_argument("--methods: dense is the reference of eval, not a method to score"));
   }
+  Result<Mask> mask = parse_mask(o.mask, "--mask");
+  if (!mask.ok()) return usage_error(mask.status());
+  for (const Method* m : *selected) {
+    if (!mask->is_none() && !m->takes_mask) {
+      return usage_error(invalid_argument("--mask: method " + m->name + " takes no mask (" + mask_string(*mask) + ")"));
+    }
+  }
 
   const WorkloadConfig c = workload_of(o.seed, o.heads, o.kv_heads, o.length, o.head_dim);
   InputTensors inputs;
@@ -99,6 +106,7 @@ Outcome run_eval(const EvalOptions& o) {
   AttentionOptions options;
   options.backend = *backend;
   options.num_threads = o.threads;
+  options.mask = *mask;  // the reference and every method's executor; a -P m.mask_aware=true selection sees it
   std::cerr << "eval: dense reference ...\n";
   auto reference = dense(q.view(), k.view(), v.view(), options);
   if (!reference.ok()) return runtime_error(reference.status());
@@ -130,13 +138,14 @@ Outcome run_eval(const EvalOptions& o) {
     }
   }
   if (!o.json_path.empty()) {
-    Status s = write_text_file("--json", o.json_path, json_text({{"source", source}, {"results", rows}}) + "\n");
+    Status s = write_text_file("--json", o.json_path,
+                               json_text({{"source", source}, {"mask", mask_string(*mask)}, {"results", rows}}) + "\n");
     if (!s.ok()) return runtime_error(s);
   }
   if (o.json) {
-    std::cout << json_text({{"source", source}, {"results", rows}}) << "\n";
+    std::cout << json_text({{"source", source}, {"mask", mask_string(*mask)}, {"results", rows}}) << "\n";
   } else {
-    std::cout << "sparsa eval: " << source << "\n"
+    std::cout << "sparsa eval: " << source << (mask->is_none() ? "" : ", mask " + mask_string(*mask)) << "\n"
               << "mass_recall = mean over queries of exp(LSE - LSE_dense); rel_err = ||O - O_dense||_F / ||O_dense||_F\n\n"
               << table.render();
   }
@@ -163,6 +172,10 @@ Subcommand add_eval_command(CLI::App& app) {
   cmd->add_option("--head-dim", o->head_dim, "workload head dimension")->capture_default_str();
   cmd->add_option("--seed", o->seed, "workload seed")->capture_default_str();
   cmd->add_option("--backend", o->backend, "cpu or cpu_ref")->capture_default_str();
+  cmd->add_option("--mask", o->mask,
+                  "the attention's mask (causal, block_causal(B), sliding_window(W)...): the dense reference and "
+                  "every method's executor apply it; -P METHOD.mask_aware=true lets a selection see it")
+      ->capture_default_str();
   cmd->add_option("--threads", o->threads, "CPU threads (0 = all cores)");
   cmd->add_option_function<std::string>(
          "--json",

@@ -287,17 +287,19 @@ class CanvasAttention : public SplitAttention {
   }
 
   // A selector's options (BaAttOptions, XAttentionOptions) for the call: over a block-causal
-  // chunk the selection sees the mask and the executor applies it (the chunk starts on a block
-  // boundary, so the mask's blocks are the model's); a bidirectional canvas has none.
+  // chunk the executor applies the mask (the chunk starts on a block boundary, so the mask's
+  // blocks are the model's) and the selection sees it, unless `sorted` (BA-Att's norm sort mixes
+  // positions across the mask's blocks, so its selection stays blind to it); a bidirectional
+  // canvas has none.
   template <class Options>
-  static Result<Options> for_chunk(Options o, const AttentionCall& call) {
+  static Result<Options> for_chunk(Options o, const AttentionCall& call, bool sorted = false) {
     const int64_t b = call.block_causal;
     if (b == 0 || b >= call.q.shape[2]) return o;
     if (call.pos0 % b != 0) {
       return Status(StatusCode::internal, "attention: a block-causal chunk must start at a block boundary");
     }
     o.mask = Mask::block_causal(b);
-    o.mask_aware = true;
+    o.mask_aware = !sorted;
     return o;
   }
 
@@ -322,12 +324,12 @@ class BaAttAttention final : public CanvasAttention {
 
  protected:
   Status attend_sparse(const AttentionCall& call, const Tensor& lse) override {
-    auto options = for_chunk(ba_, call);
+    auto options = for_chunk(ba_, call, ba_.sort_q || ba_.sort_k);
     if (!options.ok()) return options.status();
     return ba_att(call.q, call.k, call.v, call.out, lse, *options);
   }
   Result<CallPlan> select(const AttentionCall& call) override {
-    auto options = for_chunk(ba_, call);
+    auto options = for_chunk(ba_, call, ba_.sort_q || ba_.sort_k);
     if (!options.ok()) return options.status();
     auto plan = ba_att_plan(call.q, call.k, *options);
     if (!plan.ok()) return plan.status();
@@ -652,10 +654,6 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     SPARSA_RETURN_IF_ERROR(p.flag("sort_k", &ba.sort_k));
     SPARSA_RETURN_IF_ERROR(
         p.done("density, top_kappa, tau, block, min_tokens, beta, compensate, sort, sort_q, sort_k, block_causal"));
-    if (block_causal && (ba.sort_q || ba.sort_k)) {
-      return invalid_argument(where + ": ba_att block_causal needs sort=false (a norm sort moves tokens across the "
-                                      "mask's blocks)");
-    }
     ba.beta = static_cast<float>(beta);
     return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, block_causal, name));
   }

@@ -97,20 +97,23 @@ def test_per_layer_overrides(sparsa_bin, llada, tmp_path):
 
 def test_block_causal_chunks_with_a_selection_under_the_mask(sparsa_bin, sdar, tmp_path):
     """sdar's canvas is one block-causal chunk (blocks of 4). By default the canvas selectors leave
-    it exact; with block_causal=true they select under the mask: at density 1 every visible key
-    block is kept (exact again), at one block a row the logits move (XAttention's too); mean_pool
-    is BA-Att without the compensation, bit for bit."""
+    it exact; with block_causal=true they select under the mask (sorted BA-Att blind to it, the
+    executor masking exactly): at density 1 every visible key block is kept (exact again), at one
+    block a row the logits move (XAttention's and sorted BA-Att's too); mean_pool is BA-Att without
+    the compensation, bit for bit."""
     s, w, d = sdar
     ref = engine_logits(sparsa_bin, d, CANVAS, tmp_path)
     common = "block=8,min_tokens=0"
     assert rel_err(logits_with(sparsa_bin, d, CANVAS, tmp_path, "--attention", f"ba_att:top_kappa=1,{common}"),
                    ref) < LOGIT_TOL
-    for m in ("ba_att:density=1,sort=false", "mean_pool:density=1", "xattention:density=1,stride=2"):
+    for m in ("ba_att:density=1,sort=false", "ba_att:density=1", "mean_pool:density=1",
+              "xattention:density=1,stride=2"):
         full = logits_with(sparsa_bin, d, CANVAS, tmp_path, "--attention", f"{m},{common},block_causal=true")
         assert rel_err(full, ref) < LOGIT_TOL, m
     got = {m: logits_with(sparsa_bin, d, CANVAS, tmp_path, "--attention", f"{m},{common},block_causal=true")
            for m in ("ba_att:top_kappa=1,sort=false", "ba_att:top_kappa=1,sort=false,compensate=false",
-                     "mean_pool:top_kappa=1", "xattention:top_kappa=1,stride=2,force_first=false")}
+                     "mean_pool:top_kappa=1", "xattention:top_kappa=1,stride=2,force_first=false",
+                     "ba_att:top_kappa=1")}
     for m, g in got.items():
         assert rel_err(g, ref) > 100 * LOGIT_TOL, m
     assert np.array_equal(got["mean_pool:top_kappa=1"], got["ba_att:top_kappa=1,sort=false,compensate=false"])
@@ -171,7 +174,6 @@ def test_sparse_loops_run(sparsa_bin, sdar, llada, loop, method):
     (["--attention", "mean_pool:beta=2"], ["mean_pool has no parameter 'beta'"]),
     (["--attention", "xattention:stride=0"], ["xattention stride"]),
     (["--attention", "xattention:density=0.5,top_kappa=2"], ["xattention takes one of density, top_kappa, tau"]),
-    (["--attention", "ba_att:block_causal=true"], ["ba_att block_causal needs sort=false"]),
     (["--attention", "ba_att:sort=false,block_causal=maybe"], ["ba_att block_causal: expected true or false"]),
     (["--attention", "quest:block_causal=true"], ["quest has no parameter 'block_causal'"]),
 ])

@@ -288,12 +288,19 @@ Outcome run_eval_model(const EvalModelOptions& o) {
       return usage_error(Status(plain.status().code(), "--backend " + o.backend + ": " + plain.status().message()));
     }
   }
-  auto load_options = [&](const std::string& method) {
+  // An item is METHOD[|LAYERS=METHOD...]: its own layer overrides after --attention-layers'.
+  auto load_options = [&](const std::string& item) {
     dlm::LoadOptions lo;
     lo.backend = o.backend;
     lo.num_threads = o.threads;
-    lo.attention = method;
     lo.attention_layers = o.attention_layers;
+    size_t begin = 0, bar = item.find('|');
+    lo.attention = item.substr(0, bar);
+    while (bar != std::string::npos) {
+      begin = bar + 1;
+      bar = item.find('|', begin);
+      lo.attention_layers.push_back(item.substr(begin, bar == std::string::npos ? bar : bar - begin));
+    }
     return lo;
   };
   if (!o.attention_layers.empty()) {  // the overrides alone first, so that their errors name their flag
@@ -492,7 +499,8 @@ std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
   ev->add_option("--lengths", e->lengths, "context lengths in tokens, e.g. 2K,4K,8K,16K")->capture_default_str();
   ev->add_option("--attention", e->attention,
                  "attention methods, e.g. dense,ba_att:density=0.5,quest:budget=128;losa:budget=128,k=4 (an item "
-                 "with '=' and no ':' continues the previous method; ';' always separates)")
+                 "with '=' and no ':' continues the previous method; ';' always separates; METHOD|0=dense gives "
+                 "that method its own layer overrides)")
       ->capture_default_str();
   ev->add_option("--attention-layers", e->attention_layers,
                  "per-layer overrides LAYERS=METHOD under every method, e.g. 0=dense (repeatable)")

@@ -166,6 +166,17 @@ def test_eval_model_layer_overrides_apply_under_every_method(sparsa_bin, tiny_mo
     assert dense_again == dense and one_sparse != dense
     p = run(sparsa_bin, *base, "--attention-layers", "2=dense", check=False)
     assert p.returncode == 2 and "--attention-layers: attention_layers: layer '2'" in p.stderr, p.stderr
+    # METHOD|LAYERS=METHOD: that method's own overrides, after the common ones.
+    own = ["eval-model", "--model", tiny_model, "--tasks", "niah_single_1", "--lengths", "512", "--samples", "3",
+           "--threads", "1", "--json", "--quiet",
+           "--attention", f"dense;{sparse}|0,1=dense;{sparse}|1=dense;{sparse}|0=dense|1=dense"]
+    cells = json.loads(run(sparsa_bin, *own).stdout)["results"]
+    assert [c["method"] for c in cells] == ["dense", f"{sparse}|0,1=dense", f"{sparse}|1=dense",
+                                            f"{sparse}|0=dense|1=dense"]
+    got = [[s["prediction"] for s in c["per_sample"]] for c in cells]
+    assert got[1] == got[3] == dense and got[2] == one_sparse
+    p = run(sparsa_bin, *own[:-1], f"{sparse}|5=dense", check=False)
+    assert p.returncode == 2 and "layer '5'" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("flag,value,needle", [
@@ -271,16 +282,17 @@ def test_the_shipped_model_finds_the_needle(sparsa_bin):
 
 
 def test_demo_asks_the_shipped_model_a_needle_question(sparsa_bin, tmp_path):
-    """`sparsa demo`'s needle part: dense, QUEST and LoSA columns, accuracy and seconds per
-    question; skipped with a note where the default model directory is absent (not in the
-    working directory); its flags are checked."""
+    """`sparsa demo`'s needle part: dense, QUEST, LoSA and (cpu) BA-Att prefill columns, accuracy
+    and seconds per question; skipped with a note where the default model directory is absent
+    (not in the working directory); its flags are checked."""
     args = ["demo", "--length", "128", "--methods", "dense", "--no-trace", "--plot", ""]
     p = run(sparsa_bin, *args, "--model", SHIPPED, "--model-length", "1024", "--model-samples", "2", "--threads", "2")
     assert "needle in a haystack on a real model" in p.stdout
     header, rows = table_rows(p.stdout, "task")
-    assert header == ["task", "length", "dense", "quest:budget=128", "losa:budget=128,k=4"]
+    assert header == ["task", "length", "dense", "quest:budget=128", "losa:budget=128,k=4",
+                      "ba_att:density=0.1,sort=false,block_causal=true|0=dense"]
     assert float(rows["niah_single_1"][2]) >= 50  # dense, 2 questions
-    assert len(rows["s/sample"]) == 4 and all(float(x) > 0 for x in rows["s/sample"][1:])
+    assert len(rows["s/sample"]) == 5 and all(float(x) > 0 for x in rows["s/sample"][1:])
     p = run(sparsa_bin, *args, cwd=tmp_path)
     assert "no model at models/sparsa-sdar-ruler" in p.stdout
     for flag, value in (("--model-length", "0"), ("--model-samples", "0"), ("--model-length", "99999")):

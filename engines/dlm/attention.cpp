@@ -608,7 +608,8 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     const Budget budget = p.has("top_kappa") ? Budget::top_kappa(top_kappa)
                           : p.has("tau")     ? Budget::mass(tau)
                                              : Budget::density(density);
-    // block_causal: also the block-causal chunks (sdar's prefill), the selection seeing the mask.
+    // block_causal: also the block-causal chunks (sdar's prefill), the selection seeing the mask
+    // unless BA-Att sorts (for_chunk).
     bool block_causal = false;
     SPARSA_RETURN_IF_ERROR(p.flag("block_causal", &block_causal));
     if (name == "xattention") {

@@ -100,11 +100,9 @@ Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o
   return {};
 }
 
-// Softmax of query group g's row of antidiagonal scores over the key groups it sees, added into
-// the block masses of its query block.
-void add_row_masses(const XProblem& p, int64_t g, const double* a, double* block_mass) {
-  int64_t lo = 0, hi = 0;
-  p.visible_groups(g, &lo, &hi);
+// Softmax of a query group's row of antidiagonal scores over the key groups [lo, hi) it sees (the
+// only ones scored), added into the block masses of its query block.
+void add_row_masses(const XProblem& p, int64_t lo, int64_t hi, const double* a, double* block_mass) {
   double max_a = -std::numeric_limits<double>::infinity();
   for (int64_t c = lo; c < hi; ++c) max_a = std::max(max_a, a[c]);
   double sum = 0;
@@ -122,7 +120,9 @@ void scores_ref(const XProblem& p, float* out) {
       for (int64_t qb = 0; qb < p.nq; ++qb) {
         std::fill(mass.begin(), mass.end(), 0.0);
         for (int64_t g = qb * groups_per_qblock; g < std::min(p.q_groups, (qb + 1) * groups_per_qblock); ++g) {
-          for (int64_t c = 0; c < p.k_groups; ++c) {
+          int64_t lo = 0, hi = 0;
+          p.visible_groups(g, &lo, &hi);
+          for (int64_t c = lo; c < hi; ++c) {
             double sum = 0;
             for (int64_t s = 0; s < S; ++s) {  // the antidiagonal of tile (g, c)
               const int64_t i = g * S + S - 1 - s, j = c * S + s;
@@ -134,7 +134,7 @@ void scores_ref(const XProblem& p, float* out) {
             }
             a[c] = sum * p.scale / static_cast<double>(S);
           }
-          add_row_masses(p, g, a.data(), mass.data());
+          add_row_masses(p, lo, hi, a.data(), mass.data());
         }
         float* row = out + ((b * p.heads_q + h) * p.nq + qb) * p.nk;
         for (int64_t kb = 0; kb < p.nk; ++kb) row[kb] = static_cast<float>(mass[kb]);
@@ -172,14 +172,16 @@ void scores_fast(const XProblem& p, float* out) {
           std::fill(qr.begin() + s * d, qr.begin() + (s + 1) * d, 0.0f);
         }
       }
+      int64_t lo = 0, hi = 0;  // the key groups the group sees: the only ones scored
+      p.visible_groups(g, &lo, &hi);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t f = 0; f < F; ++f) {
         const float x = qr[f];
         const float* kf = kr + f * nkg;
-        for (int64_t c = 0; c < nkg; ++c) acc[c] += x * kf[c];
+        for (int64_t c = lo; c < hi; ++c) acc[c] += x * kf[c];
       }
-      for (int64_t c = 0; c < nkg; ++c) a[c] = acc[c] * a_scale;
-      add_row_masses(p, g, a.data(), mass.data());
+      for (int64_t c = lo; c < hi; ++c) a[c] = acc[c] * a_scale;
+      add_row_masses(p, lo, hi, a.data(), mass.data());
     }
     float* row = out + ((b * p.heads_q + h) * p.nq + qb) * p.nk;
     for (int64_t kb = 0; kb < p.nk; ++kb) row[kb] = static_cast<float>(mass[kb]);

@@ -53,11 +53,11 @@ TEST(CudaAttention, ReportsAvailabilityHonestly) {
 
 namespace {
 
-// The cuda backend refuses masks, variable-length batches and head_dim 256 today
+// The cuda backend refuses variable-length batches and head_dim 256 today
 // (CudaAttentionMasks.RefusedByNameNeverIgnored checks the refusal). When a kernel lands, turn
 // its switch on: the cases below then run against cpu_ref under the same bound as every other
-// case, and the refusal test stops expecting the refusal.
-constexpr bool kCudaMaskKernel = false;
+// case, and the refusal test stops expecting the refusal. Masks have their kernels.
+constexpr bool kCudaMaskKernel = true;
 constexpr bool kCudaVarlenKernel = false;
 constexpr bool kCudaHeadDim256 = false;
 
@@ -582,6 +582,27 @@ std::vector<Case> mask_cases() {
                      .mask = mask, .seed = seed++});
       }
     }
+    // Rung 2 (cp.async, no producer warp) on inputs rung 3 would take; unaligned rows (rung 2's
+    // element copies, and the in-kernel key gather of a permuted plan); a longer causal-shaped
+    // case where most key tiles of a query tile are skipped.
+    v.push_back({.name = std::string(label) + "_rung2_bf16_d128_dense_gqa2_400x520", .heads_q = 4, .heads_kv = 2,
+                 .len_q = 400, .len_kv = 520, .head_dim = 128, .flash_tma = false, .mask = mask, .seed = seed++});
+    v.push_back({.name = std::string(label) + "_rung2_f16_d64_sparse_b64_333x333", .dtype = DType::f16,
+                 .heads_q = 2, .heads_kv = 1, .len_q = 333, .len_kv = 333, .sparse = true, .keep = 0.7,
+                 .flash_tma = false, .mask = mask, .seed = seed++});
+    v.push_back({.name = std::string(label) + "_unaligned_f16_d64_dense_250x260", .dtype = DType::f16,
+                 .heads_q = 2, .heads_kv = 2, .len_q = 250, .len_kv = 260, .seq_pad = 3, .mask = mask,
+                 .seed = seed++});
+    v.push_back({.name = std::string(label) + "_unaligned_bf16_d64_sparse_perm_b32_200x1100", .heads_q = 2,
+                 .heads_kv = 1, .len_q = 200, .len_kv = 1100, .sparse = true, .block_q = 32, .block_kv = 32,
+                 .keep = 0.5, .perms = true, .seq_pad = 3, .mask = mask, .seed = seed++});
+    v.push_back({.name = std::string(label) + "_splitkv_unaligned_f16_d128_gqa4_40x3000", .dtype = DType::f16,
+                 .heads_q = 8, .heads_kv = 2, .len_q = 40, .len_kv = 3000, .head_dim = 128, .seq_pad = 3,
+                 .mask = mask, .seed = seed++});
+    v.push_back({.name = std::string(label) + "_splitkv_rung1_bf16_d64_gqa8_64x5000", .heads_q = 8, .heads_kv = 1,
+                 .len_q = 64, .len_kv = 5000, .split_kv_tma = false, .mask = mask, .seed = seed++});
+    v.push_back({.name = std::string(label) + "_long_bf16_d128_dense_1500x1500", .heads_q = 2, .heads_kv = 1,
+                 .len_q = 1500, .len_kv = 1500, .head_dim = 128, .mask = mask, .seed = seed++});
     v.push_back({.name = std::string(label) + "_bf16_d256_dense_300x300", .heads_q = 2, .heads_kv = 1,
                  .len_q = 300, .len_kv = 300, .head_dim = 256, .mask = mask, .seed = seed++});
   }
@@ -769,6 +790,59 @@ TEST(CudaAttentionVarlen, MatchesReference) {
       norm += r * r;
     }
     EXPECT_LE(std::sqrt(err / norm), bound + 1e-7);
+  }
+}
+
+// A mask that hides no key of the shape from any query runs as no mask (attention.cu's set_mask):
+// the outputs equal the unmasked call's bit for bit, on the split-KV route (a block step: 16
+// queries that are one whole block at the end of a block-causal sequence) and the flash route
+// (128 queries, the last block of block_causal(128); a window wider than the sequence), while a
+// mask that hides one key changes the result.
+TEST(CudaAttentionMasks, HidingNothingIsNoMaskBitForBit) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  const Device gpu{DeviceType::cuda, 0};
+  struct Shape {
+    int64_t len_q, len_kv;
+    Mask mask;
+    bool hides;
+  };
+  const Shape shapes[] = {{16, 4096, Mask::block_causal(16), false},  {128, 1024, Mask::block_causal(128), false},
+                          {300, 300, Mask::sliding_window(300), false}, {16, 4096, Mask::sliding_window(5000), false},
+                          {16, 4096, Mask::block_causal(8), true},      {128, 1024, Mask::sliding_window(1022, 0), true}};
+  const int64_t H = 4, Hkv = 2, D = 64;
+  for (const Shape& sh : shapes) {
+    SCOPED_TRACE(mask_string(sh.mask) + " " + std::to_string(sh.len_q) + "x" + std::to_string(sh.len_kv));
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd;
+    auto upload_random = [&](int64_t n, DeviceBuffer& buf) {
+      std::vector<uint16_t> h(n);
+      for (uint16_t& x : h) x = float_to_bf16(nd(rng));
+      buf.reset(n * 2);
+      cudaMemcpy(buf.ptr, h.data(), n * 2, cudaMemcpyHostToDevice);
+    };
+    DeviceBuffer q(0), k(0), v(0), o1(H * sh.len_q * D * 2), o2(H * sh.len_q * D * 2), l1(H * sh.len_q * 4),
+        l2(H * sh.len_q * 4);
+    upload_random(H * sh.len_q * D, q);
+    upload_random(Hkv * sh.len_kv * D, k);
+    upload_random(Hkv * sh.len_kv * D, v);
+    auto t = [&](DeviceBuffer& b, int64_t heads, int64_t len) {
+      return Tensor::contiguous(b.ptr, DType::bf16, {1, heads, len, D}, gpu);
+    };
+    AttentionOptions opt;
+    opt.backend = Backend::cuda;
+    ASSERT_TRUE(dense(t(q, H, sh.len_q), t(k, Hkv, sh.len_kv), t(v, Hkv, sh.len_kv), t(o1, H, sh.len_q),
+                      Tensor::contiguous(l1.ptr, DType::f32, {1, H, sh.len_q}, gpu), opt)
+                    .ok());
+    opt.mask = sh.mask;
+    ASSERT_TRUE(dense(t(q, H, sh.len_q), t(k, Hkv, sh.len_kv), t(v, Hkv, sh.len_kv), t(o2, H, sh.len_q),
+                      Tensor::contiguous(l2.ptr, DType::f32, {1, H, sh.len_q}, gpu), opt)
+                    .ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> a(H * sh.len_q * D), b(H * sh.len_q * D);
+    CUDA_OK(cudaMemcpy(a.data(), o1.ptr, a.size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(b.data(), o2.ptr, b.size() * 2, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(a == b, !sh.hides) << (sh.hides ? "a mask that hides keys changed nothing"
+                                              : "a mask that hides nothing changed the output");
   }
 }
 

@@ -89,8 +89,9 @@ bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3
 thread_local bool g_last_tma = false;
 
 // Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
-// the driver accepts; rung 2 (flash_wgmma_kernel.cuh) otherwise.
-template <class T, int D, int BN>
+// the driver accepts; rung 2 (flash_wgmma_kernel.cuh) otherwise. MASKED: the kernels with the
+// per-element mask compiled in (p.mask_kind is not none).
+template <class T, int D, int BN, bool MASKED>
 Status launch(const FlashParams& p, int device, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   detail::TmaMaps maps;
@@ -100,12 +101,12 @@ Status launch(const FlashParams& p, int device, cudaStream_t stream) {
                encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16);
   if (g_last_tma) {
     using Shape = detail::TmaShape<D, BN, kStages>;
-    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages>;
+    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages, MASKED>;
     SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
   } else {
     using Shape = detail::WgmmaShape<D, BN, kStages>;
-    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages>;
+    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages, false, MASKED>;
     SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   }
@@ -129,7 +130,10 @@ Status launch_tiles(FlashParams p, const BlockIndex* index, int device, cudaStre
   if (static_cast<int64_t>(p.num_q_blocks) * p.tiles_per_q_block > 0x7fffffff) {
     return invalid_argument("index.block_q: too many query tiles for one launch");
   }
-  return key_tile == 64 ? launch<T, D, 64>(p, device, stream) : launch<T, D, 128>(p, device, stream);
+  if (p.mask_kind != detail::kMaskNone) {
+    return key_tile == 64 ? launch<T, D, 64, true>(p, device, stream) : launch<T, D, 128, true>(p, device, stream);
+  }
+  return key_tile == 64 ? launch<T, D, 64, false>(p, device, stream) : launch<T, D, 128, false>(p, device, stream);
 }
 
 Status launch_flash(const FlashParams& p, DType dtype, int head_dim, const BlockIndex* index, int device,
@@ -268,7 +272,8 @@ Status run_split_kv(SplitKvParams p, StreamState& state, int device, cudaStream_
 
 // Rung 2 (split_kv_tma_kernel.cuh: wgmma fed by TMA) when the driver accepts tensor maps of K and
 // V (16-byte aligned bases and strides); rung 1 (split_kv_kernel.cuh: mma.sync, cp.async) otherwise.
-template <class T, int D>
+// MASKED: the kernels with the per-element mask compiled in.
+template <class T, int D, bool MASKED>
 Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
   StreamState& state = g_states.at(device, stream);
   std::lock_guard<std::mutex> lock(state.mutex);
@@ -281,11 +286,11 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
                         encode_kv_map(&maps.v, p.v, p.v_stride, p, D, kSplitKvKeyTile, bf16);
   if (g_last_split_kv_tma) {
     using Shape = detail::SplitKvTmaShape<D, kSplitKvKeyTile, kSplitKvTmaStages>;
-    constexpr auto kernel = detail::split_kv_tma_kernel<T, D, kSplitKvKeyTile, kSplitKvTmaStages>;
+    constexpr auto kernel = detail::split_kv_tma_kernel<T, D, kSplitKvKeyTile, kSplitKvTmaStages, MASKED>;
     return run_split_kv<kernel, Shape>(p, state, device, stream, maps);
   }
   using Shape = detail::SplitKvShape<D, kSplitKvKeyTile, kSplitKvStages>;
-  constexpr auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages>;
+  constexpr auto kernel = detail::split_kv_kernel<T, D, kSplitKvKeyTile, kSplitKvStages, MASKED>;
   return run_split_kv<kernel, Shape>(p, state, device, stream);
 }
 
@@ -300,10 +305,20 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
   p.rows = f.group * f.len_q;
   p.num_kv_tiles = (f.len_kv + kSplitKvKeyTile - 1) / kSplitKvKeyTile;
   const bool bf16 = dtype == DType::bf16;
-  if (head_dim == 64) {
-    return bf16 ? launch_split_kv<__nv_bfloat16, 64>(p, device, stream) : launch_split_kv<__half, 64>(p, device, stream);
+  if (p.mask_kind != detail::kMaskNone) {
+    if (head_dim == 64) {
+      return bf16 ? launch_split_kv<__nv_bfloat16, 64, true>(p, device, stream)
+                  : launch_split_kv<__half, 64, true>(p, device, stream);
+    }
+    return bf16 ? launch_split_kv<__nv_bfloat16, 128, true>(p, device, stream)
+                : launch_split_kv<__half, 128, true>(p, device, stream);
   }
-  return bf16 ? launch_split_kv<__nv_bfloat16, 128>(p, device, stream) : launch_split_kv<__half, 128>(p, device, stream);
+  if (head_dim == 64) {
+    return bf16 ? launch_split_kv<__nv_bfloat16, 64, false>(p, device, stream)
+                : launch_split_kv<__half, 64, false>(p, device, stream);
+  }
+  return bf16 ? launch_split_kv<__nv_bfloat16, 128, false>(p, device, stream)
+              : launch_split_kv<__half, 128, false>(p, device, stream);
 }
 
 }  // namespace
@@ -374,16 +389,36 @@ Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lo
   return {};
 }
 
+// The mask into the kernels' form (flash_kernel.cuh's kMask*), or none when it hides no key of
+// this shape from any query (every window is all of [0, len_kv): windows do not decrease along the
+// queries, so the first query's end and the last query's begin decide), e.g. a block step whose
+// queries are one whole block at the end of a block-causal sequence: the unmasked kernels run.
+namespace {
+void set_mask(const sparsa::detail::AttentionParams& a, FlashParams* p) {
+  const Mask& m = a.mask;
+  if (m.is_none() || a.len_q == 0 ||
+      (mask_key_end(m, 0, a.len_q, a.len_kv) == a.len_kv && mask_key_begin(m, a.len_q - 1, a.len_q, a.len_kv) == 0)) {
+    p->mask_kind = detail::kMaskNone;
+    return;
+  }
+  switch (m.kind) {
+    case MaskKind::none: p->mask_kind = detail::kMaskNone; break;
+    case MaskKind::causal: p->mask_kind = detail::kMaskCausal; break;
+    case MaskKind::block_causal: p->mask_kind = detail::kMaskBlockCausal; break;
+    case MaskKind::sliding_window: p->mask_kind = detail::kMaskSlidingWindow; break;
+  }
+  p->mask_block = std::min(m.block, detail::kMaskUnbounded);
+  p->mask_left = std::min(m.window_left, detail::kMaskUnbounded);
+  p->mask_right = std::min(m.window_right, detail::kMaskUnbounded);
+}
+}  // namespace
+
 Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;
   g_last_tma = false;
   g_last_splits = 0;
   g_last_split_kv_tma = false;
-  // Masks and variable-length batches have no cuda kernel yet: refused by name, never ignored.
-  if (!a.mask.is_none()) {
-    return {StatusCode::unsupported,
-            "mask " + mask_string(a.mask) + ": no cuda kernel yet (the cpu and cpu_ref backends take it)"};
-  }
+  // Variable-length batches have no cuda kernel yet: refused by name, never ignored.
   if (a.varlen()) {
     return {StatusCode::unsupported,
             "cu_seqlens_q: variable-length batches have no cuda kernel yet (the cpu and cpu_ref backends take them)"};
@@ -437,6 +472,8 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   p.len_kv = static_cast<int>(a.len_kv);
   p.scale_log2 = a.scale * 1.4426950408889634f;
 
+  set_mask(a, &p);
+
   p.aligned_loads = aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16);
   p.aligned_out = aligned(a.out, 4);
   for (int d = 0; d < 3; ++d) {
@@ -467,6 +504,10 @@ Status attention(const sparsa::detail::AttentionParams& a) {
       SPARSA_RETURN_IF_ERROR(check_pointer("index.perm_kv", ix.perm_kv.data, device, a.stream));
       p.perm_kv = static_cast<const int32_t*>(ix.perm_kv.data);
       for (int d = 0; d < 3; ++d) p.perm_kv_stride[d] = ix.perm_kv.strides[d];
+      if (p.mask_kind != detail::kMaskNone) {  // the mask needs the keys' original positions
+        p.key_perm = p.perm_kv;
+        for (int d = 0; d < 3; ++d) p.key_perm_stride[d] = p.perm_kv_stride[d];
+      }
     }
   }
   const auto stream = static_cast<cudaStream_t>(a.stream);  // AttentionOptions::stream

@@ -44,7 +44,17 @@ struct AttentionArgs {
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
   bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
   bool aligned_out = true;    // out base and strides allow 4-byte pair stores
+  // The per-element mask (sparsa/attention.h; the kernels instantiated with MASKED read it):
+  // kMask* below; the block and windows bounded by the host (kMaskUnbounded), so that no
+  // position arithmetic overflows.
+  int mask_kind = 0;
+  int64_t mask_block = 0, mask_left = 0, mask_right = 0;
 };
+
+// AttentionArgs::mask_kind (attention.cu maps sparsa::MaskKind onto these).
+constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskBlockCausal = 2, kMaskSlidingWindow = 3;
+// Blocks and windows beyond any sequence act as this (as in core/mask.cpp).
+constexpr int64_t kMaskUnbounded = int64_t{1} << 42;
 
 struct FlashParams : AttentionArgs {
   // The plan. Dense: counts == nullptr, block_q = BM, block_kv = BN, every key tile visited.
@@ -57,6 +67,12 @@ struct FlashParams : AttentionArgs {
   const int32_t* perm_kv = nullptr;  // [batch, heads_kv, len_kv] or nullptr
   int64_t counts_stride[3] = {}, indices_stride[4] = {}, perm_q_stride[3] = {}, perm_kv_stride[3] = {};
   int capacity = 0;
+  // The mask hook's view of a key permutation: the original token of each permuted key position
+  // ([batch, heads_kv, len_kv], the plan's perm_kv). Kept when K and V are gathered into the
+  // plan's order (perm_kv is then null: the kernel reads in order, the mask still needs the
+  // original positions); null without a permutation or without a mask.
+  const int32_t* key_perm = nullptr;
+  int64_t key_perm_stride[3] = {};
 };
 
 template <int D, int WARPS, int BN, int MT>
@@ -138,21 +154,30 @@ __device__ __forceinline__ void gather_tokens(int64_t (&token)[Copy::kRows], int
 // The key-tile iterator (the sparsity hook) of query block qb of (b, h): the key positions
 // [begin, end) of each tile of BN tokens it visits (end <= begin: a skipped block). Dense: every
 // tile; sparse: key block indices[slot], chunk by chunk. Walked incrementally (slot, chunk) to
-// keep divisions out of the loop.
+// keep divisions out of the loop. [key_min, key_max): the keys some row of the CTA may see under
+// the mask (the whole range without one): dense visits only the tiles that meet it, sparse
+// skips the listed tiles outside it, so fully masked tiles are never computed.
 template <int BN>
 struct KeyTiles {
   const int32_t* list = nullptr;  // null: dense
   int num_tiles = 0;
   int slot = 0, chunk = 0;
+  int key_min = 0, key_max = 0x7fffffff;
 
-  __device__ __forceinline__ KeyTiles(const FlashParams& p, int b, int h, int qb) {
+  __device__ __forceinline__ KeyTiles(const FlashParams& p, int b, int h, int qb, int kmin = 0,
+                                      int kmax = 0x7fffffff)
+      : key_min(kmin), key_max(kmax) {
     int count = p.num_kv_blocks;
     if (p.counts != nullptr) {
       count = p.counts[b * p.counts_stride[0] + h * p.counts_stride[1] + qb * p.counts_stride[2]];
       count = max(0, min(count, p.capacity));
       list = p.indices + b * p.indices_stride[0] + h * p.indices_stride[1] + qb * p.indices_stride[2];
+      num_tiles = count * p.chunks_per_kv_block;
+    } else {  // dense: block_kv == BN, one chunk a block; the tiles that meet [kmin, kmax)
+      const int first = kmin / p.block_kv, last = min(count, (min(kmax, p.len_kv) + p.block_kv - 1) / p.block_kv);
+      slot = first;
+      num_tiles = max(0, last - first);
     }
-    num_tiles = count * p.chunks_per_kv_block;
   }
 
   __device__ __forceinline__ void next(const FlashParams& p, int& begin, int& end) {
@@ -162,10 +187,83 @@ struct KeyTiles {
     } else {
       begin = kb * p.block_kv + chunk * BN;
       end = min(min((kb + 1) * p.block_kv, p.len_kv), begin + BN);
+      if (end <= key_min || begin >= key_max) begin = end = 0;  // no row of the CTA sees it
     }
     if (++chunk == p.chunks_per_kv_block) chunk = 0, ++slot;
   }
 };
+
+// ---- the mask hook (sparsa/attention.h states the masks; core/mask.cpp is the host's copy) ----
+
+// floor(a / b) for b > 0 and any sign of a.
+__device__ __forceinline__ int64_t floor_div64(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// The keys query i (original position, 0 <= i < len_q) sees: [*kb, *ke), clipped to [0, len_kv]
+// (kb >= ke: none). Queries are end-aligned: query i stands at key position i + len_kv - len_q.
+__device__ __forceinline__ void mask_window(const AttentionArgs& p, int64_t i, int len_q, int len_kv, int& kb,
+                                            int& ke) {
+  const int64_t pos = i + (len_kv - len_q);
+  int64_t begin = 0, end = len_kv;
+  if (p.mask_kind == kMaskCausal) {
+    end = pos + 1;
+  } else if (p.mask_kind == kMaskBlockCausal) {
+    end = (floor_div64(pos, p.mask_block) + 1) * p.mask_block;
+  } else if (p.mask_kind == kMaskSlidingWindow) {
+    begin = pos - p.mask_left;
+    end = pos + p.mask_right + 1;
+  }
+  kb = static_cast<int>(min(max(begin, int64_t{0}), int64_t{len_kv}));
+  ke = static_cast<int>(min(max(end, int64_t{0}), int64_t{len_kv}));
+}
+
+// The visible key windows of this thread's two accumulator rows (g and g + 8 of its warp's 16).
+struct RowWindows {
+  int kb[2] = {0, 0}, ke[2] = {0, 0};
+};
+
+// The mask hook on one key tile of S whose column n is key position begin + n (keys in order):
+// columns outside a row's window become -inf (this thread: rows g, elements 0-1, and g + 8,
+// elements 2-3, of each 8-column score tile; columns 2c, 2c + 1). A warp whose rows all see
+// the whole tile skips the per-element work.
+template <int kNT>
+__device__ __forceinline__ void mask_tile(float (&s)[kNT][4], const RowWindows& w, int begin) {
+  int lo[2], hi[2];
+  bool cut = false;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lo[r] = w.kb[r] - begin;
+    hi[r] = w.ke[r] - begin;
+    cut = cut || lo[r] > 0 || hi[r] < 8 * kNT;
+  }
+  if (!__any_sync(0xffffffffu, cut)) return;
+  const int c = threadIdx.x % 4;
+#pragma unroll
+  for (int n = 0; n < kNT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = n * 8 + 2 * c + (e & 1);
+      if (col < lo[e / 2] || col >= hi[e / 2]) s[n][e] = -INFINITY;
+    }
+}
+
+// The same with permuted keys: column n is key position begin + n, whose original token is
+// key_perm[(begin + n) * stride] (columns at or past `valid`, and entries outside [0, len_kv),
+// are hidden from every row).
+template <int kNT>
+__device__ __forceinline__ void mask_tile_permuted(float (&s)[kNT][4], const RowWindows& w, const int32_t* key_perm,
+                                                   int64_t stride, int begin, int valid) {
+  const int c = threadIdx.x % 4;
+#pragma unroll
+  for (int n = 0; n < kNT; ++n)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = n * 8 + 2 * c + half;
+      const int key = col < valid ? __ldg(key_perm + (begin + col) * stride) : -1;
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (key < w.kb[r] || key >= w.ke[r]) s[n][2 * r + half] = -INFINITY;
+    }
+}
 
 __device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; -inf -> 0
   float y;

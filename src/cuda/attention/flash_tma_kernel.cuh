@@ -70,7 +70,8 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-template <class T, int D, int BN, int STAGES>
+// MASKED: as flash_wgmma_kernel's (the per-element mask compiled in).
+template <class T, int D, int BN, int STAGES, bool MASKED = false>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
   using Shape = TmaShape<D, BN, STAGES>;
@@ -95,7 +96,10 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   }
   __syncthreads();
 
-  KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb);
+  // The consumers' warps are 4..11 (the producer and consumers walk the same tiles: the key range
+  // does not depend on the warp).
+  const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, threadIdx.x / 32 - 4) : CtaMask<BM>{};
+  KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb, mask.key_min, mask.key_max);
   const int num_tiles = tiles.num_tiles;
 
   if (threadIdx.x < 128) {  // ---- producer ----
@@ -135,7 +139,11 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
     mbar_wait(full(stage), use & 1);
     consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
     if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
-    consumer.accumulate(stage, valid, p.scale_log2);
+    if constexpr (MASKED) {
+      consumer.accumulate(stage, valid, p.scale_log2, [&](float(&s)[BN / 8][4]) { mask(p, s, begin, valid); });
+    } else {
+      consumer.accumulate(stage, valid, p.scale_log2);
+    }
   }
   consumer.template store<false>(p, tile, threadIdx.x / 32 - 4);
 }

@@ -102,9 +102,16 @@ struct WgmmaConsumer {
     fence_registers(s_flat());
     fence_registers(o_flat());
   }
-  // Second half: the online softmax of S, then O += P V of the tile in `stage`, issued (async).
+  // Second half: the mask hook on S (mask_hook(s): flash_kernel.cuh's mask_tile or
+  // mask_tile_permuted; nothing without a mask), the online softmax of S, then O += P V of the
+  // tile in `stage`, issued (async).
   __device__ __forceinline__ void accumulate(int stage, int valid, float scale_log2) {
+    accumulate(stage, valid, scale_log2, [](float(&)[kNT][4]) {});
+  }
+  template <class MaskHook>
+  __device__ __forceinline__ void accumulate(int stage, int valid, float scale_log2, MaskHook&& mask_hook) {
     if (valid > 0) {
+      mask_hook(s);
       float alpha[2];
       uint32_t p_frag[kNT / 2][4];
       softmax_scores<kNT>(s, valid, scale_log2, row_max, row_sum, alpha,
@@ -133,7 +140,47 @@ struct WgmmaConsumer {
 // STAGES: K/V tiles in shared memory, 2 or 3. With 2, the prefetch of tile t+1 waits for a second
 // barrier per tile (both warpgroups done with P V of tile t-1); with 3 it is issued right after the
 // first, into the stage of tile t-2.
-template <class T, int D, int BN, int STAGES, bool OUTLINED = false>
+// The CTA's mask state (MASKED kernels): this thread's rows' windows and the key range any row
+// of the tile may see. `warp`: this thread's consumer warp (rows 16 warp .. of the tile; < 0 for
+// a producer thread, which has no rows). Keys and
+// queries in order: the range is the windows of the tile's first and last rows (windows do not
+// decrease along the queries); with a permutation, every tile is visited and masked.
+template <int ROWS>
+struct CtaMask {
+  RowWindows rows;
+  int key_min = 0, key_max = 0x7fffffff;
+  const int32_t* key_perm = nullptr;  // of (b, h_kv); null: keys in order
+
+  CtaMask() = default;  // no mask: every key tile, nothing masked
+  __device__ __forceinline__ CtaMask(const FlashParams& p, const QueryTile<ROWS>& tile, int warp) {
+    const int g = threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int r = 0; r < 2 && warp >= 0; ++r) {  // warp < 0: a producer thread, no rows
+      const int64_t token = tile.token(p, tile.begin + warp * 16 + g + 8 * r);
+      if (token >= 0) mask_window(p, token, p.len_q, p.len_kv, rows.kb[r], rows.ke[r]);
+    }
+    if (p.key_perm != nullptr) {
+      key_perm = p.key_perm + tile.b * p.key_perm_stride[0] + tile.h_kv * p.key_perm_stride[1];
+    } else if (tile.perm == nullptr) {
+      int unused;
+      mask_window(p, tile.begin, p.len_q, p.len_kv, key_min, unused);
+      mask_window(p, tile.end - 1, p.len_q, p.len_kv, unused, key_max);
+    }
+  }
+  // The hook on the S tile of key positions [begin, begin + valid).
+  template <int kNT>
+  __device__ __forceinline__ void operator()(const FlashParams& p, float (&s)[kNT][4], int begin, int valid) const {
+    if (key_perm != nullptr) {
+      mask_tile_permuted<kNT>(s, rows, key_perm, p.key_perm_stride[2], begin, valid);
+    } else {
+      mask_tile<kNT>(s, rows, begin);
+    }
+  }
+};
+
+// MASKED: the kernel applies the per-element mask (AttentionArgs::mask_kind); without it the mask
+// code is not compiled in.
+template <class T, int D, int BN, int STAGES, bool OUTLINED = false, bool MASKED = false>
 __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p) {
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
   static_assert(STAGES == 2 || STAGES == 3, "two or three K/V stages");
@@ -147,7 +194,8 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
   const QueryTile<BM> tile(p);
   if (tile.empty()) return;
   const int b = tile.b, h_kv = tile.h_kv;
-  KeyTiles<BN> tiles(p, b, tile.h, tile.qb);
+  const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, threadIdx.x / 32) : CtaMask<BM>{};
+  KeyTiles<BN> tiles(p, b, tile.h, tile.qb, mask.key_min, mask.key_max);
   const int num_tiles = tiles.num_tiles;
 
   const int32_t* perm_kv = p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
@@ -191,7 +239,12 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
       __syncthreads();  // both warpgroups are done with the stage of tile t - 1
       prefetch(t);
     }
-    consumer.accumulate(stage, valid, p.scale_log2);
+    if constexpr (MASKED) {
+      consumer.accumulate(stage, valid, p.scale_log2,
+                          [&](float(&s)[BN / 8][4]) { mask(p, s, cur_begin, valid); });
+    } else {
+      consumer.accumulate(stage, valid, p.scale_log2);
+    }
     cur_begin = next_begin, cur_end = next_end;
     stage = stage + 1 == STAGES ? 0 : stage + 1;
   }

@@ -299,7 +299,40 @@ __device__ void split_kv_finish(const SplitKvParams& p, uint8_t* smem, const flo
   }
 }
 
-template <class T, int D, int BN, int STAGES>
+// The mask hook of a split-KV CTA (MASKED kernels): this thread's two stacked rows' windows
+// (row r of the stack is query r % len_q), and the split's tiles cut to those some row of the
+// m-tile can see (windows do not decrease along the queries, so the m-tile's range is the
+// windows of its smallest and largest query; a stack that wraps past a head holds every query).
+// A split left with no tile writes an empty partial (LSE -inf), which the merge weighs as 0.
+template <int BN>
+struct SplitKvMask {
+  RowWindows rows;
+
+  SplitKvMask() = default;  // no mask
+
+  __device__ __forceinline__ SplitKvMask(const SplitKvParams& p, int row0, int warp, int& tile_begin,
+                                         int& num_tiles) {
+    const int g = threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + warp * 16 + g + 8 * r;
+      if (row < p.rows) mask_window(p, row % p.len_q, p.len_q, p.len_kv, rows.kb[r], rows.ke[r]);
+    }
+    const int last = min(row0 + 64, p.rows) - 1;
+    int i_min = 0, i_max = p.len_q - 1;
+    if (last - row0 + 1 < p.len_q && row0 % p.len_q <= last % p.len_q) i_min = row0 % p.len_q, i_max = last % p.len_q;
+    int key_min, key_max, unused;
+    mask_window(p, i_min, p.len_q, p.len_kv, key_min, unused);
+    mask_window(p, i_max, p.len_q, p.len_kv, unused, key_max);
+    const int first = max(tile_begin, key_min / BN);
+    const int end = min(tile_begin + num_tiles, (key_max + BN - 1) / BN);
+    tile_begin = first;
+    num_tiles = max(0, end - first);
+  }
+};
+
+// MASKED: the per-element mask (AttentionArgs::mask_kind) compiled in.
+template <class T, int D, int BN, int STAGES, bool MASKED = false>
 __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   using Shape = SplitKvShape<D, BN, STAGES>;
   constexpr int BM = Shape::kBM, THREADS = Shape::kThreads;
@@ -316,9 +349,9 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
   const int row0 = blockIdx.x * BM, split = blockIdx.y;
   const int b = blockIdx.z / p.heads_kv, h_kv = blockIdx.z % p.heads_kv;
   // Split s owns key tiles [s T / S, (s + 1) T / S): sizes differ by at most one tile.
-  const int tile_begin = static_cast<int>(static_cast<int64_t>(split) * p.num_kv_tiles / p.num_splits);
-  const int num_tiles =
-      static_cast<int>(static_cast<int64_t>(split + 1) * p.num_kv_tiles / p.num_splits) - tile_begin;
+  int tile_begin = static_cast<int>(static_cast<int64_t>(split) * p.num_kv_tiles / p.num_splits);
+  int num_tiles = static_cast<int>(static_cast<int64_t>(split + 1) * p.num_kv_tiles / p.num_splits) - tile_begin;
+  const SplitKvMask<BN> mask = MASKED ? SplitKvMask<BN>(p, row0, warp, tile_begin, num_tiles) : SplitKvMask<BN>{};
 
   // ---- Q: the stacked rows of this m-tile (rows past p.rows read as zeros) ----
   const uint16_t* q_all = static_cast<const uint16_t*>(p.q);
@@ -397,6 +430,7 @@ __global__ void __launch_bounds__(128) split_kv_kernel(const SplitKvParams p) {
       }
     }
     // Online softmax, the flash executor's (flash_kernel.cuh); columns past len_kv are masked.
+    if constexpr (MASKED) mask_tile<kNT>(s, mask.rows, (tile_begin + t) * BN);
     uint32_t p_frag[kNT / 2][4];
     float alpha[2];
     softmax_scores<kNT>(s, valid, p.scale_log2, row_max, row_sum, alpha,

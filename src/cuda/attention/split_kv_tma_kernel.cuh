@@ -37,7 +37,8 @@ struct SplitKvTmaShape {
   static constexpr int kSmemBytes = 2 * STAGES * kKVBytes + 8 * STAGES + 1024;
 };
 
-template <class T, int D, int BN, int STAGES>
+// MASKED: the per-element mask compiled in (split_kv_kernel.cuh's SplitKvMask).
+template <class T, int D, int BN, int STAGES, bool MASKED = false>
 __global__ void __launch_bounds__(128) split_kv_tma_kernel(const SplitKvParams p, const __grid_constant__ TmaMaps maps) {
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 128, "128-byte swizzled tiles of 64 columns");
   static_assert(STAGES >= 2, "at least one tile in flight while one is computed");
@@ -52,9 +53,9 @@ __global__ void __launch_bounds__(128) split_kv_tma_kernel(const SplitKvParams p
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int row0 = blockIdx.x * BM, split = blockIdx.y;
   const int b = blockIdx.z / p.heads_kv, h_kv = blockIdx.z % p.heads_kv;
-  const int tile_begin = static_cast<int>(static_cast<int64_t>(split) * p.num_kv_tiles / p.num_splits);
-  const int num_tiles =
-      static_cast<int>(static_cast<int64_t>(split + 1) * p.num_kv_tiles / p.num_splits) - tile_begin;
+  int tile_begin = static_cast<int>(static_cast<int64_t>(split) * p.num_kv_tiles / p.num_splits);
+  int num_tiles = static_cast<int>(static_cast<int64_t>(split + 1) * p.num_kv_tiles / p.num_splits) - tile_begin;
+  const SplitKvMask<BN> mask = MASKED ? SplitKvMask<BN>(p, row0, warp, tile_begin, num_tiles) : SplitKvMask<BN>{};
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) mbar_init(full(s), 1);  // the issuing thread's arrive.expect_tx
@@ -110,7 +111,12 @@ __global__ void __launch_bounds__(128) split_kv_tma_kernel(const SplitKvParams p
     consumer.scores(stage, valid, q);  // S_t; P V_{t-1} complete
     __syncthreads();                   // every warp is done with the stage of tile t - 1
     if (threadIdx.x == 0 && t + STAGES - 1 < num_tiles) issue(t + STAGES - 1);
-    consumer.accumulate(stage, valid, p.scale_log2);
+    if constexpr (MASKED) {
+      consumer.accumulate(stage, valid, p.scale_log2,
+                          [&](float(&s)[BN / 8][4]) { mask_tile<BN / 8>(s, mask.rows, (tile_begin + t) * BN); });
+    } else {
+      consumer.accumulate(stage, valid, p.scale_log2);
+    }
   }
   wgmma_wait<0>();
   fence_registers(consumer.o_flat());

@@ -58,7 +58,7 @@ namespace {
 // its switch on: the cases below then run against cpu_ref under the same bound as every other
 // case, and the refusal test stops expecting the refusal. Masks have their kernels.
 constexpr bool kCudaMaskKernel = true;
-constexpr bool kCudaVarlenKernel = false;
+constexpr bool kCudaVarlenKernel = true;
 constexpr bool kCudaHeadDim256 = false;
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
@@ -790,6 +790,224 @@ TEST(CudaAttentionVarlen, MatchesReference) {
       norm += r * r;
     }
     EXPECT_LE(std::sqrt(err / norm), bound + 1e-7);
+  }
+}
+
+// Offsets in device memory are read back and checked as on the host, each error naming the
+// argument, before anything is launched (the output stays as it was).
+TEST(CudaAttentionVarlen, BadDeviceOffsetsNamed) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  const Device gpu{DeviceType::cuda, 0};
+  const int64_t H = 2, L = 96, D = 64;
+  DeviceBuffer q(L * H * D * 2), o(L * H * D * 2), l(L * H * 4), cu(64), cu_ok(64);
+  CUDA_OK(cudaMemset(q.ptr, 0, q.bytes));
+  const Tensor q3 = Tensor::contiguous(q.ptr, DType::bf16, {L, H, D}, gpu);
+  const Tensor o3 = Tensor::contiguous(o.ptr, DType::bf16, {L, H, D}, gpu);
+  const Tensor l2 = Tensor::contiguous(l.ptr, DType::f32, {H, L}, gpu);
+  const int32_t good[3] = {0, 40, static_cast<int32_t>(L)};
+  CUDA_OK(cudaMemcpy(cu_ok.ptr, good, sizeof good, cudaMemcpyHostToDevice));
+  const Tensor good_d = Tensor::contiguous(cu_ok.ptr, DType::i32, {3}, gpu);
+  struct Bad {
+    std::vector<int32_t> offsets;
+    const char* want;
+  };
+  const Bad bads[] = {{{1, 40, 96}, "cu_seqlens_q: expected cu_seqlens_q[0] = 0, got 1"},
+                      {{0, 50, 40, 96}, "cu_seqlens_q: offsets must not decrease"},
+                      {{0, 40, 95}, "cu_seqlens_q: the last offset"}};
+  for (const Bad& bad : bads) {
+    SCOPED_TRACE(bad.want);
+    CUDA_OK(cudaMemcpy(cu.ptr, bad.offsets.data(), bad.offsets.size() * 4, cudaMemcpyHostToDevice));
+    const Tensor bad_d =
+        Tensor::contiguous(cu.ptr, DType::i32, {static_cast<int64_t>(bad.offsets.size())}, gpu);
+    AttentionOptions opt;
+    opt.backend = Backend::cuda;
+    CUDA_OK(cudaMemset(o.ptr, 0xff, o.bytes));
+    const Status st = dense_varlen(q3, q3, q3, bad_d, bad.offsets.size() == 3 ? good_d : bad_d, o3, l2, opt);
+    EXPECT_EQ(st.code(), StatusCode::invalid_argument) << st.to_string();
+    EXPECT_EQ(st.message().rfind(bad.want, 0), 0u) << st.to_string();
+    std::vector<uint16_t> out_h(o.bytes / 2);
+    CUDA_OK(cudaMemcpy(out_h.data(), o.ptr, o.bytes, cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(std::all_of(out_h.begin(), out_h.end(), [](uint16_t x) { return x == 0xffff; }));
+  }
+}
+
+// Block-sparse variable-length batches on the device: each sequence's rows of the output equal,
+// bit for bit, a fixed-length call on that sequence alone with its own plan (both on flash rung 2,
+// the varlen route's, K and V read in place: the same arithmetic on the same values), which the
+// Ops cases check against cpu_ref. Sequences with no queries, no keys, one token; permuted plans;
+// junk in the plan rows past a sequence's query blocks (never read); masks. Then a device plan
+// that lists a key block past one sequence's keys is refused naming the sequence, as on the host.
+TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  const Device gpu{DeviceType::cuda, 0};
+  const std::vector<int32_t> lens_q = {300, 0, 700, 1, 64, 129, 0}, lens_kv = {300, 20, 900, 1, 1000, 0, 5};
+  const int64_t S = static_cast<int64_t>(lens_q.size()), H = 4, Hkv = 2, D = 128;
+  const int block = 64;
+  const int64_t max_q = 700, max_kv = 1000, nq = (max_q + block - 1) / block, nkv = (max_kv + block - 1) / block;
+  struct TmaOff {  // the varlen route's rung for the separate calls too
+    bool saved = cuda::detail::set_flash_tma(false);
+    ~TmaOff() { cuda::detail::set_flash_tma(saved); }
+  } tma_off;
+  for (Mask mask : {Mask::none(), Mask::causal(), Mask::sliding_window(100, 0)}) {
+    SCOPED_TRACE(mask_string(mask));
+    std::mt19937 rng(91);
+    std::normal_distribution<float> nd;
+    std::vector<int32_t> cu_q(1, 0), cu_kv(1, 0);
+    for (int64_t s = 0; s < S; ++s) {
+      cu_q.push_back(cu_q.back() + lens_q[s]);
+      cu_kv.push_back(cu_kv.back() + lens_kv[s]);
+    }
+    const int64_t total_q = cu_q.back(), total_kv = cu_kv.back();
+    auto random_rows = [&](int64_t n) {
+      std::vector<uint16_t> x(n);
+      for (uint16_t& e : x) e = float_to_bf16(nd(rng));
+      return x;
+    };
+    const std::vector<uint16_t> q = random_rows(total_q * H * D), k = random_rows(total_kv * Hkv * D),
+                                v = random_rows(total_kv * Hkv * D);
+    // The varlen plan: sequence s's own random plan (and permutations) in its rows; junk past them.
+    BlockIndexBuffer plan = BlockIndexBuffer::empty(S, H, max_q, max_kv, block, block, nkv);
+    plan.perm_q = HostArray(DType::i32, {S, H, max_q});
+    plan.perm_kv = HostArray(DType::i32, {S, Hkv, max_kv});
+    std::bernoulli_distribution take(0.6);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t snq = (lens_q[s] + block - 1) / block, snkv = (lens_kv[s] + block - 1) / block;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t qb = 0; qb < nq; ++qb) {
+          const int64_t row = (s * H + h) * nq + qb;
+          int32_t n = 0;
+          if (qb >= snq) {  // past the sequence: junk, never read
+            plan.counts.ptr<int32_t>()[row] = static_cast<int32_t>(nkv);
+            for (int32_t kb = 0; kb < nkv; ++kb) plan.indices.ptr<int32_t>()[row * nkv + kb] = kb;
+            continue;
+          }
+          for (int32_t kb = 0; kb < snkv; ++kb)
+            if (take(rng)) plan.indices.ptr<int32_t>()[row * nkv + n++] = kb;
+          plan.counts.ptr<int32_t>()[row] = n;
+        }
+      }
+      auto fill = [&](HostArray& a, int64_t heads, int64_t max_len, int64_t len) {
+        for (int64_t h = 0; h < heads; ++h) {
+          int32_t* x = a.ptr<int32_t>() + (s * heads + h) * max_len;
+          std::iota(x, x + len, 0);
+          std::shuffle(x, x + len, rng);
+          std::fill(x + len, x + max_len, -7);
+        }
+      };
+      fill(plan.perm_q, H, max_q, lens_q[s]);
+      fill(plan.perm_kv, Hkv, max_kv, lens_kv[s]);
+    }
+    auto upload16 = [&](const std::vector<uint16_t>& x, DeviceBuffer& buf) {
+      buf.reset(std::max<size_t>(x.size(), 1) * 2);
+      cudaMemcpy(buf.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice);
+    };
+    DeviceBuffer qb(0), kb(0), vb(0), cqb(0), ckb(0), pc(0), pi(0), pq(0), pk(0), ob(total_q * H * D * 2),
+        lb(total_q * H * 4);
+    upload16(q, qb);
+    upload16(k, kb);
+    upload16(v, vb);
+    HostArray cqh(DType::i32, {S + 1}), ckh(DType::i32, {S + 1});
+    std::copy(cu_q.begin(), cu_q.end(), cqh.ptr<int32_t>());
+    std::copy(cu_kv.begin(), cu_kv.end(), ckh.ptr<int32_t>());
+    BlockIndex ixd = plan.view();
+    ixd.counts = upload_i32(plan.counts, pc);
+    ixd.indices = upload_i32(plan.indices, pi);
+    ixd.perm_q = upload_i32(plan.perm_q, pq);
+    ixd.perm_kv = upload_i32(plan.perm_kv, pk);
+    AttentionOptions opt;
+    opt.backend = Backend::cuda;
+    opt.mask = mask;
+    const Tensor cqd = upload_i32(cqh, cqb), ckd = upload_i32(ckh, ckb);
+    const Status st = block_sparse_varlen(Tensor::contiguous(qb.ptr, DType::bf16, {total_q, H, D}, gpu),
+                                          Tensor::contiguous(kb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu),
+                                          Tensor::contiguous(vb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu), cqd, ckd, ixd,
+                                          Tensor::contiguous(ob.ptr, DType::bf16, {total_q, H, D}, gpu),
+                                          Tensor::contiguous(lb.ptr, DType::f32, {H, total_q}, gpu), opt);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    EXPECT_FALSE(cuda::detail::last_flash_used_tma()) << "varlen runs on rung 2";
+    std::vector<uint16_t> out_h(total_q * H * D);
+    std::vector<float> lse_h(total_q * H);
+    CUDA_OK(cudaMemcpy(out_h.data(), ob.ptr, ob.bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(lse_h.data(), lb.ptr, lb.bytes, cudaMemcpyDeviceToHost));
+
+    for (int64_t s = 0; s < S; ++s) {
+      SCOPED_TRACE("sequence " + std::to_string(s));
+      const int64_t lq = lens_q[s], lkv = lens_kv[s];
+      if (lq == 0) continue;
+      if (lkv == 0) {  // queries and no keys: empty rows
+        for (int64_t i = 0; i < lq; ++i)
+          for (int64_t h = 0; h < H; ++h) EXPECT_EQ(lse_h[h * total_q + cu_q[s] + i], -INFINITY);
+        continue;
+      }
+      // The same sequence alone: [1, heads, len, D] copies of its rows and its rows of the plan.
+      std::vector<uint16_t> qs(H * lq * D), ks(Hkv * lkv * D), vs(Hkv * lkv * D);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < lq; ++i)
+          std::copy_n(&q[((cu_q[s] + i) * H + h) * D], D, &qs[(h * lq + i) * D]);
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t j = 0; j < lkv; ++j) {
+          std::copy_n(&k[((cu_kv[s] + j) * Hkv + h) * D], D, &ks[(h * lkv + j) * D]);
+          std::copy_n(&v[((cu_kv[s] + j) * Hkv + h) * D], D, &vs[(h * lkv + j) * D]);
+        }
+      const int64_t snq = (lq + block - 1) / block;
+      BlockIndexBuffer one = BlockIndexBuffer::empty(1, H, lq, lkv, block, block, nkv);
+      one.perm_q = HostArray(DType::i32, {1, H, lq});
+      one.perm_kv = HostArray(DType::i32, {1, Hkv, lkv});
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t r = 0; r < snq; ++r) {
+          one.counts.ptr<int32_t>()[h * snq + r] = plan.counts.ptr<int32_t>()[(s * H + h) * nq + r];
+          std::copy_n(plan.indices.ptr<int32_t>() + ((s * H + h) * nq + r) * nkv, nkv,
+                      one.indices.ptr<int32_t>() + (h * snq + r) * nkv);
+        }
+        std::copy_n(plan.perm_q.ptr<int32_t>() + (s * H + h) * max_q, lq, one.perm_q.ptr<int32_t>() + h * lq);
+      }
+      for (int64_t h = 0; h < Hkv; ++h)
+        std::copy_n(plan.perm_kv.ptr<int32_t>() + (s * Hkv + h) * max_kv, lkv, one.perm_kv.ptr<int32_t>() + h * lkv);
+      DeviceBuffer q1(0), k1(0), v1(0), c1(0), i1(0), pq1(0), pk1(0), o1(H * lq * D * 2), l1(H * lq * 4);
+      upload16(qs, q1);
+      upload16(ks, k1);
+      upload16(vs, v1);
+      BlockIndex ix1 = one.view();
+      ix1.counts = upload_i32(one.counts, c1);
+      ix1.indices = upload_i32(one.indices, i1);
+      ix1.perm_q = upload_i32(one.perm_q, pq1);
+      ix1.perm_kv = upload_i32(one.perm_kv, pk1);
+      const Status st1 = block_sparse(Tensor::contiguous(q1.ptr, DType::bf16, {1, H, lq, D}, gpu),
+                                      Tensor::contiguous(k1.ptr, DType::bf16, {1, Hkv, lkv, D}, gpu),
+                                      Tensor::contiguous(v1.ptr, DType::bf16, {1, Hkv, lkv, D}, gpu), ix1,
+                                      Tensor::contiguous(o1.ptr, DType::bf16, {1, H, lq, D}, gpu),
+                                      Tensor::contiguous(l1.ptr, DType::f32, {1, H, lq}, gpu), opt);
+      ASSERT_TRUE(st1.ok()) << st1.to_string();
+      std::vector<uint16_t> o_one(H * lq * D);
+      std::vector<float> l_one(H * lq);
+      CUDA_OK(cudaMemcpy(o_one.data(), o1.ptr, o1.bytes, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(l_one.data(), l1.ptr, l1.bytes, cudaMemcpyDeviceToHost));
+      int64_t differ = 0;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < lq; ++i) {
+          differ += std::memcmp(&l_one[h * lq + i], &lse_h[h * total_q + cu_q[s] + i], 4) != 0;
+          differ += std::memcmp(&o_one[(h * lq + i) * D], &out_h[((cu_q[s] + i) * H + h) * D], D * 2) != 0;
+        }
+      EXPECT_EQ(differ, 0) << "rows (O or LSE) that differ from the sequence's own call";
+    }
+
+    // A key block past sequence 0's keys (300 keys: blocks 0-4; block 10 exists only for the
+    // longest), in a row the kernel would read: refused on the host, naming the sequence.
+    HostArray bad_counts = plan.counts, bad_indices = plan.indices;
+    bad_counts.ptr<int32_t>()[0] = 1;
+    bad_indices.ptr<int32_t>()[0] = 10;
+    DeviceBuffer bc(0), bi(0);
+    BlockIndex bad = ixd;
+    bad.counts = upload_i32(bad_counts, bc);
+    bad.indices = upload_i32(bad_indices, bi);
+    const Status rejected = block_sparse_varlen(
+        Tensor::contiguous(qb.ptr, DType::bf16, {total_q, H, D}, gpu),
+        Tensor::contiguous(kb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu),
+        Tensor::contiguous(vb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu), cqd, ckd, bad,
+        Tensor::contiguous(ob.ptr, DType::bf16, {total_q, H, D}, gpu),
+        Tensor::contiguous(lb.ptr, DType::f32, {H, total_q}, gpu), opt);
+    EXPECT_FALSE(rejected.ok());
+    EXPECT_EQ(rejected.message().rfind("sequence 0", 0), 0u) << rejected.to_string();
   }
 }
 

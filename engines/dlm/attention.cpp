@@ -150,14 +150,6 @@ class Scratch {
   Slot slots_[3];
 };
 
-// A [1, heads, rows, d] (or [1, heads, rows]) window of t starting at row `begin`.
-Tensor rows_view(const Tensor& t, int64_t begin, int64_t rows) {
-  Tensor v = t;
-  v.data = static_cast<char*>(t.data) + begin * t.strides[2] * static_cast<int64_t>(dtype_size(t.dtype));
-  v.shape[2] = rows;
-  return v;
-}
-
 // Exact softmax attention through sparsa's own executors, in two halves merged by their
 // log-sum-exp: the chunk's own keys (own(): dense, or the block-causal pattern) and the cached
 // prefix (prefix(): dense). The sparse methods replace one half.
@@ -203,15 +195,11 @@ class SplitAttention : public LayerAttention {
         SPARSA_RETURN_IF_ERROR(block_causal_plan(n, b, call.q.shape[1]));
         return block_sparse(call.q, call.k, call.v, plan_.view(), call.out, lse, options_);
       }
-      // cuda: the executor has no element mask yet, so block by block: the queries of block j
-      // against the chunk's keys of blocks 0..j (exact).
-      for (int64_t begin = 0; begin < n; begin += b) {
-        const int64_t rows = std::min(b, n - begin);
-        SPARSA_RETURN_IF_ERROR(dense(rows_view(call.q, begin, rows), rows_view(call.k, 0, begin + rows),
-                                     rows_view(call.v, 0, begin + rows), rows_view(call.out, begin, rows),
-                                     rows_view(lse, begin, rows), options_));
-      }
-      return Status::Ok();
+      // cuda: one call under the executor's block-causal mask (its key tiles past a query tile's
+      // last block are skipped, not computed).
+      AttentionOptions masked = options_;
+      masked.mask = Mask::block_causal(b);
+      return dense(call.q, call.k, call.v, call.out, lse, masked);
     }
     return dense(call.q, call.k, call.v, call.out, lse, options_);
   }

@@ -339,17 +339,24 @@ def _varlen_outputs(q: Any, out: Any, lse: Any) -> Tuple[Any, Any]:
     return out, lse
 
 
-def _offsets(cu: Any, name: str) -> Any:
+def _offsets(cu: Any, name: str, q: Any = None) -> Any:
     """Offsets as int32 (a Python list or an int64 array is converted; arrays already int32 pass
-    as they are, zero copy)."""
+    as they are, zero copy). A list or numpy array beside a torch CUDA ``q`` goes to q's device
+    (offsets given as tensors stay where they are: a device mismatch is an error naming them)."""
     if isinstance(cu, (list, tuple)):
-        return np.asarray(cu, dtype=np.int32)
+        cu = np.asarray(cu, dtype=np.int32)
     if isinstance(cu, np.ndarray) and cu.dtype != np.int32:
         if not np.issubdtype(cu.dtype, np.integer):
             raise TypeError(f"{name}: expected integer offsets, got dtype {cu.dtype}")
         if cu.size and (cu.max() > np.iinfo(np.int32).max or cu.min() < np.iinfo(np.int32).min):
             raise ValueError(f"{name}: offsets beyond int32")
-        return cu.astype(np.int32)
+        cu = cu.astype(np.int32)
+    if isinstance(cu, np.ndarray):
+        if q is not None and getattr(q, "is_cuda", False):
+            import torch
+
+            return torch.as_tensor(cu, device=q.device)
+        return cu
     if _framework(cu, name) == "torch" and str(cu.dtype) != "torch.int32":
         import torch
 
@@ -369,7 +376,7 @@ def dense_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, scale: Optional[float]
     ``cu_seqlens_kv[s]:cu_seqlens_kv[s+1]``. Returns ``(out, lse)``: out like q, lse float32
     ``[heads_q, total_q]``. ``mask`` applies per sequence (positions local to it)."""
     text = _mask_text(mask)
-    cu_q, cu_kv = _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_kv, "cu_seqlens_kv")
+    cu_q, cu_kv = _offsets(cu_seqlens_q, "cu_seqlens_q", q), _offsets(cu_seqlens_kv, "cu_seqlens_kv", q)
     out, lse = _varlen_outputs(q, out, lse)
     _core.dense_varlen(q, k, v, cu_q, cu_kv, out, lse, scale, backend, check_finite, num_threads, _stream(q, stream),
                        text)
@@ -517,7 +524,7 @@ def block_sparse_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, index: BlockIndex,
     if not isinstance(index, BlockIndex):
         raise TypeError(f"index: expected sparsa.BlockIndex, got {type(index).__name__}")
     text = _mask_text(mask)
-    cu_q, cu_kv = _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_kv, "cu_seqlens_kv")
+    cu_q, cu_kv = _offsets(cu_seqlens_q, "cu_seqlens_q", q), _offsets(cu_seqlens_kv, "cu_seqlens_kv", q)
     out, lse = _varlen_outputs(q, out, lse)
     _core.block_sparse_varlen(q, k, v, cu_q, cu_kv, index.counts, index.indices, index.perm_q, index.perm_kv,
                               index.block_q, index.block_kv, out, lse, scale, backend, check_finite, num_threads,

@@ -221,9 +221,12 @@ Status varlen_view(const char* name, const Tensor& t, int rank, const char* dims
   return {};
 }
 
-// cu_seqlens: i32 [num_seqs + 1], contiguous, on `device`; on the host also its values:
-// starts at 0, never decreases, ends at `total` (the first dimension of `of`).
-Status check_cu_seqlens(const char* name, const Tensor& cu, int64_t total, const char* of, Device device) {
+// cu_seqlens: i32 [num_seqs + 1], contiguous, on `device`, and its values: starts at 0, never
+// decreases, ends at `total` (the first dimension of `of`). Offsets in device memory are first
+// read back (ordered on `stream`, which that synchronises) into *host_copy, which the checks and
+// the call's per-sequence lengths then read.
+Status check_cu_seqlens(const char* name, const Tensor& cu, int64_t total, const char* of, Device device,
+                        void* stream, std::vector<int32_t>* host_copy) {
   const std::string n = name;
   if (cu.data == nullptr) return invalid_argument(n + ": is missing (null data)");
   if (cu.ndim != 1 || cu.shape[0] < 2) {
@@ -237,8 +240,13 @@ Status check_cu_seqlens(const char* name, const Tensor& cu, int64_t total, const
   if (!(cu.device == device)) {
     return invalid_argument(n + ": expected a tensor on " + device_name(device) + ", got " + device_name(cu.device));
   }
-  if (device.type == DeviceType::cuda) return {};  // device memory: the cuda backend refuses varlen (no kernel yet)
   const int32_t* off = cu.ptr<const int32_t>();
+  if (device.type == DeviceType::cuda) {
+    host_copy->resize(static_cast<size_t>(cu.shape[0]));
+    SPARSA_RETURN_IF_ERROR(
+        cuda::copy_to_host(device.id, cu.data, host_copy->size() * sizeof(int32_t), host_copy->data(), stream));
+    off = host_copy->data();
+  }
   if (off[0] != 0) return invalid_argument(n + ": expected " + n + "[0] = 0, got " + std::to_string(off[0]));
   for (int64_t s = 1; s < cu.shape[0]; ++s) {
     if (off[s] < off[s - 1]) {
@@ -256,6 +264,24 @@ Status check_cu_seqlens(const char* name, const Tensor& cu, int64_t total, const
   return {};
 }
 
+// An i32 tensor in device memory read back (after the work queued on `stream`, which this
+// synchronises) into *buffer; *view is the same tensor over the host copy (same shape and strides).
+Status read_back_i32(const Tensor& t, void* stream, std::vector<int32_t>* buffer, Tensor* view) {
+  *view = t;
+  view->device = Device{};
+  if (t.numel() == 0) return {};
+  int64_t lo = 0, hi = 0;  // element offsets of the lowest and highest element
+  for (int d = 0; d < t.ndim; ++d) {
+    const int64_t reach = (t.shape[d] - 1) * t.strides[d];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  buffer->resize(static_cast<size_t>(hi - lo + 1));
+  SPARSA_RETURN_IF_ERROR(cuda::copy_to_host(t.device.id, static_cast<const int32_t*>(t.data) + lo,
+                                            buffer->size() * sizeof(int32_t), buffer->data(), stream));
+  view->data = buffer->data() - lo;
+  return {};
+}
+
 // The params of a variable-length call: the [1, heads, total, d] views through build_params, then
 // batch = number of sequences, zero batch strides, the offsets, and the longest lengths.
 Status build_varlen_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_kv,
@@ -268,8 +294,10 @@ Status build_varlen_params(const Tensor& q, const Tensor& k, const Tensor& v, co
   SPARSA_RETURN_IF_ERROR(varlen_view("lse", lse, 2, "[heads_q, total_q]", &lse3));
   SPARSA_RETURN_IF_ERROR(build_params(q4, k4, v4, out4, lse3, options, p));
   const Device device = options.backend == Backend::cuda ? q.device : Device{};
-  SPARSA_RETURN_IF_ERROR(check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "q", device));
-  SPARSA_RETURN_IF_ERROR(check_cu_seqlens("cu_seqlens_kv", cu_kv, k.shape[0], "k", device));
+  SPARSA_RETURN_IF_ERROR(
+      check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "q", device, options.stream, &p->host_cu_seqlens_q));
+  SPARSA_RETURN_IF_ERROR(
+      check_cu_seqlens("cu_seqlens_kv", cu_kv, k.shape[0], "k", device, options.stream, &p->host_cu_seqlens_kv));
   if (cu_kv.shape[0] != cu_q.shape[0]) {
     return invalid_argument("cu_seqlens_kv: expected " + std::to_string(cu_q.shape[0]) +
                             " offsets (num_seqs + 1, as cu_seqlens_q), got " + std::to_string(cu_kv.shape[0]));
@@ -277,12 +305,10 @@ Status build_varlen_params(const Tensor& q, const Tensor& k, const Tensor& v, co
   p->batch = cu_q.shape[0] - 1;
   p->cu_seqlens_q = cu_q.ptr<const int32_t>();
   p->cu_seqlens_kv = cu_kv.ptr<const int32_t>();
-  if (device.type != DeviceType::cuda) {
-    p->len_q = p->len_kv = 0;
-    for (int64_t s = 0; s < p->batch; ++s) {
-      p->len_q = std::max(p->len_q, p->seq_len_q(s));
-      p->len_kv = std::max(p->len_kv, p->seq_len_kv(s));
-    }
+  p->len_q = p->len_kv = 0;
+  for (int64_t s = 0; s < p->batch; ++s) {
+    p->len_q = std::max(p->len_q, p->seq_len_q(s));
+    p->len_kv = std::max(p->len_kv, p->seq_len_kv(s));
   }
   return {};
 }
@@ -358,13 +384,25 @@ Status block_sparse_varlen(const Tensor& q, const Tensor& k, const Tensor& v, co
   AttentionParams p;
   SPARSA_RETURN_IF_ERROR(build_varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, options, &p));
   p.index = &index;
-  if (options.backend == Backend::cuda) return run(p, options.backend);  // refused there: no varlen kernel yet
   // Shapes against the longest sequence, then each sequence's rows as the plan of that sequence.
-  SPARSA_RETURN_IF_ERROR(check_device_index(index, p, Device{}));
+  const bool on_gpu = options.backend == Backend::cuda;
+  SPARSA_RETURN_IF_ERROR(check_device_index(index, p, on_gpu ? q.device : Device{}));
+  // The cuda backend checks a device plan's contents on the host, per sequence as below (the
+  // device check knows one length for every row): its arrays are read back first.
+  BlockIndex host_index = index;
+  std::vector<int32_t> copies[4];
+  if (on_gpu) {
+    p.check_index = false;
+    if (!options.check_index) return run(p, options.backend);
+    Tensor* parts[] = {&host_index.counts, &host_index.indices, &host_index.perm_q, &host_index.perm_kv};
+    for (int i = 0; i < 4; ++i) {
+      if (parts[i]->defined()) SPARSA_RETURN_IF_ERROR(read_back_i32(*parts[i], options.stream, &copies[i], parts[i]));
+    }
+  }
   for (int64_t s = 0; s < p.batch; ++s) {
     const int64_t len_q = p.seq_len_q(s), len_kv = p.seq_len_kv(s);
     if (len_q == 0) continue;
-    const BlockIndex sub = detail::sequence_index(index, s, len_q, len_kv);
+    const BlockIndex sub = detail::sequence_index(host_index, s, len_q, len_kv);
     const Status st = validate_block_index(sub, 1, p.heads_q, p.heads_kv, len_q, len_kv);
     if (!st.ok()) {
       return {st.code(), "sequence " + std::to_string(s) + " (index batch row " + std::to_string(s) + ", " +

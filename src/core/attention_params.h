@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "sparsa/attention.h"
 #include "sparsa/index.h"
@@ -44,12 +45,17 @@ struct AttentionParams {
   // dimension (the batch strides are 0).
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_kv = nullptr;
+  // The cuda backend: host copies of the device offsets (read back and validated by the entry
+  // point); the helpers below read these. Empty on the cpu backends (the offsets are host memory).
+  std::vector<int32_t> host_cu_seqlens_q, host_cu_seqlens_kv;
 
   bool varlen() const { return cu_seqlens_q != nullptr; }
-  int64_t q_begin(int64_t b) const { return varlen() ? cu_seqlens_q[b] : 0; }
-  int64_t kv_begin(int64_t b) const { return varlen() ? cu_seqlens_kv[b] : 0; }
-  int64_t seq_len_q(int64_t b) const { return varlen() ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : len_q; }
-  int64_t seq_len_kv(int64_t b) const { return varlen() ? cu_seqlens_kv[b + 1] - cu_seqlens_kv[b] : len_kv; }
+  const int32_t* offsets_q() const { return host_cu_seqlens_q.empty() ? cu_seqlens_q : host_cu_seqlens_q.data(); }
+  const int32_t* offsets_kv() const { return host_cu_seqlens_kv.empty() ? cu_seqlens_kv : host_cu_seqlens_kv.data(); }
+  int64_t q_begin(int64_t b) const { return varlen() ? offsets_q()[b] : 0; }
+  int64_t kv_begin(int64_t b) const { return varlen() ? offsets_kv()[b] : 0; }
+  int64_t seq_len_q(int64_t b) const { return varlen() ? offsets_q()[b + 1] - offsets_q()[b] : len_q; }
+  int64_t seq_len_kv(int64_t b) const { return varlen() ? offsets_kv()[b + 1] - offsets_kv()[b] : len_kv; }
 
   int64_t group() const { return heads_q / heads_kv; }
   int64_t q_off(int64_t b, int64_t h, int64_t i) const {
@@ -104,6 +110,8 @@ inline AttentionParams sequence_params(const AttentionParams& p, int64_t s, Bloc
   one.len_q = p.seq_len_q(s);
   one.len_kv = p.seq_len_kv(s);
   one.cu_seqlens_q = one.cu_seqlens_kv = nullptr;
+  one.host_cu_seqlens_q.clear();
+  one.host_cu_seqlens_kv.clear();
   if (p.index != nullptr) {
     *sub_index = sequence_index(*p.index, s, one.len_q, one.len_kv);
     one.index = sub_index;

@@ -132,3 +132,26 @@ def test_cuda_masked_ops_match_the_reference(mask):
     assert rel(out.float().cpu(), ref) < 2e-2
     out2, _ = st.block_sparse(qd, kd, vd, sparsa.BlockIndex.full(1, 4, L, Lkv, 64, 64), mask=mask)
     assert rel(out2.float().cpu(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("mask", [None, "causal", ("block_causal", 16)])
+def test_cuda_dense_varlen_matches_the_cpu(mask):
+    """dense_varlen on torch CUDA tensors, offsets given as a list (moved to q's device): each
+    sequence's rows against the cpu backend on the same bf16 values (2e-2 of the largest output:
+    bf16 rounding of probabilities and output, as above); empty sequences and one without keys."""
+    if not torch.cuda.is_available() or "cuda" not in sparsa.backends():
+        pytest.skip("no CUDA device")
+    lens_q, lens_kv = [200, 0, 333, 1, 40], [250, 30, 333, 1, 0]
+    cu_q, cu_kv = [0], [0]
+    for a, b in zip(lens_q, lens_kv):
+        cu_q.append(cu_q[-1] + a)
+        cu_kv.append(cu_kv[-1] + b)
+    q = randn(cu_q[-1], 4, 64, seed=31).to(torch.bfloat16)
+    k, v = (randn(cu_kv[-1], 2, 64, seed=s).to(torch.bfloat16) for s in (32, 33))
+    ref, ref_lse = sparsa.dense_varlen(q.float(), k.float(), v.float(), cu_q, cu_kv, mask=mask, backend="cpu")
+    out, lse = sparsa.dense_varlen(q.cuda(), k.cuda(), v.cuda(), cu_q, cu_kv, mask=mask, backend="cuda")
+    assert out.device.type == "cuda" and out.shape == q.shape and lse.shape == (4, cu_q[-1])
+    assert rel(out.float().cpu(), torch.as_tensor(ref)) < 2e-2
+    empty = torch.as_tensor(ref_lse) == -float("inf")
+    assert bool(empty[:, cu_q[4]:].all())  # the sequence with queries and no keys
+    assert bool((lse.cpu()[empty] == -float("inf")).all())

@@ -89,14 +89,15 @@ bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3
 thread_local bool g_last_tma = false;
 
 // Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
-// the driver accepts; rung 2 (flash_wgmma_kernel.cuh) otherwise. MASKED: the kernels with the
+// the driver accepts and the batch is not of variable length; rung 2 (flash_wgmma_kernel.cuh)
+// otherwise (its copies zero-fill rows past a sequence's end; TMA's only past the tensor's). MASKED: the kernels with the
 // per-element mask compiled in (p.mask_kind is not none).
 template <class T, int D, int BN, bool MASKED>
 Status launch(const FlashParams& p, int device, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   detail::TmaMaps maps;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
-  g_last_tma = g_use_tma.load() && p.perm_kv == nullptr && p.aligned_loads &&
+  g_last_tma = g_use_tma.load() && p.perm_kv == nullptr && p.aligned_loads && p.cu_seqlens_q == nullptr &&
                encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16) &&
                encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16);
   if (g_last_tma) {
@@ -295,7 +296,7 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
 }
 
 bool use_split_kv(const sparsa::detail::AttentionParams& a) {
-  return a.index == nullptr && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries && a.len_kv >= kSplitKvMinKeys &&
+  return a.index == nullptr && !a.varlen() && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries && a.len_kv >= kSplitKvMinKeys &&
          a.batch * a.heads_kv <= 65535;
 }
 
@@ -365,7 +366,7 @@ template <int D>
 Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lock<std::mutex>& lock,
                  bool* gathered) {
   *gathered = false;
-  if (p.perm_kv == nullptr || !p.aligned_loads || p.len_kv < kGatherMinKeys) return {};
+  if (p.perm_kv == nullptr || !p.aligned_loads || p.len_kv < kGatherMinKeys || p.cu_seqlens_q != nullptr) return {};
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_kv;
   const size_t bytes = static_cast<size_t>(rows) * D * 2;
   StreamState& state = g_states.at(device, stream);
@@ -390,14 +391,14 @@ Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lo
 }
 
 // The mask into the kernels' form (flash_kernel.cuh's kMask*), or none when it hides no key of
-// this shape from any query (every window is all of [0, len_kv): windows do not decrease along the
+// this shape (a fixed-length batch's) from any query (every window is all of [0, len_kv): windows do not decrease along the
 // queries, so the first query's end and the last query's begin decide), e.g. a block step whose
 // queries are one whole block at the end of a block-causal sequence: the unmasked kernels run.
 namespace {
 void set_mask(const sparsa::detail::AttentionParams& a, FlashParams* p) {
   const Mask& m = a.mask;
-  if (m.is_none() || a.len_q == 0 ||
-      (mask_key_end(m, 0, a.len_q, a.len_kv) == a.len_kv && mask_key_begin(m, a.len_q - 1, a.len_q, a.len_kv) == 0)) {
+  if (m.is_none() || (!a.varlen() && (a.len_q == 0 || (mask_key_end(m, 0, a.len_q, a.len_kv) == a.len_kv &&
+                                                       mask_key_begin(m, a.len_q - 1, a.len_q, a.len_kv) == 0)))) {
     p->mask_kind = detail::kMaskNone;
     return;
   }
@@ -418,11 +419,6 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_tma = false;
   g_last_splits = 0;
   g_last_split_kv_tma = false;
-  // Variable-length batches have no cuda kernel yet: refused by name, never ignored.
-  if (a.varlen()) {
-    return {StatusCode::unsupported,
-            "cu_seqlens_q: variable-length batches have no cuda kernel yet (the cpu and cpu_ref backends take them)"};
-  }
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {
     return unsupported_dtype(std::string("q: the cuda backend takes bf16 or f16, got ") + dtype_name(a.dtype));
   }
@@ -448,6 +444,10 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   SPARSA_RETURN_IF_ERROR(check_pointer("v", a.v, device, a.stream));
   SPARSA_RETURN_IF_ERROR(check_pointer("out", a.out, device, a.stream));
   SPARSA_RETURN_IF_ERROR(check_pointer("lse", a.lse, device, a.stream));
+  if (a.varlen()) {  // the offsets (their values were read back and checked by the entry point)
+    SPARSA_RETURN_IF_ERROR(check_pointer("cu_seqlens_q", a.cu_seqlens_q, device, a.stream));
+    SPARSA_RETURN_IF_ERROR(check_pointer("cu_seqlens_kv", a.cu_seqlens_kv, device, a.stream));
+  }
 
   FlashParams p;
   p.q = a.q;
@@ -473,6 +473,8 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   p.scale_log2 = a.scale * 1.4426950408889634f;
 
   set_mask(a, &p);
+  p.cu_seqlens_q = a.cu_seqlens_q;  // null unless a variable-length batch (then batch = sequences,
+  p.cu_seqlens_kv = a.cu_seqlens_kv;  // len_q / len_kv the longest)
 
   p.aligned_loads = aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16);
   p.aligned_out = aligned(a.out, 4);

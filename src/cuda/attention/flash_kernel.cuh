@@ -73,6 +73,11 @@ struct FlashParams : AttentionArgs {
   // original positions); null without a permutation or without a mask.
   const int32_t* key_perm = nullptr;
   int64_t key_perm_stride[3] = {};
+  // A variable-length batch (sparsa/attention.h): i32 offsets [batch + 1] in device memory, batch
+  // = the number of sequences, len_q / len_kv the longest; sequence b is rows cu_seqlens_q[b] ..
+  // of the seq dimension (its batch strides are 0). Null: every sequence has len_q / len_kv.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_kv = nullptr;
 };
 
 template <int D, int WARPS, int BN, int MT>
@@ -164,17 +169,20 @@ struct KeyTiles {
   int slot = 0, chunk = 0;
   int key_min = 0, key_max = 0x7fffffff;
 
-  __device__ __forceinline__ KeyTiles(const FlashParams& p, int b, int h, int qb, int kmin = 0,
+  int len_kv = 0;         // this sequence's keys
+  int num_kv_blocks = 0;  // its key blocks: key block indices at or past it are skipped
+
+  __device__ __forceinline__ KeyTiles(const FlashParams& p, int b, int h, int qb, int keys, int kmin = 0,
                                       int kmax = 0x7fffffff)
-      : key_min(kmin), key_max(kmax) {
-    int count = p.num_kv_blocks;
+      : key_min(kmin), key_max(kmax), len_kv(keys) {
+    num_kv_blocks = min(p.num_kv_blocks, (keys + p.block_kv - 1) / p.block_kv);
     if (p.counts != nullptr) {
-      count = p.counts[b * p.counts_stride[0] + h * p.counts_stride[1] + qb * p.counts_stride[2]];
+      int count = p.counts[b * p.counts_stride[0] + h * p.counts_stride[1] + qb * p.counts_stride[2]];
       count = max(0, min(count, p.capacity));
       list = p.indices + b * p.indices_stride[0] + h * p.indices_stride[1] + qb * p.indices_stride[2];
       num_tiles = count * p.chunks_per_kv_block;
     } else {  // dense: block_kv == BN, one chunk a block; the tiles that meet [kmin, kmax)
-      const int first = kmin / p.block_kv, last = min(count, (min(kmax, p.len_kv) + p.block_kv - 1) / p.block_kv);
+      const int first = kmin / p.block_kv, last = min(num_kv_blocks, (min(kmax, keys) + p.block_kv - 1) / p.block_kv);
       slot = first;
       num_tiles = max(0, last - first);
     }
@@ -182,11 +190,11 @@ struct KeyTiles {
 
   __device__ __forceinline__ void next(const FlashParams& p, int& begin, int& end) {
     const int kb = list == nullptr ? slot : list[slot * p.indices_stride[3]];
-    if (kb < 0 || kb >= p.num_kv_blocks) {
+    if (kb < 0 || kb >= num_kv_blocks) {
       begin = end = 0;
     } else {
       begin = kb * p.block_kv + chunk * BN;
-      end = min(min((kb + 1) * p.block_kv, p.len_kv), begin + BN);
+      end = min(min((kb + 1) * p.block_kv, len_kv), begin + BN);
       if (end <= key_min || begin >= key_max) begin = end = 0;  // no row of the CTA sees it
     }
     if (++chunk == p.chunks_per_kv_block) chunk = 0, ++slot;
@@ -273,33 +281,48 @@ __device__ __forceinline__ float fast_exp2(float x) {  // MUFU.EX2; -inf -> 0
 
 // This CTA's query tile (every rung, one CTA per tile): permuted positions [begin, end) of query
 // block qb of (b, h), at most ROWS of them, and the original token of a position (the permutation
-// hook: perm_q when present; -1 past the end or for an entry outside [0, len_q)).
+// hook: perm_q when present; -1 past the end or for an entry outside [0, len_q)). Positions and
+// tokens are local to sequence b; len_q / len_kv are its lengths and q_row0 / kv_row0 its first
+// rows in the seq dimension (a variable-length batch; p.len_q, p.len_kv and 0 otherwise).
 template <int ROWS>
 struct QueryTile {
   int b, h, h_kv, qb, begin, end;
+  int len_q, len_kv;
+  int64_t q_row0 = 0, kv_row0 = 0;
   const int32_t* perm;
 
   __device__ __forceinline__ explicit QueryTile(const FlashParams& p) {
     h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+    len_q = p.len_q, len_kv = p.len_kv;
+    if (p.cu_seqlens_q != nullptr) {
+      q_row0 = p.cu_seqlens_q[b], kv_row0 = p.cu_seqlens_kv[b];
+      len_q = static_cast<int>(p.cu_seqlens_q[b + 1] - q_row0);
+      len_kv = static_cast<int>(p.cu_seqlens_kv[b + 1] - kv_row0);
+    }
     qb = blockIdx.x / p.tiles_per_q_block;
     begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * ROWS;
-    end = min(min((qb + 1) * p.block_q, p.len_q), begin + ROWS);
+    end = min(min((qb + 1) * p.block_q, len_q), begin + ROWS);
     perm = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
   }
-  // A tile past the end of a partial query block: the whole CTA returns.
+  // A tile past the end of a partial query block (or of a shorter sequence): the CTA returns.
   __device__ __forceinline__ bool empty() const { return begin >= end; }
   __device__ __forceinline__ int64_t token(const FlashParams& p, int pos) const {
     if (pos >= end) return -1;
     const int64_t t = perm ? perm[pos * p.perm_q_stride[2]] : pos;
-    return t >= 0 && t < p.len_q ? t : -1;
+    return t >= 0 && t < len_q ? t : -1;
   }
   // Q (THREADS threads, Copy = TileCopy<D, ROWS, ...>) into shared memory at q_smem.
   template <class Copy>
   __device__ __forceinline__ void load(const FlashParams& p, uint32_t q_smem) const {
-    const uint16_t* base = static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+    const uint16_t* base =
+        static_cast<const uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] + q_row0 * p.q_stride[2];
     int64_t token[Copy::kRows];
-    gather_tokens<Copy>(token, begin, end, perm, p.perm_q_stride[2], p.len_q);
+    gather_tokens<Copy>(token, begin, end, perm, p.perm_q_stride[2], len_q);
     Copy::copy(q_smem, base, p.q_stride[2], p.aligned_loads, token);
+  }
+  // K's or V's rows of this (sequence, kv head): row j of the sequence at base + j * stride[2].
+  __device__ __forceinline__ const uint16_t* kv_base(const void* x, const int64_t (&stride)[3]) const {
+    return static_cast<const uint16_t*>(x) + b * stride[0] + h_kv * stride[1] + kv_row0 * stride[2];
   }
 };
 
@@ -350,8 +373,9 @@ __device__ __forceinline__ void store_tile_rows(const FlashParams& p, const Quer
     const float l = quad_sum(row_sum[r]);
     const int64_t token = tile.token(p, pos0 + g + 8 * r);
     if (token < 0) continue;
-    T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + token * p.out_stride[2];
-    float* lse = p.lse + b * p.lse_stride[0] + h * p.lse_stride[1] + token * p.lse_stride[2];
+    const int64_t row = tile.q_row0 + token;
+    T* out = static_cast<T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] + row * p.out_stride[2];
+    float* lse = p.lse + b * p.lse_stride[0] + h * p.lse_stride[1] + row * p.lse_stride[2];
     store_row<T, kDT>(out, lse, o, r, l, row_max[r], p.scale_log2, p.aligned_out);
   }
 }
@@ -454,20 +478,20 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) flash_forward_kernel(const F
   if (tile.empty()) return;
   const int b = tile.b, h = tile.h, h_kv = tile.h_kv;
 
-  KeyTiles<BN> tiles(p, b, tile.h, tile.qb);
+  KeyTiles<BN> tiles(p, b, tile.h, tile.qb, tile.len_kv);
   const int num_tiles = tiles.num_tiles;
 
   // ---- token gathers (the permutation hook) ----
   const int32_t* perm_kv = p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
 
-  const uint16_t* k_base = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
-  const uint16_t* v_base = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+  const uint16_t* k_base = tile.kv_base(p.k, p.k_stride);
+  const uint16_t* v_base = tile.kv_base(p.v, p.v_stride);
 
   using KVCopy = TileCopy<D, BN, THREADS>;
   using QCopy = TileCopy<D, BM, THREADS>;
   auto load_kv = [&](int begin, int end, int stage) {
     int64_t token[KVCopy::kRows];
-    gather_tokens<KVCopy>(token, begin, end, perm_kv, p.perm_kv_stride[2], p.len_kv);
+    gather_tokens<KVCopy>(token, begin, end, perm_kv, p.perm_kv_stride[2], tile.len_kv);
     KVCopy::copy(k_smem + stage * BN * D * 2, k_base, p.k_stride[2], p.aligned_loads, token);
     KVCopy::copy(v_smem + stage * BN * D * 2, v_base, p.v_stride[2], p.aligned_loads, token);
   };

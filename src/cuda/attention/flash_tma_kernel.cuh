@@ -11,7 +11,9 @@
 //     the loop; the copies cost the consumers no instructions.
 //
 // Tensor maps cover K and V as [batch, heads_kv, len_kv, D] with their strides; rows past len_kv
-// arrive as zeros (and are masked like any partial tile). Key permutations are not read here: the
+// arrive as zeros (and are masked like any partial tile). Not for variable-length batches (the
+// launcher takes rung 2 there): a sequence's last tile would read the next sequence's rows, and
+// P = 0 times a non-finite V there is not 0. Key permutations are not read here: the
 // launcher takes this kernel only without perm_kv (long permuted plans have K and V gathered into
 // order first, gather_kernel.cuh); Q keeps its cp.async gather (read once per CTA).
 // Warp specialisation and TMA as in FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608).
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   // The consumers' warps are 4..11 (the producer and consumers walk the same tiles: the key range
   // does not depend on the warp).
   const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, threadIdx.x / 32 - 4) : CtaMask<BM>{};
-  KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb, mask.key_min, mask.key_max);
+  KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb, tile.len_kv, mask.key_min, mask.key_max);
   const int num_tiles = tiles.num_tiles;
 
   if (threadIdx.x < 128) {  // ---- producer ----

@@ -157,14 +157,14 @@ struct CtaMask {
 #pragma unroll
     for (int r = 0; r < 2 && warp >= 0; ++r) {  // warp < 0: a producer thread, no rows
       const int64_t token = tile.token(p, tile.begin + warp * 16 + g + 8 * r);
-      if (token >= 0) mask_window(p, token, p.len_q, p.len_kv, rows.kb[r], rows.ke[r]);
+      if (token >= 0) mask_window(p, token, tile.len_q, tile.len_kv, rows.kb[r], rows.ke[r]);
     }
     if (p.key_perm != nullptr) {
       key_perm = p.key_perm + tile.b * p.key_perm_stride[0] + tile.h_kv * p.key_perm_stride[1];
     } else if (tile.perm == nullptr) {
       int unused;
-      mask_window(p, tile.begin, p.len_q, p.len_kv, key_min, unused);
-      mask_window(p, tile.end - 1, p.len_q, p.len_kv, unused, key_max);
+      mask_window(p, tile.begin, tile.len_q, tile.len_kv, key_min, unused);
+      mask_window(p, tile.end - 1, tile.len_q, tile.len_kv, unused, key_max);
     }
   }
   // The hook on the S tile of key positions [begin, begin + valid).
@@ -195,16 +195,16 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_kernel(const FlashParams p
   if (tile.empty()) return;
   const int b = tile.b, h_kv = tile.h_kv;
   const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, threadIdx.x / 32) : CtaMask<BM>{};
-  KeyTiles<BN> tiles(p, b, tile.h, tile.qb, mask.key_min, mask.key_max);
+  KeyTiles<BN> tiles(p, b, tile.h, tile.qb, tile.len_kv, mask.key_min, mask.key_max);
   const int num_tiles = tiles.num_tiles;
 
   const int32_t* perm_kv = p.perm_kv ? p.perm_kv + b * p.perm_kv_stride[0] + h_kv * p.perm_kv_stride[1] : nullptr;
-  const uint16_t* k_base = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
-  const uint16_t* v_base = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+  const uint16_t* k_base = tile.kv_base(p.k, p.k_stride);
+  const uint16_t* v_base = tile.kv_base(p.v, p.v_stride);
   using KVCopy = TileCopy<D, BN, THREADS, Swizzle128<BN>>;
   auto load_kv = [&](int begin, int end, int stage) {
     int64_t token[KVCopy::kRows];
-    gather_tokens<KVCopy>(token, begin, end, perm_kv, p.perm_kv_stride[2], p.len_kv);
+    gather_tokens<KVCopy>(token, begin, end, perm_kv, p.perm_kv_stride[2], tile.len_kv);
     KVCopy::copy(k_smem + stage * Shape::kKVBytes, k_base, p.k_stride[2], p.aligned_loads, token);
     KVCopy::copy(v_smem + stage * Shape::kKVBytes, v_base, p.v_stride[2], p.aligned_loads, token);
   };

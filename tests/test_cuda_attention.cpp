@@ -53,13 +53,13 @@ TEST(CudaAttention, ReportsAvailabilityHonestly) {
 
 namespace {
 
-// The cuda backend refuses variable-length batches and head_dim 256 today
-// (CudaAttentionMasks.RefusedByNameNeverIgnored checks the refusal). When a kernel lands, turn
-// its switch on: the cases below then run against cpu_ref under the same bound as every other
-// case, and the refusal test stops expecting the refusal. Masks have their kernels.
+// Switches of the cases that came with later kernels (masks, variable-length batches, head_dim
+// 256): on, the cases run against cpu_ref under the same bound as every other case and
+// CudaAttentionMasks.RefusedByNameNeverIgnored stops expecting a refusal; off, the cases skip and
+// the refusal is checked.
 constexpr bool kCudaMaskKernel = true;
 constexpr bool kCudaVarlenKernel = true;
-constexpr bool kCudaHeadDim256 = false;
+constexpr bool kCudaHeadDim256 = true;
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
@@ -676,15 +676,17 @@ TEST(CudaAttentionMasks, RefusedByNameNeverIgnored) {
     EXPECT_EQ(st.message().rfind(want, 0), 0u) << st.to_string();
     EXPECT_TRUE(untouched()) << "a refused varlen call wrote its output";
   }
-  if (!kCudaHeadDim256) {
-    DeviceBuffer q256(H * L * 256 * 2), o256(H * L * 256 * 2);
-    const Tensor qd256 = Tensor::contiguous(q256.ptr, DType::bf16, {1, H, L, 256}, gpu);
-    const Tensor od256 = Tensor::contiguous(o256.ptr, DType::bf16, {1, H, L, 256}, gpu);
+  // A head_dim without a kernel (256 until kCudaHeadDim256; 96 always) is refused by name.
+  for (int64_t hd : {int64_t{256}, int64_t{96}}) {
+    if (hd == 256 && kCudaHeadDim256) continue;
+    DeviceBuffer qx(H * L * hd * 2), ox(H * L * hd * 2);
+    const Tensor qdx = Tensor::contiguous(qx.ptr, DType::bf16, {1, H, L, hd}, gpu);
+    const Tensor odx = Tensor::contiguous(ox.ptr, DType::bf16, {1, H, L, hd}, gpu);
     AttentionOptions opt;
     opt.backend = Backend::cuda;
-    const Status st = dense(qd256, qd256, qd256, od256, ld, opt);
+    const Status st = dense(qdx, qdx, qdx, odx, ld, opt);
     EXPECT_EQ(st.code(), StatusCode::unsupported) << st.to_string();
-    EXPECT_NE(st.message().find("head_dim 256"), std::string::npos) << st.to_string();
+    EXPECT_NE(st.message().find("head_dim " + std::to_string(hd)), std::string::npos) << st.to_string();
   }
 }
 

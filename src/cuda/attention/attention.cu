@@ -94,6 +94,8 @@ thread_local bool g_last_tma = false;
 // per-element mask compiled in (p.mask_kind is not none).
 template <class T, int D, int BN, bool MASKED>
 Status launch(const FlashParams& p, int device, cudaStream_t stream) {
+  // head_dim 256: Q alone is 64 KB, a K+V stage 64 KB at 64-key tiles, so two stages.
+  constexpr int kDStages = D == 256 ? 2 : kStages;
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   detail::TmaMaps maps;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -101,13 +103,13 @@ Status launch(const FlashParams& p, int device, cudaStream_t stream) {
                encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16) &&
                encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16);
   if (g_last_tma) {
-    using Shape = detail::TmaShape<D, BN, kStages>;
-    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kStages, MASKED>;
+    using Shape = detail::TmaShape<D, BN, kDStages>;
+    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kDStages, MASKED>;
     SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
   } else {
-    using Shape = detail::WgmmaShape<D, BN, kStages>;
-    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kStages, false, MASKED>;
+    using Shape = detail::WgmmaShape<D, BN, kDStages>;
+    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kDStages, false, MASKED>;
     SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   }
@@ -118,7 +120,7 @@ Status launch(const FlashParams& p, int device, cudaStream_t stream) {
 template <class T, int D>
 Status launch_tiles(FlashParams p, const BlockIndex* index, int device, cudaStream_t stream) {
   auto ceil_div = [](int64_t x, int64_t y) { return static_cast<int>((x + y - 1) / y); };
-  const int key_tile = index != nullptr && index->block_kv <= 64 ? 64 : 128;
+  const int key_tile = D == 256 || (index != nullptr && index->block_kv <= 64) ? 64 : 128;
   if (index == nullptr) {  // dense: the same mainloop over every key tile
     p.block_q = kRows;
     p.block_kv = key_tile;
@@ -131,10 +133,15 @@ Status launch_tiles(FlashParams p, const BlockIndex* index, int device, cudaStre
   if (static_cast<int64_t>(p.num_q_blocks) * p.tiles_per_q_block > 0x7fffffff) {
     return invalid_argument("index.block_q: too many query tiles for one launch");
   }
-  if (p.mask_kind != detail::kMaskNone) {
-    return key_tile == 64 ? launch<T, D, 64, true>(p, device, stream) : launch<T, D, 128, true>(p, device, stream);
+  if constexpr (D == 256) {  // 64-key tiles only (shared memory)
+    return p.mask_kind != detail::kMaskNone ? launch<T, D, 64, true>(p, device, stream)
+                                            : launch<T, D, 64, false>(p, device, stream);
+  } else {
+    if (p.mask_kind != detail::kMaskNone) {
+      return key_tile == 64 ? launch<T, D, 64, true>(p, device, stream) : launch<T, D, 128, true>(p, device, stream);
+    }
+    return key_tile == 64 ? launch<T, D, 64, false>(p, device, stream) : launch<T, D, 128, false>(p, device, stream);
   }
-  return key_tile == 64 ? launch<T, D, 64, false>(p, device, stream) : launch<T, D, 128, false>(p, device, stream);
 }
 
 Status launch_flash(const FlashParams& p, DType dtype, int head_dim, const BlockIndex* index, int device,
@@ -143,6 +150,10 @@ Status launch_flash(const FlashParams& p, DType dtype, int head_dim, const Block
   if (head_dim == 64) {
     return bf16 ? launch_tiles<__nv_bfloat16, 64>(p, index, device, stream)
                 : launch_tiles<__half, 64>(p, index, device, stream);
+  }
+  if (head_dim == 256) {
+    return bf16 ? launch_tiles<__nv_bfloat16, 256>(p, index, device, stream)
+                : launch_tiles<__half, 256>(p, index, device, stream);
   }
   return bf16 ? launch_tiles<__nv_bfloat16, 128>(p, index, device, stream)
               : launch_tiles<__half, 128>(p, index, device, stream);
@@ -296,7 +307,7 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
 }
 
 bool use_split_kv(const sparsa::detail::AttentionParams& a) {
-  return a.index == nullptr && !a.varlen() && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries && a.len_kv >= kSplitKvMinKeys &&
+  return a.index == nullptr && !a.varlen() && a.head_dim <= 128 && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries && a.len_kv >= kSplitKvMinKeys &&
          a.batch * a.heads_kv <= 65535;
 }
 
@@ -422,9 +433,9 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {
     return unsupported_dtype(std::string("q: the cuda backend takes bf16 or f16, got ") + dtype_name(a.dtype));
   }
-  if (a.head_dim != 64 && a.head_dim != 128) {
+  if (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256) {
     return {StatusCode::unsupported,
-            "q: head_dim " + std::to_string(a.head_dim) + " is not supported by the cuda backend (64 or 128)"};
+            "q: head_dim " + std::to_string(a.head_dim) + " is not supported by the cuda backend (64, 128 or 256)"};
   }
   constexpr int64_t kIntMax = 0x7fffffff;
   if (a.len_q > kIntMax / 2 || a.len_kv > kIntMax / 2) {
@@ -525,8 +536,9 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = a.index == nullptr ? detail::Route::flash_dense : detail::Route::flash_block_sparse;
   bool gathered = false;
   std::unique_lock<std::mutex> lock;
-  SPARSA_RETURN_IF_ERROR(head_dim == 64 ? gather_kv<64>(p, device, stream, lock, &gathered)
-                                        : gather_kv<128>(p, device, stream, lock, &gathered));
+  SPARSA_RETURN_IF_ERROR(head_dim == 64    ? gather_kv<64>(p, device, stream, lock, &gathered)
+                         : head_dim == 128 ? gather_kv<128>(p, device, stream, lock, &gathered)
+                                           : gather_kv<256>(p, device, stream, lock, &gathered));
   if (gathered) g_last_route = detail::Route::flash_block_sparse_gathered;
   return launch_flash(p, a.dtype, head_dim, a.index, device, stream);
 }

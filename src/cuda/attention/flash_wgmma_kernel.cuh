@@ -72,8 +72,10 @@ struct WgmmaConsumer {
   __device__ __forceinline__ uint64_t k_desc(int stage, int kk) const {
     return make_desc(k_smem + stage * kKVBytes + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
   }
-  __device__ __forceinline__ uint64_t v_desc(int stage, int kk) const {
-    return make_desc(v_smem + stage * kKVBytes + kk * 16 * 128, BN * 128, 1024);
+  // col0: the first head_dim column of the product (a multiple of 64; wgmma's N is at most 256,
+  // and head_dim 256 runs as two N = 128 products, so that O stays in the accumulator layout of one).
+  __device__ __forceinline__ uint64_t v_desc(int stage, int kk, int col0 = 0) const {
+    return make_desc(v_smem + stage * kKVBytes + (col0 / 64) * BN * 128 + kk * 16 * 128, BN * 128, 1024);
   }
 
   // First half: S = Q K^T of the tile in `stage` (skipped for a tile without keys), then the wait
@@ -119,7 +121,17 @@ struct WgmmaConsumer {
       rescale<kDT>(o, alpha);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::template rs<1>(o_flat(), p_frag[kk], v_desc(stage, kk), 1);
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        if constexpr (D <= 128) {
+          Wgmma<T, D>::template rs<1>(o_flat(), p_frag[kk], v_desc(stage, kk), 1);
+        } else {  // O's columns [128 j, 128 j + 128) are accumulator elements [64 j, 64 j + 64)
+#pragma unroll
+          for (int j = 0; j < D / 128; ++j) {
+            Wgmma<T, 128>::template rs<1>(reinterpret_cast<float(&)[64]>(o_flat()[64 * j]), p_frag[kk],
+                                           v_desc(stage, kk, 128 * j), 1);
+          }
+        }
+      }
       wgmma_commit();
     }
   }

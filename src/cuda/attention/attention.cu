@@ -413,15 +413,7 @@ void set_mask(const sparsa::detail::AttentionParams& a, FlashParams* p) {
     p->mask_kind = detail::kMaskNone;
     return;
   }
-  switch (m.kind) {
-    case MaskKind::none: p->mask_kind = detail::kMaskNone; break;
-    case MaskKind::causal: p->mask_kind = detail::kMaskCausal; break;
-    case MaskKind::block_causal: p->mask_kind = detail::kMaskBlockCausal; break;
-    case MaskKind::sliding_window: p->mask_kind = detail::kMaskSlidingWindow; break;
-  }
-  p->mask_block = std::min(m.block, detail::kMaskUnbounded);
-  p->mask_left = std::min(m.window_left, detail::kMaskUnbounded);
-  p->mask_right = std::min(m.window_right, detail::kMaskUnbounded);
+  detail::mask_args(m, p);
 }
 }  // namespace
 

@@ -24,9 +24,11 @@
 // can give wrong numbers but never reads or writes out of bounds.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/common/mma.cuh"
+#include "sparsa/attention.h"
 
 namespace sparsa::cuda::detail {
 
@@ -51,10 +53,23 @@ struct AttentionArgs {
   int64_t mask_block = 0, mask_left = 0, mask_right = 0;
 };
 
-// AttentionArgs::mask_kind (attention.cu maps sparsa::MaskKind onto these).
+// AttentionArgs::mask_kind (mask_args maps sparsa::MaskKind onto these).
 constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskBlockCausal = 2, kMaskSlidingWindow = 3;
 // Blocks and windows beyond any sequence act as this (as in core/mask.cpp).
 constexpr int64_t kMaskUnbounded = int64_t{1} << 42;
+
+// A sparsa::Mask into the kernels' fields of *a (host).
+inline void mask_args(const Mask& m, AttentionArgs* a) {
+  switch (m.kind) {
+    case MaskKind::none: a->mask_kind = kMaskNone; break;
+    case MaskKind::causal: a->mask_kind = kMaskCausal; break;
+    case MaskKind::block_causal: a->mask_kind = kMaskBlockCausal; break;
+    case MaskKind::sliding_window: a->mask_kind = kMaskSlidingWindow; break;
+  }
+  a->mask_block = std::min(m.block, kMaskUnbounded);
+  a->mask_left = std::min(m.window_left, kMaskUnbounded);
+  a->mask_right = std::min(m.window_right, kMaskUnbounded);
+}
 
 struct FlashParams : AttentionArgs {
   // The plan. Dense: counts == nullptr, block_q = BM, block_kv = BN, every key tile visited.
@@ -156,6 +171,17 @@ __device__ __forceinline__ void gather_tokens(int64_t (&token)[Copy::kRows], int
   }
 }
 
+// Dense key tiles of block_kv keys that meet [key_min, key_max) among the first num_kv_blocks:
+// tiles [*first, *first + *count). (__host__ __device__: tests/test_cuda_mask_logic.cu.)
+__host__ __device__ __forceinline__ void dense_tile_range(int key_min, int key_max, int len_kv, int block_kv,
+                                                          int num_kv_blocks, int& first, int& count) {
+  first = key_min / block_kv;
+  const int hi = key_max < len_kv ? key_max : len_kv;
+  int last = (hi + block_kv - 1) / block_kv;
+  last = last < num_kv_blocks ? last : num_kv_blocks;
+  count = last - first > 0 ? last - first : 0;
+}
+
 // The key-tile iterator (the sparsity hook) of query block qb of (b, h): the key positions
 // [begin, end) of each tile of BN tokens it visits (end <= begin: a skipped block). Dense: every
 // tile; sparse: key block indices[slot], chunk by chunk. Walked incrementally (slot, chunk) to
@@ -182,9 +208,7 @@ struct KeyTiles {
       list = p.indices + b * p.indices_stride[0] + h * p.indices_stride[1] + qb * p.indices_stride[2];
       num_tiles = count * p.chunks_per_kv_block;
     } else {  // dense: block_kv == BN, one chunk a block; the tiles that meet [kmin, kmax)
-      const int first = kmin / p.block_kv, last = min(num_kv_blocks, (min(kmax, keys) + p.block_kv - 1) / p.block_kv);
-      slot = first;
-      num_tiles = max(0, last - first);
+      dense_tile_range(kmin, kmax, keys, p.block_kv, num_kv_blocks, slot, num_tiles);
     }
   }
 
@@ -203,13 +227,21 @@ struct KeyTiles {
 
 // ---- the mask hook (sparsa/attention.h states the masks; core/mask.cpp is the host's copy) ----
 
+// The index arithmetic of the hook is __host__ __device__ so that tests/test_cuda_mask_logic.cu
+// checks it on the host against core/mask.cpp.
+
 // floor(a / b) for b > 0 and any sign of a.
-__device__ __forceinline__ int64_t floor_div64(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+__host__ __device__ __forceinline__ int64_t floor_div64(int64_t a, int64_t b) {
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+__host__ __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
+  return x < lo ? lo : x > hi ? hi : x;
+}
 
 // The keys query i (original position, 0 <= i < len_q) sees: [*kb, *ke), clipped to [0, len_kv]
 // (kb >= ke: none). Queries are end-aligned: query i stands at key position i + len_kv - len_q.
-__device__ __forceinline__ void mask_window(const AttentionArgs& p, int64_t i, int len_q, int len_kv, int& kb,
-                                            int& ke) {
+__host__ __device__ __forceinline__ void mask_window(const AttentionArgs& p, int64_t i, int len_q, int len_kv,
+                                                     int& kb, int& ke) {
   const int64_t pos = i + (len_kv - len_q);
   int64_t begin = 0, end = len_kv;
   if (p.mask_kind == kMaskCausal) {
@@ -220,9 +252,19 @@ __device__ __forceinline__ void mask_window(const AttentionArgs& p, int64_t i, i
     begin = pos - p.mask_left;
     end = pos + p.mask_right + 1;
   }
-  kb = static_cast<int>(min(max(begin, int64_t{0}), int64_t{len_kv}));
-  ke = static_cast<int>(min(max(end, int64_t{0}), int64_t{len_kv}));
+  kb = static_cast<int>(clamp64(begin, 0, len_kv));
+  ke = static_cast<int>(clamp64(end, 0, len_kv));
 }
+
+// The keys some query of the in-order positions [begin, end) may see (windows do not decrease
+// along the queries: the first query's begin, the last query's end).
+__host__ __device__ __forceinline__ void tile_key_range(const AttentionArgs& p, int begin, int end, int len_q,
+                                                        int len_kv, int& key_min, int& key_max) {
+  int unused;
+  mask_window(p, begin, len_q, len_kv, key_min, unused);
+  mask_window(p, end - 1, len_q, len_kv, unused, key_max);
+}
+
 
 // The visible key windows of this thread's two accumulator rows (g and g + 8 of its warp's 16).
 struct RowWindows {

@@ -174,9 +174,7 @@ struct CtaMask {
     if (p.key_perm != nullptr) {
       key_perm = p.key_perm + tile.b * p.key_perm_stride[0] + tile.h_kv * p.key_perm_stride[1];
     } else if (tile.perm == nullptr) {
-      int unused;
-      mask_window(p, tile.begin, tile.len_q, tile.len_kv, key_min, unused);
-      mask_window(p, tile.end - 1, tile.len_q, tile.len_kv, unused, key_max);
+      tile_key_range(p, tile.begin, tile.end, tile.len_q, tile.len_kv, key_min, key_max);
     }
   }
   // The hook on the S tile of key positions [begin, begin + valid).

@@ -299,11 +299,29 @@ __device__ void split_kv_finish(const SplitKvParams& p, uint8_t* smem, const flo
   }
 }
 
-// The mask hook of a split-KV CTA (MASKED kernels): this thread's two stacked rows' windows
-// (row r of the stack is query r % len_q), and the split's tiles cut to those some row of the
-// m-tile can see (windows do not decrease along the queries, so the m-tile's range is the
-// windows of its smallest and largest query; a stack that wraps past a head holds every query).
-// A split left with no tile writes an empty partial (LSE -inf), which the merge weighs as 0.
+// A split's key tiles [*tile_begin, + *num_tiles) of BN keys cut to those some row of the 64-row
+// m-tile at stacked row row0 may see under the mask (row r of the stack is query r % len_q;
+// windows do not decrease along the queries, so the m-tile's range is the windows of its smallest
+// and largest query; a stack that wraps past a head holds every query). __host__ __device__ for
+// tests/test_cuda_mask_logic.cu.
+__host__ __device__ __forceinline__ void clip_split_tiles(const SplitKvParams& p, int row0, int bn, int& tile_begin,
+                                                          int& num_tiles) {
+  const int last = (row0 + 64 < p.rows ? row0 + 64 : p.rows) - 1;
+  int i_min = 0, i_max = p.len_q - 1;
+  if (last - row0 + 1 < p.len_q && row0 % p.len_q <= last % p.len_q) i_min = row0 % p.len_q, i_max = last % p.len_q;
+  int key_min, key_max, unused;
+  mask_window(p, i_min, p.len_q, p.len_kv, key_min, unused);
+  mask_window(p, i_max, p.len_q, p.len_kv, unused, key_max);
+  const int lo = key_min / bn, hi = (key_max + bn - 1) / bn;
+  const int first = tile_begin > lo ? tile_begin : lo;
+  const int end = tile_begin + num_tiles < hi ? tile_begin + num_tiles : hi;
+  tile_begin = first;
+  num_tiles = end - first > 0 ? end - first : 0;
+}
+
+// The mask hook of a split-KV CTA (MASKED kernels): this thread's two stacked rows' windows, and
+// the split's tiles clipped (clip_split_tiles). A split left with no tile writes an empty
+// partial (LSE -inf), which the merge weighs as 0.
 template <int BN>
 struct SplitKvMask {
   RowWindows rows;
@@ -318,16 +336,7 @@ struct SplitKvMask {
       const int row = row0 + warp * 16 + g + 8 * r;
       if (row < p.rows) mask_window(p, row % p.len_q, p.len_q, p.len_kv, rows.kb[r], rows.ke[r]);
     }
-    const int last = min(row0 + 64, p.rows) - 1;
-    int i_min = 0, i_max = p.len_q - 1;
-    if (last - row0 + 1 < p.len_q && row0 % p.len_q <= last % p.len_q) i_min = row0 % p.len_q, i_max = last % p.len_q;
-    int key_min, key_max, unused;
-    mask_window(p, i_min, p.len_q, p.len_kv, key_min, unused);
-    mask_window(p, i_max, p.len_q, p.len_kv, unused, key_max);
-    const int first = max(tile_begin, key_min / BN);
-    const int end = min(tile_begin + num_tiles, (key_max + BN - 1) / BN);
-    tile_begin = first;
-    num_tiles = max(0, end - first);
+    clip_split_tiles(p, row0, BN, tile_begin, num_tiles);
   }
 };
 

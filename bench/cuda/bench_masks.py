@@ -10,8 +10,13 @@ sparsa is called through sparsa.torch (zero-copy torch CUDA tensors; the call's 
 tens of microseconds, is inside its time). Every time is the median of CUDA-event-timed calls after
 warm-ups. TFLOP/s counts the visible query-key pairs only (4 * H * D * pairs): a mask that hides
 half the pairs does half the work. Ceiling: 790 bf16 TFLOP/s (an 8192^3 matmul on this H200 kind).
+Varlen rows (--varlen): 16 sequences of lengths spread over 1K-16K (seeded), causal and
+unmasked, in one sparsa.dense_varlen call against the sum of the per-sequence dense calls' times
+(the "separate calls' ideal": each sequence alone on the GPU, no padding), and against SDPA cuDNN
+on each sequence alone (summed). The varlen call reads its offsets back once (inside its time).
 """
 import argparse
+import random
 import statistics
 
 import torch
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention import flex_attention as flex
 
+import sparsa
 import sparsa.torch as st
 
 CEILING = 790.0
@@ -65,6 +71,7 @@ def main():
     ap.add_argument("--block", type=int, default=16, help="block_causal's block")
     ap.add_argument("--window", type=int, default=4096, help="the causal sliding window's keys")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--varlen", action="store_true", help="also the variable-length rows (16 sequences of 1K-16K)")
     args = ap.parse_args()
     H, D = args.heads, args.dim
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}")
@@ -109,6 +116,43 @@ def main():
             del ours
         del q, k, v
         torch.cuda.empty_cache()
+    if args.varlen:
+        varlen_rows(H, D, args.iters)
+
+
+def varlen_rows(H, D, iters):
+    """One varlen call over 16 sequences of 1K-16K tokens against the sum of separate calls."""
+    rng = random.Random(0)
+    lens = sorted(rng.randint(1024, 16384) for _ in range(16))
+    total = sum(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    print(f"varlen: 16 sequences, lengths {lens[0]}..{lens[-1]}, total {total} tokens, {H} heads, head_dim {D}")
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    # per-sequence [1, H, n, D] copies for the separate calls
+    seqs = [tuple(x[cu[i]:cu[i + 1]].transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
+            for i in range(len(lens))]
+    print(f"{'mask':<8} {'varlen ms':>10} {'separate ms':>12} {'varlen/sep':>11} {'cuDNN sep ms':>13} "
+          f"{'vs cuDNN':>9} {'TFLOP/s':>8}")
+    for label, mask in (("none", None), ("causal", "causal")):
+        pairs = sum(n * n if mask is None else n * (n + 1) / 2 for n in lens)
+        flops = 4.0 * H * D * pairs
+        t_var = time_cuda(lambda: sparsa.dense_varlen(q, k, v, cu_t, cu_t, mask=mask, backend="cuda"), iters)
+        t_sep = sum(time_cuda(lambda s=s: st.dense(*s, mask=mask), iters) for s in seqs)
+
+        def cudnn(s):
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(*s, is_causal=mask is not None)
+        t_cudnn = sum(time_cuda(lambda s=s: cudnn(s), iters) for s in seqs)
+        out, _ = sparsa.dense_varlen(q, k, v, cu_t, cu_t, mask=mask, backend="cuda")
+        worst = max(rel_err(out[cu[i]:cu[i + 1]].transpose(0, 1).unsqueeze(0), st.dense(*seqs[i], mask=mask)[0])
+                    for i in range(len(lens)))
+        print(f"{label:<8} {t_var:>10.3f} {t_sep:>12.3f} {t_var / t_sep:>10.3f}x {t_cudnn:>13.3f} "
+              f"{t_cudnn / t_var:>8.2f}x {flops / t_var / 1e9:>8.1f}   (worst per-sequence rel err vs separate "
+              f"{worst:.1e})", flush=True)
 
 
 if __name__ == "__main__":

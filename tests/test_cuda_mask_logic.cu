@@ -2,14 +2,18 @@
 // per-row windows (mask_window) are the host statement of the masks (mask_key_begin /
 // mask_key_end, core/mask.cpp), and the key ranges by which the flash and split-KV kernels skip
 // tiles (tile_key_range, dense_tile_range, clip_split_tiles) never skip a key some row sees.
-// The kernels themselves are checked against cpu_ref in test_cuda_attention.cpp (on a device).
+// BA-Att's mask-aware selection on the device classifies key blocks (block_visibility) exactly as
+// mask_block_visibility does. The kernels themselves are checked against cpu_ref in
+// test_cuda_attention.cpp and test_ba_att_cuda.cpp (on a device).
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
 #include "cuda/attention/split_kv_kernel.cuh"
+#include "cuda/common/mask.cuh"
 #include "sparsa/attention.h"
+#include "sparsa/ba_att.h"
 
 using namespace sparsa;
 using sparsa::cuda::detail::AttentionArgs;
@@ -117,6 +121,30 @@ TEST(CudaMaskLogic, SplitKvTilesSkipNoVisibleKey) {
                 if (mask_visible(m, r % lq, j, lq, lkv))
                   ASSERT_TRUE(kept[j / kBN]) << mask_string(m) << " " << lq << "x" << lkv << " group " << group
                                              << " row " << r << " key " << j << " splits " << splits;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaMaskLogic, BlockVisibilityIsTheHostStatement) {
+  const Mask masks[] = {Mask::none(), Mask::causal(), Mask::block_causal(7), Mask::block_causal(16),
+                        Mask::block_causal(64), Mask::block_causal(200), Mask::sliding_window(0),
+                        Mask::sliding_window(40), Mask::sliding_window(100, 0), Mask::sliding_window(3, 90)};
+  const std::pair<int, int> blocks[] = {{16, 16}, {64, 64}, {64, 16}, {16, 64}, {17, 23}, {128, 128}};
+  for (const Mask& m : masks) {
+    const AttentionArgs a = args_of(m);
+    for (auto [lq, lkv] : kShapes) {
+      for (auto [bq, bkv] : blocks) {
+        const int nq = (lq + bq - 1) / bq, nk = (lkv + bkv - 1) / bkv;
+        std::vector<BlockVisibility> host(nk);
+        for (int qb = 0; qb < nq; ++qb) {
+          mask_block_visibility(m, qb, bq, bkv, lq, lkv, host.data());
+          for (int kb = 0; kb < nk; ++kb) {
+            ASSERT_EQ(cuda::detail::block_visibility(a, qb, kb, bq, bkv, lq, lkv), static_cast<int>(host[kb]))
+                << mask_string(m) << " " << lq << "x" << lkv << " blocks " << bq << "x" << bkv << " qb " << qb
+                << " kb " << kb;
           }
         }
       }

@@ -24,18 +24,17 @@
 // can give wrong numbers but never reads or writes out of bounds.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
+#include "cuda/common/mask.cuh"
 #include "cuda/common/mma.cuh"
-#include "sparsa/attention.h"
 
 namespace sparsa::cuda::detail {
 
-// What every executor kernel reads of a call: the tensors, their shapes and the scale. The flash
-// executor (FlashParams) and the split-KV one (SplitKvParams, split_kv_kernel.cuh) add their own
-// fields to it.
-struct AttentionArgs {
+// What every executor kernel reads of a call: the tensors, their shapes, the scale and the mask
+// (MaskArgs, common/mask.cuh; the kernels instantiated with MASKED read it). The flash executor
+// (FlashParams) and the split-KV one (SplitKvParams, split_kv_kernel.cuh) add their own fields.
+struct AttentionArgs : MaskArgs {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -46,30 +45,7 @@ struct AttentionArgs {
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
   bool aligned_loads = true;  // q/k/v bases and strides allow 16-byte copies
   bool aligned_out = true;    // out base and strides allow 4-byte pair stores
-  // The per-element mask (sparsa/attention.h; the kernels instantiated with MASKED read it):
-  // kMask* below; the block and windows bounded by the host (kMaskUnbounded), so that no
-  // position arithmetic overflows.
-  int mask_kind = 0;
-  int64_t mask_block = 0, mask_left = 0, mask_right = 0;
 };
-
-// AttentionArgs::mask_kind (mask_args maps sparsa::MaskKind onto these).
-constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskBlockCausal = 2, kMaskSlidingWindow = 3;
-// Blocks and windows beyond any sequence act as this (as in core/mask.cpp).
-constexpr int64_t kMaskUnbounded = int64_t{1} << 42;
-
-// A sparsa::Mask into the kernels' fields of *a (host).
-inline void mask_args(const Mask& m, AttentionArgs* a) {
-  switch (m.kind) {
-    case MaskKind::none: a->mask_kind = kMaskNone; break;
-    case MaskKind::causal: a->mask_kind = kMaskCausal; break;
-    case MaskKind::block_causal: a->mask_kind = kMaskBlockCausal; break;
-    case MaskKind::sliding_window: a->mask_kind = kMaskSlidingWindow; break;
-  }
-  a->mask_block = std::min(m.block, kMaskUnbounded);
-  a->mask_left = std::min(m.window_left, kMaskUnbounded);
-  a->mask_right = std::min(m.window_right, kMaskUnbounded);
-}
 
 struct FlashParams : AttentionArgs {
   // The plan. Dense: counts == nullptr, block_q = BM, block_kv = BN, every key tile visited.
@@ -227,44 +203,7 @@ struct KeyTiles {
 
 // ---- the mask hook (sparsa/attention.h states the masks; core/mask.cpp is the host's copy) ----
 
-// The index arithmetic of the hook is __host__ __device__ so that tests/test_cuda_mask_logic.cu
-// checks it on the host against core/mask.cpp.
-
-// floor(a / b) for b > 0 and any sign of a.
-__host__ __device__ __forceinline__ int64_t floor_div64(int64_t a, int64_t b) {
-  return a >= 0 ? a / b : -((-a + b - 1) / b);
-}
-__host__ __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
-  return x < lo ? lo : x > hi ? hi : x;
-}
-
-// The keys query i (original position, 0 <= i < len_q) sees: [*kb, *ke), clipped to [0, len_kv]
-// (kb >= ke: none). Queries are end-aligned: query i stands at key position i + len_kv - len_q.
-__host__ __device__ __forceinline__ void mask_window(const AttentionArgs& p, int64_t i, int len_q, int len_kv,
-                                                     int& kb, int& ke) {
-  const int64_t pos = i + (len_kv - len_q);
-  int64_t begin = 0, end = len_kv;
-  if (p.mask_kind == kMaskCausal) {
-    end = pos + 1;
-  } else if (p.mask_kind == kMaskBlockCausal) {
-    end = (floor_div64(pos, p.mask_block) + 1) * p.mask_block;
-  } else if (p.mask_kind == kMaskSlidingWindow) {
-    begin = pos - p.mask_left;
-    end = pos + p.mask_right + 1;
-  }
-  kb = static_cast<int>(clamp64(begin, 0, len_kv));
-  ke = static_cast<int>(clamp64(end, 0, len_kv));
-}
-
-// The keys some query of the in-order positions [begin, end) may see (windows do not decrease
-// along the queries: the first query's begin, the last query's end).
-__host__ __device__ __forceinline__ void tile_key_range(const AttentionArgs& p, int begin, int end, int len_q,
-                                                        int len_kv, int& key_min, int& key_max) {
-  int unused;
-  mask_window(p, begin, len_q, len_kv, key_min, unused);
-  mask_window(p, end - 1, len_q, len_kv, unused, key_max);
-}
-
+// The index arithmetic (mask_window, tile_key_range) is common/mask.cuh's.
 
 // The visible key windows of this thread's two accumulator rows (g and g + 8 of its warp's 16).
 struct RowWindows {

@@ -770,6 +770,116 @@ INSTANTIATE_TEST_SUITE_P(Shapes, BaAttCudaCase, ::testing::ValuesIn(cases()),
                            return n;
                          });
 
+// mask_aware on the device: every row of the device plan is select_visible_blocks (the CPU's rule)
+// applied to the device's own logits under the same mask: hidden key blocks out, the diagonal
+// ones (each query's last visible key) forced, the budget over the visible ones; exactly for
+// fixed budgets, and for mass up to 1e-12 of the cumulative mass at the cut (the device sums in
+// another order). Then ba_att on the device under the mask matches cpu_ref's masked block-sparse
+// attention over the device plan, and every query that sees a key keeps one (no empty row).
+TEST(BaAttCuda, MaskAwarePlansFollowTheCpuRule) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  struct Shape {
+    int64_t len_q, len_kv;
+    int block_q, block_kv;
+  };
+  const Shape shapes[] = {{300, 300, 64, 64}, {200, 520, 64, 32}, {520, 200, 16, 64}, {1000, 1000, 128, 128}};
+  const Mask masks[] = {Mask::causal(), Mask::block_causal(16), Mask::block_causal(100), Mask::sliding_window(100, 0),
+                        Mask::sliding_window(60)};
+  const Budget budgets[] = {Budget::density(0.3), Budget::top_kappa(2), Budget::mass(0.9), Budget::density(1.0)};
+  uint32_t seed = 900;
+  for (const Shape& sh : shapes) {
+    for (const Mask& mask : masks) {
+      for (const Budget& budget : budgets) {
+        SCOPED_TRACE(std::to_string(sh.len_q) + "x" + std::to_string(sh.len_kv) + " blocks " +
+                     std::to_string(sh.block_q) + "x" + std::to_string(sh.block_kv) + " " + mask_string(mask) + " " +
+                     describe(budget));
+        Case c;
+        c.len_q = sh.len_q, c.len_kv = sh.len_kv, c.block_q = sh.block_q, c.block_kv = sh.block_kv;
+        c.sort_q = c.sort_k = false;
+        c.compensate = budget.kind != BudgetKind::top_kappa;  // both, across the budgets
+        c.budget = budget;
+        c.heads_q = 4, c.heads_kv = 2;
+        const Input q = make_input(c, c.heads_q, c.len_q, seed++, 0.6f);
+        const Input k = make_input(c, c.heads_kv, c.len_kv, seed++, 0.6f);
+        BaAttOptions o = options_of(c, Backend::cuda);
+        o.mask = mask;
+        o.mask_aware = true;
+        auto dev = ba_att_scores(q.device_view, k.device_view, o);
+        ASSERT_TRUE(dev.ok()) << dev.status().to_string();
+        auto plan = ba_att_plan(q.device_view, k.device_view, o);
+        ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+        auto host = plan->to_host();
+        ASSERT_TRUE(host.ok());
+        const int64_t nq = dev->num_q_blocks, nk = dev->num_kv_blocks;
+        std::vector<BlockVisibility> vis(nk);
+        for (int64_t r = 0; r < c.batch * c.heads_q * nq; ++r) {
+          const int64_t qb = r % nq;
+          mask_block_visibility(mask, qb, c.block_q, c.block_kv, c.len_q, c.len_kv, vis.data());
+          const float* l = dev->logits.ptr<float>() + r * nk;
+          std::vector<double> key(nk), weight(nk);
+          double mx = -std::numeric_limits<double>::infinity();
+          for (int64_t j = 0; j < nk; ++j) {
+            key[j] = l[j];
+            if (vis[j] != BlockVisibility::hidden) mx = std::max(mx, key[j]);
+          }
+          for (int64_t j = 0; j < nk; ++j) weight[j] = std::exp(key[j] - mx);
+          std::vector<int32_t> want(nk);
+          want.resize(select_visible_blocks(key.data(), weight.data(), nullptr, vis.data(), nk, budget, want.data()));
+          const std::vector<int32_t> got = row_of(*host, r);
+          if (budget.kind != BudgetKind::mass || got == want) {
+            ASSERT_EQ(got, want) << "row " << r;
+            continue;
+          }
+          // Mass: the visit order (forced by index, then visible by descending logit); the device's
+          // count must reach tau within the slack and be minimal, and keep that order's prefix.
+          std::vector<int32_t> order;
+          for (int64_t j = 0; j < nk; ++j)
+            if (vis[j] == BlockVisibility::diagonal) order.push_back(static_cast<int32_t>(j));
+          const size_t forced = order.size();
+          for (int64_t j = 0; j < nk; ++j)
+            if (vis[j] == BlockVisibility::visible) order.push_back(static_cast<int32_t>(j));
+          std::stable_sort(order.begin() + forced, order.end(), [&](int32_t a, int32_t b) { return key[a] > key[b]; });
+          std::vector<double> cum(order.size() + 1, 0.0);
+          for (size_t p = 0; p < order.size(); ++p) cum[p + 1] = cum[p] + weight[order[p]];
+          const double required = budget.value * cum.back(), slack = 1e-12 * cum.back();
+          const size_t n = got.size();
+          ASSERT_GE(n, std::max<size_t>(forced, 1)) << "row " << r;
+          ASSERT_TRUE(cum[n] >= required - slack || n == order.size()) << "row " << r;
+          ASSERT_TRUE(n == std::max<size_t>(forced, 1) || cum[n - 1] < required + slack) << "row " << r;
+          std::vector<int32_t> prefix(order.begin(), order.begin() + n);
+          std::sort(prefix.begin(), prefix.end());
+          ASSERT_EQ(got, prefix) << "row " << r;
+        }
+        // The masked executor over the device plan, against cpu_ref under the same mask.
+        const Input v = make_input(c, c.heads_kv, c.len_kv, seed++, 0.3f);
+        auto out = ba_att(q.device_view, k.device_view, v.device_view, o);
+        ASSERT_TRUE(out.ok()) << out.status().to_string();
+        AttentionOptions ref_opt;
+        ref_opt.backend = Backend::cpu_ref;
+        ref_opt.mask = mask;
+        auto expected = block_sparse(q.host_view, k.host_view, v.host_view, host->view(), ref_opt);
+        ASSERT_TRUE(expected.ok()) << expected.status().to_string();
+        const double u = std::ldexp(1.0, -8);
+        double num = 0, den = 0;
+        int64_t empty = 0;
+        for (int64_t i = 0; i < out->out.numel(); ++i) {
+          const double a = detail::load_element(out->out.data(), c.dtype, i);
+          const double b = detail::load_element(expected->out.data(), c.dtype, i);
+          num += (a - b) * (a - b);
+          den += b * b;
+        }
+        for (int64_t i = 0; i < out->lse.numel(); ++i) {
+          const int64_t row = i % c.len_q;
+          const bool sees = mask_key_begin(mask, row, c.len_q, c.len_kv) < mask_key_end(mask, row, c.len_q, c.len_kv);
+          empty += sees && std::isinf(out->lse.ptr<float>()[i]);
+        }
+        EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), 4 * u);
+        EXPECT_EQ(empty, 0) << "queries that see a key lost every key";
+      }
+    }
+  }
+}
+
 // Ties: identical tokens have identical norms (ties must keep the original order) and identical
 // blocks have identical logits (ties must go to the lower key block), exactly as on the CPU.
 TEST(BaAttCuda, TiesFollowTheCpuOrder) {

@@ -619,18 +619,7 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     BaAttOptions ba;
     ba.budget = budget;
     ba.block_q = ba.block_kv = static_cast<int>(block);
-    // Over block-causal chunks an unsorted selection sees the mask (mask_aware), which the cuda
-    // selector cannot yet; a sorted one is blind to it and the executor masks (any backend).
-    auto refuse_mask_aware_on_cuda = [&](bool sorted) -> Status {
-      if (block_causal && !sorted && policy.backend == Backend::cuda) {
-        return Status(StatusCode::unsupported, where + ": " + name +
-                                                   " block_causal without the norm sort: the cuda backend's selector "
-                                                   "does not see the mask yet (cpu backend, or ba_att with sort)");
-      }
-      return Status::Ok();
-    };
     if (name == "mean_pool") {  // BA-Att's selector without the norm sort and the compensation
-      SPARSA_RETURN_IF_ERROR(refuse_mask_aware_on_cuda(false));
       SPARSA_RETURN_IF_ERROR(p.done("density, top_kappa, tau, block, min_tokens, block_causal"));
       ba.sort_q = ba.sort_k = false;
       ba.compensate = false;
@@ -649,7 +638,6 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
     SPARSA_RETURN_IF_ERROR(p.flag("sort_k", &ba.sort_k));
     SPARSA_RETURN_IF_ERROR(
         p.done("density, top_kappa, tau, block, min_tokens, beta, compensate, sort, sort_q, sort_k, block_causal"));
-    SPARSA_RETURN_IF_ERROR(refuse_mask_aware_on_cuda(ba.sort_q || ba.sort_k));
     ba.beta = static_cast<float>(beta);
     return std::unique_ptr<LayerAttention>(new BaAttAttention(policy, ba, min_tokens, block_causal, name));
   }

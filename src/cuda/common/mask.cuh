@@ -79,22 +79,21 @@ __host__ __device__ __forceinline__ void tile_key_range(const MaskArgs& p, int b
 // windows are empty only before the keys start), and consecutive windows touch or overlap, so the
 // keys the block's queries see are one range [first non-empty row's begin, last row's end), and
 // the blocks of the rows' last keys are found by a binary search over the rows' ends.
-__host__ __device__ inline int block_visibility(const MaskArgs& p, int qb, int kb, int bq, int bkv, int len_q,
-                                                int len_kv) {
+__host__ __device__ __forceinline__ int block_visibility(const MaskArgs& p, int qb, int kb, int bq, int bkv,
+                                                          int len_q, int len_kv) {
   const int r0 = qb * bq, r1 = (qb + 1) * bq < len_q ? (qb + 1) * bq : len_q;
-  auto window = [&](int i, int& b, int& e) { mask_window(p, i, len_q, len_kv, b, e); };
   int lo = r0, hi = r1;  // first non-empty row in [r0, r1] (r1: none)
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
     int b, e;
-    window(mid, b, e);
+    mask_window(p, mid, len_q, len_kv, b, e);
     if (b < e) hi = mid;
     else lo = mid + 1;
   }
   if (lo >= r1) return 0;
   int begin, end, unused;
-  window(lo, begin, unused);
-  window(r1 - 1, unused, end);
+  mask_window(p, lo, len_q, len_kv, begin, unused);
+  mask_window(p, r1 - 1, len_q, len_kv, unused, end);
   const int k0 = kb * bkv, k1 = (kb + 1) * bkv < len_kv ? (kb + 1) * bkv : len_kv;
   if (k1 <= begin || k0 >= end) return 0;
   if (p.mask_kind == kMaskNone) return 1;
@@ -103,13 +102,13 @@ __host__ __device__ inline int block_visibility(const MaskArgs& p, int qb, int k
   while (a < z) {
     const int mid = a + (z - a) / 2;
     int b, e;
-    window(mid, b, e);
+    mask_window(p, mid, len_q, len_kv, b, e);
     if (e - 1 >= k0) z = mid;
     else a = mid + 1;
   }
   if (a >= r1) return 1;
   int b, e;
-  window(a, b, e);
+  mask_window(p, a, len_q, len_kv, b, e);
   return e - 1 < k1 ? 2 : 1;
 }
 

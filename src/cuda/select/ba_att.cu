@@ -533,7 +533,8 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
   if (select) {
     const int64_t nk = p.num_kv_blocks;
     const int64_t keep = fixed_block_count(r.budget, nk);
-    const int64_t capacity = r.budget.kind == BudgetKind::mass ? nk : keep;
+    // Mass budgets and mask-aware rows keep a count per row: room for every block.
+    const int64_t capacity = r.budget.kind == BudgetKind::mass || r.mask_aware ? nk : keep;
     auto counts = DeviceArray::allocate(DType::i32, {p.batch, p.heads_q, p.num_q_blocks}, p.q.device, false,
                                         r.stream);
     if (!counts.ok()) return counts.status();
@@ -552,7 +553,18 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
     a.indices = indices->ptr<int32_t>();
     a.capacity = static_cast<int>(capacity);
     a.scratch = w.select_scratch;
-    if (!a.mass && nk <= kMaxWarpTopBlocks) {
+    if (r.mask_aware) {  // select_kernel (the sorting one) only
+      a.mask_aware = true;
+      sparsa::cuda::detail::mask_args(r.mask, &a.mask);
+      a.nq = static_cast<int>(p.num_q_blocks);
+      a.block_q = p.block_q;
+      a.block_kv = p.block_kv;
+      a.len_q = static_cast<int>(p.len_q);
+      a.len_kv = static_cast<int>(p.len_kv);
+      a.top_kappa = r.budget.kind == BudgetKind::top_kappa;
+      a.budget = r.budget.value;
+    }
+    if (!a.mask_aware && !a.mass && nk <= kMaxWarpTopBlocks) {
       const size_t smem = warp_top_smem_bytes(a.nk);
       int sms = 0, per_sm = 0;
       SPARSA_RETURN_IF_ERROR(launch_facts(device, reinterpret_cast<const void*>(select_top_warp_kernel),
@@ -560,15 +572,22 @@ Status run_typed(const Request& r, BlockIndexBuffer* plan, DeviceArray* perm_q, 
       const int64_t grid = std::min<int64_t>((s.rows + kWarpTopWarps - 1) / kWarpTopWarps,
                                              static_cast<int64_t>(sms) * per_sm);
       select_top_warp_kernel<<<static_cast<unsigned>(grid), kWarpTopWarps * 32, smem, stream>>>(a);
-    } else if (!a.mass && nk <= kMaxTopBlocks) {
+    } else if (!a.mask_aware && !a.mass && nk <= kMaxTopBlocks) {
       const size_t smem = static_cast<size_t>(nk) * sizeof(uint32_t);  // at most 32 KiB (kMaxTopBlocks)
       select_top_kernel<<<s.select_ctas, kTopThreads, smem, stream>>>(a);
     } else if (s.global_select) {
-      select_kernel<true><<<s.select_ctas, kSelectThreads, 0, stream>>>(a);
+      if (a.mask_aware) {
+        select_kernel<true, true><<<s.select_ctas, kSelectThreads, 0, stream>>>(a);
+      } else {
+        select_kernel<true><<<s.select_ctas, kSelectThreads, 0, stream>>>(a);
+      }
     } else {
       const size_t smem = select_bytes_per_row(s.sort_size, a.nk);
-      SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(select_kernel<false>), device, smem));
-      select_kernel<false><<<s.select_ctas, kSelectThreads, smem, stream>>>(a);
+      constexpr auto plain = select_kernel<false>;
+      constexpr auto aware = select_kernel<false, true>;
+      const auto kernel = a.mask_aware ? aware : plain;
+      SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
+      kernel<<<s.select_ctas, kSelectThreads, smem, stream>>>(a);
     }
     SPARSA_CUDA_CHECK_LAUNCH();
     plan->block_q = p.block_q;

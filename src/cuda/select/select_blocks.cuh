@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/mask.cuh"
 #include "cuda/select/ba_att_common.cuh"
 #include "cuda/select/warp_select.cuh"
 
@@ -28,6 +29,14 @@ struct SelectArgs {
   int32_t* indices = nullptr;  // [rows, capacity]
   int capacity = 0;
   uint64_t* scratch = nullptr;  // kGlobal: per CTA, sort_size keys then nk flag bytes
+  // mask_aware (BaAttOptions::mask_aware; select_kernel only): per row, the key blocks the mask
+  // hides are out, the diagonal ones forced, and the budget counts the visible ones, as
+  // select_visible_blocks. Rows are [batch, heads, nq] flattened: query block = row % nq.
+  bool mask_aware = false;
+  detail::MaskArgs mask;
+  int nq = 0, block_q = 0, block_kv = 0, len_q = 0, len_kv = 0;
+  bool top_kappa = false;  // a fixed budget: kappa = budget (top_kappa) or ceil(budget x visible) (density)
+  double budget = 0.0;
 };
 
 __host__ __device__ inline size_t select_bytes_per_row(int sort_size, int nk) {
@@ -65,16 +74,21 @@ __device__ inline void bitonic_sort(uint64_t* keys, int n) {
   }
 }
 
-// Mass budget on the sorted keys: weights w_p = exp(l_p - l_0) (l_0 the maximum) in f64, and
-// keep = the smallest k whose prefix sum reaches tau * (sum of all), as select_blocks.
-__device__ inline int mass_keep(const uint64_t* keys, int nk, double tau) {
+// Mass budget on the first nk sorted keys: weights w_p = exp(l_p - max_logit) in f64, and keep =
+// the smallest k whose prefix sum reaches tau * (sum of all), as select_blocks. l_p is the key's
+// own logit, or with `logits` (the row's; forced keys of a mask-aware row carry no logit)
+// logits[index_of(key)].
+__device__ inline double sorted_logit(const uint64_t* keys, int p, const float* logits) {
+  return logits != nullptr ? static_cast<double>(logits[index_of(keys[p])]) : static_cast<double>(logit_of(keys[p]));
+}
+__device__ inline int mass_keep(const uint64_t* keys, int nk, double tau, double max_logit,
+                                const float* logits = nullptr) {
   __shared__ double warp_sums[kSelectWarps];
   __shared__ int first_reaching;
   const int per_thread = (nk + blockDim.x - 1) / blockDim.x;
   const int p_begin = min(nk, static_cast<int>(threadIdx.x) * per_thread), p_end = min(nk, p_begin + per_thread);
-  const double max_logit = logit_of(keys[0]);
   double local = 0.0;
-  for (int p = p_begin; p < p_end; ++p) local += exp(static_cast<double>(logit_of(keys[p])) - max_logit);
+  for (int p = p_begin; p < p_end; ++p) local += exp(sorted_logit(keys, p, logits) - max_logit);
   // Inclusive scan of the per-thread sums over the CTA (threads in order = positions in order).
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const double inclusive = warp_inclusive_scan(local);
@@ -91,7 +105,7 @@ __device__ inline int mass_keep(const uint64_t* keys, int nk, double tau) {
   if (lane == 0) exclusive = 0.0;
   double running = before + exclusive;  // the sum of every position before this thread's range
   for (int p = p_begin; p < p_end; ++p) {
-    running += exp(static_cast<double>(logit_of(keys[p])) - max_logit);
+    running += exp(sorted_logit(keys, p, logits) - max_logit);
     if (running >= required) {
       atomicMin(&first_reaching, p);
       break;
@@ -105,20 +119,72 @@ __device__ inline int mass_keep(const uint64_t* keys, int nk, double tau) {
 
 // grid-stride over rows. kGlobal: keys and flags in a.scratch (rows of any length); else in
 // dynamic shared memory (select_bytes_per_row(sort_size, nk) bytes).
-template <bool kGlobal>
+// A float's bits as an unsigned number in the floats' order (for atomicMax).
+__device__ __forceinline__ uint32_t ordered_bits(float x) {
+  const uint32_t u = float_bits(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_ordered_bits(uint32_t u) {
+  return bits_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+
+// The budget of a mask-aware row (a.mask_aware): its keys sorted as select_visible_blocks visits
+// them (forced = diagonal blocks first, by index: their key is the index, below every logit's
+// order_key; then the visible ones by descending logit; hidden ones last, ~0), `visible` of them
+// visible and `forced` forced; the kept prefix's length.
+__device__ inline int mask_aware_keep(const SelectArgs& a, const uint64_t* keys, const float* logits, int visible,
+                                      int forced, float max_logit) {
+  if (visible == 0) return 0;
+  int keep;
+  if (a.mass) {
+    keep = mass_keep(keys, visible, a.tau, static_cast<double>(max_logit), logits);
+  } else {
+    const double kappa = a.top_kappa ? a.budget : ceil(a.budget * static_cast<double>(visible) - 1e-9);
+    keep = static_cast<int>(kappa < 1.0 ? 1.0 : kappa > visible ? static_cast<double>(visible) : kappa);
+  }
+  return keep > forced ? keep : forced;
+}
+
+// kMaskAware: a.mask_aware rows (a separate instantiation: the other rows' kernel is unchanged).
+template <bool kGlobal, bool kMaskAware = false>
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   extern __shared__ uint64_t select_smem[];
   __shared__ int warp_counts[kSelectWarps];
+  __shared__ int row_visible, row_forced;
+  __shared__ uint32_t row_max;
   uint64_t* keys = kGlobal ? a.scratch + blockIdx.x * (select_bytes_per_row(a.sort_size, a.nk) / 8) : select_smem;
   uint8_t* flags = reinterpret_cast<uint8_t*>(keys + a.sort_size);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const float* logits = a.logits + row * a.nk;
-    for (int j = threadIdx.x; j < a.sort_size; j += blockDim.x) keys[j] = j < a.nk ? order_key(logits[j], j) : ~0ull;
+    if constexpr (!kMaskAware) {
+      for (int j = threadIdx.x; j < a.sort_size; j += blockDim.x) keys[j] = j < a.nk ? order_key(logits[j], j) : ~0ull;
+    } else {
+      if (threadIdx.x == 0) row_visible = 0, row_forced = 0, row_max = 0;
+      __syncthreads();
+      const int qb = static_cast<int>(row % a.nq);
+      int visible = 0, forced = 0;
+      uint32_t mx = 0;  // ordered_bits of the largest visible logit (0: below every float)
+      for (int j = threadIdx.x; j < a.sort_size; j += blockDim.x) {
+        const int v = j < a.nk ? detail::block_visibility(a.mask, qb, j, a.block_q, a.block_kv, a.len_q, a.len_kv) : 0;
+        keys[j] = v == 0 ? ~0ull : v == 2 ? static_cast<uint64_t>(j) : order_key(logits[j], j);
+        visible += v != 0;
+        forced += v == 2;
+        if (v != 0) mx = max(mx, ordered_bits(logits[j]));
+      }
+      atomicAdd(&row_visible, visible);
+      atomicAdd(&row_forced, forced);
+      atomicMax(&row_max, mx);
+    }
     for (int j = threadIdx.x; j < a.nk; j += blockDim.x) flags[j] = 0;
     __syncthreads();
     bitonic_sort(keys, a.sort_size);
-    const int keep = a.mass ? mass_keep(keys, a.nk, a.tau) : a.keep;
+    int keep = a.keep;
+    if constexpr (kMaskAware) {
+      keep = mask_aware_keep(a, keys, logits, row_visible, row_forced, from_ordered_bits(row_max));
+    } else if (a.mass) {
+      keep = mass_keep(keys, a.nk, a.tau, static_cast<double>(logit_of(keys[0])));
+    }
     for (int p = threadIdx.x; p < keep; p += blockDim.x) flags[index_of(keys[p])] = 1;
     __syncthreads();
     // The kept blocks in ascending order: a CTA-wide stream compaction of the flags.

@@ -88,15 +88,6 @@ Status check_options(const BaAttOptions& o, int64_t head_dim) {
   return validate(o.budget);
 }
 
-// The cuda selector does not see the mask: refused before anything touches the device.
-Status check_mask_aware_backend(const BaAttOptions& o) {
-  if (o.mask_aware && o.backend == Backend::cuda) {
-    return {StatusCode::unsupported,
-            "mask_aware: the cpu and cpu_ref backends only (the cuda selector does not see the mask yet)"};
-  }
-  return {};
-}
-
 // Step 1 for every (batch, head) of x: f64 norms, then the shared stable sort.
 Status sort_by_norm(const char* name, const Tensor& x, int64_t window, int num_threads, HostArray* perm) {
   const int64_t batch = x.shape[0], heads = x.shape[1], len = x.shape[2], d = x.shape[3];
@@ -155,6 +146,8 @@ ba_att_cuda::Request cuda_request(const Tensor& q, const Tensor& k, const BaAttO
   r.sort_k = options.sort_k;
   r.sort_window = options.sort_window;
   r.budget = options.budget;
+  r.mask = options.mask;
+  r.mask_aware = options.mask_aware;
   r.stream = options.stream;
   return r;
 }
@@ -162,7 +155,6 @@ ba_att_cuda::Request cuda_request(const Tensor& q, const Tensor& k, const BaAttO
 }  // namespace
 
 Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
-  SPARSA_RETURN_IF_ERROR(check_mask_aware_backend(options));
   SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
   SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
   if (options.backend == Backend::cuda) {
@@ -209,7 +201,6 @@ Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttO
 
 Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
   if (options.backend == Backend::cuda) {
-    SPARSA_RETURN_IF_ERROR(check_mask_aware_backend(options));
     SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
     SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
     BlockIndexBuffer plan;

@@ -55,6 +55,10 @@ struct Request {
   bool sort_q = true, sort_k = true;
   int64_t sort_window = 0;
   Budget budget;
+  // BaAttOptions::mask_aware: the selection sees `mask` (hidden blocks out, diagonal ones forced,
+  // the budget over the visible ones); needs the sorts off.
+  Mask mask;
+  bool mask_aware = false;
   void* stream = nullptr;  // cudaStream_t (null: the legacy default stream)
 };
 // Steps 1-4 on the device: a plan whose arrays live in device memory (BlockIndexBuffer::device_*).

@@ -920,11 +920,12 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
     opt.backend = Backend::cuda;
     opt.mask = mask;
     const Tensor cqd = upload_i32(cqh, cqb), ckd = upload_i32(ckh, ckb);
-    const Status st = block_sparse_varlen(Tensor::contiguous(qb.ptr, DType::bf16, {total_q, H, D}, gpu),
-                                          Tensor::contiguous(kb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu),
-                                          Tensor::contiguous(vb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu), cqd, ckd, ixd,
-                                          Tensor::contiguous(ob.ptr, DType::bf16, {total_q, H, D}, gpu),
-                                          Tensor::contiguous(lb.ptr, DType::f32, {H, total_q}, gpu), opt);
+    const Status st = block_sparse_varlen(
+        Tensor::contiguous(qb.ptr, DType::bf16, {total_q, H, D}, gpu),
+        Tensor::contiguous(kb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu),
+        Tensor::contiguous(vb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu), cqd, ckd, ixd,
+        Tensor::contiguous(ob.ptr, DType::bf16, {total_q, H, D}, gpu),
+        Tensor::contiguous(lb.ptr, DType::f32, {H, total_q}, gpu), opt);
     ASSERT_TRUE(st.ok()) << st.to_string();
     EXPECT_FALSE(cuda::detail::last_flash_used_tma()) << "varlen runs on rung 2";
     std::vector<uint16_t> out_h(total_q * H * D);
@@ -1026,9 +1027,12 @@ TEST(CudaAttentionMasks, HidingNothingIsNoMaskBitForBit) {
     Mask mask;
     bool hides;
   };
-  const Shape shapes[] = {{16, 4096, Mask::block_causal(16), false},  {128, 1024, Mask::block_causal(128), false},
-                          {300, 300, Mask::sliding_window(300), false}, {16, 4096, Mask::sliding_window(5000), false},
-                          {16, 4096, Mask::block_causal(8), true},      {128, 1024, Mask::sliding_window(1022, 0), true}};
+  const Shape shapes[] = {{16, 4096, Mask::block_causal(16), false},
+                          {128, 1024, Mask::block_causal(128), false},
+                          {300, 300, Mask::sliding_window(300), false},
+                          {16, 4096, Mask::sliding_window(5000), false},
+                          {16, 4096, Mask::block_causal(8), true},
+                          {128, 1024, Mask::sliding_window(1022, 0), true}};
   const int64_t H = 4, Hkv = 2, D = 64;
   for (const Shape& sh : shapes) {
     SCOPED_TRACE(mask_string(sh.mask) + " " + std::to_string(sh.len_q) + "x" + std::to_string(sh.len_kv));

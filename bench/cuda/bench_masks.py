@@ -94,7 +94,8 @@ def main():
             peers = []
             if kind in ("none", "causal"):
                 causal = kind == "causal"
-                for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
+                for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
+                                      ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
                     def fn(backend=backend):
                         with sdpa_kernel([backend]):
                             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)

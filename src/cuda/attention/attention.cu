@@ -90,8 +90,8 @@ thread_local bool g_last_tma = false;
 
 // Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
 // the driver accepts and the batch is not of variable length; rung 2 (flash_wgmma_kernel.cuh)
-// otherwise (its copies zero-fill rows past a sequence's end; TMA's only past the tensor's). MASKED: the kernels with the
-// per-element mask compiled in (p.mask_kind is not none).
+// otherwise (its copies zero-fill rows past a sequence's end; TMA's only past the tensor's).
+// MASKED: the kernels with the per-element mask compiled in (p.mask_kind is not none).
 template <class T, int D, int BN, bool MASKED>
 Status launch(const FlashParams& p, int device, cudaStream_t stream) {
   // head_dim 256: Q alone is 64 KB, a K+V stage 64 KB at 64-key tiles, so two stages.
@@ -307,8 +307,8 @@ Status launch_split_kv(SplitKvParams p, int device, cudaStream_t stream) {
 }
 
 bool use_split_kv(const sparsa::detail::AttentionParams& a) {
-  return a.index == nullptr && !a.varlen() && a.head_dim <= 128 && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries && a.len_kv >= kSplitKvMinKeys &&
-         a.batch * a.heads_kv <= 65535;
+  return a.index == nullptr && !a.varlen() && a.head_dim <= 128 && a.len_q >= 1 && a.len_q <= kSplitKvMaxQueries &&
+         a.len_kv >= kSplitKvMinKeys && a.batch * a.heads_kv <= 65535;
 }
 
 Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cudaStream_t stream) {
@@ -401,10 +401,11 @@ Status gather_kv(FlashParams& p, int device, cudaStream_t stream, std::unique_lo
   return {};
 }
 
-// The mask into the kernels' form (flash_kernel.cuh's kMask*), or none when it hides no key of
-// this shape (a fixed-length batch's) from any query (every window is all of [0, len_kv): windows do not decrease along the
-// queries, so the first query's end and the last query's begin decide), e.g. a block step whose
-// queries are one whole block at the end of a block-causal sequence: the unmasked kernels run.
+// The mask into the kernels' form (common/mask.cuh), or none when it hides no key of this shape (a
+// fixed-length batch's) from any query (every window is all of [0, len_kv): windows do not
+// decrease along the queries, so the first query's end and the last query's begin decide), e.g. a
+// block step whose queries are one whole block at the end of a block-causal sequence: the
+// unmasked kernels run.
 namespace {
 void set_mask(const sparsa::detail::AttentionParams& a, FlashParams* p) {
   const Mask& m = a.mask;

@@ -149,14 +149,11 @@ struct WgmmaConsumer {
   }
 };
 
-// STAGES: K/V tiles in shared memory, 2 or 3. With 2, the prefetch of tile t+1 waits for a second
-// barrier per tile (both warpgroups done with P V of tile t-1); with 3 it is issued right after the
-// first, into the stage of tile t-2.
 // The CTA's mask state (MASKED kernels): this thread's rows' windows and the key range any row
 // of the tile may see. `warp`: this thread's consumer warp (rows 16 warp .. of the tile; < 0 for
-// a producer thread, which has no rows). Keys and
-// queries in order: the range is the windows of the tile's first and last rows (windows do not
-// decrease along the queries); with a permutation, every tile is visited and masked.
+// a producer thread, which has no rows). Keys and queries in order: the range is the windows of the
+// tile's first and last rows (windows do not decrease along the queries); with a permutation,
+// every tile is visited and masked.
 template <int ROWS>
 struct CtaMask {
   RowWindows rows;
@@ -188,6 +185,9 @@ struct CtaMask {
   }
 };
 
+// STAGES: K/V tiles in shared memory, 2 or 3. With 2, the prefetch of tile t+1 waits for a second
+// barrier per tile (both warpgroups done with P V of tile t-1); with 3 it is issued right after the
+// first, into the stage of tile t-2.
 // MASKED: the kernel applies the per-element mask (AttentionArgs::mask_kind); without it the mask
 // code is not compiled in.
 template <class T, int D, int BN, int STAGES, bool OUTLINED = false, bool MASKED = false>

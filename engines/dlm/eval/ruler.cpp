@@ -829,7 +829,14 @@ Result<std::vector<std::string>> parse_method_list(const std::string& flag, cons
     for (const std::string& raw : split(group, ',')) {
       const std::string item = trimmed(raw);
       if (item.empty()) return invalid_argument(flag + ": empty method in " + quoted(text));
-      const bool continues = item.find('=') != std::string::npos && item.find(':') == std::string::npos;
+      // METHOD[:key=value][|LAYERS=METHOD...]. The comma rule reads the part before any '|': it
+      // continues the method before it when it is a key=value or the rest of a layer list
+      // ("1=dense", "1=mean_pool:density=0.5": an '=' before any ':', which no method name has);
+      // otherwise it starts a method. The layer overrides themselves are checked when the model
+      // loads (check_attention), each error naming them.
+      const std::string head = item.substr(0, item.find('|'));
+      const size_t head_eq = head.find('='), head_colon = head.find(':');
+      const bool continues = head_eq != std::string::npos && (head_colon == std::string::npos || head_eq < head_colon);
       if (continues) {
         if (out.empty() || out.back().find(':') == std::string::npos) {
           return invalid_argument(flag + ": parameter " + quoted(item) + " follows no 'method:' (write e.g. "
@@ -838,13 +845,13 @@ Result<std::vector<std::string>> parse_method_list(const std::string& flag, cons
         out.back() += "," + item;
         continue;
       }
-      const size_t colon = item.find(':');
-      const std::string name = item.substr(0, colon);
+      const size_t colon = head.find(':');
+      const std::string name = head.substr(0, colon);
       bool ok = !name.empty();
       for (char c : name) ok = ok && ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_');
       if (!ok) return invalid_argument(flag + ": expected a method name such as dense or ba_att, got " + quoted(item));
       if (colon != std::string::npos) {
-        const std::string first = item.substr(colon + 1);
+        const std::string first = head.substr(colon + 1);
         const size_t eq = first.find('=');
         if (eq == std::string::npos || eq == 0 || eq + 1 == first.size()) {
           return invalid_argument(flag + ": expected key=value after '" + name + ":', got " + quoted(item));

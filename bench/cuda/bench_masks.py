@@ -17,7 +17,6 @@ on each sequence alone (summed). The varlen call reads its offsets back once (in
 """
 import argparse
 import random
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -26,23 +25,7 @@ from torch.nn.attention import flex_attention as flex
 
 import sparsa
 import sparsa.torch as st
-
-CEILING = 790.0
-
-
-def time_cuda(fn, iters, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from bench_attention import CEILING, time_torch as time_cuda  # this folder's: the same timing and ceiling
 
 
 def visible_pairs(kind, n, arg):

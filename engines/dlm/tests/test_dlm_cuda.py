@@ -212,33 +212,25 @@ LONG_PROMPTS = [[(7 * i + 3) % 60 for i in range(45)], [(11 * i + 5) % 60 for i 
 CANVAS = [5, 9, 30, 63, 63, 63, 12, 7, 63, 63, 41, 2, 63, 63, 63, 63, 19, 27, 33, 63, 6, 63, 63, 63, 8]
 
 
-@pytest.mark.parametrize("method", ["ba_att:density=1,block=4,min_tokens=0",
-                                    "ba_att:density=1,block=16,min_tokens=0,sort=false,compensate=false",
-                                    "mean_pool:density=1,block=8,min_tokens=0"])
-def test_cuda_canvas_selectors_at_density_one_give_the_dense_logits(sparsa_bin, cuda_ok, models, tmp_path, method):
-    """BA-Att and mean pooling on the device over a whole canvas: at density 1 every key block is
-    kept, so the block-sparse executor attends over the dense keys (in another order of sums):
-    the logits are the dense ones within the bf16 bound."""
-    dl, _ = models
-    dense = engine_logits(sparsa_bin, dl, CANVAS, tmp_path)
+@pytest.mark.parametrize("model,method", [
+    ("llada", "ba_att:density=1,block=4,min_tokens=0"),
+    ("llada", "ba_att:density=1,block=16,min_tokens=0,sort=false,compensate=false"),
+    ("llada", "mean_pool:density=1,block=8,min_tokens=0"),
+    ("sdar", "ba_att:density=1,block=4,min_tokens=0,block_causal=true"),
+    ("sdar", "ba_att:density=1,block=4,min_tokens=0,sort=false,block_causal=true"),
+    ("sdar", "mean_pool:density=1,block=8,min_tokens=0,block_causal=true"),
+])
+def test_cuda_canvas_selectors_at_density_one_give_the_dense_logits(sparsa_bin, cuda_ok, models, tmp_path, model,
+                                                                    method):
+    """BA-Att and mean pooling on the device: at density 1 every key block is kept, so the
+    block-sparse executor attends over the dense keys (in another order of sums): the logits are
+    the dense ones within the bf16 bound. llada: over a whole bidirectional canvas; sdar: over
+    the block-causal prompt prefill with `block_causal=true`, the executor applying the mask
+    (sorted BA-Att's selection blind to it, the unsorted ones seeing it: mask_aware)."""
+    d = models[0] if model == "llada" else models[1]
+    dense = engine_logits(sparsa_bin, d, CANVAS, tmp_path)
     out = tmp_path / "sparse.npy"
-    run(sparsa_bin, "logits", "--model", dl, "--ids", ",".join(map(str, CANVAS)), "--out", out, "--quiet",
-        "--backend", "cuda", "--attention", method)
-    assert rel_err(np.load(out), dense) < BF16_TOL
-
-
-@pytest.mark.parametrize("method", ["ba_att:density=1,block=4,min_tokens=0,block_causal=true",
-                                    "ba_att:density=1,block=4,min_tokens=0,sort=false,block_causal=true",
-                                    "mean_pool:density=1,block=8,min_tokens=0,block_causal=true"])
-def test_cuda_canvas_selectors_over_the_block_causal_prefill(sparsa_bin, cuda_ok, models, tmp_path, method):
-    """sdar's prompt prefill is block-causal: with `block_causal=true` the canvas selectors run over
-    it on the device, the executor applying the mask (sorted BA-Att's selection blind to it, the
-    unsorted selections seeing it: mask_aware). At density 1 the logits are the dense ones within
-    the bf16 bound."""
-    _, ds = models
-    dense = engine_logits(sparsa_bin, ds, CANVAS, tmp_path)
-    out = tmp_path / "sparse.npy"
-    run(sparsa_bin, "logits", "--model", ds, "--ids", ",".join(map(str, CANVAS)), "--out", out, "--quiet",
+    run(sparsa_bin, "logits", "--model", d, "--ids", ",".join(map(str, CANVAS)), "--out", out, "--quiet",
         "--backend", "cuda", "--attention", method)
     assert rel_err(np.load(out), dense) < BF16_TOL
 

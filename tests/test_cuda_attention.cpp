@@ -398,8 +398,9 @@ TEST_P(Ops, MatchesReference) {
     CUDA_OK(cudaMemset(lse_buf.ptr, 0xff, lse_buf.bytes));
     const Status st = plan ? block_sparse(qd, kd, vd, ixd, out, lse, opt) : dense(qd, kd, vd, out, lse, opt);
     ASSERT_TRUE(st.ok()) << st.to_string();
-    // The executor the shape is meant to reach (the split-KV rule of attention.cu).
-    const bool split_kv = !plan && c.len_q <= 64 && c.len_kv >= 512;
+    // The executor the shape is meant to reach (the split-KV rule of attention.cu: head_dim 256
+    // takes the flash executor).
+    const bool split_kv = !plan && c.len_q <= 64 && c.len_kv >= 512 && c.head_dim <= 128;
     // Plans with a key permutation over >= 1024 aligned keys gather K and V first (attention.cu).
     const bool gathered = plan && c.perms && c.len_kv >= 1024 && c.seq_pad % 8 == 0;
     const cuda::detail::Route want = gathered   ? cuda::detail::Route::flash_block_sparse_gathered
@@ -610,6 +611,10 @@ std::vector<Case> mask_cases() {
                .head_dim = 256, .seed = seed++});
   v.push_back({.name = "none_f16_d256_dense_17x33", .dtype = DType::f16, .len_q = 17, .len_kv = 33,
                .head_dim = 256, .seed = seed++});
+  v.push_back({.name = "causal_bf16_d256_few_queries_16x2000", .heads_q = 4, .heads_kv = 2, .len_q = 16,
+               .len_kv = 2000, .head_dim = 256, .mask = Mask::causal(), .seed = seed++});
+  v.push_back({.name = "none_bf16_d256_sparse_perm_b64_300x1100", .heads_q = 2, .heads_kv = 1, .len_q = 300,
+               .len_kv = 1100, .head_dim = 256, .sparse = true, .keep = 0.5, .perms = true, .seed = seed++});
   return v;
 }
 

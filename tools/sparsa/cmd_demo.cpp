@@ -188,9 +188,9 @@ Outcome cmd_demo(const DemoOptions& o) {
   }
 
   // A real model: the shipped small diffusion LM (docs/eval.md) finds a 7-digit needle in a
-  // noise haystack with dense attention, QUEST and LoSA at budget 128, and on the cpu backend
-  // BA-Att over the prompt's prefill at 10% with layer 0 dense (accuracy and seconds per
-  // question; `sparsa eval-model` is the full evaluation).
+  // noise haystack with dense attention, QUEST and LoSA at budget 128, and BA-Att over the
+  // prompt's prefill at 10% with layer 0 dense (accuracy and seconds per question; `sparsa
+  // eval-model` is the full evaluation).
   if (!o.json && !o.model.empty()) {
     if (o.model == kDemoModel && !std::filesystem::exists(o.model)) {
       std::cout << "\n(no model at " << o.model << ": run from the repository root, or pass --model DIR)\n";
@@ -206,9 +206,7 @@ Outcome cmd_demo(const DemoOptions& o) {
     e.lengths = std::to_string(o.model_length);
     e.samples = o.model_samples;
     e.backend = o.backend == "cuda" ? "cuda" : "cpu";
-    e.attention = "dense;quest:budget=128;losa:budget=128,k=4";
-    // The mask-aware selection of a block-causal prefill runs on the cpu backend only.
-    if (e.backend == "cpu") e.attention += ";ba_att:density=0.1,sort=false,block_causal=true|0=dense";
+    e.attention = "dense;quest:budget=128;losa:budget=128,k=4;ba_att:density=0.1,sort=false,block_causal=true|0=dense";
     e.threads = o.threads;
     e.lengths_flag = "--model-length";  // its errors name the demo's flags
     e.samples_flag = "--model-samples";

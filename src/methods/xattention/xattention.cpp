@@ -6,6 +6,7 @@
 // [Lq/S, S d] x [S d, Lk/S] product threaded over (batch, head, query block).
 #include "sparsa/xattention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -14,6 +15,7 @@
 #include "core/attention_params.h"
 #include "core/validate.h"
 #include "cpu/parallel.h"
+#include "cpu/simd.h"
 
 namespace sparsa {
 
@@ -143,45 +145,72 @@ void scores_ref(const XProblem& p, float* out) {
   }
 }
 
+// acc[j][c] = sum_f qr[j][f] * kr[f][c] for j < J (<= kCols) groups and kRowVecs * kLanes key
+// groups from c (simd::scores_kernel, the attention mainloop's register-blocked product).
+void group_scores(int J, const float* kr, int64_t ldk, const float* qr, int64_t F, float* acc) {
+  using K = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+  static constexpr K kKernels[] = {
+      &cpu::simd::scores_kernel<1, cpu::simd::kRowVecs>, &cpu::simd::scores_kernel<2, cpu::simd::kRowVecs>,
+      &cpu::simd::scores_kernel<3, cpu::simd::kRowVecs>, &cpu::simd::scores_kernel<4, cpu::simd::kRowVecs>,
+      &cpu::simd::scores_kernel<5, cpu::simd::kRowVecs>, &cpu::simd::scores_kernel<6, cpu::simd::kRowVecs>};
+  static_assert(cpu::simd::kCols == 6, "one kernel per group count up to kCols");
+  kKernels[J - 1](kr, ldk, qr, F, F, acc);
+}
+
 void scores_fast(const XProblem& p, float* out) {
   const int64_t S = p.stride, d = p.d, F = S * d, nkg = p.k_groups, groups_per_qblock = p.block_q / S;
-  // Kr transposed per kv head: [batch, heads_kv, F, k_groups].
-  std::vector<float> krt(static_cast<size_t>(p.batch * p.heads_kv * F * nkg), 0.0f);
+  // Kr transposed per kv head: [batch, heads_kv, F, ldk], key groups padded with zeros to whole
+  // vector blocks (kW of them) so that the product runs on full register tiles.
+  constexpr int64_t kW = cpu::simd::kRowVecs * cpu::simd::kLanes;
+  const int64_t ldk = ceil_div(nkg, kW) * kW;
+  std::vector<float> krt(static_cast<size_t>(p.batch * p.heads_kv * F * ldk), 0.0f);
   cpu::parallel_for(p.batch * p.heads_kv, p.num_threads, [&](int64_t item, int) {
     const int64_t b = item / p.heads_kv, h_kv = item % p.heads_kv;
-    float* base = krt.data() + item * F * nkg;
+    float* base = krt.data() + item * F * ldk;
     std::vector<float> row(d);
     for (int64_t j = 0; j < p.len_kv; ++j) {
       detail::load_row(p.k.data, p.k.dtype, p.k.offset({b, h_kv, j, 0}), d, row.data());
       const int64_t c = j / S, s = j % S;
-      for (int64_t t = 0; t < d; ++t) base[(s * d + t) * nkg + c] = row[t];
+      for (int64_t t = 0; t < d; ++t) base[(s * d + t) * ldk + c] = row[t];
     }
   });
+  // One work item per (batch, head, query block): its G query groups (Qr[g] = concat_s
+  // Q[gS + S-1-s]) against the key groups any of them sees, as a [G, F] x [F, ldk] product on
+  // register tiles of kCols groups x kW key groups; a group's sums run over f in order. Each
+  // group's softmax then runs over its own visible range.
   cpu::parallel_for(p.batch * p.heads_q * p.nq, p.num_threads, [&](int64_t item, int) {
     const int64_t qb = item % p.nq, h = (item / p.nq) % p.heads_q, b = item / (p.nq * p.heads_q);
-    const float* kr = krt.data() + (b * p.heads_kv + h / p.group()) * F * nkg;
-    std::vector<float> qr(F), acc(nkg);
+    const float* kr = krt.data() + (b * p.heads_kv + h / p.group()) * F * ldk;
+    const int64_t g0 = qb * groups_per_qblock, G = std::min(p.q_groups, g0 + groups_per_qblock) - g0;
+    std::vector<float> qr(G * F), acc(G * ldk);
+    std::vector<int64_t> lo(G), hi(G);
     std::vector<double> a(nkg), mass(p.nk, 0.0);
     const float a_scale = p.scale / static_cast<float>(S);
-    for (int64_t g = qb * groups_per_qblock; g < std::min(p.q_groups, (qb + 1) * groups_per_qblock); ++g) {
-      for (int64_t s = 0; s < S; ++s) {  // Qr[g] = concat_s Q[gS + S-1-s]
+    int64_t union_lo = nkg, union_hi = 0;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const int64_t g = g0 + gi;
+      for (int64_t s = 0; s < S; ++s) {
         const int64_t i = g * S + S - 1 - s;
+        float* dst = qr.data() + gi * F + s * d;
         if (i < p.len_q) {
-          detail::load_row(p.q.data, p.q.dtype, p.q.offset({b, h, i, 0}), d, qr.data() + s * d);
+          detail::load_row(p.q.data, p.q.dtype, p.q.offset({b, h, i, 0}), d, dst);
         } else {
-          std::fill(qr.begin() + s * d, qr.begin() + (s + 1) * d, 0.0f);
+          std::fill(dst, dst + d, 0.0f);
         }
       }
-      int64_t lo = 0, hi = 0;  // the key groups the group sees: the only ones scored
-      p.visible_groups(g, &lo, &hi);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t f = 0; f < F; ++f) {
-        const float x = qr[f];
-        const float* kf = kr + f * nkg;
-        for (int64_t c = lo; c < hi; ++c) acc[c] += x * kf[c];
+      p.visible_groups(g, &lo[gi], &hi[gi]);  // the key groups the group sees: the only ones used
+      if (lo[gi] < hi[gi]) union_lo = std::min(union_lo, lo[gi]), union_hi = std::max(union_hi, hi[gi]);
+    }
+    for (int64_t c0 = union_lo / kW * kW; c0 < union_hi; c0 += kW) {
+      for (int64_t j0 = 0; j0 < G; j0 += cpu::simd::kCols) {
+        const int J = static_cast<int>(std::min<int64_t>(cpu::simd::kCols, G - j0));
+        group_scores(J, kr + c0, ldk, qr.data() + j0 * F, F, acc.data() + j0 * ldk + c0);
       }
-      for (int64_t c = lo; c < hi; ++c) a[c] = acc[c] * a_scale;
-      add_row_masses(p, lo, hi, a.data(), mass.data());
+    }
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const float* row = acc.data() + gi * ldk;
+      for (int64_t c = lo[gi]; c < hi[gi]; ++c) a[c] = row[c] * a_scale;
+      add_row_masses(p, lo[gi], hi[gi], a.data(), mass.data());
     }
     float* row = out + ((b * p.heads_q + h) * p.nq + qb) * p.nk;
     for (int64_t kb = 0; kb < p.nk; ++kb) row[kb] = static_cast<float>(mass[kb]);

@@ -836,9 +836,10 @@ Result<std::vector<std::string>> parse_method_list(const std::string& flag, cons
       // loads (check_attention), each error naming them.
       const std::string head = item.substr(0, item.find('|'));
       const size_t head_eq = head.find('='), head_colon = head.find(':');
-      const bool continues = head_eq != std::string::npos && (head_colon == std::string::npos || head_eq < head_colon);
-      if (continues) {
-        if (out.empty() || out.back().find(':') == std::string::npos) {
+      const bool continues =
+          head_eq != std::string::npos && (head_colon == std::string::npos || head_eq < head_colon);
+      if (continues) {  // after a "method:key=value" or inside a method's layer overrides ('|')
+        if (out.empty() || out.back().find_first_of(":|") == std::string::npos) {
           return invalid_argument(flag + ": parameter " + quoted(item) + " follows no 'method:' (write e.g. "
                                   "ba_att:density=0.5,block=64)");
         }

@@ -226,14 +226,16 @@ TEST(Lists, MethodsKeepTheirParameters) {
   // follow a continued parameter, be methods with parameters, and take parameters of their own.
   m = parse_method_list("--attention",
                         "mean_pool|0=dense;ba_att:density=0.1,sort=false|0=mean_pool:density=0.5,block=32;"
-                        "dense|1=quest:budget=64,k=4|0=dense;ba_att:density=0.3|0,1=mean_pool:density=0.5,block=8");
+                        "dense|1=quest:budget=64,k=4|0=dense;ba_att:density=0.3|0,1=mean_pool:density=0.5,block=8;"
+                        "dense|0,1=quest:budget=64");
   ASSERT_TRUE(m.ok()) << m.status().message();
   EXPECT_EQ(*m, (std::vector<std::string>{"mean_pool|0=dense",
                                           "ba_att:density=0.1,sort=false|0=mean_pool:density=0.5,block=32",
                                           "dense|1=quest:budget=64,k=4|0=dense",
-                                          "ba_att:density=0.3|0,1=mean_pool:density=0.5,block=8"}));
+                                          "ba_att:density=0.3|0,1=mean_pool:density=0.5,block=8",
+                                          "dense|0,1=quest:budget=64"}));
   for (const char* bad : {"", "dense,", "density=0.5", "dense,block=64", "ba_att:", "ba_att:x", "Dense", "a b",
-                          "dense|0=dense,block=64", "|0=dense", "Dense|0=dense", "1=mean_pool:density=0.5"}) {
+                          "|0=dense", "Dense|0=dense", "1=mean_pool:density=0.5"}) {
     auto r = parse_method_list("--attention", bad);
     EXPECT_FALSE(r.ok()) << bad;
     if (!r.ok()) {

@@ -166,29 +166,8 @@ struct TileScratch {
   }
 };
 
-// Tables of micro-kernel instantiations, indexed by (block size - 1), for the tails.
-using ScoresFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
-using PvFn = void (*)(const float*, int64_t, const float*, int64_t, int, const float*, float*, int64_t);
-
-template <int J, int... I>
-constexpr std::array<ScoresFn, sizeof...(I)> scores_row(std::integer_sequence<int, I...>) {
-  return {&simd::scores_kernel<J, I + 1>...};
-}
-template <int... J>
-constexpr auto scores_table(std::integer_sequence<int, J...>) {
-  return std::array{scores_row<J + 1>(std::make_integer_sequence<int, simd::kRowVecs>())...};
-}
-constexpr auto kScoresKernels = scores_table(std::make_integer_sequence<int, simd::kCols>());
-
-template <int C, int... I>
-constexpr std::array<PvFn, sizeof...(I)> pv_row(std::integer_sequence<int, I...>) {
-  return {&simd::pv_kernel<C, I + 1>...};
-}
-template <int... C>
-constexpr auto pv_table(std::integer_sequence<int, C...>) {
-  return std::array{pv_row<C + 1>(std::make_integer_sequence<int, simd::kRowVecs>())...};
-}
-constexpr auto kPvKernels = pv_table(std::make_integer_sequence<int, simd::kCols>());
+using simd::kPvKernels;
+using simd::kScoresKernels;
 
 // S^T[j, r] = <k_j, q_r> (already in base-2 logits) for j < keys, r < rows.
 void scores(TileScratch& ts, const HeadState& hs, int rows, int keys) {

@@ -16,9 +16,11 @@
 // kCols scalars for kCols * kRowVecs FMAs.
 #pragma once
 
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -136,5 +138,30 @@ inline void pv_kernel(const float* pt, int64_t ldp, const float* v, int64_t ldv,
 #pragma GCC unroll 8
     for (int i = 0; i < RV; ++i) store(acc_t + c * lda + i * kLanes, o[c][i]);
 }
+
+// Tables of the micro-kernels' instantiations, indexed [J or C - 1][RV - 1], for tails and for callers
+// whose block sizes are known only at run time (the attention mainloop, XAttention's estimator).
+using ScoresFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+using PvFn = void (*)(const float*, int64_t, const float*, int64_t, int, const float*, float*, int64_t);
+
+template <int J, int... I>
+constexpr std::array<ScoresFn, sizeof...(I)> scores_row(std::integer_sequence<int, I...>) {
+  return {&simd::scores_kernel<J, I + 1>...};
+}
+template <int... J>
+constexpr auto scores_table(std::integer_sequence<int, J...>) {
+  return std::array{scores_row<J + 1>(std::make_integer_sequence<int, simd::kRowVecs>())...};
+}
+inline constexpr auto kScoresKernels = scores_table(std::make_integer_sequence<int, simd::kCols>());
+
+template <int C, int... I>
+constexpr std::array<PvFn, sizeof...(I)> pv_row(std::integer_sequence<int, I...>) {
+  return {&simd::pv_kernel<C, I + 1>...};
+}
+template <int... C>
+constexpr auto pv_table(std::integer_sequence<int, C...>) {
+  return std::array{pv_row<C + 1>(std::make_integer_sequence<int, simd::kRowVecs>())...};
+}
+inline constexpr auto kPvKernels = pv_table(std::make_integer_sequence<int, simd::kCols>());
 
 }  // namespace sparsa::cpu::simd

@@ -499,8 +499,8 @@ std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
   ev->add_option("--lengths", e->lengths, "context lengths in tokens, e.g. 2K,4K,8K,16K")->capture_default_str();
   ev->add_option("--attention", e->attention,
                  "attention methods, e.g. dense,ba_att:density=0.5,quest:budget=128;losa:budget=128,k=4 (an item "
-                 "with '=' and no ':' continues the previous method; ';' always separates; METHOD|0=dense gives "
-                 "that method its own layer overrides)")
+                 "whose part before any '|' has an '=' before any ':' continues the previous method; ';' always "
+                 "separates; METHOD|0,1=dense gives that method its own layer overrides)")
       ->capture_default_str();
   ev->add_option("--attention-layers", e->attention_layers,
                  "per-layer overrides LAYERS=METHOD under every method, e.g. 0=dense (repeatable)")

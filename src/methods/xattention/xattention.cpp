@@ -104,13 +104,14 @@ Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o
 
 // Softmax of a query group's row of antidiagonal scores over the key groups [lo, hi) it sees (the
 // only ones scored), added into the block masses of its query block.
-void add_row_masses(const XProblem& p, int64_t lo, int64_t hi, const double* a, double* block_mass) {
+// a[lo, hi) is overwritten with the exponentials (each computed once).
+void add_row_masses(const XProblem& p, int64_t lo, int64_t hi, double* a, double* block_mass) {
   double max_a = -std::numeric_limits<double>::infinity();
   for (int64_t c = lo; c < hi; ++c) max_a = std::max(max_a, a[c]);
   double sum = 0;
-  for (int64_t c = lo; c < hi; ++c) sum += std::exp(a[c] - max_a);
+  for (int64_t c = lo; c < hi; ++c) sum += (a[c] = std::exp(a[c] - max_a));
   const int64_t groups_per_block = p.block_kv / p.stride;
-  for (int64_t c = lo; c < hi; ++c) block_mass[c / groups_per_block] += std::exp(a[c] - max_a) / sum;
+  for (int64_t c = lo; c < hi; ++c) block_mass[c / groups_per_block] += a[c] / sum;
 }
 
 void scores_ref(const XProblem& p, float* out) {
@@ -143,18 +144,6 @@ void scores_ref(const XProblem& p, float* out) {
       }
     }
   }
-}
-
-// acc[j][c] = sum_f qr[j][f] * kr[f][c] for j < J (<= kCols) groups and kRowVecs * kLanes key
-// groups from c (simd::scores_kernel, the attention mainloop's register-blocked product).
-void group_scores(int J, const float* kr, int64_t ldk, const float* qr, int64_t F, float* acc) {
-  using K = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
-  static constexpr K kKernels[] = {
-      &cpu::simd::scores_kernel<1, cpu::simd::kRowVecs>, &cpu::simd::scores_kernel<2, cpu::simd::kRowVecs>,
-      &cpu::simd::scores_kernel<3, cpu::simd::kRowVecs>, &cpu::simd::scores_kernel<4, cpu::simd::kRowVecs>,
-      &cpu::simd::scores_kernel<5, cpu::simd::kRowVecs>, &cpu::simd::scores_kernel<6, cpu::simd::kRowVecs>};
-  static_assert(cpu::simd::kCols == 6, "one kernel per group count up to kCols");
-  kKernels[J - 1](kr, ldk, qr, F, F, acc);
 }
 
 void scores_fast(const XProblem& p, float* out) {
@@ -204,7 +193,9 @@ void scores_fast(const XProblem& p, float* out) {
     for (int64_t c0 = union_lo / kW * kW; c0 < union_hi; c0 += kW) {
       for (int64_t j0 = 0; j0 < G; j0 += cpu::simd::kCols) {
         const int J = static_cast<int>(std::min<int64_t>(cpu::simd::kCols, G - j0));
-        group_scores(J, kr + c0, ldk, qr.data() + j0 * F, F, acc.data() + j0 * ldk + c0);
+        // acc[j][c] = sum_f qr[j][f] kr[f][c] for J groups x kW key groups (the mainloop's kernel)
+        cpu::simd::kScoresKernels[J - 1][cpu::simd::kRowVecs - 1](kr + c0, ldk, qr.data() + j0 * F, F, F,
+                                                                  acc.data() + j0 * ldk + c0);
       }
     }
     for (int64_t gi = 0; gi < G; ++gi) {

@@ -89,7 +89,10 @@ def main():
                         print(f"{n:>7} {label:<22} {name}: refused ({str(e).splitlines()[0][:100]})")
             else:
                 sparsa_mask_mod = st.mask_mod(mask, n, n)
-                bm = flex.create_block_mask(sparsa_mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device="cuda")
+                # _compile: the mask built block by block (uncompiled, it materialises n x n
+                # booleans: 128 GiB at 128K)
+                bm = flex.create_block_mask(sparsa_mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device="cuda",
+                                            _compile=True)
                 fn = lambda: flex_compiled(q, k, v, block_mask=bm)
                 ref = fn()
                 peers.append(("FlexAttention", time_cuda(fn, args.iters), ref))

@@ -126,6 +126,8 @@ Status launch_tiles(FlashParams p, const BlockIndex* index, int device, cudaStre
     p.block_kv = key_tile;
     p.num_q_blocks = ceil_div(p.len_q, kRows);
     p.num_kv_blocks = ceil_div(p.len_kv, key_tile);
+    // Causal and block-causal: a query tile's keys grow with its position; the longest first.
+    p.reverse_tiles = p.mask_kind == detail::kMaskCausal || p.mask_kind == detail::kMaskBlockCausal;
   } else {
     p.tiles_per_q_block = ceil_div(p.block_q, kRows);
     p.chunks_per_kv_block = ceil_div(p.block_kv, key_tile);

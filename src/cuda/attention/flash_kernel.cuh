@@ -69,6 +69,10 @@ struct FlashParams : AttentionArgs {
   // of the seq dimension (its batch strides are 0). Null: every sequence has len_q / len_kv.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_kv = nullptr;
+  // Query tiles in reverse order (blockIdx.x 0 takes the last tile): a causal-like mask gives the
+  // last tiles the most keys, and the scheduler hands out CTAs in blockIdx order, so the longest
+  // tiles start first and the short ones fill the tail of the grid.
+  bool reverse_tiles = false;
 };
 
 template <int D, int WARPS, int BN, int MT>
@@ -280,8 +284,9 @@ struct QueryTile {
       len_q = static_cast<int>(p.cu_seqlens_q[b + 1] - q_row0);
       len_kv = static_cast<int>(p.cu_seqlens_kv[b + 1] - kv_row0);
     }
-    qb = blockIdx.x / p.tiles_per_q_block;
-    begin = qb * p.block_q + (blockIdx.x % p.tiles_per_q_block) * ROWS;
+    const int tile = p.reverse_tiles ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+    qb = tile / p.tiles_per_q_block;
+    begin = qb * p.block_q + (tile % p.tiles_per_q_block) * ROWS;
     end = min(min((qb + 1) * p.block_q, len_q), begin + ROWS);
     perm = p.perm_q ? p.perm_q + b * p.perm_q_stride[0] + h * p.perm_q_stride[1] : nullptr;
   }

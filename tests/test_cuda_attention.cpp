@@ -838,9 +838,122 @@ TEST(CudaAttentionVarlen, BadDeviceOffsetsNamed) {
   }
 }
 
+// A dense varlen call reads K and V through TMA (rung 3), whose box of a sequence's partial last
+// key tile spans the next sequence's rows. Their scores are masked, and the kernel zeroes those V
+// rows in shared memory: with the next sequence's K and V all NaN and infinity, every other
+// sequence's rows stay bit for bit as they were, and a sequence's rows equal its own dense call
+// (where the box's rows past the end arrive as zeros). The same on rung 2 (cp.async, which
+// zero-fills them itself). Masks none and causal.
+TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
+  if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
+  const Device gpu{DeviceType::cuda, 0};
+  const std::vector<int32_t> lens = {300, 129, 1000, 77};  // 300 = 2 x 128 + 44: its last box reads 84 poisoned rows
+  const int64_t S = static_cast<int64_t>(lens.size()), H = 4, Hkv = 2, D = 128;
+  std::vector<int32_t> cu(1, 0);
+  for (int32_t n : lens) cu.push_back(cu.back() + n);
+  const int64_t total = cu.back();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<uint16_t> q(total * H * D), k(total * Hkv * D), v(total * Hkv * D);
+  for (auto* x : {&q, &k, &v})
+    for (uint16_t& e : *x) e = float_to_bf16(nd(rng));
+  std::vector<uint16_t> k_bad = k, v_bad = v;  // sequence 1's rows: NaN and +-infinity
+  for (int64_t i = cu[1] * Hkv * D; i < cu[2] * Hkv * D; ++i) {
+    k_bad[i] = i % 3 == 0 ? 0x7fc0 : i % 3 == 1 ? 0x7f80 : 0xff80;
+    v_bad[i] = i % 3 == 0 ? 0xff80 : i % 3 == 1 ? 0x7fc0 : 0x7f80;
+  }
+  auto upload16 = [](const std::vector<uint16_t>& x, DeviceBuffer& buf) {
+    buf.reset(x.size() * 2);
+    CUDA_OK(cudaMemcpy(buf.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  };
+  HostArray cuh(DType::i32, {S + 1});
+  std::copy(cu.begin(), cu.end(), cuh.ptr<int32_t>());
+  DeviceBuffer qb(0), kb(0), vb(0), cub(0), ob(total * H * D * 2), lb(total * H * 4);
+  upload16(q, qb);
+  const Tensor cud = upload_i32(cuh, cub);
+  struct Result {
+    std::vector<uint16_t> out;
+    std::vector<float> lse;
+  };
+  auto run_varlen = [&](const std::vector<uint16_t>& kx, const std::vector<uint16_t>& vx, const Mask& mask,
+                        bool want_tma) {
+    upload16(kx, kb);
+    upload16(vx, vb);
+    AttentionOptions opt;
+    opt.backend = Backend::cuda;
+    opt.mask = mask;
+    const Status st = dense_varlen(Tensor::contiguous(qb.ptr, DType::bf16, {total, H, D}, gpu),
+                                   Tensor::contiguous(kb.ptr, DType::bf16, {total, Hkv, D}, gpu),
+                                   Tensor::contiguous(vb.ptr, DType::bf16, {total, Hkv, D}, gpu), cud, cud,
+                                   Tensor::contiguous(ob.ptr, DType::bf16, {total, H, D}, gpu),
+                                   Tensor::contiguous(lb.ptr, DType::f32, {H, total}, gpu), opt);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_EQ(cuda::detail::last_flash_used_tma(), want_tma);
+    Result r{std::vector<uint16_t>(total * H * D), std::vector<float>(total * H)};
+    EXPECT_EQ(cudaMemcpy(r.out.data(), ob.ptr, ob.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(r.lse.data(), lb.ptr, lb.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return r;
+  };
+  // Rows of sequence s that differ between two results (O or LSE).
+  auto differing = [&](const Result& a, const Result& b, int64_t s) {
+    int64_t n = 0;
+    for (int64_t i = cu[s]; i < cu[s + 1]; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        n += std::memcmp(&a.lse[h * total + i], &b.lse[h * total + i], 4) != 0;
+        n += std::memcmp(&a.out[(i * H + h) * D], &b.out[(i * H + h) * D], D * 2) != 0;
+      }
+    return n;
+  };
+  for (bool tma : {true, false}) {
+    const bool saved = cuda::detail::set_flash_tma(tma);
+    for (Mask mask : {Mask::none(), Mask::causal()}) {
+      SCOPED_TRACE(std::string(tma ? "rung 3, " : "rung 2, ") + mask_string(mask));
+      const Result clean = run_varlen(k, v, mask, tma);
+      const Result poisoned = run_varlen(k_bad, v_bad, mask, tma);
+      for (int64_t s : {0, 2, 3}) EXPECT_EQ(differing(clean, poisoned, s), 0) << "sequence " << s;
+      // Sequence 0 alone, [1, H, 300, D]: the same rows bit for bit.
+      const int64_t n = lens[0];
+      std::vector<uint16_t> q0(H * n * D), k0(Hkv * n * D), v0(Hkv * n * D);
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t h = 0; h < H; ++h) std::copy_n(&q[(i * H + h) * D], D, &q0[(h * n + i) * D]);
+        for (int64_t h = 0; h < Hkv; ++h) {
+          std::copy_n(&k[(i * Hkv + h) * D], D, &k0[(h * n + i) * D]);
+          std::copy_n(&v[(i * Hkv + h) * D], D, &v0[(h * n + i) * D]);
+        }
+      }
+      DeviceBuffer q1(0), k1(0), v1(0), o1(H * n * D * 2), l1(H * n * 4);
+      upload16(q0, q1);
+      upload16(k0, k1);
+      upload16(v0, v1);
+      AttentionOptions opt;
+      opt.backend = Backend::cuda;
+      opt.mask = mask;
+      const Status st = dense(Tensor::contiguous(q1.ptr, DType::bf16, {1, H, n, D}, gpu),
+                              Tensor::contiguous(k1.ptr, DType::bf16, {1, Hkv, n, D}, gpu),
+                              Tensor::contiguous(v1.ptr, DType::bf16, {1, Hkv, n, D}, gpu),
+                              Tensor::contiguous(o1.ptr, DType::bf16, {1, H, n, D}, gpu),
+                              Tensor::contiguous(l1.ptr, DType::f32, {1, H, n}, gpu), opt);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      std::vector<uint16_t> o_one(H * n * D);
+      std::vector<float> l_one(H * n);
+      CUDA_OK(cudaMemcpy(o_one.data(), o1.ptr, o1.bytes, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(l_one.data(), l1.ptr, l1.bytes, cudaMemcpyDeviceToHost));
+      int64_t differ = 0;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < n; ++i) {
+          differ += std::memcmp(&l_one[h * n + i], &poisoned.lse[h * total + i], 4) != 0;
+          differ += std::memcmp(&o_one[(h * n + i) * D], &poisoned.out[(i * H + h) * D], D * 2) != 0;
+        }
+      EXPECT_EQ(differ, 0) << "sequence 0's rows against its own dense call";
+    }
+    cuda::detail::set_flash_tma(saved);
+  }
+}
+
 // Block-sparse variable-length batches on the device: each sequence's rows of the output equal,
 // bit for bit, a fixed-length call on that sequence alone with its own plan (both on flash rung 2,
-// the varlen route's, K and V read in place: the same arithmetic on the same values), which the
+// which permuted plans take in a varlen batch, K and V read in place, not gathered: the same
+// arithmetic on the same values), which the
 // Ops cases check against cpu_ref. Sequences with no queries, no keys, one token; permuted plans;
 // junk in the plan rows past a sequence's query blocks (never read); masks. Then a device plan
 // that lists a key block past one sequence's keys is refused naming the sequence, as on the host.
@@ -851,7 +964,7 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
   const int64_t S = static_cast<int64_t>(lens_q.size()), H = 4, Hkv = 2, D = 128;
   const int block = 64;
   const int64_t max_q = 700, max_kv = 1000, nq = (max_q + block - 1) / block, nkv = (max_kv + block - 1) / block;
-  struct TmaOff {  // the varlen route's rung for the separate calls too
+  struct TmaOff {  // the varlen call's rung (permuted plans) for the separate calls too
     bool saved = cuda::detail::set_flash_tma(false);
     ~TmaOff() { cuda::detail::set_flash_tma(saved); }
   } tma_off;
@@ -932,7 +1045,7 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
         Tensor::contiguous(ob.ptr, DType::bf16, {total_q, H, D}, gpu),
         Tensor::contiguous(lb.ptr, DType::f32, {H, total_q}, gpu), opt);
     ASSERT_TRUE(st.ok()) << st.to_string();
-    EXPECT_FALSE(cuda::detail::last_flash_used_tma()) << "varlen runs on rung 2";
+    EXPECT_FALSE(cuda::detail::last_flash_used_tma()) << "a permuted varlen plan runs on rung 2";
     std::vector<uint16_t> out_h(total_q * H * D);
     std::vector<float> lse_h(total_q * H);
     CUDA_OK(cudaMemcpy(out_h.data(), ob.ptr, ob.bytes, cudaMemcpyDeviceToHost));

@@ -70,14 +70,20 @@ EncodeTiled tensor_map_encoder() {
 
 // K or V as a [batch, heads_kv, len_kv, D] tensor map read in boxes of [BN rows][64 columns] with
 // the 128-byte swizzle; false when the driver refuses the layout (the cp.async kernel takes it).
+// A variable-length batch (flash executor only) passes rows = all of K's rows and batch = 1: one
+// [1, heads_kv, rows, D] tensor, a sequence's tile at its first row plus the tile's (the kernel
+// adds kv_row0); its batch stride (0) is never stepped, so any valid one stands in.
 bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const detail::AttentionArgs& p,
-                   int d, int bn, bool bf16) {
+                   int d, int bn, bool bf16, int64_t rows = -1) {
   const EncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return false;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(p.len_kv),
-                              static_cast<cuuint64_t>(p.heads_kv), static_cast<cuuint64_t>(p.batch)};
+  const bool varlen = rows >= 0;
+  if (!varlen) rows = p.len_kv;
+  const int64_t batch_stride = varlen ? stride[2] : stride[0];
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(p.heads_kv), static_cast<cuuint64_t>(varlen ? 1 : p.batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(stride[2]) * 2, static_cast<cuuint64_t>(stride[1]) * 2,
-                                 static_cast<cuuint64_t>(stride[0]) * 2};
+                                 static_cast<cuuint64_t>(batch_stride) * 2};
   const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(bn), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
@@ -89,8 +95,8 @@ bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3
 thread_local bool g_last_tma = false;
 
 // Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
-// the driver accepts and the batch is not of variable length; rung 2 (flash_wgmma_kernel.cuh)
-// otherwise (its copies zero-fill rows past a sequence's end; TMA's only past the tensor's).
+// the driver accepts (a variable-length batch too, its rows within int coordinates); rung 2
+// (flash_wgmma_kernel.cuh) otherwise.
 // MASKED: the kernels with the per-element mask compiled in (p.mask_kind is not none).
 template <class T, int D, int BN, bool MASKED>
 Status launch(const FlashParams& p, int device, cudaStream_t stream) {
@@ -99,9 +105,11 @@ Status launch(const FlashParams& p, int device, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   detail::TmaMaps maps;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
-  g_last_tma = g_use_tma.load() && p.perm_kv == nullptr && p.aligned_loads && p.cu_seqlens_q == nullptr &&
-               encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16) &&
-               encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16);
+  const int64_t varlen_rows = p.cu_seqlens_kv != nullptr ? p.kv_rows : -1;
+  const bool rows_fit = varlen_rows < 0 || (varlen_rows > 0 && varlen_rows <= 0x7fffffff - BN);
+  g_last_tma = g_use_tma.load() && p.perm_kv == nullptr && p.aligned_loads && rows_fit &&
+               encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16, varlen_rows) &&
+               encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16, varlen_rows);
   if (g_last_tma) {
     using Shape = detail::TmaShape<D, BN, kDStages>;
     constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kDStages, MASKED>;
@@ -481,6 +489,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   set_mask(a, &p);
   p.cu_seqlens_q = a.cu_seqlens_q;  // null unless a variable-length batch (then batch = sequences,
   p.cu_seqlens_kv = a.cu_seqlens_kv;  // len_q / len_kv the longest)
+  if (a.varlen() && !a.host_cu_seqlens_kv.empty()) p.kv_rows = a.host_cu_seqlens_kv.back();
 
   p.aligned_loads = aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16);
   p.aligned_out = aligned(a.out, 4);

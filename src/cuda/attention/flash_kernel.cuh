@@ -69,6 +69,7 @@ struct FlashParams : AttentionArgs {
   // of the seq dimension (its batch strides are 0). Null: every sequence has len_q / len_kv.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_kv = nullptr;
+  int64_t kv_rows = 0;  // a variable-length batch: K's and V's rows in all (cu_seqlens_kv's last)
   // Query tiles in reverse order (blockIdx.x 0 takes the last tile): a causal-like mask gives the
   // last tiles the most keys, and the scheduler hands out CTAs in blockIdx order, so the longest
   // tiles start first and the short ones fill the tail of the grid.

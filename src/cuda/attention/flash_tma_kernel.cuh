@@ -11,9 +11,11 @@
 //     the loop; the copies cost the consumers no instructions.
 //
 // Tensor maps cover K and V as [batch, heads_kv, len_kv, D] with their strides; rows past len_kv
-// arrive as zeros (and are masked like any partial tile). Not for variable-length batches (the
-// launcher takes rung 2 there): a sequence's last tile would read the next sequence's rows, and
-// P = 0 times a non-finite V there is not 0. Key permutations are not read here: the
+// arrive as zeros (and are masked like any partial tile). A variable-length batch's maps are
+// [1, heads_kv, all rows, D], a sequence's tile at its first row plus the tile's: the box of a
+// sequence's partial last tile then reads the next sequence's rows. Their scores are masked like
+// any past the end, but P = 0 times a non-finite V is not 0, so the consumers zero those V rows
+// in shared memory before P V (only on such tiles; zero_v_rows). Key permutations are not read here: the
 // launcher takes this kernel only without perm_kv (long permuted plans have K and V gathered into
 // order first, gather_kernel.cuh); Q keeps its cp.async gather (read once per CTA).
 // Warp specialisation and TMA as in FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608).
@@ -72,6 +74,23 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// Rows [valid, BN) of V's stage `stage` set to zero by the 256 consumer threads (thread t =
+// threadIdx.x - 128), then made visible to the wgmma reads (async proxy) of both consumer
+// warpgroups. The 128-byte swizzle permutes 16-byte chunks within a row, so row r of a 64-column
+// box is bytes [128 r, 128 r + 128) whatever the swizzle. CTA-uniform: both warpgroups call it.
+template <int D, int BN, int STAGES>
+__device__ __forceinline__ void zero_v_rows(uint32_t v_smem, int stage, int valid) {
+  constexpr int kKVBytes = TmaShape<D, BN, STAGES>::kKVBytes;
+  const int chunks_per_box = (BN - valid) * 8;  // 16-byte chunks past the valid rows, per box
+  for (int i = static_cast<int>(threadIdx.x) - 128; i < chunks_per_box * (D / 64); i += 256) {
+    const int sub = i / chunks_per_box, chunk = i % chunks_per_box;
+    const uint32_t addr = v_smem + stage * kKVBytes + sub * BN * 128 + valid * 128 + chunk * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0u) : "memory");
+  }
+  fence_proxy_async();
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
+}
+
 // MASKED: as flash_wgmma_kernel's (the per-element mask compiled in).
 template <class T, int D, int BN, int STAGES, bool MASKED = false>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
@@ -103,10 +122,13 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, threadIdx.x / 32 - 4) : CtaMask<BM>{};
   KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb, tile.len_kv, mask.key_min, mask.key_max);
   const int num_tiles = tiles.num_tiles;
+  const bool varlen = p.cu_seqlens_kv != nullptr;
 
   if (threadIdx.x < 128) {  // ---- producer ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x != 0) return;
+    // A variable-length batch: the sequence's first row in the one [1, heads_kv, rows, D] map.
+    const int row0 = static_cast<int>(tile.kv_row0), batch = varlen ? 0 : tile.b;
     for (int t = 0; t < num_tiles; ++t) {
       const int stage = t % STAGES, use = t / STAGES;
       if (use > 0) mbar_wait(empty(stage), (use - 1) & 1);
@@ -117,8 +139,8 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
 #pragma unroll
       for (int sub = 0; sub < D / 64; ++sub) {
         const uint32_t offset = stage * Shape::kKVBytes + sub * BN * 128;
-        tma_load_4d(k_smem + offset, &maps.k, sub * 64, begin, tile.h_kv, tile.b, full(stage));
-        tma_load_4d(v_smem + offset, &maps.v, sub * 64, begin, tile.h_kv, tile.b, full(stage));
+        tma_load_4d(k_smem + offset, &maps.k, sub * 64, row0 + begin, tile.h_kv, batch, full(stage));
+        tma_load_4d(v_smem + offset, &maps.v, sub * 64, row0 + begin, tile.h_kv, batch, full(stage));
       }
     }
     return;
@@ -139,6 +161,7 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
     tiles.next(p, begin, end);
     const int valid = end - begin;  // CTA-uniform
     mbar_wait(full(stage), use & 1);
+    if (varlen && valid > 0 && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
     consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
     if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
     if constexpr (MASKED) {

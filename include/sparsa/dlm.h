@@ -210,4 +210,48 @@ class Tokenizer {
   std::unique_ptr<Impl> impl_;
 };
 
+// A model's chat template (docs/dlm.md, "Chat templates"): the Jinja template a Hugging Face
+// tokenizer carries, rendered by sparsa's own interpreter of the part of Jinja chat templates use,
+// as transformers' apply_chat_template renders it. Instruct and chat models expect their prompts
+// in this form.
+struct ChatMessage {
+  std::string role;  // "system", "user", "assistant", ...
+  std::string content;
+};
+
+class ChatTemplate {
+ public:
+  // The template of a model directory: DIR/chat_template.jinja if present, else
+  // tokenizer_config.json's "chat_template" (a string, or a list of {name, template}: the one
+  // named "default"), else chat_template.json's; the special tokens (bos_token, eos_token, ...)
+  // from tokenizer_config.json. A directory without one is an error saying so. template_path, if
+  // given, is a .jinja file used instead of the directory's template (model_dir may then be "":
+  // no special tokens).
+  static Result<ChatTemplate> load(const std::string& model_dir, const std::string& template_path = "");
+  // A template's text; special_tokens_json: a JSON object of the variables every render gets
+  // (e.g. {"bos_token": "<s>"}).
+  static Result<ChatTemplate> parse(const std::string& source, const std::string& special_tokens_json = "{}",
+                                    const std::string& where = "chat template");
+  ChatTemplate(const ChatTemplate&);
+  ChatTemplate(ChatTemplate&&) noexcept;
+  ChatTemplate& operator=(ChatTemplate&&) noexcept;
+  ~ChatTemplate();
+
+  // The prompt for `messages`; add_generation_prompt opens the assistant's turn; extra_json: a
+  // JSON object of more variables (e.g. {"enable_thinking": false}), which win over the others.
+  Result<std::string> render(const std::vector<ChatMessage>& messages, bool add_generation_prompt = true,
+                             const std::string& extra_json = "{}") const;
+  // The whole context as a JSON object ({"messages": [...], "tools": [...], ...}), for messages
+  // with more than a role and a text; the special tokens, tools = documents = null and
+  // add_generation_prompt = true are filled in where it leaves them out.
+  Result<std::string> render_json(const std::string& context_json) const;
+  const std::string& source() const;
+
+  struct Impl;
+
+ private:
+  explicit ChatTemplate(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace sparsa::dlm

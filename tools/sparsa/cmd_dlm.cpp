@@ -1,10 +1,13 @@
-// The diffusion-LM engine's commands (docs/dlm.md): generate, logits, tokenize, model info.
+// The diffusion-LM engine's commands (docs/dlm.md): generate, logits, tokenize, chat-template,
+// model info.
 #include <chrono>
 #include <climits>
 #include <optional>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -31,6 +34,9 @@ struct DlmOptions {
   int64_t dump_max = 256;
   std::string gemm = "cublas";
   bool json = false, no_stop = false, ban_eos = false, quiet = false, no_cuda_graphs = false;
+  // The chat template (generate --chat, chat-template).
+  bool chat = false, no_generation_prompt = false, show_ids = false;
+  std::string system, chat_template, chat_vars = "{}", messages;
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& flag, const std::string& text) {
@@ -184,6 +190,71 @@ Outcome run_tokenize(const DlmOptions& o) {
   return success();
 }
 
+Result<dlm::ChatTemplate> load_chat_template(const DlmOptions& o) {
+  return dlm::ChatTemplate::load(o.model, o.chat_template);
+}
+
+// One request's prompt through the chat template: an optional system message, then the user's.
+Result<std::string> chat_prompt(const dlm::ChatTemplate& t, const DlmOptions& o, const std::string& user) {
+  std::vector<dlm::ChatMessage> messages;
+  if (!o.system.empty()) messages.push_back({"system", o.system});
+  messages.push_back({"user", user});
+  return t.render(messages, !o.no_generation_prompt, o.chat_vars);
+}
+
+Outcome run_chat_template(const DlmOptions& o) {
+  if (o.model.empty() && o.chat_template.empty()) {
+    return usage_error(invalid_argument("give --model DIR or --template FILE"));
+  }
+  if (o.prompts.empty() == o.messages.empty()) {
+    return usage_error(invalid_argument("give --prompt TEXT or --messages FILE, not both"));
+  }
+  auto t = load_chat_template(o);
+  if (!t.ok()) return runtime_error(t.status());
+  Result<std::string> text = std::string();
+  if (!o.messages.empty()) {
+    // A JSON list of messages, or a whole context object ({"messages": [...], "tools": [...]}).
+    std::ifstream in(o.messages, std::ios::binary);
+    if (!in) return runtime_error(Status(StatusCode::io_error, o.messages + ": missing or unreadable"));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto j = nlohmann::ordered_json::parse(ss.str(), nullptr, false);
+    if (j.is_discarded()) return runtime_error(invalid_argument("--messages: " + o.messages + ": not valid JSON"));
+    nlohmann::ordered_json context = j.is_array() ? nlohmann::ordered_json{{"messages", j}} : j;
+    if (!context.is_object()) {
+      return runtime_error(invalid_argument("--messages: expected a list of messages or an object"));
+    }
+    auto vars = nlohmann::ordered_json::parse(o.chat_vars, nullptr, false);
+    if (vars.is_discarded() || !vars.is_object()) return usage_error(invalid_argument("--vars: expected a JSON object"));
+    if (!context.contains("add_generation_prompt")) context["add_generation_prompt"] = !o.no_generation_prompt;
+    for (const auto& [k, v] : vars.items()) context[k] = v;
+    text = t->render_json(context.dump());
+  } else {
+    if (o.prompts.size() != 1) return usage_error(invalid_argument("--prompt: give one (a batch is generate's)"));
+    text = chat_prompt(t.value(), o, o.prompts[0]);
+  }
+  if (!text.ok()) return runtime_error(text.status());
+  std::vector<int32_t> ids;
+  if (o.show_ids) {
+    auto tok = dlm::Tokenizer::load(tokenizer_path(o));
+    if (!tok.ok()) return runtime_error(tok.status());
+    ids = tok->encode(text.value());
+  }
+  if (o.json) {
+    nlohmann::json j{{"text", text.value()}};
+    if (o.show_ids) j["ids"] = ids;
+    std::cout << json_text(j, -1) << "\n";
+    return success();
+  }
+  std::cout << text.value();
+  if (o.show_ids) {
+    std::cout << "\n";
+    for (size_t i = 0; i < ids.size(); ++i) std::cout << (i ? "," : "") << ids[i];
+    std::cout << "\n";
+  }
+  return success();
+}
+
 Outcome run_generate(const DlmOptions& o) {
   if (o.prompts.empty() == o.prompt_ids.empty()) {
     return usage_error(
@@ -204,7 +275,22 @@ Outcome run_generate(const DlmOptions& o) {
       tok.emplace(std::move(t.value()));
     }
   }
-  for (const std::string& text : o.prompts) prompts.push_back(tok->encode(text));
+  if (o.chat && o.prompts.empty()) return usage_error(invalid_argument("--chat: needs --prompt TEXT"));
+  std::optional<dlm::ChatTemplate> chat;
+  if (o.chat) {
+    auto t = load_chat_template(o);
+    if (!t.ok()) return runtime_error(t.status());
+    chat.emplace(std::move(t.value()));
+  }
+  for (const std::string& text : o.prompts) {
+    if (!chat) {
+      prompts.push_back(tok->encode(text));
+      continue;
+    }
+    auto rendered = chat_prompt(*chat, o, text);
+    if (!rendered.ok()) return runtime_error(rendered.status());
+    prompts.push_back(tok->encode(rendered.value()));
+  }
   auto model = load_model(o);
   if (!model.ok()) return runtime_error(model.status());
   dlm::GenerateOptions g;
@@ -367,6 +453,13 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
                 "decode every block even after an EOS (the output then keeps the EOS and what follows)");
   gen->add_flag("--ban-eos", o->ban_eos, "never sample EOS");
   gen->add_option("--eos-ids", o->eos_ids, "EOS ids 1,2 (default: config.json's eos_token_id)");
+  gen->add_flag("--chat", o->chat,
+                "wrap each --prompt as a user message in the model's chat template (instruct / chat models)");
+  gen->add_option("--system", o->system, "--chat: a system message before the user's");
+  gen->add_option("--chat-template", o->chat_template, "--chat: this .jinja file instead of the model's template");
+  gen->add_option("--chat-vars", o->chat_vars, "--chat: more template variables as a JSON object, e.g. "
+                                               "'{\"enable_thinking\": false}'")
+      ->capture_default_str();
   gen->add_flag("--json", o->json, "print the generated ids (and text) as JSON");
   gen->add_flag("--quiet", o->quiet, "no progress line");
   gen->add_flag("--no-cuda-graphs", o->no_cuda_graphs, "cuda: run every step eagerly (no graph replay)");
@@ -402,6 +495,21 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   tk->add_option("--decode", o->decode, "ids 1,2,3 to decode");
   tk->add_flag("--json", o->json, "print JSON");
   out.push_back({tk, [o] { return run_tokenize(*o); }});
+
+  CLI::App* ct = app.add_subcommand("chat-template", "render a model's chat template (what generate --chat feeds it)");
+  ct->add_option("--model", o->model, "model directory (its chat template, special tokens and tokenizer.json)");
+  ct->add_option("--template", o->chat_template, "a .jinja file instead of the model's template");
+  ct->add_option("--prompt", o->prompts, "the user's message")->allow_extra_args(false);
+  ct->add_option("--system", o->system, "a system message before the user's");
+  ct->add_option("--messages", o->messages,
+                 "a JSON file: a list of {role, content, ...} messages, or a whole context "
+                 "({\"messages\": [...], \"tools\": [...], ...})");
+  ct->add_flag("--no-generation-prompt", o->no_generation_prompt, "do not open the assistant's turn");
+  ct->add_option("--vars", o->chat_vars, "more template variables as a JSON object")->capture_default_str();
+  ct->add_flag("--ids", o->show_ids, "also the token ids (the model's tokenizer.json, or --tokenizer)");
+  ct->add_option("--tokenizer", o->tokenizer, "tokenizer.json for --ids");
+  ct->add_flag("--json", o->json, "print JSON");
+  out.push_back({ct, [o] { return run_chat_template(*o); }});
 
   CLI::App* model = app.add_subcommand("model", "inspect a model directory");
   CLI::App* info = model->add_subcommand("info", "architecture, shapes, dtypes and parameters of a model directory");

@@ -532,12 +532,12 @@ class Renderer {
           if (!a.positional[0].is(Value::Kind::dict)) fail(line, name + "(): the positional argument must be a dict");
           d = *a.positional[0].dict;
         }
-        for (auto& [k, v] : a.keyword) {
-          auto at = std::find_if(d.begin(), d.end(), [&](const auto& e) { return e.first == k; });
+        for (auto& kv : a.keyword) {
+          auto at = std::find_if(d.begin(), d.end(), [&](const auto& e) { return e.first == kv.first; });
           if (at != d.end()) {
-            at->second = v;
+            at->second = kv.second;
           } else {
-            d.emplace_back(k, v);
+            d.emplace_back(kv.first, kv.second);
           }
         }
         return Value::of_dict(std::move(d), ns ? Value::Kind::ns : Value::Kind::dict);

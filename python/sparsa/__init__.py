@@ -63,6 +63,7 @@ __all__ = [
     "backends",
     "Model",
     "Tokenizer",
+    "ChatTemplate",
     "backend_status",
     "token_permutation",
     "inverse_permutation",
@@ -1147,6 +1148,45 @@ def generate_workload(seed: int = 0, batch: int = 1, heads_q: int = 8, heads_kv:
 Tokenizer = _core.Tokenizer
 
 
+class ChatTemplate:
+    """A model's chat template (Jinja), rendered by sparsa's own interpreter as transformers'
+    ``apply_chat_template`` renders it (docs/dlm.md, "Chat templates").
+
+    ``ChatTemplate.load(dir)`` finds it where transformers does (``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template``) with the special tokens of
+    ``tokenizer_config.json``; ``ChatTemplate.parse(source)`` takes a template's text.
+    """
+
+    def __init__(self, core):
+        self._core = core
+
+    @staticmethod
+    def load(dir, template=None) -> "ChatTemplate":
+        """``template``: a ``.jinja`` file used instead of the directory's (``dir`` may then be
+        None: no special tokens)."""
+        import os
+
+        return ChatTemplate(_core.ChatTemplate.load("" if dir is None else os.fspath(dir),
+                                                    "" if template is None else os.fspath(template)))
+
+    @staticmethod
+    def parse(source: str, **special_tokens) -> "ChatTemplate":
+        """``special_tokens``: variables every render gets, e.g. ``bos_token="<s>"``."""
+        return ChatTemplate(_core.ChatTemplate.parse(source, json.dumps(special_tokens)))
+
+    @property
+    def source(self) -> str:
+        return self._core.source
+
+    def render(self, messages, add_generation_prompt: bool = True, tools=None, **variables) -> str:
+        """The prompt text for ``messages`` (dicts with ``role``, ``content`` and whatever else the
+        template reads, e.g. ``tool_calls``); ``variables``: more template variables, e.g.
+        ``enable_thinking=False``."""
+        context = {"messages": list(messages), "tools": tools, "add_generation_prompt": bool(add_generation_prompt),
+                   **variables}
+        return self._core.render_json(json.dumps(context))
+
+
 class Model:
     """A diffusion LM (``llada`` or ``sdar``) loaded from a Hugging Face model directory.
 
@@ -1156,9 +1196,20 @@ class Model:
     (``loop="remask" | "prefix_cache" | "block"``; default: remask for llada, block for sdar).
     """
 
-    def __init__(self, core, tokenizer=None):
+    def __init__(self, core, tokenizer=None, dir=None):
         self._core = core
         self.tokenizer = tokenizer
+        self._dir = dir
+        self._chat_template = None
+
+    @property
+    def chat_template(self) -> "ChatTemplate":
+        """The model directory's chat template (loaded on first use; an error if it has none)."""
+        if self._chat_template is None:
+            if self._dir is None:
+                raise ValueError("chat_template: this model was not loaded from a directory")
+            self._chat_template = ChatTemplate.load(self._dir)
+        return self._chat_template
 
     @staticmethod
     def load(dir, backend: str = "cpu", num_threads: int = 0, attention: str = "dense",
@@ -1176,7 +1227,7 @@ class Model:
                                 "" if dump_attention is None else os.fspath(dump_attention),
                                 [int(x) for x in dump_layers], [int(x) for x in dump_forwards], int(dump_max))
         path = os.path.join(str(dir), "tokenizer.json")
-        return Model(core, Tokenizer.load(path) if os.path.exists(path) else None)
+        return Model(core, Tokenizer.load(path) if os.path.exists(path) else None, os.fspath(dir))
 
     @property
     def config(self) -> dict:
@@ -1198,14 +1249,21 @@ class Model:
 
     def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
-                 ban_eos: bool = False, eos_ids=()):
+                 ban_eos: bool = False, eos_ids=(), chat: bool = False, system=None):
         """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
-        list of either (a batch; returns a list)."""
+        list of either (a batch; returns a list). ``chat``: each text prompt becomes the user's
+        message in the model's chat template (after a ``system`` message, if given), as instruct
+        and chat models expect."""
         batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
         prompts = list(prompt) if batch else [prompt]
         text = [isinstance(p, str) for p in prompts]
         if any(text) and self.tokenizer is None:
             raise ValueError("prompt: text needs the model directory's tokenizer.json (or pass token ids)")
+        if chat:
+            if not all(text):
+                raise ValueError("chat: the prompts must be text")
+            head = [] if system is None else [{"role": "system", "content": str(system)}]
+            prompts = [self.chat_template.render(head + [{"role": "user", "content": p}]) for p in prompts]
         ids = [self.tokenizer.encode(p) if t else [int(i) for i in p] for p, t in zip(prompts, text)]
         out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
                                   ban_eos, [int(i) for i in eos_ids])

@@ -1,4 +1,4 @@
-// The DLM engine's part of the binding (sparsa._sparsa.Model, sparsa._sparsa.Tokenizer): kept in
+// The DLM engine's part of the binding (sparsa._sparsa.Model, Tokenizer, ChatTemplate): kept in
 // its own file so the engine's bindings do not grow the attention ones; sparsa_ext.cpp calls
 // bind_dlm() from its module. Status errors become ValueError (bad input) or RuntimeError (files).
 #include <nanobind/nanobind.h>
@@ -147,6 +147,25 @@ void bind_dlm(nb::module_& m) {
           },
           "ids"_a, "skip_special"_a = false)
       .def_prop_ro("vocab_size", &dlm::Tokenizer::vocab_size);
+
+  nb::class_<dlm::ChatTemplate>(m, "ChatTemplate",
+                                "A model's chat template (Jinja), rendered by sparsa's interpreter (docs/dlm.md).")
+      .def_static(
+          "load",
+          [](const std::string& dir, const std::string& template_path) {
+            return take(dlm::ChatTemplate::load(dir, template_path));
+          },
+          "dir"_a, "template_path"_a = "")
+      .def_static(
+          "parse",
+          [](const std::string& source, const std::string& special_tokens_json) {
+            return take(dlm::ChatTemplate::parse(source, special_tokens_json));
+          },
+          "source"_a, "special_tokens_json"_a = "{}")
+      .def(
+          "render_json", [](const dlm::ChatTemplate& t, const std::string& context) { return take(t.render_json(context)); },
+          "context_json"_a)
+      .def_prop_ro("source", &dlm::ChatTemplate::source);
 }
 
 }  // namespace sparsa

@@ -425,3 +425,36 @@ def test_malformed_tokenizer_config_json(sparsa_bin, tmp_path):
     r = subprocess.run([sparsa_bin, "chat-template", "--model", str(tmp_path), "--prompt", "hi"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "tokenizer_config.json: not valid JSON" in r.stderr, r.stderr
+
+
+def test_generate_chat_feeds_the_rendered_prompt(sparsa_bin, tmp_path):
+    """generate --chat encodes what chat-template renders: the same tokens come out as from those
+    ids given by hand; a model without a template is told so."""
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "sparsa-sdar-ruler")
+    if not os.path.isdir(shipped):
+        pytest.skip("the shipped model is not in this checkout")
+    model = tmp_path / "chat_model"
+    model.mkdir()
+    for name in os.listdir(shipped):
+        os.symlink(os.path.abspath(os.path.join(shipped, name)), model / name)
+
+    def sparsa(*args):
+        return subprocess.run([sparsa_bin, *args], capture_output=True, text=True, encoding="utf-8")
+
+    r = sparsa("generate", "--model", str(model), "--chat", "--prompt", "hi", "--gen-len", "16", "--quiet")
+    assert r.returncode == 1 and "no chat template" in r.stderr, r.stderr
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role | upper }}: {{ m.content | trim }}\n{% endfor %}"
+        "{% if add_generation_prompt %}ASSISTANT: the value is {% endif %}", encoding="utf-8")
+    r = sparsa("chat-template", "--model", str(model), "--system", "Answer with digits.", "--prompt",
+               " What is 12 + 30? ", "--ids", "--json")
+    assert r.returncode == 0, r.stderr
+    rendered = json.loads(r.stdout)
+    assert rendered["text"] == "SYSTEM: Answer with digits.\nUSER: What is 12 + 30?\nASSISTANT: the value is "
+    chat = sparsa("generate", "--model", str(model), "--chat", "--system", "Answer with digits.", "--prompt",
+                  " What is 12 + 30? ", "--gen-len", "16", "--json", "--quiet")
+    plain = sparsa("generate", "--model", str(model), "--prompt-ids", ",".join(map(str, rendered["ids"])),
+                   "--gen-len", "16", "--json", "--quiet")
+    assert chat.returncode == 0 and plain.returncode == 0, chat.stderr + plain.stderr
+    assert json.loads(chat.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
+    assert sparsa("generate", "--model", str(model), "--chat", "--prompt-ids", "1,2", "--quiet").returncode == 2

@@ -67,3 +67,42 @@ def test_attention_capture_from_python(tmp_path):
     assert np.max(np.abs(t["q"] - q)) / max(1.0, np.max(np.abs(q))) < 5e-5
     with pytest.raises((RuntimeError, ValueError), match="not empty"):
         sparsa.Model.load(tmp_path / "m", dump_attention=dump)
+
+
+def test_chat_template_from_python(tmp_path):
+    """sparsa.ChatTemplate renders as the CLI does (test_chat_template.py holds the comparison with
+    jinja2); Model.generate(chat=True) encodes the rendered prompt."""
+    t = sparsa.ChatTemplate.parse("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}"
+                                  "{% if m.tool_calls %} calls {{ m.tool_calls | map(attribute='name') | join(',') }}"
+                                  "{% endif %}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+                                  "{% if enable_thinking is false %} no-think{% endif %}", bos_token="<s>")
+    messages = [{"role": "user", "content": " hi "},
+                {"role": "assistant", "content": "", "tool_calls": [{"name": "a"}, {"name": "b"}]}]
+    # (trim_blocks: the newline after {% endif %} goes)
+    assert t.render(messages) == "<s>[user] hi[assistant]  calls a,b[assistant]"
+    assert t.render(messages, add_generation_prompt=False, enable_thinking=False) == \
+        "<s>[user] hi[assistant]  calls a,b no-think"
+    with pytest.raises(ValueError, match="line 1"):
+        sparsa.ChatTemplate.parse("{% if %}")
+    with pytest.raises(ValueError, match="stop here"):
+        sparsa.ChatTemplate.parse("{{ raise_exception('stop here') }}").render([])
+
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "sparsa-sdar-ruler")
+    if not os.path.isdir(shipped):
+        return
+    model_dir = tmp_path / "chat_model"
+    model_dir.mkdir()
+    for name in os.listdir(shipped):
+        os.symlink(os.path.abspath(os.path.join(shipped, name)), model_dir / name)
+    m = sparsa.Model.load(model_dir)
+    with pytest.raises(ValueError, match="no chat template"):
+        m.generate("What is 1 + 1?", gen_len=16, chat=True)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+        "assistant: the value is {% endif %}", encoding="utf-8")
+    m = sparsa.Model.load(model_dir)
+    rendered = m.chat_template.render([{"role": "system", "content": "Digits only."},
+                                       {"role": "user", "content": "What is 1 + 1?"}])
+    assert rendered == "system: Digits only.\nuser: What is 1 + 1?\nassistant: the value is "
+    want = m.generate(m.tokenizer.encode(rendered), gen_len=16)
+    assert m.generate("What is 1 + 1?", gen_len=16, chat=True, system="Digits only.") == m.tokenizer.decode(want, True)

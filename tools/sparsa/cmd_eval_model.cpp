@@ -9,6 +9,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -265,6 +266,16 @@ Outcome run_eval_model(const EvalModelOptions& o) {
   std::shared_ptr<dlm::Tokenizer> tok;
   auto count = token_counter(tok_path, &tok);
   if (!count.ok()) return runtime_error(count.status());
+  // --chat (instruct models): the question (the input before its answer prefix) as the user's
+  // message in the model's chat template, the answer prefix after the assistant's turn opens, as
+  // RULER prompts chat models. The lengths are calibrated on the bare input, so a prompt is longer
+  // by the template's own tokens.
+  std::optional<dlm::ChatTemplate> chat;
+  if (o.chat) {
+    auto t = dlm::ChatTemplate::load(o.model);
+    if (!t.ok()) return runtime_error(Status(t.status().code(), "--chat: " + t.status().message()));
+    chat.emplace(std::move(t.value()));
+  }
 
   // The model itself first (a runtime error), then every method's spec before any work, so that a
   // bad --attention fails at once, as a usage error naming it. Between them, for a backend other
@@ -349,7 +360,17 @@ Outcome run_eval_model(const EvalModelOptions& o) {
         g.gen_len = (g.gen_len + g.block_len - 1) / g.block_len * g.block_len;  // remask: whole blocks
         if (o.steps == 0) g.steps = g.gen_len;
       }
-      const std::vector<int32_t> prompt = tok->encode(s.input);
+      std::string input = s.input;
+      if (chat) {
+        const bool has_prefix = input.size() >= s.answer_prefix.size() &&
+                                input.compare(input.size() - s.answer_prefix.size(), s.answer_prefix.size(),
+                                              s.answer_prefix) == 0;
+        const std::string question = has_prefix ? input.substr(0, input.size() - s.answer_prefix.size()) : input;
+        auto rendered = chat->render({{"user", question}});
+        if (!rendered.ok()) return runtime_error(Status(rendered.status().code(), "--chat: " + rendered.status().message()));
+        input = rendered.value() + (has_prefix ? s.answer_prefix : std::string());
+      }
+      const std::vector<int32_t> prompt = tok->encode(input);
       const auto t0 = std::chrono::steady_clock::now();
       auto result = model.generate({prompt}, g);
       if (!result.ok()) {
@@ -526,6 +547,9 @@ std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
       ->expected(0, 1);
   ev->add_option("--svg", e->svg, "SVG plot: accuracy vs length and vs answer depth, one line per method");
   ev->add_flag("--quiet", e->quiet, "no progress line");
+  ev->add_flag("--chat", e->chat,
+               "instruct / chat models: each question as the user's message in the model's chat template, "
+               "the answer prefix after it (docs/eval.md)");
   out.push_back({ev, [e] { return run_eval_model(*e); }});
   return out;
 }

@@ -21,6 +21,7 @@ struct EvalModelOptions {
   uint64_t seed = 0;
   int threads = 0;
   bool json = false, quiet = false;
+  bool chat = false;  // each task's question as the user's message in the model's chat template
   // The flags that set lengths and samples, as errors name them (`sparsa demo` passes its own).
   std::string lengths_flag = "--lengths", samples_flag = "--samples";
 };

@@ -300,3 +300,33 @@ def test_demo_asks_the_shipped_model_a_needle_question(sparsa_bin, tmp_path):
         assert bad.returncode == 2 and flag in bad.stderr, bad.stderr  # 99999: past the model's 16384
     bad = run(sparsa_bin, *args, "--model", tmp_path / "nowhere", check=False)
     assert bad.returncode != 0 and "nowhere" in bad.stderr, bad.stderr
+
+
+def test_eval_model_chat_wraps_the_question_in_the_template(sparsa_bin, tmp_path):
+    """--chat (instruct models): each sample's question as the user's message in the model's chat
+    template, its answer prefix after the opened assistant turn. The prompt eval-model runs is
+    checked by its token count against the same text built here from `ruler generate`'s sample;
+    a model without a template is told so."""
+    if not SHIPPED.is_dir():
+        pytest.skip("the shipped model is not in this checkout")
+    model = tmp_path / "chat_model"
+    model.mkdir()
+    for f in SHIPPED.iterdir():
+        (model / f.name).symlink_to(f)
+    args = ["--tasks", "niah_single_1", "--lengths", "1K", "--samples", "2", "--seed", "4"]
+    bad = run(sparsa_bin, "eval-model", "--model", model, *args, "--chat", "--quiet", check=False)
+    assert bad.returncode == 1 and "--chat" in bad.stderr and "no chat template" in bad.stderr, bad.stderr
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}", encoding="utf-8")
+    report = json.loads(run(sparsa_bin, "eval-model", "--model", model, *args, "--chat", "--json", "--quiet",
+                            "--threads", "2").stdout)
+    samples = generate(sparsa_bin, *args, "--tokenizer", model / "tokenizer.json")
+    (cell,) = report["results"]
+    for s, got in zip(samples, cell["per_sample"]):
+        assert s["input"].endswith(s["answer_prefix"]) and s["answer_prefix"]
+        question = s["input"][: len(s["input"]) - len(s["answer_prefix"])]
+        text = "<user>" + question.strip() + "</user>\n<assistant>" + s["answer_prefix"]
+        ids = run(sparsa_bin, "tokenize", "--tokenizer", model / "tokenizer.json", "--text", text,
+                  "--json").stdout
+        assert got["input_tokens"] == len(json.loads(ids)["ids"]) > s["input_tokens"]

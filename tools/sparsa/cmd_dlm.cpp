@@ -1,5 +1,5 @@
-// The diffusion-LM engine's commands (docs/dlm.md): generate, logits, tokenize, chat-template,
-// model info.
+// The diffusion-LM engine's commands (docs/dlm.md): generate, chat, logits, tokenize,
+// chat-template, model info.
 #include <chrono>
 #include <climits>
 #include <optional>
@@ -8,6 +8,8 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -104,6 +106,60 @@ void print_dump(const DlmOptions& o, const dlm::Model& model) {
   }
   std::fprintf(stderr, "\n");
 }
+
+// The loop's options from the command line (usage errors name their flag).
+Result<dlm::GenerateOptions> generate_options(const DlmOptions& o, const dlm::Model& model) {
+  dlm::GenerateOptions g;
+  g.loop = model.default_loop();
+  if (!o.loop.empty()) {
+    auto loop = dlm::parse_loop(o.loop);
+    if (!loop.ok()) return loop.status();
+    g.loop = loop.value();
+  }
+  g.gen_len = o.gen_len;
+  g.block_len = o.block_len;
+  g.steps = o.steps > 0 ? o.steps
+                        : (g.loop == dlm::Loop::block ? std::max<int64_t>(model.config().block_size, 1) : o.gen_len);
+  g.threshold = o.threshold;
+  g.temperature = o.temperature;
+  g.seed = o.seed;
+  g.stop_at_eos = !o.no_stop;
+  g.ban_eos = o.ban_eos;
+  if (!o.eos_ids.empty()) {
+    auto eos = parse_ids("--eos-ids", o.eos_ids);
+    if (!eos.ok()) return eos.status();
+    g.eos_ids = eos.value();
+  }
+  return g;
+}
+
+// One request's text printed as it grows block by block. A block may end inside a multi-byte
+// character (decoded as U+FFFD): those bytes wait for the next block.
+struct TextStream {
+  const dlm::Tokenizer& tok;
+  std::string printed;
+
+  void update(std::span<const int32_t> generated) {
+    auto text = tok.decode(generated, true);
+    if (!text.ok()) return;
+    std::string t = text.value();
+    while (t.size() >= 3 && t.compare(t.size() - 3, 3, "\xEF\xBF\xBD") == 0) t.resize(t.size() - 3);
+    print_new(t);
+  }
+  void finish(std::span<const int32_t> generated) {  // the rest (held-back bytes, if any), a newline
+    auto text = tok.decode(generated, true);
+    if (text.ok()) print_new(text.value());
+    std::cout << "\n" << std::flush;
+  }
+
+ private:
+  void print_new(const std::string& t) {
+    if (t.size() > printed.size() && t.compare(0, printed.size(), printed) == 0) {
+      std::cout << t.substr(printed.size()) << std::flush;
+      printed = t;
+    }
+  }
+};
 
 Outcome run_logits(const DlmOptions& o) {
   auto ids = parse_ids("--ids", o.ids);
@@ -255,6 +311,71 @@ Outcome run_chat_template(const DlmOptions& o) {
   return success();
 }
 
+// A conversation with an instruct / chat model: each line of stdin is the user's turn; the
+// whole conversation goes through the chat template every turn (so a block-diffusion model
+// prefills it again: no cache is kept across turns) and the reply is streamed, then kept as the
+// assistant's turn. "/reset" forgets the turns (not --system), "/exit" ends; so does the input's end.
+Outcome run_chat(const DlmOptions& o) {
+  auto tok = dlm::Tokenizer::load(tokenizer_path(o));
+  if (!tok.ok()) return runtime_error(tok.status());
+  auto chat = load_chat_template(o);
+  if (!chat.ok()) return runtime_error(chat.status());
+  auto vars = nlohmann::ordered_json::parse(o.chat_vars, nullptr, false);
+  if (vars.is_discarded() || !vars.is_object()) return usage_error(invalid_argument("--chat-vars: expected a JSON object"));
+  auto model = load_model(o);
+  if (!model.ok()) return runtime_error(model.status());
+  auto options = generate_options(o, model.value());
+  if (!options.ok()) return usage_error(options.status());
+  dlm::GenerateOptions g = options.value();
+
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  if (!o.system.empty()) messages.push_back({{"role", "system"}, {"content", o.system}});
+  const size_t kept = messages.size();
+  const bool prompt_user = !o.json && ::isatty(STDIN_FILENO);
+  std::string line;
+  for (int64_t turn = 0;;) {
+    if (prompt_user) std::cout << "> " << std::flush;
+    if (!std::getline(std::cin, line)) break;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty()) continue;
+    if (line == "/exit" || line == "/quit") break;
+    if (line == "/reset") {
+      messages.erase(messages.begin() + static_cast<std::ptrdiff_t>(kept), messages.end());
+      continue;
+    }
+    messages.push_back({{"role", "user"}, {"content", line}});
+    nlohmann::ordered_json context = {{"messages", messages}, {"add_generation_prompt", true}};
+    for (const auto& [k, v] : vars.items()) context[k] = v;
+    auto rendered = chat->render_json(context.dump());
+    if (!rendered.ok()) return runtime_error(rendered.status());
+    const std::vector<int32_t> prompt = tok->encode(rendered.value());
+    g.seed = o.seed + static_cast<uint64_t>(turn);  // sampled turns differ; a rerun repeats them
+    std::optional<TextStream> streamed;
+    if (!o.json) streamed.emplace(TextStream{tok.value(), {}});
+    auto result = model->generate({prompt}, g, [&](size_t, std::span<const int32_t> generated) {
+      if (streamed) streamed->update(generated);
+    });
+    if (!result.ok()) return runtime_error(result.status());
+    const std::vector<int32_t>& reply_ids = result->tokens[0];
+    auto reply = tok->decode(reply_ids, true);
+    if (!reply.ok()) return runtime_error(reply.status());
+    if (streamed) {
+      streamed->finish(reply_ids);
+    } else {
+      std::cout << json_text(nlohmann::json{{"turn", turn},
+                                            {"prompt_tokens", prompt.size()},
+                                            {"tokens", reply_ids},
+                                            {"text", reply.value()}},
+                             -1)
+                << "\n"
+                << std::flush;
+    }
+    messages.push_back({{"role", "assistant"}, {"content", reply.value()}});
+    ++turn;
+  }
+  return success();
+}
+
 Outcome run_generate(const DlmOptions& o) {
   if (o.prompts.empty() == o.prompt_ids.empty()) {
     return usage_error(
@@ -293,49 +414,21 @@ Outcome run_generate(const DlmOptions& o) {
   }
   auto model = load_model(o);
   if (!model.ok()) return runtime_error(model.status());
-  dlm::GenerateOptions g;
-  g.loop = model->default_loop();
-  if (!o.loop.empty()) {
-    auto loop = dlm::parse_loop(o.loop);
-    if (!loop.ok()) return usage_error(loop.status());
-    g.loop = loop.value();
-  }
-  g.gen_len = o.gen_len;
-  g.block_len = o.block_len;
-  g.steps = o.steps > 0 ? o.steps
-                        : (g.loop == dlm::Loop::block ? std::max<int64_t>(model->config().block_size, 1) : o.gen_len);
-  g.threshold = o.threshold;
-  g.temperature = o.temperature;
-  g.seed = o.seed;
-  g.stop_at_eos = !o.no_stop;
-  g.ban_eos = o.ban_eos;
-  if (!o.eos_ids.empty()) {
-    auto eos = parse_ids("--eos-ids", o.eos_ids);
-    if (!eos.ok()) return usage_error(eos.status());
-    g.eos_ids = eos.value();
-  }
+  auto options = generate_options(o, model.value());
+  if (!options.ok()) return usage_error(options.status());
+  const dlm::GenerateOptions& g = options.value();
 
   // Streaming: each request's text grows block by block (printed as it becomes final for a
   // single request; a batch prints at the end). The progress line goes to stderr.
   const auto start = std::chrono::steady_clock::now();
-  std::string printed;  // the streamed text so far (one request)
   std::vector<int64_t> made(prompts.size(), 0);
   bool progress_shown = false;
   const bool stream = !o.json && prompts.size() == 1 && tok.has_value();
+  std::optional<TextStream> streamed;
+  if (stream) streamed.emplace(TextStream{*tok, {}});
   auto on_block = [&](size_t r, std::span<const int32_t> generated) {
     made[r] = static_cast<int64_t>(generated.size());
-    if (stream) {
-      // A block may end inside a multi-byte character (decoded as U+FFFD): hold those back.
-      auto text = tok->decode(generated, true);
-      if (text.ok()) {
-        std::string t = text.value();
-        while (t.size() >= 3 && t.compare(t.size() - 3, 3, "\xEF\xBF\xBD") == 0) t.resize(t.size() - 3);
-        if (t.size() > printed.size() && t.compare(0, printed.size(), printed) == 0) {
-          std::cout << t.substr(printed.size()) << std::flush;
-          printed = t;
-        }
-      }
-    }
+    if (stream) streamed->update(generated);
     if (!o.quiet) {
       progress_shown = true;
       int64_t total = 0;
@@ -382,11 +475,7 @@ Outcome run_generate(const DlmOptions& o) {
     return success();
   }
   if (stream) {
-    auto text = tok->decode(result->tokens[0], true);  // the rest (held-back bytes, if any)
-    if (text.ok() && text->size() > printed.size() && text->compare(0, printed.size(), printed) == 0) {
-      std::cout << text->substr(printed.size());
-    }
-    std::cout << "\n";
+    streamed->finish(result->tokens[0]);
   } else {
     for (const auto& t : result->tokens) {
       if (tok) {
@@ -495,6 +584,33 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   tk->add_option("--decode", o->decode, "ids 1,2,3 to decode");
   tk->add_flag("--json", o->json, "print JSON");
   out.push_back({tk, [o] { return run_tokenize(*o); }});
+
+  CLI::App* chat = app.add_subcommand(
+      "chat", "talk to an instruct / chat diffusion LM: each stdin line is a turn, through its chat template");
+  chat->add_option("--model", o->model, "model directory (config.json, safetensors, tokenizer.json, chat template)")
+      ->required();
+  chat->add_option("--system", o->system, "a system message before the conversation");
+  chat->add_option("--chat-template", o->chat_template, "this .jinja file instead of the model's template");
+  chat->add_option("--chat-vars", o->chat_vars, "more template variables as a JSON object")->capture_default_str();
+  chat->add_option("--tokenizer", o->tokenizer, "tokenizer.json (default: the model directory's)");
+  chat->add_option("--loop", o->loop, "remask, prefix_cache or block (default: remask for llada, block for sdar)");
+  chat->add_option("--gen-len", o->gen_len, "tokens per reply at most")->capture_default_str();
+  chat->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
+  chat->add_option("--steps", o->steps, "as generate's");
+  chat->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding")->capture_default_str();
+  chat->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
+  chat->add_option("--seed", o->seed, "sampling seed of the first turn (the next turns: seed + turn)")
+      ->capture_default_str();
+  chat->add_option("--backend", o->backend, "cpu, cuda or cuda:N")->capture_default_str();
+  chat->add_option("--threads", o->threads, "attention threads (0 = all cores)");
+  chat->add_option("--attention", o->attention, "every layer's attention (as generate's)")->capture_default_str();
+  chat->add_option("--attention-layers", o->attention_layers, "per-layer overrides LAYERS=METHOD")
+      ->allow_extra_args(false);
+  chat->add_option("--eos-ids", o->eos_ids, "EOS ids 1,2 (default: config.json's eos_token_id)");
+  chat->add_flag("--ban-eos", o->ban_eos, "never sample EOS");
+  chat->add_flag("--json", o->json, "one JSON line per turn (turn, prompt_tokens, tokens, text) instead of the text");
+  add_gemm_flag(chat, o.get());
+  out.push_back({chat, [o] { return run_chat(*o); }});
 
   CLI::App* ct = app.add_subcommand("chat-template", "render a model's chat template (what generate --chat feeds it)");
   ct->add_option("--model", o->model, "model directory (its chat template, special tokens and tokenizer.json)");

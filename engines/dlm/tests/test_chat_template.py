@@ -458,3 +458,45 @@ def test_generate_chat_feeds_the_rendered_prompt(sparsa_bin, tmp_path):
     assert chat.returncode == 0 and plain.returncode == 0, chat.stderr + plain.stderr
     assert json.loads(chat.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
     assert sparsa("generate", "--model", str(model), "--chat", "--prompt-ids", "1,2", "--quiet").returncode == 2
+
+
+def test_chat_keeps_the_conversation(sparsa_bin, tmp_path):
+    """`sparsa chat`: each stdin line a user turn; turn n's prompt is the whole conversation so far
+    (earlier replies as assistant turns) through the template, its reply what `generate` gives for
+    those ids; /reset forgets the turns but not --system."""
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "sparsa-sdar-ruler")
+    if not os.path.isdir(shipped):
+        pytest.skip("the shipped model is not in this checkout")
+    model = tmp_path / "chat_model"
+    model.mkdir()
+    for name in os.listdir(shipped):
+        os.symlink(os.path.abspath(os.path.join(shipped, name)), model / name)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: the value is {% endif %}", encoding="utf-8")
+    flags = ["--gen-len", "16", "--temperature", "0.7", "--seed", "5"]
+    lines = ["What is 12 + 30?", "And 7 more?", "/reset", "", "Say 9."]
+    r = subprocess.run([sparsa_bin, "chat", "--model", str(model), "--system", "Digits only.", "--json", *flags],
+                       input="\n".join(lines) + "\n", capture_output=True, text=True, encoding="utf-8")
+    assert r.returncode == 0, r.stderr
+    turns = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [t["turn"] for t in turns] == [0, 1, 2]
+    history = [{"role": "system", "content": "Digits only."}]
+    for t, user in zip(turns, ["What is 12 + 30?", "And 7 more?", "Say 9."]):
+        if user == "Say 9.":
+            history = history[:1]
+        history.append({"role": "user", "content": user})
+        ctx = tmp_path / "history.json"
+        ctx.write_text(json.dumps(history), encoding="utf-8")
+        rendered = subprocess.run([sparsa_bin, "chat-template", "--model", str(model), "--messages", str(ctx), "--ids",
+                                   "--json"], capture_output=True, text=True, encoding="utf-8")
+        ids = json.loads(rendered.stdout)["ids"]
+        assert t["prompt_tokens"] == len(ids)
+        flags_turn = [f if f != "5" else str(5 + t["turn"]) for f in flags]
+        want = subprocess.run([sparsa_bin, "generate", "--model", str(model), "--prompt-ids", ",".join(map(str, ids)),
+                               "--json", "--quiet", *flags_turn], capture_output=True, text=True, encoding="utf-8")
+        assert json.loads(want.stdout)["tokens"][0] == t["tokens"]
+        history.append({"role": "assistant", "content": t["text"]})
+    r = subprocess.run([sparsa_bin, "chat", "--model", str(model), "--chat-vars", "[1]"], input="hi\n",
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--chat-vars" in r.stderr

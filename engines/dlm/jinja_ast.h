@@ -136,10 +136,11 @@ struct Args {
 //   test: the same with negated (`is not`); neg / pos / not_: kids[0]; binary: text the
 //   operator, kids[0..1]; and_ / or_: kids[0..1]; compare: kids[0], then ops[i] with kids[i+1];
 //   cond: kids[0] if kids[1] else kids[2] (may be null); list / tuple: kids; dict: keys and values
-//   alternating in kids.
+//   alternating in kids; unpack: kids[0], an argument written *xs (its items become positional
+//   arguments) or, as a keyword argument named "**", **d (its entries keyword arguments).
 struct Node {
   enum class Kind { literal, name, attr, item, slice, call, filter, test, neg, pos, not_, binary, and_, or_,
-                    compare, cond, list, tuple, dict };
+                    compare, cond, list, tuple, dict, unpack };
   Kind kind;
   int line;
   Value value;
@@ -158,9 +159,11 @@ using Body = std::vector<std::unique_ptr<Stmt>>;
 // for_: targets, expr (the iterable), condition (`for x in xs if c`, may be null), body,
 // else_body; set: targets (several: unpacking) or targets[0] + attribute (`set ns.a = ...`),
 // expr; set_block: targets[0], body; macro: targets[0] the name, params (default may be null),
-// body; break_ / continue_; generation: body.
+// body (extra arguments reach it as `varargs` and `kwargs`); call_block (`{% call m(args)
+// %}body{% endcall %}`): expr the call, body what the macro's caller() renders; break_ /
+// continue_; generation: body.
 struct Stmt {
-  enum class Kind { text, output, if_, for_, set, set_block, macro, break_, continue_, generation };
+  enum class Kind { text, output, if_, for_, set, set_block, macro, call_block, break_, continue_, generation };
   Kind kind;
   int line;
   std::string text;

@@ -544,7 +544,7 @@ bool contains(const Value& container, const Value& v, int line) {
       return false;
     case Value::Kind::dict:
     case Value::Kind::ns: return v.is(Value::Kind::string) && find(*container.dict, v.text) != nullptr;
-    case Value::Kind::undefined: undefined_error(container, line);
+    case Value::Kind::undefined: return false;  // Jinja's Undefined iterates as nothing
     default: fail(line, "argument of type '" + type_name(container) + "' is not iterable");
   }
 }

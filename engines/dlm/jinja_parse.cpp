@@ -547,6 +547,19 @@ class Parser {
       expect_block_end();
       return s;
     }
+    if (name == "call") {  // {% call m(args) %}body{% endcall %}: m's caller() renders body
+      s->kind = Stmt::Kind::call_block;
+      if (at_op("(")) fail(line, "{% call(args) %} (a caller with parameters) is not supported");
+      s->expr = parse_expression(true);
+      if (s->expr->kind != Node::Kind::call) fail(line, "{% call %} takes a macro call");
+      expect_block_end();
+      const int loops = loops_;
+      loops_ = 0;
+      s->body = parse_body({"endcall"}, end);
+      loops_ = loops;
+      expect_block_end();
+      return s;
+    }
     if (name == "break" || name == "continue") {
       if (loops_ == 0) fail(line, "{% " + name + " %} outside a for loop");
       s->kind = name == "break" ? Stmt::Kind::break_ : Stmt::Kind::continue_;
@@ -858,8 +871,17 @@ class Parser {
   void parse_arguments(Node& n) {
     expect_op("(");
     while (!at_op(")")) {
-      if (at_op("*") || at_op("**")) fail(cur().line, "*args and **kwargs are not supported");
-      if (cur().type == T::name && peek().type == T::op && peek().text == "=") {
+      if (at_op("*") || at_op("**")) {  // *xs or **d: the items or entries become arguments
+        const bool entries = at_op("**");
+        auto unpack = node(Node::Kind::unpack, next().line);
+        unpack->kids.push_back(parse_expression(true));
+        if (entries) {
+          n.keyword.emplace_back("**", std::move(unpack));
+        } else {
+          if (!n.keyword.empty()) fail(cur().line, "*args follows a keyword argument");
+          n.kids.push_back(std::move(unpack));
+        }
+      } else if (cur().type == T::name && peek().type == T::op && peek().text == "=") {
         std::string key = next().text;
         next();
         n.keyword.emplace_back(std::move(key), parse_expression(true));

@@ -102,6 +102,7 @@ class Renderer {
         return Flow::normal;
       }
       case Stmt::Kind::macro: define_macro(s, f); return Flow::normal;
+      case Stmt::Kind::call_block: exec_call_block(s, f, out); return Flow::normal;
       case Stmt::Kind::break_: return Flow::break_;
       case Stmt::Kind::continue_: return Flow::continue_;
       case Stmt::Kind::generation: return exec_body(s.body, f, out);
@@ -181,17 +182,24 @@ class Renderer {
   void define_macro(const Stmt& s, Frame& f) {
     const Stmt* macro = &s;
     f.set(s.targets[0], Value::of_function(s.targets[0], [this, macro](Args& args, int line) {
-            if (args.positional.size() > macro->params.size()) {
-              fail(line, "macro '" + macro->targets[0] + "' takes " + std::to_string(macro->params.size()) +
-                             " arguments, got " + std::to_string(args.positional.size()));
-            }
-            // The macro sees the template's variables (the root frame), not the caller's.
+            // The macro sees the template's variables (the root frame), not the caller's. Arguments
+            // beyond its parameters reach it as `varargs` and `kwargs`; a {% call %} block's as
+            // `caller`.
             Frame scope{&root_, {}};
+            List varargs;
+            for (size_t i = macro->params.size(); i < args.positional.size(); ++i) varargs.push_back(args.positional[i]);
+            Dict kwargs;
             for (const auto& [k, v] : args.keyword) {
               bool known = false;
               for (const auto& p : macro->params) known = known || p.first == k;
-              if (!known) fail(line, "macro '" + macro->targets[0] + "' has no parameter '" + k + "'");
+              if (k == "caller") {
+                scope.set("caller", v);
+              } else if (!known) {
+                kwargs.emplace_back(k, v);
+              }
             }
+            scope.set("varargs", Value::list(std::move(varargs), Value::Kind::tuple));
+            scope.set("kwargs", Value::of_dict(std::move(kwargs)));
             for (size_t i = 0; i < macro->params.size(); ++i) {
               const auto& [name, fallback] = macro->params[i];
               const Value* given = i < args.positional.size() ? &args.positional[i] : nullptr;
@@ -210,6 +218,7 @@ class Renderer {
     Depth depth(*this, n.line);
     switch (n.kind) {
       case Node::Kind::literal: return n.value;
+      case Node::Kind::unpack: fail(n.line, "* and ** unpack only a call's arguments");
       case Node::Kind::name: {
         if (Value* v = f.find(n.text)) return *v;
         return global(n.text);
@@ -286,10 +295,26 @@ class Renderer {
     return Value::undefined("");
   }
 
+  // A call's arguments, *xs and **d spread.
   Args arguments(const Node& n, Frame& f) {
     Args a;
-    for (size_t i = 1; i < n.kids.size(); ++i) a.positional.push_back(eval(*n.kids[i], f));
-    for (const auto& [k, e] : n.keyword) a.keyword.emplace_back(k, eval(*e, f));
+    for (size_t i = 1; i < n.kids.size(); ++i) {
+      const Node& k = *n.kids[i];
+      if (k.kind != Node::Kind::unpack) {
+        a.positional.push_back(eval(k, f));
+        continue;
+      }
+      for (Value& v : iterate(eval(*k.kids[0], f), k.line)) a.positional.push_back(std::move(v));
+    }
+    for (const auto& [name, e] : n.keyword) {
+      if (name != "**") {
+        a.keyword.emplace_back(name, eval(*e, f));
+        continue;
+      }
+      const Value d = eval(*e->kids[0], f);
+      if (!d.is(Value::Kind::dict)) fail(e->line, "** takes a dict, got " + type_name(d));
+      for (const auto& entry : *d.dict) a.keyword.push_back(entry);
+    }
     return a;
   }
 
@@ -352,18 +377,42 @@ class Renderer {
     return Value::list(std::move(items), obj.kind);
   }
 
-  Value call(const Node& n, Frame& f) {
+  // A call; `caller`, when given, is passed as the keyword argument a macro reads as caller().
+  Value call(const Node& n, Frame& f, const Value* caller = nullptr) {
     const Node& callee = *n.kids[0];
     if (callee.kind == Node::Kind::attr) {
       Value obj = eval(*callee.kids[0], f);
       if (obj.is(Value::Kind::undefined)) undefined_error(obj, n.line);
       Args args = arguments(n, f);
+      if (caller != nullptr) args.keyword.emplace_back("caller", *caller);
       if (std::optional<Value> r = call_method(obj, callee.text, args, n.line)) return *r;
       return call_value(attribute(obj, callee.text, n.line), args, n.line, callee.text);
     }
     Value fn = eval(callee, f);
     Args args = arguments(n, f);
+    if (caller != nullptr) args.keyword.emplace_back("caller", *caller);
     return call_value(fn, args, n.line, callee.kind == Node::Kind::name ? callee.text : "the expression");
+  }
+
+  // {% call m(args) %}body{% endcall %}: m runs with caller() rendering body in this scope. The
+  // caller lives as long as the statement: a template that keeps it and calls it later gets an
+  // error, not a frame that is gone.
+  void exec_call_block(const Stmt& s, Frame& f, std::string& out) {
+    auto alive = std::make_shared<bool>(true);
+    Frame* where = &f;
+    const Body* body = &s.body;
+    const Value caller = Value::of_function("caller", [this, alive, where, body](Args&, int line) {
+      if (!*alive) fail(line, "caller() outside its {% call %} block");
+      Frame scope{where, {}};
+      std::string text;
+      exec_body(*body, scope, text);
+      return Value::of(std::move(text));
+    });
+    struct Expire {
+      std::shared_ptr<bool> alive;
+      ~Expire() { *alive = false; }
+    } expire{alive};
+    emit(out, checked(str(call(*s.expr, f, &caller)), s.line), s.line);
   }
 
   static Value call_value(const Value& fn, Args& args, int line, const std::string& name) {

@@ -17,6 +17,8 @@ import subprocess
 import pytest
 
 jinja2 = pytest.importorskip("jinja2")
+import jinja2.ext  # noqa: E402
+import jinja2.nodes  # noqa: E402
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
 
 LLAMA3 = (
@@ -199,6 +201,9 @@ KITCHEN_SINK = r"""A{{ 1 + 2 * 3 - 4 / 2 }}|{{ 7 // 2 }} {{ -7 // 2 }} {{ -7 % 3
 {% for i in range(10) %}{% if i > 2 %}{% break %}{% endif %}{{ i }}{% endfor %}{% set x1 = 1 %}{% for i in range(2) %}{{ x1 }}{% set x1 = 5 %}{{ x1 }}{% endfor %}{{ x1 }}
 {% set a, b = [1, 2] %}{{ a }}{{ b }}{% set t %}T{{ a }}{% endset %}{{ t }}{% set (c, d) = ('p', 'q') %}{{ c }}{{ d }}{% set tu = 1, 2 %}{{ tu }}
 {% macro greet(name, punct='!') %}Hi {{ name }}{{ punct }}{% endmacro %}{{ greet('a') }} {{ greet('b', '?') }} {{ greet(punct='.', name='c') }} {{ greet('d')|upper }}
+{% macro rest(a) %}{{ a }}{{ varargs }}{{ kwargs }}{% endmacro %}{{ rest(1, 2, 3, k='v') }} {{ greet(*['e', ';']) }} {{ greet(**{'name': 'f'}) }} {{ 'x' not in nothing_here }} {{ 'x' in nothing_here }}
+{% macro box(title) %}[{{ title }}:{{ caller() }}]{% endmacro %}{% for who in ['p', 'q'] %}{% call box(who|upper) %}<{{ who }}{{ loop.index }}>{% endcall %}{% endfor %}
+{% generation %}generated {{ 1 + 1 }}{% endgeneration %}
 {%- if true %}
   stripped-left
 {%- endif %}
@@ -233,8 +238,20 @@ def jinja_reference(source, context):
     def strftime_now(fmt):
         return datetime.datetime.now().strftime(fmt)
 
+    class Generation(jinja2.ext.Extension):
+        """transformers' {% generation %} marker of the assistant's tokens: renders its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -9,6 +9,10 @@
 //   num_key_value_heads, head_dim (optional: hidden_size / heads), intermediate_size,
 //   vocab_size, rms_norm_eps, rope_theta, rope_scaling, max_position_embeddings, block_size,
 //   mask_token_id, eos_token_id, tie_word_embeddings, attention_bias (must be false).
+// dream (Qwen2 shape, model_type "Dream"):  hidden_size, num_hidden_layers, num_attention_heads,
+//   num_key_value_heads, intermediate_size, vocab_size, rms_norm_eps, rope_theta, rope_scaling,
+//   max_position_embeddings, mask_token_id, eos_token_id, tie_word_embeddings; biases on q, k,
+//   v; hidden_act silu; no sliding window.
 #include <cmath>
 #include <limits>
 
@@ -185,9 +189,37 @@ Status parse_sdar(const Fields& f, Config* c) {
   return Status::Ok();
 }
 
+Status parse_dream(const Fields& f, Config* c) {
+  c->arch = Arch::dream;
+  c->qkv_bias = true;
+  c->shifted_logits = true;
+  SPARSA_RETURN_IF_ERROR(f.integer("hidden_size", &c->dim));
+  SPARSA_RETURN_IF_ERROR(f.integer("num_hidden_layers", &c->n_layers, 1, 4096));
+  SPARSA_RETURN_IF_ERROR(f.integer("num_attention_heads", &c->n_heads, 1, 4096));
+  SPARSA_RETURN_IF_ERROR(f.integer("num_key_value_heads", &c->n_kv_heads, 1, 4096));
+  if (c->dim % c->n_heads != 0) return f.error("num_attention_heads", "must divide hidden_size");
+  c->head_dim = c->dim / c->n_heads;
+  SPARSA_RETURN_IF_ERROR(f.integer("intermediate_size", &c->hidden_dim));
+  SPARSA_RETURN_IF_ERROR(f.integer("vocab_size", &c->vocab_size));
+  SPARSA_RETURN_IF_ERROR(f.number("rms_norm_eps", &c->norm_eps));
+  SPARSA_RETURN_IF_ERROR(f.integer("max_position_embeddings", &c->max_seq_len));
+  if (f.j.contains("tie_word_embeddings"))
+    SPARSA_RETURN_IF_ERROR(f.boolean("tie_word_embeddings", &c->tied_embeddings));
+  SPARSA_RETURN_IF_ERROR(f.must_be("hidden_act", "silu", "only SwiGLU (silu) is implemented"));
+  SPARSA_RETURN_IF_ERROR(f.must_be("use_sliding_window", false, "sliding-window attention is not implemented"));
+  return Status::Ok();
+}
+
 }  // namespace
 
-const char* arch_name(Arch arch) { return arch == Arch::llada ? "llada" : "sdar"; }
+const char* arch_name(Arch arch) {
+  switch (arch) {
+    case Arch::llada: return "llada";
+    case Arch::sdar: return "sdar";
+    case Arch::dream: return "dream";
+  }
+  return "?";
+}
 
 namespace {
 Result<Config> parse_config_json(const std::string& json_text, const std::string& where) {
@@ -206,9 +238,11 @@ Result<Config> parse_config_json(const std::string& json_text, const std::string
     SPARSA_RETURN_IF_ERROR(parse_llada(f, &c));
   } else if (model_type == "sdar") {
     SPARSA_RETURN_IF_ERROR(parse_sdar(f, &c));
+  } else if (model_type == "Dream" || model_type == "dream") {
+    SPARSA_RETURN_IF_ERROR(parse_dream(f, &c));
   } else {
     return Status(StatusCode::unsupported,
-                  where + ": 'model_type' = \"" + model_type + "\" is not supported (expected llada or sdar)");
+                  where + ": 'model_type' = \"" + model_type + "\" is not supported (expected llada, sdar or Dream)");
   }
   if (c.n_heads % c.n_kv_heads != 0) {
     return f.error(

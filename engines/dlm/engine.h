@@ -100,6 +100,9 @@ class Ops {
                     const RopeConfig& rope) = 0;
   // h[n, hidden] = silu(gu[:, :hidden]) * gu[:, hidden:], gu [n, 2 * hidden] (act).
   virtual void swiglu(void* h, const void* gu, int64_t n, int64_t hidden) = 0;
+  // x[t, col0 + i] += bias[i] for rows t < n of an act matrix with row_stride columns (dream's
+  // q / k / v biases). false: this backend does not have it (the forward refuses the model).
+  virtual bool add_bias(void* x, int64_t n, int64_t row_stride, int64_t col0, const Weight& bias) { return false; }
   // x[n, dim] (f32) = rows `tokens` of the table.
   virtual void embed(float* x, const Weight& table, std::span<const int32_t> tokens) = 0;
   // dst[count] (host) = src[count] (backend f32): the sampler's read-back.
@@ -256,6 +259,7 @@ class AttentionRecorder {
 struct LayerWeights {
   Weight attn_norm, wqkv, wo;   // wo [dim, heads*hd]
   Weight q_norm, k_norm;        // sdar: [head_dim]
+  Weight q_bias, k_bias, v_bias;  // dream: [heads*hd], [kv_heads*hd], [kv_heads*hd]
   Weight ffn_norm, w_gate_up, w_down;  // w_down [dim, hidden]
 };
 struct Weights {
@@ -281,6 +285,7 @@ std::unique_ptr<WeightSource> random_weights(Ops& ops, uint64_t seed);
 // The tensors of each architecture (model_llada.cpp, model_sdar.cpp).
 Result<Weights> load_llada_weights(const Config& c, WeightSource& source);
 Result<Weights> load_sdar_weights(const Config& c, WeightSource& source);
+Result<Weights> load_dream_weights(const Config& c, WeightSource& source);
 
 // One request: its KV cache of the prefix of positions [0, length) (one cache per layer: CPU
 // PagedKVCache, or on CUDA a DevicePagedKVCache per layer shared by the sequences made together,
@@ -357,6 +362,7 @@ struct Chunk {
 // f32 [sum of logits_count, vocab]) and also read back to `logits` (host) when it is not null.
 Status forward_llada(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits);
 Status forward_sdar(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits);
+Status forward_dream(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits);
 
 struct Model::Impl {
   std::string dir;
@@ -371,8 +377,12 @@ struct Model::Impl {
   bool graphs = false;  // forwards that store no K/V are replayed from CUDA graphs (model.cpp)
 
   Status forward_eager(State& s, std::span<const Chunk> chunks, float* logits) const {
-    return config.arch == Arch::llada ? forward_llada(config, weights, s, chunks, logits)
-                                      : forward_sdar(config, weights, s, chunks, logits);
+    switch (config.arch) {
+      case Arch::llada: return forward_llada(config, weights, s, chunks, logits);
+      case Arch::sdar: return forward_sdar(config, weights, s, chunks, logits);
+      case Arch::dream: return forward_dream(config, weights, s, chunks, logits);
+    }
+    return invalid_argument("config: unknown architecture");
   }
   Status forward_eager(State& s, Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o,
                        float* logits) const {
@@ -392,6 +402,10 @@ struct Model::Impl {
 // ---- the shared pieces of the loops (sampler.cpp) ------------------------------------------
 // Argmax (temperature 0) or Gumbel-max at `temperature`; ban_eos sets EOS logits to -inf first.
 Pick sample(const float* logits, int64_t vocab, double temperature, uint64_t* rng, const Config& c, bool ban_eos);
+// A position's confidence of kind margin or entropy (GenerateOptions::confidence) from its logits
+// row: of softmax(logits / temperature) (temperature 0: of softmax(logits)), EOS excluded when banned.
+double confidence_of(const float* logits, int64_t vocab, double temperature, Confidence kind, const Config& c,
+                     bool ban_eos);
 // LLaDA's schedule: `masks` tokens over `steps` steps, equal shares, the remainder to the first.
 std::vector<int64_t> transfer_schedule(int64_t masks, int64_t steps);
 // Indices (into conf) of the k largest confidences; ties to the lower index.
@@ -404,6 +418,8 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
 Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                              const GenerateOptions& o, const BlockCallback& cb);
 Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
+                                      const GenerateOptions& o, const BlockCallback& cb);
+Result<GenerateResult> generate_dream(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                       const GenerateOptions& o, const BlockCallback& cb);
 
 }  // namespace sparsa::dlm

@@ -53,7 +53,8 @@ struct Canvas {
 };
 
 // Samples every masked position of rows [begin, begin + count) of the canvas from `logits`
-// (row i of logits is canvas position begin + i): positions, picks and confidences.
+// (row i of logits is canvas position begin + i): positions, picks and confidences (of the
+// kind GenerateOptions::confidence asks for).
 struct Candidates {
   std::vector<int64_t> position;
   std::vector<Pick> pick;
@@ -64,10 +65,13 @@ inline Candidates candidates(const Config& c, const GenerateOptions& o, Canvas& 
   Candidates k;
   for (int64_t i = 0; i < count; ++i) {
     if (!cv.masked[begin + i]) continue;
-    const Pick p = sample(logits + i * c.vocab_size, c.vocab_size, o.temperature, &cv.rng, c, o.ban_eos);
+    const float* row = logits + i * c.vocab_size;
+    const Pick p = sample(row, c.vocab_size, o.temperature, &cv.rng, c, o.ban_eos);
     k.position.push_back(begin + i);
     k.pick.push_back(p);
-    k.confidence.push_back(p.confidence);
+    k.confidence.push_back(o.confidence == Confidence::probability
+                               ? p.confidence
+                               : confidence_of(row, c.vocab_size, o.temperature, o.confidence, c, o.ban_eos));
   }
   return k;
 }
@@ -84,7 +88,7 @@ inline Result<std::vector<Candidates>> forward_candidates(const Model::Impl& m, 
   for (const Chunk& ch : chunks) rows += ch.options.logits_count;
   if (static_cast<int64_t>(host.size()) < rows * c.vocab_size) host.resize(static_cast<size_t>(rows * c.vocab_size));
   std::vector<Candidates> out(chunks.size());
-  if (o.temperature == 0 && m.ops->device().type == DeviceType::cuda) {
+  if (o.temperature == 0 && o.confidence == Confidence::probability && m.ops->device().type == DeviceType::cuda) {
     SPARSA_RETURN_IF_ERROR(m.forward(s, chunks, nullptr));
     std::vector<int32_t> banned;
     if (o.ban_eos) banned = c.eos_token_ids;

@@ -20,6 +20,8 @@ const char* loop_name(Loop loop) {
       return "prefix_cache";
     case Loop::block:
       return "block";
+    case Loop::dream:
+      return "dream";
   }
   return "?";
 }
@@ -28,7 +30,26 @@ Result<Loop> parse_loop(const std::string& name) {
   if (name == "remask") return Loop::remask;
   if (name == "prefix_cache") return Loop::prefix_cache;
   if (name == "block") return Loop::block;
-  return invalid_argument("loop: expected remask, prefix_cache or block, got '" + name + "'");
+  if (name == "dream") return Loop::dream;
+  return invalid_argument("loop: expected remask, prefix_cache, block or dream, got '" + name + "'");
+}
+
+const char* confidence_name(Confidence c) {
+  switch (c) {
+    case Confidence::probability: return "probability";
+    case Confidence::margin: return "margin";
+    case Confidence::entropy: return "entropy";
+  }
+  return "?";
+}
+
+Confidence default_confidence(Loop loop) { return loop == Loop::dream ? Confidence::entropy : Confidence::probability; }
+
+Result<Confidence> parse_confidence(const std::string& name) {
+  if (name == "probability") return Confidence::probability;
+  if (name == "margin") return Confidence::margin;
+  if (name == "entropy") return Confidence::entropy;
+  return invalid_argument("confidence: expected probability, margin or entropy, got '" + name + "'");
 }
 
 Result<GemmChoice> parse_gemm_choice(const std::string& name) {
@@ -44,7 +65,13 @@ Model::~Model() = default;
 
 const Config& Model::config() const { return impl_->config; }
 const std::string& Model::dir() const { return impl_->dir; }
-Loop Model::default_loop() const { return impl_->config.arch == Arch::sdar ? Loop::block : Loop::remask; }
+Loop Model::default_loop() const {
+  switch (impl_->config.arch) {
+    case Arch::sdar: return Loop::block;
+    case Arch::dream: return Loop::dream;
+    default: return Loop::remask;
+  }
+}
 int64_t Model::parameter_count() const { return impl_->parameters; }
 std::string Model::weight_dtypes() const { return impl_->store.dtypes(); }
 AttentionDumpCounts Model::attention_dump_counts() const {
@@ -52,6 +79,12 @@ AttentionDumpCounts Model::attention_dump_counts() const {
 }
 
 namespace {
+
+// Why the cuda backend refuses a model it cannot run yet (dream's QKV biases have no device op).
+std::string cuda_refusal(const Config& c) {
+  return std::string("backend: the cuda backend does not run ") + arch_name(c.arch) +
+         " models yet (their QKV biases have no device kernel); use the cpu backend";
+}
 
 // The backend's Ops and the attention policy of every layer (each layer's spec checked now, not
 // at the first forward).
@@ -63,6 +96,7 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
     impl.ops = make_cpu_ops();
     impl.policy.backend = Backend::cpu;
   } else if (options.backend == "cuda" || options.backend.rfind("cuda:", 0) == 0) {
+    if (c.qkv_bias) return Status(StatusCode::unsupported, cuda_refusal(c));
     int device = 0;
     if (options.backend.size() > 5) {
       const std::string id = options.backend.substr(5);
@@ -109,6 +143,7 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
 Status check_attention(const Config& config, const LoadOptions& options) {
   AttentionPolicy policy;
   if (options.backend == "cuda" || options.backend.rfind("cuda:", 0) == 0) {
+    if (config.qkv_bias) return Status(StatusCode::unsupported, cuda_refusal(config));
     policy.backend = Backend::cuda;  // the device number is init_backend's to check
   } else if (options.backend != "cpu") {
     return invalid_argument("backend: expected cpu or cuda, got '" + options.backend + "'");
@@ -134,14 +169,16 @@ Status load_weights(Model::Impl& impl, WeightSource& source) {
                                : impl.policy.method;
     if (m != "dense") impl.graphs = false;
   }
-  auto weights = impl.config.arch == Arch::llada ? load_llada_weights(impl.config, source)
-                                                 : load_sdar_weights(impl.config, source);
+  auto weights = impl.config.arch == Arch::llada  ? load_llada_weights(impl.config, source)
+                 : impl.config.arch == Arch::sdar ? load_sdar_weights(impl.config, source)
+                                                  : load_dream_weights(impl.config, source);
   if (!weights.ok()) return weights.status();
   impl.weights = std::move(weights.value());
   SPARSA_RETURN_IF_ERROR(impl.ops->check());
   const Config& c = impl.config;
   const int64_t per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim +
-                            3 * c.dim * c.hidden_dim + 2 * c.dim + (c.qk_norm ? 2 * c.head_dim : 0);
+                            3 * c.dim * c.hidden_dim + 2 * c.dim + (c.qk_norm ? 2 * c.head_dim : 0) +
+                            (c.qkv_bias ? (c.n_heads + 2 * c.n_kv_heads) * c.head_dim : 0);
   impl.parameters = c.n_layers * per_layer + c.vocab_size * c.dim * (c.tied_embeddings ? 1 : 2) + c.dim;
   return Status::Ok();
 }
@@ -244,6 +281,11 @@ Result<std::vector<float>> Model::logits(std::span<const int32_t> ids, int64_t c
     return invalid_argument("cached: expected in [0, " + std::to_string(n) + ") for " + std::to_string(n) +
                             " ids, got " + std::to_string(cached));
   }
+  if (c.shifted_logits && cached > 0) {
+    return invalid_argument(std::string("cached: ") + arch_name(c.arch) +
+                            " predicts each position from the one before it, so its logits need the whole canvas "
+                            "in one forward; got cached " + std::to_string(cached));
+  }
   if (block > 0 && cached % block != 0) {
     return invalid_argument("cached: expected a multiple of the model's block_size " + std::to_string(block) +
                             ", got " + std::to_string(cached));
@@ -283,7 +325,13 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
     return invalid_argument("loop: " + std::string(loop_name(o.loop)) +
                             " runs a bidirectional canvas; an sdar model decodes with the block loop");
   }
-  if (o.loop != Loop::block) {
+  if (o.loop == Loop::prefix_cache && c.shifted_logits) {
+    return invalid_argument("loop: prefix_cache runs a block over its cached prefix, and a " +
+                            std::string(arch_name(c.arch)) +
+                            " model predicts a block's first position from the cached one before it; use the "
+                            "dream or remask loop");
+  }
+  if (o.loop == Loop::remask || o.loop == Loop::prefix_cache) {
     if (o.block_len < 1 || o.gen_len % o.block_len != 0) {
       return invalid_argument("block_len: expected a divisor of gen_len (" + std::to_string(o.gen_len) + "), got " +
                               std::to_string(o.block_len));
@@ -323,6 +371,7 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   const auto start = std::chrono::steady_clock::now();
   Result<GenerateResult> r = o.loop == Loop::remask         ? generate_remask(*impl_, prompts, o, on_block)
                              : o.loop == Loop::prefix_cache ? generate_prefix_cache(*impl_, prompts, o, on_block)
+                             : o.loop == Loop::dream        ? generate_dream(*impl_, prompts, o, on_block)
                                                             : generate_block(*impl_, prompts, o, on_block);
   if (r.ok()) {
     r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -360,8 +360,23 @@ Status head(const Config& c, const Weights& w, State& s, std::span<const Chunk> 
   for (size_t i = 0; i < chunks.size(); ++i) {
     const ForwardOptions& o = chunks[i].options;
     if (o.logits_count == 0) continue;
-    s.ops->rms_norm(static_cast<char*>(s.xb) + rows[i].logit0 * row_bytes,
-                    s.x + (rows[i].row0 + o.logits_begin) * c.dim, w.final_norm, o.logits_count, c.dim, c.norm_eps);
+    char* out = static_cast<char*>(s.xb) + rows[i].logit0 * row_bytes;
+    int64_t from = rows[i].row0 + o.logits_begin, count = o.logits_count;
+    if (c.shifted_logits) {  // dream: position p's logits come from the hidden state of p - 1 (p = 0: its own)
+      if (o.logits_begin == 0) {
+        if (rows[i].pos0 > 0) {
+          return invalid_argument(std::string(arch_name(c.arch)) +
+                                  ": the logits of a chunk's first row need the hidden state of the position before "
+                                  "it, which a chunk over a cached prefix does not have");
+        }
+        s.ops->rms_norm(out, s.x + from * c.dim, w.final_norm, 1, c.dim, c.norm_eps);
+        out += row_bytes;
+        --count;
+      } else {
+        --from;
+      }
+    }
+    if (count > 0) s.ops->rms_norm(out, s.x + from * c.dim, w.final_norm, count, c.dim, c.norm_eps);
     total += o.logits_count;
   }
   if (total == 0) return s.ops->check();

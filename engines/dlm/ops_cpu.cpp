@@ -129,6 +129,16 @@ class CpuOps final : public Ops {
     }
   }
 
+  bool add_bias(void* xv, int64_t n, int64_t row_stride, int64_t col0, const Weight& bias) override {
+    float* x = f(xv);
+    const float* b = bias.ptr<float>();
+    for (int64_t t = 0; t < n; ++t) {
+      float* row = x + t * row_stride + col0;
+      for (int64_t i = 0; i < bias.rows; ++i) row[i] += b[i];
+    }
+    return true;
+  }
+
   void swiglu(void* hv, const void* guv, int64_t n, int64_t hidden) override {
     float* h = f(hv);
     const float* gu = cf(guv);

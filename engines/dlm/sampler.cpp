@@ -54,6 +54,41 @@ Pick sample(const float* logits, int64_t vocab, double temperature, uint64_t* rn
   return p;
 }
 
+double confidence_of(const float* logits, int64_t vocab, double temperature, Confidence kind, const Config& c,
+                     bool ban_eos) {
+  auto banned = [&](int64_t i) { return ban_eos && is_eos(c, static_cast<int32_t>(i)); };
+  const double scale = temperature > 0 ? 1.0 / temperature : 1.0;
+  double max_logit = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (!banned(i)) max_logit = std::max(max_logit, scale * logits[i]);
+  }
+  double z = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (!banned(i)) z += std::exp(scale * logits[i] - max_logit);
+  }
+  if (kind == Confidence::entropy) {  // sum p log p = sum p (l - max - log z)
+    double sum = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (banned(i)) continue;
+      const double logp = scale * logits[i] - max_logit - std::log(z);
+      sum += std::exp(logp) * logp;
+    }
+    return sum;
+  }
+  double first = 0, second = 0;  // the two largest probabilities
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (banned(i)) continue;
+    const double p = std::exp(scale * logits[i] - max_logit) / z;
+    if (p > first) {
+      second = first;
+      first = p;
+    } else if (p > second) {
+      second = p;
+    }
+  }
+  return kind == Confidence::margin ? first - second : first;
+}
+
 std::vector<int64_t> transfer_schedule(int64_t masks, int64_t steps) {
   std::vector<int64_t> k(static_cast<size_t>(std::max<int64_t>(steps, 1)), masks / std::max<int64_t>(steps, 1));
   for (int64_t i = 0; i < masks % std::max<int64_t>(steps, 1); ++i) ++k[i];

@@ -3,10 +3,12 @@
 // byte-level BPE tokenizer of tokenizer.json. docs/dlm.md is the guide.
 //
 // A model directory holds config.json, model.safetensors or model.safetensors.index.json
-// plus its shards (F32, F16 or BF16), and usually tokenizer.json. Two architectures:
+// plus its shards (F32, F16 or BF16), and usually tokenizer.json. Three architectures:
 //   llada — LLaDA-8B and its family (model_type "llada"): MHA, fully bidirectional.
 //   sdar  — SDAR / TraDo block diffusion (model_type "sdar", Qwen3 shape): GQA, per-head QK
 //           RMSNorm, causal across blocks of block_size tokens, bidirectional inside one.
+//   dream — Dream 7B and its family (model_type "Dream", Qwen2 shape: DiffuCoder, Dream-Coder):
+//           GQA, QKV biases, fully bidirectional, logits shifted by one position (cpu backend).
 // Every failure is a Status whose message names the file, field or tensor at fault.
 #pragma once
 
@@ -21,7 +23,7 @@
 
 namespace sparsa::dlm {
 
-enum class Arch : uint8_t { llada, sdar };
+enum class Arch : uint8_t { llada, sdar, dream };
 const char* arch_name(Arch arch);
 
 // RoPE as the config asks for it. rope_scaling {"rope_type"/"type": "linear", "factor": f}
@@ -50,6 +52,8 @@ struct Config {
   std::vector<int32_t> eos_token_ids;  // eos_token_id (an id or a list); may be empty
   int64_t block_size = 0;              // sdar: block_size; llada: 0 (no blocks in the architecture)
   bool qk_norm = false;                // sdar: true (q_norm / k_norm per head)
+  bool qkv_bias = false;               // dream: true (q_proj / k_proj / v_proj biases)
+  bool shifted_logits = false;         // dream: true (position i is predicted from position i - 1's logits)
   bool tied_embeddings = false;        // weight_tying / tie_word_embeddings: the head is the embedding
 };
 
@@ -113,9 +117,20 @@ enum class Loop : uint8_t {
   remask,        // LLaDA: semi-autoregressive low-confidence remasking, full canvas every step
   prefix_cache,  // Fast-dLLM: prefix KV refreshed once per block, confidence-threshold decoding
   block,         // block diffusion (SDAR): exact prefix KV cache, block by block
+  dream,         // Dream: the whole canvas every step, Dream's timestep schedule (1 - s/t of the masks)
 };
 const char* loop_name(Loop loop);
 Result<Loop> parse_loop(const std::string& name);
+
+// How sure the model is of a masked position's pick, which decides the positions a step commits:
+// probability: the pick's softmax probability (LLaDA's low_confidence, Dream's maskgit_plus);
+// margin: top-1 minus top-2 probability (Dream's topk_margin); entropy: minus the entropy of the
+// position's distribution (Dream's entropy, its recommended choice).
+enum class Confidence : uint8_t { probability, margin, entropy };
+const char* confidence_name(Confidence c);
+Result<Confidence> parse_confidence(const std::string& name);
+// The loop's own choice: entropy for dream (Dream's recommended alg), probability for the rest.
+Confidence default_confidence(Loop loop);
 
 struct GenerateOptions {
   Loop loop = Loop::remask;  // Model::default_loop(): remask for llada, block for sdar
@@ -130,6 +145,7 @@ struct GenerateOptions {
                              // one, Fast-dLLM; block: > threshold, and at least the step's scheduled
                              // count, SDAR's low_confidence_dynamic); 0: the scheduled top-k
   double temperature = 0;    // 0: argmax; > 0: Gumbel-max sampling at this temperature
+  Confidence confidence = Confidence::probability;  // margin / entropy: of softmax(logits / temperature)
   uint64_t seed = 0;
   bool stop_at_eos = true;       // after a block holding an EOS is done, stop; the output ends before the EOS
   bool ban_eos = false;          // EOS logits set to -inf before sampling (LLaDA's logits_eos_inf)

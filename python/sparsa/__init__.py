@@ -1188,12 +1188,13 @@ class ChatTemplate:
 
 
 class Model:
-    """A diffusion LM (``llada`` or ``sdar``) loaded from a Hugging Face model directory.
+    """A diffusion LM (``llada``, ``sdar`` or ``dream``) loaded from a Hugging Face model directory.
 
     ``Model.load(dir)`` reads ``config.json``, ``model.safetensors`` (or the sharded index) and, when
     present, ``tokenizer.json``. ``logits(ids)`` is one forward pass (f32 ``[len, vocab]``, the
     architecture's own attention pattern); ``generate(prompt, ...)`` runs a denoising loop
-    (``loop="remask" | "prefix_cache" | "block"``; default: remask for llada, block for sdar).
+    (``loop="remask" | "prefix_cache" | "block" | "dream"``; default: remask for llada, block for
+    sdar, dream for dream).
     """
 
     def __init__(self, core, tokenizer=None, dir=None):
@@ -1249,11 +1250,13 @@ class Model:
 
     def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
-                 ban_eos: bool = False, eos_ids=(), chat: bool = False, system=None):
+                 ban_eos: bool = False, eos_ids=(), chat: bool = False, system=None, confidence: str = ""):
         """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
         list of either (a batch; returns a list). ``chat``: each text prompt becomes the user's
         message in the model's chat template (after a ``system`` message, if given), as instruct
-        and chat models expect."""
+        and chat models expect. ``loop="dream"`` is Dream's schedule (the default of dream models);
+        ``confidence``: "probability", "margin" or "entropy" (default: entropy for the dream loop,
+        probability otherwise)."""
         batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
         prompts = list(prompt) if batch else [prompt]
         text = [isinstance(p, str) for p in prompts]
@@ -1266,7 +1269,7 @@ class Model:
             prompts = [self.chat_template.render(head + [{"role": "user", "content": p}]) for p in prompts]
         ids = [self.tokenizer.encode(p) if t else [int(i) for i in p] for p, t in zip(prompts, text)]
         out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
-                                  ban_eos, [int(i) for i in eos_ids])
+                                  ban_eos, [int(i) for i in eos_ids], confidence)
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]
 

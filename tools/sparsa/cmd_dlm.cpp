@@ -39,6 +39,7 @@ struct DlmOptions {
   // The chat template (generate --chat, chat-template).
   bool chat = false, no_generation_prompt = false, show_ids = false;
   std::string system, chat_template, chat_vars = "{}", messages;
+  std::string confidence;  // "": the loop's default
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& flag, const std::string& text) {
@@ -122,6 +123,12 @@ Result<dlm::GenerateOptions> generate_options(const DlmOptions& o, const dlm::Mo
                         : (g.loop == dlm::Loop::block ? std::max<int64_t>(model.config().block_size, 1) : o.gen_len);
   g.threshold = o.threshold;
   g.temperature = o.temperature;
+  g.confidence = dlm::default_confidence(g.loop);
+  if (!o.confidence.empty()) {
+    auto kind = dlm::parse_confidence(o.confidence);
+    if (!kind.ok()) return invalid_argument("--confidence: " + kind.status().message());
+    g.confidence = kind.value();
+  }
   g.seed = o.seed;
   g.stop_at_eos = !o.no_stop;
   g.ban_eos = o.ban_eos;
@@ -520,7 +527,11 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--prompt-ids", o->prompt_ids, "prompt token ids 1,2,3 (repeatable: a batch)")
       ->allow_extra_args(false);
   gen->add_option("--tokenizer", o->tokenizer, "tokenizer.json (default: the model directory's)");
-  gen->add_option("--loop", o->loop, "remask, prefix_cache or block (default: remask for llada, block for sdar)");
+  gen->add_option("--loop", o->loop,
+                  "remask, prefix_cache, block or dream (default: remask for llada, block for sdar, dream for dream)");
+  gen->add_option("--confidence", o->confidence,
+                  "what decides the committed positions: probability, margin or entropy (default: entropy for the "
+                  "dream loop, probability otherwise)");
   gen->add_option("--gen-len", o->gen_len, "tokens to generate")->capture_default_str();
   gen->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
   gen->add_option("--steps", o->steps,
@@ -593,7 +604,8 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   chat->add_option("--chat-template", o->chat_template, "this .jinja file instead of the model's template");
   chat->add_option("--chat-vars", o->chat_vars, "more template variables as a JSON object")->capture_default_str();
   chat->add_option("--tokenizer", o->tokenizer, "tokenizer.json (default: the model directory's)");
-  chat->add_option("--loop", o->loop, "remask, prefix_cache or block (default: remask for llada, block for sdar)");
+  chat->add_option("--loop", o->loop, "as generate's");
+  chat->add_option("--confidence", o->confidence, "probability, margin or entropy (as generate's)");
   chat->add_option("--gen-len", o->gen_len, "tokens per reply at most")->capture_default_str();
   chat->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
   chat->add_option("--steps", o->steps, "as generate's");

@@ -5,6 +5,8 @@ Architectures:
   llada: x -> embed; per layer: h = x + Wo·attn(rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x)) (bidirectional),
          out = h + Wdown·(silu(Wgate·n(h)) * Wup·n(h)); logits = Whead·n(out)
   sdar:  the same with per-head RMSNorm of q and k before RoPE, GQA, and block-causal attention.
+  dream: llada's with GQA, biases on q, k and v, and logits shifted by one position (position i
+         is predicted from the logits of i - 1; position 0 from its own).
 RoPE: NeoX rotate-half, inv_freq_i = theta^(-2i/d); linear scaling divides positions by the factor.
 """
 import json
@@ -97,6 +99,8 @@ SDAR_NAMES = {
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
 }
 
+DREAM_NAMES = dict(SDAR_NAMES, bq="self_attn.q_proj.bias", bk="self_attn.k_proj.bias", bv="self_attn.v_proj.bias")
+
 
 class Spec:
     def __init__(self, arch="llada", dim=64, layers=2, heads=4, kv_heads=None, head_dim=None, hidden=96, vocab=80,
@@ -120,6 +124,13 @@ def config_json(s):
              "eos_token_id": s.eos, "pad_token_id": s.eos, "weight_tying": s.tied, "block_type": "llama",
              "layer_norm_type": "rms", "activation_type": "silu", "include_bias": False, "alibi": False,
              "attention_layer_norm": False, "scale_logits": False, "input_emb_norm": False}
+    elif s.arch == "dream":
+        c = {"model_type": "Dream", "architectures": ["DreamModel"], "hidden_size": s.dim,
+             "num_hidden_layers": s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+             "intermediate_size": s.hidden, "vocab_size": s.vocab, "rms_norm_eps": s.eps, "rope_theta": s.theta,
+             "max_position_embeddings": s.max_len, "mask_token_id": s.mask_id, "eos_token_id": s.eos,
+             "pad_token_id": s.eos, "tie_word_embeddings": s.tied, "hidden_act": "silu", "use_sliding_window": False,
+             "torch_dtype": "bfloat16"}
     else:
         c = {"model_type": "sdar", "architectures": ["SDARForCausalLM"], "hidden_size": s.dim,
              "num_hidden_layers": s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
@@ -150,6 +161,10 @@ def random_weights(s, seed):
         if s.arch == "sdar":
             L["q_norm"] = norm(hd)
             L["k_norm"] = norm(hd)
+        if s.arch == "dream":
+            L["bq"] = (0.5 * rng.standard_normal(qd)).astype(np.float32)
+            L["bk"] = (0.5 * rng.standard_normal(kvd)).astype(np.float32)
+            L["bv"] = (0.5 * rng.standard_normal(kvd)).astype(np.float32)
         w["layers"].append(L)
     w["final_norm"] = norm(d)
     w["head"] = lin(s.vocab, d, 4.0)
@@ -157,7 +172,7 @@ def random_weights(s, seed):
 
 
 def tensor_list(s, w):
-    names = LLADA_NAMES if s.arch == "llada" else SDAR_NAMES
+    names = {"llada": LLADA_NAMES, "sdar": SDAR_NAMES, "dream": DREAM_NAMES}[s.arch]
     out = [(names["embed"], w["embed"])]
     for l, L in enumerate(w["layers"]):
         p = names["layer"].format(l)
@@ -262,9 +277,10 @@ def forward(s, w, tokens, past=None, block_causal=0, capture=None):
     kv = []
     for l, L in enumerate(w["layers"]):
         h = rms(x, L["attn_norm"], s.eps)
-        q = (h @ L["wq"].T).reshape(n, H, hd)
-        k = (h @ L["wk"].T).reshape(n, Hkv, hd)
-        v = (h @ L["wv"].T).reshape(n, Hkv, hd)
+        q, k, v = h @ L["wq"].T, h @ L["wk"].T, h @ L["wv"].T
+        if s.arch == "dream":
+            q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
+        q, k, v = q.reshape(n, H, hd), k.reshape(n, Hkv, hd), v.reshape(n, Hkv, hd)
         if s.arch == "sdar":
             q = rms(q, L["q_norm"], s.eps)
             k = rms(k, L["k_norm"], s.eps)
@@ -280,7 +296,11 @@ def forward(s, w, tokens, past=None, block_causal=0, capture=None):
         h = rms(x, L["ffn_norm"], s.eps)
         g = h @ L["w_gate"].T
         x = x + ((g / (1 + np.exp(-g))) * (h @ L["w_up"].T)) @ L["w_down"].T
-    return rms(x, w["final_norm"], s.eps) @ w["head"].T, kv
+    logits = rms(x, w["final_norm"], s.eps) @ w["head"].T
+    if s.arch == "dream":  # position i predicted from the logits of i - 1 (the chunk must start at 0)
+        assert m == 0, "dream's shifted logits need the whole canvas"
+        logits = np.concatenate([logits[:1], logits[:-1]], axis=0)
+    return logits, kv
 
 
 def canvas_logits(s, w, tokens):
@@ -322,6 +342,19 @@ def _note(kind, value):
         MARGINS.append((kind, float(value)))
 
 
+def confidence_of(logits, kind, temperature=0.0):
+    """Dream's confidences of a position: margin (top-1 minus top-2 probability) or entropy (sum p
+    log p) of softmax(logits / T) (T = 0: softmax(logits))."""
+    z = logits / temperature if temperature > 0 else logits
+    z = z - z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    if kind == "entropy":
+        return float(np.sum(p * np.log(np.maximum(p, 1e-300))))
+    top2 = np.sort(p)[-2:]
+    return float(top2[1] - top2[0])
+
+
 def softmax_pick(logits, temperature=0.0, rng=None):
     """LLaDA's sampler: argmax of the logits, or Gumbel-max argmax(l - T log(-log u)) at T > 0
     (u drawn for every vocabulary entry in order); confidence = softmax probability of the pick."""
@@ -346,10 +379,13 @@ def schedule(masks, steps):
     return k
 
 
-def top(conf, k):
+def top(conf, k, kind="probability"):
     order = sorted(range(len(conf)), key=lambda i: (-conf[i], i))
     if 0 < k < len(conf):
-        _note("logconf", np.log(conf[order[k - 1]]) - np.log(conf[order[k]]))
+        if kind == "probability":
+            _note("logconf", np.log(conf[order[k - 1]]) - np.log(conf[order[k]]))
+        else:
+            _note("conf", conf[order[k - 1]] - conf[order[k]])
     return order[:k]
 
 
@@ -369,8 +405,31 @@ def cut(s, gen, stop=True):
     return out
 
 
+def ref_dream(s, w, prompt, gen_len, steps, confidence="entropy", stop=True, eps=1e-3):
+    """Dream's loop at temperature 0: the whole canvas each step; step i (timesteps t_i = 1 - i (1 -
+    eps) / steps) commits floor(n (1 - t_{i+1} / t_i)) of its n masked positions, the most
+    confident ones, and the last step the rest."""
+    x = list(prompt) + [s.mask_id] * gen_len
+    masked = [False] * len(prompt) + [True] * gen_len
+    P = len(prompt)
+    t = [1.0 - i * (1.0 - eps) / steps for i in range(steps + 1)]
+    for i in range(steps):
+        pos = [j for j in range(P, P + gen_len) if masked[j]]
+        if not pos:
+            break
+        logits = canvas_logits(s, w, x)
+        picks = [softmax_pick(logits[j]) for j in pos]
+        conf = [p[1] for p in picks] if confidence == "probability" else \
+            [confidence_of(logits[j], confidence) for j in pos]
+        k = int(np.floor(len(pos) * (1.0 - t[i + 1] / t[i]))) if i + 1 < steps else len(pos)
+        for j in top(conf, k, confidence) if k > 0 else []:
+            x[pos[j]] = picks[j][0]
+            masked[pos[j]] = False
+    return cut(s, x[P:], stop)
+
+
 def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0.0, seed=0, request=0,
-               threshold=0.0):
+               threshold=0.0, confidence="probability"):
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
     P, nb = len(prompt), gen_len // block_len
@@ -384,13 +443,14 @@ def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0
             logits = canvas_logits(s, w, x)
             pos = [i for i in range(lo, hi) if masked[i]]
             picks = [softmax_pick(logits[i], temperature, rng) for i in pos]
-            conf = [p[1] for p in picks]
+            conf = [p[1] for p in picks] if confidence == "probability" else \
+                [confidence_of(logits[i], confidence, temperature) for i in pos]
             if threshold > 0:  # Fast-dLLM's parallel decoding, no cache
                 _thr(conf, threshold)
                 first = top(conf, 1)
                 chosen = first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
             else:
-                chosen = top(conf, sched[st])
+                chosen = top(conf, sched[st], confidence)
             st += 1
             for j in chosen:
                 x[pos[j]] = picks[j][0]

@@ -55,6 +55,11 @@ SPECS = {
                                        dtype="mixed"),
     "sdar_ntk_bf16": R.Spec("sdar", dim=64, heads=2, kv_heads=2, layers=2, block=5, dtype="BF16",
                             rope_scaling={"type": "dynamic", "factor": 2.0}),
+    "dream_gqa_f32": R.Spec("dream", dim=64, heads=4, kv_heads=2, layers=2, theta=1e6),
+    "dream_bf16_sharded_tied": R.Spec("dream", dim=48, heads=4, kv_heads=1, layers=3, hidden=72, dtype="BF16",
+                                      shards=2, tied=True),
+    "dream_mixed_linear_rope": R.Spec("dream", dim=32, heads=2, kv_heads=2, layers=2, dtype="mixed",
+                                      rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 
 
@@ -257,6 +262,85 @@ def expect_error(sparsa_bin, d, *words):
     assert len(lines) == 1 and lines[0].startswith("sparsa: error: "), p.stderr
     for word in words:
         assert word in lines[0], (word, lines[0])
+
+
+# ---------------------------------------------------------------- dream
+
+
+@pytest.fixture(scope="module")
+def dream_model(tmp_path_factory):
+    s = R.Spec("dream", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63)
+    d = tmp_path_factory.mktemp("dream_gen")
+    return s, R.write_model(d, s, seed=13), d
+
+
+@pytest.mark.parametrize("confidence", ["entropy", "margin", "probability"])
+def test_dream_loop_matches_reference(sparsa_bin, dream_model, confidence):
+    """Dream's schedule (floor(n (1 - t_{i+1} / t_i)) a step) and confidences, the shifted logits:
+    the engine commits the reference's tokens; the default confidence of a dream model is entropy."""
+    s, w, d = dream_model
+    for steps in (12, 5):
+        flags = ["--gen-len", 12, "--steps", steps, "--no-stop-at-eos"]
+        got = generate_ids(sparsa_bin, d, PROMPTS, *flags, "--confidence", confidence)
+        for p, g in zip(PROMPTS, got):
+            assert g == R.ref_dream(s, w, p, 12, steps, confidence, stop=False), (confidence, steps)
+        if confidence == "entropy":
+            assert generate_ids(sparsa_bin, d, PROMPTS, *flags) == got
+
+
+def test_dream_remask_loop_and_confidences_on_llada(sparsa_bin, dream_model, llada_model):
+    """The remask loop on a dream model (its blocks read the shifted logits one row back) and the
+    margin / entropy confidences on LLaDA's remasking."""
+    s, w, d = dream_model
+    got = generate_ids(sparsa_bin, d, PROMPTS, "--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps", 8,
+                       "--no-stop-at-eos")
+    for p, g in zip(PROMPTS, got):
+        assert g == R.ref_remask(s, w, p, 16, 8, 8, False)
+    sl, wl, dl = llada_model
+    for confidence in ("margin", "entropy"):
+        got = generate_ids(sparsa_bin, dl, PROMPTS, "--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps",
+                           8, "--confidence", confidence)
+        for p, g in zip(PROMPTS, got):
+            assert g == R.ref_remask(sl, wl, p, 16, 8, 8, True, confidence=confidence), confidence
+
+
+def test_dream_negative_controls(sparsa_bin, dream_model, tmp_path):
+    """The dream golden test can fail: logits not shifted, or the biases left out, are far off."""
+    s, w, d = dream_model
+    ids = np.random.default_rng(2).integers(0, s.vocab, 9)
+    got = engine_logits(sparsa_bin, d, ids, tmp_path)
+    ref = R.canvas_logits(s, w, ids)
+    assert rel_err(got, ref) < LOGIT_TOL
+    unshifted = np.concatenate([ref[1:], R.canvas_logits(s, w, np.append(ids, 0))[-1:]], axis=0)
+    assert rel_err(got, unshifted) > 100 * LOGIT_TOL
+    no_bias = {**w, "layers": [{**L, "bq": 0 * L["bq"], "bk": 0 * L["bk"], "bv": 0 * L["bv"]} for L in w["layers"]]}
+    assert rel_err(got, R.canvas_logits(s, no_bias, ids)) > 100 * LOGIT_TOL
+
+
+def test_dream_refusals(sparsa_bin, dream_model, tmp_path):
+    """What a dream model cannot do yet is one clear error each: a cached prefix (its logits need the
+    position before), the prefix_cache and block loops, the cuda backend; a missing bias is named."""
+    s, w, d = dream_model
+    p = run(sparsa_bin, "logits", "--model", d, "--ids", "1,2,3,4", "--out", tmp_path / "l.npy", "--cached", 2,
+            check=False)
+    assert p.returncode == 1 and "cached" in p.stderr and "dream" in p.stderr, p.stderr
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--loop", "prefix_cache", "--gen-len", 8,
+            "--block-len", 4, "--json", check=False)
+    assert p.returncode == 1 and "prefix_cache" in p.stderr and "dream" in p.stderr, p.stderr
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--loop", "block", "--json", check=False)
+    assert p.returncode == 1 and "block" in p.stderr, p.stderr
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--backend", "cuda", "--json", check=False)
+    assert p.returncode == 1 and "cuda backend does not run dream" in p.stderr, p.stderr
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--confidence", "doubt", "--json",
+            check=False)
+    assert p.returncode == 2 and "--confidence" in p.stderr and "entropy" in p.stderr, p.stderr
+    info = json.loads(run(sparsa_bin, "model", "info", d, "--json").stdout)
+    assert info["arch"] == "dream" and info["default_loop"] == "dream" and info["kv_heads"] == 2
+    e = tmp_path / "nobias"
+    R.write_model(e, s, seed=1)
+    t, meta = R.read_safetensors(e / "model.safetensors")
+    R.write_safetensors(e / "model.safetensors", [(k, v, "F32") for k, v in t.items() if "k_proj.bias" not in k])
+    expect_error(sparsa_bin, e, "model.layers.0.self_attn.k_proj.bias")
 
 
 def test_model_info(sparsa_bin, tmp_path):

@@ -106,3 +106,17 @@ def test_chat_template_from_python(tmp_path):
     assert rendered == "system: Digits only.\nuser: What is 1 + 1?\nassistant: the value is "
     want = m.generate(m.tokenizer.encode(rendered), gen_len=16)
     assert m.generate("What is 1 + 1?", gen_len=16, chat=True, system="Digits only.") == m.tokenizer.decode(want, True)
+
+
+def test_dream_from_python(tmp_path):
+    """A dream model decodes with Dream's loop and entropy confidence by default."""
+    s = R.Spec("dream", dim=32, heads=2, kv_heads=1, layers=2, vocab=48, eos=46, mask_id=47)
+    w = R.write_model(tmp_path, s, seed=8)
+    m = sparsa.Model.load(tmp_path)
+    assert m.config["arch"] == "dream" and m.default_loop == "dream"
+    prompt = [3, 17, 5, 9]
+    assert m.generate(prompt, gen_len=8, steps=8, stop_at_eos=False) == R.ref_dream(s, w, prompt, 8, 8, stop=False)
+    assert m.generate(prompt, gen_len=8, steps=4, stop_at_eos=False, confidence="margin") == \
+        R.ref_dream(s, w, prompt, 8, 4, "margin", stop=False)
+    with pytest.raises(ValueError, match="confidence"):
+        m.generate(prompt, gen_len=8, confidence="doubt")

@@ -349,6 +349,7 @@ Outcome run_eval_model(const EvalModelOptions& o) {
     g.steps = o.steps > 0 ? o.steps
                           : (g.loop == dlm::Loop::block ? std::max<int64_t>(config.block_size, 1) : 0);
     g.block_len = 32;
+    g.confidence = dlm::default_confidence(g.loop);
     for (size_t si = 0; si < samples->size(); ++si) {
       const eval::Sample& s = (*samples)[si];
       if (cells.empty() || cells.back().method != methods->at(mi) || cells.back().task != s.task ||
@@ -356,10 +357,10 @@ Outcome run_eval_model(const EvalModelOptions& o) {
         cells.push_back({s.task, methods->at(mi), s.max_len, {}});
       }
       g.gen_len = o.gen_len > 0 ? o.gen_len : s.gen_tokens;
-      if (g.loop != dlm::Loop::block) {
+      if (g.loop == dlm::Loop::remask || g.loop == dlm::Loop::prefix_cache) {
         g.gen_len = (g.gen_len + g.block_len - 1) / g.block_len * g.block_len;  // remask: whole blocks
-        if (o.steps == 0) g.steps = g.gen_len;
       }
+      if (g.loop != dlm::Loop::block && o.steps == 0) g.steps = g.gen_len;
       std::string input = s.input;
       if (chat) {
         const bool has_prefix = input.size() >= s.answer_prefix.size() &&

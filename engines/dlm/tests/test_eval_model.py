@@ -330,3 +330,21 @@ def test_eval_model_chat_wraps_the_question_in_the_template(sparsa_bin, tmp_path
         ids = run(sparsa_bin, "tokenize", "--tokenizer", model / "tokenizer.json", "--text", text,
                   "--json").stdout
         assert got["input_tokens"] == len(json.loads(ids)["ids"]) > s["input_tokens"]
+
+
+def test_eval_model_on_a_dream_model(sparsa_bin, tokenizer_path, tmp_path):
+    """A dream model answers with its own loop (Dream's schedule, entropy confidence), its steps one
+    token each by default; the prompt lengths are the generator's."""
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    d = tmp_path / "tiny_dream"
+    spec = R.Spec("dream", dim=32, heads=2, kv_heads=1, hidden=48, layers=2, vocab=tok.get_vocab_size(),
+                  max_len=2048, mask_id=tok.token_to_id("<|mask|>"), eos=tok.token_to_id("<|endoftext|>"))
+    R.write_model(d, spec, seed=6)
+    (d / "tokenizer.json").write_text(tokenizer_path.read_text())
+    report = json.loads(run(sparsa_bin, "eval-model", "--model", d, "--tasks", "niah_single_1", "--lengths", "512",
+                            "--samples", "2", "--seed", "2", "--threads", "1", "--json", "--quiet").stdout)
+    assert report["arch"] == "dream" and report["loop"] == "dream"
+    (cell,) = report["results"]
+    samples = generate(sparsa_bin, "--tasks", "niah_single_1", "--lengths", "512", "--samples", "2", "--seed", "2",
+                       "--tokenizer", d / "tokenizer.json")
+    assert [s["input_tokens"] for s in cell["per_sample"]] == [s["input_tokens"] for s in samples]

@@ -284,8 +284,7 @@ std::unique_ptr<WeightSource> file_weights(const TensorStore& store, Ops& ops);
 std::unique_ptr<WeightSource> random_weights(Ops& ops, uint64_t seed);
 // The tensors of each architecture (model_llada.cpp, model_sdar.cpp).
 Result<Weights> load_llada_weights(const Config& c, WeightSource& source);
-Result<Weights> load_sdar_weights(const Config& c, WeightSource& source);
-Result<Weights> load_dream_weights(const Config& c, WeightSource& source);
+Result<Weights> load_qwen_weights(const Config& c, WeightSource& source);  // sdar, dream
 
 // One request: its KV cache of the prefix of positions [0, length) (one cache per layer: CPU
 // PagedKVCache, or on CUDA a DevicePagedKVCache per layer shared by the sequences made together,

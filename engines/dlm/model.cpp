@@ -169,9 +169,8 @@ Status load_weights(Model::Impl& impl, WeightSource& source) {
                                : impl.policy.method;
     if (m != "dense") impl.graphs = false;
   }
-  auto weights = impl.config.arch == Arch::llada  ? load_llada_weights(impl.config, source)
-                 : impl.config.arch == Arch::sdar ? load_sdar_weights(impl.config, source)
-                                                  : load_dream_weights(impl.config, source);
+  auto weights = impl.config.arch == Arch::llada ? load_llada_weights(impl.config, source)
+                                                 : load_qwen_weights(impl.config, source);
   if (!weights.ok()) return weights.status();
   impl.weights = std::move(weights.value());
   SPARSA_RETURN_IF_ERROR(impl.ops->check());

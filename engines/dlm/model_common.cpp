@@ -353,6 +353,47 @@ Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t
   return Status::Ok();
 }
 
+// The Qwen2 / Qwen3 weight layout of sdar and dream (model_sdar.cpp and model_dream.cpp list the
+// names): q_norm / k_norm when the config has QK norms (sdar), q / k / v biases when it has them
+// (dream).
+Result<Weights> load_qwen_weights(const Config& c, WeightSource& src) {
+  const int64_t d = c.dim, hd = c.head_dim, qd = c.n_heads * hd, kvd = c.n_kv_heads * hd, f = c.hidden_dim;
+  Weights w;
+  SPARSA_ASSIGN_WEIGHT(w.embed, src.matrix("model.embed_tokens.weight", c.vocab_size, d));
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const std::string b = "model.layers." + std::to_string(l) + ".";
+    LayerWeights L;
+    SPARSA_ASSIGN_WEIGHT(L.attn_norm, src.vector(b + "input_layernorm.weight", d));
+    const std::string qkv[] = {b + "self_attn.q_proj.weight", b + "self_attn.k_proj.weight",
+                               b + "self_attn.v_proj.weight"};
+    const int64_t qkv_rows[] = {qd, kvd, kvd};
+    SPARSA_ASSIGN_WEIGHT(L.wqkv, src.matrix(qkv, qkv_rows, d));
+    if (c.qk_norm) {
+      SPARSA_ASSIGN_WEIGHT(L.q_norm, src.vector(b + "self_attn.q_norm.weight", hd));
+      SPARSA_ASSIGN_WEIGHT(L.k_norm, src.vector(b + "self_attn.k_norm.weight", hd));
+    }
+    if (c.qkv_bias) {
+      SPARSA_ASSIGN_WEIGHT(L.q_bias, src.vector(b + "self_attn.q_proj.bias", qd));
+      SPARSA_ASSIGN_WEIGHT(L.k_bias, src.vector(b + "self_attn.k_proj.bias", kvd));
+      SPARSA_ASSIGN_WEIGHT(L.v_bias, src.vector(b + "self_attn.v_proj.bias", kvd));
+    }
+    SPARSA_ASSIGN_WEIGHT(L.wo, src.matrix(b + "self_attn.o_proj.weight", d, qd));
+    SPARSA_ASSIGN_WEIGHT(L.ffn_norm, src.vector(b + "post_attention_layernorm.weight", d));
+    const std::string gate_up[] = {b + "mlp.gate_proj.weight", b + "mlp.up_proj.weight"};
+    const int64_t gate_up_rows[] = {f, f};
+    SPARSA_ASSIGN_WEIGHT(L.w_gate_up, src.matrix(gate_up, gate_up_rows, d));
+    SPARSA_ASSIGN_WEIGHT(L.w_down, src.matrix(b + "mlp.down_proj.weight", d, f));
+    w.layers.push_back(L);
+  }
+  SPARSA_ASSIGN_WEIGHT(w.final_norm, src.vector("model.norm.weight", d));
+  if (c.tied_embeddings) {
+    w.lm_head = w.embed;
+  } else {
+    SPARSA_ASSIGN_WEIGHT(w.lm_head, src.matrix("lm_head.weight", c.vocab_size, d));
+  }
+  return w;
+}
+
 Status head(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks,
             std::span<const ChunkRows> rows, float* logits) {
   int64_t total = 0;

@@ -444,9 +444,8 @@ def test_malformed_tokenizer_config_json(sparsa_bin, tmp_path):
     assert r.returncode == 1 and "tokenizer_config.json: not valid JSON" in r.stderr, r.stderr
 
 
-def test_generate_chat_feeds_the_rendered_prompt(sparsa_bin, tmp_path):
-    """generate --chat encodes what chat-template renders: the same tokens come out as from those
-    ids given by hand; a model without a template is told so."""
+def shipped_model_copy(tmp_path):
+    """The shipped model's files linked into a new directory (which a test then gives a template)."""
     shipped = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "sparsa-sdar-ruler")
     if not os.path.isdir(shipped):
         pytest.skip("the shipped model is not in this checkout")
@@ -454,6 +453,13 @@ def test_generate_chat_feeds_the_rendered_prompt(sparsa_bin, tmp_path):
     model.mkdir()
     for name in os.listdir(shipped):
         os.symlink(os.path.abspath(os.path.join(shipped, name)), model / name)
+    return model
+
+
+def test_generate_chat_feeds_the_rendered_prompt(sparsa_bin, tmp_path):
+    """generate --chat encodes what chat-template renders: the same tokens come out as from those
+    ids given by hand; a model without a template is told so."""
+    model = shipped_model_copy(tmp_path)
 
     def sparsa(*args):
         return subprocess.run([sparsa_bin, *args], capture_output=True, text=True, encoding="utf-8")
@@ -481,13 +487,7 @@ def test_chat_keeps_the_conversation(sparsa_bin, tmp_path):
     """`sparsa chat`: each stdin line a user turn; turn n's prompt is the whole conversation so far
     (earlier replies as assistant turns) through the template, its reply what `generate` gives for
     those ids; /reset forgets the turns but not --system."""
-    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "sparsa-sdar-ruler")
-    if not os.path.isdir(shipped):
-        pytest.skip("the shipped model is not in this checkout")
-    model = tmp_path / "chat_model"
-    model.mkdir()
-    for name in os.listdir(shipped):
-        os.symlink(os.path.abspath(os.path.join(shipped, name)), model / name)
+    model = shipped_model_copy(tmp_path)
     (model / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: the value is {% endif %}", encoding="utf-8")

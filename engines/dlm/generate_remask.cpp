@@ -20,12 +20,7 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
   GenerateResult res;
   std::vector<Canvas> canvas;
   std::vector<Sequence> seqs;
-  for (size_t r = 0; r < prompts.size(); ++r) {
-    canvas.emplace_back(prompts[r], static_cast<int64_t>(prompts[r].size()) + o.gen_len, c.mask_token_id, o.seed, r);
-    auto seq = make_sequence(c, m.policy, 0);  // its cache stays empty: every step sees the whole canvas
-    if (!seq.ok()) return seq.status();
-    seqs.push_back(std::move(seq.value()));
-  }
+  SPARSA_RETURN_IF_ERROR(full_canvas_requests(m, c, prompts, o, canvas, seqs));
   State s;
   s.ops = m.ops.get();
   std::vector<float> logits(static_cast<size_t>(o.block_len * c.vocab_size));

@@ -52,6 +52,20 @@ struct Canvas {
   }
 };
 
+// The canvases (prompt | gen_len masks) of a batch of requests and, for the loops that run the
+// whole canvas every step (remask, dream), their sequences, whose caches stay empty.
+inline Status full_canvas_requests(const Model::Impl& m, const Config& c,
+                                   const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& o,
+                                   std::vector<Canvas>& canvas, std::vector<Sequence>& seqs) {
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    canvas.emplace_back(prompts[r], static_cast<int64_t>(prompts[r].size()) + o.gen_len, c.mask_token_id, o.seed, r);
+    auto seq = make_sequence(c, m.policy, 0);
+    if (!seq.ok()) return seq.status();
+    seqs.push_back(std::move(seq.value()));
+  }
+  return Status::Ok();
+}
+
 // Samples every masked position of rows [begin, begin + count) of the canvas from `logits`
 // (row i of logits is canvas position begin + i): positions, picks and confidences (of the
 // kind GenerateOptions::confidence asks for).

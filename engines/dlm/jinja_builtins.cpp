@@ -315,7 +315,8 @@ Value global(const std::string& name) {
       std::tm tm{};
       localtime_r(&now, &tm);
       char buf[256];
-      const size_t n = format.size() < 128 ? std::strftime(buf, sizeof(buf), format.c_str(), &tm) : 0;
+      if (format.size() >= 128) fail(line, "strftime_now(): the format is longer than 127 characters");
+      const size_t n = std::strftime(buf, sizeof(buf), format.c_str(), &tm);
       return Value::of(std::string(buf, n));
     });
   }

@@ -442,6 +442,8 @@ Result<Template> Template::parse(const std::string& source, const std::string& w
     return Template(std::make_shared<const Program>(parse_program(source)), where);
   } catch (const Error& e) {
     return error_at(where, e);
+  } catch (const std::exception& e) {
+    return invalid_argument(where + ": " + e.what());
   }
 }
 

@@ -203,7 +203,7 @@ KITCHEN_SINK = r"""A{{ 1 + 2 * 3 - 4 / 2 }}|{{ 7 // 2 }} {{ -7 // 2 }} {{ -7 % 3
 {% macro greet(name, punct='!') %}Hi {{ name }}{{ punct }}{% endmacro %}{{ greet('a') }} {{ greet('b', '?') }} {{ greet(punct='.', name='c') }} {{ greet('d')|upper }}
 {% macro rest(a) %}{{ a }}{{ varargs }}{{ kwargs }}{% endmacro %}{{ rest(1, 2, 3, k='v') }} {{ greet(*['e', ';']) }} {{ greet(**{'name': 'f'}) }} {{ 'x' not in nothing_here }} {{ 'x' in nothing_here }}
 {% macro box(title) %}[{{ title }}:{{ caller() }}]{% endmacro %}{% for who in ['p', 'q'] %}{% call box(who|upper) %}<{{ who }}{{ loop.index }}>{% endcall %}{% endfor %}
-{% generation %}generated {{ 1 + 1 }}{% endgeneration %}
+{% generation %}generated {{ 1 + 1 }}{% endgeneration %} {{ strftime_now('[%%]') }} {{ strftime_now is defined }}
 {%- if true %}
   stripped-left
 {%- endif %}
@@ -356,6 +356,7 @@ def test_raise_exception_and_errors_name_the_line(sparsa_bin, tmp_path):
         "{{ 'unterminated }}": "string literal is not closed",
         "{{ 99999999999999999999 }}": "too large",
         "{{ 9223372036854775807 + 1 }}": "overflow",
+        "{{ strftime_now('" + "%Y" * 70 + "') }}": "longer than 127",
     }
     for source, needle in bad.items():
         r = sparsa_render(sparsa_bin, tmp_path, source, {"messages": []})

@@ -399,12 +399,21 @@ struct Model::Impl {
 };
 
 // ---- the shared pieces of the loops (sampler.cpp) ------------------------------------------
-// Argmax (temperature 0) or Gumbel-max at `temperature`; ban_eos sets EOS logits to -inf first.
-Pick sample(const float* logits, int64_t vocab, double temperature, uint64_t* rng, const Config& c, bool ban_eos);
-// A position's confidence of kind margin or entropy (GenerateOptions::confidence) from its logits
-// row: of softmax(logits / temperature) (temperature 0: of softmax(logits)), EOS excluded when banned.
-double confidence_of(const float* logits, int64_t vocab, double temperature, Confidence kind, const Config& c,
-                     bool ban_eos);
+// The tokens a position may take under the options' filters (1 = allowed): every token but
+// EOS when banned, narrowed by top_p (the most probable tokens of softmax(logits / T), T = 0: of
+// the logits, while the mass before them is <= top_p; ties by the lower id) and then top_k (the
+// k largest logits, ties with the k-th kept), as Dream's sample_tokens filters. Empty when no
+// filter is on: every unbanned token.
+std::vector<char> allowed_tokens(const float* logits, int64_t vocab, const GenerateOptions& o, const Config& c);
+// Argmax (temperature 0) or Gumbel-max at o.temperature among the allowed tokens; confidence: the
+// pick's softmax probability among them (of the unscaled logits, as LLaDA).
+Pick sample(const float* logits, int64_t vocab, const GenerateOptions& o, std::span<const char> allowed,
+            uint64_t* rng, const Config& c);
+// A position's confidence of kind o.confidence (margin or entropy; probability: the top one) from
+// its logits row: of softmax(logits / temperature) (temperature 0: of softmax(logits)) among the
+// allowed tokens.
+double confidence_of(const float* logits, int64_t vocab, const GenerateOptions& o, std::span<const char> allowed,
+                     const Config& c);
 // LLaDA's schedule: `masks` tokens over `steps` steps, equal shares, the remainder to the first.
 std::vector<int64_t> transfer_schedule(int64_t masks, int64_t steps);
 // Indices (into conf) of the k largest confidences; ties to the lower index.

@@ -80,12 +80,12 @@ inline Candidates candidates(const Config& c, const GenerateOptions& o, Canvas& 
   for (int64_t i = 0; i < count; ++i) {
     if (!cv.masked[begin + i]) continue;
     const float* row = logits + i * c.vocab_size;
-    const Pick p = sample(row, c.vocab_size, o.temperature, &cv.rng, c, o.ban_eos);
+    const std::vector<char> allowed = allowed_tokens(row, c.vocab_size, o, c);
+    const Pick p = sample(row, c.vocab_size, o, allowed, &cv.rng, c);
     k.position.push_back(begin + i);
     k.pick.push_back(p);
-    k.confidence.push_back(o.confidence == Confidence::probability
-                               ? p.confidence
-                               : confidence_of(row, c.vocab_size, o.temperature, o.confidence, c, o.ban_eos));
+    k.confidence.push_back(o.confidence == Confidence::probability ? p.confidence
+                                                                   : confidence_of(row, c.vocab_size, o, allowed, c));
   }
   return k;
 }
@@ -102,7 +102,9 @@ inline Result<std::vector<Candidates>> forward_candidates(const Model::Impl& m, 
   for (const Chunk& ch : chunks) rows += ch.options.logits_count;
   if (static_cast<int64_t>(host.size()) < rows * c.vocab_size) host.resize(static_cast<size_t>(rows * c.vocab_size));
   std::vector<Candidates> out(chunks.size());
-  if (o.temperature == 0 && o.confidence == Confidence::probability && m.ops->device().type == DeviceType::cuda) {
+  const bool filtered = o.top_p < 1 || o.top_k > 0;  // the device's greedy sampler has no filters
+  if (o.temperature == 0 && o.confidence == Confidence::probability && !filtered &&
+      m.ops->device().type == DeviceType::cuda) {
     SPARSA_RETURN_IF_ERROR(m.forward(s, chunks, nullptr));
     std::vector<int32_t> banned;
     if (o.ban_eos) banned = c.eos_token_ids;

@@ -316,6 +316,8 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   if (o.steps < 1) return invalid_argument("steps: expected >= 1, got " + std::to_string(o.steps));
   if (!(o.temperature >= 0)) return invalid_argument("temperature: expected >= 0");
   if (!(o.threshold >= 0 && o.threshold <= 1)) return invalid_argument("threshold: expected in [0, 1]");
+  if (!(o.top_p > 0 && o.top_p <= 1)) return invalid_argument("top_p: expected in (0, 1]");
+  if (o.top_k < 0) return invalid_argument("top_k: expected >= 0 (0: off), got " + std::to_string(o.top_k));
   if (o.loop == Loop::block && c.arch != Arch::sdar) {
     return invalid_argument("loop: block diffusion needs a block-diffusion model (sdar); this model is " +
                             std::string(arch_name(c.arch)));

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <functional>
 #include <numeric>
 
 #include "engine.h"
@@ -25,28 +26,91 @@ bool is_eos(const Config& c, int32_t token) {
   return std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), token) != c.eos_token_ids.end();
 }
 
-Pick sample(const float* logits, int64_t vocab, double temperature, uint64_t* rng, const Config& c, bool ban_eos) {
-  auto banned = [&](int64_t i) { return ban_eos && is_eos(c, static_cast<int32_t>(i)); };
-  // LLaDA's Gumbel-max: argmax(exp(l) / (-log u)^T) = argmax(l - T log(-log u)).
+std::vector<char> allowed_tokens(const float* logits, int64_t vocab, const GenerateOptions& o, const Config& c) {
+  const bool by_p = o.top_p < 1, by_k = o.top_k > 0 && o.top_k < vocab;
+  if (!by_p && !by_k) return {};
+  std::vector<char> ok(static_cast<size_t>(vocab), 1);
+  if (o.ban_eos) {
+    for (int32_t t : c.eos_token_ids) {
+      if (t >= 0 && t < vocab) ok[static_cast<size_t>(t)] = 0;
+    }
+  }
+  auto by_logit = [&](int32_t a, int32_t b) { return logits[a] != logits[b] ? logits[a] > logits[b] : a < b; };
+  if (by_p) {
+    // Keep the most probable tokens while the mass before them is <= top_p (the first always).
+    // The order is needed only until the mass passes top_p: the tokens of probability >= 1e-12
+    // first, sorted; the rest (less than vocab * 1e-12 of mass in all) only if the set needs them.
+    const double scale = o.temperature > 0 ? 1.0 / o.temperature : 1.0;
+    double max_logit = -std::numeric_limits<double>::infinity(), z = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (ok[i]) max_logit = std::max(max_logit, scale * logits[i]);
+    }
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (ok[i]) z += std::exp(scale * logits[i] - max_logit);
+    }
+    auto prob = [&](int32_t i) { return std::exp(scale * logits[i] - max_logit) / z; };
+    std::vector<int32_t> likely, rest;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (ok[i]) (prob(static_cast<int32_t>(i)) >= 1e-12 ? likely : rest).push_back(static_cast<int32_t>(i));
+    }
+    std::sort(likely.begin(), likely.end(), by_logit);
+    std::vector<char> kept(static_cast<size_t>(vocab), 0);
+    double mass = 0;
+    bool done = false;
+    for (const std::vector<int32_t>* part : {&likely, &rest}) {
+      if (part == &rest && !done) std::sort(rest.begin(), rest.end(), by_logit);
+      for (int32_t t : *part) {
+        if (done || (mass > o.top_p && mass > 0)) {
+          done = true;
+          break;
+        }
+        kept[static_cast<size_t>(t)] = 1;
+        mass += prob(t);
+      }
+      if (done) break;
+    }
+    for (int64_t i = 0; i < vocab; ++i) ok[i] = ok[i] && kept[i];
+  }
+  if (by_k) {  // the k largest logits of what is left, ties with the k-th kept
+    std::vector<float> values;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (ok[i]) values.push_back(logits[i]);
+    }
+    if (static_cast<int64_t>(values.size()) > o.top_k) {
+      std::nth_element(values.begin(), values.begin() + (o.top_k - 1), values.end(), std::greater<float>());
+      const float kth = values[static_cast<size_t>(o.top_k - 1)];
+      for (int64_t i = 0; i < vocab; ++i) ok[i] = ok[i] && logits[i] >= kth;
+    }
+  }
+  return ok;
+}
+
+Pick sample(const float* logits, int64_t vocab, const GenerateOptions& o, std::span<const char> allowed,
+            uint64_t* rng, const Config& c) {
+  auto banned = [&](int64_t i) { return o.ban_eos && is_eos(c, static_cast<int32_t>(i)); };
+  auto out = [&](int64_t i) { return allowed.empty() ? banned(i) : !allowed[i]; };
+  // LLaDA's Gumbel-max: argmax(exp(l) / (-log u)^T) = argmax(l - T log(-log u)). One draw per
+  // unbanned entry, filtered out or not, so that a filter moves no other position's draws.
   int64_t best = -1;
   double best_score = -std::numeric_limits<double>::infinity();
   double max_logit = -std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < vocab; ++i) {
     if (banned(i)) continue;
     const double l = logits[i];
-    max_logit = std::max(max_logit, l);
     double score = l;
-    if (temperature > 0) score -= temperature * std::log(-std::log(uniform_open(rng)));
+    if (o.temperature > 0) score -= o.temperature * std::log(-std::log(uniform_open(rng)));
+    if (out(i)) continue;
+    max_logit = std::max(max_logit, l);
     if (best < 0 || score > best_score) {
       best = i;
       best_score = score;
     }
   }
   if (best < 0) best = 0;
-  // confidence: softmax probability of the pick under the logits (EOS banned -> excluded)
+  // confidence: softmax probability of the pick under the logits, among the allowed tokens
   double z = 0;
   for (int64_t i = 0; i < vocab; ++i) {
-    if (!banned(i)) z += std::exp(static_cast<double>(logits[i]) - max_logit);
+    if (!out(i)) z += std::exp(static_cast<double>(logits[i]) - max_logit);
   }
   Pick p;
   p.token = static_cast<int32_t>(best);
@@ -54,22 +118,24 @@ Pick sample(const float* logits, int64_t vocab, double temperature, uint64_t* rn
   return p;
 }
 
-double confidence_of(const float* logits, int64_t vocab, double temperature, Confidence kind, const Config& c,
-                     bool ban_eos) {
-  auto banned = [&](int64_t i) { return ban_eos && is_eos(c, static_cast<int32_t>(i)); };
-  const double scale = temperature > 0 ? 1.0 / temperature : 1.0;
+double confidence_of(const float* logits, int64_t vocab, const GenerateOptions& o, std::span<const char> allowed,
+                     const Config& c) {
+  auto out = [&](int64_t i) {
+    return allowed.empty() ? o.ban_eos && is_eos(c, static_cast<int32_t>(i)) : !allowed[i];
+  };
+  const double scale = o.temperature > 0 ? 1.0 / o.temperature : 1.0;
   double max_logit = -std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < vocab; ++i) {
-    if (!banned(i)) max_logit = std::max(max_logit, scale * logits[i]);
+    if (!out(i)) max_logit = std::max(max_logit, scale * logits[i]);
   }
   double z = 0;
   for (int64_t i = 0; i < vocab; ++i) {
-    if (!banned(i)) z += std::exp(scale * logits[i] - max_logit);
+    if (!out(i)) z += std::exp(scale * logits[i] - max_logit);
   }
-  if (kind == Confidence::entropy) {  // sum p log p = sum p (l - max - log z)
+  if (o.confidence == Confidence::entropy) {  // sum p log p = sum p (l - max - log z)
     double sum = 0;
     for (int64_t i = 0; i < vocab; ++i) {
-      if (banned(i)) continue;
+      if (out(i)) continue;
       const double logp = scale * logits[i] - max_logit - std::log(z);
       sum += std::exp(logp) * logp;
     }
@@ -77,7 +143,7 @@ double confidence_of(const float* logits, int64_t vocab, double temperature, Con
   }
   double first = 0, second = 0;  // the two largest probabilities
   for (int64_t i = 0; i < vocab; ++i) {
-    if (banned(i)) continue;
+    if (out(i)) continue;
     const double p = std::exp(scale * logits[i] - max_logit) / z;
     if (p > first) {
       second = first;
@@ -86,7 +152,7 @@ double confidence_of(const float* logits, int64_t vocab, double temperature, Con
       second = p;
     }
   }
-  return kind == Confidence::margin ? first - second : first;
+  return o.confidence == Confidence::margin ? first - second : first;
 }
 
 std::vector<int64_t> transfer_schedule(int64_t masks, int64_t steps) {

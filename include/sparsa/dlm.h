@@ -146,6 +146,8 @@ struct GenerateOptions {
                              // count, SDAR's low_confidence_dynamic); 0: the scheduled top-k
   double temperature = 0;    // 0: argmax; > 0: Gumbel-max sampling at this temperature
   Confidence confidence = Confidence::probability;  // margin / entropy: of softmax(logits / temperature)
+  double top_p = 1.0;        // < 1: a pick only among the most probable tokens holding this mass (Dream's top_p)
+  int64_t top_k = 0;         // > 0: a pick only among the k largest logits (Dream's top_k; after top_p)
   uint64_t seed = 0;
   bool stop_at_eos = true;       // after a block holding an EOS is done, stop; the output ends before the EOS
   bool ban_eos = false;          // EOS logits set to -inf before sampling (LLaDA's logits_eos_inf)

@@ -40,6 +40,8 @@ struct DlmOptions {
   bool chat = false, no_generation_prompt = false, show_ids = false;
   std::string system, chat_template, chat_vars = "{}", messages;
   std::string confidence;  // "": the loop's default
+  double top_p = 1.0;
+  int64_t top_k = 0;
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& flag, const std::string& text) {
@@ -129,6 +131,8 @@ Result<dlm::GenerateOptions> generate_options(const DlmOptions& o, const dlm::Mo
     if (!kind.ok()) return invalid_argument("--confidence: " + kind.status().message());
     g.confidence = kind.value();
   }
+  g.top_p = o.top_p;
+  g.top_k = o.top_k;
   g.seed = o.seed;
   g.stop_at_eos = !o.no_stop;
   g.ban_eos = o.ban_eos;
@@ -539,6 +543,9 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding (0: top-k schedule)")
       ->capture_default_str();
   gen->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
+  gen->add_option("--top-p", o->top_p, "< 1: pick among the most probable tokens holding this mass")
+      ->capture_default_str();
+  gen->add_option("--top-k", o->top_k, "> 0: pick among the k largest logits (after --top-p)")->capture_default_str();
   gen->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   gen->add_option("--backend", o->backend, "cpu, cuda or cuda:N (bf16 on the GPU)")->capture_default_str();
   gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
@@ -611,6 +618,8 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   chat->add_option("--steps", o->steps, "as generate's");
   chat->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding")->capture_default_str();
   chat->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
+  chat->add_option("--top-p", o->top_p, "as generate's")->capture_default_str();
+  chat->add_option("--top-k", o->top_k, "as generate's")->capture_default_str();
   chat->add_option("--seed", o->seed, "sampling seed of the first turn (the next turns: seed + turn)")
       ->capture_default_str();
   chat->add_option("--backend", o->backend, "cpu, cuda or cuda:N")->capture_default_str();

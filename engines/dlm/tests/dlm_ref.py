@@ -342,10 +342,38 @@ def _note(kind, value):
         MARGINS.append((kind, float(value)))
 
 
-def confidence_of(logits, kind, temperature=0.0):
+def allowed_tokens(logits, temperature=0.0, top_p=1.0, top_k=0):
+    """Dream's sample_tokens filters: top_p keeps the most probable tokens of softmax(logits / T)
+    while the mass before them is <= top_p (ties by the lower id), then top_k the k largest
+    logits (ties with the k-th kept). A boolean mask, or None when no filter is on."""
+    V = len(logits)
+    if top_p >= 1 and not (0 < top_k < V):
+        return None
+    ok = np.ones(V, bool)
+    if top_p < 1:
+        z = logits / temperature if temperature > 0 else logits.astype(np.float64)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        order = sorted(range(V), key=lambda i: (-logits[i], i))
+        kept, mass = np.zeros(V, bool), 0.0
+        for i in order:
+            if mass > top_p:
+                break
+            kept[i] = True
+            mass += p[i]
+        ok &= kept
+    if 0 < top_k < ok.sum():
+        kth = np.sort(logits[ok])[::-1][top_k - 1]
+        ok &= logits >= kth
+    return ok
+
+
+def confidence_of(logits, kind, temperature=0.0, allowed=None):
     """Dream's confidences of a position: margin (top-1 minus top-2 probability) or entropy (sum p
-    log p) of softmax(logits / T) (T = 0: softmax(logits))."""
+    log p) of softmax(logits / T) (T = 0: softmax(logits)), among the allowed tokens."""
     z = logits / temperature if temperature > 0 else logits
+    if allowed is not None:
+        z = np.where(allowed, z, -np.inf)
     z = z - z.max()
     p = np.exp(z)
     p /= p.sum()
@@ -355,17 +383,19 @@ def confidence_of(logits, kind, temperature=0.0):
     return float(top2[1] - top2[0])
 
 
-def softmax_pick(logits, temperature=0.0, rng=None):
+def softmax_pick(logits, temperature=0.0, rng=None, allowed=None):
     """LLaDA's sampler: argmax of the logits, or Gumbel-max argmax(l - T log(-log u)) at T > 0
-    (u drawn for every vocabulary entry in order); confidence = softmax probability of the pick."""
-    z = logits - logits.max()
+    (u drawn for every vocabulary entry in order, allowed or not), among the allowed tokens;
+    confidence = softmax probability of the pick among them."""
+    masked = logits if allowed is None else np.where(allowed, logits, -np.inf)
+    z = masked - masked.max()
     p = np.exp(z)
     p /= p.sum()
     if temperature > 0:
         u = np.array([rng.uniform() for _ in range(len(logits))])
-        t = int(np.argmax(logits - temperature * np.log(-np.log(u))))
+        t = int(np.argmax(masked - temperature * np.log(-np.log(u))))
     else:
-        t = int(np.argmax(logits))
+        t = int(np.argmax(masked))
         if len(logits) > 1:
             top2 = np.sort(logits)[-2:]
             _note("logit", top2[1] - top2[0])
@@ -405,10 +435,12 @@ def cut(s, gen, stop=True):
     return out
 
 
-def ref_dream(s, w, prompt, gen_len, steps, confidence="entropy", stop=True, eps=1e-3):
-    """Dream's loop at temperature 0: the whole canvas each step; step i (timesteps t_i = 1 - i (1 -
-    eps) / steps) commits floor(n (1 - t_{i+1} / t_i)) of its n masked positions, the most
-    confident ones, and the last step the rest."""
+def ref_dream(s, w, prompt, gen_len, steps, confidence="entropy", stop=True, eps=1e-3, temperature=0.0, top_p=1.0,
+              top_k=0, seed=0, request=0):
+    """Dream's loop: the whole canvas each step; step i (timesteps t_i = 1 - i (1 - eps) / steps)
+    commits floor(n (1 - t_{i+1} / t_i)) of its n masked positions, the most confident ones, and
+    the last step the rest; picks through the top_p / top_k filters."""
+    rng = SplitMix64(seed, request)
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
     P = len(prompt)
@@ -418,9 +450,10 @@ def ref_dream(s, w, prompt, gen_len, steps, confidence="entropy", stop=True, eps
         if not pos:
             break
         logits = canvas_logits(s, w, x)
-        picks = [softmax_pick(logits[j]) for j in pos]
+        allowed = [allowed_tokens(logits[j], temperature, top_p, top_k) for j in pos]
+        picks = [softmax_pick(logits[j], temperature, rng, a) for j, a in zip(pos, allowed)]
         conf = [p[1] for p in picks] if confidence == "probability" else \
-            [confidence_of(logits[j], confidence) for j in pos]
+            [confidence_of(logits[j], confidence, temperature, a) for j, a in zip(pos, allowed)]
         k = int(np.floor(len(pos) * (1.0 - t[i + 1] / t[i]))) if i + 1 < steps else len(pos)
         for j in top(conf, k, confidence) if k > 0 else []:
             x[pos[j]] = picks[j][0]

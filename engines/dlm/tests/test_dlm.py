@@ -288,6 +288,25 @@ def test_dream_loop_matches_reference(sparsa_bin, dream_model, confidence):
             assert generate_ids(sparsa_bin, d, PROMPTS, *flags) == got
 
 
+def test_dream_sampling_with_top_p_and_top_k_matches_reference(sparsa_bin, dream_model):
+    """Temperature > 0 through Dream's filters (top_p, then top_k), draw for draw: the picks stay
+    inside the filtered set and the confidences are taken of it. Without the filters the same
+    seed gives other tokens."""
+    s, w, d = dream_model
+    flags = ["--gen-len", 10, "--steps", 5, "--temperature", 0.8, "--seed", 3, "--no-stop-at-eos"]
+    for top_p, top_k, confidence in ((0.6, 0, "entropy"), (1.0, 3, "probability"), (0.9, 2, "margin")):
+        got = generate_ids(sparsa_bin, d, PROMPTS, *flags, "--top-p", top_p, "--top-k", top_k, "--confidence",
+                           confidence)
+        for r, (p, g) in enumerate(zip(PROMPTS, got)):
+            assert g == R.ref_dream(s, w, p, 10, 5, confidence, stop=False, temperature=0.8, top_p=top_p, top_k=top_k,
+                                    seed=3, request=r), (top_p, top_k, confidence)
+        unfiltered = generate_ids(sparsa_bin, d, PROMPTS, *flags, "--confidence", confidence)
+        assert unfiltered != got, (top_p, top_k)  # the filters do change the draws' outcome
+    for flag, value in (("--top-p", 0), ("--top-p", 1.5), ("--top-k", -1)):
+        p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", flag, value, "--json", check=False)
+        assert p.returncode == 1 and flag[2:].replace("-", "_") in p.stderr, p.stderr
+
+
 def test_dream_remask_loop_and_confidences_on_llada(sparsa_bin, dream_model, llada_model):
     """The remask loop on a dream model (its blocks read the shifted logits one row back) and the
     margin / entropy confidences on LLaDA's remasking."""

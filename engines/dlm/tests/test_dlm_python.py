@@ -118,5 +118,9 @@ def test_dream_from_python(tmp_path):
     assert m.generate(prompt, gen_len=8, steps=8, stop_at_eos=False) == R.ref_dream(s, w, prompt, 8, 8, stop=False)
     assert m.generate(prompt, gen_len=8, steps=4, stop_at_eos=False, confidence="margin") == \
         R.ref_dream(s, w, prompt, 8, 4, "margin", stop=False)
+    assert m.generate(prompt, gen_len=8, steps=4, stop_at_eos=False, temperature=0.7, top_p=0.8, top_k=3, seed=2) \
+        == R.ref_dream(s, w, prompt, 8, 4, stop=False, temperature=0.7, top_p=0.8, top_k=3, seed=2)
     with pytest.raises(ValueError, match="confidence"):
         m.generate(prompt, gen_len=8, confidence="doubt")
+    with pytest.raises(ValueError, match="top_p"):
+        m.generate(prompt, gen_len=8, top_p=0.0)

@@ -19,8 +19,8 @@ namespace sparsa::dlm::jinja {
 namespace {
 
 constexpr int64_t kCopyBudget = int64_t{256} << 20;  // bytes of long strings a render may copy (jinja_ast.h)
-constexpr int64_t kMaxSteps = 1000000;  // expressions evaluated and loop iterations (a long chat takes ~50 a message)
-constexpr int kMaxDepth = 256;                 // nested evaluation, macro calls included
+constexpr int64_t kMaxSteps = 1000000;  // statements, expressions and iterations (a chat turn takes ~50)
+constexpr int kMaxDepth = 256;          // nested evaluation, macro calls included
 
 struct Frame {
   Frame* parent = nullptr;
@@ -95,11 +95,11 @@ class Renderer {
         return Flow::normal;
       case Stmt::Kind::for_: exec_for(s, f, out); return Flow::normal;
       case Stmt::Kind::set: assign(s, eval(*s.expr, f), f); return Flow::normal;
-      case Stmt::Kind::set_block: {
+      case Stmt::Kind::set_block: {  // a break or continue inside leaves the loop around it, as in Jinja
         std::string text;
-        exec_body(s.body, f, text);
+        const Flow flow = exec_body(s.body, f, text);
         f.set(s.targets[0], Value::of(std::move(text)));
-        return Flow::normal;
+        return flow;
       }
       case Stmt::Kind::macro: define_macro(s, f); return Flow::normal;
       case Stmt::Kind::call_block: exec_call_block(s, f, out); return Flow::normal;

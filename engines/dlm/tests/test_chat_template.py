@@ -198,7 +198,7 @@ KITCHEN_SINK = r"""A{{ 1 + 2 * 3 - 4 / 2 }}|{{ 7 // 2 }} {{ -7 // 2 }} {{ -7 % 3
 {% set ns = namespace(total=0, names=[]) %}{% for i in range(5) %}{% if i == 3 %}{% continue %}{% endif %}{% set ns.total = ns.total + i %}{% set ns.names = ns.names + [i] %}{% endfor %}{{ ns.total }} {{ ns.names }}
 {% for a, b in [(1, 'x'), (2, 'y')] %}{{ loop.index }}{{ loop.index0 }}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.first }}{{ loop.last }}{{ loop.length }}{{ a }}{{ b }}{{ loop.cycle('o', 'e') }}{{ loop.previtem }}|{% endfor %}
 {% for i in [1, 2, 3, 4] if i is even %}{{ loop.index }}:{{ i }};{% else %}none{% endfor %}{% for i in [] %}x{% else %}empty{% endfor %}{% for c in 'hé' %}[{{ c }}]{% endfor %}{% for k in {'p': 1, 'q': 2} %}{{ k }}{% endfor %}
-{% for i in range(10) %}{% if i > 2 %}{% break %}{% endif %}{{ i }}{% endfor %}{% set x1 = 1 %}{% for i in range(2) %}{{ x1 }}{% set x1 = 5 %}{{ x1 }}{% endfor %}{{ x1 }}
+{% for i in range(10) %}{% if i > 2 %}{% break %}{% endif %}{{ i }}{% endfor %}{% for i in range(3) %}{% set cut %}<{% if i == 1 %}{% break %}{% endif %}>{% endset %}{{ i }}{% endfor %}{% set x1 = 1 %}{% for i in range(2) %}{{ x1 }}{% set x1 = 5 %}{{ x1 }}{% endfor %}{{ x1 }}
 {% set a, b = [1, 2] %}{{ a }}{{ b }}{% set t %}T{{ a }}{% endset %}{{ t }}{% set (c, d) = ('p', 'q') %}{{ c }}{{ d }}{% set tu = 1, 2 %}{{ tu }}
 {% macro greet(name, punct='!') %}Hi {{ name }}{{ punct }}{% endmacro %}{{ greet('a') }} {{ greet('b', '?') }} {{ greet(punct='.', name='c') }} {{ greet('d')|upper }}
 {% macro rest(a) %}{{ a }}{{ varargs }}{{ kwargs }}{% endmacro %}{{ rest(1, 2, 3, k='v') }} {{ greet(*['e', ';']) }} {{ greet(**{'name': 'f'}) }} {{ 'x' not in nothing_here }} {{ 'x' in nothing_here }}

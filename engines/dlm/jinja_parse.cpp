@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "jinja_ast.h"
+#include "utf8.h"
 
 namespace sparsa::dlm::jinja {
 namespace {
@@ -254,24 +255,6 @@ class Lexer {
       }
     }
     tokens_.push_back({T::string, std::move(out), line});
-  }
-
-  static void append_utf8(std::string& out, uint32_t c) {
-    if (c < 0x80) {
-      out += static_cast<char>(c);
-    } else if (c < 0x800) {
-      out += static_cast<char>(0xC0 | (c >> 6));
-      out += static_cast<char>(0x80 | (c & 0x3F));
-    } else if (c < 0x10000) {
-      out += static_cast<char>(0xE0 | (c >> 12));
-      out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (c & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (c >> 18));
-      out += static_cast<char>(0x80 | ((c >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (c & 0x3F));
-    }
   }
 
   void lex_number() {

@@ -288,6 +288,27 @@ TEST(Io, MissingOrUnreadableFilesAreIoErrors) {
   EXPECT_NE(r.status().message().find("directory"), std::string::npos) << r.status().message();
 }
 
+// A config, a tokenizer or a chat template: read whole, byte for byte (NUL and CR included); a
+// missing path, a directory or an empty name is an io_error naming the path, never an empty text.
+TEST(Io, ReadTextFile) {
+  TempDir dir;
+  const std::string bytes = std::string("{\"a\": 1}\r\n\0tail\xC3", 14);
+  write_bytes(dir.file("config.json"), bytes);
+  auto r = read_text_file(dir.file("config.json"));
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r.value(), bytes);
+  write_bytes(dir.file("empty.json"), "");
+  ASSERT_TRUE(read_text_file(dir.file("empty.json")).ok());
+  EXPECT_EQ(read_text_file(dir.file("empty.json")).value(), "");
+  for (const std::string& path : {dir.file("absent.json"), dir.path().string(), std::string()}) {
+    auto bad = read_text_file(path);
+    ASSERT_FALSE(bad.ok()) << path;
+    EXPECT_EQ(bad.status().code(), StatusCode::io_error) << path;
+  }
+  EXPECT_NE(read_text_file(dir.path().string()).status().message().find("directory"), std::string::npos);
+  EXPECT_NE(read_text_file(dir.file("absent.json")).status().message().find("absent.json"), std::string::npos);
+}
+
 // ---- .safetensors -------------------------------------------------------------------------
 
 TEST(Safetensors, RoundTripEveryDtypeInFileOrder) {

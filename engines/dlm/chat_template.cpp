@@ -3,11 +3,10 @@
 // apply_chat_template gives it (messages, tools = documents = None, add_generation_prompt, the
 // special tokens, the caller's extra variables). The rendering is jinja_render.cpp's.
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "jinja.h"
 #include "sparsa/dlm.h"
+#include "sparsa/io.h"
 
 namespace sparsa::dlm {
 
@@ -25,13 +24,7 @@ namespace {
 constexpr const char* kSpecialTokens[] = {"bos_token", "eos_token", "unk_token", "sep_token",
                                           "pad_token", "cls_token", "mask_token"};
 
-Result<std::string> read_text(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(StatusCode::io_error, path.string() + ": missing or unreadable");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+Result<std::string> read_text(const std::filesystem::path& path) { return read_text_file(path.string()); }
 
 // A token written as "text" or as an AddedToken object {"content": "text", ...}.
 Result<std::string> token_text(const OrderedJson& v, const std::string& where) {

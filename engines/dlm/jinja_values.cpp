@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "utf8.h"
+
 namespace sparsa::dlm::jinja {
 
 namespace {
@@ -17,26 +19,17 @@ constexpr size_t kMaxShown = size_t{16} << 20;  // str() or tojson of one value
 std::vector<std::string_view> characters(std::string_view s) {
   std::vector<std::string_view> out;
   out.reserve(s.size());
-  size_t i = 0;
-  while (i < s.size()) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 1;
-    if (i + n > s.size()) n = 1;
-    for (size_t k = 1; k < n; ++k) {
-      if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) n = 1;  // a stray byte is one character
-    }
+  for (size_t i = 0, n = 0; i < s.size(); i += n) {
+    decode_utf8(s, i, &n);  // a stray byte is one character
     out.push_back(s.substr(i, n));
-    i += n;
   }
   return out;
 }
 
 uint32_t code_point(std::string_view ch) {
-  const unsigned char c = static_cast<unsigned char>(ch[0]);
-  if (ch.size() == 1) return c;
-  uint32_t v = ch.size() == 2 ? (c & 0x1F) : ch.size() == 3 ? (c & 0x0F) : (c & 0x07);
-  for (size_t k = 1; k < ch.size(); ++k) v = (v << 6) | (static_cast<unsigned char>(ch[k]) & 0x3F);
-  return v;
+  size_t n = 0;
+  const uint32_t cp = decode_utf8(ch, 0, &n);
+  return cp >= kInvalidUtf8 ? cp - kInvalidUtf8 : cp;  // a stray byte stands for itself
 }
 
 bool is_python_space(uint32_t c) {

@@ -4,11 +4,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "engine.h"
 #include "model_common.h"
+#include "sparsa/io.h"
 
 namespace sparsa::dlm {
 
@@ -224,12 +223,12 @@ Result<Model> Model::load(const std::string& dir, const LoadOptions& options) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return Status(StatusCode::io_error, dir + ": not a model directory");
   const std::string config_path = (fs::path(dir) / "config.json").string();
-  std::ifstream in(config_path, std::ios::binary);
-  if (!in)
-    return Status(StatusCode::io_error, config_path + ": missing or unreadable (a model directory needs config.json)");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto config = parse_config(ss.str(), config_path);
+  auto config_text = read_text_file(config_path);
+  if (!config_text.ok()) {
+    return Status(config_text.status().code(),
+                  config_text.status().message() + " (a model directory needs config.json)");
+  }
+  auto config = parse_config(config_text.value(), config_path);
   if (!config.ok()) return config.status();
 
   auto impl = std::make_unique<Impl>();

@@ -26,6 +26,30 @@ bool is_eos(const Config& c, int32_t token) {
   return std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), token) != c.eos_token_ids.end();
 }
 
+namespace {
+
+// The softmax of scale * logits over the tokens that `in` admits: its largest scaled logit and
+// its normaliser, so that p_i = exp(scale l_i - max_logit) / z.
+struct Softmax {
+  double scale, max_logit, z;
+  double log_prob(float l) const { return scale * l - max_logit - std::log(z); }
+  double prob(float l) const { return std::exp(scale * l - max_logit) / z; }
+};
+
+template <class Admits>
+Softmax softmax_of(const float* logits, int64_t vocab, double scale, Admits in) {
+  Softmax s{scale, -std::numeric_limits<double>::infinity(), 0};
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (in(i)) s.max_logit = std::max(s.max_logit, scale * logits[i]);
+  }
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (in(i)) s.z += std::exp(scale * logits[i] - s.max_logit);
+  }
+  return s;
+}
+
+}  // namespace
+
 std::vector<char> allowed_tokens(const float* logits, int64_t vocab, const GenerateOptions& o, const Config& c) {
   const bool by_p = o.top_p < 1, by_k = o.top_k > 0 && o.top_k < vocab;
   if (!by_p && !by_k) return {};
@@ -40,18 +64,14 @@ std::vector<char> allowed_tokens(const float* logits, int64_t vocab, const Gener
     // Keep the most probable tokens while the mass before them is <= top_p (the first always).
     // The order is needed only until the mass passes top_p: the tokens of probability >= 1e-12
     // first, sorted; the rest (less than vocab * 1e-12 of mass in all) only if the set needs them.
-    const double scale = o.temperature > 0 ? 1.0 / o.temperature : 1.0;
-    double max_logit = -std::numeric_limits<double>::infinity(), z = 0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (ok[i]) max_logit = std::max(max_logit, scale * logits[i]);
-    }
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (ok[i]) z += std::exp(scale * logits[i] - max_logit);
-    }
-    auto prob = [&](int32_t i) { return std::exp(scale * logits[i] - max_logit) / z; };
+    const Softmax sm = softmax_of(logits, vocab, o.temperature > 0 ? 1.0 / o.temperature : 1.0,
+                                  [&](int64_t i) { return ok[i] != 0; });
+    std::vector<double> prob(static_cast<size_t>(vocab), 0.0);
     std::vector<int32_t> likely, rest;
     for (int64_t i = 0; i < vocab; ++i) {
-      if (ok[i]) (prob(static_cast<int32_t>(i)) >= 1e-12 ? likely : rest).push_back(static_cast<int32_t>(i));
+      if (!ok[i]) continue;
+      prob[i] = sm.prob(logits[i]);
+      (prob[i] >= 1e-12 ? likely : rest).push_back(static_cast<int32_t>(i));
     }
     std::sort(likely.begin(), likely.end(), by_logit);
     std::vector<char> kept(static_cast<size_t>(vocab), 0);
@@ -65,7 +85,7 @@ std::vector<char> allowed_tokens(const float* logits, int64_t vocab, const Gener
           break;
         }
         kept[static_cast<size_t>(t)] = 1;
-        mass += prob(t);
+        mass += prob[t];
       }
       if (done) break;
     }
@@ -93,14 +113,12 @@ Pick sample(const float* logits, int64_t vocab, const GenerateOptions& o, std::s
   // unbanned entry, filtered out or not, so that a filter moves no other position's draws.
   int64_t best = -1;
   double best_score = -std::numeric_limits<double>::infinity();
-  double max_logit = -std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < vocab; ++i) {
     if (banned(i)) continue;
     const double l = logits[i];
     double score = l;
     if (o.temperature > 0) score -= o.temperature * std::log(-std::log(uniform_open(rng)));
     if (out(i)) continue;
-    max_logit = std::max(max_logit, l);
     if (best < 0 || score > best_score) {
       best = i;
       best_score = score;
@@ -108,13 +126,10 @@ Pick sample(const float* logits, int64_t vocab, const GenerateOptions& o, std::s
   }
   if (best < 0) best = 0;
   // confidence: softmax probability of the pick under the logits, among the allowed tokens
-  double z = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (!out(i)) z += std::exp(static_cast<double>(logits[i]) - max_logit);
-  }
+  const Softmax sm = softmax_of(logits, vocab, 1.0, [&](int64_t i) { return !out(i); });
   Pick p;
   p.token = static_cast<int32_t>(best);
-  p.confidence = std::exp(static_cast<double>(logits[best]) - max_logit) / z;
+  p.confidence = sm.prob(logits[best]);
   return p;
 }
 
@@ -123,20 +138,13 @@ double confidence_of(const float* logits, int64_t vocab, const GenerateOptions& 
   auto out = [&](int64_t i) {
     return allowed.empty() ? o.ban_eos && is_eos(c, static_cast<int32_t>(i)) : !allowed[i];
   };
-  const double scale = o.temperature > 0 ? 1.0 / o.temperature : 1.0;
-  double max_logit = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (!out(i)) max_logit = std::max(max_logit, scale * logits[i]);
-  }
-  double z = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (!out(i)) z += std::exp(scale * logits[i] - max_logit);
-  }
+  const Softmax sm = softmax_of(logits, vocab, o.temperature > 0 ? 1.0 / o.temperature : 1.0,
+                                [&](int64_t i) { return !out(i); });
   if (o.confidence == Confidence::entropy) {  // sum p log p = sum p (l - max - log z)
     double sum = 0;
     for (int64_t i = 0; i < vocab; ++i) {
       if (out(i)) continue;
-      const double logp = scale * logits[i] - max_logit - std::log(z);
+      const double logp = sm.log_prob(logits[i]);
       sum += std::exp(logp) * logp;
     }
     return sum;
@@ -144,7 +152,7 @@ double confidence_of(const float* logits, int64_t vocab, const GenerateOptions& 
   double first = 0, second = 0;  // the two largest probabilities
   for (int64_t i = 0; i < vocab; ++i) {
     if (out(i)) continue;
-    const double p = std::exp(scale * logits[i] - max_logit) / z;
+    const double p = sm.prob(logits[i]);
     if (p > first) {
       second = first;
       first = p;

@@ -8,9 +8,7 @@
 #include <unistd.h>
 
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -68,11 +66,9 @@ Result<TensorStore> TensorStore::open(const std::string& dir) {
   std::map<std::string, std::string> weight_map;
   std::error_code ec;
   if (fs::is_regular_file(index, ec)) {
-    std::ifstream in(index, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    if (!in) return Status(StatusCode::io_error, index + ": cannot read");
-    auto wm = parse_safetensors_index(ss.str(), index);
+    auto index_text = read_text_file(index);
+    if (!index_text.ok()) return index_text.status();
+    auto wm = parse_safetensors_index(index_text.value(), index);
     if (!wm.ok()) return wm.status();
     weight_map = std::move(wm.value());
     std::set<std::string> shards;

@@ -18,14 +18,13 @@
 // Hebrew, Arabic, Devanagari, Thai, Hangul, kana, CJK); other code points count as symbols.
 // The NFC normalizer (Qwen) is accepted and not applied: exact for text already in NFC.
 #include <algorithm>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
 #include "sparsa/dlm.h"
+#include "sparsa/io.h"
 #include "utf8.h"
 
 namespace sparsa::dlm {
@@ -35,34 +34,14 @@ namespace {
 using Json = nlohmann::json;
 
 // ---- UTF-8 ---------------------------------------------------------------------------------
-// Decodes the code point at s[i]; invalid bytes come back as themselves + 0x110000 (length 1).
-uint32_t next_cp(const std::string& s, size_t i, size_t* len) {
-  const auto b = [&](size_t j) { return static_cast<unsigned char>(s[j]); };
-  const unsigned char c = b(i);
-  size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-  if (n == 0 || i + n > s.size()) {
-    *len = 1;
-    return 0x110000u + c;
-  }
-  uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1F) : n == 3 ? (c & 0x0F) : (c & 0x07);
-  for (size_t j = 1; j < n; ++j) {
-    if ((b(i + j) & 0xC0) != 0x80) {
-      *len = 1;
-      return 0x110000u + c;
-    }
-    cp = (cp << 6) | (b(i + j) & 0x3F);
-  }
-  *len = n;
-  return cp;
-}
 
 // Invalid sequences become U+FFFD.
 std::string utf8_lossy(const std::string& bytes) {
   std::string out;
   for (size_t i = 0; i < bytes.size();) {
     size_t len = 0;
-    const uint32_t cp = next_cp(bytes, i, &len);
-    if (cp >= 0x110000u || (cp >= 0xD800 && cp <= 0xDFFF)) {
+    const uint32_t cp = decode_utf8(bytes, i, &len);
+    if (cp >= kInvalidUtf8 || (cp >= 0xD800 && cp <= 0xDFFF)) {
       out += "\xEF\xBF\xBD";
     } else {
       out.append(bytes, i, len);
@@ -107,7 +86,7 @@ Cps code_points(const std::string& s) {
   Cps c;
   for (size_t i = 0; i < s.size();) {
     size_t len = 0;
-    c.cp.push_back(next_cp(s, i, &len));
+    c.cp.push_back(decode_utf8(s, i, &len));
     c.at.push_back(i);
     i += len;
   }
@@ -243,7 +222,7 @@ struct Tokenizer::Impl {
     std::vector<std::string> sym;
     for (size_t i = 0; i < mapped.size();) {
       size_t len = 0;
-      next_cp(mapped, i, &len);
+      decode_utf8(mapped, i, &len);
       sym.push_back(mapped.substr(i, len));
       i += len;
     }
@@ -295,11 +274,9 @@ Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 
 Result<Tokenizer> Tokenizer::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(StatusCode::io_error, path + ": missing or unreadable");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse(ss.str(), path);
+  auto text = read_text_file(path);
+  if (!text.ok()) return text.status();
+  return parse(text.value(), path);
 }
 
 Result<Tokenizer> Tokenizer::parse(const std::string& json_text, const std::string& where) {
@@ -515,7 +492,7 @@ Result<std::string> Tokenizer::decode(std::span<const int32_t> ids, bool skip_sp
     const std::string& tok = t.id_to_token[id];
     for (size_t i = 0; i < tok.size();) {
       size_t len = 0;
-      const uint32_t cp = next_cp(tok, i, &len);
+      const uint32_t cp = decode_utf8(tok, i, &len);
       auto it = t.cp_to_byte.find(cp);
       if (it != t.cp_to_byte.end()) {
         bytes += static_cast<char>(it->second);

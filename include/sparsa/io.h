@@ -32,6 +32,10 @@
 
 namespace sparsa {
 
+// The whole of a text file (a config, a tokenizer, a chat template): io_error when it is missing,
+// a directory or unreadable, malformed_file above 512 MiB.
+Result<std::string> read_text_file(const std::string& path);
+
 Result<HostArray> read_npy(const std::string& path);
 // Writes any CPU tensor (strided views are copied to C order). Dtypes f32, f16, i32;
 // bf16 has no NumPy dtype and is refused (use .safetensors).

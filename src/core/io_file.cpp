@@ -29,7 +29,7 @@ Result<InputFile> InputFile::open(const std::string& path) {
   if (st.type() == fs::file_type::not_found) return file_error(StatusCode::io_error, path, "no such file");
   if (ec) return file_error(StatusCode::io_error, path, "cannot stat: " + ec.message());
   if (st.type() == fs::file_type::directory) {
-    return file_error(StatusCode::io_error, path, "is a directory, expected a tensor file");
+    return file_error(StatusCode::io_error, path, "is a directory, expected a file");
   }
   if (st.type() != fs::file_type::regular) {
     return file_error(StatusCode::io_error, path, "not a regular file");
@@ -308,3 +308,20 @@ Status write_c_order(OutputFile& out, const Tensor& t) {
 }
 
 }  // namespace sparsa::detail
+
+namespace sparsa {
+
+Result<std::string> read_text_file(const std::string& path) {
+  constexpr uint64_t kMaxText = uint64_t{512} << 20;
+  auto file = detail::InputFile::open(path);
+  if (!file.ok()) return file.status();
+  if (file.value().size() > kMaxText) {
+    return Status(StatusCode::malformed_file,
+                  path + ": " + std::to_string(file.value().size()) + " bytes, larger than the 512 MiB a text file may have");
+  }
+  std::string text(static_cast<size_t>(file.value().size()), '\0');
+  SPARSA_RETURN_IF_ERROR(file.value().read_at(0, text.data(), text.size(), "text"));
+  return text;
+}
+
+}  // namespace sparsa

@@ -5,9 +5,7 @@
 #include <optional>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 #include <unistd.h>
 
@@ -281,11 +279,9 @@ Outcome run_chat_template(const DlmOptions& o) {
   Result<std::string> text = std::string();
   if (!o.messages.empty()) {
     // A JSON list of messages, or a whole context object ({"messages": [...], "tools": [...]}).
-    std::ifstream in(o.messages, std::ios::binary);
-    if (!in) return runtime_error(Status(StatusCode::io_error, o.messages + ": missing or unreadable"));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    auto j = nlohmann::ordered_json::parse(ss.str(), nullptr, false);
+    auto messages = read_text_file(o.messages);
+    if (!messages.ok()) return runtime_error(messages.status());
+    auto j = nlohmann::ordered_json::parse(messages.value(), nullptr, false);
     if (j.is_discarded()) return runtime_error(invalid_argument("--messages: " + o.messages + ": not valid JSON"));
     nlohmann::ordered_json context = j.is_array() ? nlohmann::ordered_json{{"messages", j}} : j;
     if (!context.is_object()) {

@@ -8,6 +8,11 @@
 // only the suffix (the block and every position after it) against that cached prefix. Each step
 // commits every masked token of the block whose confidence is >= threshold, and always the most
 // confident one; with threshold 0 it commits LLaDA's scheduled top-k instead.
+//
+// A model whose logits are shifted (dream: position p is predicted from the hidden state of
+// p - 1) caches one position less, [0, begin - 1), and its suffix starts at begin - 1, so that the
+// block's first position is predicted from a freshly computed row, as in the whole-canvas forward
+// (Fast-dLLM's Dream generation runs the same prefix cache).
 #include "loop_common.h"
 
 namespace sparsa::dlm {
@@ -30,6 +35,7 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
   State s;
   s.ops = m.ops.get();
   std::vector<float> logits(static_cast<size_t>(o.block_len * c.vocab_size));
+  const int64_t shift = c.shifted_logits ? 1 : 0;  // begin > 0 always: a prompt is never empty
 
   auto choose = [&](const Candidates& k, const std::vector<int64_t>& schedule, int64_t step) {
     return threshold_or_top_k(k.confidence, o.threshold,
@@ -42,8 +48,9 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
   std::vector<std::vector<int64_t>> schedule(prompts.size());
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t step = 0;; ++step) {
-      // Step 0: every request's whole canvas, keeping the K/V of [0, begin) as its prefix cache;
-      // later steps: the suffix [begin, end of canvas) of the requests whose block has masks.
+      // Step 0: every request's whole canvas, keeping the K/V of [0, begin - shift) as its prefix
+      // cache; later steps: the suffix [begin - shift, end of canvas) of the requests whose block
+      // has masks.
       batch.clear();
       for (size_t r = 0; r < prompts.size(); ++r) {
         Canvas& cv = canvas[r];
@@ -55,12 +62,14 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
         if (step == 0) {
           schedule[r] = transfer_schedule(cv.masks_in(begin, end), steps_per_block);
           SPARSA_RETURN_IF_ERROR(reset_cache(c, seqs[r]));
-          fo.store_kv = begin;
+          fo.store_kv = begin - shift;
           fo.logits_begin = begin;
           batch.add(r, cv, begin, {&seqs[r], cv.x, fo});
         } else {
           if (cv.masks_in(begin, end) == 0) continue;
-          batch.add(r, cv, begin, {&seqs[r], std::span<const int32_t>(cv.x.data() + begin, cv.x.size() - begin), fo});
+          fo.logits_begin = shift;
+          const int64_t from = begin - shift;
+          batch.add(r, cv, begin, {&seqs[r], std::span<const int32_t>(cv.x.data() + from, cv.x.size() - from), fo});
         }
       }
       if (batch.empty()) break;

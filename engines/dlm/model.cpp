@@ -325,12 +325,6 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
     return invalid_argument("loop: " + std::string(loop_name(o.loop)) +
                             " runs a bidirectional canvas; an sdar model decodes with the block loop");
   }
-  if (o.loop == Loop::prefix_cache && c.shifted_logits) {
-    return invalid_argument("loop: prefix_cache runs a block over its cached prefix, and a " +
-                            std::string(arch_name(c.arch)) +
-                            " model predicts a block's first position from the cached one before it; use the "
-                            "dream or remask loop");
-  }
   if (o.loop == Loop::remask || o.loop == Loop::prefix_cache) {
     if (o.block_len < 1 || o.gen_len % o.block_len != 0) {
       return invalid_argument("block_len: expected a divisor of gen_len (" + std::to_string(o.gen_len) + "), got " +

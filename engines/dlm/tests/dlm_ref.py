@@ -297,9 +297,10 @@ def forward(s, w, tokens, past=None, block_causal=0, capture=None):
         g = h @ L["w_gate"].T
         x = x + ((g / (1 + np.exp(-g))) * (h @ L["w_up"].T)) @ L["w_down"].T
     logits = rms(x, w["final_norm"], s.eps) @ w["head"].T
-    if s.arch == "dream":  # position i predicted from the logits of i - 1 (the chunk must start at 0)
-        assert m == 0, "dream's shifted logits need the whole canvas"
-        logits = np.concatenate([logits[:1], logits[:-1]], axis=0)
+    if s.arch == "dream":  # position i predicted from the logits of i - 1; position 0 from its own;
+        # over a cached prefix the chunk's first position has no row before it here (NaN)
+        first = logits[:1] if m == 0 else np.full_like(logits[:1], np.nan)
+        logits = np.concatenate([first, logits[:-1]], axis=0)
     return logits, kv
 
 
@@ -496,6 +497,7 @@ def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=Tr
     masked = [False] * len(prompt) + [True] * gen_len
     P, nb = len(prompt), gen_len // block_len
     spb = max(steps // nb, 1)
+    sh = 1 if s.arch == "dream" else 0  # dream's block is predicted from the cached position before it too
 
     def choose(conf, sched, st):
         if threshold > 0:
@@ -507,13 +509,13 @@ def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=Tr
     for b in range(nb):
         lo, hi = P + b * block_len, P + (b + 1) * block_len
         sched = schedule(sum(masked[lo:hi]), spb)
-        logits, kv = forward(s, w, x)  # the whole canvas; keep the K/V of [0, lo)
-        past = [(k[:lo], v[:lo]) for k, v in kv]
+        logits, kv = forward(s, w, x)  # the whole canvas; keep the K/V of [0, lo - sh)
+        past = [(k[:lo - sh], v[:lo - sh]) for k, v in kv]
         st = 0
         while any(masked[lo:hi]):
             if st > 0:
-                logits_s, _ = forward(s, w, x[lo:], past)
-                logits = np.concatenate([np.zeros((lo, logits_s.shape[1])), logits_s], axis=0)
+                logits_s, _ = forward(s, w, x[lo - sh:], past)
+                logits = np.concatenate([np.zeros((lo - sh, logits_s.shape[1])), logits_s], axis=0)
             pos = [i for i in range(lo, hi) if masked[i]]
             picks = [softmax_pick(logits[i]) for i in pos]
             for j in choose([p[1] for p in picks], sched, st):

@@ -274,6 +274,20 @@ def dream_model(tmp_path_factory):
     return s, R.write_model(d, s, seed=13), d
 
 
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_dream_prefix_cache_matches_reference(sparsa_bin, dream_model, threshold):
+    """Fast-dLLM's prefix cache on a shifted-logit model: the cache stops one position before the
+    block and the suffix starts there, so each block's first position is predicted from a fresh
+    row, as the reference's whole-canvas and cached forwards do (a one-token prompt among them:
+    its first block's suffix starts at position 0)."""
+    s, w, d = dream_model
+    prompts = PROMPTS + [[7]]
+    got = generate_ids(sparsa_bin, d, prompts, "--loop", "prefix_cache", "--gen-len", 16, "--block-len", 8,
+                       "--steps", 8, "--threshold", threshold, "--no-stop-at-eos")
+    for p, g in zip(prompts, got):
+        assert g == R.ref_prefix_cache(s, w, p, 16, 8, 8, threshold, False)
+
+
 @pytest.mark.parametrize("confidence", ["entropy", "margin", "probability"])
 def test_dream_loop_matches_reference(sparsa_bin, dream_model, confidence):
     """Dream's schedule (floor(n (1 - t_{i+1} / t_i)) a step) and confidences, the shifted logits:
@@ -337,15 +351,13 @@ def test_dream_negative_controls(sparsa_bin, dream_model, tmp_path):
 
 
 def test_dream_refusals(sparsa_bin, dream_model, tmp_path):
-    """What a dream model cannot do yet is one clear error each: a cached prefix (its logits need the
-    position before), the prefix_cache and block loops, the cuda backend; a missing bias is named."""
+    """What a dream model cannot do yet is one clear error each: logits over a cached prefix (the
+    chunk's first row needs the position before), the block loop, the cuda backend; a missing bias
+    is named."""
     s, w, d = dream_model
     p = run(sparsa_bin, "logits", "--model", d, "--ids", "1,2,3,4", "--out", tmp_path / "l.npy", "--cached", 2,
             check=False)
     assert p.returncode == 1 and "cached" in p.stderr and "dream" in p.stderr, p.stderr
-    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--loop", "prefix_cache", "--gen-len", 8,
-            "--block-len", 4, "--json", check=False)
-    assert p.returncode == 1 and "prefix_cache" in p.stderr and "dream" in p.stderr, p.stderr
     p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--loop", "block", "--json", check=False)
     assert p.returncode == 1 and "block" in p.stderr, p.stderr
     p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--backend", "cuda", "--json", check=False)

@@ -418,6 +418,10 @@ double confidence_of(const float* logits, int64_t vocab, const GenerateOptions& 
 std::vector<int64_t> transfer_schedule(int64_t masks, int64_t steps);
 // Indices (into conf) of the k largest confidences; ties to the lower index.
 std::vector<int64_t> top_k(const std::vector<double>& conf, int64_t k);
+// k indices drawn without replacement with weights softmax(conf / temperature) (Dream's
+// multinomial over positions at alg_temp), as the k largest of conf / temperature plus a Gumbel
+// draw each (the Gumbel-top-k identity; one draw per entry, in order, from rng).
+std::vector<int64_t> sample_k(const std::vector<double>& conf, int64_t k, double temperature, uint64_t* rng);
 bool is_eos(const Config& c, int32_t token);
 
 // The loops (one file each): requests already validated by Model::generate.

@@ -5,7 +5,8 @@
 // (bidirectional, no cache), sampling every masked position (argmax, or Gumbel-max at the
 // temperature) and committing the floor(n (1 - t_{i+1} / t_i)) most confident of its n masked
 // positions; the last step commits all that are left. The confidence is GenerateOptions::
-// confidence (Dream's default alg, entropy, is the CLI's for dream models). Dream computes the
+// confidence (Dream's default alg, entropy, is the CLI's for dream models); with alg_temp > 0 the
+// positions are drawn instead, weights softmax(confidence / alg_temp). Dream computes the
 // schedule in float32 and averages the mask count over the batch; here it is double and per
 // request, which can move one token between two steps where the product lands on an integer.
 #include <cmath>
@@ -53,7 +54,10 @@ Result<GenerateResult> generate_dream(const Model::Impl& m, const std::vector<st
       const int64_t masks = static_cast<int64_t>(k.position.size());
       const int64_t commit_now =
           step + 1 < o.steps ? static_cast<int64_t>(std::floor(static_cast<double>(masks) * fraction)) : masks;
-      if (commit_now > 0) commit(cv, k, top_k(k.confidence, commit_now));
+      if (commit_now > 0) {
+        commit(cv, k, o.alg_temp > 0 ? sample_k(k.confidence, commit_now, o.alg_temp, &cv.rng)
+                                     : top_k(k.confidence, commit_now));
+      }
     }
   }
   for (size_t r = 0; r < prompts.size(); ++r) {

@@ -2,6 +2,7 @@
 // generate (validation of the requests, then the chosen loop).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 
@@ -317,6 +318,11 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   if (!(o.threshold >= 0 && o.threshold <= 1)) return invalid_argument("threshold: expected in [0, 1]");
   if (!(o.top_p > 0 && o.top_p <= 1)) return invalid_argument("top_p: expected in (0, 1]");
   if (o.top_k < 0) return invalid_argument("top_k: expected >= 0 (0: off), got " + std::to_string(o.top_k));
+  if (!(o.alg_temp >= 0 && std::isfinite(o.alg_temp))) return invalid_argument("alg_temp: expected a finite value >= 0");
+  if (o.alg_temp > 0 && o.loop != Loop::dream) {
+    return invalid_argument("alg_temp: draws the positions of Dream's schedule; the " +
+                            std::string(loop_name(o.loop)) + " loop commits the most confident (use loop dream)");
+  }
   if (o.loop == Loop::block && c.arch != Arch::sdar) {
     return invalid_argument("loop: block diffusion needs a block-diffusion model (sdar); this model is " +
                             std::string(arch_name(c.arch)));

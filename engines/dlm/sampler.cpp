@@ -177,4 +177,10 @@ std::vector<int64_t> top_k(const std::vector<double>& conf, int64_t k) {
   return order;
 }
 
+std::vector<int64_t> sample_k(const std::vector<double>& conf, int64_t k, double temperature, uint64_t* rng) {
+  std::vector<double> key(conf.size());
+  for (size_t i = 0; i < conf.size(); ++i) key[i] = conf[i] / temperature - std::log(-std::log(uniform_open(rng)));
+  return top_k(key, k);
+}
+
 }  // namespace sparsa::dlm

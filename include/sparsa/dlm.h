@@ -148,6 +148,8 @@ struct GenerateOptions {
   Confidence confidence = Confidence::probability;  // margin / entropy: of softmax(logits / temperature)
   double top_p = 1.0;        // < 1: a pick only among the most probable tokens holding this mass (Dream's top_p)
   int64_t top_k = 0;         // > 0: a pick only among the k largest logits (Dream's top_k; after top_p)
+  double alg_temp = 0;       // dream loop, > 0: a step's positions drawn at random, without replacement, with
+                             // weights softmax(confidence / alg_temp) (Dream's alg_temp); 0: the most confident
   uint64_t seed = 0;
   bool stop_at_eos = true;       // after a block holding an EOS is done, stop; the output ends before the EOS
   bool ban_eos = false;          // EOS logits set to -inf before sampling (LLaDA's logits_eos_inf)

@@ -1251,14 +1251,15 @@ class Model:
     def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
                  ban_eos: bool = False, eos_ids=(), chat: bool = False, system=None, confidence: str = "",
-                 top_p: float = 1.0, top_k: int = 0):
+                 top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0):
         """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
         list of either (a batch; returns a list). ``chat``: each text prompt becomes the user's
         message in the model's chat template (after a ``system`` message, if given), as instruct
         and chat models expect. ``loop="dream"`` is Dream's schedule (the default of dream models);
         ``confidence``: "probability", "margin" or "entropy" (default: entropy for the dream loop,
         probability otherwise); ``top_p`` < 1 and ``top_k`` > 0 narrow each pick to the most probable
-        tokens, as Dream's sampler does."""
+        tokens, as Dream's sampler does; ``alg_temp`` > 0 draws the dream loop's positions with weights
+        softmax(confidence / alg_temp) instead of taking the most confident (Dream's ``alg_temp``)."""
         batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
         prompts = list(prompt) if batch else [prompt]
         text = [isinstance(p, str) for p in prompts]
@@ -1271,7 +1272,8 @@ class Model:
             prompts = [self.chat_template.render(head + [{"role": "user", "content": p}]) for p in prompts]
         ids = [self.tokenizer.encode(p) if t else [int(i) for i in p] for p, t in zip(prompts, text)]
         out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
-                                  ban_eos, [int(i) for i in eos_ids], confidence, float(top_p), int(top_k))
+                                  ban_eos, [int(i) for i in eos_ids], confidence, float(top_p), int(top_k),
+                                  float(alg_temp))
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]
 

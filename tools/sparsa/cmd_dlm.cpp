@@ -40,6 +40,7 @@ struct DlmOptions {
   std::string confidence;  // "": the loop's default
   double top_p = 1.0;
   int64_t top_k = 0;
+  double alg_temp = 0;
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& flag, const std::string& text) {
@@ -131,6 +132,7 @@ Result<dlm::GenerateOptions> generate_options(const DlmOptions& o, const dlm::Mo
   }
   g.top_p = o.top_p;
   g.top_k = o.top_k;
+  g.alg_temp = o.alg_temp;
   g.seed = o.seed;
   g.stop_at_eos = !o.no_stop;
   g.ban_eos = o.ban_eos;
@@ -542,6 +544,9 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--top-p", o->top_p, "< 1: pick among the most probable tokens holding this mass")
       ->capture_default_str();
   gen->add_option("--top-k", o->top_k, "> 0: pick among the k largest logits (after --top-p)")->capture_default_str();
+  gen->add_option("--alg-temp", o->alg_temp,
+                  "dream loop, > 0: draw each step's positions with weights softmax(confidence / alg-temp)")
+      ->capture_default_str();
   gen->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   gen->add_option("--backend", o->backend, "cpu, cuda or cuda:N (bf16 on the GPU)")->capture_default_str();
   gen->add_option("--threads", o->threads, "attention threads (0 = all cores)");
@@ -616,6 +621,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   chat->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
   chat->add_option("--top-p", o->top_p, "as generate's")->capture_default_str();
   chat->add_option("--top-k", o->top_k, "as generate's")->capture_default_str();
+  chat->add_option("--alg-temp", o->alg_temp, "as generate's")->capture_default_str();
   chat->add_option("--seed", o->seed, "sampling seed of the first turn (the next turns: seed + turn)")
       ->capture_default_str();
   chat->add_option("--backend", o->backend, "cpu, cuda or cuda:N")->capture_default_str();

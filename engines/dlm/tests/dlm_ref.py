@@ -436,11 +436,19 @@ def cut(s, gen, stop=True):
     return out
 
 
+def sample_positions(conf, k, alg_temp, rng):
+    """Dream's torch.multinomial(softmax(conf / alg_temp), k) (without replacement), drawn as the k
+    largest of conf / alg_temp + Gumbel noise (one draw per position, in order)."""
+    key = [c / alg_temp - np.log(-np.log(rng.uniform())) for c in conf]
+    return sorted(range(len(conf)), key=lambda i: (-key[i], i))[:k]
+
+
 def ref_dream(s, w, prompt, gen_len, steps, confidence="entropy", stop=True, eps=1e-3, temperature=0.0, top_p=1.0,
-              top_k=0, seed=0, request=0):
+              top_k=0, seed=0, request=0, alg_temp=0.0):
     """Dream's loop: the whole canvas each step; step i (timesteps t_i = 1 - i (1 - eps) / steps)
-    commits floor(n (1 - t_{i+1} / t_i)) of its n masked positions, the most confident ones, and
-    the last step the rest; picks through the top_p / top_k filters."""
+    commits floor(n (1 - t_{i+1} / t_i)) of its n masked positions, the most confident ones (with
+    alg_temp > 0: drawn with weights softmax(conf / alg_temp)), and the last step the rest; picks
+    through the top_p / top_k filters."""
     rng = SplitMix64(seed, request)
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
@@ -456,7 +464,8 @@ def ref_dream(s, w, prompt, gen_len, steps, confidence="entropy", stop=True, eps
         conf = [p[1] for p in picks] if confidence == "probability" else \
             [confidence_of(logits[j], confidence, temperature, a) for j, a in zip(pos, allowed)]
         k = int(np.floor(len(pos) * (1.0 - t[i + 1] / t[i]))) if i + 1 < steps else len(pos)
-        for j in top(conf, k, confidence) if k > 0 else []:
+        chosen = [] if k == 0 else sample_positions(conf, k, alg_temp, rng) if alg_temp > 0 else top(conf, k, confidence)
+        for j in chosen:
             x[pos[j]] = picks[j][0]
             masked[pos[j]] = False
     return cut(s, x[P:], stop)

@@ -321,6 +321,47 @@ def test_dream_sampling_with_top_p_and_top_k_matches_reference(sparsa_bin, dream
         assert p.returncode == 1 and flag[2:].replace("-", "_") in p.stderr, p.stderr
 
 
+def test_dream_alg_temp_matches_reference(sparsa_bin, dream_model):
+    """Dream's alg_temp: a step's positions drawn with weights softmax(confidence / alg_temp), draw
+    for draw with the reference, at temperature 0 and with sampled tokens; the draws move the
+    positions (another seed, other tokens); a vanishing alg_temp is the deterministic schedule;
+    bad values and other loops are refused naming alg_temp."""
+    s, w, d = dream_model
+    flags = ["--gen-len", 12, "--steps", 6, "--no-stop-at-eos"]
+    for temperature, alg_temp, seed in ((0.0, 0.5, 1), (0.7, 2.0, 4)):
+        got = generate_ids(sparsa_bin, d, PROMPTS, *flags, "--temperature", temperature, "--alg-temp", alg_temp,
+                           "--seed", seed)
+        for r, (p, g) in enumerate(zip(PROMPTS, got)):
+            assert g == R.ref_dream(s, w, p, 12, 6, "entropy", stop=False, temperature=temperature, seed=seed,
+                                    request=r, alg_temp=alg_temp), (temperature, alg_temp)
+    drawn = [generate_ids(sparsa_bin, d, PROMPTS, *flags, "--alg-temp", 5, "--seed", seed) for seed in range(4)]
+    assert len({str(x) for x in drawn}) > 1
+    assert generate_ids(sparsa_bin, d, PROMPTS, *flags, "--alg-temp", 1e-12) == generate_ids(sparsa_bin, d, PROMPTS,
+                                                                                               *flags)
+    for extra in (["--alg-temp", -1], ["--alg-temp", "nan"], ["--alg-temp", 1, "--loop", "remask", "--block-len", 12]):
+        p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", *map(str, extra), "--json", check=False)
+        assert p.returncode == 1 and "alg_temp" in p.stderr, (extra, p.stderr)
+
+
+def test_reference_position_draws_are_the_softmax():
+    """The reference's Gumbel-top-k stands for torch.multinomial without replacement: its first pick
+    falls on position i with probability softmax(conf / alg_temp)_i, its first two on (i, j) with
+    p_i p_j / (1 - p_i) (within 4 standard errors over 40,000 draws)."""
+    conf, temp, n = [0.3, -0.2, 0.9, 0.0], 0.5, 40000
+    p = np.exp(np.array(conf) / temp)
+    p /= p.sum()
+    rng = R.SplitMix64(7, 0)
+    first, pair = np.zeros(4), 0
+    for _ in range(n):
+        pick = R.sample_positions(conf, 2, temp, rng)
+        first[pick[0]] += 1
+        pair += pick == [2, 0]
+    for i in range(4):
+        assert abs(first[i] / n - p[i]) < 4 * np.sqrt(p[i] * (1 - p[i]) / n), (i, first[i] / n, p[i])
+    q = p[2] * p[0] / (1 - p[2])
+    assert abs(pair / n - q) < 4 * np.sqrt(q * (1 - q) / n), (pair / n, q)
+
+
 def test_dream_remask_loop_and_confidences_on_llada(sparsa_bin, dream_model, llada_model):
     """The remask loop on a dream model (its blocks read the shifted logits one row back) and the
     margin / entropy confidences on LLaDA's remasking."""

@@ -120,6 +120,10 @@ def test_dream_from_python(tmp_path):
         R.ref_dream(s, w, prompt, 8, 4, "margin", stop=False)
     assert m.generate(prompt, gen_len=8, steps=4, stop_at_eos=False, temperature=0.7, top_p=0.8, top_k=3, seed=2) \
         == R.ref_dream(s, w, prompt, 8, 4, stop=False, temperature=0.7, top_p=0.8, top_k=3, seed=2)
+    assert m.generate(prompt, gen_len=8, steps=4, stop_at_eos=False, alg_temp=0.5, seed=5) == \
+        R.ref_dream(s, w, prompt, 8, 4, stop=False, alg_temp=0.5, seed=5)
+    with pytest.raises(ValueError, match="alg_temp"):
+        m.generate(prompt, gen_len=8, alg_temp=-0.5)
     with pytest.raises(ValueError, match="confidence"):
         m.generate(prompt, gen_len=8, confidence="doubt")
     with pytest.raises(ValueError, match="top_p"):

@@ -91,8 +91,10 @@ __device__ __forceinline__ void zero_v_rows(uint32_t v_smem, int stage, int vali
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
 }
 
-// MASKED: as flash_wgmma_kernel's (the per-element mask compiled in).
-template <class T, int D, int BN, int STAGES, bool MASKED = false>
+// MASKED: as flash_wgmma_kernel's (the per-element mask compiled in). PINGPONG: the consumer
+// warpgroups take turns at the tensor cores (below); not with a variable-length batch (whose
+// partial tiles take a barrier of both warpgroups, zero_v_rows).
+template <class T, int D, int BN, int STAGES, bool MASKED = false, bool PINGPONG = false>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
   using Shape = TmaShape<D, BN, STAGES>;
@@ -154,21 +156,60 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   fence_proxy_async();
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
 
-  WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, threadIdx.x / 128 - 1);
-  for (int t = 0; t < num_tiles; ++t) {
-    const int stage = t % STAGES, use = t / STAGES;
-    int begin = 0, end = 0;
-    tiles.next(p, begin, end);
-    const int valid = end - begin;  // CTA-uniform
-    mbar_wait(full(stage), use & 1);
-    if (varlen && valid > 0 && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
-    consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
-    if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
-    if constexpr (MASKED) {
-      consumer.accumulate(stage, valid, p.scale_log2, [&](float(&s)[BN / 8][4]) { mask(p, s, begin, valid); });
-    } else {
-      consumer.accumulate(stage, valid, p.scale_log2);
+  const int warpgroup = threadIdx.x / 128 - 1;
+  WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, warpgroup);
+  if constexpr (!PINGPONG) {
+    for (int t = 0; t < num_tiles; ++t) {
+      const int stage = t % STAGES, use = t / STAGES;
+      int begin = 0, end = 0;
+      tiles.next(p, begin, end);
+      const int valid = end - begin;  // CTA-uniform
+      mbar_wait(full(stage), use & 1);
+      if (varlen && valid > 0 && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
+      consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
+      if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
+      if constexpr (MASKED) {
+        consumer.accumulate(stage, valid, p.scale_log2, [&](float(&s)[BN / 8][4]) { mask(p, s, begin, valid); });
+      } else {
+        consumer.accumulate(stage, valid, p.scale_log2);
+      }
     }
+  } else if (num_tiles > 0) {  // CTA-uniform
+    // Ping-pong: the two consumer warpgroups take turns at the tensor cores, so that one's softmax
+    // runs while the other's products do. A turn issues P V of the previous tile and S of this
+    // one; warpgroup w waits on named barrier 2 + w to start a turn and arrives on the other's to
+    // end it. Warpgroup 0 goes first (warpgroup 1 arrives on barrier 2 once before its first
+    // turn); both take num_tiles + 1 turns (the last one P V alone), and warpgroup 1 skips the
+    // arrive after its last turn, so each barrier completes exactly as often as it is waited on.
+    // FlashAttention-3's inter-warpgroup pingpong (Shah et al. 2024, arXiv 2407.08608).
+    auto turn_begin = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + warpgroup) : "memory"); };
+    auto turn_end = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - warpgroup) : "memory"); };
+    if (warpgroup == 1) turn_end();  // warpgroup 0's first turn
+    uint32_t p_frag[BN / 16][4];  // P of the last tile, while its P V waits for the next turn
+    int last_stage = 0, last_valid = 0;
+    for (int t = 0; t < num_tiles; ++t) {
+      const int stage = t % STAGES, use = t / STAGES;
+      int begin = 0, end = 0;
+      tiles.next(p, begin, end);
+      const int valid = end - begin;  // CTA-uniform
+      mbar_wait(full(stage), use & 1);
+      turn_begin();
+      if (t > 0) consumer.multiply_v(last_stage, last_valid, p_frag);
+      consumer.issue_scores(stage, valid);
+      turn_end();
+      consumer.wait_products();  // S_t; P V_{t-1} complete
+      if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
+      if constexpr (MASKED) {
+        consumer.probabilities(valid, p.scale_log2, [&](float(&s)[BN / 8][4]) { mask(p, s, begin, valid); },
+                               p_frag);
+      } else {
+        consumer.probabilities(valid, p.scale_log2, [](float(&)[BN / 8][4]) {}, p_frag);
+      }
+      last_stage = stage, last_valid = valid;
+    }
+    turn_begin();  // the last turn: the last tile's P V
+    consumer.multiply_v(last_stage, last_valid, p_frag);
+    if (warpgroup == 0) turn_end();
   }
   consumer.template store<false>(p, tile, threadIdx.x / 32 - 4);
 }

@@ -81,12 +81,19 @@ struct WgmmaConsumer {
   // First half: S = Q K^T of the tile in `stage` (skipped for a tile without keys), then the wait
   // for it and for the previous tile's P V; after it, that tile's stage is no longer read.
   __device__ __forceinline__ void scores(int stage, int valid) {
+    issue_scores(stage, valid);
+    wait_products();
+  }
+  // scores' two parts (the ping-pong schedule issues between them: flash_tma_kernel.cuh).
+  __device__ __forceinline__ void issue_scores(int stage, int valid) {
     if (valid > 0) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat(), q_desc(kk), k_desc(stage, kk), kk > 0);
       wgmma_commit();
     }
+  }
+  __device__ __forceinline__ void wait_products() {
     wgmma_wait<0>();
     fence_registers(s_flat());
     fence_registers(o_flat());
@@ -112,13 +119,25 @@ struct WgmmaConsumer {
   }
   template <class MaskHook>
   __device__ __forceinline__ void accumulate(int stage, int valid, float scale_log2, MaskHook&& mask_hook) {
+    uint32_t p_frag[kNT / 2][4];
+    probabilities(valid, scale_log2, mask_hook, p_frag);
+    multiply_v(stage, valid, p_frag);
+  }
+  // accumulate's two parts: the mask hook, the online softmax of S into P's A fragments and O
+  // rescaled (O must not be in flight); then O += P V issued.
+  template <class MaskHook>
+  __device__ __forceinline__ void probabilities(int valid, float scale_log2, MaskHook&& mask_hook,
+                                                uint32_t (&p_frag)[kNT / 2][4]) {
     if (valid > 0) {
       mask_hook(s);
       float alpha[2];
-      uint32_t p_frag[kNT / 2][4];
       softmax_scores<kNT>(s, valid, scale_log2, row_max, row_sum, alpha,
                           [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag); });
       rescale<kDT>(o, alpha);
+    }
+  }
+  __device__ __forceinline__ void multiply_v(int stage, int valid, const uint32_t (&p_frag)[kNT / 2][4]) {
+    if (valid > 0) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {

@@ -20,6 +20,12 @@ Route last_dense_route();
 bool last_flash_used_tma();
 // Allows (true, the default) or forbids the TMA kernel, process-wide; returns the previous setting.
 bool set_flash_tma(bool on);
+// Whether the last flash launch on this thread was the TMA kernel with its consumer warpgroups in
+// ping-pong (flash_tma_kernel.cuh).
+bool last_flash_used_pingpong();
+// Turns the TMA kernel's ping-pong schedule on or off (false, the default, until the benchmark
+// promotes it), process-wide; returns the previous setting. Variable-length batches never take it.
+bool set_flash_pingpong(bool on);
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
 // Whether the last split-KV launch on this thread was the wgmma + TMA kernel (rung 2,

@@ -231,6 +231,36 @@ Tensor upload(const Case& c, const std::vector<float>& x, int64_t heads, int64_t
   return t;
 }
 
+// b16 values (bf16 or f16 bits) into buf on the device (at least 2 bytes, for empty arrays).
+void upload_u16(const std::vector<uint16_t>& x, DeviceBuffer& buf) {
+  buf.reset(std::max<size_t>(x.size(), 1) * 2);
+  ASSERT_EQ(cudaMemcpy(buf.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+// Rows [row0, row0 + len) of a [total, heads, D] varlen array as a [heads, len, D] one (a
+// sequence's own fixed-length call).
+std::vector<uint16_t> sequence_rows(const std::vector<uint16_t>& x, int64_t heads, int64_t D, int64_t row0,
+                                    int64_t len) {
+  std::vector<uint16_t> y(heads * len * D);
+  for (int64_t i = 0; i < len; ++i)
+    for (int64_t h = 0; h < heads; ++h) std::copy_n(&x[((row0 + i) * heads + h) * D], D, &y[(h * len + i) * D]);
+  return y;
+}
+
+// The (row, head) pairs whose O or LSE differ bit-wise between a sequence's own call (O [1, H, len,
+// D], LSE [1, H, len]) and its rows [row0, row0 + len) of a varlen call (O [total, H, D], LSE [H, total]).
+int64_t rows_differing(const std::vector<uint16_t>& out_one, const std::vector<float>& lse_one,
+                       const std::vector<uint16_t>& out_var, const std::vector<float>& lse_var, int64_t H, int64_t D,
+                       int64_t total, int64_t row0, int64_t len) {
+  int64_t n = 0;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < len; ++i) {
+      n += std::memcmp(&lse_one[h * len + i], &lse_var[h * total + row0 + i], 4) != 0;
+      n += std::memcmp(&out_one[(h * len + i) * D], &out_var[((row0 + i) * H + h) * D], D * 2) != 0;
+    }
+  return n;
+}
+
 Tensor upload_i32(const HostArray& a, DeviceBuffer& buf) {
   buf.reset(a.nbytes());
   cudaMemcpy(buf.ptr, a.data(), a.nbytes(), cudaMemcpyHostToDevice);
@@ -893,14 +923,10 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
     k_bad[i] = i % 3 == 0 ? 0x7fc0 : i % 3 == 1 ? 0x7f80 : 0xff80;
     v_bad[i] = i % 3 == 0 ? 0xff80 : i % 3 == 1 ? 0x7fc0 : 0x7f80;
   }
-  auto upload16 = [](const std::vector<uint16_t>& x, DeviceBuffer& buf) {
-    buf.reset(x.size() * 2);
-    CUDA_OK(cudaMemcpy(buf.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  };
   HostArray cuh(DType::i32, {S + 1});
   std::copy(cu.begin(), cu.end(), cuh.ptr<int32_t>());
   DeviceBuffer qb(0), kb(0), vb(0), cub(0), ob(total * H * D * 2), lb(total * H * 4);
-  upload16(q, qb);
+  upload_u16(q, qb);
   const Tensor cud = upload_i32(cuh, cub);
   struct Result {
     std::vector<uint16_t> out;
@@ -908,8 +934,8 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
   };
   auto run_varlen = [&](const std::vector<uint16_t>& kx, const std::vector<uint16_t>& vx, const Mask& mask,
                         bool want_tma) {
-    upload16(kx, kb);
-    upload16(vx, vb);
+    upload_u16(kx, kb);
+    upload_u16(vx, vb);
     AttentionOptions opt;
     opt.backend = Backend::cuda;
     opt.mask = mask;
@@ -925,37 +951,26 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
     EXPECT_EQ(cudaMemcpy(r.lse.data(), lb.ptr, lb.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
     return r;
   };
-  // Rows of sequence s that differ between two results (O or LSE).
-  auto differing = [&](const Result& a, const Result& b, int64_t s) {
-    int64_t n = 0;
-    for (int64_t i = cu[s]; i < cu[s + 1]; ++i)
-      for (int64_t h = 0; h < H; ++h) {
-        n += std::memcmp(&a.lse[h * total + i], &b.lse[h * total + i], 4) != 0;
-        n += std::memcmp(&a.out[(i * H + h) * D], &b.out[(i * H + h) * D], D * 2) != 0;
-      }
-    return n;
-  };
   for (bool tma : {true, false}) {
     const bool saved = cuda::detail::set_flash_tma(tma);
     for (Mask mask : {Mask::none(), Mask::causal()}) {
       SCOPED_TRACE(std::string(tma ? "rung 3, " : "rung 2, ") + mask_string(mask));
       const Result clean = run_varlen(k, v, mask, tma);
       const Result poisoned = run_varlen(k_bad, v_bad, mask, tma);
-      for (int64_t s : {0, 2, 3}) EXPECT_EQ(differing(clean, poisoned, s), 0) << "sequence " << s;
+      for (int64_t s : {0, 2, 3}) {  // the same rows of two varlen calls: as the rows of sequence s
+        const std::vector<uint16_t> o_s = sequence_rows(clean.out, H, D, cu[s], lens[s]);
+        std::vector<float> l_s(H * lens[s]);
+        for (int64_t h = 0; h < H; ++h)
+          std::copy_n(&clean.lse[h * total + cu[s]], lens[s], &l_s[h * lens[s]]);
+        EXPECT_EQ(rows_differing(o_s, l_s, poisoned.out, poisoned.lse, H, D, total, cu[s], lens[s]), 0)
+            << "sequence " << s;
+      }
       // Sequence 0 alone, [1, H, 300, D]: the same rows bit for bit.
       const int64_t n = lens[0];
-      std::vector<uint16_t> q0(H * n * D), k0(Hkv * n * D), v0(Hkv * n * D);
-      for (int64_t i = 0; i < n; ++i) {
-        for (int64_t h = 0; h < H; ++h) std::copy_n(&q[(i * H + h) * D], D, &q0[(h * n + i) * D]);
-        for (int64_t h = 0; h < Hkv; ++h) {
-          std::copy_n(&k[(i * Hkv + h) * D], D, &k0[(h * n + i) * D]);
-          std::copy_n(&v[(i * Hkv + h) * D], D, &v0[(h * n + i) * D]);
-        }
-      }
       DeviceBuffer q1(0), k1(0), v1(0), o1(H * n * D * 2), l1(H * n * 4);
-      upload16(q0, q1);
-      upload16(k0, k1);
-      upload16(v0, v1);
+      upload_u16(sequence_rows(q, H, D, 0, n), q1);
+      upload_u16(sequence_rows(k, Hkv, D, 0, n), k1);
+      upload_u16(sequence_rows(v, Hkv, D, 0, n), v1);
       AttentionOptions opt;
       opt.backend = Backend::cuda;
       opt.mask = mask;
@@ -969,13 +984,8 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
       std::vector<float> l_one(H * n);
       CUDA_OK(cudaMemcpy(o_one.data(), o1.ptr, o1.bytes, cudaMemcpyDeviceToHost));
       CUDA_OK(cudaMemcpy(l_one.data(), l1.ptr, l1.bytes, cudaMemcpyDeviceToHost));
-      int64_t differ = 0;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < n; ++i) {
-          differ += std::memcmp(&l_one[h * n + i], &poisoned.lse[h * total + i], 4) != 0;
-          differ += std::memcmp(&o_one[(h * n + i) * D], &poisoned.out[(i * H + h) * D], D * 2) != 0;
-        }
-      EXPECT_EQ(differ, 0) << "sequence 0's rows against its own dense call";
+      EXPECT_EQ(rows_differing(o_one, l_one, poisoned.out, poisoned.lse, H, D, total, 0, n), 0)
+          << "sequence 0's rows against its own dense call";
     }
     cuda::detail::set_flash_tma(saved);
   }
@@ -1048,15 +1058,11 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
       fill(plan.perm_q, H, max_q, lens_q[s]);
       fill(plan.perm_kv, Hkv, max_kv, lens_kv[s]);
     }
-    auto upload16 = [&](const std::vector<uint16_t>& x, DeviceBuffer& buf) {
-      buf.reset(std::max<size_t>(x.size(), 1) * 2);
-      cudaMemcpy(buf.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice);
-    };
     DeviceBuffer qb(0), kb(0), vb(0), cqb(0), ckb(0), pc(0), pi(0), pq(0), pk(0), ob(total_q * H * D * 2),
         lb(total_q * H * 4);
-    upload16(q, qb);
-    upload16(k, kb);
-    upload16(v, vb);
+    upload_u16(q, qb);
+    upload_u16(k, kb);
+    upload_u16(v, vb);
     HostArray cqh(DType::i32, {S + 1}), ckh(DType::i32, {S + 1});
     std::copy(cu_q.begin(), cu_q.end(), cqh.ptr<int32_t>());
     std::copy(cu_kv.begin(), cu_kv.end(), ckh.ptr<int32_t>());
@@ -1092,15 +1098,6 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
         continue;
       }
       // The same sequence alone: [1, heads, len, D] copies of its rows and its rows of the plan.
-      std::vector<uint16_t> qs(H * lq * D), ks(Hkv * lkv * D), vs(Hkv * lkv * D);
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < lq; ++i)
-          std::copy_n(&q[((cu_q[s] + i) * H + h) * D], D, &qs[(h * lq + i) * D]);
-      for (int64_t h = 0; h < Hkv; ++h)
-        for (int64_t j = 0; j < lkv; ++j) {
-          std::copy_n(&k[((cu_kv[s] + j) * Hkv + h) * D], D, &ks[(h * lkv + j) * D]);
-          std::copy_n(&v[((cu_kv[s] + j) * Hkv + h) * D], D, &vs[(h * lkv + j) * D]);
-        }
       const int64_t snq = (lq + block - 1) / block;
       BlockIndexBuffer one = BlockIndexBuffer::empty(1, H, lq, lkv, block, block, nkv);
       one.perm_q = HostArray(DType::i32, {1, H, lq});
@@ -1116,9 +1113,9 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
       for (int64_t h = 0; h < Hkv; ++h)
         std::copy_n(plan.perm_kv.ptr<int32_t>() + (s * Hkv + h) * max_kv, lkv, one.perm_kv.ptr<int32_t>() + h * lkv);
       DeviceBuffer q1(0), k1(0), v1(0), c1(0), i1(0), pq1(0), pk1(0), o1(H * lq * D * 2), l1(H * lq * 4);
-      upload16(qs, q1);
-      upload16(ks, k1);
-      upload16(vs, v1);
+      upload_u16(sequence_rows(q, H, D, cu_q[s], lq), q1);
+      upload_u16(sequence_rows(k, Hkv, D, cu_kv[s], lkv), k1);
+      upload_u16(sequence_rows(v, Hkv, D, cu_kv[s], lkv), v1);
       BlockIndex ix1 = one.view();
       ix1.counts = upload_i32(one.counts, c1);
       ix1.indices = upload_i32(one.indices, i1);
@@ -1134,13 +1131,8 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
       std::vector<float> l_one(H * lq);
       CUDA_OK(cudaMemcpy(o_one.data(), o1.ptr, o1.bytes, cudaMemcpyDeviceToHost));
       CUDA_OK(cudaMemcpy(l_one.data(), l1.ptr, l1.bytes, cudaMemcpyDeviceToHost));
-      int64_t differ = 0;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < lq; ++i) {
-          differ += std::memcmp(&l_one[h * lq + i], &lse_h[h * total_q + cu_q[s] + i], 4) != 0;
-          differ += std::memcmp(&o_one[(h * lq + i) * D], &out_h[((cu_q[s] + i) * H + h) * D], D * 2) != 0;
-        }
-      EXPECT_EQ(differ, 0) << "rows (O or LSE) that differ from the sequence's own call";
+      EXPECT_EQ(rows_differing(o_one, l_one, out_h, lse_h, H, D, total_q, cu_q[s], lq), 0)
+          << "rows (O or LSE) that differ from the sequence's own call";
     }
 
     // A key block past sequence 0's keys (300 keys: blocks 0-4; block 10 exists only for the

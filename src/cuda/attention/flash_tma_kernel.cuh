@@ -158,56 +158,49 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
 
   const int warpgroup = threadIdx.x / 128 - 1;
   WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, warpgroup);
-  if constexpr (!PINGPONG) {
-    for (int t = 0; t < num_tiles; ++t) {
-      const int stage = t % STAGES, use = t / STAGES;
-      int begin = 0, end = 0;
-      tiles.next(p, begin, end);
-      const int valid = end - begin;  // CTA-uniform
-      mbar_wait(full(stage), use & 1);
-      if (varlen && valid > 0 && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
-      consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
-      if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
-      if constexpr (MASKED) {
-        consumer.accumulate(stage, valid, p.scale_log2, [&](float(&s)[BN / 8][4]) { mask(p, s, begin, valid); });
-      } else {
-        consumer.accumulate(stage, valid, p.scale_log2);
-      }
-    }
-  } else if (num_tiles > 0) {  // CTA-uniform
-    // Ping-pong: the two consumer warpgroups take turns at the tensor cores, so that one's softmax
-    // runs while the other's products do. A turn issues P V of the previous tile and S of this
-    // one; warpgroup w waits on named barrier 2 + w to start a turn and arrives on the other's to
-    // end it. Warpgroup 0 goes first (warpgroup 1 arrives on barrier 2 once before its first
-    // turn); both take num_tiles + 1 turns (the last one P V alone), and warpgroup 1 skips the
-    // arrive after its last turn, so each barrier completes exactly as often as it is waited on.
-    // FlashAttention-3's inter-warpgroup pingpong (Shah et al. 2024, arXiv 2407.08608).
-    auto turn_begin = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + warpgroup) : "memory"); };
-    auto turn_end = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - warpgroup) : "memory"); };
-    if (warpgroup == 1) turn_end();  // warpgroup 0's first turn
-    uint32_t p_frag[BN / 16][4];  // P of the last tile, while its P V waits for the next turn
-    int last_stage = 0, last_valid = 0;
-    for (int t = 0; t < num_tiles; ++t) {
-      const int stage = t % STAGES, use = t / STAGES;
-      int begin = 0, end = 0;
-      tiles.next(p, begin, end);
-      const int valid = end - begin;  // CTA-uniform
-      mbar_wait(full(stage), use & 1);
+  // PINGPONG: the two consumer warpgroups take turns at the tensor cores, so that one's softmax
+  // runs while the other's products do. A turn issues P V of the previous tile and S of this one;
+  // warpgroup w waits on named barrier 2 + w to start a turn and arrives on the other's to end
+  // it. Warpgroup 0 goes first (warpgroup 1 arrives on barrier 2 once before its first turn); both
+  // take num_tiles + 1 turns (the last one P V alone), and warpgroup 1 skips the arrive after its
+  // last turn, so each barrier completes exactly as often as it is waited on. FlashAttention-3's
+  // inter-warpgroup pingpong (Shah et al. 2024, arXiv 2407.08608). Without it, P V of a tile is
+  // issued right after its softmax.
+  auto turn_begin = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + warpgroup) : "memory"); };
+  auto turn_end = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - warpgroup) : "memory"); };
+  if (PINGPONG && num_tiles > 0 && warpgroup == 1) turn_end();  // warpgroup 0's first turn
+  uint32_t p_frag[BN / 16][4];  // PINGPONG: P of the last tile, until the next turn's P V
+  int last_stage = 0, last_valid = 0;
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % STAGES, use = t / STAGES;
+    int begin = 0, end = 0;
+    tiles.next(p, begin, end);
+    const int valid = end - begin;  // CTA-uniform
+    mbar_wait(full(stage), use & 1);
+    if (!PINGPONG && varlen && valid > 0 && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
+    if constexpr (PINGPONG) {
       turn_begin();
       if (t > 0) consumer.multiply_v(last_stage, last_valid, p_frag);
       consumer.issue_scores(stage, valid);
       turn_end();
-      consumer.wait_products();  // S_t; P V_{t-1} complete
-      if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
-      if constexpr (MASKED) {
-        consumer.probabilities(valid, p.scale_log2, [&](float(&s)[BN / 8][4]) { mask(p, s, begin, valid); },
-                               p_frag);
-      } else {
-        consumer.probabilities(valid, p.scale_log2, [](float(&)[BN / 8][4]) {}, p_frag);
-      }
-      last_stage = stage, last_valid = valid;
+      consumer.wait_products();
+    } else {
+      consumer.scores(stage, valid);
     }
-    turn_begin();  // the last turn: the last tile's P V
+    // S_t; P V_{t-1} complete: tile t-1's K and V are read
+    if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));
+    auto mask_hook = [&](float(&s)[BN / 8][4]) {
+      if constexpr (MASKED) mask(p, s, begin, valid);
+    };
+    if constexpr (PINGPONG) {
+      consumer.probabilities(valid, p.scale_log2, mask_hook, p_frag);
+      last_stage = stage, last_valid = valid;
+    } else {
+      consumer.accumulate(stage, valid, p.scale_log2, mask_hook);  // P V issued now
+    }
+  }
+  if (PINGPONG && num_tiles > 0) {  // the last turn: the last tile's P V
+    turn_begin();
     consumer.multiply_v(last_stage, last_valid, p_frag);
     if (warpgroup == 0) turn_end();
   }

@@ -93,7 +93,7 @@ struct Case {
   int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
   bool split_kv_tma = true;    // split-KV: allow rung 2 (wgmma + TMA); false forces rung 1 (mma.sync)
   bool flash_tma = true;       // flash: allow rung 3 (TMA producer); false forces rung 2 (cp.async)
-  bool flash_pingpong = false; // flash rung 3: its consumer warpgroups in ping-pong (route.h)
+  cuda::detail::FlashSchedule flash_schedule = cuda::detail::FlashSchedule::plain;  // flash rung 3's (route.h)
   Mask mask;                   // the per-element mask (cases of CudaAttentionMasks)
   uint32_t seed = 1;
 };
@@ -418,11 +418,11 @@ TEST_P(Ops, MatchesReference) {
     ~FlashTmaSwitch() { cuda::detail::set_flash_tma(saved); }
   } flash_tma_switch;
   cuda::detail::set_flash_tma(c.flash_tma);
-  struct PingpongSwitch {  // the case's rung-3 schedule, restored however the test ends
-    bool saved = cuda::detail::set_flash_pingpong(false);
-    ~PingpongSwitch() { cuda::detail::set_flash_pingpong(saved); }
-  } pingpong_switch;
-  cuda::detail::set_flash_pingpong(c.flash_pingpong);
+  struct ScheduleSwitch {  // the case's rung-3 schedule, restored however the test ends
+    cuda::detail::FlashSchedule saved = cuda::detail::set_flash_schedule(cuda::detail::FlashSchedule::plain);
+    ~ScheduleSwitch() { cuda::detail::set_flash_schedule(saved); }
+  } schedule_switch;
+  cuda::detail::set_flash_schedule(c.flash_schedule);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -447,7 +447,9 @@ TEST_P(Ops, MatchesReference) {
     if (want != cuda::detail::Route::split_kv) {  // rung 3 (TMA) needs K, V in order and 16-byte aligned
       const bool tma = c.flash_tma && (!c.perms || gathered) && c.seq_pad % 8 == 0;
       EXPECT_EQ(cuda::detail::last_flash_used_tma(), tma) << "flash kernel: TMA (rung 3) or cp.async (rung 2)";
-      EXPECT_EQ(cuda::detail::last_flash_used_pingpong(), tma && c.flash_pingpong) << "rung 3's ping-pong schedule";
+      EXPECT_EQ(static_cast<int>(cuda::detail::last_flash_schedule()),
+                static_cast<int>(tma ? c.flash_schedule : cuda::detail::FlashSchedule::plain))
+          << "rung 3's consumer schedule";
     }
     if (want == cuda::detail::Route::split_kv) {  // rung 2 (wgmma + TMA) needs 16-byte aligned K, V
       EXPECT_EQ(cuda::detail::last_split_kv_used_tma(), c.split_kv_tma && c.seq_pad % 8 == 0)
@@ -560,22 +562,29 @@ std::vector<Case> cases() {
        .len_kv = 300, .head_dim = 128, .flash_tma = false, .seed = 48});
   add({.name = "Small_sparse_rung2_f16_d64_b64", .dtype = DType::f16, .heads_q = 2, .heads_kv = 1, .len_q = 200,
        .len_kv = 333, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.5, .flash_tma = false, .seed = 49});
-  // Rung 3 with its consumer warpgroups in ping-pong: dense and over plans (skipped tiles, query
-  // blocks with no tile, gathered permutations), d 64 / 128 / 256, one and many key tiles.
-  add({.name = "Small_dense_pingpong_bf16_d128_gqa2_130x300", .heads_q = 4, .heads_kv = 2, .len_q = 130,
-       .len_kv = 300, .head_dim = 128, .flash_pingpong = true, .seed = 50});
-  add({.name = "Small_dense_pingpong_f16_d64_17x33", .dtype = DType::f16, .len_q = 17, .len_kv = 33,
-       .flash_pingpong = true, .seed = 51});
-  add({.name = "Small_sparse_pingpong_bf16_d128_b64_empty", .heads_q = 2, .heads_kv = 1, .len_q = 300,
-       .len_kv = 333, .head_dim = 128, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.4,
-       .empty_rows = true, .flash_pingpong = true, .seed = 52});
-  add({.name = "Medium_dense_pingpong_bf16_d128_gqa4_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
-       .len_kv = 1500, .head_dim = 128, .repeats = 2, .flash_pingpong = true, .seed = 53});
-  add({.name = "Medium_sparse_pingpong_f16_d128_perm_gathered_b128_600x2100", .dtype = DType::f16, .heads_q = 2,
-       .heads_kv = 1, .len_q = 600, .len_kv = 2100, .head_dim = 128, .sparse = true, .block_q = 128,
-       .block_kv = 128, .keep = 0.3, .perms = true, .flash_pingpong = true, .seed = 54});
-  add({.name = "Medium_dense_pingpong_bf16_d256_513x1000", .heads_q = 2, .heads_kv = 2, .len_q = 513,
-       .len_kv = 1000, .head_dim = 256, .flash_pingpong = true, .seed = 55});
+  // Rung 3's other consumer schedules (ping-pong; ping-pong with the softmax overlapping P V):
+  // dense and over plans (skipped tiles, query blocks with no tile, gathered permutations), d 64 /
+  // 128 / 256, one and many key tiles.
+  for (const auto& [label, schedule] : {std::pair{"pingpong", cuda::detail::FlashSchedule::pingpong},
+                                        std::pair{"overlap", cuda::detail::FlashSchedule::overlap}}) {
+    const std::string l = label;
+    add({.name = "Small_dense_" + l + "_bf16_d128_gqa2_130x300", .heads_q = 4, .heads_kv = 2, .len_q = 130,
+         .len_kv = 300, .head_dim = 128, .flash_schedule = schedule, .seed = 50});
+    add({.name = "Small_dense_" + l + "_f16_d64_17x33", .dtype = DType::f16, .len_q = 17, .len_kv = 33,
+         .flash_schedule = schedule, .seed = 51});
+    add({.name = "Small_sparse_" + l + "_bf16_d128_b64_empty", .heads_q = 2, .heads_kv = 1, .len_q = 300,
+         .len_kv = 333, .head_dim = 128, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.4,
+         .empty_rows = true, .flash_schedule = schedule, .seed = 52});
+    add({.name = "Medium_dense_" + l + "_bf16_d128_gqa4_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
+         .len_kv = 1500, .head_dim = 128, .repeats = 2, .flash_schedule = schedule, .seed = 53});
+    add({.name = "Medium_sparse_" + l + "_f16_d128_perm_gathered_b128_600x2100", .dtype = DType::f16,
+         .heads_q = 2, .heads_kv = 1, .len_q = 600, .len_kv = 2100, .head_dim = 128, .sparse = true,
+         .block_q = 128, .block_kv = 128, .keep = 0.3, .perms = true, .flash_schedule = schedule, .seed = 54});
+    add({.name = "Medium_dense_" + l + "_bf16_d256_513x1000", .heads_q = 2, .heads_kv = 2, .len_q = 513,
+         .len_kv = 1000, .head_dim = 256, .flash_schedule = schedule, .seed = 55});
+    add({.name = "Medium_dense_" + l + "_peaky_f16_d64_gqa2_700x2000", .dtype = DType::f16, .heads_q = 4,
+         .heads_kv = 2, .len_q = 700, .len_kv = 2000, .amplitude = 4.0f, .flash_schedule = schedule, .seed = 56});
+  }
   // Rung 2 on one split (direct write) and a 64-row m-tile that is only partly real (group 3 x 7).
   add({.name = "Small_splitkv_f16_d128_one_split_gqa3_7x600", .dtype = DType::f16, .heads_q = 6, .heads_kv = 2,
        .len_q = 7, .len_kv = 600, .head_dim = 128, .expect_splits = 1, .seed = 44});
@@ -659,14 +668,17 @@ std::vector<Case> mask_cases() {
                  .len_q = 1500, .len_kv = 1500, .head_dim = 128, .mask = mask, .seed = seed++});
     v.push_back({.name = std::string(label) + "_bf16_d256_dense_300x300", .heads_q = 2, .heads_kv = 1,
                  .len_q = 300, .len_kv = 300, .head_dim = 256, .mask = mask, .seed = seed++});
-    // Rung 3's ping-pong schedule under the mask: fully masked tiles skipped (fewer turns per CTA,
+    // Rung 3's other schedules under the mask: fully masked tiles skipped (fewer turns per CTA,
     // query tiles with none), masked over a plan.
-    v.push_back({.name = std::string(label) + "_pingpong_bf16_d128_dense_gqa2_700x700", .heads_q = 4,
-                 .heads_kv = 2, .len_q = 700, .len_kv = 700, .head_dim = 128, .flash_pingpong = true, .mask = mask,
-                 .seed = seed++});
-    v.push_back({.name = std::string(label) + "_pingpong_f16_d64_sparse_b64_500x500", .dtype = DType::f16,
-                 .heads_q = 2, .heads_kv = 1, .len_q = 500, .len_kv = 500, .sparse = true, .keep = 0.6,
-                 .empty_rows = true, .flash_pingpong = true, .mask = mask, .seed = seed++});
+    for (const auto& [sl, schedule] : {std::pair{"pingpong", cuda::detail::FlashSchedule::pingpong},
+                                       std::pair{"overlap", cuda::detail::FlashSchedule::overlap}}) {
+      v.push_back({.name = std::string(label) + "_" + sl + "_bf16_d128_dense_gqa2_700x700", .heads_q = 4,
+                   .heads_kv = 2, .len_q = 700, .len_kv = 700, .head_dim = 128, .flash_schedule = schedule,
+                   .mask = mask, .seed = seed++});
+      v.push_back({.name = std::string(label) + "_" + sl + "_f16_d64_sparse_b64_500x500", .dtype = DType::f16,
+                   .heads_q = 2, .heads_kv = 1, .len_q = 500, .len_kv = 500, .sparse = true, .keep = 0.6,
+                   .empty_rows = true, .flash_schedule = schedule, .mask = mask, .seed = seed++});
+    }
   }
   v.push_back({.name = "none_bf16_d256_dense_513x1000", .heads_q = 2, .heads_kv = 2, .len_q = 513, .len_kv = 1000,
                .head_dim = 256, .seed = seed++});

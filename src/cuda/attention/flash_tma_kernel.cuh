@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   //   turn); both take num_tiles + 1 turns (the last one P V alone), and warpgroup 1 skips the
   //   arrive after its last turn, so each barrier completes exactly as often as it is waited on.
   // overlap: pingpong, and inside a warpgroup the softmax of S_t runs while P V_{t-1} does: the
-  //   turn issues S_t first, then O's deferred rescale and P V_{t-1}; the warpgroup waits for S_t
+  //   turn applies O's deferred rescale, issues S_t, then P V_{t-1}; the warpgroup waits for S_t
   //   alone, computes the probabilities in place, then waits for P V_{t-1} before packing P_t
   //   over P_{t-1}'s registers.
   // Both from FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608).
@@ -202,12 +202,10 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
       consumer.wait_products();  // S_t; P V_{t-1} complete
     } else {
       turn_begin();
-      consumer.issue_scores(stage, valid);
       const bool pv = t > 0 && last_valid > 0;
-      if (pv) {
-        consumer.rescale_o(alpha);
-        consumer.multiply_v(last_stage, last_valid, p_frag);
-      }
+      if (pv) consumer.rescale_o(alpha);  // O is not in flight (P V_{t-2} was waited for)
+      consumer.issue_scores(stage, valid);  // S_t first: the wait below is for it alone
+      if (pv) consumer.multiply_v(last_stage, last_valid, p_frag);
       turn_end();
       consumer.wait_scores(valid > 0 && pv);  // S_t (P V_{t-1} may still run)
       consumer.probabilities_in_place(valid, p.scale_log2, mask_hook, alpha);

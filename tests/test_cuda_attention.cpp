@@ -562,11 +562,13 @@ std::vector<Case> cases() {
        .len_kv = 300, .head_dim = 128, .flash_tma = false, .seed = 48});
   add({.name = "Small_sparse_rung2_f16_d64_b64", .dtype = DType::f16, .heads_q = 2, .heads_kv = 1, .len_q = 200,
        .len_kv = 333, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.5, .flash_tma = false, .seed = 49});
-  // Rung 3's other consumer schedules (ping-pong; ping-pong with the softmax overlapping P V):
+  // Rung 3's other consumer schedules (ping-pong; ping-pong with the softmax overlapping P V;
+  // ping-pong's order without the turns):
   // dense and over plans (skipped tiles, query blocks with no tile, gathered permutations), d 64 /
   // 128 / 256, one and many key tiles.
   for (const auto& [label, schedule] : {std::pair{"pingpong", cuda::detail::FlashSchedule::pingpong},
-                                        std::pair{"overlap", cuda::detail::FlashSchedule::overlap}}) {
+                                        std::pair{"overlap", cuda::detail::FlashSchedule::overlap},
+                                        std::pair{"late", cuda::detail::FlashSchedule::late}}) {
     const std::string l = label;
     add({.name = "Small_dense_" + l + "_bf16_d128_gqa2_130x300", .heads_q = 4, .heads_kv = 2, .len_q = 130,
          .len_kv = 300, .head_dim = 128, .flash_schedule = schedule, .seed = 50});
@@ -671,7 +673,8 @@ std::vector<Case> mask_cases() {
     // Rung 3's other schedules under the mask: fully masked tiles skipped (fewer turns per CTA,
     // query tiles with none), masked over a plan.
     for (const auto& [sl, schedule] : {std::pair{"pingpong", cuda::detail::FlashSchedule::pingpong},
-                                       std::pair{"overlap", cuda::detail::FlashSchedule::overlap}}) {
+                                       std::pair{"overlap", cuda::detail::FlashSchedule::overlap},
+                                       std::pair{"late", cuda::detail::FlashSchedule::late}}) {
       v.push_back({.name = std::string(label) + "_" + sl + "_bf16_d128_dense_gqa2_700x700", .heads_q = 4,
                    .heads_kv = 2, .len_q = 700, .len_kv = 700, .head_dim = 128, .flash_schedule = schedule,
                    .mask = mask, .seed = seed++});

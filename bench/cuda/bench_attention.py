@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CEILING = 790.0  # bf16 TFLOP/s measured on this H200 kind (8192^3 matmul, random data)
 # Flash rung 3's consumer schedules (sparsa_bench_set_flash_schedule; flash_tma_kernel.cuh).
-SCHEDULES = {0: "plain", 1: "pingpong", 2: "overlap"}
+SCHEDULES = {0: "plain", 1: "pingpong", 2: "overlap", 3: "late"}
 
 
 def time_torch(fn, iters, warmup=3):

@@ -137,6 +137,10 @@ Status launch(const FlashParams& p, int device, cudaStream_t stream) {
         SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kScheduleOverlap>(grid, p, maps,
                                                                                                  device, stream)));
         break;
+      case detail::FlashSchedule::late:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kScheduleLate>(grid, p, maps, device,
+                                                                                              stream)));
+        break;
     }
   } else {
     using Shape = detail::WgmmaShape<D, BN, kDStages>;

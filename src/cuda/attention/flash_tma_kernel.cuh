@@ -93,7 +93,7 @@ __device__ __forceinline__ void zero_v_rows(uint32_t v_smem, int stage, int vali
 
 // The consumers' schedules (SCHEDULE; the loop below says each): rung 3's promoted one, and two
 // ladder rungs under measurement (detail::set_flash_schedule).
-constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2;
+constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2, kScheduleLate = 3;
 
 // MASKED: as flash_wgmma_kernel's (the per-element mask compiled in). SCHEDULE other than plain:
 // not with a variable-length batch (whose partial tiles take a barrier of both warpgroups,
@@ -174,12 +174,20 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   //   turn applies O's deferred rescale, issues S_t, then P V_{t-1}; the warpgroup waits for S_t
   //   alone, computes the probabilities in place, then waits for P V_{t-1} before packing P_t
   //   over P_{t-1}'s registers.
-  // Both from FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608).
-  constexpr bool kTurns = SCHEDULE != kSchedulePlain;
-  auto turn_begin = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + warpgroup) : "memory"); };
-  auto turn_end = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - warpgroup) : "memory"); };
+  // late: pingpong's order without the turns (P V_{t-1} issued just before S_t): ptxas serialises
+  //   plain's products (C7515) and neither pingpong's nor this order's, which tells the two
+  //   effects apart.
+  // pingpong and overlap from FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608).
+  constexpr bool kTurns = SCHEDULE == kSchedulePingpong || SCHEDULE == kScheduleOverlap;
+  constexpr bool kLatePv = SCHEDULE != kSchedulePlain;  // P V of a tile issued in the next iteration
+  auto turn_begin = [&] {
+    if constexpr (kTurns) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + warpgroup) : "memory");
+  };
+  auto turn_end = [&] {
+    if constexpr (kTurns) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - warpgroup) : "memory");
+  };
   if (kTurns && num_tiles > 0 && warpgroup == 1) turn_end();  // warpgroup 0's first turn
-  uint32_t p_frag[BN / 16][4];  // with turns: P of the last tile, until the next turn's P V
+  uint32_t p_frag[BN / 16][4];  // late P V: P of the last tile, until the next iteration's P V
   float alpha[2] = {1.0f, 1.0f};  // overlap: the last tile's rescale of O, deferred to its P V
   int last_stage = 0, last_valid = 0;
   for (int t = 0; t < num_tiles; ++t) {
@@ -194,7 +202,7 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
     };
     if constexpr (SCHEDULE == kSchedulePlain) {
       consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
-    } else if constexpr (SCHEDULE == kSchedulePingpong) {
+    } else if constexpr (SCHEDULE == kSchedulePingpong || SCHEDULE == kScheduleLate) {
       turn_begin();
       if (t > 0) consumer.multiply_v(last_stage, last_valid, p_frag);
       consumer.issue_scores(stage, valid);
@@ -215,14 +223,14 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
     if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));
     if constexpr (SCHEDULE == kSchedulePlain) {
       consumer.accumulate(stage, valid, p.scale_log2, mask_hook);  // P V issued now
-    } else if constexpr (SCHEDULE == kSchedulePingpong) {
+    } else if constexpr (SCHEDULE == kSchedulePingpong || SCHEDULE == kScheduleLate) {
       consumer.probabilities(valid, p.scale_log2, mask_hook, p_frag);
     } else {
       consumer.pack(valid, p_frag);
     }
     last_stage = stage, last_valid = valid;
   }
-  if (kTurns && num_tiles > 0) {  // the last turn: the last tile's P V
+  if (kLatePv && num_tiles > 0) {  // the last turn: the last tile's P V
     turn_begin();
     if (SCHEDULE == kScheduleOverlap && last_valid > 0) consumer.rescale_o(alpha);
     consumer.multiply_v(last_stage, last_valid, p_frag);

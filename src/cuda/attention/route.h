@@ -22,8 +22,9 @@ bool last_flash_used_tma();
 bool set_flash_tma(bool on);
 // The TMA kernel's consumer schedules (flash_tma_kernel.cuh): plain (the default), pingpong (the
 // two consumer warpgroups take turns at the tensor cores), overlap (pingpong, and each
-// warpgroup's softmax overlapping its own previous P V). Ladder rungs under measurement.
-enum class FlashSchedule { plain, pingpong, overlap };
+// warpgroup's softmax overlapping its own previous P V), late (pingpong's order of the products
+// without the turns). Ladder rungs under measurement.
+enum class FlashSchedule { plain, pingpong, overlap, late };
 // The schedule of the last flash launch on this thread (plain when it was not the TMA kernel).
 FlashSchedule last_flash_schedule();
 // The TMA kernel's schedule from now on, process-wide; returns the previous one. Variable-length

@@ -46,7 +46,9 @@
 //   pingpong, the consumer warpgroups taking turns at the tensor cores (named barriers), so that
 //   one's softmax runs under the other's products; 3c overlap, 3b plus each warpgroup's softmax
 //   of S_t under its own P V_{t-1} (the intra-warpgroup overlap again, now with a producer warp
-//   and no CTA barrier in the loop, which is what rung 2's attempt lacked). Not yet measured.
+//   and no CTA barrier in the loop, which is what rung 2's attempt lacked); 3d late, 3b's order of
+//   the products (P V_{t-1} issued just before S_t) without the turns. ptxas reports C7515
+//   (wgmma serialised) for every plain rung-3 kernel and for none of 3b, 3c, 3d. Not yet measured.
 // Promoted: rung 3 when K and V are read in order, rung 2 otherwise (attention.cu).
 #include <cuda_runtime.h>
 

@@ -93,7 +93,7 @@ struct Case {
   int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
   bool split_kv_tma = true;    // split-KV: allow rung 2 (wgmma + TMA); false forces rung 1 (mma.sync)
   bool flash_tma = true;       // flash: allow rung 3 (TMA producer); false forces rung 2 (cp.async)
-  cuda::detail::FlashSchedule flash_schedule = cuda::detail::FlashSchedule::plain;  // flash rung 3's (route.h)
+  std::optional<cuda::detail::FlashSchedule> flash_schedule;  // flash rung 3's (route.h); none: the default
   Mask mask;                   // the per-element mask (cases of CudaAttentionMasks)
   uint32_t seed = 1;
 };
@@ -422,7 +422,8 @@ TEST_P(Ops, MatchesReference) {
     cuda::detail::FlashSchedule saved = cuda::detail::set_flash_schedule(cuda::detail::FlashSchedule::plain);
     ~ScheduleSwitch() { cuda::detail::set_flash_schedule(saved); }
   } schedule_switch;
-  cuda::detail::set_flash_schedule(c.flash_schedule);
+  const cuda::detail::FlashSchedule schedule = c.flash_schedule.value_or(schedule_switch.saved);
+  cuda::detail::set_flash_schedule(schedule);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -448,7 +449,7 @@ TEST_P(Ops, MatchesReference) {
       const bool tma = c.flash_tma && (!c.perms || gathered) && c.seq_pad % 8 == 0;
       EXPECT_EQ(cuda::detail::last_flash_used_tma(), tma) << "flash kernel: TMA (rung 3) or cp.async (rung 2)";
       EXPECT_EQ(static_cast<int>(cuda::detail::last_flash_schedule()),
-                static_cast<int>(tma ? c.flash_schedule : cuda::detail::FlashSchedule::plain))
+                static_cast<int>(tma ? schedule : cuda::detail::FlashSchedule::plain))
           << "rung 3's consumer schedule";
     }
     if (want == cuda::detail::Route::split_kv) {  // rung 2 (wgmma + TMA) needs 16-byte aligned K, V

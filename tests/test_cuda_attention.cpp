@@ -93,6 +93,7 @@ struct Case {
   int64_t merge_wait_ns = -1;  // split-KV: the merge's waiting bound (0 forces its fallback); -1: default
   bool split_kv_tma = true;    // split-KV: allow rung 2 (wgmma + TMA); false forces rung 1 (mma.sync)
   bool flash_tma = true;       // flash: allow rung 3 (TMA producer); false forces rung 2 (cp.async)
+  std::optional<cuda::detail::FlashSchedule> flash_schedule;  // flash rung 3's (route.h); none: the default
   Mask mask;                   // the per-element mask (cases of CudaAttentionMasks)
   uint32_t seed = 1;
 };
@@ -228,6 +229,36 @@ Tensor upload(const Case& c, const std::vector<float>& x, int64_t heads, int64_t
   std::copy(shape, shape + 4, t.shape);
   std::copy(strides, strides + 4, t.strides);
   return t;
+}
+
+// b16 values (bf16 or f16 bits) into buf on the device (at least 2 bytes, for empty arrays).
+void upload_u16(const std::vector<uint16_t>& x, DeviceBuffer& buf) {
+  buf.reset(std::max<size_t>(x.size(), 1) * 2);
+  ASSERT_EQ(cudaMemcpy(buf.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+// Rows [row0, row0 + len) of a [total, heads, D] varlen array as a [heads, len, D] one (a
+// sequence's own fixed-length call).
+std::vector<uint16_t> sequence_rows(const std::vector<uint16_t>& x, int64_t heads, int64_t D, int64_t row0,
+                                    int64_t len) {
+  std::vector<uint16_t> y(heads * len * D);
+  for (int64_t i = 0; i < len; ++i)
+    for (int64_t h = 0; h < heads; ++h) std::copy_n(&x[((row0 + i) * heads + h) * D], D, &y[(h * len + i) * D]);
+  return y;
+}
+
+// The (row, head) pairs whose O or LSE differ bit-wise between a sequence's own call (O [1, H, len,
+// D], LSE [1, H, len]) and its rows [row0, row0 + len) of a varlen call (O [total, H, D], LSE [H, total]).
+int64_t rows_differing(const std::vector<uint16_t>& out_one, const std::vector<float>& lse_one,
+                       const std::vector<uint16_t>& out_var, const std::vector<float>& lse_var, int64_t H, int64_t D,
+                       int64_t total, int64_t row0, int64_t len) {
+  int64_t n = 0;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < len; ++i) {
+      n += std::memcmp(&lse_one[h * len + i], &lse_var[h * total + row0 + i], 4) != 0;
+      n += std::memcmp(&out_one[(h * len + i) * D], &out_var[((row0 + i) * H + h) * D], D * 2) != 0;
+    }
+  return n;
 }
 
 Tensor upload_i32(const HostArray& a, DeviceBuffer& buf) {
@@ -387,6 +418,12 @@ TEST_P(Ops, MatchesReference) {
     ~FlashTmaSwitch() { cuda::detail::set_flash_tma(saved); }
   } flash_tma_switch;
   cuda::detail::set_flash_tma(c.flash_tma);
+  struct ScheduleSwitch {  // the case's rung-3 schedule, restored however the test ends
+    cuda::detail::FlashSchedule saved = cuda::detail::set_flash_schedule(cuda::detail::FlashSchedule::plain);
+    ~ScheduleSwitch() { cuda::detail::set_flash_schedule(saved); }
+  } schedule_switch;
+  const cuda::detail::FlashSchedule schedule = c.flash_schedule.value_or(schedule_switch.saved);
+  cuda::detail::set_flash_schedule(schedule);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -411,6 +448,9 @@ TEST_P(Ops, MatchesReference) {
     if (want != cuda::detail::Route::split_kv) {  // rung 3 (TMA) needs K, V in order and 16-byte aligned
       const bool tma = c.flash_tma && (!c.perms || gathered) && c.seq_pad % 8 == 0;
       EXPECT_EQ(cuda::detail::last_flash_used_tma(), tma) << "flash kernel: TMA (rung 3) or cp.async (rung 2)";
+      EXPECT_EQ(static_cast<int>(cuda::detail::last_flash_schedule()),
+                static_cast<int>(tma ? schedule : cuda::detail::FlashSchedule::plain))
+          << "rung 3's consumer schedule";
     }
     if (want == cuda::detail::Route::split_kv) {  // rung 2 (wgmma + TMA) needs 16-byte aligned K, V
       EXPECT_EQ(cuda::detail::last_split_kv_used_tma(), c.split_kv_tma && c.seq_pad % 8 == 0)
@@ -523,6 +563,31 @@ std::vector<Case> cases() {
        .len_kv = 300, .head_dim = 128, .flash_tma = false, .seed = 48});
   add({.name = "Small_sparse_rung2_f16_d64_b64", .dtype = DType::f16, .heads_q = 2, .heads_kv = 1, .len_q = 200,
        .len_kv = 333, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.5, .flash_tma = false, .seed = 49});
+  // Rung 3's other consumer schedules (ping-pong; ping-pong with the softmax overlapping P V;
+  // ping-pong's order without the turns):
+  // dense and over plans (skipped tiles, query blocks with no tile, gathered permutations), d 64 /
+  // 128 / 256, one and many key tiles.
+  for (const auto& [label, schedule] : {std::pair{"pingpong", cuda::detail::FlashSchedule::pingpong},
+                                        std::pair{"overlap", cuda::detail::FlashSchedule::overlap},
+                                        std::pair{"late", cuda::detail::FlashSchedule::late}}) {
+    const std::string l = label;
+    add({.name = "Small_dense_" + l + "_bf16_d128_gqa2_130x300", .heads_q = 4, .heads_kv = 2, .len_q = 130,
+         .len_kv = 300, .head_dim = 128, .flash_schedule = schedule, .seed = 50});
+    add({.name = "Small_dense_" + l + "_f16_d64_17x33", .dtype = DType::f16, .len_q = 17, .len_kv = 33,
+         .flash_schedule = schedule, .seed = 51});
+    add({.name = "Small_sparse_" + l + "_bf16_d128_b64_empty", .heads_q = 2, .heads_kv = 1, .len_q = 300,
+         .len_kv = 333, .head_dim = 128, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.4,
+         .empty_rows = true, .flash_schedule = schedule, .seed = 52});
+    add({.name = "Medium_dense_" + l + "_bf16_d128_gqa4_1023x1500", .heads_q = 4, .heads_kv = 1, .len_q = 1023,
+         .len_kv = 1500, .head_dim = 128, .repeats = 2, .flash_schedule = schedule, .seed = 53});
+    add({.name = "Medium_sparse_" + l + "_f16_d128_perm_gathered_b128_600x2100", .dtype = DType::f16,
+         .heads_q = 2, .heads_kv = 1, .len_q = 600, .len_kv = 2100, .head_dim = 128, .sparse = true,
+         .block_q = 128, .block_kv = 128, .keep = 0.3, .perms = true, .flash_schedule = schedule, .seed = 54});
+    add({.name = "Medium_dense_" + l + "_bf16_d256_513x1000", .heads_q = 2, .heads_kv = 2, .len_q = 513,
+         .len_kv = 1000, .head_dim = 256, .flash_schedule = schedule, .seed = 55});
+    add({.name = "Medium_dense_" + l + "_peaky_f16_d64_gqa2_700x2000", .dtype = DType::f16, .heads_q = 4,
+         .heads_kv = 2, .len_q = 700, .len_kv = 2000, .amplitude = 4.0f, .flash_schedule = schedule, .seed = 56});
+  }
   // Rung 2 on one split (direct write) and a 64-row m-tile that is only partly real (group 3 x 7).
   add({.name = "Small_splitkv_f16_d128_one_split_gqa3_7x600", .dtype = DType::f16, .heads_q = 6, .heads_kv = 2,
        .len_q = 7, .len_kv = 600, .head_dim = 128, .expect_splits = 1, .seed = 44});
@@ -606,6 +671,18 @@ std::vector<Case> mask_cases() {
                  .len_q = 1500, .len_kv = 1500, .head_dim = 128, .mask = mask, .seed = seed++});
     v.push_back({.name = std::string(label) + "_bf16_d256_dense_300x300", .heads_q = 2, .heads_kv = 1,
                  .len_q = 300, .len_kv = 300, .head_dim = 256, .mask = mask, .seed = seed++});
+    // Rung 3's other schedules under the mask: fully masked tiles skipped (fewer turns per CTA,
+    // query tiles with none), masked over a plan.
+    for (const auto& [sl, schedule] : {std::pair{"pingpong", cuda::detail::FlashSchedule::pingpong},
+                                       std::pair{"overlap", cuda::detail::FlashSchedule::overlap},
+                                       std::pair{"late", cuda::detail::FlashSchedule::late}}) {
+      v.push_back({.name = std::string(label) + "_" + sl + "_bf16_d128_dense_gqa2_700x700", .heads_q = 4,
+                   .heads_kv = 2, .len_q = 700, .len_kv = 700, .head_dim = 128, .flash_schedule = schedule,
+                   .mask = mask, .seed = seed++});
+      v.push_back({.name = std::string(label) + "_" + sl + "_f16_d64_sparse_b64_500x500", .dtype = DType::f16,
+                   .heads_q = 2, .heads_kv = 1, .len_q = 500, .len_kv = 500, .sparse = true, .keep = 0.6,
+                   .empty_rows = true, .flash_schedule = schedule, .mask = mask, .seed = seed++});
+    }
   }
   v.push_back({.name = "none_bf16_d256_dense_513x1000", .heads_q = 2, .heads_kv = 2, .len_q = 513, .len_kv = 1000,
                .head_dim = 256, .seed = seed++});
@@ -862,14 +939,10 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
     k_bad[i] = i % 3 == 0 ? 0x7fc0 : i % 3 == 1 ? 0x7f80 : 0xff80;
     v_bad[i] = i % 3 == 0 ? 0xff80 : i % 3 == 1 ? 0x7fc0 : 0x7f80;
   }
-  auto upload16 = [](const std::vector<uint16_t>& x, DeviceBuffer& buf) {
-    buf.reset(x.size() * 2);
-    CUDA_OK(cudaMemcpy(buf.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  };
   HostArray cuh(DType::i32, {S + 1});
   std::copy(cu.begin(), cu.end(), cuh.ptr<int32_t>());
   DeviceBuffer qb(0), kb(0), vb(0), cub(0), ob(total * H * D * 2), lb(total * H * 4);
-  upload16(q, qb);
+  upload_u16(q, qb);
   const Tensor cud = upload_i32(cuh, cub);
   struct Result {
     std::vector<uint16_t> out;
@@ -877,8 +950,8 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
   };
   auto run_varlen = [&](const std::vector<uint16_t>& kx, const std::vector<uint16_t>& vx, const Mask& mask,
                         bool want_tma) {
-    upload16(kx, kb);
-    upload16(vx, vb);
+    upload_u16(kx, kb);
+    upload_u16(vx, vb);
     AttentionOptions opt;
     opt.backend = Backend::cuda;
     opt.mask = mask;
@@ -894,37 +967,26 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
     EXPECT_EQ(cudaMemcpy(r.lse.data(), lb.ptr, lb.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
     return r;
   };
-  // Rows of sequence s that differ between two results (O or LSE).
-  auto differing = [&](const Result& a, const Result& b, int64_t s) {
-    int64_t n = 0;
-    for (int64_t i = cu[s]; i < cu[s + 1]; ++i)
-      for (int64_t h = 0; h < H; ++h) {
-        n += std::memcmp(&a.lse[h * total + i], &b.lse[h * total + i], 4) != 0;
-        n += std::memcmp(&a.out[(i * H + h) * D], &b.out[(i * H + h) * D], D * 2) != 0;
-      }
-    return n;
-  };
   for (bool tma : {true, false}) {
     const bool saved = cuda::detail::set_flash_tma(tma);
     for (Mask mask : {Mask::none(), Mask::causal()}) {
       SCOPED_TRACE(std::string(tma ? "rung 3, " : "rung 2, ") + mask_string(mask));
       const Result clean = run_varlen(k, v, mask, tma);
       const Result poisoned = run_varlen(k_bad, v_bad, mask, tma);
-      for (int64_t s : {0, 2, 3}) EXPECT_EQ(differing(clean, poisoned, s), 0) << "sequence " << s;
+      for (int64_t s : {0, 2, 3}) {  // the same rows of two varlen calls: as the rows of sequence s
+        const std::vector<uint16_t> o_s = sequence_rows(clean.out, H, D, cu[s], lens[s]);
+        std::vector<float> l_s(H * lens[s]);
+        for (int64_t h = 0; h < H; ++h)
+          std::copy_n(&clean.lse[h * total + cu[s]], lens[s], &l_s[h * lens[s]]);
+        EXPECT_EQ(rows_differing(o_s, l_s, poisoned.out, poisoned.lse, H, D, total, cu[s], lens[s]), 0)
+            << "sequence " << s;
+      }
       // Sequence 0 alone, [1, H, 300, D]: the same rows bit for bit.
       const int64_t n = lens[0];
-      std::vector<uint16_t> q0(H * n * D), k0(Hkv * n * D), v0(Hkv * n * D);
-      for (int64_t i = 0; i < n; ++i) {
-        for (int64_t h = 0; h < H; ++h) std::copy_n(&q[(i * H + h) * D], D, &q0[(h * n + i) * D]);
-        for (int64_t h = 0; h < Hkv; ++h) {
-          std::copy_n(&k[(i * Hkv + h) * D], D, &k0[(h * n + i) * D]);
-          std::copy_n(&v[(i * Hkv + h) * D], D, &v0[(h * n + i) * D]);
-        }
-      }
       DeviceBuffer q1(0), k1(0), v1(0), o1(H * n * D * 2), l1(H * n * 4);
-      upload16(q0, q1);
-      upload16(k0, k1);
-      upload16(v0, v1);
+      upload_u16(sequence_rows(q, H, D, 0, n), q1);
+      upload_u16(sequence_rows(k, Hkv, D, 0, n), k1);
+      upload_u16(sequence_rows(v, Hkv, D, 0, n), v1);
       AttentionOptions opt;
       opt.backend = Backend::cuda;
       opt.mask = mask;
@@ -938,13 +1000,8 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
       std::vector<float> l_one(H * n);
       CUDA_OK(cudaMemcpy(o_one.data(), o1.ptr, o1.bytes, cudaMemcpyDeviceToHost));
       CUDA_OK(cudaMemcpy(l_one.data(), l1.ptr, l1.bytes, cudaMemcpyDeviceToHost));
-      int64_t differ = 0;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < n; ++i) {
-          differ += std::memcmp(&l_one[h * n + i], &poisoned.lse[h * total + i], 4) != 0;
-          differ += std::memcmp(&o_one[(h * n + i) * D], &poisoned.out[(i * H + h) * D], D * 2) != 0;
-        }
-      EXPECT_EQ(differ, 0) << "sequence 0's rows against its own dense call";
+      EXPECT_EQ(rows_differing(o_one, l_one, poisoned.out, poisoned.lse, H, D, total, 0, n), 0)
+          << "sequence 0's rows against its own dense call";
     }
     cuda::detail::set_flash_tma(saved);
   }
@@ -1017,15 +1074,11 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
       fill(plan.perm_q, H, max_q, lens_q[s]);
       fill(plan.perm_kv, Hkv, max_kv, lens_kv[s]);
     }
-    auto upload16 = [&](const std::vector<uint16_t>& x, DeviceBuffer& buf) {
-      buf.reset(std::max<size_t>(x.size(), 1) * 2);
-      cudaMemcpy(buf.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice);
-    };
     DeviceBuffer qb(0), kb(0), vb(0), cqb(0), ckb(0), pc(0), pi(0), pq(0), pk(0), ob(total_q * H * D * 2),
         lb(total_q * H * 4);
-    upload16(q, qb);
-    upload16(k, kb);
-    upload16(v, vb);
+    upload_u16(q, qb);
+    upload_u16(k, kb);
+    upload_u16(v, vb);
     HostArray cqh(DType::i32, {S + 1}), ckh(DType::i32, {S + 1});
     std::copy(cu_q.begin(), cu_q.end(), cqh.ptr<int32_t>());
     std::copy(cu_kv.begin(), cu_kv.end(), ckh.ptr<int32_t>());
@@ -1061,15 +1114,6 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
         continue;
       }
       // The same sequence alone: [1, heads, len, D] copies of its rows and its rows of the plan.
-      std::vector<uint16_t> qs(H * lq * D), ks(Hkv * lkv * D), vs(Hkv * lkv * D);
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < lq; ++i)
-          std::copy_n(&q[((cu_q[s] + i) * H + h) * D], D, &qs[(h * lq + i) * D]);
-      for (int64_t h = 0; h < Hkv; ++h)
-        for (int64_t j = 0; j < lkv; ++j) {
-          std::copy_n(&k[((cu_kv[s] + j) * Hkv + h) * D], D, &ks[(h * lkv + j) * D]);
-          std::copy_n(&v[((cu_kv[s] + j) * Hkv + h) * D], D, &vs[(h * lkv + j) * D]);
-        }
       const int64_t snq = (lq + block - 1) / block;
       BlockIndexBuffer one = BlockIndexBuffer::empty(1, H, lq, lkv, block, block, nkv);
       one.perm_q = HostArray(DType::i32, {1, H, lq});
@@ -1085,9 +1129,9 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
       for (int64_t h = 0; h < Hkv; ++h)
         std::copy_n(plan.perm_kv.ptr<int32_t>() + (s * Hkv + h) * max_kv, lkv, one.perm_kv.ptr<int32_t>() + h * lkv);
       DeviceBuffer q1(0), k1(0), v1(0), c1(0), i1(0), pq1(0), pk1(0), o1(H * lq * D * 2), l1(H * lq * 4);
-      upload16(qs, q1);
-      upload16(ks, k1);
-      upload16(vs, v1);
+      upload_u16(sequence_rows(q, H, D, cu_q[s], lq), q1);
+      upload_u16(sequence_rows(k, Hkv, D, cu_kv[s], lkv), k1);
+      upload_u16(sequence_rows(v, Hkv, D, cu_kv[s], lkv), v1);
       BlockIndex ix1 = one.view();
       ix1.counts = upload_i32(one.counts, c1);
       ix1.indices = upload_i32(one.indices, i1);
@@ -1103,13 +1147,8 @@ TEST(CudaAttentionVarlen, BlockSparseEqualsSeparateCalls) {
       std::vector<float> l_one(H * lq);
       CUDA_OK(cudaMemcpy(o_one.data(), o1.ptr, o1.bytes, cudaMemcpyDeviceToHost));
       CUDA_OK(cudaMemcpy(l_one.data(), l1.ptr, l1.bytes, cudaMemcpyDeviceToHost));
-      int64_t differ = 0;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < lq; ++i) {
-          differ += std::memcmp(&l_one[h * lq + i], &lse_h[h * total_q + cu_q[s] + i], 4) != 0;
-          differ += std::memcmp(&o_one[(h * lq + i) * D], &out_h[((cu_q[s] + i) * H + h) * D], D * 2) != 0;
-        }
-      EXPECT_EQ(differ, 0) << "rows (O or LSE) that differ from the sequence's own call";
+      EXPECT_EQ(rows_differing(o_one, l_one, out_h, lse_h, H, D, total_q, cu_q[s], lq), 0)
+          << "rows (O or LSE) that differ from the sequence's own call";
     }
 
     // A key block past sequence 0's keys (300 keys: blocks 0-4; block 10 exists only for the

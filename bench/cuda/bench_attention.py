@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CEILING = 790.0  # bf16 TFLOP/s measured on this H200 kind (8192^3 matmul, random data)
+# Flash rung 3's consumer schedules (sparsa_bench_set_flash_schedule; flash_tma_kernel.cuh).
+SCHEDULES = {0: "plain", 1: "pingpong", 2: "overlap", 3: "late"}
 
 
 def time_torch(fn, iters, warmup=3):
@@ -297,7 +299,12 @@ def main():
     ap.add_argument("--ba-att-sizes", type=int, nargs="+", default=[131072])
     ap.add_argument("--ba-att-densities", type=float, nargs="+", default=[0.10, 0.50])
     ap.add_argument("--ba-att-iters", type=int, default=15, help="timed calls per BA-Att median")
+    ap.add_argument("--schedule", type=int, default=0, choices=SCHEDULES.keys(),
+                    help="flash rung 3's consumer schedule for every sparsa call: " +
+                         ", ".join(f"{k} {v}" for k, v in SCHEDULES.items()) +
+                         " (the dense and sparse rows time each schedule either way)")
     args = ap.parse_args()
+    ctypes.CDLL(args.lib).sparsa_bench_set_flash_schedule(args.schedule)
     if args.ba_att:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"cudnn {torch.backends.cudnn.version()}")
@@ -341,6 +348,15 @@ def main():
         sp.lib.sparsa_bench_set_flash_tma(0)  # the previous rung (cp.async, no producer warp), same run
         res["sparsa_dense_rung2"] = sp.run(q, k, v, out, lse, iters=iters)
         sp.lib.sparsa_bench_set_flash_tma(1)
+        # Rung 3 with each consumer schedule (same run), each checked against cuDNN.
+        for sched, name in SCHEDULES.items():
+            sp.lib.sparsa_bench_set_flash_schedule(sched)
+            sp.run(q, k, v, out, lse, warmup=1)
+            torch.cuda.synchronize()
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                res[f"err_{name}_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
+            res[f"sparsa_dense_{name}"] = sp.run(q, k, v, out, lse, iters=iters)
+        sp.lib.sparsa_bench_set_flash_schedule(args.schedule)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             res["cudnn"] = time_torch(lambda: F.scaled_dot_product_attention(q, k, v), iters)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -369,6 +385,11 @@ def main():
         res["sparsa_sparse_unchecked"] = sp.run(q, k, v, out, lse, counts, indices, iters=iters * 3)
         sp.lib.sparsa_bench_set_check_index(1)
         res["flex_sparse"] = time_torch(lambda: flex(q, k, v, block_mask=bm), iters * 3)
+        for sched, name in SCHEDULES.items():
+            sp.lib.sparsa_bench_set_flash_schedule(sched)
+            res[f"sparsa_sparse_{name}"] = sp.run(q, k, v, out, lse, counts, indices, iters=iters * 3)
+            res[f"err_sparse_{name}_vs_flex"] = rel_err(out, ref)
+        sp.lib.sparsa_bench_set_flash_schedule(args.schedule)
         res.update(N=N, density=density, dense_flops=dense_flops, sparse_flops=sparse_flops)
         rows.append(res)
         print(json.dumps(res), flush=True)
@@ -386,11 +407,15 @@ def main():
         N = r["N"]
         for name, key, flops in [("sparsa dense", "sparsa_dense", r["dense_flops"]),
                                  ("sparsa dense rung 2", "sparsa_dense_rung2", r["dense_flops"]),
+                                 *[(f"sparsa dense {n}", f"sparsa_dense_{n}", r["dense_flops"])
+                                   for n in SCHEDULES.values()],
                                  ("SDPA cuDNN", "cudnn", r["dense_flops"]),
                                  ("SDPA flash (FA2)", "fa2", r["dense_flops"]),
                                  ("Flex dense", "flex_dense", r["dense_flops"]),
                                  (f"sparsa sparse {r['density']:.3f}", "sparsa_sparse", r["sparse_flops"]),
                                  ("sparsa sparse unchecked", "sparsa_sparse_unchecked", r["sparse_flops"]),
+                                 *[(f"sparsa sparse {n}", f"sparsa_sparse_{n}", r["sparse_flops"])
+                                   for n in SCHEDULES.values()],
                                  (f"Flex sparse {r['density']:.3f}", "flex_sparse", r["sparse_flops"])]:
             t = tf(flops, r[key])
             print(f"{N:>6} {name:<22} {r[key]:>9.3f} {t:>8.1f} {t / CEILING:>7.1%}")
@@ -400,6 +425,10 @@ def main():
         print(f"{N:>6} sparsa sparse / Flex sparse spd {r['flex_sparse'] / r['sparsa_sparse']:.3f}x   (target > 1)")
         print(f"{N:>6} sparsa sparse time / dense time {r['sparsa_sparse'] / r['sparsa_dense']:.3f}    (target <= 0.13 at 32K)")
         print(f"{N:>6} rel err: dense vs cuDNN {r['err_dense_vs_cudnn']:.2e}, sparse vs Flex {r['err_sparse_vs_flex']:.2e}")
+        for n in list(SCHEDULES.values())[1:]:
+            print(f"{N:>6} {n} / plain rung 3 time: dense {r[f'sparsa_dense_{n}'] / r['sparsa_dense_plain']:.3f}, "
+                  f"sparse {r[f'sparsa_sparse_{n}'] / r['sparsa_sparse_plain']:.3f}; rel err dense vs cuDNN "
+                  f"{r[f'err_{n}_vs_cudnn']:.2e}, sparse vs Flex {r[f'err_sparse_{n}_vs_flex']:.2e}")
     if args.prefix_sizes:
         print()
         bench_prefix(sp.lib, args.prefix_sizes)

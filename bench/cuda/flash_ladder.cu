@@ -41,6 +41,14 @@
 //   sit between the tensor-core bursts).
 // Rung 3 (flash_tma_kernel.cuh): 2e's consumers fed by a TMA producer warp over an mbarrier ring;
 //   it needs tensor maps, so it is measured through the library (bench_attention.py): 502 / 510.
+// Rung 3's consumer schedules (flash_tma_kernel.cuh, detail::set_flash_schedule; timed side by
+//   side by bench_attention.py, scripts/gpu-check --flash): 3 plain (the promoted one); 3b
+//   pingpong, the consumer warpgroups taking turns at the tensor cores (named barriers), so that
+//   one's softmax runs under the other's products; 3c overlap, 3b plus each warpgroup's softmax
+//   of S_t under its own P V_{t-1} (the intra-warpgroup overlap again, now with a producer warp
+//   and no CTA barrier in the loop, which is what rung 2's attempt lacked); 3d late, 3b's order of
+//   the products (P V_{t-1} issued just before S_t) without the turns. ptxas reports C7515
+//   (wgmma serialised) for every plain rung-3 kernel and for none of 3b, 3c, 3d. Not yet measured.
 // Promoted: rung 3 when K and V are read in order, rung 2 otherwise (attention.cu).
 #include <cuda_runtime.h>
 

@@ -80,12 +80,6 @@ AttentionDumpCounts Model::attention_dump_counts() const {
 
 namespace {
 
-// Why the cuda backend refuses a model it cannot run yet (dream's QKV biases have no device op).
-std::string cuda_refusal(const Config& c) {
-  return std::string("backend: the cuda backend does not run ") + arch_name(c.arch) +
-         " models yet (their QKV biases have no device kernel); use the cpu backend";
-}
-
 // The backend's Ops and the attention policy of every layer (each layer's spec checked now, not
 // at the first forward).
 Status init_backend(Model::Impl& impl, const LoadOptions& options) {
@@ -96,7 +90,6 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
     impl.ops = make_cpu_ops();
     impl.policy.backend = Backend::cpu;
   } else if (options.backend == "cuda" || options.backend.rfind("cuda:", 0) == 0) {
-    if (c.qkv_bias) return Status(StatusCode::unsupported, cuda_refusal(c));
     int device = 0;
     if (options.backend.size() > 5) {
       const std::string id = options.backend.substr(5);
@@ -143,7 +136,6 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
 Status check_attention(const Config& config, const LoadOptions& options) {
   AttentionPolicy policy;
   if (options.backend == "cuda" || options.backend.rfind("cuda:", 0) == 0) {
-    if (config.qkv_bias) return Status(StatusCode::unsupported, cuda_refusal(config));
     policy.backend = Backend::cuda;  // the device number is init_backend's to check
   } else if (options.backend != "cpu") {
     return invalid_argument("backend: expected cpu or cuda, got '" + options.backend + "'");

@@ -38,8 +38,7 @@ Status forward_dream(const Config& c, const Weights& w, State& s, std::span<cons
     ops.matmul(s.qkv, s.xb, n, L.wqkv);
     if (!ops.add_bias(s.qkv, n, qkv, 0, L.q_bias) || !ops.add_bias(s.qkv, n, qkv, qd, L.k_bias) ||
         !ops.add_bias(s.qkv, n, qkv, qd + kvd, L.v_bias)) {
-      return Status(StatusCode::unsupported,
-                    std::string("dream: the ") + ops.name() + " backend has no bias op (dream runs on the cpu backend)");
+      return Status(StatusCode::unsupported, std::string("dream: the ") + ops.name() + " backend has no bias op");
     }
     rope_chunks(c, s, *rows, c.n_heads + c.n_kv_heads);
     SPARSA_RETURN_IF_ERROR(attend(c, s, chunks, *rows, l));

@@ -8,7 +8,7 @@
 //   sdar  — SDAR / TraDo block diffusion (model_type "sdar", Qwen3 shape): GQA, per-head QK
 //           RMSNorm, causal across blocks of block_size tokens, bidirectional inside one.
 //   dream — Dream 7B and its family (model_type "Dream", Qwen2 shape: DiffuCoder, Dream-Coder):
-//           GQA, QKV biases, fully bidirectional, logits shifted by one position (cpu backend).
+//           GQA, QKV biases, fully bidirectional, logits shifted by one position.
 // Every failure is a Status whose message names the file, field or tensor at fault.
 #pragma once
 

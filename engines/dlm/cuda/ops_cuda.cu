@@ -97,6 +97,17 @@ __global__ void swiglu_kernel(bf16* __restrict__ h, const bf16* __restrict__ gu,
   h[idx] = __float2bfloat16(g / (1.0f + __expf(-g)) * u);
 }
 
+// x[t, col0 + j] += bias[j] for t < n, j < width: dream's q / k / v biases, added to the bf16
+// GEMM output (rounded twice, once by the GEMM and once here: within the bf16 bound of its tests).
+__global__ void add_bias_kernel(bf16* __restrict__ x, int64_t n, int64_t row_stride, int64_t col0,
+                                const float* __restrict__ bias, int64_t width) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * width) return;
+  const int64_t t = idx / width, j = idx % width;
+  bf16* v = x + t * row_stride + col0 + j;
+  *v = __float2bfloat16(__bfloat162float(*v) + bias[j]);
+}
+
 __global__ void embed_kernel(float* __restrict__ x, const bf16* __restrict__ table, const int32_t* __restrict__ tokens,
                              int64_t dim) {
   const bf16* row = table + static_cast<int64_t>(tokens[blockIdx.x]) * dim;
@@ -383,6 +394,15 @@ class CudaOps final : public Ops {
     rope_kernel<<<blocks_for(count, 256), 256, 0, stream_>>>(static_cast<bf16*>(x), n, heads, head_dim, row_stride,
                                                              pos0, static_cast<const float2*>(rope_table_));
     launched("rope");
+  }
+
+  bool add_bias(void* x, int64_t n, int64_t row_stride, int64_t col0, const Weight& bias) override {
+    const int64_t count = n * bias.rows;
+    if (count == 0) return true;
+    add_bias_kernel<<<blocks_for(count, 256), 256, 0, stream_>>>(static_cast<bf16*>(x), n, row_stride, col0,
+                                                                 bias.ptr<float>(), bias.rows);
+    launched("add_bias");
+    return true;
   }
 
   void swiglu(void* h, const void* gu, int64_t n, int64_t hidden) override {

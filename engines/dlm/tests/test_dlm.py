@@ -392,17 +392,14 @@ def test_dream_negative_controls(sparsa_bin, dream_model, tmp_path):
 
 
 def test_dream_refusals(sparsa_bin, dream_model, tmp_path):
-    """What a dream model cannot do yet is one clear error each: logits over a cached prefix (the
-    chunk's first row needs the position before), the block loop, the cuda backend; a missing bias
-    is named."""
+    """What a dream model cannot do is one clear error each: logits over a cached prefix (the
+    chunk's first row needs the position before), the block loop; a missing bias is named."""
     s, w, d = dream_model
     p = run(sparsa_bin, "logits", "--model", d, "--ids", "1,2,3,4", "--out", tmp_path / "l.npy", "--cached", 2,
             check=False)
     assert p.returncode == 1 and "cached" in p.stderr and "dream" in p.stderr, p.stderr
     p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--loop", "block", "--json", check=False)
     assert p.returncode == 1 and "block" in p.stderr, p.stderr
-    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--backend", "cuda", "--json", check=False)
-    assert p.returncode == 1 and "cuda backend does not run dream" in p.stderr, p.stderr
     p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", "--confidence", "doubt", "--json",
             check=False)
     assert p.returncode == 2 and "--confidence" in p.stderr and "entropy" in p.stderr, p.stderr

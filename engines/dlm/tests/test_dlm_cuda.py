@@ -118,6 +118,35 @@ def test_cuda_cached_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path,
         assert err < BF16_TOL, (name, n, cached, err)
 
 
+DREAM_SPECS = {
+    "dream_gqa_bf16_hd64": R.Spec("dream", dim=128, heads=2, kv_heads=1, layers=2, hidden=160, vocab=96, theta=1e6,
+                                  dtype="BF16"),
+    "dream_mixed_tied_hd128": R.Spec("dream", dim=256, heads=2, kv_heads=2, layers=2, hidden=96, vocab=80,
+                                     dtype="mixed", tied=True),
+}
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "streaming"])
+@pytest.mark.parametrize("name", sorted(DREAM_SPECS))
+def test_cuda_dream_logits_and_loop(sparsa_bin, cuda_ok, tmp_path, name, gemm):
+    """Dream on the device: the q / k / v biases and the shifted head within the bf16 bound of the
+    reference (a model without its biases is far outside), and Dream's loop gives gen_len tokens
+    as the cpu backend's loop does where their picks' margins allow (the same count, no error)."""
+    s = DREAM_SPECS[name]
+    d = tmp_path / "model"
+    w = R.write_model(d, s, seed=sum(map(ord, name)) % 1000 + 2)
+    ids = np.random.default_rng(4).integers(0, s.vocab, 40)
+    got = engine_logits(sparsa_bin, d, ids, tmp_path, gemm=gemm)
+    ref = R.canvas_logits(s, w, ids)
+    assert rel_err(got, ref) < BF16_TOL, rel_err(got, ref)
+    no_bias = {**w, "layers": [{**L, "bq": 0 * L["bq"], "bk": 0 * L["bk"], "bv": 0 * L["bv"]} for L in w["layers"]]}
+    assert rel_err(got, R.canvas_logits(s, no_bias, ids)) > 2 * BF16_TOL
+    for backend in ("cuda", "cpu"):
+        p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2,3", "--gen-len", 8, "--steps", 4,
+                "--backend", backend, "--gemm", gemm, "--no-stop-at-eos", "--json", "--quiet")
+        assert len(json.loads(p.stdout)["tokens"][0]) == 8
+
+
 def test_cuda_negative_controls_are_outside_the_bound(sparsa_bin, cuda_ok, tmp_path):
     """The comparison can fail: a RoPE of another theta (RoPE is relative, so a shift of every
     position would not show; a wrong frequency does); a bidirectional sdar; a cached chunk that

@@ -40,6 +40,7 @@ using detail::SplitKvParams;
 constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
 constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
 std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
+std::atomic<detail::FlashSchedule> g_schedule{detail::FlashSchedule::pingpong};  // route.h: rung 3's schedule
 
 using detail::check_pointer;
 
@@ -93,6 +94,17 @@ bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3
 }
 
 thread_local bool g_last_tma = false;
+thread_local detail::FlashSchedule g_last_schedule = detail::FlashSchedule::plain;
+
+// Rung 3 with one of its consumer schedules.
+template <class T, int D, int BN, int STAGES, bool MASKED, int SCHEDULE>
+Status launch_tma(dim3 grid, const FlashParams& p, const detail::TmaMaps& maps, int device, cudaStream_t stream) {
+  using Shape = detail::TmaShape<D, BN, STAGES>;
+  constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, STAGES, MASKED, SCHEDULE>;
+  SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
+  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
+  return {};
+}
 
 // Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
 // the driver accepts (a variable-length batch too, its rows within int coordinates); rung 2
@@ -111,10 +123,25 @@ Status launch(const FlashParams& p, int device, cudaStream_t stream) {
                encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16, varlen_rows) &&
                encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16, varlen_rows);
   if (g_last_tma) {
-    using Shape = detail::TmaShape<D, BN, kDStages>;
-    constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, kDStages, MASKED>;
-    SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
-    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
+    g_last_schedule = varlen_rows < 0 ? g_schedule.load() : detail::FlashSchedule::plain;
+    switch (g_last_schedule) {
+      case detail::FlashSchedule::plain:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kSchedulePlain>(grid, p, maps, device,
+                                                                                               stream)));
+        break;
+      case detail::FlashSchedule::pingpong:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kSchedulePingpong>(grid, p, maps,
+                                                                                                  device, stream)));
+        break;
+      case detail::FlashSchedule::overlap:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kScheduleOverlap>(grid, p, maps,
+                                                                                                 device, stream)));
+        break;
+      case detail::FlashSchedule::late:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kScheduleLate>(grid, p, maps, device,
+                                                                                              stream)));
+        break;
+    }
   } else {
     using Shape = detail::WgmmaShape<D, BN, kDStages>;
     constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kDStages, false, MASKED>;
@@ -348,6 +375,10 @@ Status split_kv(const FlashParams& f, DType dtype, int head_dim, int device, cud
 detail::Route detail::last_dense_route() { return g_last_route; }
 bool detail::last_flash_used_tma() { return g_last_tma; }
 bool detail::set_flash_tma(bool on) { return g_use_tma.exchange(on); }
+detail::FlashSchedule detail::last_flash_schedule() {
+  return g_last_tma ? g_last_schedule : detail::FlashSchedule::plain;
+}
+detail::FlashSchedule detail::set_flash_schedule(detail::FlashSchedule schedule) { return g_schedule.exchange(schedule); }
 int detail::last_split_kv_splits() { return g_last_splits; }
 bool detail::last_split_kv_used_tma() { return g_last_split_kv_tma; }
 bool detail::set_split_kv_tma(bool on) { return g_use_split_kv_tma.exchange(on); }

@@ -91,8 +91,14 @@ __device__ __forceinline__ void zero_v_rows(uint32_t v_smem, int stage, int vali
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
 }
 
-// MASKED: as flash_wgmma_kernel's (the per-element mask compiled in).
-template <class T, int D, int BN, int STAGES, bool MASKED = false>
+// The consumers' schedules (SCHEDULE; the loop below says each): rung 3's promoted one, and two
+// ladder rungs under measurement (detail::set_flash_schedule).
+constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2, kScheduleLate = 3;
+
+// MASKED: as flash_wgmma_kernel's (the per-element mask compiled in). SCHEDULE other than plain:
+// not with a variable-length batch (whose partial tiles take a barrier of both warpgroups,
+// zero_v_rows).
+template <class T, int D, int BN, int STAGES, bool MASKED = false, int SCHEDULE = kSchedulePlain>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
   static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
   using Shape = TmaShape<D, BN, STAGES>;
@@ -154,21 +160,81 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   fence_proxy_async();
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
 
-  WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, threadIdx.x / 128 - 1);
+  const int warpgroup = threadIdx.x / 128 - 1;
+  WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, warpgroup);
+  // plain: per tile, S = Q K^T issued and waited for (with the previous tile's P V), the softmax,
+  //   then P V issued; it runs during the next tile's wait and S.
+  // pingpong: the two consumer warpgroups take turns at the tensor cores, so that one's softmax
+  //   runs while the other's products do. A turn issues P V of the previous tile and S of this
+  //   one; warpgroup w waits on named barrier 2 + w to start a turn and arrives on the other's to
+  //   end it. Warpgroup 0 goes first (warpgroup 1 arrives on barrier 2 once before its first
+  //   turn); both take num_tiles + 1 turns (the last one P V alone), and warpgroup 1 skips the
+  //   arrive after its last turn, so each barrier completes exactly as often as it is waited on.
+  // overlap: pingpong, and inside a warpgroup the softmax of S_t runs while P V_{t-1} does: the
+  //   turn applies O's deferred rescale, issues S_t, then P V_{t-1}; the warpgroup waits for S_t
+  //   alone, computes the probabilities in place, then waits for P V_{t-1} before packing P_t
+  //   over P_{t-1}'s registers.
+  // late: pingpong's order without the turns (P V_{t-1} issued just before S_t): ptxas serialises
+  //   plain's products (C7515) and neither pingpong's nor this order's, which tells the two
+  //   effects apart.
+  // pingpong and overlap from FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608).
+  constexpr bool kTurns = SCHEDULE == kSchedulePingpong || SCHEDULE == kScheduleOverlap;
+  constexpr bool kLatePv = SCHEDULE != kSchedulePlain;  // P V of a tile issued in the next iteration
+  auto turn_begin = [&] {
+    if constexpr (kTurns) asm volatile("bar.sync %0, 256;\n" ::"r"(2 + warpgroup) : "memory");
+  };
+  auto turn_end = [&] {
+    if constexpr (kTurns) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - warpgroup) : "memory");
+  };
+  if (kTurns && num_tiles > 0 && warpgroup == 1) turn_end();  // warpgroup 0's first turn
+  uint32_t p_frag[BN / 16][4];  // late P V: P of the last tile, until the next iteration's P V
+  float alpha[2] = {1.0f, 1.0f};  // overlap: the last tile's rescale of O, deferred to its P V
+  int last_stage = 0, last_valid = 0;
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t % STAGES, use = t / STAGES;
     int begin = 0, end = 0;
     tiles.next(p, begin, end);
     const int valid = end - begin;  // CTA-uniform
     mbar_wait(full(stage), use & 1);
-    if (varlen && valid > 0 && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
-    consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
-    if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));  // tile t-1's K and V are read
-    if constexpr (MASKED) {
-      consumer.accumulate(stage, valid, p.scale_log2, [&](float(&s)[BN / 8][4]) { mask(p, s, begin, valid); });
+    if (!kTurns && varlen && valid > 0 && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
+    auto mask_hook = [&](float(&s)[BN / 8][4]) {
+      if constexpr (MASKED) mask(p, s, begin, valid);
+    };
+    if constexpr (SCHEDULE == kSchedulePlain) {
+      consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
+    } else if constexpr (SCHEDULE == kSchedulePingpong || SCHEDULE == kScheduleLate) {
+      turn_begin();
+      if (t > 0) consumer.multiply_v(last_stage, last_valid, p_frag);
+      consumer.issue_scores(stage, valid);
+      turn_end();
+      consumer.wait_products();  // S_t; P V_{t-1} complete
     } else {
-      consumer.accumulate(stage, valid, p.scale_log2);
+      turn_begin();
+      const bool pv = t > 0 && last_valid > 0;
+      if (pv) consumer.rescale_o(alpha);  // O is not in flight (P V_{t-2} was waited for)
+      consumer.issue_scores(stage, valid);  // S_t first: the wait below is for it alone
+      if (pv) consumer.multiply_v(last_stage, last_valid, p_frag);
+      turn_end();
+      consumer.wait_scores(valid > 0 && pv);  // S_t (P V_{t-1} may still run)
+      consumer.probabilities_in_place(valid, p.scale_log2, mask_hook, alpha);
+      consumer.wait_products();  // P V_{t-1} complete
     }
+    // tile t-1's K and V are read
+    if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));
+    if constexpr (SCHEDULE == kSchedulePlain) {
+      consumer.accumulate(stage, valid, p.scale_log2, mask_hook);  // P V issued now
+    } else if constexpr (SCHEDULE == kSchedulePingpong || SCHEDULE == kScheduleLate) {
+      consumer.probabilities(valid, p.scale_log2, mask_hook, p_frag);
+    } else {
+      consumer.pack(valid, p_frag);
+    }
+    last_stage = stage, last_valid = valid;
+  }
+  if (kLatePv && num_tiles > 0) {  // the last turn: the last tile's P V
+    turn_begin();
+    if (SCHEDULE == kScheduleOverlap && last_valid > 0) consumer.rescale_o(alpha);
+    consumer.multiply_v(last_stage, last_valid, p_frag);
+    if (warpgroup == 0) turn_end();
   }
   consumer.template store<false>(p, tile, threadIdx.x / 32 - 4);
 }

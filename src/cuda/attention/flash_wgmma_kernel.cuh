@@ -81,12 +81,19 @@ struct WgmmaConsumer {
   // First half: S = Q K^T of the tile in `stage` (skipped for a tile without keys), then the wait
   // for it and for the previous tile's P V; after it, that tile's stage is no longer read.
   __device__ __forceinline__ void scores(int stage, int valid) {
+    issue_scores(stage, valid);
+    wait_products();
+  }
+  // scores' two parts (the ping-pong schedule issues between them: flash_tma_kernel.cuh).
+  __device__ __forceinline__ void issue_scores(int stage, int valid) {
     if (valid > 0) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat(), q_desc(kk), k_desc(stage, kk), kk > 0);
       wgmma_commit();
     }
+  }
+  __device__ __forceinline__ void wait_products() {
     wgmma_wait<0>();
     fence_registers(s_flat());
     fence_registers(o_flat());
@@ -112,13 +119,56 @@ struct WgmmaConsumer {
   }
   template <class MaskHook>
   __device__ __forceinline__ void accumulate(int stage, int valid, float scale_log2, MaskHook&& mask_hook) {
+    uint32_t p_frag[kNT / 2][4];
+    probabilities(valid, scale_log2, mask_hook, p_frag);
+    multiply_v(stage, valid, p_frag);
+  }
+  // accumulate's two parts: the mask hook, the online softmax of S into P's A fragments and O
+  // rescaled (O must not be in flight); then O += P V issued.
+  template <class MaskHook>
+  __device__ __forceinline__ void probabilities(int valid, float scale_log2, MaskHook&& mask_hook,
+                                                uint32_t (&p_frag)[kNT / 2][4]) {
     if (valid > 0) {
       mask_hook(s);
       float alpha[2];
-      uint32_t p_frag[kNT / 2][4];
       softmax_scores<kNT>(s, valid, scale_log2, row_max, row_sum, alpha,
                           [&](int n, const float(&prob)[4]) { pack_probs<T, kNT>(n, prob, p_frag); });
       rescale<kDT>(o, alpha);
+    }
+  }
+  // The overlapped schedule's pieces (flash_tma_kernel.cuh): the softmax of S into
+  // probabilities in place (O's rescale deferred: alpha, 1 for a tile without keys), P packed
+  // from them once the previous P V no longer reads p_frag, O rescaled before the next P V.
+  template <class MaskHook>
+  __device__ __forceinline__ void probabilities_in_place(int valid, float scale_log2, MaskHook&& mask_hook,
+                                                         float (&alpha)[2]) {
+    alpha[0] = alpha[1] = 1.0f;
+    if (valid > 0) {
+      mask_hook(s);
+      softmax_scores<kNT>(s, valid, scale_log2, row_max, row_sum, alpha, [&](int n, const float(&prob)[4]) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = prob[e];
+      });
+    }
+  }
+  __device__ __forceinline__ void pack(int valid, uint32_t (&p_frag)[kNT / 2][4]) const {
+    if (valid > 0) {
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) pack_probs<T, kNT>(n, s[n], p_frag);
+    }
+  }
+  __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) { rescale<kDT>(o, alpha); }
+  // S complete; the P V issued after it may still run (it was: pv_pending) or not.
+  __device__ __forceinline__ void wait_scores(bool pv_pending) {
+    if (pv_pending) {
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_registers(s_flat());
+  }
+  __device__ __forceinline__ void multiply_v(int stage, int valid, const uint32_t (&p_frag)[kNT / 2][4]) {
+    if (valid > 0) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {

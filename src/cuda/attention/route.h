@@ -20,6 +20,16 @@ Route last_dense_route();
 bool last_flash_used_tma();
 // Allows (true, the default) or forbids the TMA kernel, process-wide; returns the previous setting.
 bool set_flash_tma(bool on);
+// The TMA kernel's consumer schedules (flash_tma_kernel.cuh): plain (the default), pingpong (the
+// two consumer warpgroups take turns at the tensor cores), overlap (pingpong, and each
+// warpgroup's softmax overlapping its own previous P V), late (pingpong's order of the products
+// without the turns). Ladder rungs under measurement.
+enum class FlashSchedule { plain, pingpong, overlap, late };
+// The schedule of the last flash launch on this thread (plain when it was not the TMA kernel).
+FlashSchedule last_flash_schedule();
+// The TMA kernel's schedule from now on, process-wide; returns the previous one. Variable-length
+// batches always take plain.
+FlashSchedule set_flash_schedule(FlashSchedule schedule);
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
 // Whether the last split-KV launch on this thread was the wgmma + TMA kernel (rung 2,

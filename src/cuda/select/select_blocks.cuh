@@ -117,8 +117,6 @@ __device__ inline int mass_keep(const uint64_t* keys, int nk, double tau, double
   return keep;
 }
 
-// grid-stride over rows. kGlobal: keys and flags in a.scratch (rows of any length); else in
-// dynamic shared memory (select_bytes_per_row(sort_size, nk) bytes).
 // A float's bits as an unsigned number in the floats' order (for atomicMax).
 __device__ __forceinline__ uint32_t ordered_bits(float x) {
   const uint32_t u = float_bits(x);
@@ -145,7 +143,9 @@ __device__ inline int mask_aware_keep(const SelectArgs& a, const uint64_t* keys,
   return keep > forced ? keep : forced;
 }
 
-// kMaskAware: a.mask_aware rows (a separate instantiation: the other rows' kernel is unchanged).
+// grid-stride over rows. kGlobal: keys and flags in a.scratch (rows of any length); else in
+// dynamic shared memory (select_bytes_per_row(sort_size, nk) bytes). kMaskAware: a.mask_aware
+// rows (a separate instantiation: the other rows' kernel is unchanged).
 template <bool kGlobal, bool kMaskAware = false>
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
   extern __shared__ uint64_t select_smem[];

@@ -42,14 +42,17 @@
 // Rung 3 (flash_tma_kernel.cuh): 2e's consumers fed by a TMA producer warp over an mbarrier ring;
 //   it needs tensor maps, so it is measured through the library (bench_attention.py): 502 / 510.
 // Rung 3's consumer schedules (flash_tma_kernel.cuh, detail::set_flash_schedule; timed side by
-//   side by bench_attention.py, scripts/gpu-check --flash): 3 plain (the promoted one); 3b
+//   side by bench_attention.py, scripts/gpu-check --flash): 3 plain; 3b
 //   pingpong, the consumer warpgroups taking turns at the tensor cores (named barriers), so that
 //   one's softmax runs under the other's products; 3c overlap, 3b plus each warpgroup's softmax
 //   of S_t under its own P V_{t-1} (the intra-warpgroup overlap again, now with a producer warp
 //   and no CTA barrier in the loop, which is what rung 2's attempt lacked); 3d late, 3b's order of
 //   the products (P V_{t-1} issued just before S_t) without the turns. ptxas reports C7515
-//   (wgmma serialised) for every plain rung-3 kernel and for none of 3b, 3c, 3d. Not yet measured.
-// Promoted: rung 3 when K and V are read in order, rung 2 otherwise (attention.cu).
+//   (wgmma serialised) for every plain rung-3 kernel and for none of 3b, 3c, 3d. Measured (H100,
+//   bench/RESULTS.md, 2026-12-05): of 3's time, 3b 0.964 / 0.916 dense and 0.914 / 0.925
+//   block-sparse at 8K / 32K; 3c 1.19 / 1.10 and 1.12 / 1.29 (slower); 3d 0.949 / 0.919 and
+//   0.989 / 1.029 (the order of the products helps dense only; the turns help both).
+// Promoted: rung 3 with schedule 3b when K and V are read in order, rung 2 otherwise (attention.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>

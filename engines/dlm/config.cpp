@@ -13,6 +13,8 @@
 //   num_key_value_heads, intermediate_size, vocab_size, rms_norm_eps, rope_theta, rope_scaling,
 //   max_position_embeddings, mask_token_id, eos_token_id, tie_word_embeddings; biases on q, k,
 //   v; hidden_act silu; no sliding window.
+// fast_dllm (Fast-dLLM v2, model_type "Fast_dLLM_Qwen"): dream's fields, bd_size (optional, 32:
+//   the block), mask_token_id (optional, 151665: the id its generate() uses); block-causal.
 #include <cmath>
 #include <limits>
 
@@ -210,6 +212,14 @@ Status parse_dream(const Fields& f, Config* c) {
   return Status::Ok();
 }
 
+Status parse_fast_dllm(const Fields& f, Config* c) {
+  SPARSA_RETURN_IF_ERROR(parse_dream(f, c));
+  c->arch = Arch::fast_dllm;
+  c->block_size = 32;  // Fast_dLLM_QwenConfig's default bd_size
+  if (f.j.contains("bd_size")) SPARSA_RETURN_IF_ERROR(f.integer("bd_size", &c->block_size, 1, 1 << 20));
+  return Status::Ok();
+}
+
 }  // namespace
 
 const char* arch_name(Arch arch) {
@@ -217,6 +227,7 @@ const char* arch_name(Arch arch) {
     case Arch::llada: return "llada";
     case Arch::sdar: return "sdar";
     case Arch::dream: return "dream";
+    case Arch::fast_dllm: return "fast_dllm";
   }
   return "?";
 }
@@ -240,9 +251,11 @@ Result<Config> parse_config_json(const std::string& json_text, const std::string
     SPARSA_RETURN_IF_ERROR(parse_sdar(f, &c));
   } else if (model_type == "Dream" || model_type == "dream") {
     SPARSA_RETURN_IF_ERROR(parse_dream(f, &c));
+  } else if (model_type == "Fast_dLLM_Qwen" || model_type == "fast_dllm") {
+    SPARSA_RETURN_IF_ERROR(parse_fast_dllm(f, &c));
   } else {
-    return Status(StatusCode::unsupported,
-                  where + ": 'model_type' = \"" + model_type + "\" is not supported (expected llada, sdar or Dream)");
+    return Status(StatusCode::unsupported, where + ": 'model_type' = \"" + model_type +
+                                               "\" is not supported (expected llada, sdar, Dream or Fast_dLLM_Qwen)");
   }
   if (c.n_heads % c.n_kv_heads != 0) {
     return f.error(
@@ -252,7 +265,12 @@ Result<Config> parse_config_json(const std::string& json_text, const std::string
   if (c.head_dim % 2 != 0) return f.error("head_dim", "must be even for RoPE, got " + std::to_string(c.head_dim));
   SPARSA_RETURN_IF_ERROR(parse_rope(f, &c));
   int64_t mask = 0;
-  SPARSA_RETURN_IF_ERROR(f.integer("mask_token_id", &mask, 0, c.vocab_size - 1));
+  if (c.arch == Arch::fast_dllm && !f.j.contains("mask_token_id")) {
+    mask = 151665;  // Fast-dLLM v2's generate() default: its configs carry no mask id
+    if (mask >= c.vocab_size) return f.error("mask_token_id", "is missing, and the default 151665 is outside the vocabulary");
+  } else {
+    SPARSA_RETURN_IF_ERROR(f.integer("mask_token_id", &mask, 0, c.vocab_size - 1));
+  }
   c.mask_token_id = static_cast<int32_t>(mask);
   SPARSA_RETURN_IF_ERROR(parse_eos(f, &c));
   return c;

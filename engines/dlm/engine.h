@@ -379,7 +379,8 @@ struct Model::Impl {
     switch (config.arch) {
       case Arch::llada: return forward_llada(config, weights, s, chunks, logits);
       case Arch::sdar: return forward_sdar(config, weights, s, chunks, logits);
-      case Arch::dream: return forward_dream(config, weights, s, chunks, logits);
+      case Arch::dream:  // fast_dllm: dream's layers, block-causal through its loop's chunks
+      case Arch::fast_dllm: return forward_dream(config, weights, s, chunks, logits);
     }
     return invalid_argument("config: unknown architecture");
   }
@@ -431,6 +432,8 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
                                              const GenerateOptions& o, const BlockCallback& cb);
 Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                       const GenerateOptions& o, const BlockCallback& cb);
+Result<GenerateResult> generate_fast_dllm(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
+                                          const GenerateOptions& o, const BlockCallback& cb);
 Result<GenerateResult> generate_dream(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                       const GenerateOptions& o, const BlockCallback& cb);
 

@@ -22,6 +22,8 @@ const char* loop_name(Loop loop) {
       return "block";
     case Loop::dream:
       return "dream";
+    case Loop::fast_dllm:
+      return "fast_dllm";
   }
   return "?";
 }
@@ -31,7 +33,8 @@ Result<Loop> parse_loop(const std::string& name) {
   if (name == "prefix_cache") return Loop::prefix_cache;
   if (name == "block") return Loop::block;
   if (name == "dream") return Loop::dream;
-  return invalid_argument("loop: expected remask, prefix_cache, block or dream, got '" + name + "'");
+  if (name == "fast_dllm") return Loop::fast_dllm;
+  return invalid_argument("loop: expected remask, prefix_cache, block, dream or fast_dllm, got '" + name + "'");
 }
 
 const char* confidence_name(Confidence c) {
@@ -69,6 +72,7 @@ Loop Model::default_loop() const {
   switch (impl_->config.arch) {
     case Arch::sdar: return Loop::block;
     case Arch::dream: return Loop::dream;
+    case Arch::fast_dllm: return Loop::fast_dllm;
     default: return Loop::remask;
   }
 }
@@ -99,6 +103,9 @@ Status init_backend(Model::Impl& impl, const LoadOptions& options) {
         return invalid_argument("backend: expected cuda or cuda:N, got '" + options.backend + "'");
       }
       device = static_cast<int>(d);
+    }
+    if (c.arch == Arch::fast_dllm) {  // its loop's forwards (one position past a chunk) not run on a GPU yet
+      return Status(StatusCode::unsupported, "backend: the cuda backend does not run fast_dllm models yet (use cpu)");
     }
     if (c.head_dim != 64 && c.head_dim != 128) {
       return Status(StatusCode::unsupported, "config head_dim " + std::to_string(c.head_dim) +
@@ -253,7 +260,7 @@ Result<Model> Model::random(const Config& config, const LoadOptions& options, ui
   SPARSA_RETURN_IF_ERROR(positive("max_seq_len", c.max_seq_len));
   if (c.n_heads % c.n_kv_heads != 0) return invalid_argument("config: n_heads: expected a multiple of n_kv_heads");
   if (c.head_dim % 2 != 0) return invalid_argument("config: head_dim: expected an even number (RoPE pairs)");
-  if (c.arch == Arch::sdar) SPARSA_RETURN_IF_ERROR(positive("block_size", c.block_size));
+  if (c.arch == Arch::sdar || c.arch == Arch::fast_dllm) SPARSA_RETURN_IF_ERROR(positive("block_size", c.block_size));
   auto impl = std::make_unique<Impl>();
   impl->dir = "(random weights)";
   impl->config = config;
@@ -267,7 +274,7 @@ Result<Model> Model::random(const Config& config, const LoadOptions& options, ui
 Result<std::vector<float>> Model::logits(std::span<const int32_t> ids, int64_t cached) const {
   const Config& c = impl_->config;
   const int64_t n = static_cast<int64_t>(ids.size());
-  const int64_t block = c.arch == Arch::sdar ? c.block_size : 0;
+  const int64_t block = block_causal_size(c);
   if (cached < 0 || cached >= n) {
     return invalid_argument("cached: expected in [0, " + std::to_string(n) + ") for " + std::to_string(n) +
                             " ids, got " + std::to_string(cached));
@@ -323,6 +330,14 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
     return invalid_argument("loop: " + std::string(loop_name(o.loop)) +
                             " runs a bidirectional canvas; an sdar model decodes with the block loop");
   }
+  if ((o.loop == Loop::fast_dllm) != (c.arch == Arch::fast_dllm)) {
+    return invalid_argument("loop: fast_dllm models decode with the fast_dllm loop and it runs only them; got the " +
+                            std::string(loop_name(o.loop)) + " loop on a " + arch_name(c.arch) + " model");
+  }
+  if (o.loop == Loop::fast_dllm && (o.sub_block < 1 || c.block_size % o.sub_block != 0)) {
+    return invalid_argument("sub_block: expected a divisor of the model's block size " + std::to_string(c.block_size) +
+                            ", got " + std::to_string(o.sub_block));
+  }
   if (o.loop == Loop::remask || o.loop == Loop::prefix_cache) {
     if (o.block_len < 1 || o.gen_len % o.block_len != 0) {
       return invalid_argument("block_len: expected a divisor of gen_len (" + std::to_string(o.gen_len) + "), got " +
@@ -346,6 +361,7 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
     if (p.empty()) return invalid_argument(who + ": empty");
     int64_t total = static_cast<int64_t>(p.size()) + o.gen_len;
     if (o.loop == Loop::block) total = (total + c.block_size - 1) / c.block_size * c.block_size;
+    if (o.loop == Loop::fast_dllm) total = (total + c.block_size - 1) / c.block_size * c.block_size + 1;
     if (total > c.max_seq_len) {
       return invalid_argument(who + ": " + std::to_string(p.size()) + " prompt tokens + " + std::to_string(o.gen_len) +
                               " generated" + (o.loop == Loop::block ? " (rounded up to whole blocks)" : "") + " = " +
@@ -364,6 +380,7 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   Result<GenerateResult> r = o.loop == Loop::remask         ? generate_remask(*impl_, prompts, o, on_block)
                              : o.loop == Loop::prefix_cache ? generate_prefix_cache(*impl_, prompts, o, on_block)
                              : o.loop == Loop::dream        ? generate_dream(*impl_, prompts, o, on_block)
+                             : o.loop == Loop::fast_dllm    ? generate_fast_dllm(*impl_, prompts, o, on_block)
                                                             : generate_block(*impl_, prompts, o, on_block);
   if (r.ok()) {
     r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -346,8 +346,10 @@ Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t
                               std::to_string(c.vocab_size) + ")");
     }
   }
+  // A shifted-logit model may ask for the position just past the chunk: its last row predicts it.
+  const int64_t last = c.shifted_logits && o.logits_begin > 0 ? n + 1 : n;
   if (o.store_kv < 0 || o.store_kv > n || o.logits_begin < 0 || o.logits_count < 0 ||
-      o.logits_begin + o.logits_count > n) {
+      o.logits_begin + o.logits_count > last) {
     return invalid_argument("forward: store_kv / logits rows outside the chunk");
   }
   return Status::Ok();

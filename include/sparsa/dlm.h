@@ -23,7 +23,7 @@
 
 namespace sparsa::dlm {
 
-enum class Arch : uint8_t { llada, sdar, dream };
+enum class Arch : uint8_t { llada, sdar, dream, fast_dllm };
 const char* arch_name(Arch arch);
 
 // RoPE as the config asks for it. rope_scaling {"rope_type"/"type": "linear", "factor": f}
@@ -50,15 +50,20 @@ struct Config {
   int64_t max_seq_len = 0;  // max_sequence_length / max_position_embeddings
   int32_t mask_token_id = -1;
   std::vector<int32_t> eos_token_ids;  // eos_token_id (an id or a list); may be empty
-  int64_t block_size = 0;              // sdar: block_size; llada: 0 (no blocks in the architecture)
+  int64_t block_size = 0;              // sdar: block_size; fast_dllm: bd_size; llada, dream: 0 (no blocks)
   bool qk_norm = false;                // sdar: true (q_norm / k_norm per head)
-  bool qkv_bias = false;               // dream: true (q_proj / k_proj / v_proj biases)
-  bool shifted_logits = false;         // dream: true (position i is predicted from position i - 1's logits)
+  bool qkv_bias = false;               // dream, fast_dllm: true (q_proj / k_proj / v_proj biases)
+  bool shifted_logits = false;         // dream, fast_dllm: true (position i is predicted from position i - 1's logits)
   bool tied_embeddings = false;        // weight_tying / tie_word_embeddings: the head is the embedding
 };
 
 // Parses and validates config.json's text; `where` prefixes messages ("DIR/config.json").
 Result<Config> parse_config(const std::string& json_text, const std::string& where = "config.json");
+// The block of a block-causal architecture (sdar, fast_dllm: causal across blocks of this many
+// tokens, bidirectional inside one); 0 for the bidirectional ones (llada, dream).
+inline int64_t block_causal_size(const Config& c) {
+  return c.arch == Arch::sdar || c.arch == Arch::fast_dllm ? c.block_size : 0;
+}
 
 // The engine's compute backend for GEMMs and elementwise work: "cpu" (f32, OpenBLAS) or "cuda"
 // / "cuda:N" (bf16 activations and weights with f32 accumulation, cuBLAS, one stream; docs/dlm.md).
@@ -118,6 +123,7 @@ enum class Loop : uint8_t {
   prefix_cache,  // Fast-dLLM: prefix KV refreshed once per block, confidence-threshold decoding
   block,         // block diffusion (SDAR): exact prefix KV cache, block by block
   dream,         // Dream: the whole canvas every step, Dream's timestep schedule (1 - s/t of the masks)
+  fast_dllm,     // Fast-dLLM v2: exact block cache, sub-blocks decoded in turn, the next block's first token AR
 };
 const char* loop_name(Loop loop);
 Result<Loop> parse_loop(const std::string& name);
@@ -143,11 +149,14 @@ struct GenerateOptions {
   double threshold = 0;      // > 0: commit every masked token of the block whose confidence is
                              // >= threshold (remask, prefix_cache: and at least the most confident
                              // one, Fast-dLLM; block: > threshold, and at least the step's scheduled
-                             // count, SDAR's low_confidence_dynamic); 0: the scheduled top-k
+                             // count, SDAR's low_confidence_dynamic; fast_dllm: > threshold, and
+                             // the most confident of the sub-block); 0: the scheduled top-k
+                             // (fast_dllm: the most confident only, its generate()'s default)
   double temperature = 0;    // 0: argmax; > 0: Gumbel-max sampling at this temperature
   Confidence confidence = Confidence::probability;  // margin / entropy: of softmax(logits / temperature)
   double top_p = 1.0;        // < 1: a pick only among the most probable tokens holding this mass (Dream's top_p)
   int64_t top_k = 0;         // > 0: a pick only among the k largest logits (Dream's top_k; after top_p)
+  int64_t sub_block = 8;     // fast_dllm loop: the sub-blocks decoded in turn inside a block (its small_block_size)
   double alg_temp = 0;       // dream loop, > 0: a step's positions drawn at random, without replacement, with
                              // weights softmax(confidence / alg_temp) (Dream's alg_temp); 0: the most confident
   uint64_t seed = 0;

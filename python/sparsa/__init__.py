@@ -1188,13 +1188,13 @@ class ChatTemplate:
 
 
 class Model:
-    """A diffusion LM (``llada``, ``sdar`` or ``dream``) loaded from a Hugging Face model directory.
+    """A diffusion LM (``llada``, ``sdar``, ``dream`` or ``fast_dllm``) loaded from a Hugging Face model directory.
 
     ``Model.load(dir)`` reads ``config.json``, ``model.safetensors`` (or the sharded index) and, when
     present, ``tokenizer.json``. ``logits(ids)`` is one forward pass (f32 ``[len, vocab]``, the
     architecture's own attention pattern); ``generate(prompt, ...)`` runs a denoising loop
-    (``loop="remask" | "prefix_cache" | "block" | "dream"``; default: remask for llada, block for
-    sdar, dream for dream).
+    (``loop="remask" | "prefix_cache" | "block" | "dream" | "fast_dllm"``; default: remask for
+    llada, block for sdar, dream for dream, fast_dllm for fast_dllm).
     """
 
     def __init__(self, core, tokenizer=None, dir=None):
@@ -1251,7 +1251,7 @@ class Model:
     def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
                  ban_eos: bool = False, eos_ids=(), chat: bool = False, system=None, confidence: str = "",
-                 top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0):
+                 top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0, sub_block: int = 8):
         """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
         list of either (a batch; returns a list). ``chat``: each text prompt becomes the user's
         message in the model's chat template (after a ``system`` message, if given), as instruct
@@ -1259,7 +1259,8 @@ class Model:
         ``confidence``: "probability", "margin" or "entropy" (default: entropy for the dream loop,
         probability otherwise); ``top_p`` < 1 and ``top_k`` > 0 narrow each pick to the most probable
         tokens, as Dream's sampler does; ``alg_temp`` > 0 draws the dream loop's positions with weights
-        softmax(confidence / alg_temp) instead of taking the most confident (Dream's ``alg_temp``)."""
+        softmax(confidence / alg_temp) instead of taking the most confident (Dream's ``alg_temp``);
+        ``sub_block``: the fast_dllm loop's sub-blocks (Fast-dLLM v2's small_block_size)."""
         batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
         prompts = list(prompt) if batch else [prompt]
         text = [isinstance(p, str) for p in prompts]
@@ -1273,7 +1274,7 @@ class Model:
         ids = [self.tokenizer.encode(p) if t else [int(i) for i in p] for p, t in zip(prompts, text)]
         out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
                                   ban_eos, [int(i) for i in eos_ids], confidence, float(top_p), int(top_k),
-                                  float(alg_temp))
+                                  float(alg_temp), int(sub_block))
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]
 

@@ -41,6 +41,7 @@ struct DlmOptions {
   double top_p = 1.0;
   int64_t top_k = 0;
   double alg_temp = 0;
+  int64_t sub_block = 8;
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& flag, const std::string& text) {
@@ -133,6 +134,7 @@ Result<dlm::GenerateOptions> generate_options(const DlmOptions& o, const dlm::Mo
   g.top_p = o.top_p;
   g.top_k = o.top_k;
   g.alg_temp = o.alg_temp;
+  g.sub_block = o.sub_block;
   g.seed = o.seed;
   g.stop_at_eos = !o.no_stop;
   g.ban_eos = o.ban_eos;
@@ -185,7 +187,7 @@ Outcome run_logits(const DlmOptions& o) {
   if (Status st = write_npy(o.out, t); !st.ok()) return runtime_error(st);
   if (!o.quiet) {
     std::cout << "logits [" << n << ", " << vocab << "] f32 (" << dlm::arch_name(model->config().arch) << ", "
-              << (model->config().arch == dlm::Arch::sdar
+              << (dlm::block_causal_size(model->config()) > 0
                       ? "block-causal, block " + std::to_string(model->config().block_size)
                       : std::string("bidirectional"))
               << ") -> " << o.out << "\n";
@@ -530,7 +532,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
       ->allow_extra_args(false);
   gen->add_option("--tokenizer", o->tokenizer, "tokenizer.json (default: the model directory's)");
   gen->add_option("--loop", o->loop,
-                  "remask, prefix_cache, block or dream (default: remask for llada, block for sdar, dream for dream)");
+                  "remask, prefix_cache, block, dream or fast_dllm (default: remask for llada, block for sdar, dream for dream, fast_dllm for fast_dllm)");
   gen->add_option("--confidence", o->confidence,
                   "what decides the committed positions: probability, margin or entropy (default: entropy for the "
                   "dream loop, probability otherwise)");
@@ -546,6 +548,8 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   gen->add_option("--top-k", o->top_k, "> 0: pick among the k largest logits (after --top-p)")->capture_default_str();
   gen->add_option("--alg-temp", o->alg_temp,
                   "dream loop, > 0: draw each step's positions with weights softmax(confidence / alg-temp)")
+      ->capture_default_str();
+  gen->add_option("--sub-block", o->sub_block, "fast_dllm loop: tokens per sub-block, decoded in turn (a divisor of the block)")
       ->capture_default_str();
   gen->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   gen->add_option("--backend", o->backend, "cpu, cuda or cuda:N (bf16 on the GPU)")->capture_default_str();
@@ -622,6 +626,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   chat->add_option("--top-p", o->top_p, "as generate's")->capture_default_str();
   chat->add_option("--top-k", o->top_k, "as generate's")->capture_default_str();
   chat->add_option("--alg-temp", o->alg_temp, "as generate's")->capture_default_str();
+  chat->add_option("--sub-block", o->sub_block, "as generate's")->capture_default_str();
   chat->add_option("--seed", o->seed, "sampling seed of the first turn (the next turns: seed + turn)")
       ->capture_default_str();
   chat->add_option("--backend", o->backend, "cpu, cuda or cuda:N")->capture_default_str();

@@ -7,6 +7,7 @@ Architectures:
   sdar:  the same with per-head RMSNorm of q and k before RoPE, GQA, and block-causal attention.
   dream: llada's with GQA, biases on q, k and v, and logits shifted by one position (position i
          is predicted from the logits of i - 1; position 0 from its own).
+  fast_dllm: dream's layers with sdar's block-causal attention (Fast-dLLM v2).
 RoPE: NeoX rotate-half, inv_freq_i = theta^(-2i/d); linear scaling divides positions by the factor.
 """
 import json
@@ -124,6 +125,15 @@ def config_json(s):
              "eos_token_id": s.eos, "pad_token_id": s.eos, "weight_tying": s.tied, "block_type": "llama",
              "layer_norm_type": "rms", "activation_type": "silu", "include_bias": False, "alibi": False,
              "attention_layer_norm": False, "scale_logits": False, "input_emb_norm": False}
+    elif s.arch == "fast_dllm":  # Fast-dLLM v2: Qwen2's config with bd_size, no mask_token_id (its default)
+        c = {"model_type": "Fast_dLLM_Qwen", "architectures": ["Fast_dLLM_QwenForCausalLM"], "hidden_size": s.dim,
+             "num_hidden_layers": s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+             "intermediate_size": s.hidden, "vocab_size": s.vocab, "rms_norm_eps": s.eps, "rope_theta": s.theta,
+             "max_position_embeddings": s.max_len, "bd_size": s.block, "eos_token_id": s.eos,
+             "tie_word_embeddings": s.tied, "hidden_act": "silu", "use_sliding_window": False,
+             "torch_dtype": "bfloat16"}
+        if s.mask_id != 151665:
+            c["mask_token_id"] = s.mask_id
     elif s.arch == "dream":
         c = {"model_type": "Dream", "architectures": ["DreamModel"], "hidden_size": s.dim,
              "num_hidden_layers": s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
@@ -161,7 +171,7 @@ def random_weights(s, seed):
         if s.arch == "sdar":
             L["q_norm"] = norm(hd)
             L["k_norm"] = norm(hd)
-        if s.arch == "dream":
+        if s.arch in ("dream", "fast_dllm"):
             L["bq"] = (0.5 * rng.standard_normal(qd)).astype(np.float32)
             L["bk"] = (0.5 * rng.standard_normal(kvd)).astype(np.float32)
             L["bv"] = (0.5 * rng.standard_normal(kvd)).astype(np.float32)
@@ -172,7 +182,7 @@ def random_weights(s, seed):
 
 
 def tensor_list(s, w):
-    names = {"llada": LLADA_NAMES, "sdar": SDAR_NAMES, "dream": DREAM_NAMES}[s.arch]
+    names = {"llada": LLADA_NAMES, "sdar": SDAR_NAMES, "dream": DREAM_NAMES, "fast_dllm": DREAM_NAMES}[s.arch]
     out = [(names["embed"], w["embed"])]
     for l, L in enumerate(w["layers"]):
         p = names["layer"].format(l)
@@ -259,7 +269,7 @@ def attention(q, k, v, allowed):
     return np.einsum("hnm,mhd->nhd", p, v)
 
 
-def forward(s, w, tokens, past=None, block_causal=0, capture=None):
+def forward(s, w, tokens, past=None, block_causal=0, capture=None, shifted=True):
     """tokens at positions [len(past), len(past)+n) over past K/V (a list per layer of (k, v) arrays
     [m, Hkv, hd], all visible); returns logits [n, vocab] and the chunk's (k, v) per layer.
     capture: a list that receives each layer's (q, k, v) of the chunk, [n, heads, hd], after RoPE."""
@@ -278,7 +288,7 @@ def forward(s, w, tokens, past=None, block_causal=0, capture=None):
     for l, L in enumerate(w["layers"]):
         h = rms(x, L["attn_norm"], s.eps)
         q, k, v = h @ L["wq"].T, h @ L["wk"].T, h @ L["wv"].T
-        if s.arch == "dream":
+        if s.arch in ("dream", "fast_dllm"):
             q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
         q, k, v = q.reshape(n, H, hd), k.reshape(n, Hkv, hd), v.reshape(n, Hkv, hd)
         if s.arch == "sdar":
@@ -297,7 +307,7 @@ def forward(s, w, tokens, past=None, block_causal=0, capture=None):
         g = h @ L["w_gate"].T
         x = x + ((g / (1 + np.exp(-g))) * (h @ L["w_up"].T)) @ L["w_down"].T
     logits = rms(x, w["final_norm"], s.eps) @ w["head"].T
-    if s.arch == "dream":  # position i predicted from the logits of i - 1; position 0 from its own;
+    if shifted and s.arch in ("dream", "fast_dllm"):  # position i predicted from the logits of i - 1; position 0 from its own;
         # over a cached prefix the chunk's first position has no row before it here (NaN)
         first = logits[:1] if m == 0 else np.full_like(logits[:1], np.nan)
         logits = np.concatenate([first, logits[:-1]], axis=0)
@@ -305,7 +315,7 @@ def forward(s, w, tokens, past=None, block_causal=0, capture=None):
 
 
 def canvas_logits(s, w, tokens):
-    return forward(s, w, tokens, None, s.block if s.arch == "sdar" else 0)[0]
+    return forward(s, w, tokens, None, s.block if s.arch in ("sdar", "fast_dllm") else 0)[0]
 
 
 # ---------------------------------------------------------------- reference loops (temperature 0)
@@ -569,3 +579,62 @@ def ref_block(s, w, prompt, gen_len, steps, threshold, stop=True):
         past = kv if past is None else [(np.concatenate([pk, k]), np.concatenate([pv, v]))
                                         for (pk, pv), (k, v) in zip(past, kv)]
     return cut(s, x[P:P + gen_len], stop)
+
+
+def ref_fast_dllm(s, w, prompt, gen_len, threshold, sub=8, stop=True):
+    """Fast-dLLM v2's generate() as the engine states it (generate_fast_dllm.cpp): the prompt's whole
+    blocks prefilled; each block decoded sub-block by sub-block, a step committing the sub-block's
+    most confident masked position and every other one above the threshold; the row of position
+    p - 1 predicts position p (raw, unshifted logits here); after a block, its last row's argmax
+    opens the next block; gen_len tokens; with stop, the output ends before an EOS that has no
+    mask before it."""
+    B, P = s.block, len(prompt)
+    end = P + gen_len
+    x = list(prompt) + [s.mask_id] * ((end + B - 1) // B * B + 1 - P)
+    masked = [False] * P + [True] * (len(x) - P)
+
+    def ended(upto):
+        for i in range(P, upto):
+            if masked[i]:
+                return False
+            if x[i] == s.eos:
+                return True
+        return False
+
+    def put(p, token):
+        x[p], masked[p] = token, False
+
+    L, past = P // B * B, None
+    if L > 0:
+        raw, past = forward(s, w, x[:L], None, B, shifted=False)
+        if P == L:
+            put(L, softmax_pick(raw[L - 1])[0])
+    done = False
+    while L < end and not done:
+        for lo in range(L, L + B, sub):
+            while any(masked[lo:lo + sub]) and not done:
+                raw, _ = forward(s, w, x[L:L + B], past, B, shifted=False)
+                pos = [p for p in range(max(lo, L + 1), lo + sub) if masked[p]]
+                picks = [softmax_pick(raw[p - 1 - L]) for p in pos]
+                conf = [c for _, c in picks]
+                first = top(conf, 1)[0]
+                for j in range(len(pos)):
+                    if j == first or (threshold > 0 and conf[j] > threshold):
+                        put(pos[j], picks[j][0])
+                done = stop and ended(L + B)
+            if done:
+                break
+        if not done and L + B < end:
+            raw, kv = forward(s, w, x[L:L + B], past, B, shifted=False)
+            past = kv if past is None else [(np.concatenate([pk, k]), np.concatenate([pv, v]))
+                                            for (pk, pv), (k, v) in zip(past, kv)]
+            put(L + B, softmax_pick(raw[B - 1])[0])
+            done = stop and ended(L + B + 1)
+        L += B
+    out = []
+    for i in range(P, end):
+        if masked[i] or (stop and x[i] == s.eos):
+            break
+        out.append(x[i])
+    return out
+

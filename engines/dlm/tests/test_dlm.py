@@ -264,6 +264,80 @@ def expect_error(sparsa_bin, d, *words):
         assert word in lines[0], (word, lines[0])
 
 
+# ---------------------------------------------------------------- fast_dllm (Fast-dLLM v2)
+
+
+@pytest.fixture(scope="module")
+def fast_dllm_model(tmp_path_factory):
+    s = R.Spec("fast_dllm", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63, block=8)
+    d = tmp_path_factory.mktemp("fast_dllm_gen")
+    return s, R.write_model(d, s, seed=17), d
+
+
+FAST_PROMPTS = [[3, 17, 5], list(range(1, 9)), list(range(20, 36)), [9, 4, 30, 2, 8, 11, 6, 40, 13, 7, 21]]
+
+
+def test_fast_dllm_logits_match_reference(sparsa_bin, fast_dllm_model, tmp_path):
+    """Qwen2's layers with q / k / v biases, block-causal over bd_size blocks, token shift: the
+    engine's logits are the reference's; a bidirectional reading of the same weights is not."""
+    s, w, d = fast_dllm_model
+    ids = np.array([5, 9, 2, 44, 17, 3, 8, 30, 12, 1, 7, 50, 19], np.int32)
+    got = engine_logits(sparsa_bin, d, ids, tmp_path)
+    assert rel_err(got, R.canvas_logits(s, w, ids)) < LOGIT_TOL
+    assert rel_err(got, R.forward(s, w, ids)[0]) > 100 * LOGIT_TOL  # not bidirectional
+    info = json.loads(run(sparsa_bin, "model", "info", d, "--json").stdout)
+    assert info["arch"] == "fast_dllm" and info["default_loop"] == "fast_dllm" and info["block_size"] == 8
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.1])
+@pytest.mark.parametrize("sub", [4, 8])
+@pytest.mark.parametrize("stop", STOP)
+def test_fast_dllm_loop_matches_reference(sparsa_bin, fast_dllm_model, threshold, sub, stop):
+    """Fast-dLLM v2's loop, token for token with the reference: prompts shorter than a block, of
+    exactly one and two blocks (prefilled, their next token autoregressive) and with a tail; sub-
+    blocks of half and all the block; one token a step or every one above the threshold."""
+    s, w, d = fast_dllm_model
+    got = generate_ids(sparsa_bin, d, FAST_PROMPTS, "--gen-len", 20, "--threshold", threshold, "--sub-block", sub,
+                       *stop_flags(stop))
+    for p, g in zip(FAST_PROMPTS, got):
+        assert g == R.ref_fast_dllm(s, w, p, 20, threshold, sub, stop), (p, threshold, sub, stop)
+        if not stop:
+            assert len(g) == 20
+
+
+def test_fast_dllm_stops_at_eos(sparsa_bin, fast_dllm_model):
+    """With an EOS the model does produce (40, through --eos-ids), the loop stops once every
+    position before it is decoded and the output ends before it, as the reference's; without
+    stopping the same requests run to gen_len."""
+    import copy
+    s, w, d = fast_dllm_model
+    s40 = copy.copy(s)
+    s40.eos = 40
+    for threshold in (0.0, 0.1):
+        got = generate_ids(sparsa_bin, d, FAST_PROMPTS, "--gen-len", 20, "--threshold", threshold, "--eos-ids", 40)
+        for p, g in zip(FAST_PROMPTS, got):
+            assert g == R.ref_fast_dllm(s40, w, p, 20, threshold, 8, True), (p, threshold)
+        assert any(len(g) < 20 for g in got)
+
+
+def test_fast_dllm_refusals(sparsa_bin, fast_dllm_model, llada_model, tmp_path):
+    """One clear error each: another loop on a fast_dllm model, the fast_dllm loop on another
+    model, a sub-block that does not divide the block, the cuda backend, a config without a mask
+    id whose vocabulary cannot hold the default one."""
+    s, w, d = fast_dllm_model
+    for flags, words in ((["--loop", "remask", "--block-len", 4], ["fast_dllm"]),
+                         (["--sub-block", 3], ["sub_block", "8"]),
+                         (["--backend", "cuda"], ["cuda", "fast_dllm"])):
+        p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", "1,2", *map(str, flags), "--json", check=False)
+        assert p.returncode == 1 and all(x in p.stderr for x in words), (flags, p.stderr)
+    p = run(sparsa_bin, "generate", "--model", llada_model[2], "--prompt-ids", "1,2", "--loop", "fast_dllm",
+            "--json", check=False)
+    assert p.returncode == 1 and "fast_dllm" in p.stderr, p.stderr
+    e = tmp_path / "nomask"
+    R.write_model(e, R.Spec("fast_dllm", dim=64, heads=4, kv_heads=2, layers=1, vocab=64, eos=62, mask_id=151665))
+    expect_error(sparsa_bin, e, "mask_token_id", "151665")
+
+
 # ---------------------------------------------------------------- dream
 
 

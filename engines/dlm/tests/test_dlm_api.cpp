@@ -245,6 +245,33 @@ TEST(DlmApi, Errors) {
   EXPECT_FALSE(dlm::parse_loop("beam").ok());
 }
 
+// Fast-dLLM v2's published config (its Qwen2.5-7B shape, bd_size, no mask id): the block, the
+// generate() default mask id, Dream's biases and token shift, block-causal; a missing bd_size is
+// the default 32, a bad one is named.
+TEST(DlmApi, FastDllmConfig) {
+  const std::string text = R"({"model_type": "Fast_dLLM_Qwen", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "max_position_embeddings": 32768, "vocab_size": 152064, "eos_token_id": 151645,
+    "bd_size": 32, "tie_word_embeddings": false, "hidden_act": "silu", "use_sliding_window": false})";
+  auto c = dlm::parse_config(text, "cfg");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->arch, dlm::Arch::fast_dllm);
+  EXPECT_EQ(c->block_size, 32);
+  EXPECT_EQ(dlm::block_causal_size(c.value()), 32);
+  EXPECT_EQ(c->mask_token_id, 151665);
+  EXPECT_TRUE(c->qkv_bias && c->shifted_logits && !c->qk_norm);
+  EXPECT_EQ(c->head_dim, 128);
+  ASSERT_EQ(c->eos_token_ids.size(), 1u);
+  EXPECT_EQ(c->eos_token_ids[0], 151645);
+  auto no_block = dlm::parse_config(std::string(text).replace(text.find("\"bd_size\": 32,"), 14, ""), "cfg");
+  ASSERT_TRUE(no_block.ok()) << no_block.status().message();
+  EXPECT_EQ(no_block->block_size, 32);
+  auto bad = dlm::parse_config(std::string(text).replace(text.find("32,"), 3, "0,"), "cfg");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'bd_size'"), std::string::npos) << bad.status().message();
+  EXPECT_EQ(dlm::parse_loop("fast_dllm").value(), dlm::Loop::fast_dllm);
+}
+
 // check_attention: the errors Model::load gives for the attention options, from the config alone
 // (no weights, no device), so a command can check every method before loading any.
 TEST(DlmApi, CheckAttentionGivesLoadsErrorsWithoutWeights) {

@@ -108,6 +108,20 @@ def test_chat_template_from_python(tmp_path):
     assert m.generate("What is 1 + 1?", gen_len=16, chat=True, system="Digits only.") == m.tokenizer.decode(want, True)
 
 
+def test_fast_dllm_from_python(tmp_path):
+    """A Fast-dLLM v2 model decodes with its own loop by default; sub_block and threshold reach it."""
+    s = R.Spec("fast_dllm", dim=32, heads=2, kv_heads=1, layers=2, vocab=48, eos=46, mask_id=47, block=8)
+    w = R.write_model(tmp_path, s, seed=9)
+    m = sparsa.Model.load(tmp_path)
+    assert m.config["arch"] == "fast_dllm" and m.default_loop == "fast_dllm"
+    for prompt in ([3, 17, 5, 9], list(range(1, 17))):
+        assert m.generate(prompt, gen_len=12, stop_at_eos=False) == R.ref_fast_dllm(s, w, prompt, 12, 0.0, 8, False)
+        assert m.generate(prompt, gen_len=12, stop_at_eos=False, sub_block=4, threshold=0.1) == \
+            R.ref_fast_dllm(s, w, prompt, 12, 0.1, 4, False)
+    with pytest.raises(ValueError, match="sub_block"):
+        m.generate([1, 2], gen_len=8, sub_block=5)
+
+
 def test_dream_from_python(tmp_path):
     """A dream model decodes with Dream's loop and entropy confidence by default."""
     s = R.Spec("dream", dim=32, heads=2, kv_heads=1, layers=2, vocab=48, eos=46, mask_id=47)

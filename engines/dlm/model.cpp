@@ -360,11 +360,11 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
     const std::string who = "prompt " + std::to_string(r);
     if (p.empty()) return invalid_argument(who + ": empty");
     int64_t total = static_cast<int64_t>(p.size()) + o.gen_len;
-    if (o.loop == Loop::block) total = (total + c.block_size - 1) / c.block_size * c.block_size;
-    if (o.loop == Loop::fast_dllm) total = (total + c.block_size - 1) / c.block_size * c.block_size + 1;
+    const bool whole_blocks = o.loop == Loop::block || o.loop == Loop::fast_dllm;
+    if (whole_blocks) total = (total + c.block_size - 1) / c.block_size * c.block_size;
     if (total > c.max_seq_len) {
       return invalid_argument(who + ": " + std::to_string(p.size()) + " prompt tokens + " + std::to_string(o.gen_len) +
-                              " generated" + (o.loop == Loop::block ? " (rounded up to whole blocks)" : "") + " = " +
+                              " generated" + (whole_blocks ? " (rounded up to whole blocks)" : "") + " = " +
                               std::to_string(total) + " exceed the model's context of " +
                               std::to_string(c.max_seq_len));
     }

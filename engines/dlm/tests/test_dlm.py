@@ -333,6 +333,11 @@ def test_fast_dllm_refusals(sparsa_bin, fast_dllm_model, llada_model, tmp_path):
     p = run(sparsa_bin, "generate", "--model", llada_model[2], "--prompt-ids", "1,2", "--loop", "fast_dllm",
             "--json", check=False)
     assert p.returncode == 1 and "fast_dllm" in p.stderr, p.stderr
+    # the context (256) holds whole blocks: 240 + 16 fits, 241 + 16 (264 in blocks) does not
+    assert len(generate_ids(sparsa_bin, d, [[5] * 240], "--gen-len", 16, "--no-stop-at-eos")[0]) == 16
+    p = run(sparsa_bin, "generate", "--model", d, "--prompt-ids", ",".join(["5"] * 241), "--gen-len", 16, "--json",
+            check=False)
+    assert p.returncode == 1 and "whole blocks" in p.stderr and "256" in p.stderr, p.stderr
     e = tmp_path / "nomask"
     R.write_model(e, R.Spec("fast_dllm", dim=64, heads=4, kv_heads=2, layers=1, vocab=64, eos=62, mask_id=151665))
     expect_error(sparsa_bin, e, "mask_token_id", "151665")

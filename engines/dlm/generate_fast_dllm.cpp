@@ -16,8 +16,9 @@
 // max_new_tokens counts blocks of max_new_tokens / block_size); a prompt of exactly one block is
 // prefilled and continued autoregressively like any prompt of whole blocks (its generate() decodes
 // it without the prompt in view); with stop_at_eos the output ends before the first EOS once every
-// position before it is decoded (its generate() keeps the stop token). Requests of a batch decode
-// one after the other.
+// position before it is decoded (its generate() keeps the stop token). A batch's requests advance
+// together: each round, the requests whose block is decoded run its final pass as one batched
+// forward, the others a step of their sub-block as another.
 #include "loop_common.h"
 
 namespace sparsa::dlm {
@@ -46,69 +47,111 @@ Result<GenerateResult> generate_fast_dllm(const Model::Impl& m, const std::vecto
   State s;
   s.ops = m.ops.get();
   std::vector<float> logits(static_cast<size_t>(B * c.vocab_size));
+
+  // Each request: its canvas (prompt | masks, whole blocks and one position more), its cache of
+  // `block` whole blocks, and the sub-block [lo, lo + sub) it decodes.
+  struct Request {
+    Canvas cv;
+    Sequence seq;
+    int64_t block = 0, lo = 0, end = 0;
+    bool finished = false;
+  };
+  std::vector<int64_t> max_tokens;
+  for (const auto& prompt : prompts) {
+    max_tokens.push_back((static_cast<int64_t>(prompt.size()) + o.gen_len + B - 1) / B * B + 1);
+  }
+  auto seqs = make_sequences(c, m.policy, max_tokens);  // made together: the batch's attention state
+  if (!seqs.ok()) return seqs.status();
+  std::vector<Request> reqs;
   for (size_t r = 0; r < prompts.size(); ++r) {
-    const int64_t P = static_cast<int64_t>(prompts[r].size()), end = P + o.gen_len;
-    const int64_t total = (end + B - 1) / B * B + 1;
-    Canvas cv(prompts[r], total, c.mask_token_id, o.seed, r);
-    auto seq = make_sequence(c, m.policy, total);
-    if (!seq.ok()) return seq.status();
-    int64_t L = P / B * B;  // the cached prefix: whole blocks
-    // The block [L, L + B) as a chunk over the cache, with logits of canvas rows [from, to).
-    auto block_pass = [&](int64_t from, int64_t to, int64_t store, const GenerateOptions& go) {
-      ForwardOptions fo;
-      fo.block_causal = B;
-      fo.store_kv = store;
-      fo.logits_begin = from - L;
-      fo.logits_count = to - from;
-      res.forward_tokens += B;
-      return forward_candidates(m, s, seq.value(), std::span<const int32_t>(cv.x.data() + L, static_cast<size_t>(B)),
-                                fo, c, go, cv, from, logits);
-    };
-    if (L > 0) {  // prefill; a prompt of whole blocks takes its next token from the last row
-      ForwardOptions fo;
-      fo.block_causal = B;
-      fo.store_kv = L;
-      fo.logits_begin = L;
-      fo.logits_count = P == L ? 1 : 0;
-      res.forward_tokens += L;
-      auto k = forward_candidates(m, s, seq.value(), std::span<const int32_t>(cv.x.data(), static_cast<size_t>(L)),
-                                  fo, c, greedy, cv, L, logits);
-      if (!k.ok()) return k.status();
-      if (!k->position.empty()) commit(cv, k.value(), {0});
+    const int64_t P = static_cast<int64_t>(prompts[r].size());
+    reqs.push_back({Canvas(prompts[r], max_tokens[r], c.mask_token_id, o.seed, r), std::move(seqs.value()[r]), P / B,
+                    P / B * B, P + o.gen_len, false});
+    Request& q = reqs.back();
+    if (q.block == 0) continue;
+    // Prefill the prompt's whole blocks; a prompt of whole blocks takes its next token from the
+    // last row (the position just past the chunk, which the shift lets the head read).
+    const int64_t L = q.block * B;
+    ForwardOptions fo;
+    fo.block_causal = B;
+    fo.store_kv = L;
+    fo.logits_begin = L;
+    fo.logits_count = P == L ? 1 : 0;
+    res.forward_tokens += L;
+    auto k = forward_candidates(m, s, q.seq, std::span<const int32_t>(q.cv.x.data(), static_cast<size_t>(L)), fo, c,
+                                greedy, q.cv, L, logits);
+    if (!k.ok()) return k.status();
+    if (!k->position.empty()) commit(q.cv, k.value(), {0});
+  }
+
+  // The block [L, L + B) of request q as a chunk over its cache, with logits of canvas rows
+  // [from, to) (to may be L + B + 1: the row of L + B - 1 predicts it).
+  auto block_chunk = [&](Request& q, int64_t from, int64_t to, int64_t store) {
+    const int64_t L = q.block * B;
+    ForwardOptions fo;
+    fo.block_causal = B;
+    fo.store_kv = store;
+    fo.logits_begin = from - L;
+    fo.logits_count = to - from;
+    return Chunk{&q.seq, std::span<const int32_t>(q.cv.x.data() + L, static_cast<size_t>(B)), fo};
+  };
+  // Rounds: the requests whose block is decoded write its K/V and take the next block's first
+  // token (one batch); the others run a step of their sub-block (another batch).
+  StepBatch finals, steps;
+  for (bool active = true; active;) {
+    active = false;
+    finals.clear();
+    steps.clear();
+    for (size_t r = 0; r < reqs.size(); ++r) {
+      Request& q = reqs[r];
+      if (q.finished) continue;
+      const int64_t L = q.block * B;
+      while (q.lo < L + B && q.cv.masks_in(q.lo, q.lo + sub) == 0) q.lo += sub;
+      if (q.lo < L + B) {  // position L is never a mask, and its row would need the one before it
+        steps.add(r, q.cv, std::max(q.lo, L + 1), block_chunk(q, std::max(q.lo, L + 1), q.lo + sub, 0));
+      } else if (L + B < q.end) {
+        finals.add(r, q.cv, L + B, block_chunk(q, L + B, L + B + 1, B));
+      } else {  // the last block is decoded
+        q.finished = true;
+        if (cb) cb(r, q.cv.generated(c, q.end, o.stop_at_eos));
+        continue;
+      }
+      active = true;
     }
-    bool stopped = false;
-    while (L < end && !stopped) {
-      for (int64_t lo = L; lo < L + B && !stopped; lo += sub) {
-        const int64_t hi = lo + sub;
-        while (cv.masks_in(lo, hi) > 0) {
-          // Position L is never a mask, and its row would need the cached one before it.
-          auto k = block_pass(std::max(lo, L + 1), hi, 0, o);
-          if (!k.ok()) return k.status();
-          res.steps++;
-          std::vector<int64_t> chosen = top_k(k->confidence, 1);
-          for (size_t j = 0; j < k->confidence.size() && o.threshold > 0; ++j) {
-            if (static_cast<int64_t>(j) != chosen[0] && k->confidence[j] > o.threshold) {
-              chosen.push_back(static_cast<int64_t>(j));
-            }
-          }
-          commit(cv, k.value(), chosen);
-          if (o.stop_at_eos && stops(c, cv, L + B)) {
-            stopped = true;
-            break;
+    if (!finals.empty()) {
+      auto picked = forward_candidates(m, s, finals, c, greedy, logits);
+      if (!picked.ok()) return picked.status();
+      for (size_t i = 0; i < finals.size(); ++i) {
+        Request& q = reqs[finals.requests[i]];
+        res.forward_tokens += B;
+        commit(q.cv, picked.value()[i], {0});
+        q.block++;
+        q.lo = q.block * B;
+        q.finished = o.stop_at_eos && stops(c, q.cv, q.lo + 1);
+        if (cb) cb(finals.requests[i], q.cv.generated(c, std::min(q.lo + 1, q.end), o.stop_at_eos));
+      }
+    }
+    if (!steps.empty()) {
+      auto picked = forward_candidates(m, s, steps, c, o, logits);
+      if (!picked.ok()) return picked.status();
+      for (size_t i = 0; i < steps.size(); ++i) {
+        Request& q = reqs[steps.requests[i]];
+        const Candidates& k = picked.value()[i];
+        res.steps++;
+        res.forward_tokens += B;
+        std::vector<int64_t> chosen = top_k(k.confidence, 1);
+        for (size_t j = 0; j < k.confidence.size() && o.threshold > 0; ++j) {
+          if (static_cast<int64_t>(j) != chosen[0] && k.confidence[j] > o.threshold) {
+            chosen.push_back(static_cast<int64_t>(j));
           }
         }
+        commit(q.cv, k, chosen);
+        q.finished = o.stop_at_eos && stops(c, q.cv, q.block * B + B);
+        if (q.finished && cb) cb(steps.requests[i], q.cv.generated(c, q.end, o.stop_at_eos));
       }
-      if (!stopped && L + B < end) {  // the block's K/V into the cache; the next block's first token
-        auto k = block_pass(L + B, L + B + 1, B, greedy);
-        if (!k.ok()) return k.status();
-        commit(cv, k.value(), {0});
-        stopped = o.stop_at_eos && stops(c, cv, L + B + 1);
-      }
-      L += B;
-      if (cb) cb(r, cv.generated(c, std::min(L + 1, end), o.stop_at_eos));
     }
-    res.tokens.push_back(cv.generated(c, end, o.stop_at_eos));
   }
+  for (const Request& q : reqs) res.tokens.push_back(q.cv.generated(c, q.end, o.stop_at_eos));
   return res;
 }
 

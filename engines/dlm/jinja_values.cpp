@@ -20,7 +20,7 @@ std::vector<std::string_view> characters(std::string_view s) {
   std::vector<std::string_view> out;
   out.reserve(s.size());
   for (size_t i = 0, n = 0; i < s.size(); i += n) {
-    decode_utf8(s, i, &n);  // a stray byte is one character
+    decode_utf8(s, i, &n);  // an ill-formed sequence (its maximal subpart) is one character
     out.push_back(s.substr(i, n));
   }
   return out;
@@ -29,7 +29,7 @@ std::vector<std::string_view> characters(std::string_view s) {
 uint32_t code_point(std::string_view ch) {
   size_t n = 0;
   const uint32_t cp = decode_utf8(ch, 0, &n);
-  return cp >= kInvalidUtf8 ? cp - kInvalidUtf8 : cp;  // a stray byte stands for itself
+  return cp >= kInvalidUtf8 ? cp - kInvalidUtf8 : cp;  // an ill-formed one stands for its first byte
 }
 
 bool is_python_space(uint32_t c) {

@@ -35,13 +35,14 @@ using Json = nlohmann::json;
 
 // ---- UTF-8 ---------------------------------------------------------------------------------
 
-// Invalid sequences become U+FFFD.
+// Each ill-formed sequence (its maximal subpart) becomes one U+FFFD, as the tokenizers package's
+// decode and Python's errors="replace" give.
 std::string utf8_lossy(const std::string& bytes) {
   std::string out;
   for (size_t i = 0; i < bytes.size();) {
     size_t len = 0;
     const uint32_t cp = decode_utf8(bytes, i, &len);
-    if (cp >= kInvalidUtf8 || (cp >= 0xD800 && cp <= 0xDFFF)) {
+    if (cp >= kInvalidUtf8) {
       out += "\xEF\xBF\xBD";
     } else {
       out.append(bytes, i, len);

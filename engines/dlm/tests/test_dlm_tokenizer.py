@@ -5,6 +5,7 @@ and decode text must be identical."""
 import json
 import subprocess
 
+import numpy as np
 import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -82,6 +83,41 @@ def test_encode_decode_match_tokenizers(sparsa_bin, tmp_path, kind):
         assert decoded == tok.decode(want, skip_special_tokens=False), (kind, text)
 
 
+def byte_to_char():
+    """GPT-2's byte-level alphabet: the printable Latin-1 bytes stand for themselves, the other 68
+    bytes for U+0100 onwards in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def test_decode_of_ill_formed_utf8_matches_tokenizers(sparsa_bin, tmp_path):
+    """Byte tokens that form no valid UTF-8 (overlong forms, surrogates, beyond U+10FFFF, cut
+    sequences, stray continuation bytes, C0 / C1 / F5..FF) decode to one U+FFFD per maximal ill-
+    formed subpart, as the tokenizers package's decode gives; then 200 random byte strings."""
+    tok = train("qwen")
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    b2c = byte_to_char()
+    ids_of = lambda data: [tok.token_to_id(b2c[b]) for b in data]  # noqa: E731
+    cases = [b"\xe0\x80\x80a", b"\xed\xa0\x80b", b"\xf4\x90\x80\x80", b"\xe2\x82", b"x\xe2\x82y", b"\xc0\xaf",
+             b"\x80\x80", b"\xf5\xff\xfe", b"\xf0\x9f\x98", b"\xf0\x9f\x98\x80\xed\x9f\xbf\xf4\x8f\xbf\xbf",
+             "caf\u00e9 \u2013 ok".encode()]
+    rng = np.random.default_rng(5)
+    cases += [bytes(rng.integers(0x80 if i % 2 else 0, 256, size=int(rng.integers(1, 12)), dtype=np.uint8))
+              for i in range(200)]
+    for data in cases:
+        ids = ids_of(data)
+        got = sparsa_tokenize(sparsa_bin, path, "--decode", ",".join(map(str, ids)))["text"]
+        assert got == tok.decode(ids, skip_special_tokens=False) == data.decode("utf-8", errors="replace"), data
+
+
 def test_merges_saved_as_pairs_or_strings(sparsa_bin, tmp_path):
     """tokenizers >= 0.20 writes merges as ["a", "b"] pairs; older files as "a b" strings."""
     tok = train("gpt2")
@@ -126,7 +162,7 @@ def test_malformed_and_missing_tokenizer(sparsa_bin, tmp_path):
     assert p.returncode == 1 and "none.json" in p.stderr
 
 
-@pytest.mark.parametrize("arch", ["llada", "sdar"])
+@pytest.mark.parametrize("arch", ["llada", "sdar", "fast_dllm"])
 def test_tiny_model_generates_text_through_the_cli(sparsa_bin, tmp_path, monkeypatch, arch):
     """A 2-layer model with a trained tokenizer: `sparsa generate --prompt TEXT` streams the text the
     reference loop produces, with a tokens/s progress line."""
@@ -145,8 +181,10 @@ def test_tiny_model_generates_text_through_the_cli(sparsa_bin, tmp_path, monkeyp
     ids = tok.encode(prompt).ids
     if arch == "llada":
         flags = ["--gen-len", "8", "--steps", "8", "--block-len", "8", "--ban-eos"]
-    else:
+    elif arch == "sdar":
         flags = ["--gen-len", "8", "--steps", "2", "--ban-eos"]
+    else:  # fast_dllm: blocks of 4 streamed as they are decoded, sub-blocks of 2
+        flags = ["--gen-len", "8", "--sub-block", "2", "--ban-eos"]
     p = subprocess.run([sparsa_bin, "generate", "--model", str(d), "--prompt", prompt, *flags], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -157,6 +195,7 @@ def test_tiny_model_generates_text_through_the_cli(sparsa_bin, tmp_path, monkeyp
     ban[eos] = -np.inf
     plain_forward = R.forward
     monkeypatch.setattr(R, "forward", lambda *a, **k: (lambda lk: (lk[0] + ban, lk[1]))(plain_forward(*a, **k)))
-    want = R.ref_remask(s, w, ids, 8, 8, 8) if arch == "llada" else R.ref_block(s, w, ids, 8, 2, 0.0)
+    want = R.ref_remask(s, w, ids, 8, 8, 8) if arch == "llada" else R.ref_block(s, w, ids, 8, 2, 0.0) \
+        if arch == "sdar" else R.ref_fast_dllm(s, w, ids, 8, 0.0, 2)
     assert len(want) == 8
     assert p.stdout.rstrip("\n") == tok.decode(want, skip_special_tokens=True)

@@ -25,7 +25,7 @@ namespace sparsa::dlm {
 
 namespace {
 
-// Whether position i's EOS ends the request: an EOS committed after the prompt with no mask
+// Whether the request has ended before `end`: an EOS committed after the prompt with no mask
 // between the prompt and it.
 bool stops(const Config& c, const Canvas& cv, int64_t end) {
   for (int64_t i = cv.prompt_len; i < end; ++i) {

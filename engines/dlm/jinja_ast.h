@@ -161,9 +161,13 @@ using Body = std::vector<std::unique_ptr<Stmt>>;
 // expr; set_block: targets[0], body; macro: targets[0] the name, params (default may be null),
 // body (extra arguments reach it as `varargs` and `kwargs`); call_block (`{% call m(args)
 // %}body{% endcall %}`): expr the call, body what the macro's caller() renders; break_ /
-// continue_; generation: body.
+// continue_; generation: body; filter_block (`{% filter f(args)|g %}body{% endfilter %}`): expr
+// the filter chain applied to the name kFilterBody, which holds the body's text; with_ (`{% with
+// a = x, b = y %}body{% endwith %}`): params the names and values (evaluated outside), body.
 struct Stmt {
-  enum class Kind { text, output, if_, for_, set, set_block, macro, call_block, break_, continue_, generation };
+  enum class Kind {
+    text, output, if_, for_, set, set_block, macro, call_block, break_, continue_, generation, filter_block, with_
+  };
   Kind kind;
   int line;
   std::string text;
@@ -175,6 +179,9 @@ struct Stmt {
   std::vector<std::pair<std::string, NodePtr>> params;
   Body body, else_body;
 };
+
+// The name a filter block's chain reads its body's text from: not a name a template can write.
+inline constexpr const char* kFilterBody = "(filter body)";
 
 struct Program {
   Body body;

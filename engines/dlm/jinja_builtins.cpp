@@ -857,6 +857,25 @@ Value apply_filter(const std::string& name, Value v, Args& a, int line) {
     });
     return Value::list(std::move(items));
   }
+  if (name == "dictsort") {  // a dict's (key, value) pairs sorted by key or value
+    b.allow(3, {"case_sensitive", "by", "reverse"});
+    const bool case_sensitive = b.flag(0, "case_sensitive", false), reverse = b.flag(2, "reverse", false);
+    const std::string by = b.text(1, "by", "key");
+    if (by != "key" && by != "value") fail(line, "dictsort: 'by' must be 'key' or 'value', got '" + by + "'");
+    if (!v.is(K::dict)) fail(line, "dictsort: expected a dict, got " + type_name(v));
+    List items;
+    for (const auto& [k, x] : *v.dict) items.push_back(Value::list({Value::of(k), x}, Value::Kind::tuple));
+    const size_t at = by == "key" ? 0 : 1;
+    auto key = [&](const Value& pair) {
+      Value k = (*pair.items)[at];
+      if (!case_sensitive && k.is(K::string)) k.text = ascii_case(k.text, false);
+      return k;
+    };
+    std::stable_sort(items.begin(), items.end(), [&](const Value& x, const Value& y) {
+      return reverse ? less(key(y), key(x), line) : less(key(x), key(y), line);
+    });
+    return Value::list(std::move(items));
+  }
   if (name == "int") {
     b.allow(2, {"default", "base"});
     const int64_t fallback = b.integer(0, "default", 0);

@@ -549,6 +549,40 @@ class Parser {
       expect_block_end();
       return s;
     }
+    if (name == "filter") {  // the body's text through a chain of filters
+      s->kind = Stmt::Kind::filter_block;
+      auto n = node(Node::Kind::name, line);
+      n->text = kFilterBody;
+      NodePtr chain = std::move(n);
+      while (true) {
+        auto f = node(Node::Kind::filter, cur().line);
+        f->text = expect_name("a filter name");
+        f->kids.push_back(std::move(chain));
+        if (at_op("(")) parse_arguments(*f);
+        chain = std::move(f);
+        if (!at_op("|")) break;
+        next();
+      }
+      s->expr = std::move(chain);
+      expect_block_end();
+      s->body = parse_body({"endfilter"}, end);
+      expect_block_end();
+      return s;
+    }
+    if (name == "with") {  // names bound for the body only, their values evaluated outside
+      s->kind = Stmt::Kind::with_;
+      while (cur().type != T::block_end) {
+        std::string target = expect_name("a variable name");
+        expect_op("=");
+        s->params.emplace_back(std::move(target), parse_expression(true));
+        if (!at_op(",")) break;
+        next();
+      }
+      expect_block_end();
+      s->body = parse_body({"endwith"}, end);
+      expect_block_end();
+      return s;
+    }
     if (name == "generation") {  // transformers' marker of the assistant's tokens: renders its body
       s->kind = Stmt::Kind::generation;
       expect_block_end();

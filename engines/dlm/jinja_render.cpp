@@ -95,10 +95,10 @@ class Renderer {
         return Flow::normal;
       case Stmt::Kind::for_: exec_for(s, f, out); return Flow::normal;
       case Stmt::Kind::set: assign(s, eval(*s.expr, f), f); return Flow::normal;
-      case Stmt::Kind::set_block: {  // a break or continue inside leaves the loop around it, as in Jinja
-        std::string text;
+      case Stmt::Kind::set_block: {  // a break or continue inside leaves the loop around it before
+        std::string text;              // the name is set, as in Jinja
         const Flow flow = exec_body(s.body, f, text);
-        f.set(s.targets[0], Value::of(std::move(text)));
+        if (flow == Flow::normal) f.set(s.targets[0], Value::of(std::move(text)));
         return flow;
       }
       case Stmt::Kind::macro: define_macro(s, f); return Flow::normal;
@@ -106,6 +106,22 @@ class Renderer {
       case Stmt::Kind::break_: return Flow::break_;
       case Stmt::Kind::continue_: return Flow::continue_;
       case Stmt::Kind::generation: return exec_body(s.body, f, out);
+      case Stmt::Kind::filter_block: {  // the body in its own scope, its text through the chain (a
+        Frame scope{&f, {}};            // break or continue inside leaves before any of it is output)
+        std::string text;
+        const Flow flow = exec_body(s.body, scope, text);
+        if (flow != Flow::normal) return flow;
+        scope.set(kFilterBody, Value::of(std::move(text)));
+        emit(out, checked(str(eval(*s.expr, scope)), s.line), s.line);
+        return Flow::normal;
+      }
+      case Stmt::Kind::with_: {
+        Frame scope{&f, {}};
+        std::vector<Value> values;
+        for (const auto& [name, value] : s.params) values.push_back(eval(*value, f));
+        for (size_t i = 0; i < values.size(); ++i) scope.set(s.params[i].first, std::move(values[i]));
+        return exec_body(s.body, scope, out);
+      }
     }
     return Flow::normal;
   }

@@ -328,6 +328,41 @@ def test_matches_jinja_on_random_conversations(sparsa_bin, tmp_path, name):
         assert got == want, f"{name} case {case}:\n--- jinja ---\n{want!r}\n--- sparsa ---\n{got!r}"
 
 
+BLOCK_TAGS = [
+    "{% filter upper %}{{ messages[0].content }} and {{ bos_token }}{% endfilter %}",
+    "{% filter trim|replace('a', 'b') %}  {% for m in messages %}{{ m.role }} {% endfor %}  {% endfilter %}!",
+    "{% set x = 'out' %}{% filter lower %}{% set x = 'IN' %}{{ x }}{% endfilter %}{{ x }}",
+    "{%- filter indent(2, true) %}\nline1\n  line2\n{% endfilter -%}|",
+    "{% for m in messages %}{% filter title %}{{ m.role }} {% if loop.last %}{% break %}{% endif %}{% endfilter %}"
+    "{% endfor %}",
+    "{% set a = 1 %}{% with a = 2, b = a %}{{ a }}{{ b }}{% set c = 3 %}{{ c }}{% endwith %}{{ a }}{{ c is defined }}",
+    "{% with %}{{ messages | length }}{% endwith %}",
+    "{% set t = 'none' %}{% for m in messages %}{% set t %}{{ m.role }}{% if loop.index == 2 %}{% break %}{% endif %}"
+    "{% endset %}{% endfor %}{{ t }}",
+    "{% for m in messages %}{% with r = m.role | upper, i = loop.index %}{{ i }}{{ r }};{% endwith %}{% endfor %}",
+    "{% set ns = namespace(n=0) %}{% with %}{% set ns.n = 5 %}{% endwith %}{{ ns.n }}",
+    "{% for k, v in {'b': 1, 'A': 2, 'a': 0, 'C': -1} | dictsort %}{{ k }}={{ v }} {% endfor %}",
+    "{{ {'b': 1, 'A': 2, 'a': 0} | dictsort(true) }} {{ {'x': 3, 'y': 1, 'z': 2} | dictsort(by='value', reverse=true) }}",
+]
+
+
+def test_filter_and_with_blocks_and_dictsort_match_jinja(sparsa_bin, tmp_path):
+    """{% filter %} (the body's text through a chain, in its own scope), {% with %} (names for the
+    body, values evaluated outside) and the dictsort filter, byte for byte with jinja2."""
+    context = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say a word"},
+                            {"role": "assistant", "content": "Word."}], "add_generation_prompt": False, **SPECIAL}
+    for source in BLOCK_TAGS:
+        want = jinja_reference(source, context)
+        r = sparsa_render(sparsa_bin, tmp_path, source, context)
+        assert r.returncode == 0, f"{source}: {r.stderr}"
+        assert json.loads(r.stdout)["text"] == want, (source, want, json.loads(r.stdout)["text"])
+    for source, needle in (("{% filter nosuch %}x{% endfilter %}", "nosuch"), ("{% filter upper %}x", "endfilter"),
+                           ("{% with a %}{% endwith %}", "'='"), ("{{ [1] | dictsort }}", "dictsort"),
+                           ("{{ {'a': 1} | dictsort(by='size') }}", "by")):
+        r = sparsa_render(sparsa_bin, tmp_path, source, context)
+        assert r.returncode != 0 and needle in r.stderr and "line 1" in r.stderr, (source, r.stderr)
+
+
 def test_raise_exception_and_errors_name_the_line(sparsa_bin, tmp_path):
     context = {"messages": [{"role": "assistant", "content": "",
                              "tool_calls": [{"function": {"name": "a", "arguments": {}}}] * 2}],

@@ -10,7 +10,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
+
+#include "utf8.h"
 
 namespace sparsa::dlm::jinja {
 namespace {
@@ -435,6 +438,169 @@ std::optional<Value> call_method(const Value& obj, const std::string& name, Args
   return std::nullopt;
 }
 
+namespace {
+
+// Python's printf-style formatting, `fmt % args` (and Jinja's `format` filter): a tuple gives the
+// positional values, a dict the mapping of `%(key)s`, anything else is the one value. Conversions
+// s r a d i u x X o e E f F g G c %, flags # 0 - + space, width and precision (digits or *).
+std::string percent_format(const std::string& fmt, const Value& args, int line) {
+  const bool mapping = args.is(Value::Kind::dict);
+  List positional;
+  if (args.is(Value::Kind::tuple)) {
+    positional = *args.items;
+  } else {
+    positional.push_back(args);  // a dict too: `%s` shows it, `%(key)s` reads it
+  }
+  size_t next_arg = 0;
+  auto take = [&]() -> const Value& {
+    if (next_arg >= positional.size()) fail(line, "not enough arguments for format string");
+    return positional[next_arg++];
+  };
+  auto as_int = [&](const Value& v, char conv) -> int64_t {
+    if (v.is(Value::Kind::integer)) return v.integer;
+    if (v.is(Value::Kind::boolean)) return v.boolean;
+    if (v.is(Value::Kind::real) && (conv == 'd' || conv == 'i' || conv == 'u' || conv == '*')) {
+      if (!std::isfinite(v.real) || std::fabs(v.real) >= 9.2e18) fail(line, "cannot convert float " + str(v) + " to integer");
+      return static_cast<int64_t>(v.real);
+    }
+    fail(line, std::string("%") + conv + " format: " +
+                   (conv == 'd' || conv == 'i' || conv == 'u' ? "a real number" : "an integer") + " is required, not " +
+                   type_name(v));
+  };
+  std::string out;
+  for (size_t i = 0; i < fmt.size(); ++i) {
+    if (fmt[i] != '%') {
+      out += fmt[i];
+      continue;
+    }
+    if (++i >= fmt.size()) fail(line, "incomplete format");
+    const Value* arg = nullptr;
+    if (fmt[i] == '(') {
+      if (!mapping) fail(line, "format requires a mapping");
+      const size_t close = fmt.find(')', i);
+      if (close == std::string::npos) fail(line, "incomplete format key");
+      const std::string key = fmt.substr(i + 1, close - i - 1);
+      for (const auto& [k, v] : *args.dict) {
+        if (k == key) arg = &v;
+      }
+      if (arg == nullptr) fail(line, "format key '" + key + "' is not in the mapping");
+      i = close + 1;
+    }
+    bool alt = false, zero = false, left = false, plus = false, space = false;
+    for (; i < fmt.size() && std::strchr("#0- +", fmt[i]) != nullptr; ++i) {
+      alt |= fmt[i] == '#', zero |= fmt[i] == '0', left |= fmt[i] == '-', plus |= fmt[i] == '+', space |= fmt[i] == ' ';
+    }
+    auto number = [&](int64_t fallback) {
+      if (i < fmt.size() && fmt[i] == '*') {
+        ++i;
+        return as_int(take(), '*');
+      }
+      if (i >= fmt.size() || !std::isdigit(static_cast<unsigned char>(fmt[i]))) return fallback;
+      int64_t n = 0;
+      for (; i < fmt.size() && std::isdigit(static_cast<unsigned char>(fmt[i])); ++i) {
+        n = n * 10 + (fmt[i] - '0');
+        if (n > 100000) fail(line, "a format width or precision above 100,000");
+      }
+      return n;
+    };
+    int64_t width = number(0);
+    if (width < 0) left = true, width = -width;
+    int64_t precision = -1;
+    if (i < fmt.size() && fmt[i] == '.') {
+      ++i;
+      precision = std::max<int64_t>(number(0), 0);
+    }
+    while (i < fmt.size() && std::strchr("hlL", fmt[i]) != nullptr) ++i;
+    if (i >= fmt.size()) fail(line, "incomplete format");
+    const char conv = fmt[i];
+    if (conv == '%') {
+      out += '%';
+      continue;
+    }
+    const Value& v = arg != nullptr ? *arg : take();
+    std::string body, sign;
+    bool numeric = true;
+    switch (conv) {
+      case 's': case 'r': case 'a': {
+        numeric = false;
+        body = conv == 's' ? str(v) : repr(v);
+        if (precision >= 0) {
+          const auto chars = characters(body);
+          if (static_cast<int64_t>(chars.size()) > precision) {
+            body = std::string(body.data(), static_cast<size_t>(chars[static_cast<size_t>(precision)].data() - body.data()));
+          }
+        }
+        break;
+      }
+      case 'c': {
+        numeric = false;
+        if (v.is(Value::Kind::string)) {
+          if (characters(v.text).size() != 1) fail(line, "%c requires an int or a unicode character, not a string of length " + std::to_string(characters(v.text).size()));
+          body = v.text;
+        } else {
+          const int64_t cp = as_int(v, 'c');
+          if (cp < 0 || cp > 0x10FFFF) fail(line, "%c arg not in range(0x110000)");
+          append_utf8(body, static_cast<uint32_t>(cp));
+        }
+        break;
+      }
+      case 'd': case 'i': case 'u': case 'x': case 'X': case 'o': {
+        const int64_t n = as_int(v, conv);
+        const uint64_t mag = n < 0 ? 0 - static_cast<uint64_t>(n) : static_cast<uint64_t>(n);
+        char buf[32];
+        std::snprintf(buf, sizeof buf, conv == 'x' ? "%llx" : conv == 'X' ? "%llX" : conv == 'o' ? "%llo" : "%llu",
+                      static_cast<unsigned long long>(mag));
+        body = buf;
+        if (precision >= 0 && static_cast<int64_t>(body.size()) < precision) {
+          body.insert(0, static_cast<size_t>(precision) - body.size(), '0');
+        }
+        if (alt && conv != 'd' && conv != 'i' && conv != 'u') body.insert(0, conv == 'o' ? "0o" : conv == 'x' ? "0x" : "0X");
+        sign = n < 0 ? "-" : plus ? "+" : space ? " " : "";
+        break;
+      }
+      case 'e': case 'E': case 'f': case 'F': case 'g': case 'G': {
+        double x = 0;
+        if (v.is(Value::Kind::real)) {
+          x = v.real;
+        } else if (v.is(Value::Kind::integer) || v.is(Value::Kind::boolean)) {
+          x = static_cast<double>(as_int(v, 'd'));
+        } else {
+          fail(line, std::string("%") + conv + " format: a real number is required, not " + type_name(v));
+        }
+        const std::string spec = std::string("%") + (alt ? "#" : "") + "." + std::to_string(precision < 0 ? 6 : precision) + conv;
+        std::vector<char> buf(static_cast<size_t>(precision) + 400);
+        std::snprintf(buf.data(), buf.size(), spec.c_str(), std::fabs(x));
+        body = buf.data();
+        sign = std::signbit(x) && !std::isnan(x) ? "-" : plus ? "+" : space ? " " : "";
+        break;
+      }
+      default:
+        fail(line, std::string("unsupported format character '") + conv + "'");
+    }
+    const int64_t len = static_cast<int64_t>(characters(sign + body).size());
+    if (len < width) {
+      const size_t pad = static_cast<size_t>(width - len);
+      const bool finite_number = numeric && body.find_first_not_of("0123456789abcdefABCDEFxXo.+-") == std::string::npos;
+      if (left) {
+        body = sign + body + std::string(pad, ' ');
+      } else if (zero && finite_number) {  // zeros go after the sign and any 0x / 0o prefix
+        const size_t prefix = alt && (conv == 'x' || conv == 'X' || conv == 'o') ? 2 : 0;
+        body = sign + body.substr(0, prefix) + std::string(pad, '0') + body.substr(prefix);
+      } else {
+        body = std::string(pad, ' ') + sign + body;
+      }
+      out += body;
+    } else {
+      out += sign + body;
+    }
+    if (out.size() > kMaxText) fail(line, "the formatted text grows beyond 16 MiB");
+  }
+  if (!mapping && next_arg < positional.size()) fail(line, "not all arguments converted during string formatting");
+  return out;
+}
+
+}  // namespace
+
 Value binary(const std::string& op, const Value& a, const Value& b, int line) {
   if (op == "~") return Value::of(checked(str(a) + str(b), line));
   if (a.is(Value::Kind::undefined)) undefined_error(a, line);
@@ -451,6 +617,7 @@ Value binary(const std::string& op, const Value& a, const Value& b, int line) {
       return Value::list(std::move(items), a.kind);
     }
   }
+  if (op == "%" && a.is(Value::Kind::string)) return Value::of(checked(percent_format(a.text, b, line), line));
   if (op == "*") {
     const Value* seq = a.is(Value::Kind::string) || a.is_sequence() ? &a : &b;
     const Value* times = seq == &a ? &b : &a;
@@ -856,6 +1023,16 @@ Value apply_filter(const std::string& name, Value v, Args& a, int line) {
       return reverse ? less(key(y), key(x), line) : less(key(x), key(y), line);
     });
     return Value::list(std::move(items));
+  }
+  if (name == "format") {  // Jinja's: str(value) % (the positional arguments, or the keywords)
+    if (!a.positional.empty() && !a.keyword.empty()) fail(line, "format: positional and keyword arguments cannot be mixed");
+    Value args;
+    if (!a.keyword.empty()) {
+      args = Value::of_dict(Dict(a.keyword.begin(), a.keyword.end()));
+    } else {
+      args = Value::list(a.positional, K::tuple);
+    }
+    return Value::of(checked(percent_format(str(v), args, line), line));
   }
   if (name == "dictsort") {  // a dict's (key, value) pairs sorted by key or value
     b.allow(3, {"case_sensitive", "by", "reverse"});

@@ -363,6 +363,44 @@ def test_filter_and_with_blocks_and_dictsort_match_jinja(sparsa_bin, tmp_path):
         assert r.returncode != 0 and needle in r.stderr and "line 1" in r.stderr, (source, r.stderr)
 
 
+PERCENT = [
+    "{{ '%s and %r' % ('x', 'y') }}",
+    "{{ '%5d|%-5d|%05d|%+d|% d|%i %u' % (42, 42, 42, 42, 42, -7, 7) }}",
+    "{{ '%x %X %#x %#o %o %#X %08x %#010x' % (255, 255, 255, 8, 8, 0, 255, 255) }}",
+    "{{ '%.3f %10.2e %g %G %#g %e' % (3.14159, 12345.678, 0.0001, 1e20, 2.0, -1.5) }}",
+    "{{ '%f|%05.1f|%-8.3e|%+.0f|%010.3f|%#.0f' % (-0.0, 3.14159, 0.5, 2.5, -3.5, 3.0) }}",
+    "{{ '%f %F %5f|%-6f|%+f' % (1e300 * 1e10, 1e300 * 1e10, 1e300 * 1e10, -1e300 * 1e10, 1e300 * 1e10) }}",
+    "{{ '%s' % [1, 'a'] }} {{ '%s' % {'a': 1} }} {{ '%s' % none }} {{ '%s %d' % (true, true) }}",
+    "{{ '%(name)s is %(age)d (%(name)r)' % {'name': 'Ann', 'age': 30.7} }}",
+    "{{ '%c%c|%.2s|%5s|%-5s|' % (65, '\u00e9', 'h\u00e9llo', '\u00e9', 'ab') }}",
+    "{{ '%*d|%.*f|%-*s|' % (6, 7, 2, 1.23456, 4, 'x') }}",
+    "{{ '%d%%' % 50 }} {{ '%%' % () }} {{ '%d' % 3.99 }} {{ '%d' % -3.99 }}",
+    "{{ '%s, %s' | format('a', 1) }} {{ '%(x)s=%(y)05.1f' | format(x='k', y=2) }} {{ 'plain' | format }}",
+    "{% set row = '%-10s|%6.2f' %}{% for m in messages %}{{ row % (m.role, loop.index / 3) }}\n{% endfor %}",
+]
+
+
+def test_percent_formatting_and_the_format_filter_match_python(sparsa_bin, tmp_path):
+    """Python's printf-style `%` on strings and Jinja's `format` filter: conversions, flags, width
+    and precision (counted in characters), `*`, mappings, infinities, signed zero, byte for byte
+    with jinja2; the errors Python raises are errors naming the line."""
+    context = {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}], **SPECIAL}
+    for source in PERCENT:
+        want = jinja_reference(source, context)
+        r = sparsa_render(sparsa_bin, tmp_path, source, context)
+        assert r.returncode == 0, f"{source}: {r.stderr}"
+        assert json.loads(r.stdout)["text"] == want, (source, want, json.loads(r.stdout)["text"])
+    for source, needle in (("{{ '%d' % 'x' }}", "real number"), ("{{ '%s %s' % ('a',) }}", "not enough"),
+                           ("{{ '%s' % ('a', 'b') }}", "not all arguments"), ("{{ '%y' % 1 }}", "'y'"),
+                           ("{{ '%(k)s' % {'j': 1} }}", "'k'"), ("{{ '%(k)s' % 1 }}", "mapping"),
+                           ("{{ '%x' % 1.5 }}", "integer"), ("{{ '%' % 1 }}", "incomplete"),
+                           ("{{ '%s' | format(1, x=2) }}", "format")):
+        with pytest.raises(Exception):
+            jinja_reference(source, context)
+        r = sparsa_render(sparsa_bin, tmp_path, source, context)
+        assert r.returncode != 0 and needle in r.stderr and "line 1" in r.stderr, (source, r.stderr)
+
+
 def test_raise_exception_and_errors_name_the_line(sparsa_bin, tmp_path):
     context = {"messages": [{"role": "assistant", "content": "",
                              "tool_calls": [{"function": {"name": "a", "arguments": {}}}] * 2}],

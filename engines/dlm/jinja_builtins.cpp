@@ -493,7 +493,9 @@ std::string percent_format(const std::string& fmt, const Value& args, int line) 
     auto number = [&](int64_t fallback) {
       if (i < fmt.size() && fmt[i] == '*') {
         ++i;
-        return as_int(take(), '*');
+        const int64_t n = as_int(take(), '*');
+        if (n > 100000 || n < -100000) fail(line, "a format width or precision above 100,000");
+        return n;
       }
       if (i >= fmt.size() || !std::isdigit(static_cast<unsigned char>(fmt[i]))) return fallback;
       int64_t n = 0;

@@ -399,6 +399,9 @@ def test_percent_formatting_and_the_format_filter_match_python(sparsa_bin, tmp_p
             jinja_reference(source, context)
         r = sparsa_render(sparsa_bin, tmp_path, source, context)
         assert r.returncode != 0 and needle in r.stderr and "line 1" in r.stderr, (source, r.stderr)
+    # a width of a billion from `*` is refused before any padding is made (Python would build it)
+    r = sparsa_render(sparsa_bin, tmp_path, "{{ '%*s' % (1000000000, 'x') }}", context)
+    assert r.returncode != 0 and "100,000" in r.stderr, r.stderr
 
 
 def test_raise_exception_and_errors_name_the_line(sparsa_bin, tmp_path):

@@ -139,13 +139,7 @@ Result<GenerateResult> generate_fast_dllm(const Model::Impl& m, const std::vecto
         const Candidates& k = picked.value()[i];
         res.steps++;
         res.forward_tokens += B;
-        std::vector<int64_t> chosen = top_k(k.confidence, 1);
-        for (size_t j = 0; j < k.confidence.size() && o.threshold > 0; ++j) {
-          if (static_cast<int64_t>(j) != chosen[0] && k.confidence[j] > o.threshold) {
-            chosen.push_back(static_cast<int64_t>(j));
-          }
-        }
-        commit(q.cv, k, chosen);
+        commit(q.cv, k, threshold_or_top_k(k.confidence, o.threshold, 1, /*strict=*/true));
         q.finished = o.stop_at_eos && stops(c, q.cv, q.block * B + B);
         if (q.finished && cb) cb(steps.requests[i], q.cv.generated(c, q.end, o.stop_at_eos));
       }

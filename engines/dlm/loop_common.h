@@ -181,12 +181,15 @@ inline Result<Candidates> forward_candidates(const Model::Impl& m, State& s, Seq
 }
 
 // Fast-dLLM's parallel decoding rule: with threshold > 0 the most confident candidate and every
-// other one with confidence >= threshold; else the `want` most confident (at least one).
-inline std::vector<int64_t> threshold_or_top_k(const std::vector<double>& confidence, double threshold, int64_t want) {
+// other one with confidence >= threshold (> threshold when `strict`: Fast-dLLM v2's); else the
+// `want` most confident (at least one).
+inline std::vector<int64_t> threshold_or_top_k(const std::vector<double>& confidence, double threshold, int64_t want,
+                                               bool strict = false) {
   if (threshold > 0) {
     std::vector<int64_t> chosen = top_k(confidence, 1);
     for (size_t j = 0; j < confidence.size(); ++j) {
-      if (static_cast<int64_t>(j) != chosen[0] && confidence[j] >= threshold) chosen.push_back(static_cast<int64_t>(j));
+      const bool above = strict ? confidence[j] > threshold : confidence[j] >= threshold;
+      if (static_cast<int64_t>(j) != chosen[0] && above) chosen.push_back(static_cast<int64_t>(j));
     }
     return chosen;
   }

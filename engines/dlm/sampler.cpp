@@ -36,16 +36,23 @@ struct Softmax {
   double prob(float l) const { return std::exp(scale * l - max_logit) / z; }
 };
 
+// The normaliser when the largest scaled logit is already known.
 template <class Admits>
-Softmax softmax_of(const float* logits, int64_t vocab, double scale, Admits in) {
-  Softmax s{scale, -std::numeric_limits<double>::infinity(), 0};
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (in(i)) s.max_logit = std::max(s.max_logit, scale * logits[i]);
-  }
+Softmax softmax_given_max(const float* logits, int64_t vocab, double scale, double max_logit, Admits in) {
+  Softmax s{scale, max_logit, 0};
   for (int64_t i = 0; i < vocab; ++i) {
     if (in(i)) s.z += std::exp(scale * logits[i] - s.max_logit);
   }
   return s;
+}
+
+template <class Admits>
+Softmax softmax_of(const float* logits, int64_t vocab, double scale, Admits in) {
+  double max_logit = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (in(i)) max_logit = std::max(max_logit, scale * logits[i]);
+  }
+  return softmax_given_max(logits, vocab, scale, max_logit, in);
 }
 
 }  // namespace
@@ -113,12 +120,14 @@ Pick sample(const float* logits, int64_t vocab, const GenerateOptions& o, std::s
   // unbanned entry, filtered out or not, so that a filter moves no other position's draws.
   int64_t best = -1;
   double best_score = -std::numeric_limits<double>::infinity();
+  double max_logit = -std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < vocab; ++i) {
     if (banned(i)) continue;
     const double l = logits[i];
     double score = l;
     if (o.temperature > 0) score -= o.temperature * std::log(-std::log(uniform_open(rng)));
     if (out(i)) continue;
+    max_logit = std::max(max_logit, l);
     if (best < 0 || score > best_score) {
       best = i;
       best_score = score;
@@ -126,7 +135,7 @@ Pick sample(const float* logits, int64_t vocab, const GenerateOptions& o, std::s
   }
   if (best < 0) best = 0;
   // confidence: softmax probability of the pick under the logits, among the allowed tokens
-  const Softmax sm = softmax_of(logits, vocab, 1.0, [&](int64_t i) { return !out(i); });
+  const Softmax sm = softmax_given_max(logits, vocab, 1.0, max_logit, [&](int64_t i) { return !out(i); });
   Pick p;
   p.token = static_cast<int32_t>(best);
   p.confidence = sm.prob(logits[best]);

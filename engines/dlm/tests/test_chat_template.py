@@ -328,6 +328,22 @@ def test_matches_jinja_on_random_conversations(sparsa_bin, tmp_path, name):
         assert got == want, f"{name} case {case}:\n--- jinja ---\n{want!r}\n--- sparsa ---\n{got!r}"
 
 
+def assert_renders_as_jinja(sparsa_bin, tmp_path, sources, errors, context):
+    """Each template of `sources` renders byte for byte as jinja2 renders it; each of `errors` (a
+    template and a word of its message) fails in jinja2 and in sparsa, whose error names the word
+    and line 1."""
+    for source in sources:
+        want = jinja_reference(source, context)
+        r = sparsa_render(sparsa_bin, tmp_path, source, context)
+        assert r.returncode == 0, f"{source}: {r.stderr}"
+        assert json.loads(r.stdout)["text"] == want, (source, want, json.loads(r.stdout)["text"])
+    for source, needle in errors:
+        with pytest.raises(Exception):
+            jinja_reference(source, context)
+        r = sparsa_render(sparsa_bin, tmp_path, source, context)
+        assert r.returncode != 0 and needle in r.stderr and "line 1" in r.stderr, (source, r.stderr)
+
+
 BLOCK_TAGS = [
     "{% filter upper %}{{ messages[0].content }} and {{ bos_token }}{% endfilter %}",
     "{% filter trim|replace('a', 'b') %}  {% for m in messages %}{{ m.role }} {% endfor %}  {% endfilter %}!",
@@ -351,16 +367,10 @@ def test_filter_and_with_blocks_and_dictsort_match_jinja(sparsa_bin, tmp_path):
     body, values evaluated outside) and the dictsort filter, byte for byte with jinja2."""
     context = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say a word"},
                             {"role": "assistant", "content": "Word."}], "add_generation_prompt": False, **SPECIAL}
-    for source in BLOCK_TAGS:
-        want = jinja_reference(source, context)
-        r = sparsa_render(sparsa_bin, tmp_path, source, context)
-        assert r.returncode == 0, f"{source}: {r.stderr}"
-        assert json.loads(r.stdout)["text"] == want, (source, want, json.loads(r.stdout)["text"])
-    for source, needle in (("{% filter nosuch %}x{% endfilter %}", "nosuch"), ("{% filter upper %}x", "endfilter"),
-                           ("{% with a %}{% endwith %}", "'='"), ("{{ [1] | dictsort }}", "dictsort"),
-                           ("{{ {'a': 1} | dictsort(by='size') }}", "by")):
-        r = sparsa_render(sparsa_bin, tmp_path, source, context)
-        assert r.returncode != 0 and needle in r.stderr and "line 1" in r.stderr, (source, r.stderr)
+    errors = (("{% filter nosuch %}x{% endfilter %}", "nosuch"), ("{% filter upper %}x", "endfilter"),
+              ("{% with a %}{% endwith %}", "'='"), ("{{ [1] | dictsort }}", "dictsort"),
+              ("{{ {'a': 1} | dictsort(by='size') }}", "by"))
+    assert_renders_as_jinja(sparsa_bin, tmp_path, BLOCK_TAGS, errors, context)
 
 
 PERCENT = [
@@ -385,20 +395,12 @@ def test_percent_formatting_and_the_format_filter_match_python(sparsa_bin, tmp_p
     and precision (counted in characters), `*`, mappings, infinities, signed zero, byte for byte
     with jinja2; the errors Python raises are errors naming the line."""
     context = {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}], **SPECIAL}
-    for source in PERCENT:
-        want = jinja_reference(source, context)
-        r = sparsa_render(sparsa_bin, tmp_path, source, context)
-        assert r.returncode == 0, f"{source}: {r.stderr}"
-        assert json.loads(r.stdout)["text"] == want, (source, want, json.loads(r.stdout)["text"])
-    for source, needle in (("{{ '%d' % 'x' }}", "real number"), ("{{ '%s %s' % ('a',) }}", "not enough"),
-                           ("{{ '%s' % ('a', 'b') }}", "not all arguments"), ("{{ '%y' % 1 }}", "'y'"),
-                           ("{{ '%(k)s' % {'j': 1} }}", "'k'"), ("{{ '%(k)s' % 1 }}", "mapping"),
-                           ("{{ '%x' % 1.5 }}", "integer"), ("{{ '%' % 1 }}", "incomplete"),
-                           ("{{ '%s' | format(1, x=2) }}", "format")):
-        with pytest.raises(Exception):
-            jinja_reference(source, context)
-        r = sparsa_render(sparsa_bin, tmp_path, source, context)
-        assert r.returncode != 0 and needle in r.stderr and "line 1" in r.stderr, (source, r.stderr)
+    errors = (("{{ '%d' % 'x' }}", "real number"), ("{{ '%s %s' % ('a',) }}", "not enough"),
+              ("{{ '%s' % ('a', 'b') }}", "not all arguments"), ("{{ '%y' % 1 }}", "'y'"),
+              ("{{ '%(k)s' % {'j': 1} }}", "'k'"), ("{{ '%(k)s' % 1 }}", "mapping"),
+              ("{{ '%x' % 1.5 }}", "integer"), ("{{ '%' % 1 }}", "incomplete"),
+              ("{{ '%s' | format(1, x=2) }}", "format"))
+    assert_renders_as_jinja(sparsa_bin, tmp_path, PERCENT, errors, context)
     # a width of a billion from `*` is refused before any padding is made (Python would build it)
     r = sparsa_render(sparsa_bin, tmp_path, "{{ '%*s' % (1000000000, 'x') }}", context)
     assert r.returncode != 0 and "100,000" in r.stderr, r.stderr

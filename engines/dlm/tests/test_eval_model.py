@@ -332,36 +332,20 @@ def test_eval_model_chat_wraps_the_question_in_the_template(sparsa_bin, tmp_path
         assert got["input_tokens"] == len(json.loads(ids)["ids"]) > s["input_tokens"]
 
 
-def test_eval_model_on_a_dream_model(sparsa_bin, tokenizer_path, tmp_path):
-    """A dream model answers with its own loop (Dream's schedule, entropy confidence), its steps one
-    token each by default; the prompt lengths are the generator's."""
+@pytest.mark.parametrize("arch, loop", [("dream", "dream"), ("fast_dllm", "fast_dllm")])
+def test_eval_model_on_dream_and_fast_dllm_models(sparsa_bin, tokenizer_path, tmp_path, arch, loop):
+    """A dream model answers with Dream's loop (its schedule, entropy confidence), a Fast-dLLM v2
+    model with its own (sub-blocks over prompts of many whole blocks); the prompt lengths are the
+    generator's."""
     tok = Tokenizer.from_file(str(tokenizer_path))
-    d = tmp_path / "tiny_dream"
-    spec = R.Spec("dream", dim=32, heads=2, kv_heads=1, hidden=48, layers=2, vocab=tok.get_vocab_size(),
-                  max_len=2048, mask_id=tok.token_to_id("<|mask|>"), eos=tok.token_to_id("<|endoftext|>"))
-    R.write_model(d, spec, seed=6)
+    d = tmp_path / f"tiny_{arch}"
+    spec = R.Spec(arch, dim=32, heads=2, kv_heads=1, hidden=48, layers=2, vocab=tok.get_vocab_size(), max_len=2048,
+                  block=16, mask_id=tok.token_to_id("<|mask|>"), eos=tok.token_to_id("<|endoftext|>"))
+    R.write_model(d, spec, seed=6 if arch == "dream" else 7)
     (d / "tokenizer.json").write_text(tokenizer_path.read_text())
     report = json.loads(run(sparsa_bin, "eval-model", "--model", d, "--tasks", "niah_single_1", "--lengths", "512",
                             "--samples", "2", "--seed", "2", "--threads", "1", "--json", "--quiet").stdout)
-    assert report["arch"] == "dream" and report["loop"] == "dream"
-    (cell,) = report["results"]
-    samples = generate(sparsa_bin, "--tasks", "niah_single_1", "--lengths", "512", "--samples", "2", "--seed", "2",
-                       "--tokenizer", d / "tokenizer.json")
-    assert [s["input_tokens"] for s in cell["per_sample"]] == [s["input_tokens"] for s in samples]
-
-
-def test_eval_model_on_a_fast_dllm_model(sparsa_bin, tokenizer_path, tmp_path):
-    """A Fast-dLLM v2 model answers with its own loop (sub-blocks, one token a step by default) over
-    prompts of many whole blocks; the prompt lengths are the generator's."""
-    tok = Tokenizer.from_file(str(tokenizer_path))
-    d = tmp_path / "tiny_fast_dllm"
-    spec = R.Spec("fast_dllm", dim=32, heads=2, kv_heads=1, hidden=48, layers=2, vocab=tok.get_vocab_size(),
-                  max_len=2048, block=16, mask_id=tok.token_to_id("<|mask|>"), eos=tok.token_to_id("<|endoftext|>"))
-    R.write_model(d, spec, seed=7)
-    (d / "tokenizer.json").write_text(tokenizer_path.read_text())
-    report = json.loads(run(sparsa_bin, "eval-model", "--model", d, "--tasks", "niah_single_1", "--lengths", "512",
-                            "--samples", "2", "--seed", "2", "--threads", "1", "--json", "--quiet").stdout)
-    assert report["arch"] == "fast_dllm" and report["loop"] == "fast_dllm"
+    assert report["arch"] == arch and report["loop"] == loop
     (cell,) = report["results"]
     samples = generate(sparsa_bin, "--tasks", "niah_single_1", "--lengths", "512", "--samples", "2", "--seed", "2",
                        "--tokenizer", d / "tokenizer.json")

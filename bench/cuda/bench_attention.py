@@ -348,14 +348,18 @@ def main():
         sp.lib.sparsa_bench_set_flash_tma(0)  # the previous rung (cp.async, no producer warp), same run
         res["sparsa_dense_rung2"] = sp.run(q, k, v, out, lse, iters=iters)
         sp.lib.sparsa_bench_set_flash_tma(1)
-        # Rung 3 with each consumer schedule (same run), each checked against cuDNN.
-        for sched, name in SCHEDULES.items():
-            sp.lib.sparsa_bench_set_flash_schedule(sched)
-            sp.run(q, k, v, out, lse, warmup=1)
-            torch.cuda.synchronize()
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                res[f"err_{name}_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
-            res[f"sparsa_dense_{name}"] = sp.run(q, k, v, out, lse, iters=iters)
+        # Rung 3 with each consumer schedule and each dense key tile (128, 176) in the same run,
+        # each checked against cuDNN.
+        for tile, suffix in ((128, ""), (176, "_176")):
+            sp.lib.sparsa_bench_set_flash_dense_key_tile(tile)
+            for sched, name in SCHEDULES.items():
+                sp.lib.sparsa_bench_set_flash_schedule(sched)
+                sp.run(q, k, v, out, lse, warmup=1)
+                torch.cuda.synchronize()
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    res[f"err_{name}{suffix}_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
+                res[f"sparsa_dense_{name}{suffix}"] = sp.run(q, k, v, out, lse, iters=iters)
+        sp.lib.sparsa_bench_set_flash_dense_key_tile(128)
         sp.lib.sparsa_bench_set_flash_schedule(args.schedule)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             res["cudnn"] = time_torch(lambda: F.scaled_dot_product_attention(q, k, v), iters)
@@ -409,6 +413,8 @@ def main():
                                  ("sparsa dense rung 2", "sparsa_dense_rung2", r["dense_flops"]),
                                  *[(f"sparsa dense {n}", f"sparsa_dense_{n}", r["dense_flops"])
                                    for n in SCHEDULES.values()],
+                                 *[(f"sparsa dense {n} 176", f"sparsa_dense_{n}_176", r["dense_flops"])
+                                   for n in SCHEDULES.values()],
                                  ("SDPA cuDNN", "cudnn", r["dense_flops"]),
                                  ("SDPA flash (FA2)", "fa2", r["dense_flops"]),
                                  ("Flex dense", "flex_dense", r["dense_flops"]),
@@ -425,6 +431,10 @@ def main():
         print(f"{N:>6} sparsa sparse / Flex sparse spd {r['flex_sparse'] / r['sparsa_sparse']:.3f}x   (target > 1)")
         print(f"{N:>6} sparsa sparse time / dense time {r['sparsa_sparse'] / r['sparsa_dense']:.3f}    (target <= 0.13 at 32K)")
         print(f"{N:>6} rel err: dense vs cuDNN {r['err_dense_vs_cudnn']:.2e}, sparse vs Flex {r['err_sparse_vs_flex']:.2e}")
+        for n in SCHEDULES.values():
+            print(f"{N:>6} cuDNN / sparsa dense {n}: {r['cudnn'] / r[f'sparsa_dense_{n}']:.3f}x (128-key tiles), "
+                  f"{r['cudnn'] / r[f'sparsa_dense_{n}_176']:.3f}x (176-key tiles; rel err vs cuDNN "
+                  f"{r[f'err_{n}_176_vs_cudnn']:.2e})")
         for n in list(SCHEDULES.values())[1:]:
             print(f"{N:>6} {n} / plain rung 3 time: dense {r[f'sparsa_dense_{n}'] / r['sparsa_dense_plain']:.3f}, "
                   f"sparse {r[f'sparsa_sparse_{n}'] / r['sparsa_sparse_plain']:.3f}; rel err dense vs cuDNN "

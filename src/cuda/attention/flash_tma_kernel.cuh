@@ -100,7 +100,7 @@ constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2, k
 // zero_v_rows).
 template <class T, int D, int BN, int STAGES, bool MASKED = false, int SCHEDULE = kSchedulePlain>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
-  static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
+  static_assert(D % 64 == 0 && BN % 16 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns, k16 steps");
   using Shape = TmaShape<D, BN, STAGES>;
   constexpr int BM = Shape::kBM;
   extern __shared__ __align__(128) uint8_t smem[];

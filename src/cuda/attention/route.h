@@ -30,6 +30,12 @@ FlashSchedule last_flash_schedule();
 // The TMA kernel's schedule from now on, process-wide; returns the previous one. Variable-length
 // batches always take plain.
 FlashSchedule set_flash_schedule(FlashSchedule schedule);
+// The key tile of rung 3's dense calls at head_dim 128 without a mask or a variable-length batch:
+// 128 (the default) or 176 (FlashAttention-3's choice for that shape; measured side by side in
+// bench/RESULTS.md); any other value means 128. Process-wide; returns the previous one.
+int set_flash_dense_key_tile(int tile);
+// The key tile of the last flash launch on this thread.
+int last_flash_key_tile();
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
 // Whether the last split-KV launch on this thread was the wgmma + TMA kernel (rung 2,

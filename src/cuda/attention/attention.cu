@@ -40,7 +40,7 @@ using detail::SplitKvParams;
 constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
 constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
 std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
-std::atomic<detail::FlashSchedule> g_schedule{detail::FlashSchedule::pingpong};  // route.h: rung 3's schedule
+std::atomic<detail::FlashSchedule> g_schedule{detail::FlashSchedule::overlap};  // route.h: rung 3's schedule
 // route.h: the key tile of rung 3's dense calls at head_dim 128 without a mask (128 or 176).
 std::atomic<int> g_dense_key_tile{128};
 

@@ -91,8 +91,8 @@ __device__ __forceinline__ void zero_v_rows(uint32_t v_smem, int stage, int vali
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
 }
 
-// The consumers' schedules (SCHEDULE; the loop below says each): rung 3's promoted one, and two
-// ladder rungs under measurement (detail::set_flash_schedule).
+// The consumers' schedules (SCHEDULE; the loop below says each): overlap, rung 3's promoted one,
+// and the ladder rungs measured beside it (detail::set_flash_schedule).
 constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2, kScheduleLate = 3;
 
 // MASKED: as flash_wgmma_kernel's (the per-element mask compiled in). SCHEDULE other than plain:

@@ -20,8 +20,8 @@ Route last_dense_route();
 bool last_flash_used_tma();
 // Allows (true, the default) or forbids the TMA kernel, process-wide; returns the previous setting.
 bool set_flash_tma(bool on);
-// The TMA kernel's consumer schedules (flash_tma_kernel.cuh): plain, pingpong (the default: the
-// two consumer warpgroups take turns at the tensor cores), overlap (pingpong, and each
+// The TMA kernel's consumer schedules (flash_tma_kernel.cuh): plain, pingpong (the two consumer
+// warpgroups take turns at the tensor cores), overlap (the default: pingpong, and each
 // warpgroup's softmax overlapping its own previous P V), late (pingpong's order of the products
 // without the turns). Measured side by side in bench/RESULTS.md; variable-length calls run plain.
 enum class FlashSchedule { plain, pingpong, overlap, late };

@@ -94,6 +94,7 @@ struct Case {
   bool split_kv_tma = true;    // split-KV: allow rung 2 (wgmma + TMA); false forces rung 1 (mma.sync)
   bool flash_tma = true;       // flash: allow rung 3 (TMA producer); false forces rung 2 (cp.async)
   std::optional<cuda::detail::FlashSchedule> flash_schedule;  // flash rung 3's (route.h); none: the default
+  int dense_key_tile = 128;    // flash rung 3's dense key tile at head_dim 128 (route.h): 128 or 176
   Mask mask;                   // the per-element mask (cases of CudaAttentionMasks)
   uint32_t seed = 1;
 };
@@ -424,6 +425,11 @@ TEST_P(Ops, MatchesReference) {
   } schedule_switch;
   const cuda::detail::FlashSchedule schedule = c.flash_schedule.value_or(schedule_switch.saved);
   cuda::detail::set_flash_schedule(schedule);
+  struct KeyTileSwitch {  // the case's dense key tile, restored however the test ends
+    int saved = cuda::detail::set_flash_dense_key_tile(128);
+    ~KeyTileSwitch() { cuda::detail::set_flash_dense_key_tile(saved); }
+  } key_tile_switch;
+  cuda::detail::set_flash_dense_key_tile(c.dense_key_tile);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -451,6 +457,12 @@ TEST_P(Ops, MatchesReference) {
       EXPECT_EQ(static_cast<int>(cuda::detail::last_flash_schedule()),
                 static_cast<int>(tma ? schedule : cuda::detail::FlashSchedule::plain))
           << "rung 3's consumer schedule";
+      // 176-key tiles: rung 3's dense calls at head_dim 128 without a mask; 128 (64 for small
+      // plan blocks and head_dim 256) otherwise.
+      if (c.dense_key_tile == 176) {
+        const bool wide = tma && !plan && c.head_dim == 128 && c.mask.is_none();
+        EXPECT_EQ(cuda::detail::last_flash_key_tile(), wide ? 176 : 128) << "the dense key tile";
+      }
     }
     if (want == cuda::detail::Route::split_kv) {  // rung 2 (wgmma + TMA) needs 16-byte aligned K, V
       EXPECT_EQ(cuda::detail::last_split_kv_used_tma(), c.split_kv_tma && c.seq_pad % 8 == 0)
@@ -588,6 +600,26 @@ std::vector<Case> cases() {
     add({.name = "Medium_dense_" + l + "_peaky_f16_d64_gqa2_700x2000", .dtype = DType::f16, .heads_q = 4,
          .heads_kv = 2, .len_q = 700, .len_kv = 2000, .amplitude = 4.0f, .flash_schedule = schedule, .seed = 56});
   }
+  // Rung 3's 176-key tiles (dense, head_dim 128, no mask) with each schedule: one tile, a partial
+  // last tile, many tiles, GQA; and a strided input that rung 3 cannot read (rung 2, 128-key tiles).
+  for (const auto& [label, schedule] : {std::pair{"plain", cuda::detail::FlashSchedule::plain},
+                                        std::pair{"pingpong", cuda::detail::FlashSchedule::pingpong},
+                                        std::pair{"overlap", cuda::detail::FlashSchedule::overlap},
+                                        std::pair{"late", cuda::detail::FlashSchedule::late}}) {
+    const std::string l = label;
+    add({.name = "Small_dense_tile176_" + l + "_bf16_d128_17x176", .len_q = 17, .len_kv = 176, .head_dim = 128,
+         .flash_schedule = schedule, .dense_key_tile = 176, .seed = 60});
+    add({.name = "Small_dense_tile176_" + l + "_f16_d128_gqa2_130x300", .dtype = DType::f16, .heads_q = 4,
+         .heads_kv = 2, .len_q = 130, .len_kv = 300, .head_dim = 128, .flash_schedule = schedule,
+         .dense_key_tile = 176, .seed = 61});
+    add({.name = "Small_dense_tile176_" + l + "_bf16_d128_5x1", .len_q = 5, .len_kv = 1, .head_dim = 128,
+         .flash_schedule = schedule, .dense_key_tile = 176, .seed = 62});
+    add({.name = "Medium_dense_tile176_" + l + "_peaky_bf16_d128_gqa4_1023x1500", .heads_q = 4, .heads_kv = 1,
+         .len_q = 1023, .len_kv = 1500, .head_dim = 128, .amplitude = 4.0f, .repeats = 2, .flash_schedule = schedule,
+         .dense_key_tile = 176, .seed = 63});
+  }
+  add({.name = "Small_dense_tile176_strided_rung2_bf16_d128_130x300", .heads_q = 2, .len_q = 130, .len_kv = 300,
+       .head_dim = 128, .seq_pad = 3, .dense_key_tile = 176, .seed = 64});
   // Rung 2 on one split (direct write) and a 64-row m-tile that is only partly real (group 3 x 7).
   add({.name = "Small_splitkv_f16_d128_one_split_gqa3_7x600", .dtype = DType::f16, .heads_q = 6, .heads_kv = 2,
        .len_q = 7, .len_kv = 600, .head_dim = 128, .expect_splits = 1, .seed = 44});

@@ -183,11 +183,15 @@ int sparsa_bench_ba_att(void* q, void* k, void* v, void* out, void* lse, int is_
 
 // 0: the flash executor's TMA kernel (rung 3) is not used, so rung 2 runs; 1: the default.
 void sparsa_bench_set_flash_tma(int on) { sparsa::cuda::detail::set_flash_tma(on != 0); }
-// Rung 3's consumer schedule (flash_tma_kernel.cuh): 0 plain (the default), 1 ping-pong, 2
-// ping-pong with each warpgroup's softmax overlapping its previous P V, 3 late P V without turns.
-void sparsa_bench_set_flash_schedule(int schedule) {
-  sparsa::cuda::detail::set_flash_schedule(static_cast<sparsa::cuda::detail::FlashSchedule>(schedule));
+// Rung 3's consumer schedule (flash_tma_kernel.cuh): 0 plain, 1 ping-pong, 2 ping-pong with each
+// warpgroup's softmax overlapping its previous P V (the default), 3 late P V without turns.
+// Returns the previous one.
+int sparsa_bench_set_flash_schedule(int schedule) {
+  return static_cast<int>(
+      sparsa::cuda::detail::set_flash_schedule(static_cast<sparsa::cuda::detail::FlashSchedule>(schedule)));
 }
+// Rung 3's key tile for dense calls at head_dim 128 without a mask: 128 (the default) or 176.
+void sparsa_bench_set_flash_dense_key_tile(int tile) { sparsa::cuda::detail::set_flash_dense_key_tile(tile); }
 // 1: block_sparse checks the plan's contents on the device (AttentionOptions::check_index, the
 // default); 0: the plan is trusted (sparsa_bench_attention only).
 void sparsa_bench_set_check_index(int on) { g_check_index = on != 0; }

@@ -52,7 +52,17 @@
 //   bench/RESULTS.md, 2026-12-05): of 3's time, 3b 0.964 / 0.916 dense and 0.914 / 0.925
 //   block-sparse at 8K / 32K; 3c 1.19 / 1.10 and 1.12 / 1.29 (slower); 3d 0.949 / 0.919 and
 //   0.989 / 1.029 (the order of the products helps dense only; the turns help both).
-// Promoted: rung 3 with schedule 3b when K and V are read in order, rung 2 otherwise (attention.cu).
+//   3c's slowness was ptxas's: C7514 / C7515 (every wgmma of the kernel serialised) because a
+//   branch skipped a product (tiles without keys, the first tile's missing P V) while another
+//   group was in flight. Fixed (2026-12-05): tiles without keys are not walked by producer or
+//   consumers, 3c peels its first tile and issues both products of a turn unconditionally, and
+//   waits for its last P V before the epilogue. Then (H100, same run): 3c 0.827 / 0.803 of 3's
+//   time dense (0.924x / 0.988x cuDNN), 0.815 / 0.941 block-sparse; BA-Att at 128K, 10%, 8.53x
+//   cuDNN against 3b's 7.92x. 3e: 176-key tiles (FlashAttention-3's tile for dense d 128,
+//   two stages): 3b 0.839x / 0.901x cuDNN, 3d 0.861x / 0.913x, 3c 0.730x / 0.797x (the
+//   profile: 3c at 176 stalls on long scoreboard, 2.7 cycles per instruction against 0.5).
+// Promoted: rung 3 with schedule 3c and 128-key tiles when K and V are read in order, rung 2
+//   otherwise (attention.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -40,7 +40,9 @@ using detail::SplitKvParams;
 constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
 constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
 std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
-std::atomic<detail::FlashSchedule> g_schedule{detail::FlashSchedule::pingpong};  // route.h: rung 3's schedule
+std::atomic<detail::FlashSchedule> g_schedule{detail::FlashSchedule::overlap};  // route.h: rung 3's schedule
+// route.h: the key tile of rung 3's dense calls at head_dim 128 without a mask (128 or 176).
+std::atomic<int> g_dense_key_tile{128};
 
 using detail::check_pointer;
 
@@ -95,6 +97,7 @@ bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3
 
 thread_local bool g_last_tma = false;
 thread_local detail::FlashSchedule g_last_schedule = detail::FlashSchedule::plain;
+thread_local int g_last_key_tile = 0;  // of the last flash launch (route.h)
 
 // Rung 3 with one of its consumer schedules.
 template <class T, int D, int BN, int STAGES, bool MASKED, int SCHEDULE>
@@ -107,13 +110,14 @@ Status launch_tma(dim3 grid, const FlashParams& p, const detail::TmaMaps& maps, 
 }
 
 // Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
-// the driver accepts (a variable-length batch too, its rows within int coordinates); rung 2
-// (flash_wgmma_kernel.cuh) otherwise.
-// MASKED: the kernels with the per-element mask compiled in (p.mask_kind is not none).
+// the driver accepts (a variable-length batch too, its rows within int coordinates); *launched
+// says whether it was. MASKED: the kernels with the per-element mask compiled in (p.mask_kind is
+// not none).
 template <class T, int D, int BN, bool MASKED>
-Status launch(const FlashParams& p, int device, cudaStream_t stream) {
-  // head_dim 256: Q alone is 64 KB, a K+V stage 64 KB at 64-key tiles, so two stages.
-  constexpr int kDStages = D == 256 ? 2 : kStages;
+Status launch_rung3(const FlashParams& p, int device, cudaStream_t stream, bool* launched) {
+  // head_dim 256: Q alone is 64 KB, a K+V stage 64 KB at 64-key tiles, so two stages; 176-key
+  // tiles: 44 KB a K or V stage, so two.
+  constexpr int kDStages = D == 256 || BN > 128 ? 2 : kStages;
   const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
   detail::TmaMaps maps;
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -142,11 +146,25 @@ Status launch(const FlashParams& p, int device, cudaStream_t stream) {
                                                                                               stream)));
         break;
     }
-  } else {
+  }
+  *launched = g_last_tma;
+  if (g_last_tma) g_last_key_tile = BN;
+  return {};
+}
+
+// Rung 3 when it can read K and V (launch_rung3), rung 2 (flash_wgmma_kernel.cuh) otherwise.
+template <class T, int D, int BN, bool MASKED>
+Status launch(const FlashParams& p, int device, cudaStream_t stream) {
+  bool launched = false;
+  SPARSA_RETURN_IF_ERROR((launch_rung3<T, D, BN, MASKED>(p, device, stream, &launched)));
+  if (!launched) {
+    constexpr int kDStages = D == 256 ? 2 : kStages;
     using Shape = detail::WgmmaShape<D, BN, kDStages>;
     constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kDStages, false, MASKED>;
+    const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
     SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
     kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+    g_last_key_tile = BN;
   }
   SPARSA_CUDA_CHECK_LAUNCH();
   return {};
@@ -158,11 +176,25 @@ Status launch_tiles(FlashParams p, const BlockIndex* index, int device, cudaStre
   const int key_tile = D == 256 || (index != nullptr && index->block_kv <= 64) ? 64 : 128;
   if (index == nullptr) {  // dense: the same mainloop over every key tile
     p.block_q = kRows;
-    p.block_kv = key_tile;
     p.num_q_blocks = ceil_div(p.len_q, kRows);
-    p.num_kv_blocks = ceil_div(p.len_kv, key_tile);
+    auto key_tiles = [&](int tile) {
+      p.block_kv = tile;
+      p.num_kv_blocks = ceil_div(p.len_kv, tile);
+    };
     // Causal and block-causal: a query tile's keys grow with its position; the longest first.
     p.reverse_tiles = p.mask_kind == detail::kMaskCausal || p.mask_kind == detail::kMaskBlockCausal;
+    if constexpr (D == 128) {  // 176-key tiles (route.h): rung 3 only, no mask, no varlen
+      if (g_dense_key_tile.load() == 176 && p.mask_kind == detail::kMaskNone && p.cu_seqlens_kv == nullptr) {
+        key_tiles(176);
+        bool launched = false;
+        SPARSA_RETURN_IF_ERROR((launch_rung3<T, D, 176, false>(p, device, stream, &launched)));
+        if (launched) {
+          SPARSA_CUDA_CHECK_LAUNCH();
+          return {};
+        }
+      }
+    }
+    key_tiles(key_tile);
   } else {
     p.tiles_per_q_block = ceil_div(p.block_q, kRows);
     p.chunks_per_kv_block = ceil_div(p.block_kv, key_tile);
@@ -379,6 +411,8 @@ detail::FlashSchedule detail::last_flash_schedule() {
   return g_last_tma ? g_last_schedule : detail::FlashSchedule::plain;
 }
 detail::FlashSchedule detail::set_flash_schedule(detail::FlashSchedule schedule) { return g_schedule.exchange(schedule); }
+int detail::set_flash_dense_key_tile(int tile) { return g_dense_key_tile.exchange(tile == 176 ? 176 : 128); }
+int detail::last_flash_key_tile() { return g_last_key_tile; }
 int detail::last_split_kv_splits() { return g_last_splits; }
 bool detail::last_split_kv_used_tma() { return g_last_split_kv_tma; }
 bool detail::set_split_kv_tma(bool on) { return g_use_split_kv_tma.exchange(on); }
@@ -462,6 +496,7 @@ void set_mask(const sparsa::detail::AttentionParams& a, FlashParams* p) {
 Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;
   g_last_tma = false;
+  g_last_key_tile = 0;
   g_last_splits = 0;
   g_last_split_kv_tma = false;
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {

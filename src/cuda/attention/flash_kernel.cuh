@@ -204,6 +204,18 @@ struct KeyTiles {
     }
     if (++chunk == p.chunks_per_kv_block) chunk = 0, ++slot;
   }
+  // The next tile with keys (a padded index entry, a block past the keys, a chunk past its block's
+  // end or one no row of the CTA sees are passed over); false when none is left. Rung 3's producer
+  // and consumers walk the tiles this way, so empty tiles cost them nothing.
+  __device__ __forceinline__ bool next_nonempty(const FlashParams& p, int& begin, int& end) {
+    while (walked < num_tiles) {
+      ++walked;
+      next(p, begin, end);
+      if (end > begin) return true;
+    }
+    return false;
+  }
+  int walked = 0;  // tiles next_nonempty has passed
 };
 
 // ---- the mask hook (sparsa/attention.h states the masks; core/mask.cpp is the host's copy) ----

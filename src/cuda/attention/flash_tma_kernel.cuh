@@ -91,8 +91,8 @@ __device__ __forceinline__ void zero_v_rows(uint32_t v_smem, int stage, int vali
   asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
 }
 
-// The consumers' schedules (SCHEDULE; the loop below says each): rung 3's promoted one, and two
-// ladder rungs under measurement (detail::set_flash_schedule).
+// The consumers' schedules (SCHEDULE; the loop below says each): overlap, rung 3's promoted one,
+// and the ladder rungs measured beside it (detail::set_flash_schedule).
 constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2, kScheduleLate = 3;
 
 // MASKED: as flash_wgmma_kernel's (the per-element mask compiled in). SCHEDULE other than plain:
@@ -100,7 +100,7 @@ constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2, k
 // zero_v_rows).
 template <class T, int D, int BN, int STAGES, bool MASKED = false, int SCHEDULE = kSchedulePlain>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
-  static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns");
+  static_assert(D % 64 == 0 && BN % 16 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns, k16 steps");
   using Shape = TmaShape<D, BN, STAGES>;
   constexpr int BM = Shape::kBM;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -127,7 +127,6 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   // does not depend on the warp).
   const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, threadIdx.x / 32 - 4) : CtaMask<BM>{};
   KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb, tile.len_kv, mask.key_min, mask.key_max);
-  const int num_tiles = tiles.num_tiles;
   const bool varlen = p.cu_seqlens_kv != nullptr;
 
   if (threadIdx.x < 128) {  // ---- producer ----
@@ -135,12 +134,10 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
     if (threadIdx.x != 0) return;
     // A variable-length batch: the sequence's first row in the one [1, heads_kv, rows, D] map.
     const int row0 = static_cast<int>(tile.kv_row0), batch = varlen ? 0 : tile.b;
-    for (int t = 0; t < num_tiles; ++t) {
+    int begin = 0, end = 0;
+    for (int t = 0; tiles.next_nonempty(p, begin, end); ++t) {
       const int stage = t % STAGES, use = t / STAGES;
       if (use > 0) mbar_wait(empty(stage), (use - 1) & 1);
-      int begin = 0, end = 0;
-      tiles.next(p, begin, end);
-      if (end <= begin) begin = 0;  // a skipped block: any rows will do, the consumers skip the tile
       mbar_expect_tx(full(stage), 2 * Shape::kKVBytes);
 #pragma unroll
       for (int sub = 0; sub < D / 64; ++sub) {
@@ -168,7 +165,7 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   //   runs while the other's products do. A turn issues P V of the previous tile and S of this
   //   one; warpgroup w waits on named barrier 2 + w to start a turn and arrives on the other's to
   //   end it. Warpgroup 0 goes first (warpgroup 1 arrives on barrier 2 once before its first
-  //   turn); both take num_tiles + 1 turns (the last one P V alone), and warpgroup 1 skips the
+  //   turn); both take one turn per key tile and one more (the last P V alone), and warpgroup 1 skips the
   //   arrive after its last turn, so each barrier completes exactly as often as it is waited on.
   // overlap: pingpong, and inside a warpgroup the softmax of S_t runs while P V_{t-1} does: the
   //   turn applies O's deferred rescale, issues S_t, then P V_{t-1}; the warpgroup waits for S_t
@@ -186,55 +183,79 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   auto turn_end = [&] {
     if constexpr (kTurns) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - warpgroup) : "memory");
   };
-  if (kTurns && num_tiles > 0 && warpgroup == 1) turn_end();  // warpgroup 0's first turn
+  int begin = 0, end = 0;  // the key range of the current tile; valid = end - begin > 0, CTA-uniform
+  bool more = tiles.next_nonempty(p, begin, end);
+  if (kTurns && more && warpgroup == 1) turn_end();  // warpgroup 0's first turn
   uint32_t p_frag[BN / 16][4];  // late P V: P of the last tile, until the next iteration's P V
-  float alpha[2] = {1.0f, 1.0f};  // overlap: the last tile's rescale of O, deferred to its P V
-  int last_stage = 0, last_valid = 0;
-  for (int t = 0; t < num_tiles; ++t) {
-    const int stage = t % STAGES, use = t / STAGES;
-    int begin = 0, end = 0;
-    tiles.next(p, begin, end);
-    const int valid = end - begin;  // CTA-uniform
-    mbar_wait(full(stage), use & 1);
-    if (!kTurns && varlen && valid > 0 && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
-    auto mask_hook = [&](float(&s)[BN / 8][4]) {
-      if constexpr (MASKED) mask(p, s, begin, valid);
-    };
-    if constexpr (SCHEDULE == kSchedulePlain) {
-      consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
-    } else if constexpr (SCHEDULE == kSchedulePingpong || SCHEDULE == kScheduleLate) {
+  auto mask_hook = [&](float(&s)[BN / 8][4]) {
+    if constexpr (MASKED) mask(p, s, begin, end - begin);
+  };
+  if constexpr (SCHEDULE == kScheduleOverlap) {
+    // No branch may skip a product here (ptxas then serialises every wgmma of the kernel, C7514 /
+    // C7515): the first tile's turn (S_0 alone) comes before the loop, and the loop's turns issue
+    // both products unconditionally (every tile has keys: empty ones are not walked).
+    if (more) {
+      float alpha[2];  // the last tile's rescale of O, deferred to its P V
+      int t = 0, last_stage = 0;
+      mbar_wait(full(0), 0);
       turn_begin();
-      if (t > 0) consumer.multiply_v(last_stage, last_valid, p_frag);
-      consumer.issue_scores(stage, valid);
+      consumer.issue_scores_now(0);
       turn_end();
-      consumer.wait_products();  // S_t; P V_{t-1} complete
-    } else {
+      consumer.wait_products();
+      consumer.probabilities_in_place(end - begin, p.scale_log2, mask_hook, alpha);
+      consumer.pack(end - begin, p_frag);
+      while (tiles.next_nonempty(p, begin, end)) {
+        const int stage = ++t % STAGES, use = t / STAGES;
+        mbar_wait(full(stage), use & 1);
+        turn_begin();
+        consumer.rescale_o(alpha);  // O is not in flight (P V_{t-2} was waited for)
+        consumer.issue_scores_now(stage);  // S_t first: the wait below is for it alone
+        consumer.multiply_v_now(last_stage, p_frag);
+        turn_end();
+        consumer.wait_scores();  // S_t (P V_{t-1} may still run)
+        consumer.probabilities_in_place(end - begin, p.scale_log2, mask_hook, alpha);
+        consumer.wait_products();  // P V_{t-1} complete: tile t-1's K and V are read
+        if (threadIdx.x % 32 == 0) mbar_arrive(empty(last_stage));
+        consumer.pack(end - begin, p_frag);
+        last_stage = stage;
+      }
+      turn_begin();  // the last turn: the last tile's P V
+      consumer.rescale_o(alpha);
+      consumer.multiply_v_now(last_stage, p_frag);
+      if (warpgroup == 0) turn_end();
+      consumer.wait_products();  // here, not in store (after the branch): ptxas serialises otherwise
+    }
+  } else {
+    int last_stage = 0, last_valid = 0, t = 0;
+    for (; more; ++t) {
+      const int stage = t % STAGES, use = t / STAGES;
+      const int valid = end - begin;
+      mbar_wait(full(stage), use & 1);
+      if (!kTurns && varlen && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
+      if constexpr (SCHEDULE == kSchedulePlain) {
+        consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
+      } else {
+        turn_begin();
+        if (t > 0) consumer.multiply_v(last_stage, last_valid, p_frag);
+        consumer.issue_scores(stage, valid);
+        turn_end();
+        consumer.wait_products();  // S_t; P V_{t-1} complete
+      }
+      // tile t-1's K and V are read
+      if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));
+      if constexpr (SCHEDULE == kSchedulePlain) {
+        consumer.accumulate(stage, valid, p.scale_log2, mask_hook);  // P V issued now
+      } else {
+        consumer.probabilities(valid, p.scale_log2, mask_hook, p_frag);
+      }
+      last_stage = stage, last_valid = valid;
+      more = tiles.next_nonempty(p, begin, end);
+    }
+    if (kLatePv && t > 0) {  // the last turn: the last tile's P V
       turn_begin();
-      const bool pv = t > 0 && last_valid > 0;
-      if (pv) consumer.rescale_o(alpha);  // O is not in flight (P V_{t-2} was waited for)
-      consumer.issue_scores(stage, valid);  // S_t first: the wait below is for it alone
-      if (pv) consumer.multiply_v(last_stage, last_valid, p_frag);
-      turn_end();
-      consumer.wait_scores(valid > 0 && pv);  // S_t (P V_{t-1} may still run)
-      consumer.probabilities_in_place(valid, p.scale_log2, mask_hook, alpha);
-      consumer.wait_products();  // P V_{t-1} complete
+      consumer.multiply_v(last_stage, last_valid, p_frag);
+      if (warpgroup == 0) turn_end();
     }
-    // tile t-1's K and V are read
-    if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));
-    if constexpr (SCHEDULE == kSchedulePlain) {
-      consumer.accumulate(stage, valid, p.scale_log2, mask_hook);  // P V issued now
-    } else if constexpr (SCHEDULE == kSchedulePingpong || SCHEDULE == kScheduleLate) {
-      consumer.probabilities(valid, p.scale_log2, mask_hook, p_frag);
-    } else {
-      consumer.pack(valid, p_frag);
-    }
-    last_stage = stage, last_valid = valid;
-  }
-  if (kLatePv && num_tiles > 0) {  // the last turn: the last tile's P V
-    turn_begin();
-    if (SCHEDULE == kScheduleOverlap && last_valid > 0) consumer.rescale_o(alpha);
-    consumer.multiply_v(last_stage, last_valid, p_frag);
-    if (warpgroup == 0) turn_end();
   }
   consumer.template store<false>(p, tile, threadIdx.x / 32 - 4);
 }

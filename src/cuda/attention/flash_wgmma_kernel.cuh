@@ -86,12 +86,14 @@ struct WgmmaConsumer {
   }
   // scores' two parts (the ping-pong schedule issues between them: flash_tma_kernel.cuh).
   __device__ __forceinline__ void issue_scores(int stage, int valid) {
-    if (valid > 0) {
-      wgmma_fence();
+    if (valid > 0) issue_scores_now(stage);
+  }
+  // The same without the test (flash_tma_kernel.cuh's overlapped schedule, whose every tile has keys).
+  __device__ __forceinline__ void issue_scores_now(int stage) {
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat(), q_desc(kk), k_desc(stage, kk), kk > 0);
-      wgmma_commit();
-    }
+    for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, BN>::template ss<0>(s_flat(), q_desc(kk), k_desc(stage, kk), kk > 0);
+    wgmma_commit();
   }
   __device__ __forceinline__ void wait_products() {
     wgmma_wait<0>();
@@ -158,32 +160,29 @@ struct WgmmaConsumer {
     }
   }
   __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) { rescale<kDT>(o, alpha); }
-  // S complete; the P V issued after it may still run (it was: pv_pending) or not.
-  __device__ __forceinline__ void wait_scores(bool pv_pending) {
-    if (pv_pending) {
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
+  // S complete (the one group committed after it, a P V, may still run).
+  __device__ __forceinline__ void wait_scores() {
+    wgmma_wait<1>();
     fence_registers(s_flat());
   }
   __device__ __forceinline__ void multiply_v(int stage, int valid, const uint32_t (&p_frag)[kNT / 2][4]) {
-    if (valid > 0) {
-      wgmma_fence();
+    if (valid > 0) multiply_v_now(stage, p_frag);
+  }
+  __device__ __forceinline__ void multiply_v_now(int stage, const uint32_t (&p_frag)[kNT / 2][4]) {
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        if constexpr (D <= 128) {
-          Wgmma<T, D>::template rs<1>(o_flat(), p_frag[kk], v_desc(stage, kk), 1);
-        } else {  // O's columns [128 j, 128 j + 128) are accumulator elements [64 j, 64 j + 64)
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      if constexpr (D <= 128) {
+        Wgmma<T, D>::template rs<1>(o_flat(), p_frag[kk], v_desc(stage, kk), 1);
+      } else {  // O's columns [128 j, 128 j + 128) are accumulator elements [64 j, 64 j + 64)
 #pragma unroll
-          for (int j = 0; j < D / 128; ++j) {
-            Wgmma<T, 128>::template rs<1>(reinterpret_cast<float(&)[64]>(o_flat()[64 * j]), p_frag[kk],
-                                           v_desc(stage, kk, 128 * j), 1);
-          }
+        for (int j = 0; j < D / 128; ++j) {
+          Wgmma<T, 128>::template rs<1>(reinterpret_cast<float(&)[64]>(o_flat()[64 * j]), p_frag[kk],
+                                         v_desc(stage, kk, 128 * j), 1);
         }
       }
-      wgmma_commit();
     }
+    wgmma_commit();
   }
   // After the last tile: its P V complete, then O / l and LSE at the original query positions.
   // OUTLINED: the epilogue as a call (store_tile_rows_outlined), not inlined.

@@ -20,8 +20,8 @@ Route last_dense_route();
 bool last_flash_used_tma();
 // Allows (true, the default) or forbids the TMA kernel, process-wide; returns the previous setting.
 bool set_flash_tma(bool on);
-// The TMA kernel's consumer schedules (flash_tma_kernel.cuh): plain, pingpong (the default: the
-// two consumer warpgroups take turns at the tensor cores), overlap (pingpong, and each
+// The TMA kernel's consumer schedules (flash_tma_kernel.cuh): plain, pingpong (the two consumer
+// warpgroups take turns at the tensor cores), overlap (the default: pingpong, and each
 // warpgroup's softmax overlapping its own previous P V), late (pingpong's order of the products
 // without the turns). Measured side by side in bench/RESULTS.md; variable-length calls run plain.
 enum class FlashSchedule { plain, pingpong, overlap, late };
@@ -30,6 +30,12 @@ FlashSchedule last_flash_schedule();
 // The TMA kernel's schedule from now on, process-wide; returns the previous one. Variable-length
 // batches always take plain.
 FlashSchedule set_flash_schedule(FlashSchedule schedule);
+// The key tile of rung 3's dense calls at head_dim 128 without a mask or a variable-length batch:
+// 128 (the default) or 176 (FlashAttention-3's choice for that shape; measured side by side in
+// bench/RESULTS.md); any other value means 128. Process-wide; returns the previous one.
+int set_flash_dense_key_tile(int tile);
+// The key tile of the last flash launch on this thread.
+int last_flash_key_tile();
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
 // Whether the last split-KV launch on this thread was the wgmma + TMA kernel (rung 2,

@@ -65,8 +65,8 @@ __device__ __forceinline__ void fence_registers(float (&d)[R]) {
 // proxy that wgmma reads shared memory through; followed by a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Inline PTX needs every accumulator register named; these spell the D operand out once. D32 / D64:
-// the "{%0,...}" list of the first 32 / 64 operands; D32_OPS / D64_OPS: their "+f" constraints.
+// Inline PTX needs every accumulator register named; these spell the D operand out once. D32 / D64 /
+// D88: the "{%0,...}" list of the first 32 / 64 / 88 operands; D*_OPS: their "+f" constraints.
 #define SPARSA_WGMMA_D32 \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
   "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
@@ -86,6 +86,19 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+#define SPARSA_WGMMA_D88 \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63," \
+  "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
+  "%80,%81,%82,%83,%84,%85,%86,%87}"
+#define SPARSA_WGMMA_D88_OPS(d) \
+  SPARSA_WGMMA_D64_OPS(d), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 
 // wgmma m64nNk16 with f32 accumulation for b16 inputs T and width N. ss: A and B from shared
 // memory (A K-major); rs: A from registers. TRANS_B = 0: B is K-major, 1: MN-major.
@@ -125,6 +138,11 @@ SPARSA_WGMMA_B16(__nv_bfloat16, "bf16", 128, SPARSA_WGMMA_D64, SPARSA_WGMMA_D64_
                  "%64, %65, p, 1, 1, 0, %67", "%69", "{%64,%65,%66,%67}, %68, p, 1, 1, %70")
 SPARSA_WGMMA_B16(__half, "f16", 128, SPARSA_WGMMA_D64, SPARSA_WGMMA_D64_OPS, "%66", "%64, %65, p, 1, 1, 0, %67",
                  "%69", "{%64,%65,%66,%67}, %68, p, 1, 1, %70")
+// N = 176: the score tile of the dense executor's 176-key tiles (attention.cu).
+SPARSA_WGMMA_B16(__nv_bfloat16, "bf16", 176, SPARSA_WGMMA_D88, SPARSA_WGMMA_D88_OPS, "%90",
+                 "%88, %89, p, 1, 1, 0, %91", "%93", "{%88,%89,%90,%91}, %92, p, 1, 1, %94")
+SPARSA_WGMMA_B16(__half, "f16", 176, SPARSA_WGMMA_D88, SPARSA_WGMMA_D88_OPS, "%90", "%88, %89, p, 1, 1, 0, %91", "%93",
+                 "{%88,%89,%90,%91}, %92, p, 1, 1, %94")
 #undef SPARSA_WGMMA_B16
 
 // wgmma m64nNk8 with tf32 inputs (f32 bit patterns; the tensor cores read sign, exponent and the

@@ -98,11 +98,30 @@ bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3
 thread_local bool g_last_tma = false;
 thread_local detail::FlashSchedule g_last_schedule = detail::FlashSchedule::plain;
 thread_local int g_last_key_tile = 0;  // of the last flash launch (route.h)
+std::atomic<bool> g_persistent{false};  // route.h: rung 3's persistent kernels
+thread_local bool g_last_persistent = false;
 
-// Rung 3 with one of its consumer schedules.
+// Rung 3 with one of its consumer schedules. The persistent kernels exist for the two schedules
+// under measurement without a mask (route.h set_flash_persistent); a call that asks for one
+// otherwise runs the grid of one CTA per work item. g_last_persistent says which ran.
 template <class T, int D, int BN, int STAGES, bool MASKED, int SCHEDULE>
 Status launch_tma(dim3 grid, const FlashParams& p, const detail::TmaMaps& maps, int device, cudaStream_t stream) {
   using Shape = detail::TmaShape<D, BN, STAGES>;
+  constexpr bool kCanPersist = !MASKED && (SCHEDULE == detail::kSchedulePingpong || SCHEDULE == detail::kScheduleOverlap);
+  g_last_persistent = false;
+  if constexpr (kCanPersist) {
+    if (g_persistent.load() && p.cu_seqlens_kv == nullptr) {
+      constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, STAGES, MASKED, SCHEDULE, true>;
+      SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
+      int sms = 1;
+      SPARSA_RETURN_IF_ERROR(detail::sm_count(device, &sms));
+      const int64_t items = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+      const dim3 one_wave(static_cast<unsigned>(std::min<int64_t>(items, sms)));  // one CTA per SM fits
+      kernel<<<one_wave, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
+      g_last_persistent = true;
+      return {};
+    }
+  }
   constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, STAGES, MASKED, SCHEDULE>;
   SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
   kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
@@ -413,6 +432,8 @@ detail::FlashSchedule detail::last_flash_schedule() {
 detail::FlashSchedule detail::set_flash_schedule(detail::FlashSchedule schedule) { return g_schedule.exchange(schedule); }
 int detail::set_flash_dense_key_tile(int tile) { return g_dense_key_tile.exchange(tile == 176 ? 176 : 128); }
 int detail::last_flash_key_tile() { return g_last_key_tile; }
+bool detail::set_flash_persistent(bool on) { return g_persistent.exchange(on); }
+bool detail::last_flash_persistent() { return g_last_tma && g_last_persistent; }
 int detail::last_split_kv_splits() { return g_last_splits; }
 bool detail::last_split_kv_used_tma() { return g_last_split_kv_tma; }
 bool detail::set_split_kv_tma(bool on) { return g_use_split_kv_tma.exchange(on); }
@@ -497,6 +518,7 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;
   g_last_tma = false;
   g_last_key_tile = 0;
+  g_last_persistent = false;
   g_last_splits = 0;
   g_last_split_kv_tma = false;
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {

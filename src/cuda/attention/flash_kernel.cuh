@@ -289,15 +289,19 @@ struct QueryTile {
   int64_t q_row0 = 0, kv_row0 = 0;
   const int32_t* perm;
 
-  __device__ __forceinline__ explicit QueryTile(const FlashParams& p) {
-    h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  __device__ __forceinline__ explicit QueryTile(const FlashParams& p)
+      : QueryTile(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), static_cast<int>(blockIdx.y),
+                  static_cast<int>(blockIdx.z)) {}
+  // Query tile x of the gx of (head h, sequence b): a persistent CTA's work item.
+  __device__ __forceinline__ QueryTile(const FlashParams& p, int x, int gx, int head, int seq) {
+    h = head, b = seq, h_kv = h / p.group;
     len_q = p.len_q, len_kv = p.len_kv;
     if (p.cu_seqlens_q != nullptr) {
       q_row0 = p.cu_seqlens_q[b], kv_row0 = p.cu_seqlens_kv[b];
       len_q = static_cast<int>(p.cu_seqlens_q[b + 1] - q_row0);
       len_kv = static_cast<int>(p.cu_seqlens_kv[b + 1] - kv_row0);
     }
-    const int tile = p.reverse_tiles ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+    const int tile = p.reverse_tiles ? gx - 1 - x : x;
     qb = tile / p.tiles_per_q_block;
     begin = qb * p.block_q + (tile % p.tiles_per_q_block) * ROWS;
     end = min(min((qb + 1) * p.block_q, len_q), begin + ROWS);

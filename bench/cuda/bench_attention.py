@@ -356,28 +356,25 @@ def main():
         sp.lib.sparsa_bench_set_flash_tma(0)  # the previous rung (cp.async, no producer warp), same run
         res["sparsa_dense_rung2"] = sp.run(q, k, v, out, lse, iters=iters)
         sp.lib.sparsa_bench_set_flash_tma(1)
+        def dense_variant(key):  # the executor as now set: checked against cuDNN, then timed
+            sp.run(q, k, v, out, lse, warmup=1)
+            torch.cuda.synchronize()
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                res[f"err_{key}_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
+            res[f"sparsa_dense_{key}"] = sp.run(q, k, v, out, lse, iters=iters)
+
         # Rung 3 with each consumer schedule and each dense key tile (128, 176) in the same run,
-        # each checked against cuDNN.
+        # then the persistent kernels of the two turn-taking schedules (one CTA per multiprocessor).
         for tile, suffix in ((128, ""), (176, "_176")):
             sp.lib.sparsa_bench_set_flash_dense_key_tile(tile)
             for sched, name in SCHEDULES.items():
                 sp.lib.sparsa_bench_set_flash_schedule(sched)
-                sp.run(q, k, v, out, lse, warmup=1)
-                torch.cuda.synchronize()
-                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                    res[f"err_{name}{suffix}_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
-                res[f"sparsa_dense_{name}{suffix}"] = sp.run(q, k, v, out, lse, iters=iters)
+                dense_variant(f"{name}{suffix}")
         sp.lib.sparsa_bench_set_flash_dense_key_tile(128)
-        # The persistent kernels of the two turn-taking schedules (one CTA per multiprocessor).
         sp.lib.sparsa_bench_set_flash_persistent(1)
         for sched in (1, 2):
-            name = SCHEDULES[sched]
             sp.lib.sparsa_bench_set_flash_schedule(sched)
-            sp.run(q, k, v, out, lse, warmup=1)
-            torch.cuda.synchronize()
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                res[f"err_{name}_persistent_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
-            res[f"sparsa_dense_{name}_persistent"] = sp.run(q, k, v, out, lse, iters=iters)
+            dense_variant(f"{SCHEDULES[sched]}_persistent")
         sp.lib.sparsa_bench_set_flash_persistent(int(args.persistent))
         sp.lib.sparsa_bench_set_flash_schedule(args.schedule)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

@@ -102,12 +102,14 @@ std::atomic<bool> g_persistent{false};  // route.h: rung 3's persistent kernels
 thread_local bool g_last_persistent = false;
 
 // Rung 3 with one of its consumer schedules. The persistent kernels exist for the two schedules
-// under measurement without a mask (route.h set_flash_persistent); a call that asks for one
+// under measurement at head_dim 128 without a mask (route.h set_flash_persistent; the one shape
+// until they are measured, to keep attention.cu's build short); a call that asks for one
 // otherwise runs the grid of one CTA per work item. g_last_persistent says which ran.
 template <class T, int D, int BN, int STAGES, bool MASKED, int SCHEDULE>
 Status launch_tma(dim3 grid, const FlashParams& p, const detail::TmaMaps& maps, int device, cudaStream_t stream) {
   using Shape = detail::TmaShape<D, BN, STAGES>;
-  constexpr bool kCanPersist = !MASKED && (SCHEDULE == detail::kSchedulePingpong || SCHEDULE == detail::kScheduleOverlap);
+  constexpr bool kCanPersist =
+      D == 128 && !MASKED && (SCHEDULE == detail::kSchedulePingpong || SCHEDULE == detail::kScheduleOverlap);
   g_last_persistent = false;
   if constexpr (kCanPersist) {
     if (g_persistent.load() && p.cu_seqlens_kv == nullptr) {

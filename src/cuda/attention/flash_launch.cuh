@@ -56,10 +56,10 @@ Status allow_smem(int device, size_t smem_bytes) {
 bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const detail::AttentionArgs& p,
                    int d, int bn, bool bf16, int64_t rows = -1);
 
-// Rung 3 with one of its consumer schedules. The persistent kernels exist for the two schedules
-// under measurement at head_dim 128 without a mask (route.h set_flash_persistent; the one shape
-// until they are measured, to keep attention.cu's build short); a call that asks for one
-// otherwise runs the grid of one CTA per work item. g_last_persistent says which ran.
+// Rung 3 with one of its consumer schedules. The persistent kernels exist for the pingpong and
+// overlap schedules at head_dim 128 without a mask (route.h set_flash_persistent, off: measured
+// 5-15% slower than the per-item grid, bench/RESULTS.md); a call that asks for one otherwise runs
+// the grid of one CTA per work item. g_last_persistent says which ran.
 template <class T, int D, int BN, int STAGES, bool MASKED, int SCHEDULE>
 Status launch_tma(dim3 grid, const FlashParams& p, const detail::TmaMaps& maps, int device, cudaStream_t stream) {
   using Shape = detail::TmaShape<D, BN, STAGES>;

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import rounds  # bench/cuda/rounds.py: variants timed in interleaved rounds
+
 CEILING = 790.0  # bf16 TFLOP/s measured on this H200 kind (8192^3 matmul, random data)
 # Flash rung 3's consumer schedules (sparsa_bench_set_flash_schedule; flash_tma_kernel.cuh).
 SCHEDULES = {0: "plain", 1: "pingpong", 2: "overlap", 3: "late"}
@@ -305,6 +307,8 @@ def main():
                          " (default: the library's; the dense and sparse rows time each schedule either way)")
     ap.add_argument("--persistent", action="store_true",
                     help="rung 3's persistent kernels for every sparsa call (pingpong and overlap without a mask)")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="interleaved rounds of the comparison against the peers (rounds.py); 0: skip them")
     args = ap.parse_args()
     ctypes.CDLL(args.lib).sparsa_bench_set_flash_persistent(int(args.persistent))
     set_schedule = ctypes.CDLL(args.lib).sparsa_bench_set_flash_schedule
@@ -384,6 +388,26 @@ def main():
         res["flex_dense"] = time_torch(lambda: flex(q, k, v), iters)
         del ref
 
+        # The main comparison again in interleaved rounds (rounds.py): each round times every variant
+        # once, and a ratio is taken within a round, so the clocks' drift over the run falls on all.
+        def sparsa_timed(schedule, *plan, calls=iters):
+            def run():
+                sp.lib.sparsa_bench_set_flash_schedule(schedule)
+                try:
+                    return sp.run(q, k, v, out, lse, *plan, warmup=1, iters=calls)
+                finally:
+                    sp.lib.sparsa_bench_set_flash_schedule(args.schedule)
+            return run
+
+        def cudnn_timed():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return time_torch(lambda: F.scaled_dot_product_attention(q, k, v), iters, warmup=1)
+
+        if args.rounds > 0:
+            res["rounds_dense"] = rounds.summarise(rounds.interleaved(
+                [("SDPA cuDNN", cudnn_timed), ("sparsa dense overlap", sparsa_timed(2)),
+                 ("sparsa dense pingpong", sparsa_timed(1))], args.rounds, lambda f: f()), "SDPA cuDNN")
+
         sp.run(q, k, v, out, lse, counts, indices, warmup=1)
         torch.cuda.synchronize()
         zeros_n = torch.zeros_like(counts)
@@ -417,6 +441,12 @@ def main():
             res[f"err_sparse_{name}_persistent_vs_flex"] = rel_err(out, ref)
         sp.lib.sparsa_bench_set_flash_persistent(int(args.persistent))
         sp.lib.sparsa_bench_set_flash_schedule(args.schedule)
+        if args.rounds > 0:
+            res["rounds_sparse"] = rounds.summarise(rounds.interleaved(
+                [("Flex sparse", lambda: time_torch(lambda: flex(q, k, v, block_mask=bm), iters * 3, warmup=1)),
+                 ("sparsa sparse overlap", sparsa_timed(2, counts, indices, calls=iters * 3)),
+                 ("sparsa sparse pingpong", sparsa_timed(1, counts, indices, calls=iters * 3))], args.rounds, lambda f: f()),
+                "Flex sparse")
         res.update(N=N, density=density, dense_flops=dense_flops, sparse_flops=sparse_flops)
         rows.append(res)
         print(json.dumps(res), flush=True)
@@ -471,6 +501,11 @@ def main():
             print(f"{N:>6} {n} / plain rung 3 time: dense {r[f'sparsa_dense_{n}'] / r['sparsa_dense_plain']:.3f}, "
                   f"sparse {r[f'sparsa_sparse_{n}'] / r['sparsa_sparse_plain']:.3f}; rel err dense vs cuDNN "
                   f"{r[f'err_{n}_vs_cudnn']:.2e}, sparse vs Flex {r[f'err_sparse_{n}_vs_flex']:.2e}")
+        for key, base in (("rounds_dense", "SDPA cuDNN"), ("rounds_sparse", "Flex sparse")):
+            if key in r:
+                for line in rounds.table(r[key], base, f"{args.rounds} interleaved rounds (the median of the "
+                                         "per-round ratios, and their range):"):
+                    print(f"{N:>6} {line}")
     if args.prefix_sizes:
         print()
         bench_prefix(sp.lib, args.prefix_sizes)

@@ -363,7 +363,11 @@ Status forward_llada(const Config& c, const Weights& w, State& s, std::span<cons
 Status forward_sdar(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits);
 Status forward_dream(const Config& c, const Weights& w, State& s, std::span<const Chunk> chunks, float* logits);
 
+// A process-unique id for each model made (Model::Impl::id).
+uint64_t next_model_id();
+
 struct Model::Impl {
+  const uint64_t id = next_model_id();  // whose K/V a PromptCache holds
   std::string dir;
   Config config;
   LoadOptions options;
@@ -425,15 +429,31 @@ std::vector<int64_t> top_k(const std::vector<double>& conf, int64_t k);
 std::vector<int64_t> sample_k(const std::vector<double>& conf, int64_t k, double temperature, uint64_t* rng);
 bool is_eos(const Config& c, int32_t token);
 
+// What a PromptCache holds: the K/V of its `tokens` (whole blocks) per layer, made by the model
+// with id `model`.
+struct PromptCache::State {
+  uint64_t model = 0;
+  std::vector<int32_t> tokens;
+  std::vector<PagedKVCache> layers;
+};
+// The prompt cache in a loop (model_common.cpp). reuse_prompt_cache: copies into the empty cpu
+// sequence `seq` the K/V of the longest run of the cache's leading whole blocks (of block_size
+// tokens) whose tokens equal the prompt's, at most max_blocks of them; returns the tokens reused
+// (0 when the cache holds another model's). keep_prompt_cache: the cache takes seq's K/V and the
+// canvas tokens they are of.
+int64_t reuse_prompt_cache(const Model::Impl& m, const PromptCache::State& cache, std::span<const int32_t> prompt,
+                           int64_t max_blocks, Sequence& seq);
+void keep_prompt_cache(const Model::Impl& m, PromptCache::State& cache, std::span<const int32_t> canvas, Sequence& seq);
+
 // The loops (one file each): requests already validated by Model::generate.
 Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                        const GenerateOptions& o, const BlockCallback& cb);
 Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                              const GenerateOptions& o, const BlockCallback& cb);
 Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
-                                      const GenerateOptions& o, const BlockCallback& cb);
+                                      const GenerateOptions& o, const BlockCallback& cb, PromptCache* cache);
 Result<GenerateResult> generate_fast_dllm(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
-                                          const GenerateOptions& o, const BlockCallback& cb);
+                                          const GenerateOptions& o, const BlockCallback& cb, PromptCache* cache);
 Result<GenerateResult> generate_dream(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                       const GenerateOptions& o, const BlockCallback& cb);
 

@@ -10,13 +10,14 @@
 // (SDAR's low_confidence_dynamic); with threshold 0 the scheduled top-k (low_confidence_static).
 // When the block has no mask left, one more pass writes its final K/V into the cache — the
 // prefix is therefore exact: every cached K/V is that of committed tokens under the model's
-// own block-causal attention.
+// own block-causal attention. A PromptCache (one request) lends the prompt's leading blocks that
+// match its tokens, and takes the blocks the call ends with.
 #include "loop_common.h"
 
 namespace sparsa::dlm {
 
 Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
-                                      const GenerateOptions& o, const BlockCallback& cb) {
+                                      const GenerateOptions& o, const BlockCallback& cb, PromptCache* cache) {
   const Config c = loop_config(m.config, o);  // the EOS ids of this request set
   const int64_t B = c.block_size;
   GenerateResult res;
@@ -54,14 +55,16 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
                     {},
                     false});
     Request& q = reqs.back();
-    if (q.block > 0) {  // prefill the prompt's whole blocks (block-causal, exact)
+    const int64_t reused = cache ? reuse_prompt_cache(m, cache->state(), prompts[r], q.block, q.seq) : 0;
+    res.reused_tokens += reused;
+    if (q.block * B > reused) {  // prefill the prompt's whole blocks (block-causal, exact) after those
       ForwardOptions fo;
       fo.block_causal = B;
-      fo.store_kv = q.block * B;
-      const std::span<const int32_t> prefill(q.cv.x.data(), static_cast<size_t>(q.block * B));
+      fo.store_kv = q.block * B - reused;
+      const std::span<const int32_t> prefill(q.cv.x.data() + reused, static_cast<size_t>(q.block * B - reused));
       SPARSA_RETURN_IF_ERROR(m.forward(s, q.seq, prefill, fo, nullptr));
       res.steps++;
-      res.forward_tokens += q.block * B;
+      res.forward_tokens += q.block * B - reused;
     }
     const int64_t begin = q.block * B;
     q.schedule = transfer_schedule(q.cv.masks_in(begin, begin + B), o.steps);
@@ -139,6 +142,7 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
   for (const Request& q : reqs) {
     res.tokens.push_back(q.cv.generated(c, q.cv.prompt_len + o.gen_len, o.stop_at_eos));
   }
+  if (cache) keep_prompt_cache(m, cache->state(), reqs[0].cv.x, reqs[0].seq);
   return res;
 }
 

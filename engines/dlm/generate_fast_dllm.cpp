@@ -38,7 +38,7 @@ bool stops(const Config& c, const Canvas& cv, int64_t end) {
 }  // namespace
 
 Result<GenerateResult> generate_fast_dllm(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
-                                          const GenerateOptions& o, const BlockCallback& cb) {
+                                          const GenerateOptions& o, const BlockCallback& cb, PromptCache* cache) {
   const Config c = loop_config(m.config, o);  // the EOS ids of this request set
   const int64_t B = c.block_size, sub = o.sub_block;
   GenerateOptions greedy = o;  // the autoregressive token after each block: argmax
@@ -69,17 +69,24 @@ Result<GenerateResult> generate_fast_dllm(const Model::Impl& m, const std::vecto
                     P / B * B, P + o.gen_len, false});
     Request& q = reqs.back();
     if (q.block == 0) continue;
-    // Prefill the prompt's whole blocks; a prompt of whole blocks takes its next token from the
-    // last row (the position just past the chunk, which the shift lets the head read).
+    // Prefill the prompt's whole blocks (after those a PromptCache lends: at most all but the last
+    // when the prompt is whole blocks, whose last row is needed); a prompt of whole blocks takes
+    // its next token from the last row (the position just past the chunk, which the shift lets
+    // the head read).
     const int64_t L = q.block * B;
+    const int64_t reused =
+        cache ? reuse_prompt_cache(m, cache->state(), prompts[r], P == L ? q.block - 1 : q.block, q.seq) : 0;
+    res.reused_tokens += reused;
+    if (reused == L) continue;
     ForwardOptions fo;
     fo.block_causal = B;
-    fo.store_kv = L;
-    fo.logits_begin = L;
+    fo.store_kv = L - reused;
+    fo.logits_begin = L - reused;
     fo.logits_count = P == L ? 1 : 0;
-    res.forward_tokens += L;
-    auto k = forward_candidates(m, s, q.seq, std::span<const int32_t>(q.cv.x.data(), static_cast<size_t>(L)), fo, c,
-                                greedy, q.cv, L, logits);
+    res.forward_tokens += L - reused;
+    auto k = forward_candidates(m, s, q.seq,
+                                std::span<const int32_t>(q.cv.x.data() + reused, static_cast<size_t>(L - reused)), fo,
+                                c, greedy, q.cv, L, logits);
     if (!k.ok()) return k.status();
     if (!k->position.empty()) commit(q.cv, k.value(), {0});
   }
@@ -146,6 +153,7 @@ Result<GenerateResult> generate_fast_dllm(const Model::Impl& m, const std::vecto
     }
   }
   for (const Request& q : reqs) res.tokens.push_back(q.cv.generated(c, q.end, o.stop_at_eos));
+  if (cache) keep_prompt_cache(m, cache->state(), reqs[0].cv.x, reqs[0].seq);
   return res;
 }
 

@@ -308,9 +308,21 @@ Result<std::vector<float>> Model::logits(std::span<const int32_t> ids, int64_t c
 }
 
 Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& o,
-                                       const BlockCallback& on_block) const {
+                                       const BlockCallback& on_block, PromptCache* cache) const {
   const Config& c = impl_->config;
   if (prompts.empty()) return invalid_argument("prompts: expected at least one request");
+  if (cache != nullptr) {
+    if (prompts.size() != 1) {
+      return invalid_argument("cache: a prompt cache serves one request a call, got " + std::to_string(prompts.size()));
+    }
+    if (o.loop != Loop::block && o.loop != Loop::fast_dllm) {
+      return invalid_argument("cache: the " + std::string(loop_name(o.loop)) +
+                              " loop recomputes its canvas; a prompt cache serves the block and fast_dllm loops");
+    }
+    if (impl_->policy.backend != Backend::cpu) {
+      return invalid_argument("cache: a prompt cache runs on the cpu backend only (for now)");
+    }
+  }
   if (o.gen_len < 1) return invalid_argument("gen_len: expected >= 1, got " + std::to_string(o.gen_len));
   if (o.steps < 1) return invalid_argument("steps: expected >= 1, got " + std::to_string(o.steps));
   if (!(o.temperature >= 0)) return invalid_argument("temperature: expected >= 0");
@@ -380,8 +392,8 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   Result<GenerateResult> r = o.loop == Loop::remask         ? generate_remask(*impl_, prompts, o, on_block)
                              : o.loop == Loop::prefix_cache ? generate_prefix_cache(*impl_, prompts, o, on_block)
                              : o.loop == Loop::dream        ? generate_dream(*impl_, prompts, o, on_block)
-                             : o.loop == Loop::fast_dllm    ? generate_fast_dllm(*impl_, prompts, o, on_block)
-                                                            : generate_block(*impl_, prompts, o, on_block);
+                             : o.loop == Loop::fast_dllm    ? generate_fast_dllm(*impl_, prompts, o, on_block, cache)
+                                                            : generate_block(*impl_, prompts, o, on_block, cache);
   if (r.ok()) {
     r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (impl_->policy.recorder) r->attention_seconds = impl_->policy.recorder->attention_seconds();

@@ -2,6 +2,7 @@
 // the attention step of a layer (views over the fused q/k/v rows, the layer's LayerAttention,
 // the K/V append of committed tokens).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "engine.h"
@@ -164,6 +165,56 @@ Result<Sequence> make_sequence(const Config& c, const AttentionPolicy& policy, i
   auto seqs = make_sequences(c, policy, std::span<const int64_t>(&max_tokens, 1));
   if (!seqs.ok()) return seqs.status();
   return std::move(seqs.value()[0]);
+}
+
+uint64_t next_model_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
+PromptCache::PromptCache() : state_(std::make_unique<State>()) {}
+PromptCache::PromptCache(PromptCache&&) noexcept = default;
+PromptCache& PromptCache::operator=(PromptCache&&) noexcept = default;
+PromptCache::~PromptCache() = default;
+int64_t PromptCache::tokens() const { return state_ ? static_cast<int64_t>(state_->tokens.size()) : 0; }
+void PromptCache::clear() {
+  if (state_) *state_ = State{};
+}
+
+int64_t reuse_prompt_cache(const Model::Impl& m, const PromptCache::State& cache, std::span<const int32_t> prompt,
+                           int64_t max_blocks, Sequence& seq) {
+  const Config& c = m.config;
+  const int64_t B = c.block_size;
+  if (cache.model != m.id || static_cast<int64_t>(cache.layers.size()) != c.n_layers ||
+      static_cast<int64_t>(seq.cache.size()) != c.n_layers || seq.length() != 0) {
+    return 0;
+  }
+  int64_t same = 0;  // leading tokens equal in the cache and the prompt
+  const int64_t n = std::min<int64_t>(static_cast<int64_t>(cache.tokens.size()), static_cast<int64_t>(prompt.size()));
+  while (same < n && cache.tokens[static_cast<size_t>(same)] == prompt[static_cast<size_t>(same)]) ++same;
+  const int64_t reuse = std::min(same / B, max_blocks) * B;
+  if (reuse <= 0) return 0;
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const PagedKVCache& from = cache.layers[static_cast<size_t>(l)];
+    Tensor k = from.keys(), v = from.values();  // [1, heads_kv, length, head_dim]: the first `reuse`
+    k.shape[2] = reuse;
+    v.shape[2] = reuse;
+    const Status st = seq.cache[static_cast<size_t>(l)].append(k, v);
+    if (!st.ok()) {  // cannot fail on caches of one shape; start over without the cache if it does
+      for (auto& layer : seq.cache) layer = PagedKVCache::create(layer.config()).value();
+      return 0;
+    }
+  }
+  for (auto& a : seq.attention) a->on_commit();
+  return reuse;
+}
+
+void keep_prompt_cache(const Model::Impl& m, PromptCache::State& cache, std::span<const int32_t> canvas, Sequence& seq) {
+  const int64_t kept = std::min<int64_t>(seq.length(), static_cast<int64_t>(canvas.size()));
+  cache.model = m.id;
+  cache.tokens.assign(canvas.begin(), canvas.begin() + kept);
+  cache.layers = std::move(seq.cache);
+  seq.cache.clear();
 }
 
 Status reset_cache(const Config& c, Sequence& seq) {

@@ -169,6 +169,7 @@ struct GenerateOptions {
 struct GenerateResult {
   std::vector<std::vector<int32_t>> tokens;  // per request: the generated ids (after the prompt)
   int64_t forward_tokens = 0;                // tokens pushed through the model (all requests)
+  int64_t reused_tokens = 0;                 // prompt tokens whose K/V came from a PromptCache
   int64_t steps = 0;                         // forward passes (all requests)
   double seconds = 0;
   // cpu backend: the wall time spent inside the layers' attention (selection, executors,
@@ -178,6 +179,29 @@ struct GenerateResult {
 
 // Called when a block of a request is final: the request, its generated ids so far.
 using BlockCallback = std::function<void(size_t request, std::span<const int32_t> generated)>;
+
+// The K/V of whole blocks kept from one generate() call to the next, for a conversation: the
+// block and fast_dllm loops (block-causal models), one request a call, the cpu backend. A call
+// reuses the longest run of leading blocks whose tokens equal its prompt's (the last call's prompt
+// and output, as a chat's next turn starts), prefills only the prompt's blocks after them, and
+// leaves the blocks it ends with in the cache. Under dense attention the result is the same as
+// without the cache (a block's K/V depend only on its tokens and those before it); under a sparse
+// method the reused K/V are those the last call computed. `sparsa chat` keeps one across turns.
+class PromptCache {
+ public:
+  PromptCache();
+  PromptCache(PromptCache&&) noexcept;
+  PromptCache& operator=(PromptCache&&) noexcept;
+  ~PromptCache();
+  int64_t tokens() const;  // positions whose K/V it holds (whole blocks)
+  void clear();
+
+  struct State;
+  State& state() { return *state_; }
+
+ private:
+  std::unique_ptr<State> state_;
+};
 
 class Model {
  public:
@@ -205,9 +229,10 @@ class Model {
   // those len - cached rows (sdar: cached a multiple of block_size).
   Result<std::vector<float>> logits(std::span<const int32_t> ids, int64_t cached = 0) const;
 
-  // A batch of requests (each its own prompt and KV cache) through the chosen loop.
+  // A batch of requests (each its own prompt and KV cache) through the chosen loop. cache (see
+  // PromptCache): one request, the block or fast_dllm loop, the cpu backend; refused otherwise.
   Result<GenerateResult> generate(const std::vector<std::vector<int32_t>>& prompts, const GenerateOptions& options,
-                                  const BlockCallback& on_block = {}) const;
+                                  const BlockCallback& on_block = {}, PromptCache* cache = nullptr) const;
 
   struct Impl;
   const Impl& impl() const { return *impl_; }

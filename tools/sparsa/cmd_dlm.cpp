@@ -35,7 +35,7 @@ struct DlmOptions {
   std::string gemm = "cublas";
   bool json = false, no_stop = false, ban_eos = false, quiet = false, no_cuda_graphs = false;
   // The chat template (generate --chat, chat-template).
-  bool chat = false, no_generation_prompt = false, show_ids = false;
+  bool chat = false, no_generation_prompt = false, show_ids = false, no_prompt_cache = false;
   std::string system, chat_template, chat_vars = "{}", messages;
   std::string confidence;  // "": the loop's default
   double top_p = 1.0;
@@ -323,9 +323,11 @@ Outcome run_chat_template(const DlmOptions& o) {
 }
 
 // A conversation with an instruct / chat model: each line of stdin is the user's turn; the
-// whole conversation goes through the chat template every turn (so a block-diffusion model
-// prefills it again: no cache is kept across turns) and the reply is streamed, then kept as the
-// assistant's turn. "/reset" forgets the turns (not --system), "/exit" ends; so does the input's end.
+// whole conversation goes through the chat template every turn and the reply is streamed, then
+// kept as the assistant's turn. A block-diffusion model on the cpu backend keeps the K/V of the
+// conversation's whole blocks across turns (dlm::PromptCache), so a turn prefills only the blocks
+// after those its tokens share with the last turn's; elsewhere each turn prefills the whole
+// conversation. "/reset" forgets the turns (not --system), "/exit" ends; so does the input's end.
 Outcome run_chat(const DlmOptions& o) {
   auto tok = dlm::Tokenizer::load(tokenizer_path(o));
   if (!tok.ok()) return runtime_error(tok.status());
@@ -338,6 +340,9 @@ Outcome run_chat(const DlmOptions& o) {
   auto options = generate_options(o, model.value());
   if (!options.ok()) return usage_error(options.status());
   dlm::GenerateOptions g = options.value();
+  dlm::PromptCache cache;
+  const bool use_cache = (g.loop == dlm::Loop::block || g.loop == dlm::Loop::fast_dllm) && o.backend == "cpu" &&
+                         !o.no_prompt_cache;
 
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   if (!o.system.empty()) messages.push_back({{"role", "system"}, {"content", o.system}});
@@ -352,6 +357,7 @@ Outcome run_chat(const DlmOptions& o) {
     if (line == "/exit" || line == "/quit") break;
     if (line == "/reset") {
       messages.erase(messages.begin() + static_cast<std::ptrdiff_t>(kept), messages.end());
+      cache.clear();
       continue;
     }
     messages.push_back({{"role", "user"}, {"content", line}});
@@ -363,9 +369,11 @@ Outcome run_chat(const DlmOptions& o) {
     g.seed = o.seed + static_cast<uint64_t>(turn);  // sampled turns differ; a rerun repeats them
     std::optional<TextStream> streamed;
     if (!o.json) streamed.emplace(TextStream{tok.value(), {}});
-    auto result = model->generate({prompt}, g, [&](size_t, std::span<const int32_t> generated) {
-      if (streamed) streamed->update(generated);
-    });
+    auto result = model->generate(
+        {prompt}, g, [&](size_t, std::span<const int32_t> generated) {
+          if (streamed) streamed->update(generated);
+        },
+        use_cache ? &cache : nullptr);
     if (!result.ok()) return runtime_error(result.status());
     const std::vector<int32_t>& reply_ids = result->tokens[0];
     auto reply = tok->decode(reply_ids, true);
@@ -375,6 +383,9 @@ Outcome run_chat(const DlmOptions& o) {
     } else {
       std::cout << json_text(nlohmann::json{{"turn", turn},
                                             {"prompt_tokens", prompt.size()},
+                                            {"reused_tokens", result->reused_tokens},
+                                            {"forward_tokens", result->forward_tokens},
+                                            {"seconds", result->seconds},
                                             {"tokens", reply_ids},
                                             {"text", reply.value()}},
                              -1)
@@ -636,7 +647,12 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
       ->allow_extra_args(false);
   chat->add_option("--eos-ids", o->eos_ids, "EOS ids 1,2 (default: config.json's eos_token_id)");
   chat->add_flag("--ban-eos", o->ban_eos, "never sample EOS");
-  chat->add_flag("--json", o->json, "one JSON line per turn (turn, prompt_tokens, tokens, text) instead of the text");
+  chat->add_flag("--json", o->json,
+                 "one JSON line per turn (turn, prompt_tokens, reused_tokens, forward_tokens, seconds, tokens, text) "
+                 "instead of the text");
+  chat->add_flag("--no-prompt-cache", o->no_prompt_cache,
+                 "prefill the whole conversation every turn (default: a block-diffusion model on the cpu reuses the "
+                 "K/V of the blocks the turns share)");
   add_gemm_flag(chat, o.get());
   out.push_back({chat, [o] { return run_chat(*o); }});
 

@@ -565,7 +565,7 @@ def test_generate_chat_feeds_the_rendered_prompt(sparsa_bin, tmp_path):
 def test_chat_keeps_the_conversation(sparsa_bin, tmp_path):
     """`sparsa chat`: each stdin line a user turn; turn n's prompt is the whole conversation so far
     (earlier replies as assistant turns) through the template, its reply what `generate` gives for
-    those ids; /reset forgets the turns but not --system."""
+    those ids (without the prompt cache the turns share); /reset forgets the turns but not --system."""
     model = shipped_model_copy(tmp_path)
     (model / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -577,6 +577,11 @@ def test_chat_keeps_the_conversation(sparsa_bin, tmp_path):
     assert r.returncode == 0, r.stderr
     turns = [json.loads(line) for line in r.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [0, 1, 2]
+    # The second turn reuses the K/V of the whole blocks it shares with the first turn's prompt and
+    # reply (the prompt cache); the first and the one after /reset start from nothing.
+    block = json.loads((model / "config.json").read_text())["block_size"]
+    assert turns[0]["reused_tokens"] == 0 and turns[2]["reused_tokens"] == 0
+    last_ids = None  # the last turn's prompt and reply
     history = [{"role": "system", "content": "Digits only."}]
     for t, user in zip(turns, ["What is 12 + 30?", "And 7 more?", "Say 9."]):
         if user == "Say 9.":
@@ -588,11 +593,26 @@ def test_chat_keeps_the_conversation(sparsa_bin, tmp_path):
                                    "--json"], capture_output=True, text=True, encoding="utf-8")
         ids = json.loads(rendered.stdout)["ids"]
         assert t["prompt_tokens"] == len(ids)
+        if t["turn"] == 1:  # at least the whole blocks its prompt shares with the last prompt and reply
+            shared = next((i for i, (a, b) in enumerate(zip(last_ids, ids)) if a != b), min(len(last_ids), len(ids)))
+            assert shared >= block, (shared, last_ids, ids)
+            assert shared // block * block <= t["reused_tokens"] <= len(ids) // block * block
+            assert t["reused_tokens"] % block == 0
+        last_ids = ids + t["tokens"]
         flags_turn = [f if f != "5" else str(5 + t["turn"]) for f in flags]
         want = subprocess.run([sparsa_bin, "generate", "--model", str(model), "--prompt-ids", ",".join(map(str, ids)),
                                "--json", "--quiet", *flags_turn], capture_output=True, text=True, encoding="utf-8")
         assert json.loads(want.stdout)["tokens"][0] == t["tokens"]
         history.append({"role": "assistant", "content": t["text"]})
+    # --no-prompt-cache: the same turns, each prefilling the whole conversation.
+    r = subprocess.run([sparsa_bin, "chat", "--model", str(model), "--system", "Digits only.", "--json",
+                        "--no-prompt-cache", *flags], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                       encoding="utf-8")
+    assert r.returncode == 0, r.stderr
+    uncached = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [t["tokens"] for t in uncached] == [t["tokens"] for t in turns]
+    assert all(t["reused_tokens"] == 0 for t in uncached)
+    assert uncached[1]["forward_tokens"] == turns[1]["forward_tokens"] + turns[1]["reused_tokens"]
     r = subprocess.run([sparsa_bin, "chat", "--model", str(model), "--chat-vars", "[1]"], input="hi\n",
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--chat-vars" in r.stderr

@@ -171,6 +171,121 @@ TEST(DlmApi, GenerateCallsBackPerBlockAndBatchesMatchSingles) {
   fs::remove_all(dir);
 }
 
+// A PromptCache across calls, as a conversation's turns use it: the next call reuses the whole
+// blocks its prompt shares with the last call's prompt and output, prefills only the rest, and
+// generates what a call without the cache generates (temperature 0; f32 on the cpu: the reused
+// K/V differ from a fresh prefill's by summation order only, far below the logits' gaps).
+void check_prompt_cache(const dlm::Model& model, dlm::GenerateOptions o) {
+  const int64_t B = model.config().block_size;
+  dlm::PromptCache cache;
+  const std::vector<int32_t> p1 = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  auto r1 = model.generate({p1}, o, {}, &cache);
+  ASSERT_TRUE(r1.ok()) << r1.status().message();
+  EXPECT_EQ(r1->reused_tokens, 0);
+  EXPECT_GE(cache.tokens(), static_cast<int64_t>(p1.size()) / B * B);
+  EXPECT_EQ(cache.tokens() % B, 0);
+
+  std::vector<int32_t> p2 = p1;  // the next turn: the last prompt, its reply, then more
+  p2.insert(p2.end(), r1->tokens[0].begin(), r1->tokens[0].end());
+  p2.insert(p2.end(), {11, 12, 13, 14, 15});
+  auto plain = model.generate({p2}, o);
+  auto cached = model.generate({p2}, o, {}, &cache);
+  ASSERT_TRUE(plain.ok() && cached.ok());
+  EXPECT_EQ(cached->tokens, plain->tokens);
+  const int64_t shared = static_cast<int64_t>(p1.size() + r1->tokens[0].size());
+  EXPECT_GE(cached->reused_tokens, std::min(shared, static_cast<int64_t>(p2.size()) - 1) / B * B - B);
+  EXPECT_LE(cached->reused_tokens, static_cast<int64_t>(p2.size()) / B * B);
+  EXPECT_EQ(cached->reused_tokens % B, 0);
+  EXPECT_GT(cached->reused_tokens, 0);
+  EXPECT_EQ(cached->forward_tokens + cached->reused_tokens, plain->forward_tokens);
+
+  std::vector<int32_t> p3 = p2;  // a prompt that differs at token 5: only the blocks before it
+  p3[5] = 20;
+  auto plain3 = model.generate({p3}, o);
+  auto cached3 = model.generate({p3}, o, {}, &cache);
+  ASSERT_TRUE(plain3.ok() && cached3.ok());
+  EXPECT_EQ(cached3->reused_tokens, 5 / B * B);
+  EXPECT_EQ(cached3->tokens, plain3->tokens);
+
+  cache.clear();
+  EXPECT_EQ(cache.tokens(), 0);
+  auto fresh = model.generate({p3}, o, {}, &cache);
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(fresh->reused_tokens, 0);
+  EXPECT_EQ(fresh->tokens, plain3->tokens);
+  EXPECT_GT(cache.tokens(), 0);
+
+  auto two = model.generate({p1, p2}, o, {}, &cache);  // one request a call
+  ASSERT_FALSE(two.ok());
+  EXPECT_NE(two.status().message().find("cache"), std::string::npos) << two.status().message();
+}
+
+TEST(DlmApi, PromptCacheReusesAConversationsBlocks) {
+  Tiny t;
+  t.block = 4;
+  const fs::path dir = write_model("sdar", t, "prompt_cache");
+  auto sdar = dlm::Model::load(dir.string());
+  ASSERT_TRUE(sdar.ok()) << sdar.status().message();
+  dlm::GenerateOptions o;
+  o.loop = dlm::Loop::block;
+  o.gen_len = 9;
+  o.steps = 2;
+  o.stop_at_eos = false;
+  {
+    SCOPED_TRACE("sdar, block loop");
+    check_prompt_cache(sdar.value(), o);
+  }
+  // Another model's cache is not reused (the same shapes, other weights).
+  auto other = dlm::Model::random(sdar->config(), {}, 3);
+  ASSERT_TRUE(other.ok());
+  dlm::PromptCache cache;
+  ASSERT_TRUE(sdar->generate({{1, 2, 3, 4, 5, 6, 7, 8, 9}}, o, {}, &cache).ok());
+  auto r = other->generate({{1, 2, 3, 4, 5, 6, 7, 8, 9}}, o, {}, &cache);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->reused_tokens, 0);
+
+  // Fast-dLLM v2's loop (token shift; a prompt of whole blocks keeps its last block to predict from).
+  auto c = dlm::parse_config(R"({"model_type": "Fast_dLLM_Qwen", "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "max_position_embeddings": 128, "vocab_size": 50, "eos_token_id": 48,
+    "mask_token_id": 49, "bd_size": 4})", "cfg");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  auto fast = dlm::Model::random(c.value(), {}, 5);
+  ASSERT_TRUE(fast.ok()) << fast.status().message();
+  o.loop = dlm::Loop::fast_dllm;
+  o.sub_block = 2;
+  {
+    SCOPED_TRACE("fast_dllm");
+    check_prompt_cache(fast.value(), o);
+  }
+  {
+    SCOPED_TRACE("fast_dllm, a prompt of whole blocks");
+    dlm::PromptCache whole;
+    const std::vector<int32_t> p = {1, 2, 3, 4, 5, 6, 7, 8};
+    ASSERT_TRUE(fast->generate({p}, o, {}, &whole).ok());
+    auto plain = fast->generate({p}, o);
+    auto again = fast->generate({p}, o, {}, &whole);
+    ASSERT_TRUE(plain.ok() && again.ok());
+    EXPECT_EQ(again->reused_tokens, 4);  // the last block runs again: its row predicts the next token
+    EXPECT_EQ(again->tokens, plain->tokens);
+  }
+
+  // Where it does not serve: the remask loop of a bidirectional model.
+  const fs::path ldir = write_model("llada", t, "prompt_cache_llada");
+  auto llada = dlm::Model::load(ldir.string());
+  ASSERT_TRUE(llada.ok());
+  dlm::GenerateOptions lo;
+  lo.loop = dlm::Loop::remask;
+  lo.gen_len = 8;
+  lo.block_len = 4;
+  lo.steps = 4;
+  auto refused = llada->generate({{1, 2, 3}}, lo, {}, &cache);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("cache: the remask loop"), std::string::npos) << refused.status().message();
+  fs::remove_all(dir);
+  fs::remove_all(ldir);
+}
+
 // A forward of several requests' chunks (one GEMM per layer over all their rows; RoPE and
 // attention per chunk over its own sequence's cache) gives each chunk what a forward of it alone
 // gives: the same logits (within f32 GEMM rounding: the batch's GEMMs see more rows, 1e-4 of

@@ -435,6 +435,7 @@ struct PromptCache::State {
   uint64_t model = 0;
   std::vector<int32_t> tokens;
   std::vector<PagedKVCache> layers;
+  int64_t last_reused = 0;
 };
 // The prompt cache in a loop (model_common.cpp). reuse_prompt_cache: copies into the empty cpu
 // sequence `seq` the K/V of the longest run of the cache's leading whole blocks (of block_size

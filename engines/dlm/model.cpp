@@ -395,6 +395,7 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
                              : o.loop == Loop::fast_dllm    ? generate_fast_dllm(*impl_, prompts, o, on_block, cache)
                                                             : generate_block(*impl_, prompts, o, on_block, cache);
   if (r.ok()) {
+    if (cache != nullptr) cache->state().last_reused = r->reused_tokens;
     r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (impl_->policy.recorder) r->attention_seconds = impl_->policy.recorder->attention_seconds();
   }

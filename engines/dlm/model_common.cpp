@@ -177,6 +177,7 @@ PromptCache::PromptCache(PromptCache&&) noexcept = default;
 PromptCache& PromptCache::operator=(PromptCache&&) noexcept = default;
 PromptCache::~PromptCache() = default;
 int64_t PromptCache::tokens() const { return state_ ? static_cast<int64_t>(state_->tokens.size()) : 0; }
+int64_t PromptCache::last_reused() const { return state_ ? state_->last_reused : 0; }
 void PromptCache::clear() {
   if (state_) *state_ = State{};
 }

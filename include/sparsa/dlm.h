@@ -193,7 +193,8 @@ class PromptCache {
   PromptCache(PromptCache&&) noexcept;
   PromptCache& operator=(PromptCache&&) noexcept;
   ~PromptCache();
-  int64_t tokens() const;  // positions whose K/V it holds (whole blocks)
+  int64_t tokens() const;       // positions whose K/V it holds (whole blocks)
+  int64_t last_reused() const;  // prompt tokens the last call that took it reused
   void clear();
 
   struct State;

@@ -62,6 +62,7 @@ __all__ = [
     "version",
     "backends",
     "Model",
+    "PromptCache",
     "Tokenizer",
     "ChatTemplate",
     "backend_status",
@@ -1251,7 +1252,7 @@ class Model:
     def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
                  ban_eos: bool = False, eos_ids=(), chat: bool = False, system=None, confidence: str = "",
-                 top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0, sub_block: int = 8):
+                 top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0, sub_block: int = 8, cache=None):
         """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
         list of either (a batch; returns a list). ``chat``: each text prompt becomes the user's
         message in the model's chat template (after a ``system`` message, if given), as instruct
@@ -1260,7 +1261,12 @@ class Model:
         probability otherwise); ``top_p`` < 1 and ``top_k`` > 0 narrow each pick to the most probable
         tokens, as Dream's sampler does; ``alg_temp`` > 0 draws the dream loop's positions with weights
         softmax(confidence / alg_temp) instead of taking the most confident (Dream's ``alg_temp``);
-        ``sub_block``: the fast_dllm loop's sub-blocks (Fast-dLLM v2's small_block_size)."""
+        ``sub_block``: the fast_dllm loop's sub-blocks (Fast-dLLM v2's small_block_size).
+        ``cache``: a ``PromptCache`` passed to each turn of a conversation (one prompt; the block and
+        fast_dllm loops; cpu backend): a call reuses the K/V of the leading whole blocks its prompt
+        shares with the last call's prompt and output, and prefills only the rest."""
+        if cache is not None and not isinstance(cache, PromptCache):
+            raise TypeError(f"cache: expected a sparsa.PromptCache or None, got {type(cache).__name__}")
         batch = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], (int, np.integer))
         prompts = list(prompt) if batch else [prompt]
         text = [isinstance(p, str) for p in prompts]
@@ -1274,9 +1280,32 @@ class Model:
         ids = [self.tokenizer.encode(p) if t else [int(i) for i in p] for p, t in zip(prompts, text)]
         out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
                                   ban_eos, [int(i) for i in eos_ids], confidence, float(top_p), int(top_k),
-                                  float(alg_temp), int(sub_block))
+                                  float(alg_temp), int(sub_block), None if cache is None else cache._core)
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]
+
+
+class PromptCache:
+    """The K/V of a conversation's whole blocks, kept from one ``Model.generate`` call to the next
+    (``cache=``): a call reuses the leading blocks its prompt shares with the last call's prompt and
+    output, and prefills only the rest (block and fast_dllm loops, one prompt, the cpu backend;
+    docs/dlm.md, "The prompt cache across turns")."""
+
+    def __init__(self):
+        self._core = _core.PromptCache()
+
+    @property
+    def tokens(self) -> int:
+        """Positions whose K/V it holds."""
+        return self._core.tokens
+
+    @property
+    def last_reused(self) -> int:
+        """Prompt tokens the last generate call that took it reused."""
+        return self._core.last_reused
+
+    def clear(self) -> None:
+        self._core.clear()
 
 
 # ---- argument errors that name the argument ----------------------------------------------

@@ -112,7 +112,7 @@ void bind_dlm(nb::module_& m) {
           [](const dlm::Model& m, const std::vector<std::vector<int32_t>>& prompts, int64_t gen_len, int64_t block_len,
              int64_t steps, double threshold, double temperature, uint64_t seed, const std::string& loop,
              bool stop_at_eos, bool ban_eos, const std::vector<int32_t>& eos_ids, const std::string& confidence,
-             double top_p, int64_t top_k, double alg_temp, int64_t sub_block) {
+             double top_p, int64_t top_k, double alg_temp, int64_t sub_block, dlm::PromptCache* cache) {
             dlm::GenerateOptions o;
             o.loop = loop.empty() ? m.default_loop() : take(dlm::parse_loop(loop));
             o.confidence = confidence.empty() ? dlm::default_confidence(o.loop) : take(dlm::parse_confidence(confidence));
@@ -133,14 +133,23 @@ void bind_dlm(nb::module_& m) {
             Result<dlm::GenerateResult> r = Status(StatusCode::internal, "not run");
             {
               nb::gil_scoped_release release;
-              r = m.generate(prompts, o);
+              r = m.generate(prompts, o, {}, cache);
             }
             return take(std::move(r)).tokens;
           },
           "prompts"_a, "gen_len"_a = 128, "block_len"_a = 32, "steps"_a = 0, "threshold"_a = 0.0, "temperature"_a = 0.0,
           "seed"_a = 0, "loop"_a = "", "stop_at_eos"_a = true, "ban_eos"_a = false,
           "eos_ids"_a = std::vector<int32_t>{}, "confidence"_a = "", "top_p"_a = 1.0, "top_k"_a = 0, "alg_temp"_a = 0.0, "sub_block"_a = 8,
-          "Generate for a batch of prompts (lists of ids); returns the generated ids of each.");
+          "cache"_a.none() = nb::none(),
+          "Generate for a batch of prompts (lists of ids); returns the generated ids of each. cache: a "
+          "PromptCache (one prompt; block and fast_dllm loops; cpu backend).");
+
+  nb::class_<dlm::PromptCache>(m, "PromptCache",
+                               "The K/V of whole blocks kept from one generate call to the next (a conversation).")
+      .def(nb::init<>())
+      .def_prop_ro("tokens", &dlm::PromptCache::tokens, "positions whose K/V it holds")
+      .def_prop_ro("last_reused", &dlm::PromptCache::last_reused, "prompt tokens the last call reused")
+      .def("clear", &dlm::PromptCache::clear);
 
   nb::class_<dlm::Tokenizer>(m, "Tokenizer", "Hugging Face tokenizer.json, byte-level BPE.")
       .def_static(

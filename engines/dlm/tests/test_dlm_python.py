@@ -40,6 +40,30 @@ def test_model_logits_and_generate(tmp_path):
         m.generate(prompts[0], loop="remask")
 
 
+def test_prompt_cache_from_python(tmp_path):
+    """sparsa.PromptCache: the next turn reuses the blocks it shares with the last prompt and reply,
+    and generates what the numpy reference's block loop generates without any cache."""
+    s = R.Spec("sdar", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63, block=4, dtype="BF16")
+    w = R.write_model(tmp_path, s, seed=6)
+    m = sparsa.Model.load(tmp_path)
+    cache = sparsa.PromptCache()
+    assert cache.tokens == 0 and cache.last_reused == 0
+    p1 = [3, 17, 5, 9, 30, 8, 1, 44, 2]
+    out1 = m.generate(p1, gen_len=10, steps=2, stop_at_eos=False, cache=cache)
+    assert out1 == R.ref_block(s, w, p1, 10, 2, 0.0, stop=False) and cache.last_reused == 0
+    assert cache.tokens > 0 and cache.tokens % 4 == 0
+    p2 = p1 + out1 + [11, 12, 13]
+    out2 = m.generate(p2, gen_len=10, steps=2, stop_at_eos=False, cache=cache)
+    assert out2 == R.ref_block(s, w, p2, 10, 2, 0.0, stop=False)
+    assert cache.last_reused >= (len(p1) + len(out1)) // 4 * 4 - 4 and cache.last_reused % 4 == 0
+    cache.clear()
+    assert cache.tokens == 0
+    with pytest.raises(ValueError, match="cache: a prompt cache serves one request"):
+        m.generate([p1, p2], gen_len=10, steps=2, cache=cache)
+    with pytest.raises(TypeError, match="cache: expected a sparsa.PromptCache"):
+        m.generate(p1, gen_len=10, cache="yes")
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(RuntimeError, match="config.json"):
         sparsa.Model.load(tmp_path)

@@ -26,6 +26,7 @@ from torch.nn.attention import flex_attention as flex
 import sparsa
 import sparsa.torch as st
 from bench_attention import CEILING, time_torch as time_cuda  # this folder's: the same timing and ceiling
+import rounds  # this folder's: variants timed in interleaved rounds
 
 
 def visible_pairs(kind, n, arg):
@@ -55,6 +56,9 @@ def main():
     ap.add_argument("--window", type=int, default=4096, help="the causal sliding window's keys")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--varlen", action="store_true", help="also the variable-length rows (16 sequences of 1K-16K)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="> 0: each row's first peer and sparsa again in this many interleaved rounds (rounds.py): "
+                         "the median and range of the per-round ratios")
     args = ap.parse_args()
     H, D = args.heads, args.dim
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}")
@@ -84,7 +88,7 @@ def main():
                             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                     try:
                         ref = fn()
-                        peers.append((name, time_cuda(fn, args.iters), ref))
+                        peers.append((name, time_cuda(fn, args.iters), ref, fn))
                     except RuntimeError as e:
                         print(f"{n:>7} {label:<22} {name}: refused ({str(e).splitlines()[0][:100]})")
             else:
@@ -95,11 +99,17 @@ def main():
                                             _compile=True)
                 fn = lambda: flex_compiled(q, k, v, block_mask=bm)
                 ref = fn()
-                peers.append(("FlexAttention", time_cuda(fn, args.iters), ref))
-            for name, t_peer, ref in peers:
+                peers.append(("FlexAttention", time_cuda(fn, args.iters), ref, fn))
+            for name, t_peer, ref, _ in peers:
                 print(f"{n:>7} {label:<22} {t_ours:>9.3f} {name:<14} {t_peer:>9.3f} {t_peer / t_ours:>7.2f}x "
                       f"{flops / t_ours / 1e9:>8.1f} {flops / t_ours / 1e9 / CEILING:>7.1%} {rel_err(ours, ref):>9.2e}",
                       flush=True)
+            if args.rounds > 0 and peers:
+                name, _, _, peer_fn = peers[0]
+                r = rounds.summarise(rounds.interleaved([(name, peer_fn), ("sparsa", ours_fn)], args.rounds,
+                                                        lambda f: time_cuda(f, args.iters)), name)["sparsa"]
+                print(f"{n:>7} {label:<22} {args.rounds} interleaved rounds: {name} / sparsa {r['speed']:.3f}x "
+                      f"(range {r['speed_min']:.3f}-{r['speed_max']:.3f}), sparsa {r['ms']:.3f} ms", flush=True)
             del ours
         del q, k, v
         torch.cuda.empty_cache()

@@ -62,6 +62,7 @@ __all__ = [
     "version",
     "backends",
     "Model",
+    "Chat",
     "PromptCache",
     "Tokenizer",
     "ChatTemplate",
@@ -1283,6 +1284,56 @@ class Model:
                                   float(alg_temp), int(sub_block), None if cache is None else cache._core)
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]
+
+
+class Chat:
+    """A conversation with an instruct / chat model, as ``sparsa chat`` holds one: ``say(text)``
+    renders the whole conversation (``system``, then the turns) through the model's chat template,
+    generates the reply, keeps it as the assistant's turn and returns it. A block-diffusion model
+    (block and fast_dllm loops) keeps the K/V of the blocks the turns share in a ``PromptCache``,
+    so a turn prefills only what is new. ``options``: ``Model.generate``'s (``gen_len``,
+    ``temperature``, ``loop``, ...); at temperature > 0 turn n samples with ``seed + n``, as the
+    command does. ``variables``: more template variables (``enable_thinking=False``, ...)."""
+
+    def __init__(self, model: "Model", system=None, variables=None, **options):
+        if model.tokenizer is None:
+            raise ValueError("model: a chat needs the model directory's tokenizer.json")
+        if "chat" in options or "cache" in options or "prompt" in options:
+            raise TypeError("options: chat, cache and prompt are the conversation's own")
+        self.model = model
+        self.system = system
+        self.variables = dict(variables or {})
+        self.options = options
+        self.cache = PromptCache()
+        self.messages = []
+        self.turn = 0
+
+    def say(self, text: str) -> str:
+        if not isinstance(text, str):
+            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+        head = [] if self.system is None else [{"role": "system", "content": str(self.system)}]
+        messages = self.messages + [{"role": "user", "content": text}]
+        rendered = self.model.chat_template.render(head + messages, True, **self.variables)
+        ids = self.model.tokenizer.encode(rendered)
+        options = dict(self.options)
+        options["seed"] = int(options.get("seed", 0)) + self.turn
+        loop = options.get("loop") or self.model.default_loop
+        cache = self.cache if loop in ("block", "fast_dllm") else None
+        reply_ids = self.model.generate(ids, cache=cache, **options)
+        reply = self.model.tokenizer.decode(reply_ids, True)
+        self.messages = messages + [{"role": "assistant", "content": reply}]
+        self.turn += 1
+        return reply
+
+    @property
+    def last_reused(self) -> int:
+        """Prompt tokens whose K/V the last turn reused."""
+        return self.cache.last_reused
+
+    def reset(self) -> None:
+        """Forget the turns (not the system message)."""
+        self.messages = []
+        self.cache.clear()
 
 
 class PromptCache:

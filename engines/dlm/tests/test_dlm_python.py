@@ -64,6 +64,38 @@ def test_prompt_cache_from_python(tmp_path):
         m.generate(p1, gen_len=10, cache="yes")
 
 
+def test_chat_from_python(tmp_path):
+    """sparsa.Chat on the shipped model: each turn's reply is what generate() gives for the rendered
+    conversation without any cache, the second turn reuses the first's blocks, reset() forgets."""
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "sparsa-sdar-ruler")
+    if not os.path.isdir(shipped):
+        pytest.skip("the shipped model is not in this checkout")
+    model_dir = tmp_path / "chat_model"
+    model_dir.mkdir()
+    for name in os.listdir(shipped):
+        os.symlink(os.path.abspath(os.path.join(shipped, name)), model_dir / name)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}", encoding="utf-8")
+    m = sparsa.Model.load(model_dir)
+    chat = sparsa.Chat(m, system="The key 512 holds 4242. The key 733 holds 1001.", gen_len=16)
+    history = [{"role": "system", "content": "The key 512 holds 4242. The key 733 holds 1001."}]
+    for turn, text in enumerate(["What does key 512 hold?", "And key 733?"]):
+        reply = chat.say(text)
+        history.append({"role": "user", "content": text})
+        ids = m.tokenizer.encode(m.chat_template.render(history))
+        assert m.tokenizer.decode(m.generate(ids, gen_len=16, seed=turn), True) == reply
+        history.append({"role": "assistant", "content": reply})
+        assert (chat.last_reused > 0) == (turn == 1)
+    assert [x["role"] for x in chat.messages] == ["user", "assistant", "user", "assistant"]
+    chat.reset()
+    assert chat.messages == [] and chat.cache.tokens == 0
+    with pytest.raises(TypeError, match="options"):
+        sparsa.Chat(m, cache=sparsa.PromptCache())
+    with pytest.raises(TypeError, match="text"):
+        chat.say(3)
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(RuntimeError, match="config.json"):
         sparsa.Model.load(tmp_path)

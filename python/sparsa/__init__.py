@@ -1204,6 +1204,7 @@ class Model:
         self.tokenizer = tokenizer
         self._dir = dir
         self._chat_template = None
+        self.backend = "cpu"  # load()'s backend
 
     @property
     def chat_template(self) -> "ChatTemplate":
@@ -1230,7 +1231,9 @@ class Model:
                                 "" if dump_attention is None else os.fspath(dump_attention),
                                 [int(x) for x in dump_layers], [int(x) for x in dump_forwards], int(dump_max))
         path = os.path.join(str(dir), "tokenizer.json")
-        return Model(core, Tokenizer.load(path) if os.path.exists(path) else None, os.fspath(dir))
+        model = Model(core, Tokenizer.load(path) if os.path.exists(path) else None, os.fspath(dir))
+        model.backend = str(backend)
+        return model
 
     @property
     def config(self) -> dict:
@@ -1290,8 +1293,8 @@ class Chat:
     """A conversation with an instruct / chat model, as ``sparsa chat`` holds one: ``say(text)``
     renders the whole conversation (``system``, then the turns) through the model's chat template,
     generates the reply, keeps it as the assistant's turn and returns it. A block-diffusion model
-    (block and fast_dllm loops) keeps the K/V of the blocks the turns share in a ``PromptCache``,
-    so a turn prefills only what is new. ``options``: ``Model.generate``'s (``gen_len``,
+    (block and fast_dllm loops) on the cpu backend keeps the K/V of the blocks the turns share in a
+    ``PromptCache``, so a turn prefills only what is new. ``options``: ``Model.generate``'s (``gen_len``,
     ``temperature``, ``loop``, ...); at temperature > 0 turn n samples with ``seed + n``, as the
     command does. ``variables``: more template variables (``enable_thinking=False``, ...)."""
 
@@ -1318,7 +1321,7 @@ class Chat:
         options = dict(self.options)
         options["seed"] = int(options.get("seed", 0)) + self.turn
         loop = options.get("loop") or self.model.default_loop
-        cache = self.cache if loop in ("block", "fast_dllm") else None
+        cache = self.cache if loop in ("block", "fast_dllm") and self.model.backend == "cpu" else None
         reply_ids = self.model.generate(ids, cache=cache, **options)
         reply = self.model.tokenizer.decode(reply_ids, True)
         self.messages = messages + [{"role": "assistant", "content": reply}]

@@ -88,8 +88,15 @@ def test_chat_from_python(tmp_path):
         history.append({"role": "assistant", "content": reply})
         assert (chat.last_reused > 0) == (turn == 1)
     assert [x["role"] for x in chat.messages] == ["user", "assistant", "user", "assistant"]
+    replies = [x["content"] for x in chat.messages if x["role"] == "assistant"]
     chat.reset()
     assert chat.messages == [] and chat.cache.tokens == 0
+    assert m.backend == "cpu"
+    m.backend = "cuda"  # the prompt cache serves the cpu backend only: not passed elsewhere
+    other = sparsa.Chat(m, system="The key 512 holds 4242. The key 733 holds 1001.", gen_len=16)
+    assert [other.say("What does key 512 hold?"), other.say("And key 733?")] == replies
+    assert other.last_reused == 0 and other.cache.tokens == 0
+    m.backend = "cpu"
     with pytest.raises(TypeError, match="options"):
         sparsa.Chat(m, cache=sparsa.PromptCache())
     with pytest.raises(TypeError, match="text"):

@@ -638,3 +638,22 @@ def ref_fast_dllm(s, w, prompt, gen_len, threshold, sub=8, stop=True):
         out.append(x[i])
     return out
 
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def shipped_model_copy(tmp_path, template=None):
+    """The shipped model's files (models/sparsa-sdar-ruler) linked into a new directory, with
+    `template` as its chat_template.jinja if given; the test is skipped without the model."""
+    import pytest
+    shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "models", "sparsa-sdar-ruler")
+    if not os.path.isdir(shipped):
+        pytest.skip("the shipped model is not in this checkout")
+    model = tmp_path / "chat_model"
+    model.mkdir()
+    for name in os.listdir(shipped):
+        os.symlink(os.path.abspath(os.path.join(shipped, name)), model / name)
+    if template is not None:
+        (model / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return model

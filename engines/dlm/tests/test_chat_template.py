@@ -21,6 +21,8 @@ import jinja2.ext  # noqa: E402
 import jinja2.nodes  # noqa: E402
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
 
+import dlm_ref as R  # noqa: E402  (the shipped model's copy with a template)
+
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
     "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
@@ -523,22 +525,10 @@ def test_malformed_tokenizer_config_json(sparsa_bin, tmp_path):
     assert r.returncode == 1 and "tokenizer_config.json: not valid JSON" in r.stderr, r.stderr
 
 
-def shipped_model_copy(tmp_path):
-    """The shipped model's files linked into a new directory (which a test then gives a template)."""
-    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "sparsa-sdar-ruler")
-    if not os.path.isdir(shipped):
-        pytest.skip("the shipped model is not in this checkout")
-    model = tmp_path / "chat_model"
-    model.mkdir()
-    for name in os.listdir(shipped):
-        os.symlink(os.path.abspath(os.path.join(shipped, name)), model / name)
-    return model
-
-
 def test_generate_chat_feeds_the_rendered_prompt(sparsa_bin, tmp_path):
     """generate --chat encodes what chat-template renders: the same tokens come out as from those
     ids given by hand; a model without a template is told so."""
-    model = shipped_model_copy(tmp_path)
+    model = R.shipped_model_copy(tmp_path)
 
     def sparsa(*args):
         return subprocess.run([sparsa_bin, *args], capture_output=True, text=True, encoding="utf-8")
@@ -566,7 +556,7 @@ def test_chat_keeps_the_conversation(sparsa_bin, tmp_path):
     """`sparsa chat`: each stdin line a user turn; turn n's prompt is the whole conversation so far
     (earlier replies as assistant turns) through the template, its reply what `generate` gives for
     those ids (without the prompt cache the turns share); /reset forgets the turns but not --system."""
-    model = shipped_model_copy(tmp_path)
+    model = R.shipped_model_copy(tmp_path)
     (model / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: the value is {% endif %}", encoding="utf-8")

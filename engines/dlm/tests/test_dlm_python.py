@@ -67,17 +67,7 @@ def test_prompt_cache_from_python(tmp_path):
 def test_chat_from_python(tmp_path):
     """sparsa.Chat on the shipped model: each turn's reply is what generate() gives for the rendered
     conversation without any cache, the second turn reuses the first's blocks, reset() forgets."""
-    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "sparsa-sdar-ruler")
-    if not os.path.isdir(shipped):
-        pytest.skip("the shipped model is not in this checkout")
-    model_dir = tmp_path / "chat_model"
-    model_dir.mkdir()
-    for name in os.listdir(shipped):
-        os.symlink(os.path.abspath(os.path.join(shipped, name)), model_dir / name)
-    (model_dir / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}", encoding="utf-8")
-    m = sparsa.Model.load(model_dir)
+    m = sparsa.Model.load(R.shipped_model_copy(tmp_path, R.CHAT_TEMPLATE))
     chat = sparsa.Chat(m, system="The key 512 holds 4242. The key 733 holds 1001.", gen_len=16)
     history = [{"role": "system", "content": "The key 512 holds 4242. The key 733 holds 1001."}]
     for turn, text in enumerate(["What does key 512 hold?", "And key 733?"]):

@@ -95,7 +95,6 @@ struct Case {
   bool flash_tma = true;       // flash: allow rung 3 (TMA producer); false forces rung 2 (cp.async)
   std::optional<cuda::detail::FlashSchedule> flash_schedule;  // flash rung 3's (route.h); none: the default
   int dense_key_tile = 128;    // flash rung 3's dense key tile at head_dim 128 (route.h): 128 or 176
-  bool flash_persistent = false;  // flash rung 3's persistent kernels allowed (route.h)
   Mask mask;                   // the per-element mask (cases of CudaAttentionMasks)
   uint32_t seed = 1;
 };
@@ -431,11 +430,6 @@ TEST_P(Ops, MatchesReference) {
     ~KeyTileSwitch() { cuda::detail::set_flash_dense_key_tile(saved); }
   } key_tile_switch;
   cuda::detail::set_flash_dense_key_tile(c.dense_key_tile);
-  struct PersistentSwitch {  // the case's persistence, restored however the test ends
-    bool saved = cuda::detail::set_flash_persistent(false);
-    ~PersistentSwitch() { cuda::detail::set_flash_persistent(saved); }
-  } persistent_switch;
-  cuda::detail::set_flash_persistent(c.flash_persistent);
   if (c.merge_wait_ns >= 0) {
     wait_bound.saved = cuda::detail::set_split_kv_merge_wait_ns(static_cast<unsigned long long>(c.merge_wait_ns));
     wait_bound.set = true;
@@ -465,11 +459,6 @@ TEST_P(Ops, MatchesReference) {
           << "rung 3's consumer schedule";
       // 176-key tiles: rung 3's dense calls at head_dim 128 without a mask; 128 (64 for small
       // plan blocks and head_dim 256) otherwise.
-      // Persistent kernels: the pingpong and overlap schedules at head_dim 128 without a mask.
-      const bool persistent = c.flash_persistent && tma && c.mask.is_none() && c.head_dim == 128 &&
-                              (schedule == cuda::detail::FlashSchedule::pingpong ||
-                               schedule == cuda::detail::FlashSchedule::overlap);
-      EXPECT_EQ(cuda::detail::last_flash_persistent(), persistent) << "rung 3's persistent kernel";
       if (c.dense_key_tile == 176) {
         const bool wide = tma && !plan && c.head_dim == 128 && c.mask.is_none();
         EXPECT_EQ(cuda::detail::last_flash_key_tile(), wide ? 176 : 128) << "the dense key tile";
@@ -629,41 +618,6 @@ std::vector<Case> cases() {
          .len_q = 1023, .len_kv = 1500, .head_dim = 128, .amplitude = 4.0f, .repeats = 2, .flash_schedule = schedule,
          .dense_key_tile = 176, .seed = 63});
   }
-  // Rung 3's persistent kernels (one CTA per multiprocessor walking the work items; head_dim 128):
-  // fewer and more items than multiprocessors, batches, GQA, plans with query blocks that have no
-  // tile, gathered permutations, the 176-key tiles; and head_dim 64 and 256, a masked call and a
-  // schedule without one, which run the one-CTA-per-item grid.
-  for (const auto& [label, schedule] : {std::pair{"pingpong", cuda::detail::FlashSchedule::pingpong},
-                                        std::pair{"overlap", cuda::detail::FlashSchedule::overlap}}) {
-    const std::string l = "persistent_" + std::string(label);
-    add({.name = "Small_dense_" + l + "_bf16_d128_gqa2_130x300", .heads_q = 4, .heads_kv = 2, .len_q = 130,
-         .len_kv = 300, .head_dim = 128, .flash_schedule = schedule, .flash_persistent = true, .seed = 70});
-    add({.name = "Small_dense_" + l + "_f16_d128_batch3_17x33", .dtype = DType::f16, .batch = 3, .heads_q = 3,
-         .heads_kv = 1, .len_q = 17, .len_kv = 33, .head_dim = 128, .flash_schedule = schedule,
-         .flash_persistent = true, .seed = 71});
-    add({.name = "Small_sparse_" + l + "_bf16_d128_b64_empty", .heads_q = 2, .heads_kv = 1, .len_q = 300,
-         .len_kv = 333, .head_dim = 128, .sparse = true, .block_q = 64, .block_kv = 64, .keep = 0.4,
-         .empty_rows = true, .flash_schedule = schedule, .flash_persistent = true, .seed = 72});
-    add({.name = "Medium_dense_" + l + "_bf16_d128_batch2_gqa4_1023x1500", .batch = 2, .heads_q = 8,
-         .heads_kv = 2, .len_q = 1023, .len_kv = 1500, .head_dim = 128, .amplitude = 4.0f, .repeats = 2,
-         .flash_schedule = schedule, .flash_persistent = true, .seed = 73});
-    add({.name = "Medium_dense_" + l + "_many_items_f16_d128_32h_4099x700", .dtype = DType::f16, .heads_q = 32,
-         .heads_kv = 8, .len_q = 4099, .len_kv = 700, .head_dim = 128, .flash_schedule = schedule,
-         .flash_persistent = true, .seed = 74});
-    add({.name = "Small_dense_" + l + "_d64_runs_per_item_bf16_130x300", .heads_q = 2, .len_q = 130, .len_kv = 300,
-         .flash_schedule = schedule, .flash_persistent = true, .seed = 79});
-    add({.name = "Medium_sparse_" + l + "_f16_d128_perm_gathered_b128_600x2100", .dtype = DType::f16,
-         .heads_q = 2, .heads_kv = 1, .len_q = 600, .len_kv = 2100, .head_dim = 128, .sparse = true,
-         .block_q = 128, .block_kv = 128, .keep = 0.3, .perms = true, .flash_schedule = schedule,
-         .flash_persistent = true, .seed = 75});
-    add({.name = "Medium_dense_" + l + "_bf16_d256_513x1000", .heads_q = 2, .heads_kv = 2, .len_q = 513,
-         .len_kv = 1000, .head_dim = 256, .flash_schedule = schedule, .flash_persistent = true, .seed = 76});
-    add({.name = "Small_dense_" + l + "_tile176_bf16_d128_130x400", .heads_q = 2, .len_q = 130, .len_kv = 400,
-         .head_dim = 128, .flash_schedule = schedule, .dense_key_tile = 176, .flash_persistent = true, .seed = 77});
-  }
-  add({.name = "Small_dense_persistent_late_runs_per_item_bf16_d128_130x300", .heads_q = 2, .len_q = 130,
-       .len_kv = 300, .head_dim = 128, .flash_schedule = cuda::detail::FlashSchedule::late,
-       .flash_persistent = true, .seed = 78});
   add({.name = "Small_dense_tile176_strided_rung2_bf16_d128_130x300", .heads_q = 2, .len_q = 130, .len_kv = 300,
        .head_dim = 128, .seq_pad = 3, .dense_key_tile = 176, .seed = 64});
   // Rung 2 on one split (direct write) and a 64-row m-tile that is only partly real (group 3 x 7).
@@ -726,10 +680,6 @@ std::vector<Case> mask_cases() {
                      .mask = mask, .seed = seed++});
       }
     }
-    // Persistent kernels asked for: a masked call runs the one-CTA-per-item grid.
-    v.push_back({.name = std::string(label) + "_persistent_asked_overlap_bf16_d128_dense_300x300", .heads_q = 2,
-                 .len_q = 300, .len_kv = 300, .head_dim = 128, .flash_schedule = cuda::detail::FlashSchedule::overlap,
-                 .flash_persistent = true, .mask = mask, .seed = seed++});
     // Rung 2 (cp.async, no producer warp) on inputs rung 3 would take; unaligned rows (rung 2's
     // element copies, and the in-kernel key gather of a permuted plan); a longer causal-shaped
     // case where most key tiles of a query tile are skipped.

@@ -305,12 +305,9 @@ def main():
                     help="flash rung 3's consumer schedule for every sparsa call: " +
                          ", ".join(f"{k} {v}" for k, v in SCHEDULES.items()) +
                          " (default: the library's; the dense and sparse rows time each schedule either way)")
-    ap.add_argument("--persistent", action="store_true",
-                    help="rung 3's persistent kernels for every sparsa call (pingpong and overlap without a mask)")
     ap.add_argument("--rounds", type=int, default=7,
                     help="interleaved rounds of the comparison against the peers (rounds.py); 0: skip them")
     args = ap.parse_args()
-    ctypes.CDLL(args.lib).sparsa_bench_set_flash_persistent(int(args.persistent))
     set_schedule = ctypes.CDLL(args.lib).sparsa_bench_set_flash_schedule
     set_schedule.restype = ctypes.c_int
     if args.schedule is None:  # the library's default, read back through the setter
@@ -360,26 +357,18 @@ def main():
         sp.lib.sparsa_bench_set_flash_tma(0)  # the previous rung (cp.async, no producer warp), same run
         res["sparsa_dense_rung2"] = sp.run(q, k, v, out, lse, iters=iters)
         sp.lib.sparsa_bench_set_flash_tma(1)
-        def dense_variant(key):  # the executor as now set: checked against cuDNN, then timed
-            sp.run(q, k, v, out, lse, warmup=1)
-            torch.cuda.synchronize()
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                res[f"err_{key}_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
-            res[f"sparsa_dense_{key}"] = sp.run(q, k, v, out, lse, iters=iters)
-
         # Rung 3 with each consumer schedule and each dense key tile (128, 176) in the same run,
-        # then the persistent kernels of the two turn-taking schedules (one CTA per multiprocessor).
+        # each checked against cuDNN.
         for tile, suffix in ((128, ""), (176, "_176")):
             sp.lib.sparsa_bench_set_flash_dense_key_tile(tile)
             for sched, name in SCHEDULES.items():
                 sp.lib.sparsa_bench_set_flash_schedule(sched)
-                dense_variant(f"{name}{suffix}")
+                sp.run(q, k, v, out, lse, warmup=1)
+                torch.cuda.synchronize()
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    res[f"err_{name}{suffix}_vs_cudnn"] = rel_err(out, F.scaled_dot_product_attention(q, k, v))
+                res[f"sparsa_dense_{name}{suffix}"] = sp.run(q, k, v, out, lse, iters=iters)
         sp.lib.sparsa_bench_set_flash_dense_key_tile(128)
-        sp.lib.sparsa_bench_set_flash_persistent(1)
-        for sched in (1, 2):
-            sp.lib.sparsa_bench_set_flash_schedule(sched)
-            dense_variant(f"{SCHEDULES[sched]}_persistent")
-        sp.lib.sparsa_bench_set_flash_persistent(int(args.persistent))
         sp.lib.sparsa_bench_set_flash_schedule(args.schedule)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             res["cudnn"] = time_torch(lambda: F.scaled_dot_product_attention(q, k, v), iters)
@@ -433,13 +422,6 @@ def main():
             sp.lib.sparsa_bench_set_flash_schedule(sched)
             res[f"sparsa_sparse_{name}"] = sp.run(q, k, v, out, lse, counts, indices, iters=iters * 3)
             res[f"err_sparse_{name}_vs_flex"] = rel_err(out, ref)
-        sp.lib.sparsa_bench_set_flash_persistent(1)
-        for sched in (1, 2):
-            name = SCHEDULES[sched]
-            sp.lib.sparsa_bench_set_flash_schedule(sched)
-            res[f"sparsa_sparse_{name}_persistent"] = sp.run(q, k, v, out, lse, counts, indices, iters=iters * 3)
-            res[f"err_sparse_{name}_persistent_vs_flex"] = rel_err(out, ref)
-        sp.lib.sparsa_bench_set_flash_persistent(int(args.persistent))
         sp.lib.sparsa_bench_set_flash_schedule(args.schedule)
         if args.rounds > 0:
             res["rounds_sparse"] = rounds.summarise(rounds.interleaved(
@@ -468,8 +450,6 @@ def main():
                                    for n in SCHEDULES.values()],
                                  *[(f"sparsa dense {n} 176", f"sparsa_dense_{n}_176", r["dense_flops"])
                                    for n in SCHEDULES.values()],
-                                 *[(f"sparsa dense {n} persist", f"sparsa_dense_{n}_persistent", r["dense_flops"])
-                                   for n in ("pingpong", "overlap")],
                                  ("SDPA cuDNN", "cudnn", r["dense_flops"]),
                                  ("SDPA flash (FA2)", "fa2", r["dense_flops"]),
                                  ("Flex dense", "flex_dense", r["dense_flops"]),
@@ -477,8 +457,6 @@ def main():
                                  ("sparsa sparse unchecked", "sparsa_sparse_unchecked", r["sparse_flops"]),
                                  *[(f"sparsa sparse {n}", f"sparsa_sparse_{n}", r["sparse_flops"])
                                    for n in SCHEDULES.values()],
-                                 *[(f"sparsa sparse {n} persist", f"sparsa_sparse_{n}_persistent", r["sparse_flops"])
-                                   for n in ("pingpong", "overlap")],
                                  (f"Flex sparse {r['density']:.3f}", "flex_sparse", r["sparse_flops"])]:
             t = tf(flops, r[key])
             print(f"{N:>6} {name:<22} {r[key]:>9.3f} {t:>8.1f} {t / CEILING:>7.1%}")
@@ -492,11 +470,6 @@ def main():
             print(f"{N:>6} cuDNN / sparsa dense {n}: {r['cudnn'] / r[f'sparsa_dense_{n}']:.3f}x (128-key tiles), "
                   f"{r['cudnn'] / r[f'sparsa_dense_{n}_176']:.3f}x (176-key tiles; rel err vs cuDNN "
                   f"{r[f'err_{n}_176_vs_cudnn']:.2e})")
-        for n in ("pingpong", "overlap"):
-            print(f"{N:>6} {n} persistent: cuDNN / sparsa dense {r['cudnn'] / r[f'sparsa_dense_{n}_persistent']:.3f}x, "
-                  f"of the per-item grid's time: dense {r[f'sparsa_dense_{n}_persistent'] / r[f'sparsa_dense_{n}']:.3f}, "
-                  f"sparse {r[f'sparsa_sparse_{n}_persistent'] / r[f'sparsa_sparse_{n}']:.3f}; rel err dense vs cuDNN "
-                  f"{r[f'err_{n}_persistent_vs_cudnn']:.2e}, sparse vs Flex {r[f'err_sparse_{n}_persistent_vs_flex']:.2e}")
         for n in list(SCHEDULES.values())[1:]:
             print(f"{N:>6} {n} / plain rung 3 time: dense {r[f'sparsa_dense_{n}'] / r['sparsa_dense_plain']:.3f}, "
                   f"sparse {r[f'sparsa_sparse_{n}'] / r['sparsa_sparse_plain']:.3f}; rel err dense vs cuDNN "

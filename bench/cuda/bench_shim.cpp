@@ -190,8 +190,6 @@ int sparsa_bench_set_flash_schedule(int schedule) {
   return static_cast<int>(
       sparsa::cuda::detail::set_flash_schedule(static_cast<sparsa::cuda::detail::FlashSchedule>(schedule)));
 }
-// Rung 3's persistent kernels (pingpong and overlap without a mask): 1 allowed, 0 not (the default).
-void sparsa_bench_set_flash_persistent(int on) { sparsa::cuda::detail::set_flash_persistent(on != 0); }
 // Rung 3's key tile for dense calls at head_dim 128 without a mask: 128 (the default) or 176.
 void sparsa_bench_set_flash_dense_key_tile(int tile) { sparsa::cuda::detail::set_flash_dense_key_tile(tile); }
 // 1: block_sparse checks the plan's contents on the device (AttentionOptions::check_index, the

@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
-"""One dense call of each of flash rung 3's consumer schedules (with 128- and 176-key tiles, then
-the persistent kernels of pingpong and overlap) and one of SDPA's cuDNN backend, on the same
-tensors, with nothing else launched: the program that Nsight Compute profiles (scripts/gpu-check
---flash with FLASH_PROFILE=1), so that the kernels' counters (tensor-pipe activity, issue slots,
-warp stalls) sit side by side in one report.
+"""One dense call of each of flash rung 3's consumer schedules (with 128- and 176-key tiles) and one
+of SDPA's cuDNN backend, on the same tensors, with nothing else launched: the program that Nsight
+Compute profiles (scripts/gpu-check --flash with FLASH_PROFILE=1), so that the kernels' counters
+(tensor-pipe activity, issue slots, warp stalls) sit side by side in one report.
 
 bf16, batch 1, 32 heads, head_dim 128, non-causal, N tokens (default 16384).
   python3 bench/cuda/flash_profile.py --lib build-gpu/bench/cuda/libsparsa_bench_shim.so
@@ -38,15 +37,6 @@ def main():
             sp.run(q, k, v, out, lse, warmup=0, iters=0)  # one launch
             torch.cuda.synchronize()
             print(f"sparsa {SCHEDULES[sched]}, {tile}-key tiles: done")
-    lib.sparsa_bench_set_flash_dense_key_tile(128)
-    lib.sparsa_bench_set_flash_persistent(1)  # the persistent kernel of each turn-taking schedule asked for
-    for sched in args.schedules:
-        if sched in (1, 2):
-            lib.sparsa_bench_set_flash_schedule(sched)
-            sp.run(q, k, v, out, lse, warmup=0, iters=0)
-            torch.cuda.synchronize()
-            print(f"sparsa {SCHEDULES[sched]}, persistent: done")
-    lib.sparsa_bench_set_flash_persistent(0)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         ref = F.scaled_dot_product_attention(q, k, v)
     torch.cuda.synchronize()

@@ -13,7 +13,8 @@
 #include <vector>
 
 #include "core/backends.h"
-#include "cuda/attention/flash_launch.cuh"
+#include "cuda/attention/flash_tma_kernel.cuh"
+#include "cuda/attention/flash_wgmma_kernel.cuh"
 #include "cuda/attention/gather_kernel.cuh"
 #include "cuda/attention/index_check.h"
 #include "cuda/attention/route.h"
@@ -30,20 +31,27 @@ namespace {
 using detail::FlashParams;
 using detail::SplitKvParams;
 
+// The flash executor: rung 3 (flash_tma_kernel.cuh: a TMA producer warp feeding two wgmma consumer
+// warpgroups) whenever K and V are read in order, rung 2 (flash_wgmma_kernel.cuh: the same consumers
+// copying with cp.async) for in-kernel key permutations and unaligned inputs; bench/RESULTS.md has
+// the ladder. 128-row query tiles (a 128-token query block is exactly one CTA) and key tiles of 128
+// tokens (64 when the plan's key blocks are at most 64 tokens, so a small block does not pay for a
+// half-empty tile).
+constexpr int kRows = detail::WgmmaShape<64, 64, 2>::kBM;
+constexpr int kStages = 3;  // K/V stages (flash_ladder: 2e over 2a)
+std::atomic<bool> g_use_tma{true};  // route.h: a test and benchmark switch
+std::atomic<detail::FlashSchedule> g_schedule{detail::FlashSchedule::overlap};  // route.h: rung 3's schedule
+// route.h: the key tile of rung 3's dense calls at head_dim 128 without a mask (128 or 176).
+std::atomic<int> g_dense_key_tile{128};
+
 using detail::check_pointer;
 
-}  // namespace
-
-namespace flash {  // flash_launch.cuh's state and tensor maps
-
-std::atomic<bool> g_use_tma{true};
-std::atomic<detail::FlashSchedule> g_schedule{detail::FlashSchedule::overlap};
-std::atomic<int> g_dense_key_tile{128};
-std::atomic<bool> g_persistent{false};
-thread_local bool g_last_tma = false;
-thread_local detail::FlashSchedule g_last_schedule = detail::FlashSchedule::plain;
-thread_local int g_last_key_tile = 0;
-thread_local bool g_last_persistent = false;
+// The shared-memory limit of a kernel raised to what it launches with (device_facts.h); the
+// caller has made `device` current.
+template <auto kernel>
+Status allow_smem(int device, size_t smem_bytes) {
+  return detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem_bytes);
+}
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against the driver
 // library); null when the driver does not have it.
@@ -69,7 +77,7 @@ EncodeTiled tensor_map_encoder() {
 // [1, heads_kv, rows, D] tensor, a sequence's tile at its first row plus the tile's (the kernel
 // adds kv_row0); its batch stride (0) is never stepped, so any valid one stands in.
 bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3], const detail::AttentionArgs& p,
-                   int d, int bn, bool bf16, int64_t rows) {
+                   int d, int bn, bool bf16, int64_t rows = -1) {
   const EncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const bool varlen = rows >= 0;
@@ -87,11 +95,123 @@ bool encode_kv_map(CUtensorMap* map, const void* base, const int64_t (&stride)[3
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-}  // namespace flash
+thread_local bool g_last_tma = false;
+thread_local detail::FlashSchedule g_last_schedule = detail::FlashSchedule::plain;
+thread_local int g_last_key_tile = 0;  // of the last flash launch (route.h)
 
-namespace {
+// Rung 3 with one of its consumer schedules.
+template <class T, int D, int BN, int STAGES, bool MASKED, int SCHEDULE>
+Status launch_tma(dim3 grid, const FlashParams& p, const detail::TmaMaps& maps, int device, cudaStream_t stream) {
+  using Shape = detail::TmaShape<D, BN, STAGES>;
+  constexpr auto kernel = detail::flash_tma_kernel<T, D, BN, STAGES, MASKED, SCHEDULE>;
+  SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
+  kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p, maps);
+  return {};
+}
 
-using namespace flash;  // the flash executor's launches, switches and tensor maps
+// Rung 3 (flash_tma_kernel.cuh) when K and V are read in order (no perm_kv) through tensor maps
+// the driver accepts (a variable-length batch too, its rows within int coordinates); *launched
+// says whether it was. MASKED: the kernels with the per-element mask compiled in (p.mask_kind is
+// not none).
+template <class T, int D, int BN, bool MASKED>
+Status launch_rung3(const FlashParams& p, int device, cudaStream_t stream, bool* launched) {
+  // head_dim 256: Q alone is 64 KB, a K+V stage 64 KB at 64-key tiles, so two stages; 176-key
+  // tiles: 44 KB a K or V stage, so two.
+  constexpr int kDStages = D == 256 || BN > 128 ? 2 : kStages;
+  const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
+  detail::TmaMaps maps;
+  const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  const int64_t varlen_rows = p.cu_seqlens_kv != nullptr ? p.kv_rows : -1;
+  const bool rows_fit = varlen_rows < 0 || (varlen_rows > 0 && varlen_rows <= 0x7fffffff - BN);
+  g_last_tma = g_use_tma.load() && p.perm_kv == nullptr && p.aligned_loads && rows_fit &&
+               encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16, varlen_rows) &&
+               encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16, varlen_rows);
+  if (g_last_tma) {
+    g_last_schedule = varlen_rows < 0 ? g_schedule.load() : detail::FlashSchedule::plain;
+    switch (g_last_schedule) {
+      case detail::FlashSchedule::plain:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kSchedulePlain>(grid, p, maps, device,
+                                                                                               stream)));
+        break;
+      case detail::FlashSchedule::pingpong:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kSchedulePingpong>(grid, p, maps,
+                                                                                                  device, stream)));
+        break;
+      case detail::FlashSchedule::overlap:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kScheduleOverlap>(grid, p, maps,
+                                                                                                 device, stream)));
+        break;
+      case detail::FlashSchedule::late:
+        SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kScheduleLate>(grid, p, maps, device,
+                                                                                              stream)));
+        break;
+    }
+  }
+  *launched = g_last_tma;
+  if (g_last_tma) g_last_key_tile = BN;
+  return {};
+}
+
+// Rung 3 when it can read K and V (launch_rung3), rung 2 (flash_wgmma_kernel.cuh) otherwise.
+template <class T, int D, int BN, bool MASKED>
+Status launch(const FlashParams& p, int device, cudaStream_t stream) {
+  bool launched = false;
+  SPARSA_RETURN_IF_ERROR((launch_rung3<T, D, BN, MASKED>(p, device, stream, &launched)));
+  if (!launched) {
+    constexpr int kDStages = D == 256 ? 2 : kStages;
+    using Shape = detail::WgmmaShape<D, BN, kDStages>;
+    constexpr auto kernel = detail::flash_wgmma_kernel<T, D, BN, kDStages, false, MASKED>;
+    const dim3 grid(static_cast<unsigned>(p.num_q_blocks) * p.tiles_per_q_block, p.heads_q, p.batch);
+    SPARSA_RETURN_IF_ERROR(allow_smem<kernel>(device, Shape::kSmemBytes));
+    kernel<<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+    g_last_key_tile = BN;
+  }
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return {};
+}
+
+template <class T, int D>
+Status launch_tiles(FlashParams p, const BlockIndex* index, int device, cudaStream_t stream) {
+  auto ceil_div = [](int64_t x, int64_t y) { return static_cast<int>((x + y - 1) / y); };
+  const int key_tile = D == 256 || (index != nullptr && index->block_kv <= 64) ? 64 : 128;
+  if (index == nullptr) {  // dense: the same mainloop over every key tile
+    p.block_q = kRows;
+    p.num_q_blocks = ceil_div(p.len_q, kRows);
+    auto key_tiles = [&](int tile) {
+      p.block_kv = tile;
+      p.num_kv_blocks = ceil_div(p.len_kv, tile);
+    };
+    // Causal and block-causal: a query tile's keys grow with its position; the longest first.
+    p.reverse_tiles = p.mask_kind == detail::kMaskCausal || p.mask_kind == detail::kMaskBlockCausal;
+    if constexpr (D == 128) {  // 176-key tiles (route.h): rung 3 only, no mask, no varlen
+      if (g_dense_key_tile.load() == 176 && p.mask_kind == detail::kMaskNone && p.cu_seqlens_kv == nullptr) {
+        key_tiles(176);
+        bool launched = false;
+        SPARSA_RETURN_IF_ERROR((launch_rung3<T, D, 176, false>(p, device, stream, &launched)));
+        if (launched) {
+          SPARSA_CUDA_CHECK_LAUNCH();
+          return {};
+        }
+      }
+    }
+    key_tiles(key_tile);
+  } else {
+    p.tiles_per_q_block = ceil_div(p.block_q, kRows);
+    p.chunks_per_kv_block = ceil_div(p.block_kv, key_tile);
+  }
+  if (static_cast<int64_t>(p.num_q_blocks) * p.tiles_per_q_block > 0x7fffffff) {
+    return invalid_argument("index.block_q: too many query tiles for one launch");
+  }
+  if constexpr (D == 256) {  // 64-key tiles only (shared memory)
+    return p.mask_kind != detail::kMaskNone ? launch<T, D, 64, true>(p, device, stream)
+                                            : launch<T, D, 64, false>(p, device, stream);
+  } else {
+    if (p.mask_kind != detail::kMaskNone) {
+      return key_tile == 64 ? launch<T, D, 64, true>(p, device, stream) : launch<T, D, 128, true>(p, device, stream);
+    }
+    return key_tile == 64 ? launch<T, D, 64, false>(p, device, stream) : launch<T, D, 128, false>(p, device, stream);
+  }
+}
 
 Status launch_flash(const FlashParams& p, DType dtype, int head_dim, const BlockIndex* index, int device,
                     cudaStream_t stream) {
@@ -107,7 +227,6 @@ Status launch_flash(const FlashParams& p, DType dtype, int head_dim, const Block
   return bf16 ? launch_tiles<__nv_bfloat16, 128>(p, index, device, stream)
               : launch_tiles<__half, 128>(p, index, device, stream);
 }
-
 
 bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
@@ -294,8 +413,6 @@ detail::FlashSchedule detail::last_flash_schedule() {
 detail::FlashSchedule detail::set_flash_schedule(detail::FlashSchedule schedule) { return g_schedule.exchange(schedule); }
 int detail::set_flash_dense_key_tile(int tile) { return g_dense_key_tile.exchange(tile == 176 ? 176 : 128); }
 int detail::last_flash_key_tile() { return g_last_key_tile; }
-bool detail::set_flash_persistent(bool on) { return g_persistent.exchange(on); }
-bool detail::last_flash_persistent() { return g_last_tma && g_last_persistent; }
 int detail::last_split_kv_splits() { return g_last_splits; }
 bool detail::last_split_kv_used_tma() { return g_last_split_kv_tma; }
 bool detail::set_split_kv_tma(bool on) { return g_use_split_kv_tma.exchange(on); }
@@ -380,7 +497,6 @@ Status attention(const sparsa::detail::AttentionParams& a) {
   g_last_route = detail::Route::none;
   g_last_tma = false;
   g_last_key_tile = 0;
-  g_last_persistent = false;
   g_last_splits = 0;
   g_last_split_kv_tma = false;
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) {

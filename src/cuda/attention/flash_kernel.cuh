@@ -289,19 +289,15 @@ struct QueryTile {
   int64_t q_row0 = 0, kv_row0 = 0;
   const int32_t* perm;
 
-  __device__ __forceinline__ explicit QueryTile(const FlashParams& p)
-      : QueryTile(p, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), static_cast<int>(blockIdx.y),
-                  static_cast<int>(blockIdx.z)) {}
-  // Query tile x of the gx of (head h, sequence b): a persistent CTA's work item.
-  __device__ __forceinline__ QueryTile(const FlashParams& p, int x, int gx, int head, int seq) {
-    h = head, b = seq, h_kv = h / p.group;
+  __device__ __forceinline__ explicit QueryTile(const FlashParams& p) {
+    h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
     len_q = p.len_q, len_kv = p.len_kv;
     if (p.cu_seqlens_q != nullptr) {
       q_row0 = p.cu_seqlens_q[b], kv_row0 = p.cu_seqlens_kv[b];
       len_q = static_cast<int>(p.cu_seqlens_q[b + 1] - q_row0);
       len_kv = static_cast<int>(p.cu_seqlens_kv[b + 1] - kv_row0);
     }
-    const int tile = p.reverse_tiles ? gx - 1 - x : x;
+    const int tile = p.reverse_tiles ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
     qb = tile / p.tiles_per_q_block;
     begin = qb * p.block_q + (tile % p.tiles_per_q_block) * ROWS;
     end = min(min((qb + 1) * p.block_q, len_q), begin + ROWS);
@@ -414,38 +410,27 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNT][4], int valid, fl
       for (int e = 0; e < 4; ++e)
         if (n * 8 + 2 * c + (e & 1) >= valid) s[n][e] = -INFINITY;
   }
-  // The row maxima and sums as trees and as four interleaved partial sums, not as one chain of
-  // 2 kNT dependent operations per row: the chains' fixed latencies stalled the softmax.
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float m[kNT];
+    float mx = row_max[r];
 #pragma unroll
-    for (int n = 0; n < kNT; ++n) m[n] = fmaxf(s[n][2 * r], s[n][2 * r + 1]);
-#pragma unroll
-    for (int stride = 1; stride < kNT; stride *= 2)
-#pragma unroll
-      for (int n = 0; n + stride < kNT; n += 2 * stride) m[n] = fmaxf(m[n], m[n + stride]);
-    float mx = fmaxf(row_max[r], m[0]);
+    for (int n = 0; n < kNT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     base[r] = mx == -INFINITY ? 0.0f : mx * scale_log2;
     alpha[r] = fast_exp2(row_max[r] * scale_log2 - base[r]);
     row_max[r] = mx;
+    row_sum[r] *= alpha[r];
   }
-  float part[2][4] = {};  // row r's partial sum k: score tiles n with n % 4 == k
 #pragma unroll
   for (int n = 0; n < kNT; ++n) {
     float prob[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) prob[e] = fast_exp2(fmaf(s[n][e], scale_log2, -base[e / 2]));
-    part[0][n % 4] += prob[0] + prob[1];
-    part[1][n % 4] += prob[2] + prob[3];
+    row_sum[0] += prob[0] + prob[1];
+    row_sum[1] += prob[2] + prob[3];
     emit(n, prob);
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] = fmaf(row_sum[r], alpha[r], (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]));
   }
 }
 

@@ -97,12 +97,8 @@ constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2, k
 
 // MASKED: as flash_wgmma_kernel's (the per-element mask compiled in). SCHEDULE other than plain:
 // not with a variable-length batch (whose partial tiles take a barrier of both warpgroups,
-// zero_v_rows). PERSISTENT: the grid is at most one CTA per multiprocessor and each CTA walks the
-// work items (query tile, head, sequence) blockIdx.x, blockIdx.x + gridDim.x, ...; the K/V ring
-// runs on across items, so the producer loads the next item's first tiles while the consumers
-// finish the last one's P V and epilogue. Otherwise a CTA does the one item its block index names.
-template <class T, int D, int BN, int STAGES, bool MASKED = false, int SCHEDULE = kSchedulePlain,
-          bool PERSISTENT = false>
+// zero_v_rows).
+template <class T, int D, int BN, int STAGES, bool MASKED = false, int SCHEDULE = kSchedulePlain>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
   static_assert(D % 64 == 0 && BN % 16 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns, k16 steps");
   using Shape = TmaShape<D, BN, STAGES>;
@@ -115,21 +111,8 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   auto full = [&](int stage) { return bars + 8 * stage; };
   auto empty = [&](int stage) { return bars + 8 * (STAGES + stage); };
 
-  if (!PERSISTENT && QueryTile<BM>(p).empty()) return;  // the whole CTA, before any barrier
-  // body(tile) for each of this CTA's work items (CTA-uniform; producer and consumers alike).
-  auto for_each_item = [&](auto&& body) {
-    if constexpr (PERSISTENT) {
-      const int gx = p.num_q_blocks * p.tiles_per_q_block;
-      const int64_t items = static_cast<int64_t>(gx) * p.heads_q * p.batch;
-      for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
-        const int64_t rest = i / gx;
-        body(QueryTile<BM>(p, static_cast<int>(i % gx), gx, static_cast<int>(rest % p.heads_q),
-                           static_cast<int>(rest / p.heads_q)));
-      }
-    } else {
-      body(QueryTile<BM>(p));
-    }
-  };
+  const QueryTile<BM> tile(p);
+  if (tile.empty()) return;  // the whole CTA, before any barrier
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -139,49 +122,51 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+
+  // The consumers' warps are 4..11 (the producer and consumers walk the same tiles: the key range
+  // does not depend on the warp).
+  const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, threadIdx.x / 32 - 4) : CtaMask<BM>{};
+  KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb, tile.len_kv, mask.key_min, mask.key_max);
   const bool varlen = p.cu_seqlens_kv != nullptr;
-  // The ring position: key tiles loaded (producer) or consumed (consumers) so far, over every item
-  // of the CTA; tile g is in stage g % STAGES, on that stage's use g / STAGES.
 
   if (threadIdx.x < 128) {  // ---- producer ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x != 0) return;
-    int g = 0;
-    for_each_item([&](const QueryTile<BM>& tile) {
-      if (tile.empty()) return;
-      // The producer walks the consumers' tiles (the key range does not depend on the warp).
-      const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, -1) : CtaMask<BM>{};
-      KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb, tile.len_kv, mask.key_min, mask.key_max);
-      // A variable-length batch: the sequence's first row in the one [1, heads_kv, rows, D] map.
-      const int row0 = static_cast<int>(tile.kv_row0), batch = varlen ? 0 : tile.b;
-      int begin = 0, end = 0;
-      for (; tiles.next_nonempty(p, begin, end); ++g) {
-        const int stage = g % STAGES, use = g / STAGES;
-        if (use > 0) mbar_wait(empty(stage), (use - 1) & 1);
-        mbar_expect_tx(full(stage), 2 * Shape::kKVBytes);
+    // A variable-length batch: the sequence's first row in the one [1, heads_kv, rows, D] map.
+    const int row0 = static_cast<int>(tile.kv_row0), batch = varlen ? 0 : tile.b;
+    int begin = 0, end = 0;
+    for (int t = 0; tiles.next_nonempty(p, begin, end); ++t) {
+      const int stage = t % STAGES, use = t / STAGES;
+      if (use > 0) mbar_wait(empty(stage), (use - 1) & 1);
+      mbar_expect_tx(full(stage), 2 * Shape::kKVBytes);
 #pragma unroll
-        for (int sub = 0; sub < D / 64; ++sub) {
-          const uint32_t offset = stage * Shape::kKVBytes + sub * BN * 128;
-          tma_load_4d(k_smem + offset, &maps.k, sub * 64, row0 + begin, tile.h_kv, batch, full(stage));
-          tma_load_4d(v_smem + offset, &maps.v, sub * 64, row0 + begin, tile.h_kv, batch, full(stage));
-        }
+      for (int sub = 0; sub < D / 64; ++sub) {
+        const uint32_t offset = stage * Shape::kKVBytes + sub * BN * 128;
+        tma_load_4d(k_smem + offset, &maps.k, sub * 64, row0 + begin, tile.h_kv, batch, full(stage));
+        tma_load_4d(v_smem + offset, &maps.v, sub * 64, row0 + begin, tile.h_kv, batch, full(stage));
       }
-    });
+    }
     return;
   }
 
   // ---- consumers ----
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  tile.template load<TileCopy<D, BM, 256, Swizzle128<BM>, 128>>(p, q_smem);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
+
   const int warpgroup = threadIdx.x / 128 - 1;
+  WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, warpgroup);
   // plain: per tile, S = Q K^T issued and waited for (with the previous tile's P V), the softmax,
   //   then P V issued; it runs during the next tile's wait and S.
   // pingpong: the two consumer warpgroups take turns at the tensor cores, so that one's softmax
   //   runs while the other's products do. A turn issues P V of the previous tile and S of this
   //   one; warpgroup w waits on named barrier 2 + w to start a turn and arrives on the other's to
   //   end it. Warpgroup 0 goes first (warpgroup 1 arrives on barrier 2 once before its first
-  //   turn); both take one turn per key tile and one more (the last P V alone), and warpgroup 1
-  //   skips the arrive after its last turn, so each barrier completes exactly as often as it is
-  //   waited on (per item).
+  //   turn); both take one turn per key tile and one more (the last P V alone), and warpgroup 1 skips the
+  //   arrive after its last turn, so each barrier completes exactly as often as it is waited on.
   // overlap: pingpong, and inside a warpgroup the softmax of S_t runs while P V_{t-1} does: the
   //   turn applies O's deferred rescale, issues S_t, then P V_{t-1}; the warpgroup waits for S_t
   //   alone, computes the probabilities in place, then waits for P V_{t-1} before packing P_t
@@ -198,104 +183,81 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   auto turn_end = [&] {
     if constexpr (kTurns) asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - warpgroup) : "memory");
   };
-  const bool lead = threadIdx.x % 32 == 0;  // the lane that arrives on `empty` for its warp
-  int g = 0;
-  bool first_item = true;
-  for_each_item([&](const QueryTile<BM>& tile) {
-    if (tile.empty()) return;
-    // Q is overwritten only once both warpgroups' products of the last item are complete.
-    if (!first_item) asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    first_item = false;
-    tile.template load<TileCopy<D, BM, 256, Swizzle128<BM>, 128>>(p, q_smem);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
-
-    const CtaMask<BM> mask = MASKED ? CtaMask<BM>(p, tile, threadIdx.x / 32 - 4) : CtaMask<BM>{};
-    KeyTiles<BN> tiles(p, tile.b, tile.h, tile.qb, tile.len_kv, mask.key_min, mask.key_max);
-    WgmmaConsumer<T, D, BN> consumer(q_smem, k_smem, v_smem, warpgroup);
-    int begin = 0, end = 0;  // the key range of the current tile; valid = end - begin > 0, CTA-uniform
-    bool more = tiles.next_nonempty(p, begin, end);
-    if (kTurns && more && warpgroup == 1) turn_end();  // warpgroup 0's first turn
-    uint32_t p_frag[BN / 16][4];  // late P V: P of the last tile, until the next iteration's P V
-    auto mask_hook = [&](float(&s)[BN / 8][4]) {
-      if constexpr (MASKED) mask(p, s, begin, end - begin);
-    };
-    if constexpr (SCHEDULE == kScheduleOverlap) {
-      // No branch may skip a product here (ptxas then serialises every wgmma of the kernel, C7514 /
-      // C7515): the first tile's turn (S_0 alone) comes before the loop, and the loop's turns issue
-      // both products unconditionally (every tile has keys: empty ones are not walked).
-      if (more) {
-        float alpha[2];  // the last tile's rescale of O, deferred to its P V
-        int last_stage = g % STAGES;
-        mbar_wait(full(last_stage), (g / STAGES) & 1);
-        ++g;
-        turn_begin();
-        consumer.issue_scores_now(last_stage);
-        turn_end();
-        consumer.wait_products();
-        consumer.probabilities_in_place(end - begin, p.scale_log2, mask_hook, alpha);
-        consumer.pack(end - begin, p_frag);
-        while (tiles.next_nonempty(p, begin, end)) {
-          const int stage = g % STAGES, use = g / STAGES;
-          ++g;
-          mbar_wait(full(stage), use & 1);
-          turn_begin();
-          consumer.rescale_o(alpha);  // O is not in flight (P V_{t-2} was waited for)
-          consumer.issue_scores_now(stage);  // S_t first: the wait below is for it alone
-          consumer.multiply_v_now(last_stage, p_frag);
-          turn_end();
-          consumer.wait_scores();  // S_t (P V_{t-1} may still run)
-          consumer.probabilities_in_place(end - begin, p.scale_log2, mask_hook, alpha);
-          consumer.wait_products();  // P V_{t-1} complete: tile t-1's K and V are read
-          if (lead) mbar_arrive(empty(last_stage));
-          consumer.pack(end - begin, p_frag);
-          last_stage = stage;
-        }
-        turn_begin();  // the last turn: the last tile's P V
-        consumer.rescale_o(alpha);
-        consumer.multiply_v_now(last_stage, p_frag);
-        if (warpgroup == 0) turn_end();
-        consumer.wait_products();  // here, not in store (after the branch): ptxas serialises otherwise
-        if (lead) mbar_arrive(empty(last_stage));  // the last tile's K and V are read
-      }
-      consumer.template store<false>(p, tile, threadIdx.x / 32 - 4);
-    } else {
-      int last_stage = 0, last_valid = 0, t = 0;
-      for (; more; ++t) {
-        const int stage = g % STAGES, use = g / STAGES;
-        ++g;
-        const int valid = end - begin;
+  int begin = 0, end = 0;  // the key range of the current tile; valid = end - begin > 0, CTA-uniform
+  bool more = tiles.next_nonempty(p, begin, end);
+  if (kTurns && more && warpgroup == 1) turn_end();  // warpgroup 0's first turn
+  uint32_t p_frag[BN / 16][4];  // late P V: P of the last tile, until the next iteration's P V
+  auto mask_hook = [&](float(&s)[BN / 8][4]) {
+    if constexpr (MASKED) mask(p, s, begin, end - begin);
+  };
+  if constexpr (SCHEDULE == kScheduleOverlap) {
+    // No branch may skip a product here (ptxas then serialises every wgmma of the kernel, C7514 /
+    // C7515): the first tile's turn (S_0 alone) comes before the loop, and the loop's turns issue
+    // both products unconditionally (every tile has keys: empty ones are not walked).
+    if (more) {
+      float alpha[2];  // the last tile's rescale of O, deferred to its P V
+      int t = 0, last_stage = 0;
+      mbar_wait(full(0), 0);
+      turn_begin();
+      consumer.issue_scores_now(0);
+      turn_end();
+      consumer.wait_products();
+      consumer.probabilities_in_place(end - begin, p.scale_log2, mask_hook, alpha);
+      consumer.pack(end - begin, p_frag);
+      while (tiles.next_nonempty(p, begin, end)) {
+        const int stage = ++t % STAGES, use = t / STAGES;
         mbar_wait(full(stage), use & 1);
-        if (!kTurns && varlen && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
-        if constexpr (SCHEDULE == kSchedulePlain) {
-          consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
-        } else {
-          turn_begin();
-          if (t > 0) consumer.multiply_v(last_stage, last_valid, p_frag);
-          consumer.issue_scores(stage, valid);
-          turn_end();
-          consumer.wait_products();  // S_t; P V_{t-1} complete
-        }
-        if (t > 0 && lead) mbar_arrive(empty(last_stage));  // tile t-1's K and V are read
-        if constexpr (SCHEDULE == kSchedulePlain) {
-          consumer.accumulate(stage, valid, p.scale_log2, mask_hook);  // P V issued now
-        } else {
-          consumer.probabilities(valid, p.scale_log2, mask_hook, p_frag);
-        }
-        last_stage = stage, last_valid = valid;
-        more = tiles.next_nonempty(p, begin, end);
-      }
-      if (kLatePv && t > 0) {  // the last turn: the last tile's P V
         turn_begin();
-        consumer.multiply_v(last_stage, last_valid, p_frag);
-        if (warpgroup == 0) turn_end();
+        consumer.rescale_o(alpha);  // O is not in flight (P V_{t-2} was waited for)
+        consumer.issue_scores_now(stage);  // S_t first: the wait below is for it alone
+        consumer.multiply_v_now(last_stage, p_frag);
+        turn_end();
+        consumer.wait_scores();  // S_t (P V_{t-1} may still run)
+        consumer.probabilities_in_place(end - begin, p.scale_log2, mask_hook, alpha);
+        consumer.wait_products();  // P V_{t-1} complete: tile t-1's K and V are read
+        if (threadIdx.x % 32 == 0) mbar_arrive(empty(last_stage));
+        consumer.pack(end - begin, p_frag);
+        last_stage = stage;
       }
-      consumer.template store<false>(p, tile, threadIdx.x / 32 - 4);  // waits for the last P V
-      if (t > 0 && lead) mbar_arrive(empty(last_stage));  // the last tile's K and V are read
+      turn_begin();  // the last turn: the last tile's P V
+      consumer.rescale_o(alpha);
+      consumer.multiply_v_now(last_stage, p_frag);
+      if (warpgroup == 0) turn_end();
+      consumer.wait_products();  // here, not in store (after the branch): ptxas serialises otherwise
     }
-  });
+  } else {
+    int last_stage = 0, last_valid = 0, t = 0;
+    for (; more; ++t) {
+      const int stage = t % STAGES, use = t / STAGES;
+      const int valid = end - begin;
+      mbar_wait(full(stage), use & 1);
+      if (!kTurns && varlen && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
+      if constexpr (SCHEDULE == kSchedulePlain) {
+        consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
+      } else {
+        turn_begin();
+        if (t > 0) consumer.multiply_v(last_stage, last_valid, p_frag);
+        consumer.issue_scores(stage, valid);
+        turn_end();
+        consumer.wait_products();  // S_t; P V_{t-1} complete
+      }
+      // tile t-1's K and V are read
+      if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % STAGES));
+      if constexpr (SCHEDULE == kSchedulePlain) {
+        consumer.accumulate(stage, valid, p.scale_log2, mask_hook);  // P V issued now
+      } else {
+        consumer.probabilities(valid, p.scale_log2, mask_hook, p_frag);
+      }
+      last_stage = stage, last_valid = valid;
+      more = tiles.next_nonempty(p, begin, end);
+    }
+    if (kLatePv && t > 0) {  // the last turn: the last tile's P V
+      turn_begin();
+      consumer.multiply_v(last_stage, last_valid, p_frag);
+      if (warpgroup == 0) turn_end();
+    }
+  }
+  consumer.template store<false>(p, tile, threadIdx.x / 32 - 4);
 }
 
 }  // namespace sparsa::cuda::detail

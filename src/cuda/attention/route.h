@@ -36,13 +36,6 @@ FlashSchedule set_flash_schedule(FlashSchedule schedule);
 int set_flash_dense_key_tile(int tile);
 // The key tile of the last flash launch on this thread.
 int last_flash_key_tile();
-// Rung 3's persistent kernels (flash_tma_kernel.cuh PERSISTENT: one CTA per multiprocessor walking
-// the work items, the K/V ring running on across them) for the pingpong and overlap schedules at
-// head_dim 128 without a mask or a variable-length batch: allowed (true) or not (false, the default), process-
-// wide; returns the previous setting. Measured side by side in bench/RESULTS.md.
-bool set_flash_persistent(bool on);
-// Whether the last flash launch on this thread was a persistent kernel.
-bool last_flash_persistent();
 // The number of KV splits of the last call on this thread if it took the split-KV executor, else 0.
 int last_split_kv_splits();
 // Whether the last split-KV launch on this thread was the wgmma + TMA kernel (rung 2,

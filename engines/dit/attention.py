@@ -51,7 +51,8 @@ class AttentionSpec:
 
     def label(self) -> str:
         if self.kind == "llsa":
-            return f"llsa (block {self.block}, top-K {self.topk})"
+            levels = "" if self.levels < 0 else f", {self.levels} level{'s' if self.levels != 1 else ''}"
+            return f"llsa (block {self.block}, top-K {self.topk}{levels})"
         if self.kind == "ba_att":
             return f"ba_att (block {self.block}, density {self.density:g}{'' if self.sort else ', unsorted'})"
         return "full"

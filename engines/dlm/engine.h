@@ -440,10 +440,10 @@ struct PromptCache::State {
 // The prompt cache in a loop (model_common.cpp). reuse_prompt_cache: copies into the empty cpu
 // sequence `seq` the K/V of the longest run of the cache's leading whole blocks (of block_size
 // tokens) whose tokens equal the prompt's, at most max_blocks of them; returns the tokens reused
-// (0 when the cache holds another model's). keep_prompt_cache: the cache takes seq's K/V and the
-// canvas tokens they are of.
-int64_t reuse_prompt_cache(const Model::Impl& m, const PromptCache::State& cache, std::span<const int32_t> prompt,
-                           int64_t max_blocks, Sequence& seq);
+// (0 when the cache holds another model's; an error only if emptying seq's caches after a failed
+// copy fails). keep_prompt_cache: the cache takes seq's K/V and the canvas tokens they are of.
+Result<int64_t> reuse_prompt_cache(const Model::Impl& m, const PromptCache::State& cache,
+                                   std::span<const int32_t> prompt, int64_t max_blocks, Sequence& seq);
 void keep_prompt_cache(const Model::Impl& m, PromptCache::State& cache, std::span<const int32_t> canvas, Sequence& seq);
 
 // The loops (one file each): requests already validated by Model::generate.

@@ -55,7 +55,12 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
                     {},
                     false});
     Request& q = reqs.back();
-    const int64_t reused = cache ? reuse_prompt_cache(m, cache->state(), prompts[r], q.block, q.seq) : 0;
+    int64_t reused = 0;
+    if (cache) {
+      auto lent = reuse_prompt_cache(m, cache->state(), prompts[r], q.block, q.seq);
+      if (!lent.ok()) return lent.status();
+      reused = lent.value();
+    }
     res.reused_tokens += reused;
     if (q.block * B > reused) {  // prefill the prompt's whole blocks (block-causal, exact) after those
       ForwardOptions fo;

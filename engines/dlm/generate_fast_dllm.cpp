@@ -74,8 +74,12 @@ Result<GenerateResult> generate_fast_dllm(const Model::Impl& m, const std::vecto
     // its next token from the last row (the position just past the chunk, which the shift lets
     // the head read).
     const int64_t L = q.block * B;
-    const int64_t reused =
-        cache ? reuse_prompt_cache(m, cache->state(), prompts[r], P == L ? q.block - 1 : q.block, q.seq) : 0;
+    int64_t reused = 0;
+    if (cache) {
+      auto lent = reuse_prompt_cache(m, cache->state(), prompts[r], P == L ? q.block - 1 : q.block, q.seq);
+      if (!lent.ok()) return lent.status();
+      reused = lent.value();
+    }
     res.reused_tokens += reused;
     if (reused == L) continue;
     ForwardOptions fo;

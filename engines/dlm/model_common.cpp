@@ -182,8 +182,8 @@ void PromptCache::clear() {
   if (state_) *state_ = State{};
 }
 
-int64_t reuse_prompt_cache(const Model::Impl& m, const PromptCache::State& cache, std::span<const int32_t> prompt,
-                           int64_t max_blocks, Sequence& seq) {
+Result<int64_t> reuse_prompt_cache(const Model::Impl& m, const PromptCache::State& cache,
+                                   std::span<const int32_t> prompt, int64_t max_blocks, Sequence& seq) {
   const Config& c = m.config;
   const int64_t B = c.block_size;
   if (cache.model != m.id || static_cast<int64_t>(cache.layers.size()) != c.n_layers ||
@@ -202,8 +202,8 @@ int64_t reuse_prompt_cache(const Model::Impl& m, const PromptCache::State& cache
     v.shape[2] = reuse;
     const Status st = seq.cache[static_cast<size_t>(l)].append(k, v);
     if (!st.ok()) {  // cannot fail on caches of one shape; start over without the cache if it does
-      for (auto& layer : seq.cache) layer = PagedKVCache::create(layer.config()).value();
-      return 0;
+      SPARSA_RETURN_IF_ERROR(reset_cache(c, seq));
+      return int64_t{0};
     }
   }
   for (auto& a : seq.attention) a->on_commit();

@@ -5,7 +5,8 @@
 # what exists (logs, tables, sample grids) into $OUT/dit.tar.gz, so a lost machine costs only the
 # unfinished runs.
 #
-#   gpu-run.sh start SECONDS   build the extension (CUDA on), start every run (compiled; EXTRA:
+#   gpu-run.sh start SECONDS   build the extension (CUDA on; or take the carried .prebuilt of this
+#                              tree, scripts/gpu-prebuild --dit), start every run (compiled; EXTRA:
 #                              more flags), then watch
 #   gpu-run.sh watch SECONDS   show the runs' last lines until SECONDS have passed or all ended;
 #                              once all ended, each config's table of its finished runs (--table-only)
@@ -61,9 +62,10 @@ watch() {
 case "${1:-}" in
   start)
     mkdir -p "$D"
-    [ "${BUILD:-1}" = 1 ] && { { cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSA_CUDA=ON && \
-      cmake --build build-gpu --parallel "$(nproc)" --target _sparsa; } > "$D/cmake.log" 2>&1 \
-      || { tail -30 "$D/cmake.log"; exit 1; }; echo "built in $(( $(date +%s) - T0 )) s"; }
+    # The extension: carried from this tree (scripts/gpu-prebuild --dit), else built here.
+    [ "${BUILD:-1}" = 1 ] && { bash scripts/use-prebuilt _sparsa || { { cmake -S . -B build-gpu -G Ninja \
+      -DCMAKE_BUILD_TYPE=Release -DSPARSA_CUDA=ON && cmake --build build-gpu --parallel "$(nproc)" --target _sparsa; } \
+      > "$D/cmake.log" 2>&1 || { tail -30 "$D/cmake.log"; exit 1; }; }; echo "built in $(( $(date +%s) - T0 )) s"; }
     for r in $RUNS; do
       c=${r%%:*} a=${r#*:}
       mkdir -p "$D/$c"

@@ -4,6 +4,7 @@ are checked here. Several modes in one call share the build and run each step on
 import os
 import re
 import subprocess
+import tarfile
 
 import pytest
 
@@ -47,3 +48,106 @@ def test_one_mode_and_the_full_call(tmp_path):
 def test_an_unknown_mode_is_a_usage_error(tmp_path, args):
     r, steps, _ = dry(tmp_path, *args)
     assert r.returncode == 2 and "usage: scripts/gpu-check" in r.stderr and steps == []
+
+
+def stamp():
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "tree-stamp")], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_the_targets_of_the_modes(tmp_path):
+    env = dict(os.environ, GPU_CHECK_TARGETS="1")
+    r = subprocess.run(["bash", SCRIPT, "--masks", "--eval"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    targets = r.stdout.split()
+    assert targets == sorted(set(targets)) and {"test_cuda_attention", "_sparsa", "sparsa_cli"} <= set(targets)
+    r = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == ""  # the full call builds everything
+
+
+def test_a_prebuilt_build_of_this_tree_replaces_the_build(tmp_path):
+    """scripts/gpu-prebuild's pack (PREBUILT) is copied instead of building only when its stamp is
+    this tree's and it holds every target of the call's modes."""
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    env_t = dict(os.environ, GPU_CHECK_TARGETS="1")
+    targets = subprocess.run(["bash", SCRIPT, "--masks"], cwd=ROOT, env=env_t, capture_output=True, text=True,
+                             check=True).stdout
+    (pack / "TARGETS").write_text(targets)
+    (pack / "STAMP").write_text(stamp() + "\n")
+    (pack / "files.tar.xz").write_bytes(b"")
+
+    def call(*modes):
+        env = dict(os.environ, GPU_CHECK_DRY="1", OUT=str(tmp_path / "out"), PREBUILT=str(pack))
+        return subprocess.run(["bash", SCRIPT, *modes], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+    r = call("--masks")
+    assert r.returncode == 0, r.stderr
+    assert f"DRY unpack {pack}/files.tar.xz into build-gpu/" in r.stdout and "DRY cmake" not in r.stdout
+    r = call("--masks", "--dlm-tests")  # a target the pack lacks: built as before
+    assert "lacks the target" in r.stdout and "DRY cmake --build" in r.stdout and "DRY unpack" not in r.stdout
+    (pack / "STAMP").write_text("0" * 64 + "\n")  # another tree's
+    r = call("--masks")
+    assert "built from another tree" in r.stdout and "DRY cmake --build" in r.stdout and "DRY unpack" not in r.stdout
+    r = call()  # the full call never takes a pack (ctest runs over the whole build)
+    assert "DRY unpack" not in r.stdout and "use-prebuilt" not in r.stdout
+
+
+def test_the_stamp_follows_the_sources(tmp_path):
+    first = stamp()
+    assert len(first) == 64 and first == stamp()
+    # A tree of its own: the stamp changes with a source's content or name, not with caches.
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "tree-stamp").write_bytes(open(os.path.join(ROOT, "scripts", "tree-stamp"), "rb").read())
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.cpp").write_text("int a;\n")
+
+    def of_tmp():
+        return subprocess.run(["bash", str(tmp_path / "scripts" / "tree-stamp")], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    a = of_tmp()
+    (tmp_path / "src" / "__pycache__").mkdir()
+    (tmp_path / "src" / "__pycache__" / "x.pyc").write_text("cache")
+    (tmp_path / "src" / "build-x").mkdir()
+    (tmp_path / "src" / "build-x" / "o.o").write_text("object")
+    assert of_tmp() == a
+    (tmp_path / "src" / "a.cpp").write_text("int b;\n")
+    b = of_tmp()
+    (tmp_path / "src" / "a.cpp").rename(tmp_path / "src" / "c.cpp")
+    assert len({a, b, of_tmp()}) == 3
+
+
+@pytest.mark.parametrize("runs_here", [True, False])
+def test_a_carried_binary_that_does_not_run_here_is_built_instead(tmp_path, runs_here):
+    """use-prebuilt copies the pack, then runs each test binary (--gtest_list_tests): one that does
+    not run (another machine's C library, say) takes the copied files back, keeps the rest of
+    build-gpu (the call's logs), and tells the caller to build."""
+    for name in ("use-prebuilt", "tree-stamp"):
+        (tmp_path / "scripts").mkdir(exist_ok=True)
+        (tmp_path / "scripts" / name).write_bytes(open(os.path.join(ROOT, "scripts", name), "rb").read())
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.cpp").write_text("int a;\n")
+    stage, pack = tmp_path / "stage", tmp_path / "pack"
+    (stage / "tests").mkdir(parents=True)
+    pack.mkdir()
+    binary = stage / "tests" / "test_x"
+    binary.write_text("#!/bin/sh\nexit %d\n" % (0 if runs_here else 3))
+    binary.chmod(0o755)
+    with tarfile.open(pack / "files.tar.xz", "w:xz") as t:
+        t.add(stage, arcname=".")
+    (pack / "TARGETS").write_text("test_x\n")
+    (pack / "STAMP").write_text(subprocess.run(["bash", str(tmp_path / "scripts" / "tree-stamp")], capture_output=True,
+                                               text=True, check=True).stdout)
+    (tmp_path / "build-gpu" / "out").mkdir(parents=True)
+    (tmp_path / "build-gpu" / "out" / "build.log").write_text("the call's log\n")
+    env = dict(os.environ, PREBUILT=str(pack))
+    env.pop("GPU_CHECK_DRY", None)
+    r = subprocess.run(["bash", str(tmp_path / "scripts" / "use-prebuilt"), "test_x"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == (0 if runs_here else 1), r.stderr
+    assert (tmp_path / "build-gpu" / "tests" / "test_x").exists() == runs_here
+    assert (tmp_path / "build-gpu" / "out" / "build.log").read_text() == "the call's log\n"
+    if not runs_here:
+        assert "does not run here" in r.stderr and "building instead" in r.stderr

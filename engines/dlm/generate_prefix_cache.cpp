@@ -7,7 +7,8 @@
 // so it is approximate: it was computed while later tokens were still masked). Later steps run
 // only the suffix (the block and every position after it) against that cached prefix. Each step
 // commits every masked token of the block whose confidence is >= threshold, and always the most
-// confident one; with threshold 0 it commits LLaDA's scheduled top-k instead.
+// confident one (or, with a factor, the count of Fast-dLLM's factor rule); with neither it commits
+// LLaDA's scheduled top-k instead.
 //
 // A model whose logits are shifted (dream: position p is predicted from the hidden state of
 // p - 1) caches one position less, [0, begin - 1), and its suffix starts at begin - 1, so that the
@@ -38,6 +39,7 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
   const int64_t shift = c.shifted_logits ? 1 : 0;  // begin > 0 always: a prompt is never empty
 
   auto choose = [&](const Candidates& k, const std::vector<int64_t>& schedule, int64_t step) {
+    if (o.factor > 0) return factor_rule(k.confidence, o.factor);
     return threshold_or_top_k(k.confidence, o.threshold,
                               step < static_cast<int64_t>(schedule.size()) ? schedule[step] : 1);
   };

@@ -38,7 +38,8 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
         Canvas& cv = canvas[r];
         if (cv.done) continue;
         const int64_t begin = cv.prompt_len + b * o.block_len;
-        if (o.threshold > 0 ? cv.masks_in(begin, begin + o.block_len) == 0 : step >= steps_per_block) continue;
+        const bool dynamic = o.threshold > 0 || o.factor > 0;  // the block's masks set the pace
+        if (dynamic ? cv.masks_in(begin, begin + o.block_len) == 0 : step >= steps_per_block) continue;
         ForwardOptions fo;
         fo.logits_begin = begin;
         fo.logits_count = o.block_len;
@@ -54,7 +55,9 @@ Result<GenerateResult> generate_remask(const Model::Impl& m, const std::vector<s
         res.steps++;
         res.forward_tokens += static_cast<int64_t>(cv.x.size());
         const Candidates& k = picked.value()[i];
-        if (o.threshold > 0) {
+        if (o.factor > 0) {
+          commit(cv, k, factor_rule(k.confidence, o.factor));
+        } else if (o.threshold > 0) {
           commit(cv, k, threshold_or_top_k(k.confidence, o.threshold, 1));
         } else {
           commit(cv, k, top_k(k.confidence, schedule[r][step]));

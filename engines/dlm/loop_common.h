@@ -196,6 +196,26 @@ inline std::vector<int64_t> threshold_or_top_k(const std::vector<double>& confid
   return top_k(confidence, std::max<int64_t>(want, 1));
 }
 
+// Fast-dLLM's factor rule (GenerateOptions::factor; its get_transfer_index_dynamic): the n most
+// confident, where, with the confidences sorted (c_0 >= c_1 >= ...), n is the first i > 0 whose
+// c_i < 1 - factor / (i + 2), or the last index when none is; then one more when n is the last
+// index, so a block whose last candidate alone falls short commits it too, as Fast-dLLM does
+// (and at least one always).
+inline std::vector<int64_t> factor_rule(const std::vector<double>& confidence, double factor) {
+  const int64_t m = static_cast<int64_t>(confidence.size());
+  std::vector<int64_t> order = top_k(confidence, m);
+  int64_t n = m - 1;
+  for (int64_t i = 1; i < m; ++i) {
+    if (confidence[static_cast<size_t>(order[static_cast<size_t>(i)])] < 1.0 - factor / static_cast<double>(i + 2)) {
+      n = i;
+      break;
+    }
+  }
+  if (n <= 0 || n == m - 1) ++n;
+  order.resize(static_cast<size_t>(std::min(n, m)));
+  return order;
+}
+
 inline void commit(Canvas& cv, const Candidates& k, const std::vector<int64_t>& chosen) {
   for (int64_t j : chosen) {
     cv.x[k.position[j]] = k.pick[j].token;

@@ -327,6 +327,18 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   if (o.steps < 1) return invalid_argument("steps: expected >= 1, got " + std::to_string(o.steps));
   if (!(o.temperature >= 0)) return invalid_argument("temperature: expected >= 0");
   if (!(o.threshold >= 0 && o.threshold <= 1)) return invalid_argument("threshold: expected in [0, 1]");
+  if (!(o.factor >= 0 && std::isfinite(o.factor))) return invalid_argument("factor: expected a finite value >= 0");
+  if (o.factor > 0) {
+    if (o.loop != Loop::remask && o.loop != Loop::prefix_cache) {
+      return invalid_argument("factor: Fast-dLLM's factor rule serves the remask and prefix_cache loops, not " +
+                              std::string(loop_name(o.loop)));
+    }
+    if (o.threshold > 0) return invalid_argument("factor: a step commits by the factor rule or by the threshold, not both");
+    if (o.confidence != Confidence::probability) {
+      return invalid_argument("factor: the rule's bounds 1 - factor / (i + 2) are probabilities; confidence " +
+                              std::string(confidence_name(o.confidence)) + " is not one");
+    }
+  }
   if (!(o.top_p > 0 && o.top_p <= 1)) return invalid_argument("top_p: expected in (0, 1]");
   if (o.top_k < 0) return invalid_argument("top_k: expected >= 0 (0: off), got " + std::to_string(o.top_k));
   if (!(o.alg_temp >= 0 && std::isfinite(o.alg_temp))) return invalid_argument("alg_temp: expected a finite value >= 0");
@@ -356,7 +368,7 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
                               std::to_string(o.block_len));
     }
     const int64_t blocks = o.gen_len / o.block_len;
-    if (o.threshold == 0 && o.steps % blocks != 0) {  // with a threshold the blocks set the pace
+    if (o.threshold == 0 && o.factor == 0 && o.steps % blocks != 0) {  // else the blocks set the pace
       return invalid_argument("steps: expected a multiple of the number of blocks (" + std::to_string(blocks) +
                               "), got " + std::to_string(o.steps));
     }

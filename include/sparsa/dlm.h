@@ -152,6 +152,11 @@ struct GenerateOptions {
                              // count, SDAR's low_confidence_dynamic; fast_dllm: > threshold, and
                              // the most confident of the sub-block); 0: the scheduled top-k
                              // (fast_dllm: the most confident only, its generate()'s default)
+  double factor = 0;         // remask, prefix_cache, > 0: Fast-dLLM's factor rule instead (its
+                             // get_transfer_index_dynamic): with the block's confidences sorted,
+                             // c_0 >= c_1 >= ..., the count is the first i > 0 with c_i < 1 - factor /
+                             // (i + 2) (the last index if none), plus one when that is the last
+                             // index (as Fast-dLLM counts); probability confidence, no threshold
   double temperature = 0;    // 0: argmax; > 0: Gumbel-max sampling at this temperature
   Confidence confidence = Confidence::probability;  // margin / entropy: of softmax(logits / temperature)
   double top_p = 1.0;        // < 1: a pick only among the most probable tokens holding this mass (Dream's top_p)

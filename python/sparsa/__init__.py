@@ -1256,7 +1256,8 @@ class Model:
     def generate(self, prompt, gen_len: int = 128, block_len: int = 32, steps: int = 0, threshold: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
                  ban_eos: bool = False, eos_ids=(), chat: bool = False, system=None, confidence: str = "",
-                 top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0, sub_block: int = 8, cache=None):
+                 top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0, sub_block: int = 8, cache=None,
+                 factor: float = 0.0):
         """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
         list of either (a batch; returns a list). ``chat``: each text prompt becomes the user's
         message in the model's chat template (after a ``system`` message, if given), as instruct
@@ -1266,6 +1267,8 @@ class Model:
         tokens, as Dream's sampler does; ``alg_temp`` > 0 draws the dream loop's positions with weights
         softmax(confidence / alg_temp) instead of taking the most confident (Dream's ``alg_temp``);
         ``sub_block``: the fast_dllm loop's sub-blocks (Fast-dLLM v2's small_block_size).
+        ``factor`` > 0: the remask and prefix_cache loops commit by Fast-dLLM's factor rule (its
+        ``factor`` argument) instead of the threshold or the schedule.
         ``cache``: a ``PromptCache`` passed to each turn of a conversation (one prompt; the block and
         fast_dllm loops; cpu backend): a call reuses the K/V of the leading whole blocks its prompt
         shares with the last call's prompt and output, and prefills only the rest."""
@@ -1284,7 +1287,8 @@ class Model:
         ids = [self.tokenizer.encode(p) if t else [int(i) for i in p] for p, t in zip(prompts, text)]
         out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
                                   ban_eos, [int(i) for i in eos_ids], confidence, float(top_p), int(top_k),
-                                  float(alg_temp), int(sub_block), None if cache is None else cache._core)
+                                  float(alg_temp), int(sub_block), None if cache is None else cache._core,
+                                  float(factor))
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]
 

@@ -26,7 +26,7 @@ struct DlmOptions {
   std::string attention = "dense";
   std::vector<std::string> attention_layers;
   int64_t gen_len = 128, block_len = 32, steps = 0;
-  double threshold = 0, temperature = 0;
+  double threshold = 0, factor = 0, temperature = 0;
   uint64_t seed = 0;
   int threads = 0;
   int64_t cached = 0;  // logits: ids run into the KV cache first
@@ -124,6 +124,7 @@ Result<dlm::GenerateOptions> generate_options(const DlmOptions& o, const dlm::Mo
   g.steps = o.steps > 0 ? o.steps
                         : (g.loop == dlm::Loop::block ? std::max<int64_t>(model.config().block_size, 1) : o.gen_len);
   g.threshold = o.threshold;
+  g.factor = o.factor;
   g.temperature = o.temperature;
   g.confidence = dlm::default_confidence(g.loop);
   if (!o.confidence.empty()) {
@@ -553,6 +554,9 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
                   "remask, prefix_cache: total steps (default gen-len); block: steps per block (default block_size)");
   gen->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding (0: top-k schedule)")
       ->capture_default_str();
+  gen->add_option("--factor", o->factor,
+                  "remask, prefix_cache: Fast-dLLM's factor rule for parallel decoding instead (0: off)")
+      ->capture_default_str();
   gen->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
   gen->add_option("--top-p", o->top_p, "< 1: pick among the most probable tokens holding this mass")
       ->capture_default_str();
@@ -633,6 +637,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   chat->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
   chat->add_option("--steps", o->steps, "as generate's");
   chat->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding")->capture_default_str();
+  chat->add_option("--factor", o->factor, "as generate's")->capture_default_str();
   chat->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
   chat->add_option("--top-p", o->top_p, "as generate's")->capture_default_str();
   chat->add_option("--top-k", o->top_k, "as generate's")->capture_default_str();

@@ -435,6 +435,23 @@ def _thr(conf, threshold):
         _note("logthr", abs(np.log(c) - np.log(threshold)))
 
 
+def factor_count(conf, factor):
+    """Fast-dLLM's factor rule (get_transfer_index_dynamic), written from its description: sorted
+    confidences c_0 >= c_1 >= ..., bounds b_i = 1 - factor / (i + 2) (none for i = 0); the count is
+    the first i whose c_i < b_i, else the last index; one more when it is 0 or the last index."""
+    c = sorted(conf, reverse=True)
+    n = len(c) - 1
+    for i in range(1, len(c)):
+        bound = 1.0 - factor / (i + 2)
+        _note("logthr", abs(np.log(c[i]) - np.log(bound)) if c[i] > 0 and bound > 0 else np.inf)
+        if c[i] < bound:
+            n = i
+            break
+    if n <= 0 or n == len(c) - 1:
+        n += 1
+    return n
+
+
 def cut(s, gen, stop=True):
     if not stop:
         return list(gen)
@@ -482,7 +499,7 @@ def ref_dream(s, w, prompt, gen_len, steps, confidence="entropy", stop=True, eps
 
 
 def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0.0, seed=0, request=0,
-               threshold=0.0, confidence="probability"):
+               threshold=0.0, confidence="probability", factor=0.0):
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
     P, nb = len(prompt), gen_len // block_len
@@ -492,13 +509,15 @@ def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0
         lo, hi = P + b * block_len, P + (b + 1) * block_len
         sched = schedule(sum(masked[lo:hi]), spb)
         st = 0
-        while (any(masked[lo:hi]) if threshold > 0 else st < spb):
+        while (any(masked[lo:hi]) if threshold > 0 or factor > 0 else st < spb):
             logits = canvas_logits(s, w, x)
             pos = [i for i in range(lo, hi) if masked[i]]
             picks = [softmax_pick(logits[i], temperature, rng) for i in pos]
             conf = [p[1] for p in picks] if confidence == "probability" else \
                 [confidence_of(logits[i], confidence, temperature) for i in pos]
-            if threshold > 0:  # Fast-dLLM's parallel decoding, no cache
+            if factor > 0:  # Fast-dLLM's factor rule, no cache
+                chosen = top(conf, factor_count(conf, factor))
+            elif threshold > 0:  # Fast-dLLM's parallel decoding, no cache
                 _thr(conf, threshold)
                 first = top(conf, 1)
                 chosen = first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
@@ -511,7 +530,7 @@ def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0
     return cut(s, x[P:], stop)
 
 
-def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True):
+def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True, factor=0.0):
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
     P, nb = len(prompt), gen_len // block_len
@@ -519,6 +538,8 @@ def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=Tr
     sh = 1 if s.arch == "dream" else 0  # dream's block is predicted from the cached position before it too
 
     def choose(conf, sched, st):
+        if factor > 0:
+            return top(conf, factor_count(conf, factor))
         if threshold > 0:
             _thr(conf, threshold)
             first = top(conf, 1)

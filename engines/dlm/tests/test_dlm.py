@@ -177,6 +177,19 @@ def test_remask_with_threshold_matches_reference(sparsa_bin, llada_model):
         assert g == R.ref_remask(s, w, p, 16, 8, 8, False, threshold=0.3)
 
 
+@pytest.mark.parametrize("factor", [0.5, 1.0, 3.0])
+def test_factor_rule_matches_reference(sparsa_bin, llada_model, factor):
+    """--factor: Fast-dLLM's factor rule in the remask loop and the prefix-cache loop (steps unused:
+    the block's masks set the pace), against the reference loops."""
+    s, w, d = llada_model
+    for loop, ref in (("remask", lambda p: R.ref_remask(s, w, p, 16, 8, 8, False, factor=factor)),
+                      ("prefix_cache", lambda p: R.ref_prefix_cache(s, w, p, 16, 8, 8, 0.0, False, factor=factor))):
+        got = generate_ids(sparsa_bin, d, PROMPTS, "--loop", loop, "--gen-len", 16, "--block-len", 8, "--steps", 3,
+                           "--factor", factor, "--no-stop-at-eos")
+        for p, g in zip(PROMPTS, got):
+            assert g == ref(p), (loop, p)
+
+
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
 @pytest.mark.parametrize("stop", STOP)
 def test_prefix_cache_loop_matches_reference(sparsa_bin, llada_model, threshold, stop):

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "engine.h"  // the forward of a batch of chunks (Model::Impl)
+#include "loop_common.h"  // the commit rules
 #include "sparsa/dlm.h"
 #include "sparsa/io.h"
 
@@ -358,6 +359,63 @@ TEST(DlmApi, Errors) {
   ASSERT_FALSE(tok.ok());
   EXPECT_NE(tok.status().message().find("merges"), std::string::npos);
   EXPECT_FALSE(dlm::parse_loop("beam").ok());
+}
+
+// The factor rule's options: refused by name where they do not apply.
+TEST(DlmApi, FactorOptionsAreChecked) {
+  const fs::path dir = write_model("llada", Tiny{}, "factor");
+  auto m = dlm::Model::load(dir.string());
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  auto fails_with = [&](dlm::GenerateOptions o, const std::string& want) {
+    o.gen_len = 8;
+    o.block_len = 4;
+    o.steps = 8;
+    auto r = m.value().generate({{1, 2, 3}}, o);
+    ASSERT_FALSE(r.ok()) << want;
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().message();
+  };
+  dlm::GenerateOptions o;
+  o.factor = -1;
+  fails_with(o, "factor: expected a finite value >= 0");
+  o.factor = 1;
+  o.threshold = 0.5;
+  fails_with(o, "factor: a step commits by the factor rule or by the threshold");
+  o.threshold = 0;
+  o.confidence = dlm::Confidence::entropy;
+  fails_with(o, "factor: the rule's bounds");
+  o.confidence = dlm::Confidence::probability;
+  o.loop = dlm::Loop::dream;
+  fails_with(o, "factor: Fast-dLLM's factor rule serves the remask and prefix_cache loops");
+  o.loop = dlm::Loop::remask;
+  o.gen_len = 8;
+  o.block_len = 4;
+  o.steps = 3;  // not a multiple of the blocks: fine, the block's masks set the pace
+  auto r = m.value().generate({{1, 2, 3}}, o);
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  fs::remove_all(dir);
+}
+
+// Fast-dLLM's factor rule, worked by hand (factor 1: the bounds are 1 - 1/(i + 2), i.e. 0.667,
+// 0.75, 0.8, ... for the 2nd, 3rd, 4th most confident): the count is the first sorted position
+// below its bound, and one more when that is the last position (Fast-dLLM's count); ties by position.
+TEST(DlmApi, FactorRuleCountsAsFastDllm) {
+  using dlm::factor_rule;
+  auto sorted = [](std::vector<int64_t> v) {
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  EXPECT_EQ(factor_rule({}, 1.0), std::vector<int64_t>{});
+  EXPECT_EQ(factor_rule({0.01}, 1.0), std::vector<int64_t>{0});               // one candidate: committed
+  EXPECT_EQ(sorted(factor_rule({0.3, 0.9, 0.2, 0.1, 0.05}, 1.0)), (std::vector<int64_t>{1}));  // 0.3 < 0.667
+  EXPECT_EQ(sorted(factor_rule({0.7, 0.9, 0.2, 0.1, 0.05}, 1.0)), (std::vector<int64_t>{0, 1}));  // 0.2 < 0.75
+  EXPECT_EQ(sorted(factor_rule({0.77, 0.9, 0.76, 0.1, 0.05}, 1.0)), (std::vector<int64_t>{0, 1, 2}));
+  // Every bound met: all of them; only the last one missed: all of them too (Fast-dLLM's count).
+  EXPECT_EQ(sorted(factor_rule({0.99, 0.98, 0.97}, 1.0)), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(sorted(factor_rule({0.99, 0.98, 0.5}, 1.0)), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(sorted(factor_rule({0.99, 0.5}, 1.0)), (std::vector<int64_t>{0, 1}));
+  // A larger factor lowers the bounds (factor 2: 0.333, 0.5, ...); equal confidences by position.
+  EXPECT_EQ(sorted(factor_rule({0.3, 0.9, 0.4, 0.4, 0.0, 0.0}, 2.0)), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(sorted(factor_rule({0.5, 0.5, 0.5, 0.0}, 1.0)), (std::vector<int64_t>{0}));
 }
 
 // Fast-dLLM v2's published config (its Qwen2.5-7B shape, bd_size, no mask id): the block, the

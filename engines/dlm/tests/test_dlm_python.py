@@ -175,6 +175,21 @@ def test_fast_dllm_from_python(tmp_path):
         m.generate([1, 2], gen_len=8, sub_block=5)
 
 
+def test_factor_rule_from_python(tmp_path):
+    """factor= reaches the remask and prefix_cache loops (Fast-dLLM's factor rule), and a factor
+    where it does not apply is refused by name."""
+    s = R.Spec("llada", dim=32, heads=2, kv_heads=2, layers=2, vocab=48, eos=46, mask_id=47)
+    w = R.write_model(tmp_path, s, seed=12)
+    m = sparsa.Model.load(tmp_path)
+    prompt = [3, 17, 5, 9, 30]
+    assert m.generate(prompt, gen_len=8, block_len=4, factor=1.0, stop_at_eos=False) == \
+        R.ref_remask(s, w, prompt, 8, 4, 8, False, factor=1.0)
+    assert m.generate(prompt, gen_len=8, block_len=4, factor=2.0, loop="prefix_cache", stop_at_eos=False) == \
+        R.ref_prefix_cache(s, w, prompt, 8, 4, 8, 0.0, False, factor=2.0)
+    with pytest.raises(ValueError, match="factor: a step commits by the factor rule or by the threshold"):
+        m.generate(prompt, gen_len=8, block_len=4, factor=1.0, threshold=0.5)
+
+
 def test_dream_from_python(tmp_path):
     """A dream model decodes with Dream's loop and entropy confidence by default."""
     s = R.Spec("dream", dim=32, heads=2, kv_heads=1, layers=2, vocab=48, eos=46, mask_id=47)

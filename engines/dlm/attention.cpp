@@ -167,15 +167,25 @@ class SplitAttention : public LayerAttention {
     auto own_lse = scratch_.get(0, DType::f32, {1, heads_q, n}, dev, options_.stream);
     if (!own_lse.ok()) return own_lse.status();
     SPARSA_RETURN_IF_ERROR(own(call, own_lse.value()));
-    if (call.pos0 == 0) return Status::Ok();
+    if (call.pos0 == 0 && !call.suffix_k.defined()) return Status::Ok();
     auto pre_out = scratch_.get(1, call.q.dtype, {1, heads_q, n, hd}, dev, options_.stream);
     auto pre_lse = scratch_.get(2, DType::f32, {1, heads_q, n}, dev, options_.stream);
     if (!pre_out.ok()) return pre_out.status();
     if (!pre_lse.ok()) return pre_lse.status();
-    SPARSA_RETURN_IF_ERROR(prefix(call, pre_out.value(), pre_lse.value()));
-    return merge(call.out, own_lse.value(), pre_out.value(), pre_lse.value(), call.out, own_lse.value(),
-                 options_.backend == Backend::cuda ? Backend::cuda : Backend::cpu, options_.stream);
+    const Backend merge_backend = options_.backend == Backend::cuda ? Backend::cuda : Backend::cpu;
+    if (call.pos0 > 0) {
+      SPARSA_RETURN_IF_ERROR(prefix(call, pre_out.value(), pre_lse.value()));
+      SPARSA_RETURN_IF_ERROR(merge(call.out, own_lse.value(), pre_out.value(), pre_lse.value(), call.out,
+                                   own_lse.value(), merge_backend, options_.stream));
+    }
+    if (call.suffix_k.defined()) {  // the dual cache's suffix: dense, as the prefix
+      SPARSA_RETURN_IF_ERROR(dense(call.q, call.suffix_k, call.suffix_v, pre_out.value(), pre_lse.value(), options_));
+      SPARSA_RETURN_IF_ERROR(merge(call.out, own_lse.value(), pre_out.value(), pre_lse.value(), call.out,
+                                   own_lse.value(), merge_backend, options_.stream));
+    }
+    return Status::Ok();
   }
+  bool takes_suffix() const override { return true; }
 
  protected:
   // The chunk's own keys into call.out and lse.
@@ -421,6 +431,8 @@ class LosaAttention final : public SplitAttention {
     if (lse_.empty() || lse_.shape()[1] != heads_q || lse_.shape()[2] != n) lse_ = HostArray(DType::f32, {1, heads_q, n});
     return state_->step(*call.prefix, call.q, call.k, call.v, call.out, lse_.view());
   }
+  // Its block steps merge the prefix and the block only (LoSA's cached rows know no suffix).
+  bool takes_suffix() const override { return false; }
   void on_commit() override {
     if (state_) state_->begin_block();
   }
@@ -461,6 +473,7 @@ class DevicePrefixMethod final : public SplitAttention {
   }
 
   const void* batch_state() const override { return batch_.get(); }
+  bool takes_suffix() const override { return false; }  // the device step knows no suffix
 
   Status forward(const AttentionCall& call) override {
     LayerAttention* self = this;

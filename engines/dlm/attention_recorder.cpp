@@ -31,6 +31,7 @@ class RecordedAttention final : public LayerAttention {
     return recorder_->capture(call, *inner_, request_, forward, method_);
   }
   Result<std::optional<CallPlan>> plan_of(const AttentionCall& call) override { return inner_->plan_of(call); }
+  bool takes_suffix() const override { return inner_->takes_suffix(); }
   void on_commit() override { inner_->on_commit(); }
   void on_reset() override { inner_->on_reset(); }
 

@@ -151,6 +151,9 @@ struct AttentionCall {
   // backend's device (undefined when pos0 is 0), and the cache itself for the methods that read
   // its pages (CPU: prefix; CUDA: device_prefix, whose sequence device_seq this request is).
   Tensor prefix_k, prefix_v;
+  // The dual cache's suffix (ForwardOptions::with_suffix; cpu): the K/V of positions after the
+  // chunk, kept by an earlier forward, which every query also sees (undefined: none).
+  Tensor suffix_k, suffix_v;
   const PagedKVCache* prefix = nullptr;
   const DevicePagedKVCache* device_prefix = nullptr;
   int device_seq = 0;
@@ -186,6 +189,9 @@ class LayerAttention {
     for (size_t i = 0; i < members.size(); ++i) SPARSA_RETURN_IF_ERROR(members[i]->forward(calls[i]));
     return Status::Ok();
   }
+  // Whether forward() also attends over call.suffix_k / suffix_v (the dual cache's suffix); a
+  // method that does not is refused such calls by name.
+  virtual bool takes_suffix() const { return false; }
   // The chunk's K/V were appended to the prefix cache (a block was committed).
   virtual void on_commit() {}
   // The prefix cache was emptied (prefix_cache refreshes it every block): drop cached state.
@@ -291,6 +297,7 @@ Result<Weights> load_qwen_weights(const Config& c, WeightSource& source);  // sd
 // this one being its sequence device_seq) and the per-layer attention state.
 struct Sequence {
   std::vector<PagedKVCache> cache;
+  std::vector<PagedKVCache> suffix;  // per layer (cpu): the dual cache's suffix (ForwardOptions::keep_suffix_from)
   std::shared_ptr<std::vector<DevicePagedKVCache>> device_cache;
   int device_seq = 0;
   std::vector<std::unique_ptr<LayerAttention>> attention;
@@ -347,6 +354,11 @@ struct ForwardOptions {
   int64_t logits_begin = 0;  // logits of chunk rows [logits_begin, logits_begin + logits_count)
   int64_t logits_count = 0;
   int step = -1;
+  // The dual cache (cpu): >= 0: the K/V of the chunk's rows [keep_suffix_from, n) replace the
+  // sequence's suffix; with_suffix: the chunk's queries also see that suffix (the positions after
+  // the chunk, whose K/V an earlier forward kept), so a step can run a block alone.
+  int64_t keep_suffix_from = -1;
+  bool with_suffix = false;
 };
 // One request's part of a forward: the chunk `tokens` at positions [seq->length(),
 // seq->length() + n) of its own sequence, over that sequence's cached prefix, with its options.

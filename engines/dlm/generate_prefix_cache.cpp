@@ -14,6 +14,12 @@
 // p - 1) caches one position less, [0, begin - 1), and its suffix starts at begin - 1, so that the
 // block's first position is predicted from a freshly computed row, as in the whole-canvas forward
 // (Fast-dLLM's Dream generation runs the same prefix cache).
+//
+// The dual cache (Loop::dual_cache, Fast-dLLM's generate_with_dual_cache) also keeps, from the
+// block's first step, the K/V of the positions after the block ([end - shift, canvas end): the
+// masks still to come and their neighbours), and its later steps run the block's positions alone,
+// [begin - shift, end - shift), over both caches: a step's forward is block_len tokens instead of
+// the whole suffix, and the suffix's K/V, like the prefix's, are those of the block's first step.
 #include "loop_common.h"
 
 namespace sparsa::dlm {
@@ -37,6 +43,7 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
   s.ops = m.ops.get();
   std::vector<float> logits(static_cast<size_t>(o.block_len * c.vocab_size));
   const int64_t shift = c.shifted_logits ? 1 : 0;  // begin > 0 always: a prompt is never empty
+  const bool dual = o.loop == Loop::dual_cache;
 
   auto choose = [&](const Candidates& k, const std::vector<int64_t>& schedule, int64_t step) {
     if (o.factor > 0) return factor_rule(k.confidence, o.factor);
@@ -66,12 +73,15 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
           SPARSA_RETURN_IF_ERROR(reset_cache(c, seqs[r]));
           fo.store_kv = begin - shift;
           fo.logits_begin = begin;
+          if (dual) fo.keep_suffix_from = end - shift;
           batch.add(r, cv, begin, {&seqs[r], cv.x, fo});
         } else {
           if (cv.masks_in(begin, end) == 0) continue;
           fo.logits_begin = shift;
           const int64_t from = begin - shift;
-          batch.add(r, cv, begin, {&seqs[r], std::span<const int32_t>(cv.x.data() + from, cv.x.size() - from), fo});
+          const int64_t count = dual ? o.block_len : static_cast<int64_t>(cv.x.size()) - from;
+          fo.with_suffix = dual;
+          batch.add(r, cv, begin, {&seqs[r], std::span<const int32_t>(cv.x.data() + from, static_cast<size_t>(count)), fo});
         }
       }
       if (batch.empty()) break;

@@ -18,6 +18,8 @@ const char* loop_name(Loop loop) {
       return "remask";
     case Loop::prefix_cache:
       return "prefix_cache";
+    case Loop::dual_cache:
+      return "dual_cache";
     case Loop::block:
       return "block";
     case Loop::dream:
@@ -31,10 +33,12 @@ const char* loop_name(Loop loop) {
 Result<Loop> parse_loop(const std::string& name) {
   if (name == "remask") return Loop::remask;
   if (name == "prefix_cache") return Loop::prefix_cache;
+  if (name == "dual_cache") return Loop::dual_cache;
   if (name == "block") return Loop::block;
   if (name == "dream") return Loop::dream;
   if (name == "fast_dllm") return Loop::fast_dllm;
-  return invalid_argument("loop: expected remask, prefix_cache, block, dream or fast_dllm, got '" + name + "'");
+  return invalid_argument("loop: expected remask, prefix_cache, dual_cache, block, dream or fast_dllm, got '" + name +
+                          "'");
 }
 
 const char* confidence_name(Confidence c) {
@@ -329,8 +333,8 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   if (!(o.threshold >= 0 && o.threshold <= 1)) return invalid_argument("threshold: expected in [0, 1]");
   if (!(o.factor >= 0 && std::isfinite(o.factor))) return invalid_argument("factor: expected a finite value >= 0");
   if (o.factor > 0) {
-    if (o.loop != Loop::remask && o.loop != Loop::prefix_cache) {
-      return invalid_argument("factor: Fast-dLLM's factor rule serves the remask and prefix_cache loops, not " +
+    if (o.loop != Loop::remask && o.loop != Loop::prefix_cache && o.loop != Loop::dual_cache) {
+      return invalid_argument("factor: Fast-dLLM's factor rule serves the remask, prefix_cache and dual_cache loops, not " +
                               std::string(loop_name(o.loop)));
     }
     if (o.threshold > 0) return invalid_argument("factor: a step commits by the factor rule or by the threshold, not both");
@@ -362,7 +366,10 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
     return invalid_argument("sub_block: expected a divisor of the model's block size " + std::to_string(c.block_size) +
                             ", got " + std::to_string(o.sub_block));
   }
-  if (o.loop == Loop::remask || o.loop == Loop::prefix_cache) {
+  if (o.loop == Loop::dual_cache && impl_->policy.backend != Backend::cpu) {
+    return invalid_argument("loop: dual_cache runs on the cpu backend (for now)");
+  }
+  if (o.loop == Loop::remask || o.loop == Loop::prefix_cache || o.loop == Loop::dual_cache) {
     if (o.block_len < 1 || o.gen_len % o.block_len != 0) {
       return invalid_argument("block_len: expected a divisor of gen_len (" + std::to_string(o.gen_len) + "), got " +
                               std::to_string(o.block_len));
@@ -402,7 +409,8 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   if (impl_->policy.recorder) impl_->policy.recorder->reset_seconds();
   const auto start = std::chrono::steady_clock::now();
   Result<GenerateResult> r = o.loop == Loop::remask         ? generate_remask(*impl_, prompts, o, on_block)
-                             : o.loop == Loop::prefix_cache ? generate_prefix_cache(*impl_, prompts, o, on_block)
+                             : o.loop == Loop::prefix_cache || o.loop == Loop::dual_cache
+                                 ? generate_prefix_cache(*impl_, prompts, o, on_block)
                              : o.loop == Loop::dream        ? generate_dream(*impl_, prompts, o, on_block)
                              : o.loop == Loop::fast_dllm    ? generate_fast_dllm(*impl_, prompts, o, on_block, cache)
                                                             : generate_block(*impl_, prompts, o, on_block, cache);

@@ -273,6 +273,7 @@ Status chunk_call(const Config& c, State& s, Sequence& seq, int layer, int64_t r
       call.prefix_v = seq.cache[layer].values();
     }
   } else if (seq.device_cache) {
+    if (o.with_suffix) return invalid_argument("forward: the dual cache's suffix runs on the cpu backend");
     const DevicePagedKVCache& cache = (*seq.device_cache)[layer];
     call.device_prefix = &cache;
     call.device_seq = seq.device_seq;
@@ -285,8 +286,44 @@ Status chunk_call(const Config& c, State& s, Sequence& seq, int layer, int64_t r
       call.prefix_v = v.value();
     }
   }
+  if (o.with_suffix) {
+    if (static_cast<int64_t>(seq.suffix.size()) <= layer) {
+      return invalid_argument("forward: with_suffix on a sequence whose suffix no forward kept (keep_suffix_from)");
+    }
+    if (!seq.attention[layer]->takes_suffix()) {
+      return invalid_argument("attention: layer " + std::to_string(layer) +
+                              "'s method does not take the dual cache's suffix (a prefix method: use dense or a "
+                              "canvas method)");
+    }
+    if (seq.suffix[layer].length() > 0) {
+      call.suffix_k = seq.suffix[layer].keys();
+      call.suffix_v = seq.suffix[layer].values();
+    }
+  }
   *out = call;
   return Status::Ok();
+}
+
+// After the layer's attention: the K/V of the chunk's rows [from, n) as the sequence's dual-cache
+// suffix of the layer (cpu), replacing what it held.
+Status keep_suffix(const Config& c, State& s, Sequence& seq, int layer, int64_t row0, int64_t n,
+                   const ForwardOptions& o) {
+  if (o.keep_suffix_from < 0) return Status::Ok();
+  if (seq.device_cache || seq.cache.empty()) {
+    return invalid_argument("forward: the dual cache's suffix runs on the cpu backend, over a sequence with a cache");
+  }
+  const DType act = s.ops->act_dtype();
+  const Device dev = s.ops->device();
+  const int64_t hd = c.head_dim, qd = c.n_heads * hd, kvd = c.n_kv_heads * hd, w = qkv_width(c);
+  if (seq.suffix.size() != seq.cache.size()) seq.suffix.resize(seq.cache.size());
+  auto fresh = PagedKVCache::create(seq.cache[layer].config());
+  if (!fresh.ok()) return fresh.status();
+  seq.suffix[layer] = std::move(fresh.value());
+  const int64_t m = n - o.keep_suffix_from;
+  if (m == 0) return Status::Ok();
+  void* qkv = static_cast<char*>(s.qkv) + (row0 + o.keep_suffix_from) * w * dtype_size(act);
+  return seq.suffix[layer].append(heads_view(qkv, act, dev, m, c.n_kv_heads, hd, w, qd),
+                                  heads_view(qkv, act, dev, m, c.n_kv_heads, hd, w, qd + kvd));
 }
 
 // After the layer's attention: the K/V of the chunk's first store_kv tokens appended to its cache.
@@ -344,6 +381,7 @@ Status attend(const Config& c, State& s, std::span<const Chunk> chunks, std::spa
     SPARSA_RETURN_IF_ERROR(a->forward_batch(members, member_calls));
   }
   for (size_t i = 0; i < chunks.size(); ++i) {
+    SPARSA_RETURN_IF_ERROR(keep_suffix(c, s, *chunks[i].seq, layer, rows[i].row0, rows[i].n, chunks[i].options));
     SPARSA_RETURN_IF_ERROR(store_chunk(c, s, *chunks[i].seq, layer, rows[i].row0, chunks[i].options));
   }
   return Status::Ok();
@@ -403,6 +441,9 @@ Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t
   if (o.store_kv < 0 || o.store_kv > n || o.logits_begin < 0 || o.logits_count < 0 ||
       o.logits_begin + o.logits_count > last) {
     return invalid_argument("forward: store_kv / logits rows outside the chunk");
+  }
+  if (o.keep_suffix_from < -1 || o.keep_suffix_from > n || (o.keep_suffix_from >= 0 && o.keep_suffix_from < o.store_kv)) {
+    return invalid_argument("forward: keep_suffix_from outside [store_kv, n] of the chunk");
   }
   return Status::Ok();
 }

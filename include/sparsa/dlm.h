@@ -121,6 +121,7 @@ Status check_attention(const Config& config, const LoadOptions& options);
 enum class Loop : uint8_t {
   remask,        // LLaDA: semi-autoregressive low-confidence remasking, full canvas every step
   prefix_cache,  // Fast-dLLM: prefix KV refreshed once per block, confidence-threshold decoding
+  dual_cache,    // Fast-dLLM: prefix and suffix KV refreshed once per block, each step runs the block alone (cpu)
   block,         // block diffusion (SDAR): exact prefix KV cache, block by block
   dream,         // Dream: the whole canvas every step, Dream's timestep schedule (1 - s/t of the masks)
   fast_dllm,     // Fast-dLLM v2: exact block cache, sub-blocks decoded in turn, the next block's first token AR
@@ -152,7 +153,7 @@ struct GenerateOptions {
                              // count, SDAR's low_confidence_dynamic; fast_dllm: > threshold, and
                              // the most confident of the sub-block); 0: the scheduled top-k
                              // (fast_dllm: the most confident only, its generate()'s default)
-  double factor = 0;         // remask, prefix_cache, > 0: Fast-dLLM's factor rule instead (its
+  double factor = 0;         // remask, prefix_cache, dual_cache, > 0: Fast-dLLM's factor rule instead (its
                              // get_transfer_index_dynamic): with the block's confidences sorted,
                              // c_0 >= c_1 >= ..., the count is the first i > 0 with c_i < 1 - factor /
                              // (i + 2) (the last index if none), plus one when that is the last

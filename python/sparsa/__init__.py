@@ -1195,7 +1195,7 @@ class Model:
     ``Model.load(dir)`` reads ``config.json``, ``model.safetensors`` (or the sharded index) and, when
     present, ``tokenizer.json``. ``logits(ids)`` is one forward pass (f32 ``[len, vocab]``, the
     architecture's own attention pattern); ``generate(prompt, ...)`` runs a denoising loop
-    (``loop="remask" | "prefix_cache" | "block" | "dream" | "fast_dllm"``; default: remask for
+    (``loop="remask" | "prefix_cache" | "dual_cache" | "block" | "dream" | "fast_dllm"``; default: remask for
     llada, block for sdar, dream for dream, fast_dllm for fast_dllm).
     """
 
@@ -1267,7 +1267,7 @@ class Model:
         tokens, as Dream's sampler does; ``alg_temp`` > 0 draws the dream loop's positions with weights
         softmax(confidence / alg_temp) instead of taking the most confident (Dream's ``alg_temp``);
         ``sub_block``: the fast_dllm loop's sub-blocks (Fast-dLLM v2's small_block_size).
-        ``factor`` > 0: the remask and prefix_cache loops commit by Fast-dLLM's factor rule (its
+        ``factor`` > 0: the remask, prefix_cache and dual_cache loops commit by Fast-dLLM's factor rule (its
         ``factor`` argument) instead of the threshold or the schedule.
         ``cache``: a ``PromptCache`` passed to each turn of a conversation (one prompt; the block and
         fast_dllm loops; cpu backend): a call reuses the K/V of the leading whole blocks its prompt

@@ -544,18 +544,19 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
       ->allow_extra_args(false);
   gen->add_option("--tokenizer", o->tokenizer, "tokenizer.json (default: the model directory's)");
   gen->add_option("--loop", o->loop,
-                  "remask, prefix_cache, block, dream or fast_dllm (default: remask for llada, block for sdar, dream for dream, fast_dllm for fast_dllm)");
+                  "remask, prefix_cache, dual_cache, block, dream or fast_dllm (default: remask for llada, block for "
+                  "sdar, dream for dream, fast_dllm for fast_dllm)");
   gen->add_option("--confidence", o->confidence,
                   "what decides the committed positions: probability, margin or entropy (default: entropy for the "
                   "dream loop, probability otherwise)");
   gen->add_option("--gen-len", o->gen_len, "tokens to generate")->capture_default_str();
-  gen->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
+  gen->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache, dual_cache)")->capture_default_str();
   gen->add_option("--steps", o->steps,
-                  "remask, prefix_cache: total steps (default gen-len); block: steps per block (default block_size)");
+                  "remask, prefix_cache, dual_cache: total steps (default gen-len); block: steps per block (default block_size)");
   gen->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding (0: top-k schedule)")
       ->capture_default_str();
   gen->add_option("--factor", o->factor,
-                  "remask, prefix_cache: Fast-dLLM's factor rule for parallel decoding instead (0: off)")
+                  "remask, prefix_cache, dual_cache: Fast-dLLM's factor rule for parallel decoding instead (0: off)")
       ->capture_default_str();
   gen->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
   gen->add_option("--top-p", o->top_p, "< 1: pick among the most probable tokens holding this mass")
@@ -634,7 +635,7 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   chat->add_option("--loop", o->loop, "as generate's");
   chat->add_option("--confidence", o->confidence, "probability, margin or entropy (as generate's)");
   chat->add_option("--gen-len", o->gen_len, "tokens per reply at most")->capture_default_str();
-  chat->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache)")->capture_default_str();
+  chat->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache, dual_cache)")->capture_default_str();
   chat->add_option("--steps", o->steps, "as generate's");
   chat->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding")->capture_default_str();
   chat->add_option("--factor", o->factor, "as generate's")->capture_default_str();

@@ -357,7 +357,7 @@ Outcome run_eval_model(const EvalModelOptions& o) {
         cells.push_back({s.task, methods->at(mi), s.max_len, {}});
       }
       g.gen_len = o.gen_len > 0 ? o.gen_len : s.gen_tokens;
-      if (g.loop == dlm::Loop::remask || g.loop == dlm::Loop::prefix_cache) {
+      if (g.loop == dlm::Loop::remask || g.loop == dlm::Loop::prefix_cache || g.loop == dlm::Loop::dual_cache) {
         g.gen_len = (g.gen_len + g.block_len - 1) / g.block_len * g.block_len;  // remask: whole blocks
       }
       if (g.loop != dlm::Loop::block && o.steps == 0) g.steps = g.gen_len;

@@ -269,19 +269,21 @@ def attention(q, k, v, allowed):
     return np.einsum("hnm,mhd->nhd", p, v)
 
 
-def forward(s, w, tokens, past=None, block_causal=0, capture=None, shifted=True):
+def forward(s, w, tokens, past=None, block_causal=0, capture=None, shifted=True, after=None):
     """tokens at positions [len(past), len(past)+n) over past K/V (a list per layer of (k, v) arrays
     [m, Hkv, hd], all visible); returns logits [n, vocab] and the chunk's (k, v) per layer.
-    capture: a list that receives each layer's (q, k, v) of the chunk, [n, heads, hd], after RoPE."""
+    capture: a list that receives each layer's (q, k, v) of the chunk, [n, heads, hd], after RoPE.
+    after: more visible K/V per layer, of positions after the chunk (a dual cache's suffix)."""
     tokens = np.asarray(tokens)
     n = len(tokens)
     m = 0 if past is None else past[0][0].shape[0]
+    a_len = 0 if after is None else after[0][0].shape[0]
     pos = np.arange(m, m + n)
     if block_causal:
         own = (pos[None, :] // block_causal) <= (pos[:, None] // block_causal)
     else:
         own = np.ones((n, n), bool)
-    allowed = np.concatenate([np.ones((n, m), bool), own], axis=1)
+    allowed = np.concatenate([np.ones((n, m), bool), own, np.ones((n, a_len), bool)], axis=1)
     x = w["embed"][tokens]
     H, Hkv, hd = s.heads, s.kv_heads, s.head_dim
     kv = []
@@ -301,6 +303,9 @@ def forward(s, w, tokens, past=None, block_causal=0, capture=None, shifted=True)
         if past is not None:
             k = np.concatenate([past[l][0], k], axis=0)
             v = np.concatenate([past[l][1], v], axis=0)
+        if after is not None:
+            k = np.concatenate([k, after[l][0]], axis=0)
+            v = np.concatenate([v, after[l][1]], axis=0)
         a = attention(q, k, v, allowed).reshape(n, H * hd)
         x = x + a @ L["wo"].T
         h = rms(x, L["ffn_norm"], s.eps)
@@ -556,6 +561,47 @@ def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=Tr
             if st > 0:
                 logits_s, _ = forward(s, w, x[lo - sh:], past)
                 logits = np.concatenate([np.zeros((lo - sh, logits_s.shape[1])), logits_s], axis=0)
+            pos = [i for i in range(lo, hi) if masked[i]]
+            picks = [softmax_pick(logits[i]) for i in pos]
+            for j in choose([p[1] for p in picks], sched, st):
+                x[pos[j]] = picks[j][0]
+                masked[pos[j]] = False
+            st += 1
+    return cut(s, x[P:], stop)
+
+
+def ref_dual_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True, factor=0.0):
+    """Fast-dLLM's dual cache: per block, one forward of the whole canvas keeps the K/V before the
+    block and after it; each later step runs only the block's positions over both (for a shifted
+    model, positions [lo - 1, hi - 1): position p is predicted from the row of p - 1). The commit
+    rule is prefix_cache's."""
+    x = list(prompt) + [s.mask_id] * gen_len
+    masked = [False] * len(prompt) + [True] * gen_len
+    P, nb = len(prompt), gen_len // block_len
+    spb = max(steps // nb, 1)
+    sh = 1 if s.arch == "dream" else 0
+
+    def choose(conf, sched, st):
+        if factor > 0:
+            return top(conf, factor_count(conf, factor))
+        if threshold > 0:
+            _thr(conf, threshold)
+            first = top(conf, 1)
+            return first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
+        return top(conf, max(sched[st] if st < len(sched) else 1, 1))
+
+    for b in range(nb):
+        lo, hi = P + b * block_len, P + (b + 1) * block_len
+        sched = schedule(sum(masked[lo:hi]), spb)
+        logits, kv = forward(s, w, x)  # the whole canvas; keep [0, lo - sh) and [hi - sh, end)
+        past = [(k[:lo - sh], v[:lo - sh]) for k, v in kv]
+        after = [(k[hi - sh:], v[hi - sh:]) for k, v in kv]
+        st = 0
+        while any(masked[lo:hi]):
+            if st > 0:
+                raw, _ = forward(s, w, x[lo - sh:hi - sh], past, shifted=False, after=after)
+                logits = np.full((len(x), raw.shape[1]), np.nan)
+                logits[lo:hi] = raw  # row i of the chunk predicts position lo - sh + i + sh
             pos = [i for i in range(lo, hi) if masked[i]]
             picks = [softmax_pick(logits[i]) for i in pos]
             for j in choose([p[1] for p in picks], sched, st):

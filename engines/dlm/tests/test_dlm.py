@@ -190,6 +190,47 @@ def test_factor_rule_matches_reference(sparsa_bin, llada_model, factor):
             assert g == ref(p), (loop, p)
 
 
+@pytest.mark.parametrize("rule", [("--threshold", 0.0), ("--threshold", 0.3), ("--factor", 1.0)])
+@pytest.mark.parametrize("stop", STOP)
+def test_dual_cache_loop_matches_reference(sparsa_bin, llada_model, rule, stop):
+    """Fast-dLLM's dual cache: each later step runs the block alone over the prefix and suffix
+    K/V of the block's first step."""
+    s, w, d = llada_model
+    got = generate_ids(sparsa_bin, d, PROMPTS, "--loop", "dual_cache", "--gen-len", 24, "--block-len", 8,
+                       "--steps", 12, *rule, *stop_flags(stop))
+    thr, fac = (rule[1], 0.0) if rule[0] == "--threshold" else (0.0, rule[1])
+    for p, g in zip(PROMPTS, got):
+        assert g == R.ref_dual_cache(s, w, p, 24, 8, 12, thr, stop, factor=fac)
+
+
+def test_dual_cache_is_not_the_prefix_cache(sparsa_bin, llada_model):
+    """The two caches differ in what a step sees after the block (the suffix of the block's
+    first step, not the current one), so on this model they commit different tokens somewhere."""
+    s, w, d = llada_model
+    prompts = PROMPTS + [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46]]
+    args = ("--gen-len", 24, "--block-len", 8, "--steps", 24, "--no-stop-at-eos")
+    dual = generate_ids(sparsa_bin, d, prompts, "--loop", "dual_cache", *args)
+    prefix = generate_ids(sparsa_bin, d, prompts, "--loop", "prefix_cache", *args)
+    assert dual == [R.ref_dual_cache(s, w, p, 24, 8, 24, 0.0, False) for p in prompts]
+    assert prefix == [R.ref_prefix_cache(s, w, p, 24, 8, 24, 0.0, False) for p in prompts]
+    assert dual != prefix
+
+
+def test_dual_cache_refusals(sparsa_bin, llada_model, sdar_model):
+    """A layer method that cannot see the suffix (LoSA's block steps) is refused by name, as is the
+    dual cache on a block-diffusion model; QUEST (over the prefix) and the canvas methods take it."""
+    d = llada_model[2]
+    base = ["generate", "--model", d, "--prompt-ids", "1,2,3", "--loop", "dual_cache", "--gen-len", 8,
+            "--block-len", 8, "--json", "--quiet"]
+    p = run(sparsa_bin, *map(str, base), "--attention", "losa:budget=16", check=False)
+    assert p.returncode == 1 and "does not take the dual cache's suffix" in p.stderr, p.stderr
+    for method in ("quest:budget=16", "ba_att:density=0.5", "dense"):
+        run(sparsa_bin, *map(str, base), "--attention", method)
+    p = run(sparsa_bin, "generate", "--model", sdar_model[2], "--prompt-ids", "1,2", "--loop", "dual_cache",
+            "--json", check=False)
+    assert p.returncode == 1 and "dual_cache" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("threshold", [0.0, 0.3])
 @pytest.mark.parametrize("stop", STOP)
 def test_prefix_cache_loop_matches_reference(sparsa_bin, llada_model, threshold, stop):
@@ -378,6 +419,19 @@ def test_dream_prefix_cache_matches_reference(sparsa_bin, dream_model, threshold
                        "--steps", 8, "--threshold", threshold, "--no-stop-at-eos")
     for p, g in zip(prompts, got):
         assert g == R.ref_prefix_cache(s, w, p, 16, 8, 8, threshold, False)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_dream_dual_cache_matches_reference(sparsa_bin, dream_model, threshold):
+    """The dual cache on a shifted-logit model: a step runs positions [lo - 1, hi - 1) (each block
+    position predicted from the row before it), the prefix cache stops at lo - 1 and the suffix
+    starts at hi - 1; a one-token prompt among them."""
+    s, w, d = dream_model
+    prompts = PROMPTS + [[7]]
+    got = generate_ids(sparsa_bin, d, prompts, "--loop", "dual_cache", "--gen-len", 24, "--block-len", 8,
+                       "--steps", 12, "--threshold", threshold, "--no-stop-at-eos")
+    for p, g in zip(prompts, got):
+        assert g == R.ref_dual_cache(s, w, p, 24, 8, 12, threshold, False)
 
 
 @pytest.mark.parametrize("confidence", ["entropy", "margin", "probability"])

@@ -385,7 +385,7 @@ TEST(DlmApi, FactorOptionsAreChecked) {
   fails_with(o, "factor: the rule's bounds");
   o.confidence = dlm::Confidence::probability;
   o.loop = dlm::Loop::dream;
-  fails_with(o, "factor: Fast-dLLM's factor rule serves the remask and prefix_cache loops");
+  fails_with(o, "factor: Fast-dLLM's factor rule serves the remask, prefix_cache and dual_cache loops");
   o.loop = dlm::Loop::remask;
   o.gen_len = 8;
   o.block_len = 4;

@@ -186,6 +186,8 @@ def test_factor_rule_from_python(tmp_path):
         R.ref_remask(s, w, prompt, 8, 4, 8, False, factor=1.0)
     assert m.generate(prompt, gen_len=8, block_len=4, factor=2.0, loop="prefix_cache", stop_at_eos=False) == \
         R.ref_prefix_cache(s, w, prompt, 8, 4, 8, 0.0, False, factor=2.0)
+    assert m.generate(prompt, gen_len=8, block_len=4, factor=1.0, loop="dual_cache", stop_at_eos=False) == \
+        R.ref_dual_cache(s, w, prompt, 8, 4, 8, 0.0, False, factor=1.0)
     with pytest.raises(ValueError, match="factor: a step commits by the factor rule or by the threshold"):
         m.generate(prompt, gen_len=8, block_len=4, factor=1.0, threshold=0.5)
 

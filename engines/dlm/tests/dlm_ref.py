@@ -535,21 +535,24 @@ def ref_remask(s, w, prompt, gen_len, block_len, steps, stop=True, temperature=0
     return cut(s, x[P:], stop)
 
 
+def cache_step_choice(conf, sched, st, threshold, factor):
+    """The cached loops' commit rule (prefix_cache, dual_cache): the factor rule, or the most
+    confident and every other at or above the threshold, or the schedule's top-k (at least one)."""
+    if factor > 0:
+        return top(conf, factor_count(conf, factor))
+    if threshold > 0:
+        _thr(conf, threshold)
+        first = top(conf, 1)
+        return first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
+    return top(conf, max(sched[st] if st < len(sched) else 1, 1))
+
+
 def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True, factor=0.0):
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
     P, nb = len(prompt), gen_len // block_len
     spb = max(steps // nb, 1)
     sh = 1 if s.arch == "dream" else 0  # dream's block is predicted from the cached position before it too
-
-    def choose(conf, sched, st):
-        if factor > 0:
-            return top(conf, factor_count(conf, factor))
-        if threshold > 0:
-            _thr(conf, threshold)
-            first = top(conf, 1)
-            return first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
-        return top(conf, max(sched[st] if st < len(sched) else 1, 1))
 
     for b in range(nb):
         lo, hi = P + b * block_len, P + (b + 1) * block_len
@@ -563,7 +566,7 @@ def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=Tr
                 logits = np.concatenate([np.zeros((lo - sh, logits_s.shape[1])), logits_s], axis=0)
             pos = [i for i in range(lo, hi) if masked[i]]
             picks = [softmax_pick(logits[i]) for i in pos]
-            for j in choose([p[1] for p in picks], sched, st):
+            for j in cache_step_choice([p[1] for p in picks], sched, st, threshold, factor):
                 x[pos[j]] = picks[j][0]
                 masked[pos[j]] = False
             st += 1
@@ -581,15 +584,6 @@ def ref_dual_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True
     spb = max(steps // nb, 1)
     sh = 1 if s.arch == "dream" else 0
 
-    def choose(conf, sched, st):
-        if factor > 0:
-            return top(conf, factor_count(conf, factor))
-        if threshold > 0:
-            _thr(conf, threshold)
-            first = top(conf, 1)
-            return first + [j for j in range(len(conf)) if j != first[0] and conf[j] >= threshold]
-        return top(conf, max(sched[st] if st < len(sched) else 1, 1))
-
     for b in range(nb):
         lo, hi = P + b * block_len, P + (b + 1) * block_len
         sched = schedule(sum(masked[lo:hi]), spb)
@@ -604,7 +598,7 @@ def ref_dual_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True
                 logits[lo:hi] = raw  # row i of the chunk predicts position lo - sh + i + sh
             pos = [i for i in range(lo, hi) if masked[i]]
             picks = [softmax_pick(logits[i]) for i in pos]
-            for j in choose([p[1] for p in picks], sched, st):
+            for j in cache_step_choice([p[1] for p in picks], sched, st, threshold, factor):
                 x[pos[j]] = picks[j][0]
                 masked[pos[j]] = False
             st += 1

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -710,3 +711,19 @@ def test_number_beyond_double_range(sparsa_bin, tmp_path):
     text = (d / "config.json").read_text().replace('"block_size": 4', '"block_size": 4e475')
     (d / "config.json").write_text(text)
     expect_error(sparsa_bin, d, "config.json")
+
+
+def test_the_loops_benchmark_runs(sparsa_bin):
+    """bench/python/bench_dlm_loops.py at a tiny size: a row per loop, the token counts the loops'
+    definitions give (remasking the whole canvas every step; the dual cache the fewest)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "python", "bench_dlm_loops.py")
+    p = subprocess.run([sys.executable, script, "--sparsa", sparsa_bin, "--dim", "64", "--layers", "1", "--vocab",
+                        "64", "--prompt-len", "24", "--gen-len", "16", "--block-len", "8", "--requests", "1",
+                        "--repeats", "1", "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in p.stdout.splitlines() if line.startswith("| ") and not line.startswith("| loop")}
+    assert set(rows) == {"remask", "prefix_cache", "dual_cache"}
+    tokens = {loop: int(r[3]) for loop, r in rows.items()}
+    assert tokens["remask"] == 16 * 40 and tokens["dual_cache"] < tokens["prefix_cache"] < tokens["remask"]
+    assert rows["remask"][5] == "100.0%"

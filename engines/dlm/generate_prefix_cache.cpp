@@ -81,7 +81,8 @@ Result<GenerateResult> generate_prefix_cache(const Model::Impl& m, const std::ve
           const int64_t from = begin - shift;
           const int64_t count = dual ? o.block_len : static_cast<int64_t>(cv.x.size()) - from;
           fo.with_suffix = dual;
-          batch.add(r, cv, begin, {&seqs[r], std::span<const int32_t>(cv.x.data() + from, static_cast<size_t>(count)), fo});
+          const std::span<const int32_t> chunk(cv.x.data() + from, static_cast<size_t>(count));
+          batch.add(r, cv, begin, {&seqs[r], chunk, fo});
         }
       }
       if (batch.empty()) break;

@@ -334,10 +334,13 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   if (!(o.factor >= 0 && std::isfinite(o.factor))) return invalid_argument("factor: expected a finite value >= 0");
   if (o.factor > 0) {
     if (o.loop != Loop::remask && o.loop != Loop::prefix_cache && o.loop != Loop::dual_cache) {
-      return invalid_argument("factor: Fast-dLLM's factor rule serves the remask, prefix_cache and dual_cache loops, not " +
-                              std::string(loop_name(o.loop)));
+      return invalid_argument(
+          "factor: Fast-dLLM's factor rule serves the remask, prefix_cache and dual_cache loops, not " +
+          std::string(loop_name(o.loop)));
     }
-    if (o.threshold > 0) return invalid_argument("factor: a step commits by the factor rule or by the threshold, not both");
+    if (o.threshold > 0) {
+      return invalid_argument("factor: a step commits by the factor rule or by the threshold, not both");
+    }
     if (o.confidence != Confidence::probability) {
       return invalid_argument("factor: the rule's bounds 1 - factor / (i + 2) are probabilities; confidence " +
                               std::string(confidence_name(o.confidence)) + " is not one");

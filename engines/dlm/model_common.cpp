@@ -442,7 +442,8 @@ Status check_chunk(const Config& c, const Sequence& seq, std::span<const int32_t
       o.logits_begin + o.logits_count > last) {
     return invalid_argument("forward: store_kv / logits rows outside the chunk");
   }
-  if (o.keep_suffix_from < -1 || o.keep_suffix_from > n || (o.keep_suffix_from >= 0 && o.keep_suffix_from < o.store_kv)) {
+  if (o.keep_suffix_from < -1 || o.keep_suffix_from > n ||
+      (o.keep_suffix_from >= 0 && o.keep_suffix_from < o.store_kv)) {
     return invalid_argument("forward: keep_suffix_from outside [store_kv, n] of the chunk");
   }
   return Status::Ok();

@@ -550,9 +550,11 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
                   "what decides the committed positions: probability, margin or entropy (default: entropy for the "
                   "dream loop, probability otherwise)");
   gen->add_option("--gen-len", o->gen_len, "tokens to generate")->capture_default_str();
-  gen->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache, dual_cache)")->capture_default_str();
+  gen->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache, dual_cache)")
+      ->capture_default_str();
   gen->add_option("--steps", o->steps,
-                  "remask, prefix_cache, dual_cache: total steps (default gen-len); block: steps per block (default block_size)");
+                  "remask, prefix_cache, dual_cache: total steps (default gen-len); block: steps per block "
+                  "(default block_size)");
   gen->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding (0: top-k schedule)")
       ->capture_default_str();
   gen->add_option("--factor", o->factor,
@@ -635,7 +637,8 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   chat->add_option("--loop", o->loop, "as generate's");
   chat->add_option("--confidence", o->confidence, "probability, margin or entropy (as generate's)");
   chat->add_option("--gen-len", o->gen_len, "tokens per reply at most")->capture_default_str();
-  chat->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache, dual_cache)")->capture_default_str();
+  chat->add_option("--block-len", o->block_len, "tokens per block (remask, prefix_cache, dual_cache)")
+      ->capture_default_str();
   chat->add_option("--steps", o->steps, "as generate's");
   chat->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding")->capture_default_str();
   chat->add_option("--factor", o->factor, "as generate's")->capture_default_str();

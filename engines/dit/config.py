@@ -218,15 +218,36 @@ def from_dict(raw: Dict[str, Any]) -> ExperimentConfig:
     return cfg
 
 
-def load(path) -> ExperimentConfig:
-    path = Path(path)
+def _merged(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    """``over``'s fields on ``base``'s: objects merged field by field, anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _read(path: Path, seen: Tuple[Path, ...] = ()) -> Dict[str, Any]:
+    """The JSON object of a config file; with ``"extends": "NAME"`` the fields of NAME.json (in the
+    same folder, itself possibly extending another) under this file's own."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"--config: no file {path}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
-    return from_dict(raw)
+    if not isinstance(raw, dict) or "extends" not in raw:
+        return raw
+    base = raw.pop("extends")
+    if not isinstance(base, str) or not base or "/" in base:
+        raise ValueError(f"extends: expected the name of a config in the same folder, got {base!r} ({path})")
+    base_path = path.parent / f"{base}.json"
+    if base_path.resolve() in seen + (path.resolve(),):
+        raise ValueError(f"extends: {path.name} extends itself through {base}.json")
+    return _merged(_read(base_path, seen + (path.resolve(),)), raw)
+
+
+def load(path) -> ExperimentConfig:
+    return from_dict(_read(Path(path)))
 
 
 def to_dict(cfg) -> Dict[str, Any]:

@@ -272,6 +272,31 @@ def test_png_is_valid_and_lossless():
     assert grid.shape == (2 * 5 + 1, 2 * 5 + 1, 3)
 
 
+def test_a_config_extends_another(tmp_path):
+    """"extends": the named config's fields under the file's own (objects merged field by field);
+    the shipped variants differ from medium_long only where they say; loops and bad names are errors."""
+    base = config_mod.load(CONFIGS / "medium_long.json")
+    l1 = config_mod.load(CONFIGS / "medium_long_l1_k8.json")
+    assert l1.llsa.levels == 1 and l1.llsa.topk == 8 and l1.llsa.block == base.llsa.block == 16
+    assert config_mod.override(l1, **{"name": base.name, "description": base.description, "llsa.levels": -1}) == base
+    (tmp_path / "a.json").write_text((CONFIGS / "tiny.json").read_text())
+    (tmp_path / "b.json").write_text(json.dumps({"extends": "a", "train": {"steps": 7}}))
+    (tmp_path / "c.json").write_text(json.dumps({"extends": "b", "model": {"depth": 3}}))
+    c = config_mod.load(tmp_path / "c.json")
+    a = config_mod.load(tmp_path / "a.json")
+    assert c.train.steps == 7 and c.model.depth == 3 and c.train.lr == a.train.lr and c.model.width == a.model.width
+    (tmp_path / "d.json").write_text(json.dumps({"extends": "e"}))
+    (tmp_path / "e.json").write_text(json.dumps({"extends": "d"}))
+    with pytest.raises(ValueError, match="extends: .* extends itself"):
+        config_mod.load(tmp_path / "d.json")
+    (tmp_path / "f.json").write_text(json.dumps({"extends": "../tiny"}))
+    with pytest.raises(ValueError, match="extends: expected the name of a config in the same folder"):
+        config_mod.load(tmp_path / "f.json")
+    (tmp_path / "g.json").write_text(json.dumps({"extends": "missing"}))
+    with pytest.raises(ValueError, match="no file"):
+        config_mod.load(tmp_path / "g.json")
+
+
 def test_config_errors_name_the_field(tmp_path):
     for path in sorted(CONFIGS.glob("*.json")):  # every shipped config loads
         config_mod.load(path)

@@ -7,7 +7,8 @@
 // steps: the block's tokens against the cached prefix plus the block itself (bidirectional
 // inside the block); with threshold > 0 every masked token whose confidence is > threshold is
 // committed, or, when fewer qualify than the step's scheduled count, the top scheduled count
-// (SDAR's low_confidence_dynamic); with threshold 0 the scheduled top-k (low_confidence_static).
+// (SDAR's low_confidence_dynamic); with threshold 0 the scheduled top-k (low_confidence_static);
+// GenerateOptions::unmask picks SDAR's other strategies (sequential, entropy_bounded).
 // When the block has no mask left, one more pass writes its final K/V into the cache — the
 // prefix is therefore exact: every cached K/V is that of committed tokens under the model's
 // own block-causal attention. A PromptCache (one request) lends the prompt's leading blocks that
@@ -19,6 +20,8 @@ namespace sparsa::dlm {
 Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<std::vector<int32_t>>& prompts,
                                       const GenerateOptions& o, const BlockCallback& cb, PromptCache* cache) {
   const Config c = loop_config(m.config, o);  // the EOS ids of this request set
+  GenerateOptions picking = o;                 // entropy_bounded ranks the candidates by entropy
+  if (o.unmask == Unmask::entropy_bounded) picking.confidence = Confidence::entropy;
   const int64_t B = c.block_size;
   GenerateResult res;
   State s;
@@ -122,7 +125,7 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
       batch.add(r, q.cv, begin, {&q.seq, std::span<const int32_t>(q.cv.x.data() + begin, static_cast<size_t>(B)), fo});
     }
     if (batch.empty()) continue;
-    auto picked = forward_candidates(m, s, batch, c, o, logits);
+    auto picked = forward_candidates(m, s, batch, c, picking, logits);
     if (!picked.ok()) return picked.status();
     for (size_t i = 0; i < batch.size(); ++i) {
       Request& q = reqs[batch.requests[i]];
@@ -132,7 +135,11 @@ Result<GenerateResult> generate_block(const Model::Impl& m, const std::vector<st
       const int64_t want =
           std::max<int64_t>(q.step < static_cast<int64_t>(q.schedule.size()) ? q.schedule[q.step] : 1, 1);
       std::vector<int64_t> chosen;
-      if (o.threshold > 0) {
+      if (o.unmask == Unmask::sequential) {
+        chosen = first_candidates(k, want);
+      } else if (o.unmask == Unmask::entropy_bounded) {
+        chosen = entropy_bounded(k.confidence, o.eb_threshold);
+      } else if (o.threshold > 0) {
         for (size_t j = 0; j < k.confidence.size(); ++j) {
           if (k.confidence[j] > o.threshold) chosen.push_back(static_cast<int64_t>(j));
         }

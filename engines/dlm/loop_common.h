@@ -216,6 +216,28 @@ inline std::vector<int64_t> factor_rule(const std::vector<double>& confidence, d
   return order;
 }
 
+// SDAR's entropy_bounded rule (GenerateOptions::Unmask): with the candidates' entropies sorted
+// ascending (e_0 <= e_1 <= ...; `neg_entropy` holds -e, the entropy confidence), the n lowest
+// whose running sum e_0 + ... + e_{n-1} stays below `bound`, at least one.
+inline std::vector<int64_t> entropy_bounded(const std::vector<double>& neg_entropy, double bound) {
+  std::vector<int64_t> order = top_k(neg_entropy, static_cast<int64_t>(neg_entropy.size()));
+  size_t n = 0;
+  for (double sum = 0; n < order.size(); ++n) {
+    sum -= neg_entropy[static_cast<size_t>(order[n])];
+    if (!(sum < bound)) break;
+  }
+  order.resize(std::max<size_t>(n, 1));
+  return order;
+}
+
+// The first `want` candidates in canvas order (SDAR's sequential rule; candidates are made in
+// position order).
+inline std::vector<int64_t> first_candidates(const Candidates& k, int64_t want) {
+  std::vector<int64_t> chosen;
+  for (int64_t j = 0; j < static_cast<int64_t>(k.position.size()) && j < want; ++j) chosen.push_back(j);
+  return chosen;
+}
+
 inline void commit(Canvas& cv, const Candidates& k, const std::vector<int64_t>& chosen) {
   for (int64_t j : chosen) {
     cv.x[k.position[j]] = k.pick[j].token;

@@ -59,6 +59,22 @@ Result<Confidence> parse_confidence(const std::string& name) {
   return invalid_argument("confidence: expected probability, margin or entropy, got '" + name + "'");
 }
 
+const char* unmask_name(Unmask u) {
+  switch (u) {
+    case Unmask::confidence: return "confidence";
+    case Unmask::sequential: return "sequential";
+    case Unmask::entropy_bounded: return "entropy_bounded";
+  }
+  return "?";
+}
+
+Result<Unmask> parse_unmask(const std::string& name) {
+  if (name == "confidence") return Unmask::confidence;
+  if (name == "sequential") return Unmask::sequential;
+  if (name == "entropy_bounded") return Unmask::entropy_bounded;
+  return invalid_argument("unmask: expected confidence, sequential or entropy_bounded, got '" + name + "'");
+}
+
 Result<GemmChoice> parse_gemm_choice(const std::string& name) {
   if (name == "cublas") return GemmChoice::cublas;
   if (name == "streaming") return GemmChoice::streaming;
@@ -352,6 +368,27 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   if (o.alg_temp > 0 && o.loop != Loop::dream) {
     return invalid_argument("alg_temp: draws the positions of Dream's schedule; the " +
                             std::string(loop_name(o.loop)) + " loop commits the most confident (use loop dream)");
+  }
+  if (o.unmask != Unmask::confidence) {
+    const std::string name = unmask_name(o.unmask);
+    if (o.loop != Loop::block) {
+      return invalid_argument("unmask: " + name + " is a strategy of the block loop; the " +
+                              std::string(loop_name(o.loop)) + " loop commits by confidence");
+    }
+    if (o.threshold > 0) {
+      return invalid_argument("threshold: decides the confidence strategy's commits; unmask " + name +
+                              " has its own rule");
+    }
+    const Confidence fits = o.unmask == Unmask::entropy_bounded ? Confidence::entropy : Confidence::probability;
+    if (o.confidence != fits && o.confidence != Confidence::probability) {
+      return invalid_argument("confidence: unmask " + name + (o.unmask == Unmask::sequential
+                                                                  ? " takes positions in order; "
+                                                                  : " ranks by entropy; ") +
+                              "confidence " + confidence_name(o.confidence) + " does not apply");
+    }
+  }
+  if (!(o.eb_threshold > 0 && std::isfinite(o.eb_threshold))) {
+    return invalid_argument("eb_threshold: expected a finite value > 0");
   }
   if (o.loop == Loop::block && c.arch != Arch::sdar) {
     return invalid_argument("loop: block diffusion needs a block-diffusion model (sdar); this model is " +

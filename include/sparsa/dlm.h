@@ -139,6 +139,16 @@ Result<Confidence> parse_confidence(const std::string& name);
 // The loop's own choice: entropy for dream (Dream's recommended alg), probability for the rest.
 Confidence default_confidence(Loop loop);
 
+// How the block loop picks the positions a step commits (SDAR's remasking strategies):
+// confidence: by GenerateOptions::confidence (with threshold > 0 SDAR's low_confidence_dynamic,
+// with 0 its low_confidence_static); sequential: the step's scheduled count of masked positions,
+// left to right; entropy_bounded: the masked positions of lowest entropy (of the pick's
+// distribution, as the entropy confidence) while the running sum of their entropies stays below
+// eb_threshold, at least one.
+enum class Unmask : uint8_t { confidence, sequential, entropy_bounded };
+const char* unmask_name(Unmask u);
+Result<Unmask> parse_unmask(const std::string& name);
+
 struct GenerateOptions {
   Loop loop = Loop::remask;  // Model::default_loop(): remask for llada, block for sdar
   int64_t gen_len = 128;     // tokens generated after the prompt
@@ -162,6 +172,8 @@ struct GenerateOptions {
   Confidence confidence = Confidence::probability;  // margin / entropy: of softmax(logits / temperature)
   double top_p = 1.0;        // < 1: a pick only among the most probable tokens holding this mass (Dream's top_p)
   int64_t top_k = 0;         // > 0: a pick only among the k largest logits (Dream's top_k; after top_p)
+  Unmask unmask = Unmask::confidence;  // block loop: how a step picks its positions (others: confidence)
+  double eb_threshold = 0.35;  // unmask entropy_bounded: the bound on the committed entropies' sum (SDAR's default)
   int64_t sub_block = 8;     // fast_dllm loop: the sub-blocks decoded in turn inside a block (its small_block_size)
   double alg_temp = 0;       // dream loop, > 0: a step's positions drawn at random, without replacement, with
                              // weights softmax(confidence / alg_temp) (Dream's alg_temp); 0: the most confident

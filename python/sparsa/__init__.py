@@ -1257,7 +1257,7 @@ class Model:
                  temperature: float = 0.0, seed: int = 0, loop: str = "", stop_at_eos: bool = True,
                  ban_eos: bool = False, eos_ids=(), chat: bool = False, system=None, confidence: str = "",
                  top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0, sub_block: int = 8, cache=None,
-                 factor: float = 0.0):
+                 factor: float = 0.0, unmask: str = "confidence", eb_threshold: float = 0.35):
         """``prompt``: text (needs tokenizer.json; returns text), a list of ids (returns ids), or a
         list of either (a batch; returns a list). ``chat``: each text prompt becomes the user's
         message in the model's chat template (after a ``system`` message, if given), as instruct
@@ -1268,7 +1268,11 @@ class Model:
         softmax(confidence / alg_temp) instead of taking the most confident (Dream's ``alg_temp``);
         ``sub_block``: the fast_dllm loop's sub-blocks (Fast-dLLM v2's small_block_size).
         ``factor`` > 0: the remask, prefix_cache and dual_cache loops commit by Fast-dLLM's factor rule (its
-        ``factor`` argument) instead of the threshold or the schedule.
+        ``factor`` argument) instead of the threshold or the schedule. ``unmask``: how the block
+        loop picks a step's positions, SDAR's strategies: "confidence" (low_confidence_dynamic with a
+        ``threshold``, low_confidence_static without), "sequential" (left to right) or
+        "entropy_bounded" (the lowest-entropy positions while their entropies sum below
+        ``eb_threshold``, at least one).
         ``cache``: a ``PromptCache`` passed to each turn of a conversation (one prompt; the block and
         fast_dllm loops; cpu backend): a call reuses the K/V of the leading whole blocks its prompt
         shares with the last call's prompt and output, and prefills only the rest."""
@@ -1288,7 +1292,7 @@ class Model:
         out = self._core.generate(ids, gen_len, block_len, steps, threshold, temperature, seed, loop, stop_at_eos,
                                   ban_eos, [int(i) for i in eos_ids], confidence, float(top_p), int(top_k),
                                   float(alg_temp), int(sub_block), None if cache is None else cache._core,
-                                  float(factor))
+                                  float(factor), str(unmask), float(eb_threshold))
         out = [self.tokenizer.decode(o, True) if t else o for o, t in zip(out, text)]
         return out if batch else out[0]
 

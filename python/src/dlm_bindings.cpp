@@ -113,7 +113,7 @@ void bind_dlm(nb::module_& m) {
              int64_t steps, double threshold, double temperature, uint64_t seed, const std::string& loop,
              bool stop_at_eos, bool ban_eos, const std::vector<int32_t>& eos_ids, const std::string& confidence,
              double top_p, int64_t top_k, double alg_temp, int64_t sub_block, dlm::PromptCache* cache,
-             double factor) {
+             double factor, const std::string& unmask, double eb_threshold) {
             dlm::GenerateOptions o;
             o.loop = loop.empty() ? m.default_loop() : take(dlm::parse_loop(loop));
             o.confidence = confidence.empty() ? dlm::default_confidence(o.loop) : take(dlm::parse_confidence(confidence));
@@ -123,6 +123,8 @@ void bind_dlm(nb::module_& m) {
                                 : (o.loop == dlm::Loop::block ? std::max<int64_t>(m.config().block_size, 1) : gen_len);
             o.threshold = threshold;
             o.factor = factor;
+            o.unmask = take(dlm::parse_unmask(unmask));
+            o.eb_threshold = eb_threshold;
             o.temperature = temperature;
             o.top_p = top_p;
             o.top_k = top_k;
@@ -142,7 +144,7 @@ void bind_dlm(nb::module_& m) {
           "prompts"_a, "gen_len"_a = 128, "block_len"_a = 32, "steps"_a = 0, "threshold"_a = 0.0, "temperature"_a = 0.0,
           "seed"_a = 0, "loop"_a = "", "stop_at_eos"_a = true, "ban_eos"_a = false,
           "eos_ids"_a = std::vector<int32_t>{}, "confidence"_a = "", "top_p"_a = 1.0, "top_k"_a = 0, "alg_temp"_a = 0.0, "sub_block"_a = 8,
-          "cache"_a.none() = nb::none(), "factor"_a = 0.0,
+          "cache"_a.none() = nb::none(), "factor"_a = 0.0, "unmask"_a = "confidence", "eb_threshold"_a = 0.35,
           "Generate for a batch of prompts (lists of ids); returns the generated ids of each. cache: a "
           "PromptCache (one prompt; block and fast_dllm loops; cpu backend).");
 

@@ -38,6 +38,8 @@ struct DlmOptions {
   bool chat = false, no_generation_prompt = false, show_ids = false, no_prompt_cache = false;
   std::string system, chat_template, chat_vars = "{}", messages;
   std::string confidence;  // "": the loop's default
+  std::string unmask = "confidence";
+  double eb_threshold = 0.35;
   double top_p = 1.0;
   int64_t top_k = 0;
   double alg_temp = 0;
@@ -132,6 +134,10 @@ Result<dlm::GenerateOptions> generate_options(const DlmOptions& o, const dlm::Mo
     if (!kind.ok()) return invalid_argument("--confidence: " + kind.status().message());
     g.confidence = kind.value();
   }
+  auto unmask = dlm::parse_unmask(o.unmask);
+  if (!unmask.ok()) return invalid_argument("--unmask: " + unmask.status().message());
+  g.unmask = unmask.value();
+  g.eb_threshold = o.eb_threshold;
   g.top_p = o.top_p;
   g.top_k = o.top_k;
   g.alg_temp = o.alg_temp;
@@ -557,6 +563,13 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
                   "(default block_size)");
   gen->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding (0: top-k schedule)")
       ->capture_default_str();
+  gen->add_option("--unmask", o->unmask,
+                  "block loop: how a step picks its positions: confidence (SDAR's low_confidence_dynamic with "
+                  "--threshold, _static without), sequential (left to right) or entropy_bounded")
+      ->capture_default_str();
+  gen->add_option("--eb-threshold", o->eb_threshold,
+                  "--unmask entropy_bounded: commit the lowest-entropy positions while their entropies sum below this")
+      ->capture_default_str();
   gen->add_option("--factor", o->factor,
                   "remask, prefix_cache, dual_cache: Fast-dLLM's factor rule for parallel decoding instead (0: off)")
       ->capture_default_str();
@@ -642,6 +655,8 @@ std::vector<Subcommand> add_dlm_commands(CLI::App& app) {
   chat->add_option("--steps", o->steps, "as generate's");
   chat->add_option("--threshold", o->threshold, "confidence threshold for parallel decoding")->capture_default_str();
   chat->add_option("--factor", o->factor, "as generate's")->capture_default_str();
+  chat->add_option("--unmask", o->unmask, "as generate's")->capture_default_str();
+  chat->add_option("--eb-threshold", o->eb_threshold, "as generate's")->capture_default_str();
   chat->add_option("--temperature", o->temperature, "0: argmax; > 0: Gumbel-max sampling")->capture_default_str();
   chat->add_option("--top-p", o->top_p, "as generate's")->capture_default_str();
   chat->add_option("--top-k", o->top_k, "as generate's")->capture_default_str();

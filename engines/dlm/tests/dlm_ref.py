@@ -605,7 +605,21 @@ def ref_dual_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True
     return cut(s, x[P:], stop)
 
 
-def ref_block(s, w, prompt, gen_len, steps, threshold, stop=True):
+def entropy_bounded_count(neg_entropy, bound):
+    """SDAR's entropy_bounded rule, written from its description: the entropies sorted ascending,
+    the count of their running sums below the bound (searchsorted, left), at least one."""
+    e = sorted(-c for c in neg_entropy)
+    run, n = 0.0, 0
+    for v in e:
+        run += v
+        _note("conf", abs(run - bound))
+        if run >= bound:
+            break
+        n += 1
+    return max(n, 1)
+
+
+def ref_block(s, w, prompt, gen_len, steps, threshold, stop=True, unmask="confidence", eb=0.35):
     B, P = s.block, len(prompt)
     nblocks = -(-(P + gen_len) // B)
     x = list(prompt) + [s.mask_id] * (nblocks * B - P)
@@ -625,7 +639,12 @@ def ref_block(s, w, prompt, gen_len, steps, threshold, stop=True):
             picks = [softmax_pick(logits[i - lo]) for i in pos]
             conf = [p[1] for p in picks]
             want = max(sched[st] if st < len(sched) else 1, 1)
-            if threshold > 0:
+            if unmask == "sequential":
+                chosen = list(range(min(want, len(pos))))
+            elif unmask == "entropy_bounded":
+                ent = [confidence_of(logits[i - lo], "entropy") for i in pos]
+                chosen = top(ent, entropy_bounded_count(ent, eb), "entropy")
+            elif threshold > 0:
                 _thr(conf, threshold)
                 chosen = [j for j in range(len(conf)) if conf[j] > threshold]
                 if len(chosen) < want:

@@ -254,6 +254,66 @@ def test_block_loop_matches_reference(sparsa_bin, sdar_model, threshold, stop):
         assert all(len(g) == 10 for g in got)
 
 
+def generate_json(sparsa_bin, model_dir, prompts, *flags):
+    args = ["generate", "--model", model_dir, "--json", "--quiet", *flags]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    return json.loads(run(sparsa_bin, *args).stdout)
+
+
+@pytest.fixture(scope="module")
+def sdar_model_varied(tmp_path_factory):
+    """An sdar model whose outputs on PROMPTS do not collapse to one repeated token, so that the
+    order of the commits shows in the tokens."""
+    s = R.Spec("sdar", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63, block=4)
+    d = tmp_path_factory.mktemp("sdar_varied")
+    return s, R.write_model(d, s, seed=2), d
+
+
+@pytest.mark.parametrize("unmask", [("sequential", 0.35), ("entropy_bounded", 0.35), ("entropy_bounded", 9.0),
+                                    ("entropy_bounded", 100.0)])
+def test_block_unmask_strategies_match_reference(sparsa_bin, sdar_model_varied, unmask):
+    """SDAR's other strategies in the block loop (--unmask): sequential commits the step's
+    scheduled count left to right; entropy_bounded the lowest-entropy positions while their
+    entropies (at most ln 64 each here) sum below --eb-threshold, at least one: one a step at 0.35,
+    the whole block at 100 (so one step a block, its forwards counted)."""
+    s, w, d = sdar_model_varied
+    name, eb = unmask
+    flags = ("--loop", "block", "--gen-len", 12, "--steps", 2, "--no-stop-at-eos", "--unmask", name,
+             "--eb-threshold", eb)
+    out = generate_json(sparsa_bin, d, PROMPTS, *flags)
+    for p, g in zip(PROMPTS, out["tokens"]):
+        assert g == R.ref_block(s, w, p, 12, 2, 0.0, False, unmask=name, eb=eb), p
+    # Denoising steps + one commit pass per block + the prefill of each prompt's whole blocks.
+    masks = [(-(-(len(p) + 12) // 4)) * 4 - len(p) for p in PROMPTS]
+    blocks = [-(-(len(p) + 12) // 4) - len(p) // 4 for p in PROMPTS]
+    fixed = sum(blocks) + sum(1 for p in PROMPTS if len(p) >= 4)
+    if name == "entropy_bounded" and eb == 100.0:
+        assert out["steps"] == fixed + sum(blocks)
+    elif name == "entropy_bounded" and eb == 0.35:
+        assert out["steps"] == fixed + sum(masks)
+    if eb != 100.0:  # not the confidence strategy's commits: on this model both prompts differ
+        conf = generate_ids(sparsa_bin, d, PROMPTS, *flags[:-4])
+        assert all(a != b for a, b in zip(conf, out["tokens"]))
+
+
+def test_block_unmask_refusals(sparsa_bin, sdar_model, llada_model):
+    """--unmask: unknown names, other loops, a threshold beside it, a confidence that does not
+    apply, and bad --eb-threshold values are refused by name."""
+    base = ["--gen-len", 8, "--steps", 2]
+    for model, extra, field in (
+            (sdar_model, ["--unmask", "random"], "unmask"),
+            (llada_model, ["--loop", "remask", "--block-len", 8, "--unmask", "sequential"], "unmask"),
+            (sdar_model, ["--unmask", "entropy_bounded", "--threshold", 0.5], "threshold"),
+            (sdar_model, ["--unmask", "sequential", "--confidence", "margin"], "confidence"),
+            (sdar_model, ["--unmask", "entropy_bounded", "--confidence", "margin"], "confidence"),
+            (sdar_model, ["--unmask", "entropy_bounded", "--eb-threshold", 0], "eb_threshold"),
+            (sdar_model, ["--unmask", "entropy_bounded", "--eb-threshold", "nan"], "eb_threshold")):
+        args = ["generate", "--model", model[2], "--json", "--quiet", "--prompt-ids", "1,2,3", *base, *extra]
+        p = subprocess.run([sparsa_bin, *map(str, args)], capture_output=True, text=True)
+        assert p.returncode != 0 and field in p.stderr, (extra, p.stderr)
+
+
 def test_eos_ids_override(sparsa_bin, llada_model):
     """--eos-ids replaces config.json's EOS: the output stops before the first of them."""
     s, w, d = llada_model

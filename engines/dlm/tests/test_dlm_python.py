@@ -212,3 +212,18 @@ def test_dream_from_python(tmp_path):
         m.generate(prompt, gen_len=8, confidence="doubt")
     with pytest.raises(ValueError, match="top_p"):
         m.generate(prompt, gen_len=8, top_p=0.0)
+
+
+def test_unmask_strategies_from_python(tmp_path):
+    """unmask= and eb_threshold= reach the block loop (SDAR's sequential and entropy_bounded)."""
+    s = R.Spec("sdar", dim=64, heads=4, kv_heads=2, layers=2, vocab=64, eos=62, mask_id=63, block=4)
+    w = R.write_model(tmp_path, s, seed=2)
+    m = sparsa.Model.load(tmp_path)
+    prompt = [8, 1, 44, 2, 19, 27, 33, 12, 6]
+    for unmask, eb in (("sequential", 0.35), ("entropy_bounded", 9.0)):
+        assert m.generate(prompt, gen_len=12, steps=2, stop_at_eos=False, unmask=unmask, eb_threshold=eb) == \
+            R.ref_block(s, w, prompt, 12, 2, 0.0, False, unmask=unmask, eb=eb)
+    with pytest.raises(ValueError, match="unmask"):
+        m.generate(prompt, gen_len=8, unmask="random")
+    with pytest.raises(ValueError, match="eb_threshold"):
+        m.generate(prompt, gen_len=8, unmask="entropy_bounded", eb_threshold=-1.0)

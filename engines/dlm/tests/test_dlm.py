@@ -126,12 +126,15 @@ def test_negative_controls_are_far_outside_the_tolerance(sparsa_bin, tmp_path):
 # ---------------------------------------------------------------- generation loops
 
 
-def generate_ids(sparsa_bin, model_dir, prompts, *flags):
+def generate_json(sparsa_bin, model_dir, prompts, *flags):
     args = ["generate", "--model", model_dir, "--json", "--quiet", *flags]
     for p in prompts:
         args += ["--prompt-ids", ",".join(map(str, p))]
-    out = json.loads(run(sparsa_bin, *args).stdout)
-    return out["tokens"]
+    return json.loads(run(sparsa_bin, *args).stdout)
+
+
+def generate_ids(sparsa_bin, model_dir, prompts, *flags):
+    return generate_json(sparsa_bin, model_dir, prompts, *flags)["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -252,13 +255,6 @@ def test_block_loop_matches_reference(sparsa_bin, sdar_model, threshold, stop):
         assert g == R.ref_block(s, w, p, 10, 2, threshold, stop)
     if not stop:
         assert all(len(g) == 10 for g in got)
-
-
-def generate_json(sparsa_bin, model_dir, prompts, *flags):
-    args = ["generate", "--model", model_dir, "--json", "--quiet", *flags]
-    for p in prompts:
-        args += ["--prompt-ids", ",".join(map(str, p))]
-    return json.loads(run(sparsa_bin, *args).stdout)
 
 
 @pytest.fixture(scope="module")

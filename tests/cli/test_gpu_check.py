@@ -66,6 +66,35 @@ def test_the_targets_of_the_modes(tmp_path):
     assert r.returncode == 0 and r.stdout == ""  # the full call builds everything
 
 
+def test_prebuild_finds_each_target_by_its_link_rule(tmp_path):
+    """scripts/gpu-prebuild packs the file each target links, found by the target's link rule in
+    build.ninja (lines of the shapes CMake's Ninja generator writes): a target whose file has
+    another name (sparsa_cli links tools/sparsa), a Python module, a test with its extra outputs, a
+    static library; a target without a rule or a prefix of another's name is not matched."""
+    (tmp_path / "build.ninja").write_text(
+        "build tools/sparsa: CXX_EXECUTABLE_LINKER__sparsa_cli_Release tools/a.o | libsparsa.a\n"
+        "build python/sparsa/_sparsa.cpython-312-x86_64-linux-gnu.so: CXX_MODULE_LIBRARY_LINKER___sparsa_Release a.o\n"
+        "build tests/test_cuda_attention tests/test_cuda_attention[1]_tests.cmake | "
+        "${cmake_ninja_workdir}tests/test_cuda_attention[1]_tests.cmake: CXX_EXECUTABLE_LINKER__test_cuda_attention_Release"
+        " tests/t.o\n"
+        "build libsparsa.a: CXX_STATIC_LIBRARY_LINKER__sparsa_Release src/a.o\n"
+        "build src/a.o: CXX_COMPILER__sparsa_unscanned_Release ../src/a.cpp\n")
+    script = os.path.join(ROOT, "scripts", "gpu-prebuild")
+
+    def target_file(target):
+        return subprocess.run(["bash", script, "--target-file", str(tmp_path), target], capture_output=True,
+                              text=True, timeout=60)
+
+    for target, path in (("sparsa_cli", "tools/sparsa"),
+                         ("_sparsa", "python/sparsa/_sparsa.cpython-312-x86_64-linux-gnu.so"),
+                         ("test_cuda_attention", "tests/test_cuda_attention"), ("sparsa", "libsparsa.a")):
+        r = target_file(target)
+        assert r.returncode == 0 and r.stdout.strip() == path, (target, r.stdout, r.stderr)
+    for target in ("test_cuda", "nosuch"):
+        r = target_file(target)
+        assert r.returncode != 0 and f"target {target}" in r.stderr, (target, r.stderr)
+
+
 def test_a_prebuilt_build_of_this_tree_replaces_the_build(tmp_path):
     """scripts/gpu-prebuild's pack (PREBUILT) is copied instead of building only when its stamp is
     this tree's and it holds every target of the call's modes."""

@@ -218,8 +218,9 @@ inline std::vector<int64_t> factor_rule(const std::vector<double>& confidence, d
 
 // SDAR's entropy_bounded rule (GenerateOptions::Unmask): with the candidates' entropies sorted
 // ascending (e_0 <= e_1 <= ...; `neg_entropy` holds -e, the entropy confidence), the n lowest
-// whose running sum e_0 + ... + e_{n-1} stays below `bound`, at least one.
+// whose running sum e_0 + ... + e_{n-1} stays below `bound`, at least one (none of none).
 inline std::vector<int64_t> entropy_bounded(const std::vector<double>& neg_entropy, double bound) {
+  if (neg_entropy.empty()) return {};
   std::vector<int64_t> order = top_k(neg_entropy, static_cast<int64_t>(neg_entropy.size()));
   size_t n = 0;
   for (double sum = 0; n < order.size(); ++n) {

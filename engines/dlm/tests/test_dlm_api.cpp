@@ -418,6 +418,25 @@ TEST(DlmApi, FactorRuleCountsAsFastDllm) {
   EXPECT_EQ(sorted(factor_rule({0.5, 0.5, 0.5, 0.0}, 1.0)), (std::vector<int64_t>{0}));
 }
 
+// SDAR's entropy_bounded rule, worked by hand (the candidates hold -entropy): entropies sorted
+// ascending, the count whose running sum stays below the bound, at least one; ties by position.
+// And the strategies' names.
+TEST(DlmApi, EntropyBoundedCountsAsSdar) {
+  using dlm::entropy_bounded;
+  EXPECT_EQ(entropy_bounded({}, 0.35), std::vector<int64_t>{});
+  EXPECT_EQ(entropy_bounded({-2.0}, 0.35), std::vector<int64_t>{0});                          // none below: one
+  EXPECT_EQ(entropy_bounded({-0.3, -0.1, -0.2}, 0.35), (std::vector<int64_t>{1, 2}));         // 0.1, 0.3 < 0.35
+  EXPECT_EQ(entropy_bounded({-0.3, -0.1, -0.2}, 0.3), (std::vector<int64_t>{1}));             // 0.3 is not below
+  EXPECT_EQ(entropy_bounded({-0.3, -0.1, -0.2}, 10.0), (std::vector<int64_t>{1, 2, 0}));      // all of them
+  EXPECT_EQ(entropy_bounded({-0.1, -0.5, -0.1, -0.1}, 0.25), (std::vector<int64_t>{0, 2}));   // ties by position
+  for (dlm::Unmask u : {dlm::Unmask::confidence, dlm::Unmask::sequential, dlm::Unmask::entropy_bounded}) {
+    EXPECT_EQ(dlm::parse_unmask(dlm::unmask_name(u)).value(), u);
+  }
+  const auto bad = dlm::parse_unmask("random");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("unmask"), std::string::npos) << bad.status().message();
+}
+
 // Fast-dLLM v2's published config (its Qwen2.5-7B shape, bd_size, no mask id): the block, the
 // generate() default mask id, Dream's biases and token shift, block-causal; a missing bd_size is
 // the default 32, a bad one is named.

@@ -379,8 +379,10 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
       return invalid_argument("threshold: decides the confidence strategy's commits; unmask " + name +
                               " has its own rule");
     }
-    const Confidence fits = o.unmask == Unmask::entropy_bounded ? Confidence::entropy : Confidence::probability;
-    if (o.confidence != fits && o.confidence != Confidence::probability) {
+    // probability is every loop's default; entropy_bounded computes entropies whatever is asked.
+    const bool applies = o.confidence == Confidence::probability ||
+                         (o.unmask == Unmask::entropy_bounded && o.confidence == Confidence::entropy);
+    if (!applies) {
       return invalid_argument("confidence: unmask " + name + (o.unmask == Unmask::sequential
                                                                   ? " takes positions in order; "
                                                                   : " ranks by entropy; ") +

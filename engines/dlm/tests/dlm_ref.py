@@ -547,6 +547,16 @@ def cache_step_choice(conf, sched, st, threshold, factor):
     return top(conf, max(sched[st] if st < len(sched) else 1, 1))
 
 
+def cache_step(x, masked, logits, lo, hi, sched, st, threshold, factor):
+    """One step of the cached loops: pick every masked position of [lo, hi) from its logits row,
+    commit cache_step_choice's."""
+    pos = [i for i in range(lo, hi) if masked[i]]
+    picks = [softmax_pick(logits[i]) for i in pos]
+    for j in cache_step_choice([p[1] for p in picks], sched, st, threshold, factor):
+        x[pos[j]] = picks[j][0]
+        masked[pos[j]] = False
+
+
 def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True, factor=0.0):
     x = list(prompt) + [s.mask_id] * gen_len
     masked = [False] * len(prompt) + [True] * gen_len
@@ -564,11 +574,7 @@ def ref_prefix_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=Tr
             if st > 0:
                 logits_s, _ = forward(s, w, x[lo - sh:], past)
                 logits = np.concatenate([np.zeros((lo - sh, logits_s.shape[1])), logits_s], axis=0)
-            pos = [i for i in range(lo, hi) if masked[i]]
-            picks = [softmax_pick(logits[i]) for i in pos]
-            for j in cache_step_choice([p[1] for p in picks], sched, st, threshold, factor):
-                x[pos[j]] = picks[j][0]
-                masked[pos[j]] = False
+            cache_step(x, masked, logits, lo, hi, sched, st, threshold, factor)
             st += 1
     return cut(s, x[P:], stop)
 
@@ -596,11 +602,7 @@ def ref_dual_cache(s, w, prompt, gen_len, block_len, steps, threshold, stop=True
                 raw, _ = forward(s, w, x[lo - sh:hi - sh], past, shifted=False, after=after)
                 logits = np.full((len(x), raw.shape[1]), np.nan)
                 logits[lo:hi] = raw  # row i of the chunk predicts position lo - sh + i + sh
-            pos = [i for i in range(lo, hi) if masked[i]]
-            picks = [softmax_pick(logits[i]) for i in pos]
-            for j in cache_step_choice([p[1] for p in picks], sched, st, threshold, factor):
-                x[pos[j]] = picks[j][0]
-                masked[pos[j]] = False
+            cache_step(x, masked, logits, lo, hi, sched, st, threshold, factor)
             st += 1
     return cut(s, x[P:], stop)
 

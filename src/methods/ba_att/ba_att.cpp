@@ -272,20 +272,9 @@ Result<AttentionOutput> ba_att(const Tensor& q, const Tensor& k, const Tensor& v
   auto plan = ba_att_plan(q, k, options);
   if (!plan.ok()) return plan.status();
   if (options.backend != Backend::cuda) return block_sparse(q, k, v, plan->view(), executor_options(options));
-  // cuda: outputs in device memory of q's device, then copied to the host arrays returned.
-  auto out = DeviceArray::allocate(q.dtype, q.shape_vector(), q.device, false, options.stream);
-  if (!out.ok()) return out.status();
-  auto lse = DeviceArray::allocate(DType::f32, {q.shape[0], q.shape[1], q.shape[2]}, q.device, false, options.stream);
-  if (!lse.ok()) return lse.status();
-  SPARSA_RETURN_IF_ERROR(block_sparse(q, k, v, plan->view(), out->view(), lse->view(), executor_options(options)));
-  AttentionOutput result;
-  auto host_out = out->to_host();
-  if (!host_out.ok()) return host_out.status();
-  auto host_lse = lse->to_host();
-  if (!host_lse.ok()) return host_lse.status();
-  result.out = std::move(host_out).value();
-  result.lse = std::move(host_lse).value();
-  return result;
+  return detail::device_outputs_to_host(q, options.stream, [&](const Tensor& out, const Tensor& lse) {
+    return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
+  });
 }
 
 }  // namespace sparsa

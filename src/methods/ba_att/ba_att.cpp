@@ -33,23 +33,6 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// q and k where the backend needs them: host memory for cpu / cpu_ref, one cuda device for cuda
-// (placement is checked before availability, so the message names the argument everywhere).
-Status check_inputs(const Tensor& q, const Tensor& k, const BaAttOptions& o) {
-  if (o.backend != Backend::cuda) return detail::check_query_key(q, k, Device{});
-  if (q.data != nullptr && q.device.type != DeviceType::cuda) {
-    return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
-  }
-  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, q.device));
-  SPARSA_RETURN_IF_ERROR(backend_status(Backend::cuda));
-  if (o.check_finite) {
-    return {StatusCode::unsupported,
-            "check_finite: not available on the cuda backend (the cuda selector refuses NaN/Inf norms and "
-            "logits by itself; scan v on the host first)"};
-  }
-  return {};
-}
-
 Status check_options(const BaAttOptions& o, int64_t head_dim) {
   if (o.block_q <= 0) return invalid_argument("block_q: expected a block size > 0 tokens, got " + std::to_string(o.block_q));
   if (o.block_kv <= 0) {
@@ -155,7 +138,7 @@ ba_att_cuda::Request cuda_request(const Tensor& q, const Tensor& k, const BaAttO
 }  // namespace
 
 Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
-  SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
+  SPARSA_RETURN_IF_ERROR(detail::check_selector_inputs(q, k, options.backend, options.check_finite));
   SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
   if (options.backend == Backend::cuda) {
     BaAttScores s;
@@ -201,7 +184,7 @@ Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttO
 
 Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
   if (options.backend == Backend::cuda) {
-    SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
+    SPARSA_RETURN_IF_ERROR(detail::check_selector_inputs(q, k, options.backend, options.check_finite));
     SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
     BlockIndexBuffer plan;
     SPARSA_RETURN_IF_ERROR(ba_att_cuda::plan(cuda_request(q, k, options), &plan));

@@ -55,25 +55,8 @@ struct XProblem {
   }
 };
 
-// q and k where the backend needs them: host memory for cpu / cpu_ref, one cuda device for cuda
-// (placement is checked before availability, so the message names the argument everywhere).
-Status check_inputs(const Tensor& q, const Tensor& k, const XAttentionOptions& o) {
-  if (o.backend != Backend::cuda) return detail::check_query_key(q, k, Device{});
-  if (q.data != nullptr && q.device.type != DeviceType::cuda) {
-    return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
-  }
-  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, q.device));
-  SPARSA_RETURN_IF_ERROR(backend_status(Backend::cuda));
-  if (o.check_finite) {
-    return {StatusCode::unsupported,
-            "check_finite: not available on the cuda backend (the cuda selector refuses NaN/Inf block masses by "
-            "itself; scan v on the host first)"};
-  }
-  return {};
-}
-
 Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o, XProblem* p) {
-  SPARSA_RETURN_IF_ERROR(check_inputs(q, k, o));
+  SPARSA_RETURN_IF_ERROR(detail::check_selector_inputs(q, k, o.backend, o.check_finite));
   if (o.stride <= 0) return invalid_argument("stride: expected >= 1, got " + std::to_string(o.stride));
   if (o.block_q <= 0) return invalid_argument("block_q: expected a block size > 0 tokens, got " + std::to_string(o.block_q));
   if (o.block_kv <= 0) {
@@ -94,7 +77,7 @@ Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o
   }
   p->scale = o.scale.value_or(1.0f / std::sqrt(static_cast<float>(q.shape[3])));
   if (!std::isfinite(p->scale) || p->scale <= 0) return invalid_argument("scale: expected a finite positive number");
-  if (o.check_finite) {  // host memory here (check_inputs refuses it on cuda)
+  if (o.check_finite) {  // host memory here (check_selector_inputs refuses it on cuda)
     SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
     SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
   }

@@ -46,8 +46,8 @@ struct XAttentionOptions {
   bool mask_aware = false;
 };
 
-// Block masses X: f32 [batch, heads_q, num_q_blocks, num_kv_blocks]; each row sums to the
-// number of query groups in the block.
+// Block masses X (host memory on every backend): f32 [batch, heads_q, num_q_blocks, num_kv_blocks];
+// each row sums to the number of query groups in the block.
 Result<HostArray> xattention_scores(const Tensor& q, const Tensor& k, const XAttentionOptions& options = {});
 Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const XAttentionOptions& options = {});
 Result<AttentionOutput> xattention(const Tensor& q, const Tensor& k, const Tensor& v,

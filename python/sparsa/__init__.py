@@ -713,41 +713,49 @@ def xattention_plan(q, k, *, block_q: int = 128, block_kv: int = 128, stride: in
                     top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
                     force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
                     backend: str = "auto", num_threads: int = 0, check_finite: bool = False, mask: Any = None,
-                    mask_aware: bool = False) -> BlockIndex:
+                    mask_aware: bool = False, stream=None) -> BlockIndex:
     """The XAttention plan (Xu et al., ICML 2025; docs/ba_att.md): antidiagonal scores
     over ``stride``-token groups (stride divides both block sizes), block masses, then
     per query block the forced blocks (key block 0 when ``force_first``; the diagonal
     block ``qb + num_kv_blocks - num_q_blocks`` when ``force_diagonal``) and blocks in
     descending mass until the budget is met (default tau=0.9). No permutations. ``mask_aware``:
     the selection sees ``mask`` (each query group's softmax over the key groups it sees; the
-    choice as :func:`ba_att_plan`'s)."""
+    choice as :func:`ba_att_plan`'s). With ``backend="cuda"`` (or ``"auto"`` on CUDA arrays) the
+    masses and the budget run on q's device, on ``stream`` (torch's current stream by default),
+    and the plan's arrays stay there, as :func:`ba_att_plan`'s."""
     kind, value = _budget(top_kappa, density, tau, ("mass", 0.9))
     return _plan(_core.xattention_plan(q, k, block_q, block_kv, stride, kind, value, force_first, force_diagonal,
-                                       scale, backend, num_threads, check_finite, _mask_text(mask), mask_aware))
+                                       scale, backend, num_threads, check_finite, _mask_text(mask), mask_aware,
+                                       _stream(q, stream)), like=q)
 
 
 def xattention_scores(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
                       scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
-                      check_finite: bool = False) -> np.ndarray:
+                      check_finite: bool = False, stream=None) -> np.ndarray:
     """XAttention's block masses X, float32 ``[batch, heads_q, num_q_blocks,
-    num_kv_blocks]``; each row sums to the number of ``stride`` groups in the query block."""
-    return _core.xattention_scores(q, k, block_q, block_kv, stride, scale, backend, num_threads, check_finite)
+    num_kv_blocks]`` (a numpy array, also when computed on the device); each row sums to the
+    number of ``stride`` groups in the query block."""
+    return _core.xattention_scores(q, k, block_q, block_kv, stride, scale, backend, num_threads, check_finite,
+                                   _stream(q, stream))
 
 
 def xattention(q, k, v, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
                top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
                force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
                mask: Any = None, mask_aware: bool = False, backend: str = "auto", num_threads: int = 0,
-               check_finite: bool = False, out=None, lse=None):
+               check_finite: bool = False, out=None, lse=None, stream=None):
     """XAttention attention: :func:`xattention_plan` then :func:`block_sparse` under ``mask``
-    (which the selection sees with ``mask_aware``). Returns ``(out, lse)``."""
+    (which the selection sees with ``mask_aware``) on the same backend (and the same ``stream``).
+    Returns ``(out, lse)``."""
     text = _mask_text(mask)
+    stream = _stream(q, stream)
     plan = xattention_plan(q, k, block_q=block_q, block_kv=block_kv, stride=stride, top_kappa=top_kappa,
                            density=density, tau=tau, force_first=force_first, force_diagonal=force_diagonal,
                            scale=scale, backend=backend, num_threads=num_threads, check_finite=check_finite,
-                           mask=text, mask_aware=mask_aware)
+                           mask=text, mask_aware=mask_aware, stream=stream)
     return block_sparse(q, k, v, plan, scale=scale, mask=text, backend=backend, check_finite=check_finite,
-                        num_threads=num_threads, out=out, lse=lse)
+                        num_threads=num_threads, check_index=False, out=out, lse=lse,  # the plan just made
+                        stream=stream)
 
 
 # ---- oracle metrics (evaluation only: a dense O(L^2 d) pass per head) -------------------

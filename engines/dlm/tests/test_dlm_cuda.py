@@ -248,10 +248,12 @@ CANVAS = [5, 9, 30, 63, 63, 63, 12, 7, 63, 63, 41, 2, 63, 63, 63, 63, 19, 27, 33
     ("sdar", "ba_att:density=1,block=4,min_tokens=0,block_causal=true"),
     ("sdar", "ba_att:density=1,block=4,min_tokens=0,sort=false,block_causal=true"),
     ("sdar", "mean_pool:density=1,block=8,min_tokens=0,block_causal=true"),
+    ("llada", "xattention:density=1,block=4,stride=2,min_tokens=0"),
+    ("sdar", "xattention:density=1,block=8,stride=4,min_tokens=0,block_causal=true"),
 ])
 def test_cuda_canvas_selectors_at_density_one_give_the_dense_logits(sparsa_bin, cuda_ok, models, tmp_path, model,
                                                                     method):
-    """BA-Att and mean pooling on the device: at density 1 every key block is kept, so the
+    """BA-Att, mean pooling and XAttention on the device: at density 1 every key block is kept, so the
     block-sparse executor attends over the dense keys (in another order of sums): the logits are
     the dense ones within the bf16 bound. llada: over a whole bidirectional canvas; sdar: over
     the block-causal prompt prefill with `block_causal=true`, the executor applying the mask

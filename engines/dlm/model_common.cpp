@@ -132,6 +132,7 @@ Result<std::vector<Sequence>> make_sequences(const Config& c, const AttentionPol
         kc.dtype = DType::bf16;
         kc.pool_pages = pages;
         kc.device = policy.device;
+        kc.stream = policy.stream;  // zeroed on the engine's stream, before its first append
         auto layers = std::make_shared<std::vector<DevicePagedKVCache>>();
         for (int64_t l = 0; l < c.n_layers; ++l) {
           auto cache = DevicePagedKVCache::create(kc);

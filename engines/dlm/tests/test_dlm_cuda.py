@@ -192,6 +192,7 @@ def models(tmp_path_factory):
 LOOPS = {
     "remask": ["--loop", "remask", "--gen-len", 16, "--block-len", 8, "--steps", 8],
     "prefix_cache": ["--loop", "prefix_cache", "--gen-len", 16, "--block-len", 8, "--steps", 8, "--threshold", 0.3],
+    "dual_cache": ["--loop", "dual_cache", "--gen-len", 16, "--block-len", 4, "--steps", 8, "--threshold", 0.3],
     "block": ["--loop", "block", "--gen-len", 10, "--steps", 2],
 }
 
@@ -215,6 +216,26 @@ def test_cuda_loops_are_deterministic_and_batches_equal_singles(sparsa_bin, cuda
     assert generate_ids(sparsa_bin, d, PROMPTS, "cuda", *flags) == batch
     # the repeated steps replayed from CUDA graphs compute what the eager steps compute
     assert generate_ids(sparsa_bin, d, PROMPTS, "cuda", *flags, "--no-cuda-graphs") == batch
+
+
+def test_cuda_dual_cache_without_a_suffix_is_the_prefix_cache(sparsa_bin, cuda_ok, models):
+    """With one block (block_len = gen_len) nothing follows the block: the dual cache keeps an empty
+    suffix and each step runs the block over the prefix cache alone, which is the prefix cache's
+    step (its suffix is the block): the same forwards on the device, the same tokens."""
+    dl, _ = models
+    flags = ["--gen-len", 8, "--block-len", 8, "--steps", 8, "--threshold", 0.3, "--no-stop-at-eos"]
+    dual = generate_ids(sparsa_bin, dl, PROMPTS, "cuda", "--loop", "dual_cache", *flags)
+    assert dual == generate_ids(sparsa_bin, dl, PROMPTS, "cuda", "--loop", "prefix_cache", *flags)
+
+
+def test_cuda_dual_cache_refuses_the_device_prefix_steps_by_name(sparsa_bin, cuda_ok, models):
+    """QUEST's and LoSA's device steps merge the prefix and the block only: with the dual cache's
+    suffix they are refused by name, as LoSA is on the cpu."""
+    dl, _ = models
+    p = run(sparsa_bin, "generate", "--model", dl, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--backend", "cuda",
+            "--loop", "dual_cache", "--gen-len", 8, "--block-len", 4, "--steps", 4, "--attention", "quest:budget=16",
+            "--quiet", check=False)
+    assert p.returncode != 0 and "does not take the dual cache's suffix" in p.stderr, p.stderr
 
 
 def test_cuda_errors_are_clear(sparsa_bin, cuda_ok, tmp_path):

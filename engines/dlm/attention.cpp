@@ -496,7 +496,7 @@ class DevicePrefixMethod final : public SplitAttention {
     const int64_t heads_q = c0.q.shape[1], n = c0.q.shape[2], hd = c0.q.shape[3];
     if (!batch_->state || batch_->state->config().block_size != n || batch_->state->config().heads_q != heads_q) {
       DeviceLosaConfig dc{batch_->size, heads_q, c0.k.shape[1], hd, n};
-      auto made = DevicePrefixAttention::create(dc, o_, device_, c0.q.dtype);
+      auto made = DevicePrefixAttention::create(dc, o_, device_, c0.q.dtype, options_.stream);
       if (!made.ok()) {
         return Status(made.status().code(),
                       std::string(prefix_method_name(o_.method)) + " on cuda: " + made.status().message());

@@ -1031,11 +1031,14 @@ class DevicePagedKVCache:
     K and V in bfloat16 or float16, pages of ``page_size`` tokens with their key min/max (QUEST's
     metadata) computed on the device when tokens are appended. Each sequence owns a run of
     pages reserved by :meth:`add_sequence`; a full pool or sequence raises ``MemoryError``.
-    Arrays are torch (or cupy) CUDA arrays, read in place."""
+    Arrays are torch (or cupy) CUDA arrays, read in place. ``stream`` (a ``torch.cuda.Stream``, a
+    cupy stream or an integer handle; default the legacy default stream): where the pool is
+    allocated and zeroed; give the stream the appends run on when it is a non-blocking one."""
 
     def __init__(self, heads_kv: int, head_dim: int, pool_pages: int, *, page_size: int = 16,
-                 dtype: str = "bfloat16", device: int = 0):
-        self._core = _core.DevicePagedKVCache.create(heads_kv, head_dim, pool_pages, page_size, dtype, device)
+                 dtype: str = "bfloat16", device: int = 0, stream=None):
+        self._core = _core.DevicePagedKVCache.create(heads_kv, head_dim, pool_pages, page_size, dtype, device,
+                                                    _stream(None, stream))
 
     def add_sequence(self, max_tokens: int) -> int:
         """A new empty sequence with room for ``max_tokens`` tokens; its id."""
@@ -1070,15 +1073,16 @@ class DeviceLosaState:
     pages, per-head selection), with O_p, L_p and Q_ref kept on the device and no host
     synchronisation inside :meth:`step`. Arrays are torch (or cupy) CUDA arrays: q
     ``[batch, heads_q, block_size, head_dim]``, k/v blocks ``[batch, heads_kv, block_size,
-    head_dim]`` in ``dtype``."""
+    head_dim]`` in ``dtype``. ``stream``: where the state is allocated and zeroed, as
+    :class:`DevicePagedKVCache`'s."""
 
     def __init__(self, batch: int, heads_q: int, heads_kv: int, head_dim: int, *, block_size: int = 16,
                  method: str = "losa", budget: int = 256, force_first: bool = False, force_last: bool = True,
                  active_k: int = 4, mse_threshold: Optional[float] = None, scale: Optional[float] = None,
-                 dtype: str = "bfloat16", device: int = 0):
+                 dtype: str = "bfloat16", device: int = 0, stream=None):
         self._core = _core.DevicePrefixAttention.create(batch, heads_q, heads_kv, head_dim, block_size, method, budget,
                                                        force_first, force_last, active_k, mse_threshold, scale, dtype,
-                                                       device)
+                                                       device, _stream(None, stream))
 
     def step(self, cache: DevicePagedKVCache, seqs, q, k_block, v_block, *, out=None, lse=None, stream=None):
         """One denoising step of every entry's block (entry i's prefix is sequence ``seqs[i]``):

@@ -469,6 +469,14 @@ class CudaOps final : public Ops {
     record(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph.get()), stream_), "cudaGraphLaunch");
   }
 
+  bool copy_rows(void* dst, const void* src, int64_t rows, int64_t row_bytes, int64_t src_stride) override {
+    record(cudaMemcpy2DAsync(dst, static_cast<size_t>(row_bytes), src, static_cast<size_t>(src_stride),
+                             static_cast<size_t>(row_bytes), static_cast<size_t>(rows), cudaMemcpyDeviceToDevice,
+                             stream_),
+           "cudaMemcpy2DAsync (dual-cache suffix)");
+    return true;
+  }
+
   void to_host(float* dst, const float* src, int64_t count) override {
     const size_t bytes = static_cast<size_t>(count) * 4;
     if (bytes > staging_bytes_) {

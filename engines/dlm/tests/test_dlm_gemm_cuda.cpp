@@ -219,6 +219,9 @@ TEST(DlmGemmCudaChain, DependentLaunchSeesThePreviousOutput) {
   ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dw1.p, w1.data(), w1.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dw2.p, w2.data(), w2.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  // The copies went on the legacy stream and may still be landing (pageable sources); the kernels
+  // below run on a non-blocking stream, which does not wait for it.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   SkinnyGemm a;

@@ -38,6 +38,7 @@ def test_one_mode_and_the_full_call(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "dlm-tests" in steps and "cuda-tests" not in steps and "bench" not in steps
     assert "dlm-py-tests" in steps  # the engine's C++ and Python tests run directly, not through ctest
+    assert "dlm-gemm-tests" in steps  # the weight-streaming GEMM's test binary whole, not only its sanitizer cases
     assert "sparsa_cli" in build[0].split()
     r, steps, build = dry(tmp_path)
     assert r.returncode == 0, r.stderr

@@ -52,8 +52,6 @@
 
 #if defined(SPARSA_WITH_CUDA)
 #include <cuda_runtime.h>
-
-#include "cuda_test_input.h"
 #endif
 
 using namespace sparsa;
@@ -269,11 +267,33 @@ struct Case {
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 
-using Input = sparsa_test::DeviceInput;
+// Host (f32 values of the dtype) and device copies of one [batch, heads, len, d] input, stored
+// with c.seq_pad elements of padding after every token row.
+struct Input {
+  HostArray host;       // the dtype, padded layout
+  Tensor host_view;     // strided view of host
+  DeviceArray device;   // same bytes on the device
+  Tensor device_view;
+};
 
 Input make_input(const Case& c, int64_t heads, int64_t len, uint32_t seed, float norm_sigma) {
-  return sparsa_test::device_input(sparsa_test::heavy_tailed({c.batch, heads, len, c.head_dim}, seed, norm_sigma),
-                                   c.dtype, c.seq_pad);
+  const int64_t d = c.head_dim, row = d + c.seq_pad;
+  HostArray values = sparsa_test::heavy_tailed({c.batch, heads, len, d}, seed, norm_sigma);
+  Input in;
+  in.host = HostArray(c.dtype, {c.batch, heads, len, row});
+  for (int64_t r = 0; r < c.batch * heads * len; ++r) {
+    for (int64_t t = 0; t < d; ++t)
+      detail::store_element(in.host.data(), c.dtype, r * row + t, values.ptr<float>()[r * d + t]);
+  }
+  in.host_view = in.host.view();
+  in.host_view.shape[3] = d;
+  auto dev = DeviceArray::allocate(c.dtype, {c.batch, heads, len, row}, {DeviceType::cuda, 0});
+  EXPECT_TRUE(dev.ok()) << dev.status().to_string();
+  in.device = std::move(dev).value();
+  EXPECT_EQ(cudaMemcpy(in.device.data(), in.host.data(), in.host.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  in.device_view = in.device.view();
+  in.device_view.shape[3] = d;
+  return in;
 }
 
 BaAttOptions options_of(const Case& c, Backend backend) {

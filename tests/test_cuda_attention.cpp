@@ -53,17 +53,6 @@ TEST(CudaAttention, ReportsAvailabilityHonestly) {
 
 namespace {
 
-// Rung 3's consumer schedules by name, and a guard that restores the process-wide one.
-constexpr std::pair<const char*, cuda::detail::FlashSchedule> kFlashSchedules[] = {
-    {"plain", cuda::detail::FlashSchedule::plain},
-    {"pingpong", cuda::detail::FlashSchedule::pingpong},
-    {"overlap", cuda::detail::FlashSchedule::overlap},
-    {"late", cuda::detail::FlashSchedule::late}};
-struct ScheduleGuard {
-  cuda::detail::FlashSchedule saved = cuda::detail::set_flash_schedule(cuda::detail::FlashSchedule::overlap);
-  ~ScheduleGuard() { cuda::detail::set_flash_schedule(saved); }
-};
-
 // Switches of the cases that came with later kernels (masks, variable-length batches, head_dim
 // 256): on, the cases run against cpu_ref under the same bound as every other case and
 // CudaAttentionMasks.RefusedByNameNeverIgnored stops expecting a refusal; off, the cases skip and
@@ -727,22 +716,6 @@ std::vector<Case> mask_cases() {
                    .empty_rows = true, .flash_schedule = schedule, .mask = mask, .seed = seed++});
     }
   }
-  // The masked kernels over batches and odd head counts (a CTA's head and sequence from the grid,
-  // the reversed tile order per head), rung 3 and rung 2, dense and over a plan.
-  for (const auto& [label_c, mask] : {std::pair<const char*, Mask>{"causal", Mask::causal()},
-                                      std::pair<const char*, Mask>{"block_causal16", Mask::block_causal(16)},
-                                      std::pair<const char*, Mask>{"window200", Mask::sliding_window(200)}}) {
-    const std::string label = label_c;
-    v.push_back({.name = label + "_batches_batch3_heads5_bf16_d128_dense_900x900", .batch = 3, .heads_q = 5,
-                 .heads_kv = 5, .len_q = 900, .len_kv = 900, .head_dim = 128, .mask = mask, .seed = seed++});
-    v.push_back({.name = label + "_batches_f16_d64_gqa3_batch2_dense_1100x1100", .dtype = DType::f16, .batch = 2,
-                 .heads_q = 3, .heads_kv = 1, .len_q = 1100, .len_kv = 1100, .mask = mask, .seed = seed++});
-    v.push_back({.name = label + "_batches_rung2_bf16_d128_heads3_dense_700x700", .heads_q = 3, .heads_kv = 3,
-                 .len_q = 700, .len_kv = 700, .head_dim = 128, .flash_tma = false, .mask = mask, .seed = seed++});
-    v.push_back({.name = label + "_batches_bf16_d64_sparse_b64_batch2_heads3_800x800", .batch = 2, .heads_q = 3,
-                 .heads_kv = 1, .len_q = 800, .len_kv = 800, .sparse = true, .keep = 0.6, .mask = mask,
-                 .seed = seed++});
-  }
   v.push_back({.name = "none_bf16_d256_dense_513x1000", .heads_q = 2, .heads_kv = 2, .len_q = 513, .len_kv = 1000,
                .head_dim = 256, .seed = seed++});
   v.push_back({.name = "none_f16_d256_dense_17x33", .dtype = DType::f16, .len_q = 17, .len_kv = 33,
@@ -832,8 +805,8 @@ TEST(CudaAttentionMasks, RefusedByNameNeverIgnored) {
 }
 
 // Variable-length batches against cpu_ref (skipped until kCudaVarlenKernel): 7 sequences with
-// empty ones (no queries, no keys, neither), a single token, len_q != len_kv, every mask, each of
-// rung 3's schedules; the bound is twice the naive half-precision error summed over the sequences.
+// empty ones (no queries, no keys, neither), a single token, len_q != len_kv, every mask; the
+// bound is twice the naive half-precision error summed over the sequences.
 TEST(CudaAttentionVarlen, MatchesReference) {
   if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
   if (!kCudaVarlenKernel) GTEST_SKIP() << "no cuda varlen kernel yet (kCudaVarlenKernel)";
@@ -907,20 +880,12 @@ TEST(CudaAttentionVarlen, MatchesReference) {
     AttentionOptions opt;
     opt.backend = Backend::cuda;
     opt.mask = mask;
-    ScheduleGuard schedule_guard;
-    for (const auto& [label, schedule] : kFlashSchedules) {  // rung 3 takes the process's schedule
-    SCOPED_TRACE(label);
-    cuda::detail::set_flash_schedule(schedule);
-    CUDA_OK(cudaMemset(ob.ptr, 0xff, ob.bytes));
-    CUDA_OK(cudaMemset(lb.ptr, 0xff, lb.bytes));
     const Status st = dense_varlen(Tensor::contiguous(qb.ptr, DType::bf16, {total_q, H, D}, gpu),
                                    Tensor::contiguous(kb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu),
                                    Tensor::contiguous(vb.ptr, DType::bf16, {total_kv, Hkv, D}, gpu), cqd, ckd,
                                    Tensor::contiguous(ob.ptr, DType::bf16, {total_q, H, D}, gpu),
                                    Tensor::contiguous(lb.ptr, DType::f32, {H, total_q}, gpu), opt);
     ASSERT_TRUE(st.ok()) << st.to_string();
-    EXPECT_TRUE(cuda::detail::last_flash_used_tma()) << "a dense varlen call reads K and V through TMA";
-    EXPECT_EQ(static_cast<int>(cuda::detail::last_flash_schedule()), static_cast<int>(schedule));
     std::vector<uint16_t> out_h(total_q * H * D);
     std::vector<float> lse_h(total_q * H);
     CUDA_OK(cudaMemcpy(out_h.data(), ob.ptr, ob.bytes, cudaMemcpyDeviceToHost));
@@ -941,7 +906,6 @@ TEST(CudaAttentionVarlen, MatchesReference) {
       norm += r * r;
     }
     EXPECT_LE(std::sqrt(err / norm), bound + 1e-7);
-    }
   }
 }
 
@@ -988,9 +952,7 @@ TEST(CudaAttentionVarlen, BadDeviceOffsetsNamed) {
 // rows in shared memory: with the next sequence's K and V all NaN and infinity, every other
 // sequence's rows stay bit for bit as they were, and a sequence's rows equal its own dense call
 // (where the box's rows past the end arrive as zeros). The same on rung 2 (cp.async, which
-// zero-fills them itself). Masks none and causal; rung 3 with each of its schedules (a partial tile's
-// zeroing is a barrier of both consumer warpgroups, which the turns of the ping-pong schedules
-// must not deadlock on).
+// zero-fills them itself). Masks none and causal.
 TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
   if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
   const Device gpu{DeviceType::cuda, 0};
@@ -1037,14 +999,10 @@ TEST(CudaAttentionVarlen, NonFiniteNeighboursStayOut) {
     EXPECT_EQ(cudaMemcpy(r.lse.data(), lb.ptr, lb.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
     return r;
   };
-  ScheduleGuard schedule_guard;
-  for (int run = 0; run < 5; ++run) {  // rung 3 with each schedule, then rung 2
-    const bool tma = run < 4;
-    const char* rung = tma ? kFlashSchedules[run].first : "rung 2";
-    if (tma) cuda::detail::set_flash_schedule(kFlashSchedules[run].second);
+  for (bool tma : {true, false}) {
     const bool saved = cuda::detail::set_flash_tma(tma);
     for (Mask mask : {Mask::none(), Mask::causal()}) {
-      SCOPED_TRACE(std::string(rung) + ", " + mask_string(mask));
+      SCOPED_TRACE(std::string(tma ? "rung 3, " : "rung 2, ") + mask_string(mask));
       const Result clean = run_varlen(k, v, mask, tma);
       const Result poisoned = run_varlen(k_bad, v_bad, mask, tma);
       for (int64_t s : {0, 2, 3}) {  // the same rows of two varlen calls: as the rows of sequence s

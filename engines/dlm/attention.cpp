@@ -318,7 +318,6 @@ class BaAttAttention final : public CanvasAttention {
       : CanvasAttention(policy, min_tokens, block_causal), ba_(ba), name_(std::move(name)) {
     ba_.backend = policy.backend;
     ba_.num_threads = policy.num_threads;
-    ba_.stream = policy.stream;  // the engine's (non-blocking) stream: the legacy one would not wait for it
   }
 
  protected:
@@ -349,8 +348,7 @@ class BaAttAttention final : public CanvasAttention {
   std::string name_;  // "ba_att" or "mean_pool"
 };
 
-// XAttention (antidiagonal block scores, sparsa/xattention.h); on the cpu or, with its device
-// selection, the cuda backend.
+// XAttention (antidiagonal block scores, sparsa/xattention.h): its selection runs on the cpu.
 class XAttentionAttention final : public CanvasAttention {
  public:
   XAttentionAttention(const AttentionPolicy& policy, const XAttentionOptions& x, int64_t min_tokens,
@@ -358,14 +356,17 @@ class XAttentionAttention final : public CanvasAttention {
       : CanvasAttention(policy, min_tokens, block_causal), x_(x) {
     x_.backend = policy.backend;
     x_.num_threads = policy.num_threads;
-    x_.stream = policy.stream;
   }
 
  protected:
   Status attend_sparse(const AttentionCall& call, const Tensor& lse) override {
     auto options = for_chunk(x_, call);
     if (!options.ok()) return options.status();
-    return xattention(call.q, call.k, call.v, call.out, lse, *options);
+    auto plan = xattention_plan(call.q, call.k, *options);
+    if (!plan.ok()) return plan.status();
+    AttentionOptions executor = options_;
+    executor.mask = options->mask;
+    return block_sparse(call.q, call.k, call.v, plan->view(), call.out, lse, executor);
   }
   Result<CallPlan> select(const AttentionCall& call) override {
     auto options = for_chunk(x_, call);
@@ -496,7 +497,7 @@ class DevicePrefixMethod final : public SplitAttention {
     const int64_t heads_q = c0.q.shape[1], n = c0.q.shape[2], hd = c0.q.shape[3];
     if (!batch_->state || batch_->state->config().block_size != n || batch_->state->config().heads_q != heads_q) {
       DeviceLosaConfig dc{batch_->size, heads_q, c0.k.shape[1], hd, n};
-      auto made = DevicePrefixAttention::create(dc, o_, device_, c0.q.dtype, options_.stream);
+      auto made = DevicePrefixAttention::create(dc, o_, device_, c0.q.dtype);
       if (!made.ok()) {
         return Status(made.status().code(),
                       std::string(prefix_method_name(o_.method)) + " on cuda: " + made.status().message());
@@ -620,6 +621,9 @@ Result<std::unique_ptr<LayerAttention>> make_method(const AttentionPolicy& polic
       SPARSA_RETURN_IF_ERROR(p.flag("force_diagonal", &x.force_diagonal));
       SPARSA_RETURN_IF_ERROR(
           p.done("density, top_kappa, tau, block, min_tokens, stride, force_first, force_diagonal, block_causal"));
+      if (policy.backend == Backend::cuda) {
+        return Status(StatusCode::unsupported, where + ": xattention's selection runs on the cpu backend only");
+      }
       x.budget = budget;
       x.block_q = x.block_kv = static_cast<int>(block);
       x.stride = static_cast<int>(stride);

@@ -107,12 +107,6 @@ class Ops {
   virtual void embed(float* x, const Weight& table, std::span<const int32_t> tokens) = 0;
   // dst[count] (host) = src[count] (backend f32): the sampler's read-back.
   virtual void to_host(float* dst, const float* src, int64_t count) = 0;
-  // `rows` rows of row_bytes each from src (src_stride bytes apart) to dst, packed: backend memory
-  // to backend memory, ordered with the other calls (the dual cache's suffix on a device). false:
-  // this backend does not have it (the cpu keeps its suffix in a host cache instead).
-  virtual bool copy_rows(void* dst, const void* src, int64_t rows, int64_t row_bytes, int64_t src_stride) {
-    return false;
-  }
   // The greedy sampler where the logits are (temperature 0): per row of logits [rows, vocab]
   // (backend f32) the argmax, lowest index on ties, skipping `banned` ids, and its softmax
   // probability without them, as sample() computes it on the host; only the picks come back.
@@ -304,13 +298,6 @@ Result<Weights> load_qwen_weights(const Config& c, WeightSource& source);  // sd
 struct Sequence {
   std::vector<PagedKVCache> cache;
   std::vector<PagedKVCache> suffix;  // per layer (cpu): the dual cache's suffix (ForwardOptions::keep_suffix_from)
-  // The same on the cuda backend, per layer: the suffix's K and V rows [len, kv_heads * head_dim]
-  // (the act dtype) in device memory, grown only.
-  struct DeviceSuffix {
-    DeviceArray k, v;
-    int64_t len = 0;
-  };
-  std::vector<DeviceSuffix> device_suffix;
   std::shared_ptr<std::vector<DevicePagedKVCache>> device_cache;
   int device_seq = 0;
   std::vector<std::unique_ptr<LayerAttention>> attention;
@@ -367,7 +354,7 @@ struct ForwardOptions {
   int64_t logits_begin = 0;  // logits of chunk rows [logits_begin, logits_begin + logits_count)
   int64_t logits_count = 0;
   int step = -1;
-  // The dual cache: >= 0: the K/V of the chunk's rows [keep_suffix_from, n) replace the
+  // The dual cache (cpu): >= 0: the K/V of the chunk's rows [keep_suffix_from, n) replace the
   // sequence's suffix; with_suffix: the chunk's queries also see that suffix (the positions after
   // the chunk, whose K/V an earlier forward kept), so a step can run a block alone.
   int64_t keep_suffix_from = -1;

@@ -205,11 +205,7 @@ Status load_weights(Model::Impl& impl, WeightSource& source) {
 
 Status Model::Impl::forward(State& s, Sequence& seq, std::span<const int32_t> tokens, const ForwardOptions& o,
                             float* logits) const {
-  // Eager: forwards that store K/V, and the dual cache's (its suffix arrays and length are not in the
-  // graph's key).
-  if (!graphs || o.store_kv > 0 || o.keep_suffix_from >= 0 || o.with_suffix) {
-    return forward_eager(s, seq, tokens, o, logits);
-  }
+  if (!graphs || o.store_kv > 0) return forward_eager(s, seq, tokens, o, logits);
   const int64_t n = static_cast<int64_t>(tokens.size());
   SPARSA_RETURN_IF_ERROR(check_chunk(config, seq, tokens, o));
   s.reserve(config, n, o.logits_count);  // before the key: it names the buffers
@@ -411,6 +407,9 @@ Result<GenerateResult> Model::generate(const std::vector<std::vector<int32_t>>& 
   if (o.loop == Loop::fast_dllm && (o.sub_block < 1 || c.block_size % o.sub_block != 0)) {
     return invalid_argument("sub_block: expected a divisor of the model's block size " + std::to_string(c.block_size) +
                             ", got " + std::to_string(o.sub_block));
+  }
+  if (o.loop == Loop::dual_cache && impl_->policy.backend != Backend::cpu) {
+    return invalid_argument("loop: dual_cache runs on the cpu backend (for now)");
   }
   if (o.loop == Loop::remask || o.loop == Loop::prefix_cache || o.loop == Loop::dual_cache) {
     if (o.block_len < 1 || o.gen_len % o.block_len != 0) {

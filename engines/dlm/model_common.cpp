@@ -132,7 +132,6 @@ Result<std::vector<Sequence>> make_sequences(const Config& c, const AttentionPol
         kc.dtype = DType::bf16;
         kc.pool_pages = pages;
         kc.device = policy.device;
-        kc.stream = policy.stream;  // zeroed on the engine's stream, before its first append
         auto layers = std::make_shared<std::vector<DevicePagedKVCache>>();
         for (int64_t l = 0; l < c.n_layers; ++l) {
           auto cache = DevicePagedKVCache::create(kc);
@@ -274,6 +273,7 @@ Status chunk_call(const Config& c, State& s, Sequence& seq, int layer, int64_t r
       call.prefix_v = seq.cache[layer].values();
     }
   } else if (seq.device_cache) {
+    if (o.with_suffix) return invalid_argument("forward: the dual cache's suffix runs on the cpu backend");
     const DevicePagedKVCache& cache = (*seq.device_cache)[layer];
     call.device_prefix = &cache;
     call.device_seq = seq.device_seq;
@@ -287,8 +287,7 @@ Status chunk_call(const Config& c, State& s, Sequence& seq, int layer, int64_t r
     }
   }
   if (o.with_suffix) {
-    const bool device = static_cast<bool>(seq.device_cache);
-    if (static_cast<int64_t>(device ? seq.device_suffix.size() : seq.suffix.size()) <= layer) {
+    if (static_cast<int64_t>(seq.suffix.size()) <= layer) {
       return invalid_argument("forward: with_suffix on a sequence whose suffix no forward kept (keep_suffix_from)");
     }
     if (!seq.attention[layer]->takes_suffix()) {
@@ -296,13 +295,7 @@ Status chunk_call(const Config& c, State& s, Sequence& seq, int layer, int64_t r
                               "'s method does not take the dual cache's suffix (a prefix method: use dense or a "
                               "canvas method)");
     }
-    if (device) {
-      const Sequence::DeviceSuffix& sx = seq.device_suffix[layer];
-      if (sx.len > 0) {
-        call.suffix_k = heads_view(sx.k.data(), act, dev, sx.len, c.n_kv_heads, hd, kvd, 0);
-        call.suffix_v = heads_view(sx.v.data(), act, dev, sx.len, c.n_kv_heads, hd, kvd, 0);
-      }
-    } else if (seq.suffix[layer].length() > 0) {
+    if (seq.suffix[layer].length() > 0) {
       call.suffix_k = seq.suffix[layer].keys();
       call.suffix_v = seq.suffix[layer].values();
     }
@@ -312,38 +305,16 @@ Status chunk_call(const Config& c, State& s, Sequence& seq, int layer, int64_t r
 }
 
 // After the layer's attention: the K/V of the chunk's rows [from, n) as the sequence's dual-cache
-// suffix of the layer, replacing what it held (cpu: a host cache; cuda: rows copied into the
-// layer's device arrays on the backend's stream).
+// suffix of the layer (cpu), replacing what it held.
 Status keep_suffix(const Config& c, State& s, Sequence& seq, int layer, int64_t row0, int64_t n,
                    const ForwardOptions& o) {
   if (o.keep_suffix_from < 0) return Status::Ok();
+  if (seq.device_cache || seq.cache.empty()) {
+    return invalid_argument("forward: the dual cache's suffix runs on the cpu backend, over a sequence with a cache");
+  }
   const DType act = s.ops->act_dtype();
   const Device dev = s.ops->device();
   const int64_t hd = c.head_dim, qd = c.n_heads * hd, kvd = c.n_kv_heads * hd, w = qkv_width(c);
-  if (seq.device_cache) {
-    if (seq.device_suffix.size() != static_cast<size_t>(c.n_layers)) seq.device_suffix.resize(c.n_layers);
-    Sequence::DeviceSuffix& sx = seq.device_suffix[layer];
-    const int64_t m = n - o.keep_suffix_from, elem = static_cast<int64_t>(dtype_size(act));
-    if (sx.k.empty() || sx.k.numel() < m * kvd) {  // grown only: the arrays of the longest suffix so far
-      for (DeviceArray* a : {&sx.k, &sx.v}) {
-        auto made = DeviceArray::allocate(act, {std::max<int64_t>(m * kvd, 1)}, dev, false, s.ops->stream());
-        if (!made.ok()) return made.status();
-        *a = std::move(made).value();
-      }
-    }
-    sx.len = m;
-    if (m == 0) return Status::Ok();
-    const char* rows = static_cast<const char*>(s.qkv) + (row0 + o.keep_suffix_from) * w * elem;
-    if (!s.ops->copy_rows(sx.k.data(), rows + qd * elem, m, kvd * elem, w * elem) ||
-        !s.ops->copy_rows(sx.v.data(), rows + (qd + kvd) * elem, m, kvd * elem, w * elem)) {
-      return Status(StatusCode::unsupported, std::string("forward: the ") + s.ops->name() +
-                                                 " backend keeps no dual-cache suffix on its device");
-    }
-    return Status::Ok();
-  }
-  if (seq.cache.empty()) {
-    return invalid_argument("forward: the dual cache's suffix needs a sequence with a cache");
-  }
   if (seq.suffix.size() != seq.cache.size()) seq.suffix.resize(seq.cache.size());
   auto fresh = PagedKVCache::create(seq.cache[layer].config());
   if (!fresh.ok()) return fresh.status();

@@ -40,10 +40,6 @@ struct DeviceKVCacheConfig {
   DType dtype = DType::bf16; // bf16 or f16
   int64_t pool_pages = 0;    // pages in the pool, shared by every sequence
   int device = 0;            // the cuda device
-  // The stream (a cudaStream_t) the pool is allocated, zeroed and freed on; null: the legacy
-  // default stream. Give the stream the cache is used on: a non-blocking stream does not wait for
-  // the legacy one, so a pool zeroed there could still be being zeroed when the first append runs.
-  void* stream = nullptr;
 };
 
 class DevicePagedKVCache {
@@ -118,10 +114,8 @@ class DevicePrefixAttention {
   DevicePrefixAttention() = default;
   // options: method dense, quest or losa; selector quest, group per_head, attend_union false;
   // options.attention.backend cuda (the others are the CPU's). The state lives on `device`.
-  // `stream` (a cudaStream_t; null: the legacy default stream): the state's arrays are allocated,
-  // zeroed and freed there; give the stream the steps run on (DeviceKVCacheConfig::stream says why).
   static Result<DevicePrefixAttention> create(const DeviceLosaConfig& config, const LosaOptions& options,
-                                              int device = 0, DType dtype = DType::bf16, void* stream = nullptr);
+                                              int device = 0, DType dtype = DType::bf16);
 
   // One denoising step of the current block for every batch entry i, whose prefix is sequence
   // seqs[i] of `cache`. q [batch, heads_q, Bb, d]; k_block, v_block [batch, heads_kv, Bb, d] (the

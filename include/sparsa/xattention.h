@@ -28,14 +28,8 @@ struct XAttentionOptions {
   bool force_first = true;
   bool force_diagonal = true;
   std::optional<float> scale;  // default 1/sqrt(head_dim)
-  // cpu_ref scores in f64 tile by tile, cpu as an f32 product threaded over query blocks; cuda
-  // (q and k on one cuda device) computes the masses and the budget on the device, into a plan whose
-  // arrays are device memory, with the same rule (the masses in f32).
-  Backend backend = Backend::cpu;
+  Backend backend = Backend::cpu;  // cpu_ref and cpu share one implementation (threads over heads)
   int num_threads = 0;
-  // cuda backend: the stream (a cudaStream_t) the selection and the executor are ordered on; null
-  // is the legacy default stream. One read-back at the end (the error word) synchronises it.
-  void* stream = nullptr;
   bool check_finite = false;
   // The executor's per-element mask (sparsa/attention.h). With mask_aware the selection sees it
   // too: each query group's softmax runs over the key groups it can see (a key group with a
@@ -46,15 +40,11 @@ struct XAttentionOptions {
   bool mask_aware = false;
 };
 
-// Block masses X (host memory on every backend): f32 [batch, heads_q, num_q_blocks, num_kv_blocks];
-// each row sums to the number of query groups in the block.
+// Block masses X: f32 [batch, heads_q, num_q_blocks, num_kv_blocks]; each row sums to the
+// number of query groups in the block.
 Result<HostArray> xattention_scores(const Tensor& q, const Tensor& k, const XAttentionOptions& options = {});
 Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const XAttentionOptions& options = {});
 Result<AttentionOutput> xattention(const Tensor& q, const Tensor& k, const Tensor& v,
                                    const XAttentionOptions& options = {});
-// Into caller-owned out [batch, heads_q, len_q, head_dim] (q's dtype) and lse f32 [batch, heads_q,
-// len_q], on the backend's device (for cuda: device memory of q's device).
-Status xattention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                  const XAttentionOptions& options = {});
 
 }  // namespace sparsa

@@ -713,49 +713,41 @@ def xattention_plan(q, k, *, block_q: int = 128, block_kv: int = 128, stride: in
                     top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
                     force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
                     backend: str = "auto", num_threads: int = 0, check_finite: bool = False, mask: Any = None,
-                    mask_aware: bool = False, stream=None) -> BlockIndex:
+                    mask_aware: bool = False) -> BlockIndex:
     """The XAttention plan (Xu et al., ICML 2025; docs/ba_att.md): antidiagonal scores
     over ``stride``-token groups (stride divides both block sizes), block masses, then
     per query block the forced blocks (key block 0 when ``force_first``; the diagonal
     block ``qb + num_kv_blocks - num_q_blocks`` when ``force_diagonal``) and blocks in
     descending mass until the budget is met (default tau=0.9). No permutations. ``mask_aware``:
     the selection sees ``mask`` (each query group's softmax over the key groups it sees; the
-    choice as :func:`ba_att_plan`'s). With ``backend="cuda"`` (or ``"auto"`` on CUDA arrays) the
-    masses and the budget run on q's device, on ``stream`` (torch's current stream by default),
-    and the plan's arrays stay there, as :func:`ba_att_plan`'s."""
+    choice as :func:`ba_att_plan`'s)."""
     kind, value = _budget(top_kappa, density, tau, ("mass", 0.9))
     return _plan(_core.xattention_plan(q, k, block_q, block_kv, stride, kind, value, force_first, force_diagonal,
-                                       scale, backend, num_threads, check_finite, _mask_text(mask), mask_aware,
-                                       _stream(q, stream)), like=q)
+                                       scale, backend, num_threads, check_finite, _mask_text(mask), mask_aware))
 
 
 def xattention_scores(q, k, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
                       scale: Optional[float] = None, backend: str = "auto", num_threads: int = 0,
-                      check_finite: bool = False, stream=None) -> np.ndarray:
+                      check_finite: bool = False) -> np.ndarray:
     """XAttention's block masses X, float32 ``[batch, heads_q, num_q_blocks,
-    num_kv_blocks]`` (a numpy array, also when computed on the device); each row sums to the
-    number of ``stride`` groups in the query block."""
-    return _core.xattention_scores(q, k, block_q, block_kv, stride, scale, backend, num_threads, check_finite,
-                                   _stream(q, stream))
+    num_kv_blocks]``; each row sums to the number of ``stride`` groups in the query block."""
+    return _core.xattention_scores(q, k, block_q, block_kv, stride, scale, backend, num_threads, check_finite)
 
 
 def xattention(q, k, v, *, block_q: int = 128, block_kv: int = 128, stride: int = 8,
                top_kappa: Optional[int] = None, density: Optional[float] = None, tau: Optional[float] = None,
                force_first: bool = True, force_diagonal: bool = True, scale: Optional[float] = None,
                mask: Any = None, mask_aware: bool = False, backend: str = "auto", num_threads: int = 0,
-               check_finite: bool = False, out=None, lse=None, stream=None):
+               check_finite: bool = False, out=None, lse=None):
     """XAttention attention: :func:`xattention_plan` then :func:`block_sparse` under ``mask``
-    (which the selection sees with ``mask_aware``) on the same backend (and the same ``stream``).
-    Returns ``(out, lse)``."""
+    (which the selection sees with ``mask_aware``). Returns ``(out, lse)``."""
     text = _mask_text(mask)
-    stream = _stream(q, stream)
     plan = xattention_plan(q, k, block_q=block_q, block_kv=block_kv, stride=stride, top_kappa=top_kappa,
                            density=density, tau=tau, force_first=force_first, force_diagonal=force_diagonal,
                            scale=scale, backend=backend, num_threads=num_threads, check_finite=check_finite,
-                           mask=text, mask_aware=mask_aware, stream=stream)
+                           mask=text, mask_aware=mask_aware)
     return block_sparse(q, k, v, plan, scale=scale, mask=text, backend=backend, check_finite=check_finite,
-                        num_threads=num_threads, check_index=False, out=out, lse=lse,  # the plan just made
-                        stream=stream)
+                        num_threads=num_threads, out=out, lse=lse)
 
 
 # ---- oracle metrics (evaluation only: a dense O(L^2 d) pass per head) -------------------
@@ -1031,14 +1023,11 @@ class DevicePagedKVCache:
     K and V in bfloat16 or float16, pages of ``page_size`` tokens with their key min/max (QUEST's
     metadata) computed on the device when tokens are appended. Each sequence owns a run of
     pages reserved by :meth:`add_sequence`; a full pool or sequence raises ``MemoryError``.
-    Arrays are torch (or cupy) CUDA arrays, read in place. ``stream`` (a ``torch.cuda.Stream``, a
-    cupy stream or an integer handle; default the legacy default stream): where the pool is
-    allocated and zeroed; give the stream the appends run on when it is a non-blocking one."""
+    Arrays are torch (or cupy) CUDA arrays, read in place."""
 
     def __init__(self, heads_kv: int, head_dim: int, pool_pages: int, *, page_size: int = 16,
-                 dtype: str = "bfloat16", device: int = 0, stream=None):
-        self._core = _core.DevicePagedKVCache.create(heads_kv, head_dim, pool_pages, page_size, dtype, device,
-                                                    _stream(None, stream))
+                 dtype: str = "bfloat16", device: int = 0):
+        self._core = _core.DevicePagedKVCache.create(heads_kv, head_dim, pool_pages, page_size, dtype, device)
 
     def add_sequence(self, max_tokens: int) -> int:
         """A new empty sequence with room for ``max_tokens`` tokens; its id."""
@@ -1073,16 +1062,15 @@ class DeviceLosaState:
     pages, per-head selection), with O_p, L_p and Q_ref kept on the device and no host
     synchronisation inside :meth:`step`. Arrays are torch (or cupy) CUDA arrays: q
     ``[batch, heads_q, block_size, head_dim]``, k/v blocks ``[batch, heads_kv, block_size,
-    head_dim]`` in ``dtype``. ``stream``: where the state is allocated and zeroed, as
-    :class:`DevicePagedKVCache`'s."""
+    head_dim]`` in ``dtype``."""
 
     def __init__(self, batch: int, heads_q: int, heads_kv: int, head_dim: int, *, block_size: int = 16,
                  method: str = "losa", budget: int = 256, force_first: bool = False, force_last: bool = True,
                  active_k: int = 4, mse_threshold: Optional[float] = None, scale: Optional[float] = None,
-                 dtype: str = "bfloat16", device: int = 0, stream=None):
+                 dtype: str = "bfloat16", device: int = 0):
         self._core = _core.DevicePrefixAttention.create(batch, heads_q, heads_kv, head_dim, block_size, method, budget,
                                                        force_first, force_last, active_k, mse_threshold, scale, dtype,
-                                                       device, _stream(None, stream))
+                                                       device)
 
     def step(self, cache: DevicePagedKVCache, seqs, q, k_block, v_block, *, out=None, lse=None, stream=None):
         """One denoising step of every entry's block (entry i's prefix is sequence ``seqs[i]``):

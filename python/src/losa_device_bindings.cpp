@@ -93,9 +93,8 @@ void bind_losa_device(nb::module_& m) {
       .def_static(
           "create",
           [](int64_t heads_kv, int64_t head_dim, int64_t pool_pages, int page_size, const std::string& dtype,
-             int device, uintptr_t stream) {
+             int device) {
             DeviceKVCacheConfig c;
-            c.stream = reinterpret_cast<void*>(stream);
             c.heads_kv = heads_kv;
             c.head_dim = head_dim;
             c.pool_pages = pool_pages;
@@ -104,8 +103,7 @@ void bind_losa_device(nb::module_& m) {
             c.device = device;
             return take_value(DevicePagedKVCache::create(c));
           },
-          "heads_kv"_a, "head_dim"_a, "pool_pages"_a, "page_size"_a = 16, "dtype"_a = "bfloat16", "device"_a = 0,
-          "stream"_a = 0)
+          "heads_kv"_a, "head_dim"_a, "pool_pages"_a, "page_size"_a = 16, "dtype"_a = "bfloat16", "device"_a = 0)
       .def("add_sequence", [](DevicePagedKVCache& c, int64_t max_tokens) { return take_value(c.add_sequence(max_tokens)); },
            "max_tokens"_a)
       .def("remove_sequence", [](DevicePagedKVCache& c, int seq) { check_status(c.remove_sequence(seq)); }, "seq"_a)
@@ -127,8 +125,7 @@ void bind_losa_device(nb::module_& m) {
           "create",
           [](int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t block_size,
              const std::string& method, int64_t budget, bool force_first, bool force_last, int active_k,
-             std::optional<double> mse_threshold, std::optional<float> scale, const std::string& dtype, int device,
-             uintptr_t stream) {
+             std::optional<double> mse_threshold, std::optional<float> scale, const std::string& dtype, int device) {
             DeviceLosaConfig c{batch, heads_q, heads_kv, head_dim, block_size};
             LosaOptions o;
             o.method = take_value(parse_prefix_method(method));
@@ -139,12 +136,10 @@ void bind_losa_device(nb::module_& m) {
             o.mse_threshold = mse_threshold;
             o.attention.scale = scale;
             o.attention.backend = Backend::cuda;
-            return take_value(
-                DevicePrefixAttention::create(c, o, device, dtype_named(dtype), reinterpret_cast<void*>(stream)));
+            return take_value(DevicePrefixAttention::create(c, o, device, dtype_named(dtype)));
           },
           "batch"_a, "heads_q"_a, "heads_kv"_a, "head_dim"_a, "block_size"_a, "method"_a, "budget"_a, "force_first"_a,
-          "force_last"_a, "active_k"_a, "mse_threshold"_a.none(), "scale"_a.none(), "dtype"_a, "device"_a,
-          "stream"_a = 0)
+          "force_last"_a, "active_k"_a, "mse_threshold"_a.none(), "scale"_a.none(), "dtype"_a, "device"_a)
       .def(
           "step",
           [](DevicePrefixAttention& s, const DevicePagedKVCache& cache, const std::vector<int>& seqs, nb::ndarray<> q,

@@ -440,7 +440,7 @@ NB_MODULE(_sparsa, m) {
       "q"_a, "k"_a, "block"_a = 16, "topk"_a = 8, "levels"_a = -1, "enrich"_a = true, "dedupe"_a = false,
       "max_rows"_a = 8, "stream"_a = 0, "The LLSA selection plan: levels, keys per query, the fine BlockIndex, a printout.");
 
-  // ---- block selectors: BA-Att and XAttention (CPU or cuda) ----
+  // ---- block selectors: BA-Att (CPU or cuda) and XAttention (CPU) ----
   auto ba_att_options = [](int block_q, int block_kv, bool sort_q, bool sort_k, int64_t sort_window,
                            bool compensate, const std::string& compensation, float beta,
                            const std::string& budget_kind, double budget_value, std::optional<float> scale,
@@ -515,9 +515,8 @@ NB_MODULE(_sparsa, m) {
   auto xattention_options = [](int block_q, int block_kv, int stride, const std::string& budget_kind,
                                double budget_value, bool force_first, bool force_diagonal,
                                std::optional<float> scale, const std::string& backend, int num_threads,
-                               bool check_finite, const Tensor& q, uintptr_t stream) {
+                               bool check_finite, const Tensor& q) {
     XAttentionOptions o;
-    o.stream = reinterpret_cast<void*>(stream);
     o.block_q = block_q;
     o.block_kv = block_kv;
     o.stride = stride;
@@ -535,11 +534,10 @@ NB_MODULE(_sparsa, m) {
       [xattention_options](InArray q, InArray k, int block_q, int block_kv, int stride, const std::string& budget_kind,
                            double budget_value, bool force_first, bool force_diagonal, std::optional<float> scale,
                            const std::string& backend, int num_threads, bool check_finite, const std::string& mask,
-                           bool mask_aware, uintptr_t stream) {
+                           bool mask_aware) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
         XAttentionOptions o = xattention_options(block_q, block_kv, stride, budget_kind, budget_value, force_first,
-                                                 force_diagonal, scale, backend, num_threads, check_finite, tq,
-                                                 stream);
+                                                 force_diagonal, scale, backend, num_threads, check_finite, tq);
         o.mask = take(parse_mask(mask));
         o.mask_aware = mask_aware;
         Result<BlockIndexBuffer> plan = [&] {
@@ -550,16 +548,15 @@ NB_MODULE(_sparsa, m) {
       },
       "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "stride"_a, "budget_kind"_a, "budget_value"_a, "force_first"_a,
       "force_diagonal"_a, "scale"_a.none(), "backend"_a, "num_threads"_a, "check_finite"_a, "mask"_a = "none",
-      "mask_aware"_a = false, "stream"_a = 0,
-      "The XAttention plan as a dict of numpy arrays (DLPack device arrays with backend cuda; no permutations); "
-      "with mask_aware the selection sees mask.");
+      "mask_aware"_a = false, "The XAttention plan as a dict of numpy arrays (no permutations); with mask_aware the "
+      "selection sees mask.");
   m.def(
       "xattention_scores",
       [xattention_options](InArray q, InArray k, int block_q, int block_kv, int stride, std::optional<float> scale,
-                           const std::string& backend, int num_threads, bool check_finite, uintptr_t stream) {
+                           const std::string& backend, int num_threads, bool check_finite) {
         const Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k");
         const XAttentionOptions o = xattention_options(block_q, block_kv, stride, "mass", 0.9, true, true, scale,
-                                                       backend, num_threads, check_finite, tq, stream);
+                                                       backend, num_threads, check_finite, tq);
         Result<HostArray> r = [&] {
           nb::gil_scoped_release release;
           return xattention_scores(tq, tk, o);
@@ -567,8 +564,7 @@ NB_MODULE(_sparsa, m) {
         return to_numpy(take(std::move(r)));
       },
       "q"_a, "k"_a, "block_q"_a, "block_kv"_a, "stride"_a, "scale"_a.none(), "backend"_a, "num_threads"_a,
-      "check_finite"_a, "stream"_a = 0,
-      "XAttention block masses X f32 [batch, heads_q, num_q_blocks, num_kv_blocks] (host memory).");
+      "check_finite"_a, "XAttention block masses X f32 [batch, heads_q, num_q_blocks, num_kv_blocks].");
 
   // ---- oracle metrics (evaluation: dense O(L^2 d) per head) ----
   m.def(

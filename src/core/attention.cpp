@@ -514,23 +514,4 @@ Result<AttentionOutput> merge(const Tensor& o1, const Tensor& lse1, const Tensor
   return o;
 }
 
-namespace detail {
-Result<AttentionOutput> device_outputs_to_host(const Tensor& q, void* stream,
-                                               const std::function<Status(const Tensor& out, const Tensor& lse)>& fill) {
-  auto out = DeviceArray::allocate(q.dtype, q.shape_vector(), q.device, false, stream);
-  if (!out.ok()) return out.status();
-  auto lse = DeviceArray::allocate(DType::f32, {q.shape[0], q.shape[1], q.shape[2]}, q.device, false, stream);
-  if (!lse.ok()) return lse.status();
-  SPARSA_RETURN_IF_ERROR(fill(out->view(), lse->view()));
-  AttentionOutput result;
-  auto host_out = out->to_host();
-  if (!host_out.ok()) return host_out.status();
-  auto host_lse = lse->to_host();
-  if (!host_lse.ok()) return host_lse.status();
-  result.out = std::move(host_out).value();
-  result.lse = std::move(host_lse).value();
-  return result;
-}
-}  // namespace detail
-
 }  // namespace sparsa

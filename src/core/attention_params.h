@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <vector>
 
 #include "sparsa/attention.h"
@@ -162,10 +161,5 @@ inline void load_row(const void* base, DType dtype, int64_t offset, int64_t n, f
   }
   for (int64_t i = 0; i < n; ++i) dst[i] = load_element(base, dtype, offset + i);
 }
-
-// The selectors' Result forms on the cuda backend (ba_att, xattention): out and lse allocated in
-// device memory of q's device on `stream`, filled by `fill`, then copied back to host arrays.
-Result<AttentionOutput> device_outputs_to_host(const Tensor& q, void* stream,
-                                               const std::function<Status(const Tensor& out, const Tensor& lse)>& fill);
 
 }  // namespace sparsa::detail

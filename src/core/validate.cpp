@@ -55,21 +55,6 @@ Status check_attention_tensor(const char* name, const Tensor& t, Device device) 
   return {};
 }
 
-Status check_selector_inputs(const Tensor& q, const Tensor& k, Backend backend, bool check_finite) {
-  if (backend != Backend::cuda) return check_query_key(q, k, Device{});
-  if (q.data != nullptr && q.device.type != DeviceType::cuda) {
-    return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
-  }
-  SPARSA_RETURN_IF_ERROR(check_query_key(q, k, q.device));
-  SPARSA_RETURN_IF_ERROR(backend_status(Backend::cuda));
-  if (check_finite) {
-    return {StatusCode::unsupported,
-            "check_finite: not available on the cuda backend (the cuda selectors refuse NaN/Inf scores by "
-            "themselves; scan v on the host first)"};
-  }
-  return {};
-}
-
 Status check_query_key(const Tensor& q, const Tensor& k, Device device) {
   SPARSA_RETURN_IF_ERROR(check_attention_tensor("q", q, device));
   SPARSA_RETURN_IF_ERROR(check_attention_tensor("k", k, device));

@@ -4,7 +4,6 @@
 
 #include <string>
 
-#include "sparsa/attention.h"
 #include "sparsa/tensor.h"
 
 namespace sparsa::detail {
@@ -20,11 +19,6 @@ Status check_shape(const char* name, const Tensor& t, std::initializer_list<int6
 Status check_dtype(const char* name, const Tensor& t, DType dtype);
 // NaN/Inf scan (CPU tensors); the message names the first bad element.
 Status check_finite(const char* name, const Tensor& t);
-// q and k where a block selector's backend needs them (BA-Att, XAttention): host memory for cpu /
-// cpu_ref, one cuda device for cuda (placement is checked before availability, so the message names
-// the argument everywhere). check_finite is refused on cuda: the cuda selectors refuse non-finite
-// scores by themselves, and scanning device memory would cost a copy.
-Status check_selector_inputs(const Tensor& q, const Tensor& k, Backend backend, bool check_finite);
 
 // An output whose elements overlap each other (a stride of 0 over a dimension longer
 // than 1, or strides that interleave) would have several results written to one

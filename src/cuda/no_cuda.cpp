@@ -49,11 +49,3 @@ Status forward(const Call&, const LlsaPlan*) { return not_compiled(); }
 Status backward(const Call&, const LlsaPlan*) { return not_compiled(); }
 int last_forward_rung() { return 0; }
 }  // namespace sparsa::llsa_cuda
-
-#include "methods/xattention/xattention_impl.h"
-
-namespace sparsa::xattention_cuda {
-static Status not_compiled() { return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"}; }
-Status scores(const Request&, HostArray*) { return not_compiled(); }
-Status plan(const Request&, BlockIndexBuffer*) { return not_compiled(); }
-}  // namespace sparsa::xattention_cuda

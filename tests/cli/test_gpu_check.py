@@ -181,17 +181,3 @@ def test_a_carried_binary_that_does_not_run_here_is_built_instead(tmp_path, runs
     assert (tmp_path / "build-gpu" / "out" / "build.log").read_text() == "the call's log\n"
     if not runs_here:
         assert "does not run here" in r.stderr and "building instead" in r.stderr
-
-
-def test_skipped_steps_are_left_out_and_said(tmp_path):
-    env = dict(os.environ, GPU_CHECK_DRY="1", OUT=str(tmp_path / "out"), GPU_CHECK_SKIP="ba-att-bench masks-bench")
-    r = subprocess.run(["bash", SCRIPT, "--masks", "--ba-att", "--eval"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    steps = re.findall(r"^== ([\w-]+): ", r.stdout, re.M)
-    assert "ba-att-bench" not in steps and "masks-bench" not in steps
-    assert re.search(r"^ba-att-bench +skipped \(GPU_CHECK_SKIP\)$", r.stdout, re.M)
-    # XAttention's device tests and sanitizers run once for --ba-att and --eval together.
-    for s in ("xattention-tests", "xattention-memcheck", "xattention-racecheck", "eval", "ba-att-tests"):
-        assert steps.count(s) == 1, (s, steps)
-    assert r.stdout.rstrip().endswith("gpu-check: all green")

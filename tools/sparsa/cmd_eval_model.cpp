@@ -535,8 +535,8 @@ std::vector<Subcommand> add_eval_model_commands(CLI::App& app) {
   ev->add_option("--gen-len", e->gen_len, "tokens to generate (default: the task's budget)");
   ev->add_option("--tokenizer", e->tokenizer, "tokenizer.json (default: the model directory's)");
   ev->add_option("--backend", e->backend,
-                 "cpu, cuda or cuda:N (bf16 on the GPU: dense, ba_att, mean_pool, xattention, and quest and losa on "
-                 "denoising steps)")
+                 "cpu, cuda or cuda:N (bf16 on the GPU: dense, ba_att, mean_pool, and quest and losa on denoising "
+                 "steps; xattention runs on the cpu backend only)")
       ->capture_default_str();
   ev->add_option("--threads", e->threads, "attention threads (0 = all cores)");
   ev->add_option_function<std::string>(

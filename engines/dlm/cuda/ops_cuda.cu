@@ -288,7 +288,8 @@ class CudaOps final : public Ops {
         converted.assign(c->ptr<uint16_t>(), c->ptr<uint16_t>() + n);
         src = converted.data();
       }
-      upload(dst + row * w.cols, src, static_cast<size_t>(n) * 2, "weights");
+      record(cudaMemcpy(dst + row * w.cols, src, static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice),
+             "cudaMemcpy (weights)");
       row += t.shape[0];
     }
     w.data = dst;
@@ -305,7 +306,7 @@ class CudaOps final : public Ops {
     w.cols = 1;
     void* dst = device_alloc(w.rows * 4);
     if (dst == nullptr) return pending();
-    upload(dst, f->data(), static_cast<size_t>(w.rows) * 4, "norm weights");
+    record(cudaMemcpy(dst, f->data(), static_cast<size_t>(w.rows) * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
     w.data = dst;
     SPARSA_RETURN_IF_ERROR(check());
     return w;
@@ -468,14 +469,6 @@ class CudaOps final : public Ops {
     record(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph.get()), stream_), "cudaGraphLaunch");
   }
 
-  bool copy_rows(void* dst, const void* src, int64_t rows, int64_t row_bytes, int64_t src_stride) override {
-    record(cudaMemcpy2DAsync(dst, static_cast<size_t>(row_bytes), src, static_cast<size_t>(src_stride),
-                             static_cast<size_t>(row_bytes), static_cast<size_t>(rows), cudaMemcpyDeviceToDevice,
-                             stream_),
-           "cudaMemcpy2DAsync (dual-cache suffix)");
-    return true;
-  }
-
   void to_host(float* dst, const float* src, int64_t count) override {
     const size_t bytes = static_cast<size_t>(count) * 4;
     if (bytes > staging_bytes_) {
@@ -581,21 +574,11 @@ class CudaOps final : public Ops {
     rope_table_ = nullptr;
     rope_positions_ = 0;
     if (!record(cudaMalloc(&rope_table_, table.size() * 4), "cudaMalloc (rope table)")) return false;
-    if (!upload(rope_table_, table.data(), table.size() * 4, "rope table")) return false;
+    if (!record(cudaMemcpy(rope_table_, table.data(), table.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy")) {
+      return false;
+    }
     rope_positions_ = cap;
     return true;
-  }
-
-  // Host data into device memory, ordered on the engine's stream and finished on return (the
-  // source may go at once). Not cudaMemcpy: from pageable memory it returns once the data is
-  // staged, with the last DMA possibly in flight, and on the legacy stream, which the engine's
-  // non-blocking stream does not wait for, so a kernel right after could read the old contents
-  // of memory a freed model left there (the first request of a model loaded after another read
-  // part of a stale RoPE table: bench/RESULTS.md).
-  bool upload(void* dst, const void* src, size_t bytes, const char* what) {
-    const std::string name = std::string("cudaMemcpyAsync (") + what + ")";
-    return record(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), name.c_str()) &&
-           record(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }
 
   void* device_alloc(int64_t bytes) {

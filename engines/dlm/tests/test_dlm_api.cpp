@@ -481,7 +481,6 @@ TEST(DlmApi, CheckAttentionGivesLoadsErrorsWithoutWeights) {
   for (const auto& o : {options("cpu", "dense"), options("cpu", "ba_att:density=0.3,sort=0"),
                         options("cpu", "xattention:density=0.5"), options("cpu", "losa:budget=64,k=2"),
                         options("cpu", "quest", {"0=dense"}), options("cuda", "ba_att:density=0.1"),
-                        options("cuda", "xattention:density=0.5,block_causal=true"),
                         options("cuda:1", "losa:budget=128,k=4")}) {
     EXPECT_TRUE(dlm::check_attention(config, o).ok()) << o.backend << " " << o.attention;
   }
@@ -495,6 +494,9 @@ TEST(DlmApi, CheckAttentionGivesLoadsErrorsWithoutWeights) {
     EXPECT_FALSE(got.ok()) << o.attention;
     EXPECT_EQ(got.message(), want.message()) << o.attention;
   }
+  const Status x = dlm::check_attention(config, options("cuda", "xattention:density=0.5"));
+  EXPECT_FALSE(x.ok());
+  EXPECT_NE(x.message().find("cpu backend only"), std::string::npos) << x.message();
   const Status b = dlm::check_attention(config, options("tpu", "dense"));
   EXPECT_FALSE(b.ok());
   EXPECT_NE(b.message().find("backend"), std::string::npos) << b.message();

@@ -127,7 +127,7 @@ Status launch_rung3(const FlashParams& p, int device, cudaStream_t stream, bool*
                encode_kv_map(&maps.k, p.k, p.k_stride, p, D, BN, bf16, varlen_rows) &&
                encode_kv_map(&maps.v, p.v, p.v_stride, p, D, BN, bf16, varlen_rows);
   if (g_last_tma) {
-    g_last_schedule = g_schedule.load();
+    g_last_schedule = varlen_rows < 0 ? g_schedule.load() : detail::FlashSchedule::plain;
     switch (g_last_schedule) {
       case detail::FlashSchedule::plain:
         SPARSA_RETURN_IF_ERROR((launch_tma<T, D, BN, kDStages, MASKED, detail::kSchedulePlain>(grid, p, maps, device,

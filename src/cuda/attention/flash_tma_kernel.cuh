@@ -95,10 +95,9 @@ __device__ __forceinline__ void zero_v_rows(uint32_t v_smem, int stage, int vali
 // and the ladder rungs measured beside it (detail::set_flash_schedule).
 constexpr int kSchedulePlain = 0, kSchedulePingpong = 1, kScheduleOverlap = 2, kScheduleLate = 3;
 
-// MASKED: as flash_wgmma_kernel's (the per-element mask compiled in). A variable-length batch's
-// partial tiles take a barrier of both consumer warpgroups (zero_v_rows) before the tile's turn,
-// in every schedule: no product is in flight there, and each warpgroup reaches it after its turn
-// of the tile before (so the turns cannot deadlock on it).
+// MASKED: as flash_wgmma_kernel's (the per-element mask compiled in). SCHEDULE other than plain:
+// not with a variable-length batch (whose partial tiles take a barrier of both warpgroups,
+// zero_v_rows).
 template <class T, int D, int BN, int STAGES, bool MASKED = false, int SCHEDULE = kSchedulePlain>
 __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, const __grid_constant__ TmaMaps maps) {
   static_assert(D % 64 == 0 && BN % 16 == 0 && BN <= 256, "128-byte swizzled tiles of 64 columns, k16 steps");
@@ -199,7 +198,6 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
       float alpha[2];  // the last tile's rescale of O, deferred to its P V
       int t = 0, last_stage = 0;
       mbar_wait(full(0), 0);
-      if (varlen && end - begin < BN) zero_v_rows<D, BN, STAGES>(v_smem, 0, end - begin);
       turn_begin();
       consumer.issue_scores_now(0);
       turn_end();
@@ -209,7 +207,6 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
       while (tiles.next_nonempty(p, begin, end)) {
         const int stage = ++t % STAGES, use = t / STAGES;
         mbar_wait(full(stage), use & 1);
-        if (varlen && end - begin < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, end - begin);
         turn_begin();
         consumer.rescale_o(alpha);  // O is not in flight (P V_{t-2} was waited for)
         consumer.issue_scores_now(stage);  // S_t first: the wait below is for it alone
@@ -234,7 +231,7 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
       const int stage = t % STAGES, use = t / STAGES;
       const int valid = end - begin;
       mbar_wait(full(stage), use & 1);
-      if (varlen && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
+      if (!kTurns && varlen && valid < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, valid);
       if constexpr (SCHEDULE == kSchedulePlain) {
         consumer.scores(stage, valid);  // S_t; P V_{t-1} complete
       } else {

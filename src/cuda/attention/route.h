@@ -23,12 +23,12 @@ bool set_flash_tma(bool on);
 // The TMA kernel's consumer schedules (flash_tma_kernel.cuh): plain, pingpong (the two consumer
 // warpgroups take turns at the tensor cores), overlap (the default: pingpong, and each
 // warpgroup's softmax overlapping its own previous P V), late (pingpong's order of the products
-// without the turns). Measured side by side in bench/RESULTS.md; variable-length batches take the
-// schedule too.
+// without the turns). Measured side by side in bench/RESULTS.md; variable-length calls run plain.
 enum class FlashSchedule { plain, pingpong, overlap, late };
 // The schedule of the last flash launch on this thread (plain when it was not the TMA kernel).
 FlashSchedule last_flash_schedule();
-// The TMA kernel's schedule from now on, process-wide; returns the previous one.
+// The TMA kernel's schedule from now on, process-wide; returns the previous one. Variable-length
+// batches always take plain.
 FlashSchedule set_flash_schedule(FlashSchedule schedule);
 // The key tile of rung 3's dense calls at head_dim 128 without a mask or a variable-length batch:
 // 128 (the default) or 176 (FlashAttention-3's choice for that shape; measured side by side in

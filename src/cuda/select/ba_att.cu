@@ -104,6 +104,12 @@ struct Carver {
 using sparsa::cuda::detail::check_pointer;
 using sparsa::cuda::detail::DeviceGuard;
 
+template <class T>
+Input<T> input_of(const Tensor& x) {
+  return {static_cast<const T*>(x.data), x.strides[0], x.strides[1], x.strides[2], static_cast<int>(x.shape[1]),
+          static_cast<int>(x.shape[2]), static_cast<int>(x.shape[3])};
+}
+
 int feature_kind(const BaAttParams& p) {
   if (!p.compensate) return kPlain;
   switch (p.compensation) {

@@ -9,7 +9,6 @@
 
 #include "cuda/common/mma.cuh"
 #include "cuda/select/ba_att_keys.h"
-#include "sparsa/tensor.h"
 
 namespace sparsa::cuda::ba_att {
 
@@ -35,13 +34,6 @@ struct Input {
     return data + (bh / heads) * stride_b + (bh % heads) * stride_h + token * stride_s;
   }
 };
-
-// The kernels' view of a validated tensor (host side; BA-Att's and XAttention's launchers).
-template <class T>
-inline Input<T> input_of(const Tensor& x) {
-  return {static_cast<const T*>(x.data), x.strides[0], x.strides[1], x.strides[2], static_cast<int>(x.shape[1]),
-          static_cast<int>(x.shape[2]), static_cast<int>(x.shape[3])};
-}
 
 // 16-byte loads of a row: kVector<T> elements each. The launcher takes the vector path when d is a
 // multiple of it and every row starts 16-byte aligned (vector_rows() in ba_att.cu).

@@ -13,8 +13,6 @@
 namespace sparsa::cuda::ba_att {
 
 // ---- 5. the budget per query-block row ---------------------------------------------------------
-// (Also included by XAttention's selector, xattention.cu: the non-template kernels are static, one
-// copy per translation unit.)
 
 constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
@@ -39,12 +37,6 @@ struct SelectArgs {
   int nq = 0, block_q = 0, block_kv = 0, len_q = 0, len_kv = 0;
   bool top_kappa = false;  // a fixed budget: kappa = budget (top_kappa) or ceil(budget x visible) (density)
   double budget = 0.0;
-  // XAttention's selection (select_kernel's mask-aware instantiation, also without a mask): key
-  // block 0 and the end-aligned diagonal block qb + nk - nq forced where visible, as the `forced`
-  // argument of select_visible_blocks; and the row's values are masses, weighted as they are
-  // (linear_mass) instead of as logits (exp(l - max)).
-  bool force_first = false, force_diagonal = false;
-  bool linear_mass = false;
 };
 
 __host__ __device__ inline size_t select_bytes_per_row(int sort_size, int nk) {
@@ -82,26 +74,21 @@ __device__ inline void bitonic_sort(uint64_t* keys, int n) {
   }
 }
 
-// Mass budget on the first nk sorted keys: weights w_p = exp(l_p - max_logit) in f64 (or with
-// `linear`, w_p = l_p: the values are masses already), and keep = the smallest k whose prefix sum
-// reaches tau * (sum of all), as select_blocks. l_p is the key's own logit, or with `logits` (the
-// row's; forced keys of a mask-aware row carry no logit) logits[index_of(key)].
+// Mass budget on the first nk sorted keys: weights w_p = exp(l_p - max_logit) in f64, and keep =
+// the smallest k whose prefix sum reaches tau * (sum of all), as select_blocks. l_p is the key's
+// own logit, or with `logits` (the row's; forced keys of a mask-aware row carry no logit)
+// logits[index_of(key)].
 __device__ inline double sorted_logit(const uint64_t* keys, int p, const float* logits) {
   return logits != nullptr ? static_cast<double>(logits[index_of(keys[p])]) : static_cast<double>(logit_of(keys[p]));
 }
-__device__ inline double sorted_weight(const uint64_t* keys, int p, const float* logits, double max_logit,
-                                       bool linear) {
-  const double l = sorted_logit(keys, p, logits);
-  return linear ? l : exp(l - max_logit);
-}
 __device__ inline int mass_keep(const uint64_t* keys, int nk, double tau, double max_logit,
-                                const float* logits = nullptr, bool linear = false) {
+                                const float* logits = nullptr) {
   __shared__ double warp_sums[kSelectWarps];
   __shared__ int first_reaching;
   const int per_thread = (nk + blockDim.x - 1) / blockDim.x;
   const int p_begin = min(nk, static_cast<int>(threadIdx.x) * per_thread), p_end = min(nk, p_begin + per_thread);
   double local = 0.0;
-  for (int p = p_begin; p < p_end; ++p) local += sorted_weight(keys, p, logits, max_logit, linear);
+  for (int p = p_begin; p < p_end; ++p) local += exp(sorted_logit(keys, p, logits) - max_logit);
   // Inclusive scan of the per-thread sums over the CTA (threads in order = positions in order).
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const double inclusive = warp_inclusive_scan(local);
@@ -118,7 +105,7 @@ __device__ inline int mass_keep(const uint64_t* keys, int nk, double tau, double
   if (lane == 0) exclusive = 0.0;
   double running = before + exclusive;  // the sum of every position before this thread's range
   for (int p = p_begin; p < p_end; ++p) {
-    running += sorted_weight(keys, p, logits, max_logit, linear);
+    running += exp(sorted_logit(keys, p, logits) - max_logit);
     if (running >= required) {
       atomicMin(&first_reaching, p);
       break;
@@ -148,7 +135,7 @@ __device__ inline int mask_aware_keep(const SelectArgs& a, const uint64_t* keys,
   if (visible == 0) return 0;
   int keep;
   if (a.mass) {
-    keep = mass_keep(keys, visible, a.tau, static_cast<double>(max_logit), logits, a.linear_mass);
+    keep = mass_keep(keys, visible, a.tau, static_cast<double>(max_logit), logits);
   } else {
     const double kappa = a.top_kappa ? a.budget : ceil(a.budget * static_cast<double>(visible) - 1e-9);
     keep = static_cast<int>(kappa < 1.0 ? 1.0 : kappa > visible ? static_cast<double>(visible) : kappa);
@@ -179,8 +166,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(SelectArgs a) {
       int visible = 0, forced = 0;
       uint32_t mx = 0;  // ordered_bits of the largest visible logit (0: below every float)
       for (int j = threadIdx.x; j < a.sort_size; j += blockDim.x) {
-        int v = j < a.nk ? detail::block_visibility(a.mask, qb, j, a.block_q, a.block_kv, a.len_q, a.len_kv) : 0;
-        if (v == 1 && ((a.force_first && j == 0) || (a.force_diagonal && j == qb + a.nk - a.nq))) v = 2;
+        const int v = j < a.nk ? detail::block_visibility(a.mask, qb, j, a.block_q, a.block_kv, a.len_q, a.len_kv) : 0;
         keys[j] = v == 0 ? ~0ull : v == 2 ? static_cast<uint64_t>(j) : order_key(logits[j], j);
         visible += v != 0;
         forced += v == 2;
@@ -253,7 +239,7 @@ __device__ inline int cta_inclusive_scan(int value, int* warp_totals) {
 
 // grid-stride over rows, kTopThreads threads, nk * 4 bytes of dynamic shared memory; nk <=
 // kMaxTopBlocks, 1 <= keep <= nk, capacity == keep.
-static __global__ void __launch_bounds__(kTopThreads) select_top_kernel(SelectArgs a) {
+__global__ void __launch_bounds__(kTopThreads) select_top_kernel(SelectArgs a) {
   extern __shared__ uint32_t top_keys[];  // [nk] high words of order_key
   __shared__ int hist[kRadixBins];
   __shared__ int warp_totals[kTopThreads / 32];
@@ -343,7 +329,7 @@ __host__ __device__ inline size_t warp_top_smem_bytes(int nk) {
 
 // grid-stride over rows by warp, kWarpTopWarps * 32 threads; nk <= kMaxWarpTopBlocks, 1 <= keep
 // <= nk, capacity == keep.
-static __global__ void __launch_bounds__(kWarpTopWarps * 32) select_top_warp_kernel(SelectArgs a) {
+__global__ void __launch_bounds__(kWarpTopWarps * 32) select_top_warp_kernel(SelectArgs a) {
   extern __shared__ __align__(16) uint32_t warp_top_smem[];
   const int nk = a.nk, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   uint32_t* hist = warp_top_smem + static_cast<size_t>(warp) * warp_top_stride(nk);  // [256]

@@ -33,6 +33,23 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// q and k where the backend needs them: host memory for cpu / cpu_ref, one cuda device for cuda
+// (placement is checked before availability, so the message names the argument everywhere).
+Status check_inputs(const Tensor& q, const Tensor& k, const BaAttOptions& o) {
+  if (o.backend != Backend::cuda) return detail::check_query_key(q, k, Device{});
+  if (q.data != nullptr && q.device.type != DeviceType::cuda) {
+    return invalid_argument("q: the cuda backend expected a tensor on a cuda device, got " + device_name(q.device));
+  }
+  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, q.device));
+  SPARSA_RETURN_IF_ERROR(backend_status(Backend::cuda));
+  if (o.check_finite) {
+    return {StatusCode::unsupported,
+            "check_finite: not available on the cuda backend (the cuda selector refuses NaN/Inf norms and "
+            "logits by itself; scan v on the host first)"};
+  }
+  return {};
+}
+
 Status check_options(const BaAttOptions& o, int64_t head_dim) {
   if (o.block_q <= 0) return invalid_argument("block_q: expected a block size > 0 tokens, got " + std::to_string(o.block_q));
   if (o.block_kv <= 0) {
@@ -138,7 +155,7 @@ ba_att_cuda::Request cuda_request(const Tensor& q, const Tensor& k, const BaAttO
 }  // namespace
 
 Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
-  SPARSA_RETURN_IF_ERROR(detail::check_selector_inputs(q, k, options.backend, options.check_finite));
+  SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
   SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
   if (options.backend == Backend::cuda) {
     BaAttScores s;
@@ -184,7 +201,7 @@ Result<BaAttScores> ba_att_scores(const Tensor& q, const Tensor& k, const BaAttO
 
 Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaAttOptions& options) {
   if (options.backend == Backend::cuda) {
-    SPARSA_RETURN_IF_ERROR(detail::check_selector_inputs(q, k, options.backend, options.check_finite));
+    SPARSA_RETURN_IF_ERROR(check_inputs(q, k, options));
     SPARSA_RETURN_IF_ERROR(check_options(options, q.shape[3]));
     BlockIndexBuffer plan;
     SPARSA_RETURN_IF_ERROR(ba_att_cuda::plan(cuda_request(q, k, options), &plan));
@@ -255,9 +272,20 @@ Result<AttentionOutput> ba_att(const Tensor& q, const Tensor& k, const Tensor& v
   auto plan = ba_att_plan(q, k, options);
   if (!plan.ok()) return plan.status();
   if (options.backend != Backend::cuda) return block_sparse(q, k, v, plan->view(), executor_options(options));
-  return detail::device_outputs_to_host(q, options.stream, [&](const Tensor& out, const Tensor& lse) {
-    return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
-  });
+  // cuda: outputs in device memory of q's device, then copied to the host arrays returned.
+  auto out = DeviceArray::allocate(q.dtype, q.shape_vector(), q.device, false, options.stream);
+  if (!out.ok()) return out.status();
+  auto lse = DeviceArray::allocate(DType::f32, {q.shape[0], q.shape[1], q.shape[2]}, q.device, false, options.stream);
+  if (!lse.ok()) return lse.status();
+  SPARSA_RETURN_IF_ERROR(block_sparse(q, k, v, plan->view(), out->view(), lse->view(), executor_options(options)));
+  AttentionOutput result;
+  auto host_out = out->to_host();
+  if (!host_out.ok()) return host_out.status();
+  auto host_lse = lse->to_host();
+  if (!host_lse.ok()) return host_lse.status();
+  result.out = std::move(host_out).value();
+  result.lse = std::move(host_lse).value();
+  return result;
 }
 
 }  // namespace sparsa

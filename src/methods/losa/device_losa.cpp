@@ -75,7 +75,7 @@ Result<DevicePagedKVCache> DevicePagedKVCache::create(const DeviceKVCacheConfig&
   const int64_t tokens = c.pool_pages * c.page_size;
   for (auto [array, rows] : {std::pair{&cache.k_, tokens}, std::pair{&cache.v_, tokens},
                              std::pair{&cache.min_, c.pool_pages}, std::pair{&cache.max_, c.pool_pages}}) {
-    auto a = DeviceArray::allocate(c.dtype, {c.heads_kv, rows, c.head_dim}, dev, /*zero_fill=*/true, c.stream);
+    auto a = DeviceArray::allocate(c.dtype, {c.heads_kv, rows, c.head_dim}, dev, /*zero_fill=*/true);
     if (!a.ok()) return a.status();
     *array = std::move(a).value();
   }
@@ -197,7 +197,7 @@ Result<Tensor> DevicePagedKVCache::page_max(int seq) const { return view(seq, ma
 // ---- DevicePrefixAttention ---------------------------------------------------------------------
 
 Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConfig& c, const LosaOptions& o,
-                                                            int device, DType dtype, void* stream) {
+                                                            int device, DType dtype) {
   if (c.batch < 1 || c.batch > losa_cuda::kMaxBatch) {
     return invalid_argument("batch: expected 1 to " + str(losa_cuda::kMaxBatch) + " sequences, got " + str(c.batch));
   }
@@ -261,7 +261,7 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
                  Want{&pa.q_ref_, dtype, {B, H, Bb, D}}, Want{&pa.active_, DType::i32, {B, Bb}},
                  Want{&pa.active_counts_, DType::i32, {B}}, Want{&pa.plan_counts_, DType::i32, {B, H, Bb}},
                  Want{&pa.mse_, DType::i32, {B, Bb, 2}}}) {
-    auto a = DeviceArray::allocate(w.dtype, w.shape, dev, /*zero_fill=*/true, stream);
+    auto a = DeviceArray::allocate(w.dtype, w.shape, dev, /*zero_fill=*/true);
     if (!a.ok()) return a.status();
     *w.array = std::move(a).value();
   }

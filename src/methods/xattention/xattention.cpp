@@ -16,7 +16,6 @@
 #include "core/validate.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
-#include "methods/xattention/xattention_impl.h"
 
 namespace sparsa {
 
@@ -56,7 +55,8 @@ struct XProblem {
 };
 
 Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o, XProblem* p) {
-  SPARSA_RETURN_IF_ERROR(detail::check_selector_inputs(q, k, o.backend, o.check_finite));
+  const Device host{};
+  SPARSA_RETURN_IF_ERROR(detail::check_query_key(q, k, host));
   if (o.stride <= 0) return invalid_argument("stride: expected >= 1, got " + std::to_string(o.stride));
   if (o.block_q <= 0) return invalid_argument("block_q: expected a block size > 0 tokens, got " + std::to_string(o.block_q));
   if (o.block_kv <= 0) {
@@ -68,16 +68,16 @@ Status make_problem(const Tensor& q, const Tensor& k, const XAttentionOptions& o
   }
   SPARSA_RETURN_IF_ERROR(validate(o.budget));
   SPARSA_RETURN_IF_ERROR(validate_mask(o.mask));
-  if (o.backend != Backend::cpu && o.backend != Backend::cpu_ref && o.backend != Backend::cuda) {
+  if (o.backend != Backend::cpu && o.backend != Backend::cpu_ref) {
     return {StatusCode::unsupported, std::string("backend: xattention has no ") + backend_name(o.backend) +
-                                         " selector; use cpu, cpu_ref or cuda"};
+                                         " selector yet; use cpu or cpu_ref"};
   }
   if (o.num_threads < 0 || o.num_threads > kMaxNumThreads) {
     return invalid_argument("num_threads: expected 0.." + std::to_string(kMaxNumThreads) + " (0 = hardware concurrency), got " + std::to_string(o.num_threads));
   }
   p->scale = o.scale.value_or(1.0f / std::sqrt(static_cast<float>(q.shape[3])));
   if (!std::isfinite(p->scale) || p->scale <= 0) return invalid_argument("scale: expected a finite positive number");
-  if (o.check_finite) {  // host memory here (check_selector_inputs refuses it on cuda)
+  if (o.check_finite) {
     SPARSA_RETURN_IF_ERROR(detail::check_finite("q", q));
     SPARSA_RETURN_IF_ERROR(detail::check_finite("k", k));
   }
@@ -208,53 +208,11 @@ void scores_fast(const XProblem& p, float* out) {
   });
 }
 
-xattention_cuda::Request cuda_request(const XProblem& p, const XAttentionOptions& o) {
-  xattention_cuda::Request r;
-  r.q = p.q;
-  r.k = p.k;
-  r.batch = p.batch;
-  r.heads_q = p.heads_q;
-  r.heads_kv = p.heads_kv;
-  r.len_q = p.len_q;
-  r.len_kv = p.len_kv;
-  r.head_dim = p.d;
-  r.block_q = p.block_q;
-  r.block_kv = p.block_kv;
-  r.stride = p.stride;
-  r.num_q_blocks = p.nq;
-  r.num_kv_blocks = p.nk;
-  r.scale = p.scale;
-  r.budget = o.budget;
-  r.force_first = o.force_first;
-  r.force_diagonal = o.force_diagonal;
-  r.mask = o.mask;
-  r.mask_aware = o.mask_aware;
-  r.stream = o.stream;
-  return r;
-}
-
-AttentionOptions executor_options(const XAttentionOptions& options) {
-  AttentionOptions attention;
-  attention.scale = options.scale;
-  attention.backend = options.backend;
-  attention.num_threads = options.num_threads;
-  attention.check_finite = options.check_finite;
-  attention.check_index = false;  // the plan was just made by xattention_plan, on this backend
-  attention.stream = options.stream;
-  attention.mask = options.mask;
-  return attention;
-}
-
 }  // namespace
 
 Result<HostArray> xattention_scores(const Tensor& q, const Tensor& k, const XAttentionOptions& options) {
   XProblem p;
   SPARSA_RETURN_IF_ERROR(make_problem(q, k, options, &p));
-  if (options.backend == Backend::cuda) {
-    HostArray x;
-    SPARSA_RETURN_IF_ERROR(xattention_cuda::scores(cuda_request(p, options), &x));
-    return x;
-  }
   HostArray out(DType::f32, {p.batch, p.heads_q, p.nq, p.nk});
   if (options.backend == Backend::cpu_ref) {
     scores_ref(p, out.ptr<float>());
@@ -272,13 +230,6 @@ Result<HostArray> xattention_scores(const Tensor& q, const Tensor& k, const XAtt
 }
 
 Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const XAttentionOptions& options) {
-  if (options.backend == Backend::cuda) {
-    XProblem p;
-    SPARSA_RETURN_IF_ERROR(make_problem(q, k, options, &p));
-    BlockIndexBuffer plan;
-    SPARSA_RETURN_IF_ERROR(xattention_cuda::plan(cuda_request(p, options), &plan));
-    return plan;
-  }
   auto scores = xattention_scores(q, k, options);
   if (!scores.ok()) return scores.status();
   const int64_t batch = q.shape[0], heads_q = q.shape[1];
@@ -311,20 +262,16 @@ Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const
   return plan;
 }
 
-Status xattention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                  const XAttentionOptions& options) {
-  auto plan = xattention_plan(q, k, options);
-  if (!plan.ok()) return plan.status();
-  return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
-}
-
 Result<AttentionOutput> xattention(const Tensor& q, const Tensor& k, const Tensor& v, const XAttentionOptions& options) {
   auto plan = xattention_plan(q, k, options);
   if (!plan.ok()) return plan.status();
-  if (options.backend != Backend::cuda) return block_sparse(q, k, v, plan->view(), executor_options(options));
-  return detail::device_outputs_to_host(q, options.stream, [&](const Tensor& out, const Tensor& lse) {
-    return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
-  });
+  AttentionOptions attention;
+  attention.scale = options.scale;
+  attention.backend = options.backend;
+  attention.num_threads = options.num_threads;
+  attention.check_finite = options.check_finite;
+  attention.mask = options.mask;
+  return block_sparse(q, k, v, plan->view(), attention);
 }
 
 }  // namespace sparsa

@@ -56,6 +56,9 @@ def main():
     ap.add_argument("--window", type=int, default=4096, help="the causal sliding window's keys")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--varlen", action="store_true", help="also the variable-length rows (16 sequences of 1K-16K)")
+    ap.add_argument("--causal-parts", action="store_true",
+                    help="also the rows that take the causal call apart (causal_parts: its tiles without the mask, "
+                         "the masked kernel over nearly every tile)")
     ap.add_argument("--rounds", type=int, default=0,
                     help="> 0: each row's first peer and sparsa again in this many interleaved rounds (rounds.py): "
                          "the median and range of the per-round ratios")
@@ -111,10 +114,43 @@ def main():
                 print(f"{n:>7} {label:<22} {args.rounds} interleaved rounds: {name} / sparsa {r['speed']:.3f}x "
                       f"(range {r['speed_min']:.3f}-{r['speed_max']:.3f}), sparsa {r['ms']:.3f} ms", flush=True)
             del ours
+        if args.causal_parts:
+            causal_parts(q, k, v, args.iters)
         del q, k, v
         torch.cuda.empty_cache()
     if args.varlen:
         varlen_rows(H, D, args.iters)
+
+
+def causal_parts(q, k, v, iters, tile=128):
+    """Where a causal call's time goes beyond half the unmasked call's (each row against the same run's
+    unmasked call, as a fraction of its time; the causal tiles are about half the pairs):
+      causal                  the dense causal call (masked kernel, query tiles longest first)
+      causal tiles, no mask   the block-sparse kernel over exactly the causal call's key tiles (query
+                              tile i visits key tiles 0..i, of `tile` keys), no per-element mask: the
+                              cost of the structure (shorter CTAs, launch order) alone
+      same, causal mask       the same plan with the causal mask (the masked block-sparse kernel)
+      masked, ~every tile     the masked kernel over all but the corner tiles (a symmetric window of
+                              n - tile keys): the per-tile cost of the masked kernel against the unmasked one
+    """
+    H, n = int(q.shape[1]), int(q.shape[2])
+    nb = -(-n // tile)
+    rows = torch.arange(nb, device=q.device, dtype=torch.int32)
+    counts = (rows + 1).expand(1, H, nb).contiguous()
+    indices = torch.arange(nb, device=q.device, dtype=torch.int32).expand(1, H, nb, nb).contiguous()
+    plan = st.block_index(tile, tile, counts, indices)
+    t_none = time_cuda(lambda: st.dense(q, k, v), iters)
+    cases = [("causal", lambda: st.dense(q, k, v, mask="causal")),
+             ("causal tiles, no mask", lambda: st.block_sparse(q, k, v, plan, check_index=False)),
+             ("same, causal mask", lambda: st.block_sparse(q, k, v, plan, check_index=False, mask="causal")),
+             (f"masked, window {n - tile}", lambda: st.dense(q, k, v, mask=("sliding_window", n - tile)))]
+    ref = st.dense(q, k, v, mask="causal")[0]
+    print(f"{n:>7} causal parts (unmasked call {t_none:.3f} ms; tiles of {tile}: the causal tiles are "
+          f"{(nb + 1) / (2 * nb):.3f} of its tiles)")
+    for label, fn in cases:
+        t = time_cuda(fn, iters)
+        err = f"{rel_err(fn()[0], ref):.1e} vs causal" if "causal" in label and label != "causal" else ""
+        print(f"{n:>7}   {label:<26} {t:>9.3f} ms  {t / t_none:>6.3f} of unmasked  {err}", flush=True)
 
 
 def varlen_rows(H, D, iters):

@@ -17,10 +17,11 @@
 // the attention FLOPs, over the step time.
 // generate: whole generate() calls through each loop (remask and prefix_cache on LLaDA-8B, block on
 // SDAR-8B; prompts of 1-4K tokens, greedy): tokens/s and steps/s, wall clock.
-// gemm: each GEMM shape of the two models at 16 and 32 rows, cuBLAS beside every rung of
-// sparsa's weight-streaming kernel (skinny_gemm.cu): microseconds and weight TB/s. The weights
+// gemm: each GEMM shape of the two models at 16 and 32 rows, cuBLAS beside every rung of sparsa's
+// weight-streaming kernel (skinny_gemm.cu) and cuBLASLt's algorithms (gemm "tuned": the
+// heuristic's pick, the timed choice, the fastest listed): microseconds and weight TB/s. The weights
 // rotate through copies that together exceed the 60 MB L2, so every call streams from HBM.
-// --gemm cublas|streaming: the engine's GEMM choice for the step rows (LoadOptions::gemm).
+// --gemm cublas|streaming|tuned: the engine's GEMM choice for the step rows (LoadOptions::gemm).
 // --attention SPEC: every layer's attention method (LoadOptions::attention, e.g. losa:budget=256,k=4);
 // the step rows time step 1 of a block, so a LoSA layer's untimed warm-up call is its dense first step.
 // --batch N: the sdar_block rows step N requests together, each with its own cache of ctx tokens
@@ -36,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/lt_gemm.h"
 #include "cuda/skinny_gemm.h"
 #include "engine.h"
 #include "model_common.h"
@@ -303,6 +305,8 @@ void bench_gemm_table(int iters) {
   cudaMalloc(&ws, size_t{64} << 20);
   cublasSetWorkspace(handle, ws, size_t{64} << 20);
 
+  LtGemm lt;
+  lt.init(ws, size_t{64} << 20);
   const int rungs = skinny_gemm_variants();
   std::printf("\nGEMMs alone (bf16 weights streamed from HBM; us per call, weight TB/s)\n");
   std::printf("%-12s %4s | %16s", "shape", "n", "cublas");
@@ -363,6 +367,27 @@ void bench_gemm_table(int iters) {
         std::printf(" | %8.1f %5.2f TB", t, wbytes / (t * 1e-6) / 1e12);
       }
       std::printf(" | %.2fx\n", t_cublas / best);
+      // cuBLASLt (gemm "tuned"): the heuristic's own pick, the engine's timed choice, and the
+      // fastest of every listed algorithm in this loop's timing.
+      const LtShape shape = LtGemm::shape(n, sh.rows, sh.cols, sh.out == 0 ? CUDA_R_16BF : CUDA_R_32F, sh.out == 1, y,
+                                          x, ws_copies[0]);
+      std::vector<LtCandidate> list;
+      if (lt.candidates(shape, 16, &list) == CUBLAS_STATUS_SUCCESS) {
+        std::vector<double> t_lt;
+        for (const LtCandidate& cand : list) {
+          t_lt.push_back(time_calls([&](void* w) { lt.run(shape, cand, y, x, w, stream); }));
+        }
+        const double t_tuned = time_calls([&](void* w) { lt.tuned(shape, y, x, w, stream); });
+        const size_t b = static_cast<size_t>(std::min_element(t_lt.begin(), t_lt.end()) - t_lt.begin());
+        const LtCandidate* chosen = lt.chosen(shape);
+        std::printf("%-12s %4lld |   cuBLASLt: heuristic's pick %.1f us (%s); tuned %.1f us %.2f TB (%s), %.2fx cublas; "
+                    "fastest of %zu here %.1f us (%s)\n",
+                    sh.name, static_cast<long long>(n), t_lt[0], list[0].describe().c_str(), t_tuned,
+                    wbytes / (t_tuned * 1e-6) / 1e12, chosen != nullptr ? chosen->describe().c_str() : "-",
+                    t_cublas / t_tuned, list.size(), t_lt[b], list[b].describe().c_str());
+      } else {
+        std::printf("%-12s %4lld |   cuBLASLt: no algorithm listed\n", sh.name, static_cast<long long>(n));
+      }
       cudaFree(x);
       cudaFree(y);
     }

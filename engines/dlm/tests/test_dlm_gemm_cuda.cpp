@@ -2,7 +2,7 @@
 // kernel (engines/dlm/cuda/skinny_gemm.cu): every rung the benchmark compares, every row count it takes
 // (partial m16 tiles), column counts that are not multiples of the CTA's columns, K with a
 // partial 32-wide step, the three output modes; no write outside y; the same bits run to run;
-// what it refuses; and cuBLASLt's algorithms for gemm "tuned" (lt_gemm.cu), every one the
+// what it refuses; and cuBLASLt's algorithms for gemm "tuned" (lt_gemm.cpp), every one the
 // heuristic lists, over the same cases. Skipped without a CUDA device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

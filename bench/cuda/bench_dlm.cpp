@@ -13,7 +13,8 @@
 // LayerAttention over the same views): rest = step - GEMMs - attention (norms, RoPE, SwiGLU,
 // embedding, the greedy sampler and its read-back of the picks, launch gaps), of which the
 // elementwise kernels alone and the sampler alone are timed too. Weight streaming: the bytes of every weight matrix the step
-// reads over (step - attention), against 4.8 TB/s. TFLOP/s: 2 x matrix parameters x tokens plus
+// reads over (step - attention), against the card's HBM bandwidth by its datasheet (4.8 TB/s on an
+// H200, 3.35 on an H100 SXM; other cards from their memory clock and bus width). TFLOP/s: 2 x matrix parameters x tokens plus
 // the attention FLOPs, over the step time.
 // generate: whole generate() calls through each loop (remask and prefix_cache on LLaDA-8B, block on
 // SDAR-8B; prompts of 1-4K tokens, greedy): tokens/s and steps/s, wall clock.
@@ -48,7 +49,18 @@ using namespace sparsa::dlm;
 
 namespace {
 
-constexpr double kHbm = 4.8e12;
+// The card's HBM bandwidth by its datasheet, bytes/s.
+double hbm_peak() {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return 4.8e12;
+  const std::string name = prop.name;
+  if (name.find("H200") != std::string::npos) return 4.8e12;
+  if (name.find("H100") != std::string::npos && name.find("PCIe") == std::string::npos) return 3.35e12;
+  int clock_khz = 0, bus_bits = 0;
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, 0);
+  cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0);
+  return 2.0 * clock_khz * 1e3 * bus_bits / 8;
+}
 
 #define CHECK(x)                                                                        \
   do {                                                                                  \
@@ -482,6 +494,8 @@ int main(int argc, char** argv) {
   if (out.empty() && gens.empty()) return 0;
   std::printf("DLM engine steps on the device (bf16, random 8B-shaped weights, GEMMs %s, attention %s; medians of "
               "CUDA-event timings)\n", gemm.c_str(), attention.c_str());
+  const double hbm = hbm_peak();
+  std::printf("(of HBM: against %.2f TB/s)\n", hbm / 1e12);
   std::printf("%-13s %6s %7s | %9s %9s %9s %9s (%7s %7s) | %8s %12s %9s\n", "row", "tokens", "ctx", "step ms",
               "gemm ms", "attn ms", "rest ms", "elemw", "sample", "TFLOP/s", "weights TB/s", "of HBM");
   for (const Row& r : out) {
@@ -490,7 +504,7 @@ int main(int argc, char** argv) {
     std::printf("%-13s %6lld %7lld | %9.2f %9.2f %9.2f %9.2f (%7.2f %7.2f) | %8.1f %12.2f %8.0f%%\n",
                 r.name.c_str(), static_cast<long long>(r.tokens), static_cast<long long>(r.ctx), r.step, r.gemm,
                 r.attention, r.step - r.gemm - r.attention, r.elementwise, r.sample,
-                r.flops / (r.step * 1e-3) / 1e12, tbs, 100 * tbs * 1e12 / kHbm);
+                r.flops / (r.step * 1e-3) / 1e12, tbs, 100 * tbs * 1e12 / hbm);
   }
   if (!gens.empty()) {
     std::printf("\ngenerate() end to end (greedy, wall clock, prefill included)\n");

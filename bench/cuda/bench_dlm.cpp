@@ -164,6 +164,7 @@ struct Row {
   int64_t tokens = 0, ctx = 0;
   double step = 0, gemm = 0, attention = 0, elementwise = 0, sample = 0;
   double flops = 0, weight_bytes = 0;
+  bool skipped = false;  // its caches did not fit the card
 };
 
 // One step of `batch` requests decoded together (one batched forward: the GEMMs over all their
@@ -179,6 +180,16 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
   // batched state, as the block loop makes them.
   const std::vector<int64_t> max_tokens(static_cast<size_t>(batch), ctx + n);
   auto made = make_sequences(c, m.policy, max_tokens);
+  Row r;
+  r.name = batch > 1 ? name + " x" + std::to_string(batch) : name;
+  r.tokens = n * batch;
+  r.ctx = ctx;
+  if (made.status().code() == StatusCode::out_of_memory) {  // the caches do not fit this card: a row without times
+    std::printf("%s at %lld cached tokens: skipped, its caches do not fit this card (%s)\n", r.name.c_str(),
+                static_cast<long long>(ctx), made.status().message().c_str());
+    r.skipped = true;
+    return r;
+  }
   CHECK(made.status());
   std::vector<Sequence> seqs = std::move(made.value());
   for (Sequence& seq : seqs) fill_cache(c, seq, ctx, stream);
@@ -204,10 +215,6 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
     attention_chunks.push_back({&seqs[b], tokens, ao});
     rows.push_back({b * n, n, ctx, b * logit_rows});
   }
-  Row r;
-  r.name = batch > 1 ? name + " x" + std::to_string(batch) : name;
-  r.tokens = N;
-  r.ctx = ctx;
   // A step as the loops run it at temperature 0: the forward, then the greedy sampler on the
   // device (only the picks come back).
   std::vector<Pick> picks(static_cast<size_t>(L));
@@ -379,8 +386,9 @@ void bench_gemm_table(int iters) {
         std::printf(" | %8.1f %5.2f TB", t, wbytes / (t * 1e-6) / 1e12);
       }
       std::printf(" | %.2fx\n", t_cublas / best);
-      // cuBLASLt (gemm "tuned"): the heuristic's own pick, the engine's timed choice, and the
-      // fastest of every listed algorithm in this loop's timing.
+      // gemm "tuned": cuBLASLt's heuristic's own pick, the engine's timed choice (among cuBLASLt's
+      // algorithms and, up to 16 rows, the weight-streaming kernel), and the fastest of cuBLASLt's
+      // listed algorithms in this loop's timing.
       const LtShape shape = LtGemm::shape(n, sh.rows, sh.cols, sh.out == 0 ? CUDA_R_16BF : CUDA_R_32F, sh.out == 1, y,
                                           x, ws_copies[0]);
       std::vector<LtCandidate> list;
@@ -389,11 +397,23 @@ void bench_gemm_table(int iters) {
         for (const LtCandidate& cand : list) {
           t_lt.push_back(time_calls([&](void* w) { lt.run(shape, cand, y, x, w, stream); }));
         }
-        const double t_tuned = time_calls([&](void* w) { lt.tuned(shape, y, x, w, stream); });
+        // The engine offers the weight-streaming kernel (rung 0, a dependent launch) up to 16 rows.
+        SkinnyGemm g;
+        g.y = y;
+        g.y_f32 = sh.out != 0;
+        g.accumulate = sh.out == 1;
+        g.x = x;
+        g.w = ws_copies[0];
+        g.n = n;
+        g.rows = sh.rows;
+        g.cols = sh.cols;
+        g.overlap_previous = true;
+        const SkinnyGemm* skinny = n <= 16 && skinny_gemm_supported(g) ? &g : nullptr;
+        const double t_tuned = time_calls([&](void* w) { lt.tuned(shape, y, x, w, stream, skinny); });
         const size_t b = static_cast<size_t>(std::min_element(t_lt.begin(), t_lt.end()) - t_lt.begin());
-        const LtCandidate* chosen = lt.chosen(shape);
-        std::printf("%-12s %4lld |   cuBLASLt: heuristic's pick %.1f us (%s); tuned %.1f us %.2f TB (%s), %.2fx cublas; "
-                    "fastest of %zu here %.1f us (%s)\n",
+        const LtCandidate* chosen = lt.chosen(shape, skinny != nullptr);
+        std::printf("%-12s %4lld |   cuBLASLt's heuristic's pick %.1f us (%s); tuned %.1f us %.2f TB (%s), %.2fx cublas; "
+                    "fastest cuBLASLt algorithm of %zu here %.1f us (%s)\n",
                     sh.name, static_cast<long long>(n), t_lt[0], list[0].describe().c_str(), t_tuned,
                     wbytes / (t_tuned * 1e-6) / 1e12, chosen != nullptr ? chosen->describe().c_str() : "-",
                     t_cublas / t_tuned, list.size(), t_lt[b], list[b].describe().c_str());
@@ -499,6 +519,7 @@ int main(int argc, char** argv) {
   std::printf("%-13s %6s %7s | %9s %9s %9s %9s (%7s %7s) | %8s %12s %9s\n", "row", "tokens", "ctx", "step ms",
               "gemm ms", "attn ms", "rest ms", "elemw", "sample", "TFLOP/s", "weights TB/s", "of HBM");
   for (const Row& r : out) {
+    if (r.skipped) continue;
     const double non_attn = r.step - r.attention;
     const double tbs = r.weight_bytes / (non_attn * 1e-3) / 1e12;
     std::printf("%-13s %6lld %7lld | %9.2f %9.2f %9.2f %9.2f (%7.2f %7.2f) | %8.1f %12.2f %8.0f%%\n",

@@ -136,8 +136,8 @@ class Ops {
 std::unique_ptr<Ops> make_cpu_ops();
 // The CUDA backend's GEMMs: cublas = cuBLAS for every product (the default); streaming = sparsa's
 // weight-streaming kernel (cuda/skinny_gemm.h) for chunks of up to 16 rows, cuBLAS above; tuned =
-// cuBLASLt for chunks of up to 64 rows with each shape's algorithm chosen by timing on first use
-// (cuda/lt_gemm.h), cuBLAS above.
+// for chunks of up to 64 rows, each shape's kernel chosen by timing on first use among cuBLASLt's
+// algorithms and (up to 16 rows) the weight-streaming kernel (cuda/lt_gemm.h), cuBLAS above.
 enum class GemmChoice : uint8_t { cublas, streaming, tuned };
 Result<GemmChoice> parse_gemm_choice(const std::string& name);
 // CUDA (a build with the cuda backend; otherwise the error says so). `device` is the CUDA device.

@@ -534,7 +534,8 @@ void add_dump_flags(CLI::App* cmd, DlmOptions* o) {
 void add_gemm_flag(CLI::App* cmd, DlmOptions* o) {
   cmd->add_option("--gemm", o->gemm,
                   "cuda GEMMs: cublas, streaming (sparsa's weight-streaming kernel up to 16 tokens, cuBLAS above) or "
-                  "tuned (cuBLASLt up to 64 tokens, each shape's algorithm chosen by timing on first use)")
+                  "tuned (up to 64 tokens, each shape's kernel chosen by timing on first use: cuBLASLt's "
+                  "algorithms, the streaming kernel)")
       ->capture_default_str();
 }
 

@@ -1,4 +1,5 @@
-// The engine's cuBLASLt GEMM with a timed choice of algorithm (lt_gemm.h).
+// The engine's GEMM with a timed choice of kernel: cuBLASLt's algorithms and sparsa's
+// weight-streaming kernel (lt_gemm.h).
 #include "lt_gemm.h"
 
 #include <algorithm>
@@ -47,6 +48,7 @@ cublasStatus_t cuda_status(cudaError_t e) {
 }  // namespace
 
 std::string LtCandidate::describe() const {
+  if (skinny) return "sparsa weight-streaming kernel";
   return "algo " + std::to_string(id) + " tile " + std::to_string(tile) + " split-K " + std::to_string(split_k) +
          " waves " + std::to_string(waves).substr(0, 4);
 }
@@ -149,7 +151,15 @@ cublasStatus_t LtGemm::candidates(const LtShape& s, int max, std::vector<LtCandi
 }
 
 cublasStatus_t LtGemm::run(const LtShape& s, const LtCandidate& c, void* y, const void* x, const void* w,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, const SkinnyGemm* skinny) {
+  if (c.skinny) {
+    if (skinny == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+    SkinnyGemm g = *skinny;
+    g.y = y;
+    g.x = x;
+    g.w = w;
+    return skinny_gemm(g, stream) == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
+  }
   Plan* p = nullptr;
   SPARSA_LT_TRY(plan(s, &p));
   const float alpha = 1.0f, beta = s.accumulate ? 1.0f : 0.0f;
@@ -159,9 +169,17 @@ cublasStatus_t LtGemm::run(const LtShape& s, const LtCandidate& c, void* y, cons
 
 // Times every candidate on the stream, each call after a write of twice the L2's size so that
 // the weights stream from HBM as they do in a step (where every product's weights are new).
-cublasStatus_t LtGemm::choose(const LtShape& s, Plan& p, const void* x, const void* w, cudaStream_t stream) {
+cublasStatus_t LtGemm::choose(const LtShape& s, Plan& p, const void* x, const void* w, cudaStream_t stream,
+                              const SkinnyGemm* skinny) {
   std::vector<LtCandidate> list;
-  SPARSA_LT_TRY(candidates(s, kMaxCandidates, &list));
+  const cublasStatus_t listed = candidates(s, kMaxCandidates, &list);
+  if (listed != CUBLAS_STATUS_SUCCESS && listed != CUBLAS_STATUS_NOT_SUPPORTED) return listed;
+  if (skinny != nullptr) {
+    LtCandidate c;
+    c.skinny = true;
+    list.push_back(c);
+  }
+  if (list.empty()) return CUBLAS_STATUS_NOT_SUPPORTED;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   SPARSA_LT_TRY(cuda_status(cudaStreamIsCapturing(stream, &capture)));
   if (capture != cudaStreamCaptureStatusNone || list.size() == 1) {
@@ -192,12 +210,12 @@ cublasStatus_t LtGemm::choose(const LtShape& s, Plan& p, const void* x, const vo
   }
   std::vector<double> times(list.size(), std::numeric_limits<double>::infinity());
   for (size_t i = 0; i < list.size() && st == CUBLAS_STATUS_SUCCESS; ++i) {
-    if (run(s, list[i], scratch_, x, w, stream) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; one that fails is not a choice
+    if (run(s, list[i], scratch_, x, w, stream, skinny) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; one that fails is not a choice
     float ms[kTimedCalls] = {};
     for (int r = 0; r < kTimedCalls && st == CUBLAS_STATUS_SUCCESS; ++r) {
       st = cuda_status(cudaMemsetAsync(flush, r, flush_bytes, stream));
       if (st == CUBLAS_STATUS_SUCCESS) st = cuda_status(cudaEventRecord(events[2 * r], stream));
-      if (st == CUBLAS_STATUS_SUCCESS) st = run(s, list[i], scratch_, x, w, stream);
+      if (st == CUBLAS_STATUS_SUCCESS) st = run(s, list[i], scratch_, x, w, stream, skinny);
       if (st == CUBLAS_STATUS_SUCCESS) st = cuda_status(cudaEventRecord(events[2 * r + 1], stream));
     }
     if (st == CUBLAS_STATUS_SUCCESS) st = cuda_status(cudaEventSynchronize(events[2 * kTimedCalls - 1]));
@@ -225,15 +243,20 @@ cublasStatus_t LtGemm::choose(const LtShape& s, Plan& p, const void* x, const vo
   return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t LtGemm::tuned(const LtShape& s, void* y, const void* x, const void* w, cudaStream_t stream) {
+cublasStatus_t LtGemm::tuned(const LtShape& s, void* y, const void* x, const void* w, cudaStream_t stream,
+                             const SkinnyGemm* skinny) {
+  LtShape key = s;
+  key.skinny = skinny != nullptr;
   Plan* p = nullptr;
-  SPARSA_LT_TRY(plan(s, &p));
-  if (!p->has_choice) SPARSA_LT_TRY(choose(s, *p, x, w, stream));
-  return run(s, p->choice, y, x, w, stream);
+  SPARSA_LT_TRY(plan(key, &p));
+  if (!p->has_choice) SPARSA_LT_TRY(choose(key, *p, x, w, stream, skinny));
+  return run(key, p->choice, y, x, w, stream, skinny);
 }
 
-const LtCandidate* LtGemm::chosen(const LtShape& s) const {
-  const auto it = plans_.find(s);
+const LtCandidate* LtGemm::chosen(const LtShape& s, bool skinny_offered) const {
+  LtShape key = s;
+  key.skinny = skinny_offered;
+  const auto it = plans_.find(key);
   return it != plans_.end() && it->second.has_choice ? &it->second.choice : nullptr;
 }
 

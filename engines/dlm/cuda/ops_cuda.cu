@@ -225,8 +225,9 @@ const char* cublas_name(cublasStatus_t s) {
 // chunks of up to 16 rows (SDAR's block step). From 32 rows on, cuBLAS was faster at every 8B
 // shape (bench_dlm --rows gemm, bench/RESULTS.md).
 constexpr int64_t kEngineSkinnyRows = 16;
-// The products cuBLASLt takes with a timed algorithm (gemm "tuned"): the chunks of denoising steps.
-// Larger products are compute-bound tile GEMMs, where cuBLAS's own choice is the fast one.
+// The products whose kernel is chosen by timing (gemm "tuned": cuBLASLt's algorithms, and the
+// weight-streaming kernel up to kEngineSkinnyRows): the chunks of denoising steps. Larger products
+// are compute-bound tile GEMMs, where cuBLAS's own choice is the fast one.
 constexpr int64_t kEngineTunedRows = 64;
 
 class CudaOps final : public Ops {
@@ -556,7 +557,8 @@ class CudaOps final : public Ops {
     }
     if (gemm_ == GemmChoice::tuned && n <= kEngineTunedRows) {
       const LtShape shape = LtGemm::shape(n, w.rows, w.cols, y_type, beta != 0.0f, y, x, w.data);
-      const cublasStatus_t s = lt_.tuned(shape, y, x, w.data, stream_);
+      const bool offer_skinny = n <= kEngineSkinnyRows && skinny_gemm_supported(g);
+      const cublasStatus_t s = lt_.tuned(shape, y, x, w.data, stream_, offer_skinny ? &g : nullptr);
       if (s != CUBLAS_STATUS_NOT_SUPPORTED) {  // no algorithm listed for the shape: cuBLAS below
         (void)blas(s, what);
         return;

@@ -195,9 +195,10 @@ TEST_P(DlmGemmCuda, MatchesF64Product) {
   }
 }
 
-// cuBLASLt (gemm "tuned"): every algorithm the heuristic lists is within the bound, so whichever
-// the timing picks is; the tuned call runs the chosen one (the same bits as running it directly)
-// and gives the same bits again.
+// gemm "tuned": every algorithm cuBLASLt's heuristic lists is within the bound, and so is the
+// weight-streaming kernel (above), so whichever the timing picks is; the tuned call runs the
+// chosen one (the same bits as running it directly) and gives the same bits again; offered the
+// weight-streaming kernel or not, a shape keeps a choice of its own.
 class DlmLtGemmCuda : public testing::TestWithParam<Case> {};
 
 TEST_P(DlmLtGemmCuda, EveryCandidateMatchesF64Product) {
@@ -211,6 +212,17 @@ TEST_P(DlmLtGemmCuda, EveryCandidateMatchesF64Product) {
   ASSERT_EQ(lt.init(ws.p, size_t{32} << 20), CUBLAS_STATUS_SUCCESS);
   const LtShape shape =
       LtGemm::shape(c.n, c.rows, c.cols, pb.f32 ? CUDA_R_32F : CUDA_R_16BF, pb.acc, dy.p, dx.p, dw.p);
+  SkinnyGemm g;
+  g.y = dy.p;
+  g.y_f32 = pb.f32;
+  g.accumulate = pb.acc;
+  g.x = dx.p;
+  g.w = dw.p;
+  g.n = c.n;
+  g.rows = c.rows;
+  g.cols = c.cols;
+  g.overlap_previous = true;  // as the engine launches it
+  ASSERT_TRUE(skinny_gemm_supported(g));
   std::vector<LtCandidate> list;
   ASSERT_EQ(lt.candidates(shape, 16, &list), CUBLAS_STATUS_SUCCESS);
   ASSERT_FALSE(list.empty());
@@ -218,15 +230,31 @@ TEST_P(DlmLtGemmCuda, EveryCandidateMatchesF64Product) {
     SCOPED_TRACE(cand.describe());
     pb.check(run_from_init(pb, dy.p, [&] { EXPECT_EQ(lt.run(shape, cand, dy.p, dx.p, dw.p, nullptr), CUBLAS_STATUS_SUCCESS); }));
   }
-  const auto tuned = run_from_init(pb, dy.p, [&] { EXPECT_EQ(lt.tuned(shape, dy.p, dx.p, dw.p, nullptr), CUBLAS_STATUS_SUCCESS); });
-  const LtCandidate* chosen = lt.chosen(shape);
-  ASSERT_NE(chosen, nullptr);
-  SCOPED_TRACE("chosen: " + chosen->describe());
-  pb.check(tuned);
-  EXPECT_EQ(run_from_init(pb, dy.p, [&] { EXPECT_EQ(lt.run(shape, *chosen, dy.p, dx.p, dw.p, nullptr), CUBLAS_STATUS_SUCCESS); }),
-            tuned) << "the tuned call is not its chosen algorithm";
-  EXPECT_EQ(run_from_init(pb, dy.p, [&] { EXPECT_EQ(lt.tuned(shape, dy.p, dx.p, dw.p, nullptr), CUBLAS_STATUS_SUCCESS); }),
-            tuned) << "two tuned runs differ";
+  for (const bool offer : {false, true}) {
+    const SkinnyGemm* skinny = offer ? &g : nullptr;
+    const auto tuned = run_from_init(pb, dy.p, [&] {
+      EXPECT_EQ(lt.tuned(shape, dy.p, dx.p, dw.p, nullptr, skinny), CUBLAS_STATUS_SUCCESS);
+    });
+    const LtCandidate* chosen = lt.chosen(shape, offer);
+    ASSERT_NE(chosen, nullptr);
+    EXPECT_TRUE(offer || !chosen->skinny) << "the weight-streaming kernel chosen without being offered";
+    SCOPED_TRACE(std::string(offer ? "offered the weight-streaming kernel; " : "") + "chosen: " + chosen->describe());
+    pb.check(tuned);
+    EXPECT_EQ(run_from_init(pb, dy.p, [&] {
+                EXPECT_EQ(lt.run(shape, *chosen, dy.p, dx.p, dw.p, nullptr, skinny), CUBLAS_STATUS_SUCCESS);
+              }),
+              tuned)
+        << "the tuned call is not its chosen kernel";
+    EXPECT_EQ(run_from_init(pb, dy.p, [&] {
+                EXPECT_EQ(lt.tuned(shape, dy.p, dx.p, dw.p, nullptr, skinny), CUBLAS_STATUS_SUCCESS);
+              }),
+              tuned)
+        << "two tuned runs differ";
+  }
+  LtCandidate skinny_only;
+  skinny_only.skinny = true;
+  EXPECT_EQ(lt.run(shape, skinny_only, dy.p, dx.p, dw.p, nullptr, nullptr), CUBLAS_STATUS_INVALID_VALUE)
+      << "the weight-streaming candidate without its product";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DlmGemmCuda, testing::ValuesIn(cases()), case_name);

@@ -125,6 +125,20 @@ struct Problem {
     }
   }
 
+  // The weight-streaming kernel's parameters for this product over device buffers.
+  SkinnyGemm skinny(void* y, const void* dx, const void* dw) const {
+    SkinnyGemm g;
+    g.y = y;
+    g.y_f32 = f32;
+    g.accumulate = acc;
+    g.x = dx;
+    g.w = dw;
+    g.n = c.n;
+    g.rows = c.rows;
+    g.cols = c.cols;
+    return g;
+  }
+
   // got: y's bytes read back (y_init's size): every output within its bound, the guard untouched.
   void check(const std::vector<uint8_t>& got) const {
     int bad = 0;
@@ -166,19 +180,10 @@ class DlmGemmCuda : public testing::TestWithParam<Case> {};
 TEST_P(DlmGemmCuda, MatchesF64Product) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
   const Problem pb(GetParam(), std::ldexp(1.0, -24));
-  const Case& c = pb.c;
   DeviceBuffer dx(pb.x.size() * 2), dw(pb.w.size() * 2), dy(pb.y_init.size());
   ASSERT_EQ(cudaMemcpy(dx.p, pb.x.data(), pb.x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dw.p, pb.w.data(), pb.w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  SkinnyGemm g;
-  g.y = dy.p;
-  g.y_f32 = pb.f32;
-  g.accumulate = pb.acc;
-  g.x = dx.p;
-  g.w = dw.p;
-  g.n = c.n;
-  g.rows = c.rows;
-  g.cols = c.cols;
+  SkinnyGemm g = pb.skinny(dy.p, dx.p, dw.p);
   ASSERT_TRUE(skinny_gemm_supported(g));
   for (int v = -1; v < skinny_gemm_variants(); ++v) {  // -1: skinny_gemm(), the engine's rung
     SCOPED_TRACE(v < 0 ? std::string("skinny_gemm") : skinny_gemm_variant_name(v));
@@ -212,15 +217,7 @@ TEST_P(DlmLtGemmCuda, EveryCandidateMatchesF64Product) {
   ASSERT_EQ(lt.init(ws.p, size_t{32} << 20), CUBLAS_STATUS_SUCCESS);
   const LtShape shape =
       LtGemm::shape(c.n, c.rows, c.cols, pb.f32 ? CUDA_R_32F : CUDA_R_16BF, pb.acc, dy.p, dx.p, dw.p);
-  SkinnyGemm g;
-  g.y = dy.p;
-  g.y_f32 = pb.f32;
-  g.accumulate = pb.acc;
-  g.x = dx.p;
-  g.w = dw.p;
-  g.n = c.n;
-  g.rows = c.rows;
-  g.cols = c.cols;
+  SkinnyGemm g = pb.skinny(dy.p, dx.p, dw.p);
   g.overlap_previous = true;  // as the engine launches it
   ASSERT_TRUE(skinny_gemm_supported(g));
   std::vector<LtCandidate> list;

@@ -106,11 +106,82 @@ __global__ void pool_level(const T* src_in, Rows in, const float* src_f32, int h
 // (score, token) ordering of the plan: larger score first, ties to the smaller token.
 __device__ __forceinline__ bool better(float s, int t, float s2, int t2) { return s > s2 || (s == s2 && t < t2); }
 
+// A candidate's score: q · k over d floats (16-byte rows), fmaf in column order; NaN ranks last.
+__device__ __forceinline__ float candidate_score(const float* q, const float* k, int d) {
+  float s = 0.0f;
+  for (int e = 0; e < d; e += 4) {
+    const float4 kv = *reinterpret_cast<const float4*>(k + e);
+    s = fmaf(q[e], kv.x, s);
+    s = fmaf(q[e + 1], kv.y, s);
+    s = fmaf(q[e + 2], kv.z, s);
+    s = fmaf(q[e + 3], kv.w, s);
+  }
+  return s != s ? -INFINITY : s;
+}
+
+// A lane's best KMAX candidates, sorted (a sorted array with static indices: one bubble pass per
+// insertion).
+template <int KMAX>
+struct LaneBest {
+  float s[KMAX];
+  int t[KMAX];
+  __device__ __forceinline__ LaneBest() {
+#pragma unroll
+    for (int j = 0; j < KMAX; ++j) s[j] = -INFINITY, t[j] = 0x7fffffff;
+  }
+  __device__ __forceinline__ void insert(float score, int token) {
+    if (!better(score, token, s[KMAX - 1], t[KMAX - 1])) return;
+    s[KMAX - 1] = score, t[KMAX - 1] = token;
+#pragma unroll
+    for (int j = KMAX - 1; j > 0; --j) {
+      if (better(s[j], t[j], s[j - 1], t[j - 1])) {
+        const float ts = s[j];
+        const int tt = t[j];
+        s[j] = s[j - 1], t[j] = t[j - 1];
+        s[j - 1] = ts, t[j - 1] = tt;
+      }
+    }
+  }
+  // The warp's best `keep` of its lanes' lists (K rounds of a warp arg-max over the list heads;
+  // the winner shifts its list) written ascending to out[0, keep), -1 up to K, and the count.
+  // chosen: this warp's kMaxTopk ints of scratch.
+  __device__ __forceinline__ void write_top(int keep, int K, int32_t* out, int32_t* count, int* chosen) {
+    const int lane = threadIdx.x % 32;
+    for (int r = 0; r < keep; ++r) {
+      float bs = s[0];
+      int bt = t[0];
+      int owner = lane;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float s2 = __shfl_xor_sync(0xffffffffu, bs, off);
+        const int t2 = __shfl_xor_sync(0xffffffffu, bt, off);
+        const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
+        if (better(s2, t2, bs, bt)) bs = s2, bt = t2, owner = o2;
+      }
+      if (lane == owner) {
+#pragma unroll
+        for (int j = 0; j + 1 < KMAX; ++j) s[j] = s[j + 1], t[j] = t[j + 1];
+        s[KMAX - 1] = -INFINITY, t[KMAX - 1] = 0x7fffffff;
+      }
+      if (lane == 0) chosen[r] = bt;
+    }
+    __syncwarp();
+    // Ascending: each slot's rank among the chosen tokens (distinct).
+    for (int r = lane; r < keep; r += 32) {
+      int rank = 0;
+      for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
+      out[rank] = chosen[r];
+    }
+    for (int r = keep + lane; r < K; r += 32) out[r] = -1;
+    if (lane == 0) *count = keep;
+    __syncwarp();  // chosen read by every lane before it is written again
+  }
+};
+
 // One warp per (bh_q, i) of level l: picks[l][bh, i] = the top K of i's candidates (every
 // level-L token at l == L; else the children of the parent's level-(l+1) picks), ascending.
 // pq, pk: f32 level-l pyramids [bh, n_l, d]. Each lane keeps its best KMAX >= K candidates in
-// registers (a sorted array with static indices: one bubble pass per insertion), then K rounds of a
-// warp arg-max over the lanes' heads merge them.
+// registers (LaneBest), then K rounds of a warp arg-max over the lanes' heads merge them.
 template <int KMAX>
 __global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan p, int l, const float* pq,
                                                     const float* pk) {
@@ -134,66 +205,16 @@ __global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan
     total = p.count_of(l + 1, bh, parent) * p.B;
   }
   const int keep = min(p.K, total);
-  float best_s[KMAX];
-  int best_t[KMAX];
-#pragma unroll
-  for (int j = 0; j < KMAX; ++j) best_s[j] = -INFINITY, best_t[j] = 0x7fffffff;
+  LaneBest<KMAX> best;
   const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * p.d;
   for (int c = lane; c < total; c += 32) {
     const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
     if (t >= n) continue;
-    const float* kr = kbase + static_cast<int64_t>(t) * p.d;
-    float s = 0.0f;
-    for (int e = 0; e < p.d; e += 4) {
-      const float4 kv = *reinterpret_cast<const float4*>(kr + e);
-      s = fmaf(qs[e], kv.x, s);
-      s = fmaf(qs[e + 1], kv.y, s);
-      s = fmaf(qs[e + 2], kv.z, s);
-      s = fmaf(qs[e + 3], kv.w, s);
-    }
-    if (s != s) s = -INFINITY;  // NaN ranks last
-    if (!better(s, t, best_s[KMAX - 1], best_t[KMAX - 1])) continue;
-    best_s[KMAX - 1] = s, best_t[KMAX - 1] = t;
-#pragma unroll
-    for (int j = KMAX - 1; j > 0; --j) {
-      if (better(best_s[j], best_t[j], best_s[j - 1], best_t[j - 1])) {
-        const float ts = best_s[j];
-        const int tt = best_t[j];
-        best_s[j] = best_s[j - 1], best_t[j] = best_t[j - 1];
-        best_s[j - 1] = ts, best_t[j - 1] = tt;
-      }
-    }
+    best.insert(candidate_score(qs, kbase + static_cast<int64_t>(t) * p.d, p.d), t);
   }
-  // K rounds of a warp arg-max over the lanes' list heads; the winner shifts its list.
-  int32_t* out = p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K;
   int* chosen = reinterpret_cast<int*>(q_row + (blockDim.x / 32) * p.d) + warp * kMaxTopk;
-  for (int r = 0; r < keep; ++r) {
-    float s = best_s[0];
-    int t = best_t[0];
-    int owner = lane;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-      const int t2 = __shfl_xor_sync(0xffffffffu, t, off);
-      const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
-      if (better(s2, t2, s, t)) s = s2, t = t2, owner = o2;
-    }
-    if (lane == owner) {
-#pragma unroll
-      for (int j = 0; j + 1 < KMAX; ++j) best_s[j] = best_s[j + 1], best_t[j] = best_t[j + 1];
-      best_s[KMAX - 1] = -INFINITY, best_t[KMAX - 1] = 0x7fffffff;
-    }
-    if (lane == 0) chosen[r] = t;
-  }
-  __syncwarp();
-  // Ascending: each slot's rank among the chosen tokens (distinct).
-  for (int r = lane; r < keep; r += 32) {
-    int rank = 0;
-    for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
-    out[rank] = chosen[r];
-  }
-  for (int r = keep + lane; r < p.K; r += 32) out[r] = -1;
-  if (lane == 0) p.counts[l][static_cast<int64_t>(bh) * n + i] = keep;
+  best.write_top(keep, p.K, p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K,
+                 p.counts[l] + static_cast<int64_t>(bh) * n + i, chosen);
 }
 
 // Rung 2 of the selection: the query tokens that share their candidates share their key rows.
@@ -203,8 +224,8 @@ __global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan
 // time). The candidates' f32 key rows are staged in shared memory kSelectChunk rows at a time and
 // read there by every warp (rung 1, select_level, read them from L2 once per query token: the
 // B siblings of a parent read the same rows B times). A warp per query token scores its lanes'
-// candidates with the same fmaf chain as select_level and keeps the same lists, so the picks are
-// the same bit for bit.
+// candidates and keeps its lists as select_level does (candidate_score, LaneBest), so the picks
+// are the same bit for bit.
 constexpr int kSelectWarps = 8;
 constexpr int kSelectChunk = 64;
 
@@ -243,10 +264,7 @@ __global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const _
     if (active) {
       for (int c = lane; c < d; c += 32) qs[c] = pq[(static_cast<int64_t>(bh) * n + i) * d + c];
     }
-    float best_s[KMAX];
-    int best_t[KMAX];
-#pragma unroll
-    for (int j = 0; j < KMAX; ++j) best_s[j] = -INFINITY, best_t[j] = 0x7fffffff;
+    LaneBest<KMAX> best;
     for (int c0 = 0; c0 < total; c0 += kSelectChunk) {
       const int rows = min(kSelectChunk, total - c0);
       __syncthreads();  // the previous chunk read by every warp; this round's query rows written
@@ -262,60 +280,12 @@ __global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const _
       for (int r = lane; r < rows; r += 32) {
         const int c = c0 + r;
         const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
-        if (t >= n) continue;
-        const float* kr = ks + r * stride;
-        float s = 0.0f;
-        for (int e = 0; e < d; e += 4) {
-          const float4 kv = *reinterpret_cast<const float4*>(kr + e);
-          s = fmaf(qs[e], kv.x, s);
-          s = fmaf(qs[e + 1], kv.y, s);
-          s = fmaf(qs[e + 2], kv.z, s);
-          s = fmaf(qs[e + 3], kv.w, s);
-        }
-        if (s != s) s = -INFINITY;  // NaN ranks last
-        if (!better(s, t, best_s[KMAX - 1], best_t[KMAX - 1])) continue;
-        best_s[KMAX - 1] = s, best_t[KMAX - 1] = t;
-#pragma unroll
-        for (int j = KMAX - 1; j > 0; --j) {
-          if (better(best_s[j], best_t[j], best_s[j - 1], best_t[j - 1])) {
-            const float ts = best_s[j];
-            const int tt = best_t[j];
-            best_s[j] = best_s[j - 1], best_t[j] = best_t[j - 1];
-            best_s[j - 1] = ts, best_t[j - 1] = tt;
-          }
-        }
+        if (t < n) best.insert(candidate_score(qs, ks + r * stride, d), t);
       }
     }
     if (!active) continue;
-    // K rounds of a warp arg-max over the lanes' list heads, as select_level.
-    int32_t* out = p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K;
-    for (int r = 0; r < keep; ++r) {
-      float s = best_s[0];
-      int t = best_t[0];
-      int owner = lane;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-        const int t2 = __shfl_xor_sync(0xffffffffu, t, off);
-        const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
-        if (better(s2, t2, s, t)) s = s2, t = t2, owner = o2;
-      }
-      if (lane == owner) {
-#pragma unroll
-        for (int j = 0; j + 1 < KMAX; ++j) best_s[j] = best_s[j + 1], best_t[j] = best_t[j + 1];
-        best_s[KMAX - 1] = -INFINITY, best_t[KMAX - 1] = 0x7fffffff;
-      }
-      if (lane == 0) chosen[r] = t;
-    }
-    __syncwarp();
-    for (int r = lane; r < keep; r += 32) {
-      int rank = 0;
-      for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
-      out[rank] = chosen[r];
-    }
-    for (int r = keep + lane; r < p.K; r += 32) out[r] = -1;
-    if (lane == 0) p.counts[l][static_cast<int64_t>(bh) * n + i] = keep;
-    __syncwarp();  // chosen read by every lane before the next round's writes
+    best.write_top(keep, p.K, p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K,
+                   p.counts[l] + static_cast<int64_t>(bh) * n + i, chosen);
   }
 }
 

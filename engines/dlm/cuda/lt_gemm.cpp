@@ -4,17 +4,16 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
 namespace sparsa::dlm {
 
 namespace {
 
-#define SPARSA_LT_TRY(expr)                              \
-  do {                                                   \
-    const cublasStatus_t lt_status_ = (expr);            \
-    if (lt_status_ != CUBLAS_STATUS_SUCCESS) return lt_status_; \
+#define SPARSA_LT_TRY(expr)                                       \
+  do {                                                            \
+    const cublasStatus_t lt_status_ = (expr);                     \
+    if (lt_status_ != CUBLAS_STATUS_SUCCESS) return lt_status_;   \
   } while (0)
 
 // The algorithms listed per shape, and the timed calls of each.

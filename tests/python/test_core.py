@@ -258,6 +258,29 @@ def test_llsa_every_block_selected_without_enrichment_equals_dense(rng):
     assert rel_err(out, ref_o) < F32_RTOL and rel_err(lse, ref_lse) < F32_RTOL
 
 
+@pytest.mark.parametrize("backend", ["cpu_ref", "cpu"])
+def test_llsa_coarsest_level_is_dense_attention_over_the_pooled_keys(rng, backend):
+    # Without dedupe every query attends to every token of the coarsest level, each carrying the
+    # log of the B^L tokens it stands for: with one level and N a multiple of B, LLSA is its fine
+    # blocks (enrich=False) merged by LSE with dense attention over the block means whose LSE is
+    # raised by log B. The cuda backend's forward may compute it that way; this holds it to the
+    # statement. Independent parts: numpy's attention and merge in f64.
+    b, h, n, d, blk = 1, 2, 512, 32, 16
+    q, k, v = rand(rng, b, h, n, d), rand(rng, b, h, n, d), rand(rng, b, h, n, d)
+    out, lse = sparsa.llsa(q, k, v, block=blk, topk=4, levels=1, backend=backend)
+    fine_o, fine_lse = sparsa.llsa(q, k, v, block=blk, topk=4, levels=1, enrich=False, backend=backend)
+    kc = k.astype(np.float64).reshape(b, h, n // blk, blk, d).mean(axis=3)
+    vc = v.astype(np.float64).reshape(b, h, n // blk, blk, d).mean(axis=3)
+    coarse_o, coarse_lse = attention(q, kc, vc)
+    coarse_lse = coarse_lse + np.log(blk)
+    l1, l2 = np.asarray(fine_lse, dtype=np.float64), coarse_lse
+    m = np.maximum(l1, l2)
+    w1, w2 = np.exp(l1 - m)[..., None], np.exp(l2 - m)[..., None]
+    ref_o = (w1 * np.asarray(fine_o, dtype=np.float64) + w2 * coarse_o) / (w1 + w2)
+    ref_lse = m + np.log(w1[..., 0] + w2[..., 0])
+    assert rel_err(out, ref_o) < F32_RTOL and rel_err(lse, ref_lse) < F32_RTOL
+
+
 def test_llsa_backward_matches_finite_differences(rng):
     # f32 central differences: step 1e-2 on O(1) inputs gives ~1e-4 truncation plus
     # ~1e-5 rounding, so 2e-3 relative to the largest gradient separates right from wrong.

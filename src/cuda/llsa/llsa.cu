@@ -67,6 +67,14 @@ int forward_rung() {
 }
 thread_local int g_last_forward_rung = 0;
 
+// The selection's rung: SPARSA_LLSA_SELECT_RUNG=1 forces rung 1 (select_level: a warp per query
+// token, candidates from L2); otherwise rung 2 (select_level_shared: the query tokens that share
+// candidates share their rows in shared memory). Both give the same picks bit for bit.
+int select_rung() {
+  const char* env = std::getenv("SPARSA_LLSA_SELECT_RUNG");
+  return env != nullptr && std::string(env) == "1" ? 1 : 2;
+}
+
 // Whether the `warps` 16-row groups of every CTA (consecutive groups of one head) have the same
 // keys at levels >= 1: their query blocks share the level-2 ancestor (always, with one level).
 bool shares_coarse_keys(const cuda::llsa::Plan& p, int warps) {
@@ -192,15 +200,32 @@ Status build(const Tensor& q, const Tensor& k_, const Tensor* v, const LlsaPlan*
     return {};
   }
   SPARSA_RETURN_IF_ERROR(pool<T>(q, p.heads_q, len, p.d, p.B, p.L, s, dp->pq, nullptr, stream));
-  const int warps = 4;
-  const size_t smem = warps * (p.d * sizeof(float) + k::kMaxTopk * sizeof(int));
-  for (int l = p.L; l >= 1; --l) {
-    const int64_t items = static_cast<int64_t>(p.batch) * p.heads_q * len[l];
-    const int kmax = p.K <= 8 ? 8 : p.K <= 16 ? 16 : p.K <= 32 ? 32 : 64;
+  const int kmax = p.K <= 8 ? 8 : p.K <= 16 ? 16 : p.K <= 32 ? 32 : 64;
+  if (select_rung() == 1) {
+    const int warps = 4;
+    const size_t smem = warps * (p.d * sizeof(float) + k::kMaxTopk * sizeof(int));
     auto* kernel = kmax == 8 ? k::select_level<8> : kmax == 16 ? k::select_level<16>
                  : kmax == 32 ? k::select_level<32> : k::select_level<64>;
-    kernel<<<blocks_for(items, warps), 32 * warps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
-                                                                     s.at<float>(dp->pk[l]));
+    for (int l = p.L; l >= 1; --l) {
+      const int64_t items = static_cast<int64_t>(p.batch) * p.heads_q * len[l];
+      kernel<<<blocks_for(items, warps), 32 * warps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
+                                                                       s.at<float>(dp->pk[l]));
+      SPARSA_CUDA_CHECK_LAUNCH();
+    }
+    return {};
+  }
+  // Rung 2: a CTA per group of query tokens sharing their candidates (kSelectWarps tokens at the
+  // coarsest level, one parent's children below it).
+  static_assert(k::select_shared_bytes(128) <= 48 * 1024, "head_dim 64 and 128 within the default shared memory");
+  const size_t smem = k::select_shared_bytes(p.d);
+  auto* kernel = kmax == 8 ? k::select_level_shared<8> : kmax == 16 ? k::select_level_shared<16>
+               : kmax == 32 ? k::select_level_shared<32> : k::select_level_shared<64>;
+  for (int l = p.L; l >= 1; --l) {
+    const int64_t groups = l == p.L ? (len[l] + k::kSelectWarps - 1) / k::kSelectWarps : len[l + 1];
+    const int64_t blocks = static_cast<int64_t>(p.batch) * p.heads_q * groups;
+    if (blocks == 0) continue;
+    kernel<<<static_cast<unsigned>(blocks), 32 * k::kSelectWarps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
+                                                                                  s.at<float>(dp->pk[l]));
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   return {};

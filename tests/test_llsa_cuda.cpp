@@ -87,7 +87,7 @@ struct Case {
   int64_t seq_pad = 0;  // extra elements between token rows (strided views)
   float amplitude = 1.0f;
   uint32_t seed = 1;
-  int rung = 0;         // forward rung: 0 the library's choice, 1 forced (SPARSA_LLSA_FORWARD_RUNG=1)
+  int rung = 0;         // forward rung: 0 the library's choice, else forced (SPARSA_LLSA_FORWARD_RUNG=rung)
   int expect_rung = 0;  // the rung the forward must have run (0: unchecked)
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
@@ -407,7 +407,7 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   // The forward, plan built on the device.
   DeviceTensor out(c, c.heads_q, nullptr, c.dtype);
   DeviceLse lse(c);
-  if (c.rung == 1) setenv("SPARSA_LLSA_FORWARD_RUNG", "1", 1);
+  if (c.rung != 0) setenv("SPARSA_LLSA_FORWARD_RUNG", std::to_string(c.rung).c_str(), 1);
   Status st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, out.t, lse.t, o);
   const int rung = llsa_cuda::last_forward_rung();
   unsetenv("SPARSA_LLSA_FORWARD_RUNG");
@@ -417,7 +417,7 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   // The same with the plan from the host: bit for bit.
   DeviceTensor out2(c, c.heads_q, nullptr, c.dtype);
   DeviceLse lse2(c);
-  if (c.rung == 1) setenv("SPARSA_LLSA_FORWARD_RUNG", "1", 1);
+  if (c.rung != 0) setenv("SPARSA_LLSA_FORWARD_RUNG", std::to_string(c.rung).c_str(), 1);
   st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, *gp, out2.t, lse2.t, o);
   unsetenv("SPARSA_LLSA_FORWARD_RUNG");
   ASSERT_TRUE(st.ok()) << st.to_string();
@@ -514,6 +514,16 @@ std::vector<Case> cases() {
   v.push_back({.name = "N2000_block20_peaky", .len = 2000, .block = 20, .topk = 6, .amplitude = 4.0f,
                .expect_rung = 2});
   v.push_back({.name = "N300_unaligned_pad", .len = 300, .seq_pad = 3});
+  // Rung 3: the coarsest level through the dense executor, merged by LSE (N a multiple of B^L, no
+  // dedupe, at least 64 coarsest tokens): one level and two, GQA, f16 at d 128, strided rows;
+  // the same shape with rung 2 forced, and one where dedupe keeps the level in the kernel.
+  v.push_back({.name = "N4096_rung3_levels1", .len = 4096, .levels = 1, .expect_rung = 3});
+  v.push_back({.name = "N16384_rung3_levels2_gqa", .heads_q = 2, .heads_kv = 1, .len = 16384, .levels = 2,
+               .expect_rung = 3});
+  v.push_back({.name = "N4096_rung3_f16_d128_strided", .dtype = DType::f16, .len = 4096, .head_dim = 128,
+               .levels = 1, .seq_pad = 8, .expect_rung = 3});
+  v.push_back({.name = "N4096_rung2_forced", .len = 4096, .levels = 1, .rung = 2, .expect_rung = 2});
+  v.push_back({.name = "N4096_dedupe_keeps_rung2", .len = 4096, .levels = 1, .dedupe = true, .expect_rung = 2});
   return v;
 }
 

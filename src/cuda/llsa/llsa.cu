@@ -20,6 +20,7 @@
 #include "cuda/common/workspace.h"
 #include "cuda/llsa/llsa_kernels.cuh"
 #include "methods/llsa/internal.h"
+#include "sparsa/attention.h"
 
 namespace sparsa::llsa_cuda {
 
@@ -318,17 +319,65 @@ k::AttnArgs attn_args(const Call& c) {
   return a;
 }
 
+// The forward's coarsest level through the dense executor (rung 3 of the forward): every query
+// attends to every level-L token, so that part is dense attention of the queries over the
+// level-L pooled keys, which the flash executor runs on the tensor cores at a fraction of the
+// cost of the row-wise kernel's 64-key stages. Exact when every level-L token carries the same
+// weight (len a multiple of B^L: each token's log-weight bias is then one constant, which moves
+// the part's LSE and not its output) and nothing is left out of the level (no dedupe). The
+// row-wise kernel attends the other levels; the two parts are merged by LSE.
+// SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the coarsest level in the row-wise kernel.
+constexpr int kCoarseDenseMinTokens = 64;  // a coarsest level shorter than this stays in the kernel
+
+bool coarse_through_executor(const k::Plan& p) {
+  const char* env = std::getenv("SPARSA_LLSA_FORWARD_RUNG");
+  if (env != nullptr && (std::string(env) == "1" || std::string(env) == "2")) return false;
+  return p.enrich && !p.dedupe && p.len % p.region[p.L] == 0 && p.level_len[p.L] >= kCoarseDenseMinTokens;
+}
+
+template <class T>
+Status coarse_level_dense(const Call& c, const DevicePlan& dp, const Scratch& s, size_t o2_at, size_t lse2_at,
+                          int device, cudaStream_t stream) {
+  const k::Plan& p = dp.p;
+  const DType dt = c.q.dtype;
+  const Device dev{DeviceType::cuda, device};
+  const int64_t n = p.level_len[p.L];
+  const Tensor kc = Tensor::contiguous(s.at<void>(dp.k16[p.L]), dt, {p.batch, p.heads_kv, n, p.d}, dev);
+  const Tensor vc = Tensor::contiguous(s.at<void>(dp.v16[p.L]), dt, {p.batch, p.heads_kv, n, p.d}, dev);
+  const Tensor o2 = Tensor::contiguous(s.at<void>(o2_at), dt, {p.batch, p.heads_q, p.len, p.d}, dev);
+  const Tensor lse2 = Tensor::contiguous(s.at<void>(lse2_at), DType::f32, {p.batch, p.heads_q, p.len}, dev);
+  AttentionOptions o;
+  o.backend = Backend::cuda;
+  o.scale = c.scale;
+  o.stream = stream;
+  SPARSA_RETURN_IF_ERROR(dense(c.q, kc, vc, o2, lse2, o));
+  // Each level-L token stands for B^L tokens: its logits carry + log(B^L), one constant.
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len;
+  k::add_constant<<<static_cast<unsigned>(std::clamp<int64_t>((rows + 255) / 256, 1, 4096)), 256, 0, stream>>>(
+      s.at<float>(lse2_at), rows, std::log(static_cast<float>(p.region[p.L])));
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return merge(c.out, c.lse, o2, lse2, c.out, c.lse, Backend::cuda, stream);
+}
+
 template <class T, int D>
 Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaStream_t stream) {
   DevicePlan dp;
   init_plan(c.q, c.k, c.levels, c.options, &dp);
   Scratch s(device, stream);
   size_plan(c.q, c.k, c.levels, dp.p.K, true, host_plan == nullptr, &dp, s);
+  const bool coarse_dense = coarse_through_executor(dp.p);
+  const int64_t rows = static_cast<int64_t>(dp.p.batch) * dp.p.heads_q * dp.p.len;
+  const size_t o2_at = coarse_dense ? s.add(static_cast<size_t>(rows) * dp.p.d * 2) : 0;
+  const size_t lse2_at = coarse_dense ? s.add(static_cast<size_t>(rows) * 4) : 0;
   SPARSA_RETURN_IF_ERROR(s.allocate());
   fill_plan_view(s, &dp);
   SPARSA_RETURN_IF_ERROR(build<T>(c.q, c.k, &c.v, host_plan, &dp, s, stream));
-  const k::AttnArgs a = attn_args(c);
-  return launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung);
+  k::AttnArgs a = attn_args(c);
+  if (coarse_dense) a.forward_last_level = dp.p.L - 1;
+  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung));
+  if (!coarse_dense) return {};
+  g_last_forward_rung = 3;
+  return coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream);
 }
 
 template <class T, int D>

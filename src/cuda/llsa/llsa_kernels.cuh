@@ -503,6 +503,9 @@ struct AttnArgs {
   const int32_t* visit_begin[kMaxLevels + 1] = {};  // l < L: [batch * heads_kv * n_{l+1}... ] per key group
   const int32_t* visit_end[kMaxLevels + 1] = {};
   const int32_t* visitors[kMaxLevels + 1] = {};     // l < L: bh_q * n_{l+1} + a, sorted by key group
+  // The forward: the last level its key streams attend (min with p.L). p.L - 1 when the coarsest
+  // level goes through the dense executor instead (llsa.cu, coarse_through_executor).
+  int forward_last_level = kMaxLevels;
 };
 
 __device__ __forceinline__ int64_t row_offset(const Rows& r, int b, int h, int t) {
@@ -694,21 +697,30 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) forward(cons
   float o[kDT][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   uint32_t qf[D / 16][4];
+  const int last = min(p.L, a.forward_last_level);
   auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
     attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2);
   };
   if (active) {
     const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
     warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
-    KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : p.L, true);
+    KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : last, true);
     warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
   }
   if constexpr (SHARED) {
-    KeyStream coarse(p, w0.bh, w0.qb, 1, p.L, false);
+    KeyStream coarse(p, w0.bh, w0.qb, 1, last, false);
     const uint32_t ck_s = base + WARPS * warp_tiles(1) * kTileBytes;
     cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
   }
   if (active) store_rows<T, D>(a, w, o, row_max, row_sum);
+}
+
+// x[i] += c for i < n (the dense executor's LSE of the coarsest level raised by log(weight)).
+__global__ void add_constant(float* x, int64_t n, float c) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] += c;
+  }
 }
 
 // ---- backward ---------------------------------------------------------------------------------

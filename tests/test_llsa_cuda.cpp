@@ -512,14 +512,16 @@ std::vector<Case> cases() {
   v.push_back({.name = "N4099_block64_d128", .len = 4099, .head_dim = 128, .block = 64, .topk = 4, .levels = 1});
   v.push_back({.name = "N4099_topk32_dedupe", .len = 4099, .topk = 32, .levels = 2, .dedupe = true});
   v.push_back({.name = "N2000_block20_peaky", .len = 2000, .block = 20, .topk = 6, .amplitude = 4.0f,
-               .expect_rung = 3});  // one level of 100 tokens: the dense executor's part, peaky logits
+               .rung = 3, .expect_rung = 3});  // one level of 100 tokens through the dense executor (forced: under 256), peaky logits
   v.push_back({.name = "N300_unaligned_pad", .len = 300, .seq_pad = 3});
   // Rung 3: the coarsest level through the dense executor, merged by LSE (N a multiple of B^L, no
-  // dedupe, at least 64 coarsest tokens): one level and two, GQA, f16 at d 128, strided rows;
-  // the same shape with rung 2 forced, and one where dedupe keeps the level in the kernel.
+  // dedupe, at least 256 coarsest tokens, or fewer with SPARSA_LLSA_FORWARD_RUNG=3): one level and
+  // two, GQA, f16 at d 128, strided rows; the same shape with rung 2 forced, one where dedupe keeps
+  // the level in the kernel, and one whose coarsest level is too short to leave it.
   v.push_back({.name = "N4096_rung3_levels1", .len = 4096, .levels = 1, .expect_rung = 3});
   v.push_back({.name = "N16384_rung3_levels2_gqa", .heads_q = 2, .heads_kv = 1, .len = 16384, .levels = 2,
-               .expect_rung = 3});
+               .rung = 3, .expect_rung = 3});
+  v.push_back({.name = "N4096_levels2_short_coarsest_keeps_rung2", .len = 4096, .levels = 2, .expect_rung = 2});
   v.push_back({.name = "N4096_rung3_f16_d128_strided", .dtype = DType::f16, .len = 4096, .head_dim = 128,
                .levels = 1, .seq_pad = 8, .expect_rung = 3});
   v.push_back({.name = "N4096_rung2_forced", .len = 4096, .levels = 1, .rung = 2, .expect_rung = 2});

@@ -326,13 +326,19 @@ k::AttnArgs attn_args(const Call& c) {
 // weight (len a multiple of B^L: each token's log-weight bias is then one constant, which moves
 // the part's LSE and not its output) and nothing is left out of the level (no dedupe). The
 // row-wise kernel attends the other levels; the two parts are merged by LSE.
-// SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the coarsest level in the row-wise kernel.
-constexpr int kCoarseDenseMinTokens = 64;  // a coarsest level shorter than this stays in the kernel
+// SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the coarsest level in the row-wise kernel; =3 takes this
+// path wherever it is exact, whatever the level's length (the tests' short shapes).
+// A coarsest level shorter than this stays in the kernel: on an H100 (bench/RESULTS.md, "LLSA's
+// forward, rung 3") the extra dense call and merge cost more than they saved at 64 tokens (16K, 0.80x
+// rung 2) and less at 256 (64K, 1.04x) and 1,024 (256K, 1.77x).
+constexpr int kCoarseDenseMinTokens = 256;
 
 bool coarse_through_executor(const k::Plan& p) {
   const char* env = std::getenv("SPARSA_LLSA_FORWARD_RUNG");
-  if (env != nullptr && (std::string(env) == "1" || std::string(env) == "2")) return false;
-  return p.enrich && !p.dedupe && p.len % p.region[p.L] == 0 && p.level_len[p.L] >= kCoarseDenseMinTokens;
+  const std::string forced = env != nullptr ? env : "";
+  if (forced == "1" || forced == "2") return false;
+  const bool exact = p.enrich && !p.dedupe && p.len % p.region[p.L] == 0;
+  return exact && (forced == "3" || p.level_len[p.L] >= kCoarseDenseMinTokens);
 }
 
 template <class T>

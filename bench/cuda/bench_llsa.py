@@ -9,17 +9,18 @@ top-K 8, two levels. Rows per N:
                 backward), imported from a checkout given with --official (never part of sparsa);
   cudnn         SDPA with the cuDNN backend, dense;
   flex-fine     FlexAttention (torch.compile) over LLSA's fine-block mask (sparsa's own plan, no
-                enrichment): the block-sparse part alone.
-Every time is the median of CUDA-event-timed calls after warm-ups. TFLOP/s counts the keys each
-query actually visits (fine and pooled): forward 4 * H * N * keys * D; forward+backward 3.5 times
-that (the backward recomputes S and computes dP, dQ, dK, dV). The plan row times sparsa.llsa_plan
+                enrichment): the block-sparse part alone, at FlexAttention's 128-token tiles (every
+                tile holding a selected block) with a mask_mod keeping the selected blocks' keys.
+Every time is the median of CUDA-event-timed calls after warm-ups; sparsa and the official kernel
+are timed in --rounds interleaved rounds (bench/cuda/rounds.py), each ratio the rounds' median.
+TFLOP/s counts the keys each query actually visits (fine and pooled): forward 4 * H * N * keys *
+D; forward+backward 3.5 times that (the backward recomputes S and computes dP, dQ, dK, dV). The plan row times sparsa.llsa_plan
 (the device selection plus its copy back to the host, an upper bound of selection's share).
 --scale N: one forward+backward at N tokens (heads --scale-heads), with the device memory in use at
 its peak (polled every 0.2 ms by a second thread; sparsa's scratch comes from its own stream-ordered
 pool, not torch's allocator), minus what was in use before.
 """
 import argparse
-import statistics
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparsa
 import sparsa.torch as st
+import rounds  # interleaved rounds: drift falls on every variant alike
 from bench_attention import time_torch  # the same CUDA-event timing as the executor benchmark
 
 CEILING = 790.0  # bf16 TFLOP/s measured on this H200 kind (8192^3 matmul)
@@ -48,13 +50,19 @@ def flex_fine_mask(index, n, block, heads, device, tile=FLEX_TILE):
     picks = torch.as_tensor(index.indices, device=device).reshape(heads, nb, -1).long()
     valid = torch.arange(picks.shape[-1], device=device) < counts[..., None]
     h, qb, slot = valid.nonzero(as_tuple=True)
+    kb = picks[h, qb, slot]
     selected = torch.zeros(heads, nb, nb, dtype=torch.bool, device=device)
-    selected[h, qb, picks[h, qb, slot]] = True
-    per = tile // block
-    nt = -(-nb // per)
-    padded = torch.zeros(heads, nt * per, nt * per, dtype=torch.bool, device=device)
-    padded[:, :nb, :nb] = selected
-    tiles = padded.view(heads, nt, per, nt, per).any(dim=4).any(dim=2)
+    selected[h, qb, kb] = True
+    # The tiles a block's tokens fall in (a block need not divide a tile): its first token, every
+    # tile-th token after it and its last token, each clamped to the sequence.
+    nt = -(-n // tile)
+    offsets = list(range(0, block, tile)) + [block - 1]
+    tiles = torch.zeros(heads, nt, nt, dtype=torch.bool, device=device)
+    for oq in offsets:
+        for ok in offsets:
+            qt = torch.clamp(qb * block + oq, max=n - 1) // tile
+            kt = torch.clamp(kb * block + ok, max=n - 1) // tile
+            tiles[h, qt, kt] = True
     kv_num = tiles.sum(-1, dtype=torch.int32)[None]
     kv_idx = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)[None]
 
@@ -86,7 +94,7 @@ def main():
     ap.add_argument("--scale-heads", type=int, default=4)
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one sparsa forward+backward")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="sparsa and the official kernel timed in this many alternating rounds (median, range)")
+                    help="sparsa and the official kernel timed in this many interleaved rounds (median, range)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     H, D, B, K, L = args.heads, args.dim, args.block, args.topk, args.levels
@@ -164,17 +172,16 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"{N:>7} official: failed ({type(e).__name__}: {str(e)[:200]})")
         # The official kernel's times moved by up to 30% between calls (clocks, the Triton kernel's
-        # first-call tuning), so sparsa and it take turns over --rounds rounds in this process and
-        # each row is the median of the rounds' medians, its range printed beside the ratio.
-        rounds = {"sparsa": [], "official": []}
-        for _ in range(max(1, args.rounds)):
-            for name, fns in (("sparsa", sparsa_fns), ("official", official_fns)):
-                if fns is not None:
-                    rounds[name].append((time_ms(fns[0], iters), time_ms(fns[1], iters)))
-        for name, keys in (("sparsa", kpq), ("official", float("nan"))):
-            if rounds[name]:
-                rows[name] = (statistics.median(f for f, _ in rounds[name]),
-                              statistics.median(b for _, b in rounds[name]), keys)
+        # first-call tuning), so sparsa and it are timed in interleaved rounds (bench/cuda/rounds.py):
+        # each row is its median over the rounds, each ratio the median of the rounds' own ratios.
+        summary = {}
+        for part, at in (("fwd", 0), ("f+b", 1)):
+            variants = [("sparsa", sparsa_fns[at])] + ([("official", official_fns[at])] if official_fns else [])
+            times = rounds.interleaved(variants, max(1, args.rounds), lambda fn: time_ms(fn, iters))
+            summary[part] = rounds.summarise(times, "official" if official_fns else "sparsa")
+        rows["sparsa"] = (summary["fwd"]["sparsa"]["ms"], summary["f+b"]["sparsa"]["ms"], kpq)
+        if official_fns:
+            rows["official"] = (summary["fwd"]["official"]["ms"], summary["f+b"]["official"]["ms"], float("nan"))
         # FlexAttention cannot take LLSA's 16-token blocks as its own (its tiles must divide the
         # BlockMask's blocks, and asked for 16-token tiles its compiler finds no kernel), so the
         # peer is FlexAttention at its 128-token tiles over every tile that holds a selected fine
@@ -209,12 +216,12 @@ def main():
         print(f"{N:>7} plan (device selection + copy back) {plan_ms:.3f} ms = {plan_ms / sf:.0%} of the forward; "
               f"sparsa forward at {flops / sf / 1e9 / CEILING:.1%} of the {CEILING:.0f} TFLOP/s ceiling")
         if "official" in rows:
-            of, ob, _ = rows["official"]
-            spread = "; ".join(f"{name} fwd {min(f for f, _ in r):.3f}-{max(f for f, _ in r):.3f}, "
-                               f"f+b {min(b for _, b in r):.3f}-{max(b for _, b in r):.3f} ms"
-                               for name, r in rounds.items())
-            print(f"{N:>7} sparsa vs official: forward {of / sf:.2f}x, forward+backward {ob / rows['sparsa'][1]:.2f}x "
-                  f"(medians of {len(rounds['sparsa'])} alternating rounds; {spread})")
+            f_, b_ = summary["fwd"]["sparsa"], summary["f+b"]["sparsa"]
+            of_, ob_ = summary["fwd"]["official"], summary["f+b"]["official"]
+            print(f"{N:>7} sparsa vs official: forward {f_['speed']:.2f}x ({f_['speed_min']:.2f}-{f_['speed_max']:.2f}), "
+                  f"forward+backward {b_['speed']:.2f}x ({b_['speed_min']:.2f}-{b_['speed_max']:.2f}) over "
+                  f"{max(1, args.rounds)} interleaved rounds; official fwd {of_['ms_min']:.3f}-{of_['ms_max']:.3f} ms, "
+                  f"f+b {ob_['ms_min']:.3f}-{ob_['ms_max']:.3f} ms")
         del q, k, v, do, qg, kg, vg, out, lse
         torch.cuda.empty_cache()
 

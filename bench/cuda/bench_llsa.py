@@ -14,8 +14,9 @@ top-K 8, two levels. Rows per N:
 Every time is the median of CUDA-event-timed calls after warm-ups; sparsa and the official kernel
 are timed in --rounds interleaved rounds (bench/cuda/rounds.py), each ratio the rounds' median.
 TFLOP/s counts the keys each query actually visits (fine and pooled): forward 4 * H * N * keys *
-D; forward+backward 3.5 times that (the backward recomputes S and computes dP, dQ, dK, dV). The plan row times sparsa.llsa_plan
-(the device selection plus its copy back to the host, an upper bound of selection's share).
+D; forward+backward 3.5 times that (the backward recomputes S and computes dP, dQ, dK, dV). The
+plan row times sparsa.llsa_plan (the device selection plus its copy back to the host, an upper
+bound of selection's share).
 --scale N: one forward+backward at N tokens (heads --scale-heads), with the device memory in use at
 its peak (polled every 0.2 ms by a second thread; sparsa's scratch comes from its own stream-ordered
 pool, not torch's allocator), minus what was in use before.

@@ -38,6 +38,9 @@ inline DeviceInput device_input(const sparsa::HostArray& values, sparsa::DType d
   EXPECT_TRUE(dev.ok()) << dev.status().to_string();
   in.device = std::move(dev).value();
   EXPECT_EQ(cudaMemcpy(in.device.data(), in.host.data(), in.host.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  // From pageable memory cudaMemcpy returns with the last DMA possibly in flight, on the legacy
+  // stream, which the tests' non-blocking streams do not wait for: finished here.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   in.device_view = in.device.view();
   in.device_view.shape[3] = d;
   return in;

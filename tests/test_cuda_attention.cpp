@@ -1528,13 +1528,17 @@ TEST(CudaAttentionErrors, IndexContentsCheckedOnTheDeviceAsOnTheHost) {
 // exact value sits near a rounding midpoint the two may round apart, so one ulp of the dtype,
 // |O - ref| <= 2^-(p-1) * |ref| + 1e-6 (p = 8 bf16, 11 f16; 2^-20 for f32's few roundings);
 // LSE within 4e-6 * (1 + |ref|) (f32 expf / logf, a few ulps).
+// Three head_dims: 72, whose rows span whole 16-byte chunks in every dtype (the vector kernel, 9
+// or 18 chunks a row: groups of 16 or 32 lanes with idle lanes), 256 (32 or 64 chunks: f32's
+// lanes loop), and 37, whose rows do not (the per-element kernel).
 TEST(CudaAttentionMerge, MatchesCpuRefEveryDtypeStridedAliasedAndEmptySides) {
   if (!backend_available(Backend::cuda)) GTEST_SKIP() << "no CUDA device";
-  constexpr int64_t B = 2, H = 3, L = 37, D = 72, pad = 8;
+  constexpr int64_t B = 2, H = 3, L = 37, pad = 8;
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const int64_t D : {int64_t{72}, int64_t{37}, int64_t{256}})
   for (DType dt : {DType::bf16, DType::f16, DType::f32}) {
-    SCOPED_TRACE(dtype_name(dt));
+    SCOPED_TRACE(std::string(dtype_name(dt)) + " head_dim " + std::to_string(D));
     std::vector<float> o1f(B * H * L * D), o2f(B * H * L * (D + pad));
     for (auto& x : o1f) x = normal(rng);
     for (auto& x : o2f) x = normal(rng);

@@ -1,7 +1,8 @@
 // The index arithmetic of the cuda mask hook, on the host (no device needed): the kernels'
 // per-row windows (mask_window) are the host statement of the masks (mask_key_begin /
 // mask_key_end, core/mask.cpp), and the key ranges by which the flash and split-KV kernels skip
-// tiles (tile_key_range, dense_tile_range, clip_split_tiles) never skip a key some row sees.
+// tiles (tile_key_range, dense_tile_range, clip_split_tiles) never skip a key some row sees; the
+// keys on which they leave the mask out (tile_key_core) are those every row of the tile sees.
 // BA-Att's mask-aware selection on the device classifies key blocks (block_visibility) exactly as
 // mask_block_visibility does. The kernels themselves are checked against cpu_ref in
 // test_cuda_attention.cpp and test_ba_att_cuda.cpp (on a device).
@@ -84,6 +85,31 @@ TEST(CudaMaskLogic, FlashTilesSkipNoVisibleKey) {
                   ASSERT_TRUE(j >= kmin && j < kmax) << mask_string(m) << " " << lq << "x" << lkv << " tile " << begin;
                   ASSERT_TRUE(j / bn >= first && j / bn < first + count) << mask_string(m) << " key " << j;
                 }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The keys a query tile's rows all see (tile_key_core), on which the flash kernels leave the
+// per-element mask out: exactly the keys that every row of the tile sees, for every mask and
+// shape (a key outside it is hidden from some row, so no visible-to-all key is masked and no tile
+// that needs the mask goes without it).
+TEST(CudaMaskLogic, TileCoreIsTheKeysEveryRowSees) {
+  for (const Mask& m : kMasks) {
+    const AttentionArgs a = args_of(m);
+    for (auto [lq, lkv] : kShapes) {
+      for (int rows : {128, 64}) {
+        for (int begin = 0; begin < lq; begin += rows) {
+          const int end = std::min(begin + rows, lq);
+          int lo = 0, hi = 0;
+          cuda::detail::tile_key_core(a, begin, end, lq, lkv, lo, hi);
+          for (int j = 0; j < lkv; ++j) {
+            bool all = true;
+            for (int i = begin; i < end && all; ++i) all = mask_visible(m, i, j, lq, lkv);
+            ASSERT_EQ(all, j >= lo && j < hi) << mask_string(m) << " " << lq << "x" << lkv << " rows " << begin
+                                              << ".." << end << " key " << j << " core [" << lo << ", " << hi << ")";
           }
         }
       }

@@ -43,6 +43,9 @@ DeviceInput bf16_input(std::vector<int64_t> shape, uint32_t seed) {
   EXPECT_TRUE(dev.ok()) << dev.status().to_string();
   in.device = std::move(dev).value();
   EXPECT_EQ(cudaMemcpy(in.device.data(), in.host.data(), in.host.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  // Finished before the non-blocking streams below read it (a pageable copy on the legacy stream
+  // may still be in flight when cudaMemcpy returns).
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return in;
 }
 

@@ -87,7 +87,7 @@ struct Case {
   int64_t seq_pad = 0;  // extra elements between token rows (strided views)
   float amplitude = 1.0f;
   uint32_t seed = 1;
-  int rung = 0;         // forward rung: 0 the library's choice, 1 forced (SPARSA_LLSA_FORWARD_RUNG=1)
+  int rung = 0;         // forward rung: 0 the library's choice, else forced (SPARSA_LLSA_FORWARD_RUNG=rung)
   int expect_rung = 0;  // the rung the forward must have run (0: unchecked)
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
@@ -371,6 +371,23 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   Result<LlsaPlan> gp = llsa_plan(dq_in.t, dk_in.t, o);
   ASSERT_TRUE(gp.ok()) << gp.status().to_string();
   check_plan_valid(c, *gp, q, k);
+  // The selection's rung 1 (a warp per query token, candidates from L2) picks the same tokens, bit
+  // for bit, as rung 2 (the default: candidates shared in shared memory), at every level.
+  setenv("SPARSA_LLSA_SELECT_RUNG", "1", 1);
+  Result<LlsaPlan> gp1 = llsa_plan(dq_in.t, dk_in.t, o);
+  unsetenv("SPARSA_LLSA_SELECT_RUNG");
+  ASSERT_TRUE(gp1.ok()) << gp1.status().to_string();
+  for (int l = 1; l <= gp->levels; ++l) {
+    const auto& a = gp->picks[l - 1];
+    const auto& b = gp1->picks[l - 1];
+    ASSERT_EQ(a.numel(), b.numel());
+    EXPECT_TRUE(std::equal(a.ptr<int32_t>(), a.ptr<int32_t>() + a.numel(), b.ptr<int32_t>()))
+        << "level " << l << ": the selection's two rungs pick differently";
+    const auto& ca = gp->pick_counts[l - 1];
+    const auto& cb = gp1->pick_counts[l - 1];
+    EXPECT_TRUE(std::equal(ca.ptr<int32_t>(), ca.ptr<int32_t>() + ca.numel(), cb.ptr<int32_t>()))
+        << "level " << l << ": the selection's two rungs count differently";
+  }
   LlsaOptions ho = o;
   ho.backend = Backend::cpu;
   Result<LlsaPlan> cp = llsa_plan(host_view(q, c, c.heads_q), host_view(k, c, c.heads_kv), ho);
@@ -390,7 +407,7 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   // The forward, plan built on the device.
   DeviceTensor out(c, c.heads_q, nullptr, c.dtype);
   DeviceLse lse(c);
-  if (c.rung == 1) setenv("SPARSA_LLSA_FORWARD_RUNG", "1", 1);
+  if (c.rung != 0) setenv("SPARSA_LLSA_FORWARD_RUNG", std::to_string(c.rung).c_str(), 1);
   Status st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, out.t, lse.t, o);
   const int rung = llsa_cuda::last_forward_rung();
   unsetenv("SPARSA_LLSA_FORWARD_RUNG");
@@ -400,7 +417,7 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   // The same with the plan from the host: bit for bit.
   DeviceTensor out2(c, c.heads_q, nullptr, c.dtype);
   DeviceLse lse2(c);
-  if (c.rung == 1) setenv("SPARSA_LLSA_FORWARD_RUNG", "1", 1);
+  if (c.rung != 0) setenv("SPARSA_LLSA_FORWARD_RUNG", std::to_string(c.rung).c_str(), 1);
   st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, *gp, out2.t, lse2.t, o);
   unsetenv("SPARSA_LLSA_FORWARD_RUNG");
   ASSERT_TRUE(st.ok()) << st.to_string();
@@ -495,8 +512,20 @@ std::vector<Case> cases() {
   v.push_back({.name = "N4099_block64_d128", .len = 4099, .head_dim = 128, .block = 64, .topk = 4, .levels = 1});
   v.push_back({.name = "N4099_topk32_dedupe", .len = 4099, .topk = 32, .levels = 2, .dedupe = true});
   v.push_back({.name = "N2000_block20_peaky", .len = 2000, .block = 20, .topk = 6, .amplitude = 4.0f,
-               .expect_rung = 2});
+               .rung = 3, .expect_rung = 3});  // one level of 100 tokens through the dense executor (forced: under 256), peaky logits
   v.push_back({.name = "N300_unaligned_pad", .len = 300, .seq_pad = 3});
+  // Rung 3: the coarsest level through the dense executor, merged by LSE (N a multiple of B^L, no
+  // dedupe, at least 256 coarsest tokens, or fewer with SPARSA_LLSA_FORWARD_RUNG=3): one level and
+  // two, GQA, f16 at d 128, strided rows; the same shape with rung 2 forced, one where dedupe keeps
+  // the level in the kernel, and one whose coarsest level is too short to leave it.
+  v.push_back({.name = "N4096_rung3_levels1", .len = 4096, .levels = 1, .expect_rung = 3});
+  v.push_back({.name = "N16384_rung3_levels2_gqa", .heads_q = 2, .heads_kv = 1, .len = 16384, .levels = 2,
+               .rung = 3, .expect_rung = 3});
+  v.push_back({.name = "N4096_levels2_short_coarsest_keeps_rung2", .len = 4096, .levels = 2, .expect_rung = 2});
+  v.push_back({.name = "N4096_rung3_f16_d128_strided", .dtype = DType::f16, .len = 4096, .head_dim = 128,
+               .levels = 1, .seq_pad = 8, .expect_rung = 3});
+  v.push_back({.name = "N4096_rung2_forced", .len = 4096, .levels = 1, .rung = 2, .expect_rung = 2});
+  v.push_back({.name = "N4096_dedupe_keeps_rung2", .len = 4096, .levels = 1, .dedupe = true, .expect_rung = 2});
   return v;
 }
 

@@ -13,14 +13,16 @@
 // LayerAttention over the same views): rest = step - GEMMs - attention (norms, RoPE, SwiGLU,
 // embedding, the greedy sampler and its read-back of the picks, launch gaps), of which the
 // elementwise kernels alone and the sampler alone are timed too. Weight streaming: the bytes of every weight matrix the step
-// reads over (step - attention), against 4.8 TB/s. TFLOP/s: 2 x matrix parameters x tokens plus
+// reads over (step - attention), against the card's HBM bandwidth by its datasheet (4.8 TB/s on an
+// H200, 3.35 on an H100 SXM; other cards from their memory clock and bus width). TFLOP/s: 2 x matrix parameters x tokens plus
 // the attention FLOPs, over the step time.
 // generate: whole generate() calls through each loop (remask and prefix_cache on LLaDA-8B, block on
 // SDAR-8B; prompts of 1-4K tokens, greedy): tokens/s and steps/s, wall clock.
-// gemm: each GEMM shape of the two models at 16 and 32 rows, cuBLAS beside every rung of
-// sparsa's weight-streaming kernel (skinny_gemm.cu): microseconds and weight TB/s. The weights
+// gemm: each GEMM shape of the two models at 16 and 32 rows, cuBLAS beside every rung of sparsa's
+// weight-streaming kernel (skinny_gemm.cu) and cuBLASLt's algorithms (gemm "tuned": the
+// heuristic's pick, the timed choice, the fastest listed): microseconds and weight TB/s. The weights
 // rotate through copies that together exceed the 60 MB L2, so every call streams from HBM.
-// --gemm cublas|streaming: the engine's GEMM choice for the step rows (LoadOptions::gemm).
+// --gemm cublas|streaming|tuned: the engine's GEMM choice for the step rows (LoadOptions::gemm).
 // --attention SPEC: every layer's attention method (LoadOptions::attention, e.g. losa:budget=256,k=4);
 // the step rows time step 1 of a block, so a LoSA layer's untimed warm-up call is its dense first step.
 // --batch N: the sdar_block rows step N requests together, each with its own cache of ctx tokens
@@ -36,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/lt_gemm.h"
 #include "cuda/skinny_gemm.h"
 #include "engine.h"
 #include "model_common.h"
@@ -46,7 +49,18 @@ using namespace sparsa::dlm;
 
 namespace {
 
-constexpr double kHbm = 4.8e12;
+// The card's HBM bandwidth by its datasheet, bytes/s.
+double hbm_peak() {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return 4.8e12;
+  const std::string name = prop.name;
+  if (name.find("H200") != std::string::npos) return 4.8e12;
+  if (name.find("H100") != std::string::npos && name.find("PCIe") == std::string::npos) return 3.35e12;
+  int clock_khz = 0, bus_bits = 0;
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, 0);
+  cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0);
+  return 2.0 * clock_khz * 1e3 * bus_bits / 8;
+}
 
 #define CHECK(x)                                                                        \
   do {                                                                                  \
@@ -150,6 +164,7 @@ struct Row {
   int64_t tokens = 0, ctx = 0;
   double step = 0, gemm = 0, attention = 0, elementwise = 0, sample = 0;
   double flops = 0, weight_bytes = 0;
+  bool skipped = false;  // its caches did not fit the card
 };
 
 // One step of `batch` requests decoded together (one batched forward: the GEMMs over all their
@@ -165,6 +180,16 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
   // batched state, as the block loop makes them.
   const std::vector<int64_t> max_tokens(static_cast<size_t>(batch), ctx + n);
   auto made = make_sequences(c, m.policy, max_tokens);
+  Row r;
+  r.name = batch > 1 ? name + " x" + std::to_string(batch) : name;
+  r.tokens = n * batch;
+  r.ctx = ctx;
+  if (made.status().code() == StatusCode::out_of_memory) {  // the caches do not fit this card: a row without times
+    std::printf("%s at %lld cached tokens: skipped, its caches do not fit this card (%s)\n", r.name.c_str(),
+                static_cast<long long>(ctx), made.status().message().c_str());
+    r.skipped = true;
+    return r;
+  }
   CHECK(made.status());
   std::vector<Sequence> seqs = std::move(made.value());
   for (Sequence& seq : seqs) fill_cache(c, seq, ctx, stream);
@@ -190,10 +215,6 @@ Row bench_step(const Model& model, const std::string& name, int64_t n, int64_t c
     attention_chunks.push_back({&seqs[b], tokens, ao});
     rows.push_back({b * n, n, ctx, b * logit_rows});
   }
-  Row r;
-  r.name = batch > 1 ? name + " x" + std::to_string(batch) : name;
-  r.tokens = N;
-  r.ctx = ctx;
   // A step as the loops run it at temperature 0: the forward, then the greedy sampler on the
   // device (only the picks come back).
   std::vector<Pick> picks(static_cast<size_t>(L));
@@ -303,6 +324,8 @@ void bench_gemm_table(int iters) {
   cudaMalloc(&ws, size_t{64} << 20);
   cublasSetWorkspace(handle, ws, size_t{64} << 20);
 
+  LtGemm lt;
+  lt.init(ws, size_t{64} << 20);
   const int rungs = skinny_gemm_variants();
   std::printf("\nGEMMs alone (bf16 weights streamed from HBM; us per call, weight TB/s)\n");
   std::printf("%-12s %4s | %16s", "shape", "n", "cublas");
@@ -340,17 +363,21 @@ void bench_gemm_table(int iters) {
       });
       std::printf("%-12s %4lld | %8.1f %5.2f TB", sh.name, static_cast<long long>(n), t_cublas,
                   wbytes / (t_cublas * 1e-6) / 1e12);
+      // The product as the weight-streaming kernel takes it (w: the first copy; the timed calls
+      // set each copy).
+      SkinnyGemm product;
+      product.y = y;
+      product.y_f32 = sh.out != 0;
+      product.accumulate = sh.out == 1;
+      product.x = x;
+      product.w = ws_copies[0];
+      product.n = n;
+      product.rows = sh.rows;
+      product.cols = sh.cols;
       double best = 1e30;
       for (int c = 0; c <= rungs; ++c) {  // c == rungs: the engine's rung as a programmatic dependent launch
         const int v = c < rungs ? c : 0;
-        SkinnyGemm g;
-        g.y = y;
-        g.y_f32 = sh.out != 0;
-        g.accumulate = sh.out == 1;
-        g.x = x;
-        g.n = n;
-        g.rows = sh.rows;
-        g.cols = sh.cols;
+        SkinnyGemm g = product;
         // Ordinary launches, as inside a step (where the kernel before a GEMM is not a GEMM);
         // the last column overlaps each call with the previous one's tail.
         g.overlap_previous = c == rungs;
@@ -363,6 +390,32 @@ void bench_gemm_table(int iters) {
         std::printf(" | %8.1f %5.2f TB", t, wbytes / (t * 1e-6) / 1e12);
       }
       std::printf(" | %.2fx\n", t_cublas / best);
+      // gemm "tuned": cuBLASLt's heuristic's own pick, the engine's timed choice (among cuBLASLt's
+      // algorithms and, up to 16 rows, the weight-streaming kernel), and the fastest of cuBLASLt's
+      // listed algorithms in this loop's timing.
+      const LtShape shape = LtGemm::shape(n, sh.rows, sh.cols, sh.out == 0 ? CUDA_R_16BF : CUDA_R_32F, sh.out == 1, y,
+                                          x, ws_copies[0]);
+      std::vector<LtCandidate> list;
+      if (lt.candidates(shape, 16, &list) == CUBLAS_STATUS_SUCCESS) {
+        std::vector<double> t_lt;
+        for (const LtCandidate& cand : list) {
+          t_lt.push_back(time_calls([&](void* w) { lt.run(shape, cand, y, x, w, stream); }));
+        }
+        // The engine offers the weight-streaming kernel (its rung, a dependent launch) up to 16 rows.
+        SkinnyGemm g = product;
+        g.overlap_previous = true;
+        const SkinnyGemm* skinny = n <= 16 && skinny_gemm_supported(g) ? &g : nullptr;
+        const double t_tuned = time_calls([&](void* w) { lt.tuned(shape, y, x, w, stream, skinny); });
+        const size_t b = static_cast<size_t>(std::min_element(t_lt.begin(), t_lt.end()) - t_lt.begin());
+        const LtCandidate* chosen = lt.chosen(shape, skinny != nullptr);
+        std::printf("%-12s %4lld |   cuBLASLt's heuristic's pick %.1f us (%s); tuned %.1f us %.2f TB (%s), %.2fx cublas; "
+                    "fastest cuBLASLt algorithm of %zu here %.1f us (%s)\n",
+                    sh.name, static_cast<long long>(n), t_lt[0], list[0].describe().c_str(), t_tuned,
+                    wbytes / (t_tuned * 1e-6) / 1e12, chosen != nullptr ? chosen->describe().c_str() : "-",
+                    t_cublas / t_tuned, list.size(), t_lt[b], list[b].describe().c_str());
+      } else {
+        std::printf("%-12s %4lld |   cuBLASLt: no algorithm listed\n", sh.name, static_cast<long long>(n));
+      }
       cudaFree(x);
       cudaFree(y);
     }
@@ -457,15 +510,18 @@ int main(int argc, char** argv) {
   if (out.empty() && gens.empty()) return 0;
   std::printf("DLM engine steps on the device (bf16, random 8B-shaped weights, GEMMs %s, attention %s; medians of "
               "CUDA-event timings)\n", gemm.c_str(), attention.c_str());
+  const double hbm = hbm_peak();
+  std::printf("(of HBM: against %.2f TB/s)\n", hbm / 1e12);
   std::printf("%-13s %6s %7s | %9s %9s %9s %9s (%7s %7s) | %8s %12s %9s\n", "row", "tokens", "ctx", "step ms",
               "gemm ms", "attn ms", "rest ms", "elemw", "sample", "TFLOP/s", "weights TB/s", "of HBM");
   for (const Row& r : out) {
+    if (r.skipped) continue;
     const double non_attn = r.step - r.attention;
     const double tbs = r.weight_bytes / (non_attn * 1e-3) / 1e12;
     std::printf("%-13s %6lld %7lld | %9.2f %9.2f %9.2f %9.2f (%7.2f %7.2f) | %8.1f %12.2f %8.0f%%\n",
                 r.name.c_str(), static_cast<long long>(r.tokens), static_cast<long long>(r.ctx), r.step, r.gemm,
                 r.attention, r.step - r.gemm - r.attention, r.elementwise, r.sample,
-                r.flops / (r.step * 1e-3) / 1e12, tbs, 100 * tbs * 1e12 / kHbm);
+                r.flops / (r.step * 1e-3) / 1e12, tbs, 100 * tbs * 1e12 / hbm);
   }
   if (!gens.empty()) {
     std::printf("\ngenerate() end to end (greedy, wall clock, prefill included)\n");

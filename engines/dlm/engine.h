@@ -134,10 +134,11 @@ class Ops {
   virtual void stage_tokens(std::span<const int32_t> tokens) {}
 };
 std::unique_ptr<Ops> make_cpu_ops();
-// The CUDA backend's GEMMs: cublas = cuBLAS for every product (the default: the fastest in the
-// step, bench/RESULTS.md); streaming = sparsa's weight-streaming kernel (cuda/skinny_gemm.h) for
-// chunks of up to 16 rows, cuBLAS above.
-enum class GemmChoice : uint8_t { cublas, streaming };
+// The CUDA backend's GEMMs: cublas = cuBLAS for every product (the default); streaming = sparsa's
+// weight-streaming kernel (cuda/skinny_gemm.h) for chunks of up to 16 rows, cuBLAS above; tuned =
+// for chunks of up to 64 rows, each shape's kernel chosen by timing on first use among cuBLASLt's
+// algorithms and (up to 16 rows) the weight-streaming kernel (cuda/lt_gemm.h), cuBLAS above.
+enum class GemmChoice : uint8_t { cublas, streaming, tuned };
 Result<GemmChoice> parse_gemm_choice(const std::string& name);
 // CUDA (a build with the cuda backend; otherwise the error says so). `device` is the CUDA device.
 Result<std::unique_ptr<Ops>> make_cuda_ops(int device, const Config& c, GemmChoice gemm);

@@ -78,7 +78,8 @@ Result<Unmask> parse_unmask(const std::string& name) {
 Result<GemmChoice> parse_gemm_choice(const std::string& name) {
   if (name == "cublas") return GemmChoice::cublas;
   if (name == "streaming") return GemmChoice::streaming;
-  return invalid_argument("gemm: expected cublas or streaming, got '" + name + "'");
+  if (name == "tuned") return GemmChoice::tuned;
+  return invalid_argument("gemm: expected cublas, streaming or tuned, got '" + name + "'");
 }
 
 Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -107,7 +107,11 @@ struct LoadOptions {
   bool cuda_graphs = true;
   // cuda: the GEMMs' kernel. "cublas": cuBLAS for every GEMM (the fastest in a denoising step on
   // the H200); "streaming": sparsa's weight-streaming kernel for chunks of up to 16 tokens
-  // (docs/dlm.md says how it compares), cuBLAS for larger ones.
+  // (docs/dlm.md says how it compares), cuBLAS for larger ones; "tuned": for chunks of up to 64
+  // tokens, each product shape's kernel chosen by timing the first time it runs, among cuBLASLt's
+  // algorithms and (up to 16 tokens) the weight-streaming kernel (a process keeps its choice;
+  // another process may choose differently where two kernels time within noise, and then its
+  // logits differ in rounding), cuBLAS for larger ones.
   std::string gemm = "cublas";
   AttentionDumpOptions dump_attention;
 };

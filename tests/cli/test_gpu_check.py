@@ -44,6 +44,8 @@ def test_one_mode_and_the_full_call(tmp_path):
     assert r.returncode == 0, r.stderr
     assert build == [""]  # every target
     assert {"tests", "cuda-tests", "ladder", "bench", "dlm-bench"} <= set(steps)
+    # The engine's three GEMM choices each have their block-step rows.
+    assert {"dlm-gemm", "dlm-streaming", "dlm-tuned"} <= set(steps)
 
 
 @pytest.mark.parametrize("args", [["--bogus"], ["--flash", "--nope"]])

@@ -533,7 +533,9 @@ void add_dump_flags(CLI::App* cmd, DlmOptions* o) {
 // The CUDA backend's GEMM choice (LoadOptions::gemm), for the commands that load a model.
 void add_gemm_flag(CLI::App* cmd, DlmOptions* o) {
   cmd->add_option("--gemm", o->gemm,
-                  "cuda GEMMs: cublas, or streaming (sparsa's weight-streaming kernel up to 16 tokens, cuBLAS above)")
+                  "cuda GEMMs: cublas, streaming (sparsa's weight-streaming kernel up to 16 tokens, cuBLAS above) or "
+                  "tuned (up to 64 tokens, each shape's kernel chosen by timing on first use: cuBLASLt's "
+                  "algorithms, the streaming kernel)")
       ->capture_default_str();
 }
 

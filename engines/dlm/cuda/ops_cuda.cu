@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "lt_gemm.h"
 #include "skinny_gemm.h"
 
 namespace sparsa::dlm {
@@ -224,6 +225,10 @@ const char* cublas_name(cublasStatus_t s) {
 // chunks of up to 16 rows (SDAR's block step). From 32 rows on, cuBLAS was faster at every 8B
 // shape (bench_dlm --rows gemm, bench/RESULTS.md).
 constexpr int64_t kEngineSkinnyRows = 16;
+// The products whose kernel is chosen by timing (gemm "tuned": cuBLASLt's algorithms, and the
+// weight-streaming kernel up to kEngineSkinnyRows): the chunks of denoising steps. Larger products
+// are compute-bound tile GEMMs, where cuBLAS's own choice is the fast one.
+constexpr int64_t kEngineTunedRows = 64;
 
 class CudaOps final : public Ops {
  public:
@@ -262,6 +267,8 @@ class CudaOps final : public Ops {
     constexpr size_t kWorkspace = size_t{64} << 20;
     SPARSA_RETURN_IF_ERROR(cuda(cudaMalloc(&workspace_, kWorkspace), "cudaMalloc (cuBLAS workspace)"));
     SPARSA_RETURN_IF_ERROR(blas(cublasSetWorkspace(handle_, workspace_, kWorkspace), "cublasSetWorkspace"));
+    // cuBLASLt shares the workspace: both run on stream_, one product at a time.
+    if (gemm_ == GemmChoice::tuned) SPARSA_RETURN_IF_ERROR(blas(lt_.init(workspace_, kWorkspace), "cublasLtCreate"));
     return Status::Ok();
   }
 
@@ -548,6 +555,15 @@ class CudaOps final : public Ops {
       record(skinny_gemm(g, stream_), what);
       return;
     }
+    if (gemm_ == GemmChoice::tuned && n <= kEngineTunedRows) {
+      const LtShape shape = LtGemm::shape(n, w.rows, w.cols, y_type, beta != 0.0f, y, x, w.data);
+      const bool offer_skinny = n <= kEngineSkinnyRows && skinny_gemm_supported(g);
+      const cublasStatus_t s = lt_.tuned(shape, y, x, w.data, stream_, offer_skinny ? &g : nullptr);
+      if (s != CUBLAS_STATUS_NOT_SUPPORTED) {  // no algorithm listed for the shape: cuBLAS below
+        (void)blas(s, what);
+        return;
+      }
+    }
     const float alpha = 1.0f;
     (void)blas(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(n),
                       static_cast<int>(w.cols), &alpha, w.data, CUDA_R_16BF, static_cast<int>(w.cols), x, CUDA_R_16BF,
@@ -641,6 +657,7 @@ class CudaOps final : public Ops {
   GemmChoice gemm_ = GemmChoice::cublas;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
+  LtGemm lt_;
   void* workspace_ = nullptr;
   std::list<void*> owned_;  // weights
   int32_t* tokens_ = nullptr;

@@ -73,8 +73,9 @@ def cuda_ok(sparsa_bin, tmp_path_factory):
 
 
 # gemm "streaming": sparsa's weight-streaming kernel takes the chunks of up to 16 rows (n 1 and 9
-# below, and the 16-row sdar blocks of the cached test), cuBLAS the rest.
-@pytest.mark.parametrize("gemm", ["cublas", "streaming"])
+# below, and the 16-row sdar blocks of the cached test), cuBLAS the rest; gemm "tuned": cuBLASLt
+# with a timed algorithm takes the chunks of up to 64 rows (every chunk here).
+@pytest.mark.parametrize("gemm", ["cublas", "streaming", "tuned"])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_cuda_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name, gemm):
     s = SPECS[name]
@@ -97,7 +98,7 @@ def test_cuda_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name, 
             assert gap <= 2 * BF16_TOL * scale, (name, n, i, gap / scale)
 
 
-@pytest.mark.parametrize("gemm", ["cublas", "streaming"])
+@pytest.mark.parametrize("gemm", ["cublas", "streaming", "tuned"])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_cuda_cached_logits_within_the_bf16_bound(sparsa_bin, cuda_ok, tmp_path, name, gemm):
     """The loops' cached path on the device: a prefill into the device KV cache (the pages'
@@ -127,7 +128,7 @@ DREAM_SPECS = {
 }
 
 
-@pytest.mark.parametrize("gemm", ["cublas", "streaming"])
+@pytest.mark.parametrize("gemm", ["cublas", "streaming", "tuned"])
 @pytest.mark.parametrize("name", sorted(DREAM_SPECS))
 def test_cuda_dream_logits_and_loop(sparsa_bin, cuda_ok, tmp_path, name, gemm):
     """Dream on the device: the q / k / v biases and the shifted head within the bf16 bound of the

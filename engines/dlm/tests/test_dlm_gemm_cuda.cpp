@@ -1,8 +1,9 @@
-// The CUDA backend's weight-streaming GEMM (engines/dlm/cuda/skinny_gemm.cu) against an f64
-// product of the same bf16 values: every rung the benchmark compares, every row count it takes
+// The CUDA backend's GEMMs against an f64 product of the same bf16 values: the weight-streaming
+// kernel (engines/dlm/cuda/skinny_gemm.cu): every rung the benchmark compares, every row count it takes
 // (partial m16 tiles), column counts that are not multiples of the CTA's columns, K with a
 // partial 32-wide step, the three output modes; no write outside y; the same bits run to run;
-// what it refuses. Skipped without a CUDA device.
+// what it refuses; and cuBLASLt's algorithms for gemm "tuned" (lt_gemm.cpp), every one the
+// heuristic lists, over the same cases. Skipped without a CUDA device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/lt_gemm.h"
 #include "cuda/skinny_gemm.h"
 #include "sparsa/tensor.h"
 
@@ -68,69 +70,77 @@ std::vector<uint16_t> random_bf16(int64_t count, std::mt19937& rng) {
   return v;
 }
 
-class DlmGemmCuda : public testing::TestWithParam<Case> {};
+// One product's inputs, y's starting bytes, and the f64 reference with its bound.
+struct Problem {
+  Case c;
+  bool f32 = false, acc = false;
+  size_t esize = 2;
+  int64_t count = 0;
+  static constexpr int64_t kGuard = 64;  // guard elements after y: never written
+  std::vector<uint16_t> x, w;
+  std::vector<uint8_t> y_init;
+  std::vector<double> ref, bound;
 
-TEST_P(DlmGemmCuda, MatchesF64Product) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device";
-  const Case& c = GetParam();
-  std::mt19937 rng(static_cast<uint32_t>(c.n * 131 + c.rows * 7 + c.cols));
-  const auto x = random_bf16(c.n * c.cols, rng), w = random_bf16(c.rows * c.cols, rng);
-  const bool f32 = c.out != Out::bf16, acc = c.out == Out::f32_accumulate;
-  const size_t esize = f32 ? 4 : 2;
-  const int64_t count = c.n * c.rows, guard = 64;  // guard elements after y: never written
-  // y's start (accumulate) or a sentinel that every output must overwrite (NaN's bits).
-  std::vector<float> y0(static_cast<size_t>(count + guard));
-  std::normal_distribution<float> d(0.f, 4.f);
-  for (auto& v : y0) v = acc ? d(rng) : std::nanf("");
-  std::vector<uint8_t> y_init(static_cast<size_t>(count + guard) * esize);
-  for (int64_t i = 0; i < count + guard; ++i) {
-    if (f32) std::memcpy(&y_init[i * 4], &y0[i], 4);
-    else {
-      const uint16_t b = 0x7fc1;  // a bf16 NaN
-      std::memcpy(&y_init[i * 2], &b, 2);
-    }
-  }
-  // The reference and its bound: inputs exact in bf16, so the only error is the f32 accumulation
-  // of K products (a worst-case (K + 8) * 2^-24 * sum |x_k w_k|: the k loop plus the 8 partial
-  // sums), then the final add (accumulate: 2^-24 of the result) or the bf16 rounding (2^-8 of it).
-  std::vector<double> ref(static_cast<size_t>(count)), bound(static_cast<size_t>(count));
-  for (int64_t r = 0; r < c.n; ++r) {
-    for (int64_t o = 0; o < c.rows; ++o) {
-      double s = 0, a = 0;
-      for (int64_t k = 0; k < c.cols; ++k) {
-        const double p = double(bf16_to_float(x[r * c.cols + k])) * double(bf16_to_float(w[o * c.cols + k]));
-        s += p;
-        a += std::fabs(p);
+  // unit: the f32 adds' unit roundoff, 2^-24 for round-to-nearest adds; 2^-23 for a tensor-core
+  // accumulation whose adds may truncate (cuBLASLt's kernels; the bound must hold for any of them).
+  Problem(const Case& cs, double unit) : c(cs) {
+    std::mt19937 rng(static_cast<uint32_t>(c.n * 131 + c.rows * 7 + c.cols));
+    x = random_bf16(c.n * c.cols, rng);
+    w = random_bf16(c.rows * c.cols, rng);
+    f32 = c.out != Out::bf16;
+    acc = c.out == Out::f32_accumulate;
+    esize = f32 ? 4 : 2;
+    count = c.n * c.rows;
+    // y's start (accumulate) or a sentinel that every output must overwrite (NaN's bits).
+    std::vector<float> y0(static_cast<size_t>(count + kGuard));
+    std::normal_distribution<float> d(0.f, 4.f);
+    for (auto& v : y0) v = acc ? d(rng) : std::nanf("");
+    y_init.resize(static_cast<size_t>(count + kGuard) * esize);
+    for (int64_t i = 0; i < count + kGuard; ++i) {
+      if (f32) std::memcpy(&y_init[i * 4], &y0[i], 4);
+      else {
+        const uint16_t b = 0x7fc1;  // a bf16 NaN
+        std::memcpy(&y_init[i * 2], &b, 2);
       }
-      const int64_t i = r * c.rows + o;
-      if (acc) s += y0[i];
-      ref[i] = s;
-      bound[i] = double(c.cols + 8) * std::ldexp(1.0, -24) * a + std::ldexp(1.0, f32 ? -23 : -8) * std::fabs(s) + 1e-30;
+    }
+    // The reference and its bound: inputs exact in bf16, so the only error is the f32
+    // accumulation of K products (a worst-case (K + 8) * unit * sum |x_k w_k| for any order of
+    // the adds: the k loop plus up to 8 partial sums or split-K parts), then the final add
+    // (accumulate: 2^-23 of the result) or the bf16 rounding (2^-8 of it).
+    ref.resize(static_cast<size_t>(count));
+    bound.resize(static_cast<size_t>(count));
+    for (int64_t r = 0; r < c.n; ++r) {
+      for (int64_t o = 0; o < c.rows; ++o) {
+        double sum = 0, a = 0;
+        for (int64_t k = 0; k < c.cols; ++k) {
+          const double p = double(bf16_to_float(x[r * c.cols + k])) * double(bf16_to_float(w[o * c.cols + k]));
+          sum += p;
+          a += std::fabs(p);
+        }
+        const int64_t i = r * c.rows + o;
+        if (acc) sum += y0[i];
+        ref[i] = sum;
+        bound[i] = double(c.cols + 8) * unit * a + std::ldexp(1.0, f32 ? -23 : -8) * std::fabs(sum) + 1e-30;
+      }
     }
   }
 
-  DeviceBuffer dx(x.size() * 2), dw(w.size() * 2), dy(y_init.size());
-  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  SkinnyGemm g;
-  g.y = dy.p;
-  g.y_f32 = f32;
-  g.accumulate = acc;
-  g.x = dx.p;
-  g.w = dw.p;
-  g.n = c.n;
-  g.rows = c.rows;
-  g.cols = c.cols;
-  ASSERT_TRUE(skinny_gemm_supported(g));
-  std::vector<uint8_t> first;
-  for (int v = -1; v < skinny_gemm_variants(); ++v) {  // -1: skinny_gemm(), the engine's rung
-    SCOPED_TRACE(v < 0 ? std::string("skinny_gemm") : skinny_gemm_variant_name(v));
-    g.overlap_previous = v % 2 != 0;  // both launch kinds (nothing runs before it here)
-    ASSERT_EQ(cudaMemcpy(dy.p, y_init.data(), y_init.size(), cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(v < 0 ? skinny_gemm(g, nullptr) : skinny_gemm_variant(g, v, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<uint8_t> got(y_init.size());
-    ASSERT_EQ(cudaMemcpy(got.data(), dy.p, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  // The weight-streaming kernel's parameters for this product over device buffers.
+  SkinnyGemm skinny(void* y, const void* dx, const void* dw) const {
+    SkinnyGemm g;
+    g.y = y;
+    g.y_f32 = f32;
+    g.accumulate = acc;
+    g.x = dx;
+    g.w = dw;
+    g.n = c.n;
+    g.rows = c.rows;
+    g.cols = c.cols;
+    return g;
+  }
+
+  // got: y's bytes read back (y_init's size): every output within its bound, the guard untouched.
+  void check(const std::vector<uint8_t>& got) const {
     int bad = 0;
     for (int64_t i = 0; i < count && bad < 5; ++i) {
       double value;
@@ -149,20 +159,103 @@ TEST_P(DlmGemmCuda, MatchesF64Product) {
         ++bad;
       }
     }
-    EXPECT_EQ(std::memcmp(got.data() + count * esize, y_init.data() + count * esize, guard * esize), 0)
+    EXPECT_EQ(std::memcmp(got.data() + count * esize, y_init.data() + count * esize, kGuard * esize), 0)
         << "written past y";
+  }
+};
+
+// y's bytes after `call` from y_init.
+template <class Call>
+std::vector<uint8_t> run_from_init(const Problem& pb, void* dy, Call&& call) {
+  std::vector<uint8_t> got(pb.y_init.size());
+  EXPECT_EQ(cudaMemcpy(dy, pb.y_init.data(), pb.y_init.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  call();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(got.data(), dy, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return got;
+}
+
+class DlmGemmCuda : public testing::TestWithParam<Case> {};
+
+TEST_P(DlmGemmCuda, MatchesF64Product) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Problem pb(GetParam(), std::ldexp(1.0, -24));
+  DeviceBuffer dx(pb.x.size() * 2), dw(pb.w.size() * 2), dy(pb.y_init.size());
+  ASSERT_EQ(cudaMemcpy(dx.p, pb.x.data(), pb.x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.p, pb.w.data(), pb.w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  SkinnyGemm g = pb.skinny(dy.p, dx.p, dw.p);
+  ASSERT_TRUE(skinny_gemm_supported(g));
+  for (int v = -1; v < skinny_gemm_variants(); ++v) {  // -1: skinny_gemm(), the engine's rung
+    SCOPED_TRACE(v < 0 ? std::string("skinny_gemm") : skinny_gemm_variant_name(v));
+    g.overlap_previous = v % 2 != 0;  // both launch kinds (nothing runs before it here)
+    const auto got = run_from_init(pb, dy.p, [&] {
+      EXPECT_EQ(v < 0 ? skinny_gemm(g, nullptr) : skinny_gemm_variant(g, v, nullptr), cudaSuccess);
+    });
+    pb.check(got);
     if (v < 0) {
-      first = got;
       // Deterministic: the same call again gives the same bits.
-      ASSERT_EQ(cudaMemcpy(dy.p, y_init.data(), y_init.size(), cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(skinny_gemm(g, nullptr), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(got.data(), dy.p, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-      EXPECT_EQ(got, first) << "two runs differ";
+      EXPECT_EQ(run_from_init(pb, dy.p, [&] { EXPECT_EQ(skinny_gemm(g, nullptr), cudaSuccess); }), got)
+          << "two runs differ";
     }
   }
 }
 
+// gemm "tuned": every algorithm cuBLASLt's heuristic lists is within the bound, and so is the
+// weight-streaming kernel (above), so whichever the timing picks is; the tuned call runs the
+// chosen one (the same bits as running it directly) and gives the same bits again; offered the
+// weight-streaming kernel or not, a shape keeps a choice of its own.
+class DlmLtGemmCuda : public testing::TestWithParam<Case> {};
+
+TEST_P(DlmLtGemmCuda, EveryCandidateMatchesF64Product) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const Problem pb(GetParam(), std::ldexp(1.0, -23));
+  const Case& c = pb.c;
+  DeviceBuffer dx(pb.x.size() * 2), dw(pb.w.size() * 2), dy(pb.y_init.size()), ws(size_t{32} << 20);
+  ASSERT_EQ(cudaMemcpy(dx.p, pb.x.data(), pb.x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.p, pb.w.data(), pb.w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  LtGemm lt;
+  ASSERT_EQ(lt.init(ws.p, size_t{32} << 20), CUBLAS_STATUS_SUCCESS);
+  const LtShape shape =
+      LtGemm::shape(c.n, c.rows, c.cols, pb.f32 ? CUDA_R_32F : CUDA_R_16BF, pb.acc, dy.p, dx.p, dw.p);
+  SkinnyGemm g = pb.skinny(dy.p, dx.p, dw.p);
+  g.overlap_previous = true;  // as the engine launches it
+  ASSERT_TRUE(skinny_gemm_supported(g));
+  std::vector<LtCandidate> list;
+  ASSERT_EQ(lt.candidates(shape, 16, &list), CUBLAS_STATUS_SUCCESS);
+  ASSERT_FALSE(list.empty());
+  for (const LtCandidate& cand : list) {
+    SCOPED_TRACE(cand.describe());
+    pb.check(run_from_init(pb, dy.p, [&] { EXPECT_EQ(lt.run(shape, cand, dy.p, dx.p, dw.p, nullptr), CUBLAS_STATUS_SUCCESS); }));
+  }
+  for (const bool offer : {false, true}) {
+    const SkinnyGemm* skinny = offer ? &g : nullptr;
+    const auto tuned = run_from_init(pb, dy.p, [&] {
+      EXPECT_EQ(lt.tuned(shape, dy.p, dx.p, dw.p, nullptr, skinny), CUBLAS_STATUS_SUCCESS);
+    });
+    const LtCandidate* chosen = lt.chosen(shape, offer);
+    ASSERT_NE(chosen, nullptr);
+    EXPECT_TRUE(offer || !chosen->skinny) << "the weight-streaming kernel chosen without being offered";
+    SCOPED_TRACE(std::string(offer ? "offered the weight-streaming kernel; " : "") + "chosen: " + chosen->describe());
+    pb.check(tuned);
+    EXPECT_EQ(run_from_init(pb, dy.p, [&] {
+                EXPECT_EQ(lt.run(shape, *chosen, dy.p, dx.p, dw.p, nullptr, skinny), CUBLAS_STATUS_SUCCESS);
+              }),
+              tuned)
+        << "the tuned call is not its chosen kernel";
+    EXPECT_EQ(run_from_init(pb, dy.p, [&] {
+                EXPECT_EQ(lt.tuned(shape, dy.p, dx.p, dw.p, nullptr, skinny), CUBLAS_STATUS_SUCCESS);
+              }),
+              tuned)
+        << "two tuned runs differ";
+  }
+  LtCandidate skinny_only;
+  skinny_only.skinny = true;
+  EXPECT_EQ(lt.run(shape, skinny_only, dy.p, dx.p, dw.p, nullptr, nullptr), CUBLAS_STATUS_INVALID_VALUE)
+      << "the weight-streaming candidate without its product";
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, DlmGemmCuda, testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, DlmLtGemmCuda, testing::ValuesIn(cases()), case_name);
 
 TEST(DlmGemmCudaRefuses, WhatItCannotTake) {
   // Support is decided on the host, from the shapes and the addresses alone.

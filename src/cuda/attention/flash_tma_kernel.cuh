@@ -193,20 +193,40 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
   };
   if constexpr (SCHEDULE == kScheduleOverlap) {
     // No branch may skip a product here (ptxas then serialises every wgmma of the kernel, C7514 /
-    // C7515): the first tile's turn (S_0 alone) comes before the loop, and the loop's turns issue
-    // both products unconditionally (every tile has keys: empty ones are not walked).
+    // C7515): the first tile's turn (S_0 alone) comes before the loops, and every turn of a loop
+    // issues both products unconditionally (every tile has keys: empty ones are not walked).
     if (more) {
       float alpha[2];  // the last tile's rescale of O, deferred to its P V
       int t = 0, last_stage = 0;
+      // A masked kernel applies the per-element mask only to the tiles some row sees in part,
+      // with the rows' windows computed where those tiles are reached, so that the tiles every
+      // row sees whole run the unmasked kernel's loop with none of the mask's state in registers
+      // (the hook on every tile, the windows live throughout, made the masked kernel 13-28%
+      // slower than the unmasked one over the same tiles: bench/RESULTS.md).
+      auto masked_hook = [&](const RowWindows& w) {
+        return [&p, &mask, &begin, &end, w](float(&s)[BN / 8][4]) {
+          if constexpr (MASKED) mask.apply(p, w, s, begin, end - begin);
+        };
+      };
+      auto no_hook = [](float(&)[BN / 8][4]) {};
+      const int warp = threadIdx.x / 32 - 4;
       mbar_wait(full(0), 0);
       if (varlen && end - begin < BN) zero_v_rows<D, BN, STAGES>(v_smem, 0, end - begin);
       turn_begin();
       consumer.issue_scores_now(0);
       turn_end();
       consumer.wait_products();
-      consumer.probabilities_in_place(end - begin, p.scale_log2, mask_hook, alpha);
+      bool first_whole = true;
+      if constexpr (MASKED) first_whole = mask.whole(begin, end);
+      if (first_whole) {
+        consumer.probabilities_in_place(end - begin, p.scale_log2, no_hook, alpha);
+      } else {
+        consumer.probabilities_in_place(end - begin, p.scale_log2,
+                                        masked_hook(CtaMask<BM>::windows(p, tile, warp)), alpha);
+      }
       consumer.pack(end - begin, p_frag);
-      while (tiles.next_nonempty(p, begin, end)) {
+      // One tile after the first: its turn (S_t, then P V_{t-1}), its softmax with `hook`.
+      auto step = [&](auto&& hook) {
         const int stage = ++t % STAGES, use = t / STAGES;
         mbar_wait(full(stage), use & 1);
         if (varlen && end - begin < BN) zero_v_rows<D, BN, STAGES>(v_smem, stage, end - begin);
@@ -216,11 +236,33 @@ __global__ void __launch_bounds__(384, 1) flash_tma_kernel(const FlashParams p, 
         consumer.multiply_v_now(last_stage, p_frag);
         turn_end();
         consumer.wait_scores();  // S_t (P V_{t-1} may still run)
-        consumer.probabilities_in_place(end - begin, p.scale_log2, mask_hook, alpha);
+        consumer.probabilities_in_place(end - begin, p.scale_log2, hook, alpha);
         consumer.wait_products();  // P V_{t-1} complete: tile t-1's K and V are read
         if (threadIdx.x % 32 == 0) mbar_arrive(empty(last_stage));
         consumer.pack(end - begin, p_frag);
         last_stage = stage;
+      };
+      if constexpr (MASKED) {
+        // Keys in order: the tiles seen whole are one run (the core is one key range and the tiles
+        // ascend), so the walk is tiles in part, whole tiles, tiles in part; any other order is
+        // still right (a whole tile in the last loop is masked for nothing).
+        bool next = tiles.next_nonempty(p, begin, end);
+        if (next && !mask.whole(begin, end)) {
+          const RowWindows w = CtaMask<BM>::windows(p, tile, warp);
+          do step(masked_hook(w));
+          while ((next = tiles.next_nonempty(p, begin, end)) && !mask.whole(begin, end));
+        }
+        while (next && mask.whole(begin, end)) {
+          step(no_hook);
+          next = tiles.next_nonempty(p, begin, end);
+        }
+        if (next) {
+          const RowWindows w = CtaMask<BM>::windows(p, tile, warp);
+          do step(masked_hook(w));
+          while (tiles.next_nonempty(p, begin, end));
+        }
+      } else {
+        while (tiles.next_nonempty(p, begin, end)) step(no_hook);
       }
       turn_begin();  // the last turn: the last tile's P V
       consumer.rescale_o(alpha);

@@ -201,36 +201,52 @@ struct WgmmaConsumer {
 // The CTA's mask state (MASKED kernels): this thread's rows' windows and the key range any row
 // of the tile may see. `warp`: this thread's consumer warp (rows 16 warp .. of the tile; < 0 for
 // a producer thread, which has no rows). Keys and queries in order: the range is the windows of the
-// tile's first and last rows (windows do not decrease along the queries); with a permutation,
-// every tile is visited and masked.
+// tile's first and last rows (windows do not decrease along the queries), and the keys every row
+// sees (the core) are computed without the hook; with a permutation, every tile is visited and
+// masked.
 template <int ROWS>
 struct CtaMask {
   RowWindows rows;
   int key_min = 0, key_max = 0x7fffffff;
+  int core_lo = 0, core_hi = 0;  // tile_key_core; empty with a permutation
   const int32_t* key_perm = nullptr;  // of (b, h_kv); null: keys in order
 
   CtaMask() = default;  // no mask: every key tile, nothing masked
-  __device__ __forceinline__ CtaMask(const FlashParams& p, const QueryTile<ROWS>& tile, int warp) {
-    const int g = threadIdx.x % 32 / 4;
-#pragma unroll
-    for (int r = 0; r < 2 && warp >= 0; ++r) {  // warp < 0: a producer thread, no rows
-      const int64_t token = tile.token(p, tile.begin + warp * 16 + g + 8 * r);
-      if (token >= 0) mask_window(p, token, tile.len_q, tile.len_kv, rows.kb[r], rows.ke[r]);
-    }
+  __device__ __forceinline__ CtaMask(const FlashParams& p, const QueryTile<ROWS>& tile, int warp)
+      : rows(windows(p, tile, warp)) {
     if (p.key_perm != nullptr) {
       key_perm = p.key_perm + tile.b * p.key_perm_stride[0] + tile.h_kv * p.key_perm_stride[1];
     } else if (tile.perm == nullptr) {
       tile_key_range(p, tile.begin, tile.end, tile.len_q, tile.len_kv, key_min, key_max);
+      tile_key_core(p, tile.begin, tile.end, tile.len_q, tile.len_kv, core_lo, core_hi);
     }
   }
-  // The hook on the S tile of key positions [begin, begin + valid).
+  // This thread's rows' windows (recomputed where a kernel wants them out of its registers).
+  __device__ __forceinline__ static RowWindows windows(const FlashParams& p, const QueryTile<ROWS>& tile, int warp) {
+    RowWindows w;
+    const int g = threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int r = 0; r < 2 && warp >= 0; ++r) {  // warp < 0: a producer thread, no rows
+      const int64_t token = tile.token(p, tile.begin + warp * 16 + g + 8 * r);
+      if (token >= 0) mask_window(p, token, tile.len_q, tile.len_kv, w.kb[r], w.ke[r]);
+    }
+    return w;
+  }
+  // Whether every row of the tile sees all of the key tile [begin, end) (CTA-uniform).
+  __device__ __forceinline__ bool whole(int begin, int end) const { return begin >= core_lo && end <= core_hi; }
+  // The hook on the S tile of key positions [begin, begin + valid), with the rows' windows w.
+  template <int kNT>
+  __device__ __forceinline__ void apply(const FlashParams& p, const RowWindows& w, float (&s)[kNT][4], int begin,
+                                        int valid) const {
+    if (key_perm != nullptr) {
+      mask_tile_permuted<kNT>(s, w, key_perm, p.key_perm_stride[2], begin, valid);
+    } else {
+      mask_tile<kNT>(s, w, begin);
+    }
+  }
   template <int kNT>
   __device__ __forceinline__ void operator()(const FlashParams& p, float (&s)[kNT][4], int begin, int valid) const {
-    if (key_perm != nullptr) {
-      mask_tile_permuted<kNT>(s, rows, key_perm, p.key_perm_stride[2], begin, valid);
-    } else {
-      mask_tile<kNT>(s, rows, begin);
-    }
+    apply<kNT>(p, rows, s, begin, valid);
   }
 };
 

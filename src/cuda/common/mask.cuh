@@ -72,6 +72,17 @@ __host__ __device__ __forceinline__ void tile_key_range(const MaskArgs& p, int b
   mask_window(p, end - 1, len_q, len_kv, unused, key_max);
 }
 
+// The keys every query of the in-order positions [begin, end) sees: [*core_lo, *core_hi) (empty
+// when core_lo >= core_hi): the last query's begin, the first query's end (windows do not
+// decrease along the queries). A key tile inside it needs no per-element mask for any of these
+// rows (the flash kernels compute such tiles without the mask hook).
+__host__ __device__ __forceinline__ void tile_key_core(const MaskArgs& p, int begin, int end, int len_q, int len_kv,
+                                                       int& core_lo, int& core_hi) {
+  int unused;
+  mask_window(p, end - 1, len_q, len_kv, core_lo, unused);
+  mask_window(p, begin, len_q, len_kv, unused, core_hi);
+}
+
 // BA-Att's mask-aware selection: how query block qb (queries [qb bq, (qb + 1) bq) of len_q) sees
 // key block kb (keys [kb bkv, (kb + 1) bkv) of len_kv), as mask_block_visibility states it: 0
 // hidden (no query sees a key of it), 2 diagonal (it holds some query's last visible key; never

@@ -20,6 +20,7 @@
 #include "cuda/common/workspace.h"
 #include "cuda/llsa/llsa_kernels.cuh"
 #include "methods/llsa/internal.h"
+#include "sparsa/attention.h"
 
 namespace sparsa::llsa_cuda {
 
@@ -66,6 +67,14 @@ int forward_rung() {
   return env != nullptr && std::string(env) == "1" ? 1 : 2;
 }
 thread_local int g_last_forward_rung = 0;
+
+// The selection's rung: SPARSA_LLSA_SELECT_RUNG=1 forces rung 1 (select_level: a warp per query
+// token, candidates from L2); otherwise rung 2 (select_level_shared: the query tokens that share
+// candidates share their rows in shared memory). Both give the same picks bit for bit.
+int select_rung() {
+  const char* env = std::getenv("SPARSA_LLSA_SELECT_RUNG");
+  return env != nullptr && std::string(env) == "1" ? 1 : 2;
+}
 
 // Whether the `warps` 16-row groups of every CTA (consecutive groups of one head) have the same
 // keys at levels >= 1: their query blocks share the level-2 ancestor (always, with one level).
@@ -192,15 +201,32 @@ Status build(const Tensor& q, const Tensor& k_, const Tensor* v, const LlsaPlan*
     return {};
   }
   SPARSA_RETURN_IF_ERROR(pool<T>(q, p.heads_q, len, p.d, p.B, p.L, s, dp->pq, nullptr, stream));
-  const int warps = 4;
-  const size_t smem = warps * (p.d * sizeof(float) + k::kMaxTopk * sizeof(int));
-  for (int l = p.L; l >= 1; --l) {
-    const int64_t items = static_cast<int64_t>(p.batch) * p.heads_q * len[l];
-    const int kmax = p.K <= 8 ? 8 : p.K <= 16 ? 16 : p.K <= 32 ? 32 : 64;
+  const int kmax = p.K <= 8 ? 8 : p.K <= 16 ? 16 : p.K <= 32 ? 32 : 64;
+  if (select_rung() == 1) {
+    const int warps = 4;
+    const size_t smem = warps * (p.d * sizeof(float) + k::kMaxTopk * sizeof(int));
     auto* kernel = kmax == 8 ? k::select_level<8> : kmax == 16 ? k::select_level<16>
                  : kmax == 32 ? k::select_level<32> : k::select_level<64>;
-    kernel<<<blocks_for(items, warps), 32 * warps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
-                                                                     s.at<float>(dp->pk[l]));
+    for (int l = p.L; l >= 1; --l) {
+      const int64_t items = static_cast<int64_t>(p.batch) * p.heads_q * len[l];
+      kernel<<<blocks_for(items, warps), 32 * warps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
+                                                                       s.at<float>(dp->pk[l]));
+      SPARSA_CUDA_CHECK_LAUNCH();
+    }
+    return {};
+  }
+  // Rung 2: a CTA per group of query tokens sharing their candidates (kSelectWarps tokens at the
+  // coarsest level, one parent's children below it).
+  static_assert(k::select_shared_bytes(128) <= 48 * 1024, "head_dim 64 and 128 within the default shared memory");
+  const size_t smem = k::select_shared_bytes(p.d);
+  auto* kernel = kmax == 8 ? k::select_level_shared<8> : kmax == 16 ? k::select_level_shared<16>
+               : kmax == 32 ? k::select_level_shared<32> : k::select_level_shared<64>;
+  for (int l = p.L; l >= 1; --l) {
+    const int64_t groups = l == p.L ? (len[l] + k::kSelectWarps - 1) / k::kSelectWarps : len[l + 1];
+    const int64_t blocks = static_cast<int64_t>(p.batch) * p.heads_q * groups;
+    if (blocks == 0) continue;
+    kernel<<<static_cast<unsigned>(blocks), 32 * k::kSelectWarps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
+                                                                                  s.at<float>(dp->pk[l]));
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   return {};
@@ -293,17 +319,71 @@ k::AttnArgs attn_args(const Call& c) {
   return a;
 }
 
+// The forward's coarsest level through the dense executor (rung 3 of the forward): every query
+// attends to every level-L token, so that part is dense attention of the queries over the
+// level-L pooled keys, which the flash executor runs on the tensor cores at a fraction of the
+// cost of the row-wise kernel's 64-key stages. Exact when every level-L token carries the same
+// weight (len a multiple of B^L: each token's log-weight bias is then one constant, which moves
+// the part's LSE and not its output) and nothing is left out of the level (no dedupe). The
+// row-wise kernel attends the other levels; the two parts are merged by LSE.
+// SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the coarsest level in the row-wise kernel; =3 takes this
+// path wherever it is exact, whatever the level's length (the tests' short shapes).
+// A coarsest level shorter than this stays in the kernel: on an H100 (bench/RESULTS.md, "LLSA's
+// forward, rung 3") the extra dense call and merge cost more than they saved at 64 tokens (16K, 0.80x
+// rung 2) and less at 256 (64K, 1.04x) and 1,024 (256K, 1.77x).
+constexpr int kCoarseDenseMinTokens = 256;
+
+bool coarse_through_executor(const k::Plan& p) {
+  const char* env = std::getenv("SPARSA_LLSA_FORWARD_RUNG");
+  const std::string forced = env != nullptr ? env : "";
+  if (forced == "1" || forced == "2") return false;
+  const bool exact = p.enrich && !p.dedupe && p.len % p.region[p.L] == 0;
+  return exact && (forced == "3" || p.level_len[p.L] >= kCoarseDenseMinTokens);
+}
+
+template <class T>
+Status coarse_level_dense(const Call& c, const DevicePlan& dp, const Scratch& s, size_t o2_at, size_t lse2_at,
+                          int device, cudaStream_t stream) {
+  const k::Plan& p = dp.p;
+  const DType dt = c.q.dtype;
+  const Device dev{DeviceType::cuda, device};
+  const int64_t n = p.level_len[p.L];
+  const Tensor kc = Tensor::contiguous(s.at<void>(dp.k16[p.L]), dt, {p.batch, p.heads_kv, n, p.d}, dev);
+  const Tensor vc = Tensor::contiguous(s.at<void>(dp.v16[p.L]), dt, {p.batch, p.heads_kv, n, p.d}, dev);
+  const Tensor o2 = Tensor::contiguous(s.at<void>(o2_at), dt, {p.batch, p.heads_q, p.len, p.d}, dev);
+  const Tensor lse2 = Tensor::contiguous(s.at<void>(lse2_at), DType::f32, {p.batch, p.heads_q, p.len}, dev);
+  AttentionOptions o;
+  o.backend = Backend::cuda;
+  o.scale = c.scale;
+  o.stream = stream;
+  SPARSA_RETURN_IF_ERROR(dense(c.q, kc, vc, o2, lse2, o));
+  // Each level-L token stands for B^L tokens: its logits carry + log(B^L), one constant.
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len;
+  k::add_constant<<<static_cast<unsigned>(std::clamp<int64_t>((rows + 255) / 256, 1, 4096)), 256, 0, stream>>>(
+      s.at<float>(lse2_at), rows, std::log(static_cast<float>(p.region[p.L])));
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return merge(c.out, c.lse, o2, lse2, c.out, c.lse, Backend::cuda, stream);
+}
+
 template <class T, int D>
 Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaStream_t stream) {
   DevicePlan dp;
   init_plan(c.q, c.k, c.levels, c.options, &dp);
   Scratch s(device, stream);
   size_plan(c.q, c.k, c.levels, dp.p.K, true, host_plan == nullptr, &dp, s);
+  const bool coarse_dense = coarse_through_executor(dp.p);
+  const int64_t rows = static_cast<int64_t>(dp.p.batch) * dp.p.heads_q * dp.p.len;
+  const size_t o2_at = coarse_dense ? s.add(static_cast<size_t>(rows) * dp.p.d * 2) : 0;
+  const size_t lse2_at = coarse_dense ? s.add(static_cast<size_t>(rows) * 4) : 0;
   SPARSA_RETURN_IF_ERROR(s.allocate());
   fill_plan_view(s, &dp);
   SPARSA_RETURN_IF_ERROR(build<T>(c.q, c.k, &c.v, host_plan, &dp, s, stream));
-  const k::AttnArgs a = attn_args(c);
-  return launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung);
+  k::AttnArgs a = attn_args(c);
+  if (coarse_dense) a.forward_last_level = dp.p.L - 1;
+  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung));
+  if (!coarse_dense) return {};
+  g_last_forward_rung = 3;
+  return coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream);
 }
 
 template <class T, int D>

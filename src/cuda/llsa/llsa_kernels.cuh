@@ -106,11 +106,82 @@ __global__ void pool_level(const T* src_in, Rows in, const float* src_f32, int h
 // (score, token) ordering of the plan: larger score first, ties to the smaller token.
 __device__ __forceinline__ bool better(float s, int t, float s2, int t2) { return s > s2 || (s == s2 && t < t2); }
 
+// A candidate's score: q · k over d floats (16-byte rows), fmaf in column order; NaN ranks last.
+__device__ __forceinline__ float candidate_score(const float* q, const float* k, int d) {
+  float s = 0.0f;
+  for (int e = 0; e < d; e += 4) {
+    const float4 kv = *reinterpret_cast<const float4*>(k + e);
+    s = fmaf(q[e], kv.x, s);
+    s = fmaf(q[e + 1], kv.y, s);
+    s = fmaf(q[e + 2], kv.z, s);
+    s = fmaf(q[e + 3], kv.w, s);
+  }
+  return s != s ? -INFINITY : s;
+}
+
+// A lane's best KMAX candidates, sorted (a sorted array with static indices: one bubble pass per
+// insertion).
+template <int KMAX>
+struct LaneBest {
+  float s[KMAX];
+  int t[KMAX];
+  __device__ __forceinline__ LaneBest() {
+#pragma unroll
+    for (int j = 0; j < KMAX; ++j) s[j] = -INFINITY, t[j] = 0x7fffffff;
+  }
+  __device__ __forceinline__ void insert(float score, int token) {
+    if (!better(score, token, s[KMAX - 1], t[KMAX - 1])) return;
+    s[KMAX - 1] = score, t[KMAX - 1] = token;
+#pragma unroll
+    for (int j = KMAX - 1; j > 0; --j) {
+      if (better(s[j], t[j], s[j - 1], t[j - 1])) {
+        const float ts = s[j];
+        const int tt = t[j];
+        s[j] = s[j - 1], t[j] = t[j - 1];
+        s[j - 1] = ts, t[j - 1] = tt;
+      }
+    }
+  }
+  // The warp's best `keep` of its lanes' lists (K rounds of a warp arg-max over the list heads;
+  // the winner shifts its list) written ascending to out[0, keep), -1 up to K, and the count.
+  // chosen: this warp's kMaxTopk ints of scratch.
+  __device__ __forceinline__ void write_top(int keep, int K, int32_t* out, int32_t* count, int* chosen) {
+    const int lane = threadIdx.x % 32;
+    for (int r = 0; r < keep; ++r) {
+      float bs = s[0];
+      int bt = t[0];
+      int owner = lane;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float s2 = __shfl_xor_sync(0xffffffffu, bs, off);
+        const int t2 = __shfl_xor_sync(0xffffffffu, bt, off);
+        const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
+        if (better(s2, t2, bs, bt)) bs = s2, bt = t2, owner = o2;
+      }
+      if (lane == owner) {
+#pragma unroll
+        for (int j = 0; j + 1 < KMAX; ++j) s[j] = s[j + 1], t[j] = t[j + 1];
+        s[KMAX - 1] = -INFINITY, t[KMAX - 1] = 0x7fffffff;
+      }
+      if (lane == 0) chosen[r] = bt;
+    }
+    __syncwarp();
+    // Ascending: each slot's rank among the chosen tokens (distinct).
+    for (int r = lane; r < keep; r += 32) {
+      int rank = 0;
+      for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
+      out[rank] = chosen[r];
+    }
+    for (int r = keep + lane; r < K; r += 32) out[r] = -1;
+    if (lane == 0) *count = keep;
+    __syncwarp();  // chosen read by every lane before it is written again
+  }
+};
+
 // One warp per (bh_q, i) of level l: picks[l][bh, i] = the top K of i's candidates (every
 // level-L token at l == L; else the children of the parent's level-(l+1) picks), ascending.
 // pq, pk: f32 level-l pyramids [bh, n_l, d]. Each lane keeps its best KMAX >= K candidates in
-// registers (a sorted array with static indices: one bubble pass per insertion), then K rounds of a
-// warp arg-max over the lanes' heads merge them.
+// registers (LaneBest), then K rounds of a warp arg-max over the lanes' heads merge them.
 template <int KMAX>
 __global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan p, int l, const float* pq,
                                                     const float* pk) {
@@ -134,66 +205,88 @@ __global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan
     total = p.count_of(l + 1, bh, parent) * p.B;
   }
   const int keep = min(p.K, total);
-  float best_s[KMAX];
-  int best_t[KMAX];
-#pragma unroll
-  for (int j = 0; j < KMAX; ++j) best_s[j] = -INFINITY, best_t[j] = 0x7fffffff;
+  LaneBest<KMAX> best;
   const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * p.d;
   for (int c = lane; c < total; c += 32) {
     const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
     if (t >= n) continue;
-    const float* kr = kbase + static_cast<int64_t>(t) * p.d;
-    float s = 0.0f;
-    for (int e = 0; e < p.d; e += 4) {
-      const float4 kv = *reinterpret_cast<const float4*>(kr + e);
-      s = fmaf(qs[e], kv.x, s);
-      s = fmaf(qs[e + 1], kv.y, s);
-      s = fmaf(qs[e + 2], kv.z, s);
-      s = fmaf(qs[e + 3], kv.w, s);
+    best.insert(candidate_score(qs, kbase + static_cast<int64_t>(t) * p.d, p.d), t);
+  }
+  int* chosen = reinterpret_cast<int*>(q_row + (blockDim.x / 32) * p.d) + warp * kMaxTopk;
+  best.write_top(keep, p.K, p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K,
+                 p.counts[l] + static_cast<int64_t>(bh) * n + i, chosen);
+}
+
+// Rung 2 of the selection: the query tokens that share their candidates share their key rows.
+// At l == L every token's candidates are every level-L token; at l < L the B children of one
+// level-(l+1) token all take the children of its picks. One CTA per (bh_q, such group): groups of
+// kSelectWarps consecutive tokens at l == L, one parent's B children at l < L (kSelectWarps at a
+// time). The candidates' f32 key rows are staged in shared memory kSelectChunk rows at a time and
+// read there by every warp (rung 1, select_level, read them from L2 once per query token: the
+// B siblings of a parent read the same rows B times). A warp per query token scores its lanes'
+// candidates and keeps its lists as select_level does (candidate_score, LaneBest), so the picks
+// are the same bit for bit.
+constexpr int kSelectWarps = 8;
+constexpr int kSelectChunk = 64;
+
+// Shared memory of select_level_shared for head_dim d: the chunk (rows padded by 4 floats: a row's
+// 16-byte reads by 8 lanes of one phase fall in distinct banks), the warps' query rows and their
+// chosen tokens.
+__host__ __device__ constexpr size_t select_shared_bytes(int d) {
+  return (static_cast<size_t>(kSelectChunk) * (d + 4) + static_cast<size_t>(kSelectWarps) * d) * sizeof(float) +
+         static_cast<size_t>(kSelectWarps) * kMaxTopk * sizeof(int);
+}
+
+template <int KMAX>
+__global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const __grid_constant__ Plan p, int l,
+                                                                         const float* pq, const float* pk) {
+  extern __shared__ float4 select_smem[];
+  const int d = p.d, stride = d + 4;
+  float* ks = reinterpret_cast<float*>(select_smem);              // [kSelectChunk][stride]
+  float* qs = ks + kSelectChunk * stride + (threadIdx.x / 32) * d;  // this warp's query row
+  int* chosen = reinterpret_cast<int*>(ks + kSelectChunk * stride + kSelectWarps * d) + (threadIdx.x / 32) * kMaxTopk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = p.level_len[l];
+  const bool top = l == p.L;
+  const int groups = top ? (n + kSelectWarps - 1) / kSelectWarps : p.level_len[l + 1];
+  const int bh = static_cast<int>(blockIdx.x / groups), g = static_cast<int>(blockIdx.x % groups);
+  const int bh_kv = bh / p.heads_q * p.heads_kv + bh % p.heads_q / p.group;
+  const int32_t* parent_picks = top ? nullptr : p.picks_of(l + 1, bh, g);
+  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;
+  const int keep = min(p.K, total);
+  const int first = top ? g * kSelectWarps : g * p.B;  // the group's first query token
+  const int members = min(top ? kSelectWarps : p.B, n - first);
+  const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * d;
+  const int v4 = d / 4;
+  for (int m0 = 0; m0 < members; m0 += kSelectWarps) {  // the same trip count in every warp
+    const int i = first + m0 + warp;
+    const bool active = m0 + warp < members;  // warp-uniform
+    if (active) {
+      for (int c = lane; c < d; c += 32) qs[c] = pq[(static_cast<int64_t>(bh) * n + i) * d + c];
     }
-    if (s != s) s = -INFINITY;  // NaN ranks last
-    if (!better(s, t, best_s[KMAX - 1], best_t[KMAX - 1])) continue;
-    best_s[KMAX - 1] = s, best_t[KMAX - 1] = t;
-#pragma unroll
-    for (int j = KMAX - 1; j > 0; --j) {
-      if (better(best_s[j], best_t[j], best_s[j - 1], best_t[j - 1])) {
-        const float ts = best_s[j];
-        const int tt = best_t[j];
-        best_s[j] = best_s[j - 1], best_t[j] = best_t[j - 1];
-        best_s[j - 1] = ts, best_t[j - 1] = tt;
+    LaneBest<KMAX> best;
+    for (int c0 = 0; c0 < total; c0 += kSelectChunk) {
+      const int rows = min(kSelectChunk, total - c0);
+      __syncthreads();  // the previous chunk read by every warp; this round's query rows written
+      for (int e = threadIdx.x; e < rows * v4; e += blockDim.x) {
+        const int r = e / v4, c = c0 + r;
+        const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < n) val = *reinterpret_cast<const float4*>(kbase + static_cast<int64_t>(t) * d + (e % v4) * 4);
+        *reinterpret_cast<float4*>(ks + r * stride + (e % v4) * 4) = val;
+      }
+      __syncthreads();
+      if (!active) continue;
+      for (int r = lane; r < rows; r += 32) {
+        const int c = c0 + r;
+        const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+        if (t < n) best.insert(candidate_score(qs, ks + r * stride, d), t);
       }
     }
+    if (!active) continue;
+    best.write_top(keep, p.K, p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K,
+                   p.counts[l] + static_cast<int64_t>(bh) * n + i, chosen);
   }
-  // K rounds of a warp arg-max over the lanes' list heads; the winner shifts its list.
-  int32_t* out = p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K;
-  int* chosen = reinterpret_cast<int*>(q_row + (blockDim.x / 32) * p.d) + warp * kMaxTopk;
-  for (int r = 0; r < keep; ++r) {
-    float s = best_s[0];
-    int t = best_t[0];
-    int owner = lane;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-      const int t2 = __shfl_xor_sync(0xffffffffu, t, off);
-      const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
-      if (better(s2, t2, s, t)) s = s2, t = t2, owner = o2;
-    }
-    if (lane == owner) {
-#pragma unroll
-      for (int j = 0; j + 1 < KMAX; ++j) best_s[j] = best_s[j + 1], best_t[j] = best_t[j + 1];
-      best_s[KMAX - 1] = -INFINITY, best_t[KMAX - 1] = 0x7fffffff;
-    }
-    if (lane == 0) chosen[r] = t;
-  }
-  __syncwarp();
-  // Ascending: each slot's rank among the chosen tokens (distinct).
-  for (int r = lane; r < keep; r += 32) {
-    int rank = 0;
-    for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
-    out[rank] = chosen[r];
-  }
-  for (int r = keep + lane; r < p.K; r += 32) out[r] = -1;
-  if (lane == 0) p.counts[l][static_cast<int64_t>(bh) * n + i] = keep;
 }
 
 // ---- the key stream of a fine query block -----------------------------------------------------
@@ -410,6 +503,9 @@ struct AttnArgs {
   const int32_t* visit_begin[kMaxLevels + 1] = {};  // l < L: [batch * heads_kv * n_{l+1}... ] per key group
   const int32_t* visit_end[kMaxLevels + 1] = {};
   const int32_t* visitors[kMaxLevels + 1] = {};     // l < L: bh_q * n_{l+1} + a, sorted by key group
+  // The forward: the last level its key streams attend (min with p.L). p.L - 1 when the coarsest
+  // level goes through the dense executor instead (llsa.cu, coarse_through_executor).
+  int forward_last_level = kMaxLevels;
 };
 
 __device__ __forceinline__ int64_t row_offset(const Rows& r, int b, int h, int t) {
@@ -601,21 +697,30 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) forward(cons
   float o[kDT][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   uint32_t qf[D / 16][4];
+  const int last = min(p.L, a.forward_last_level);
   auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
     attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2);
   };
   if (active) {
     const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
     warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
-    KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : p.L, true);
+    KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : last, true);
     warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
   }
   if constexpr (SHARED) {
-    KeyStream coarse(p, w0.bh, w0.qb, 1, p.L, false);
+    KeyStream coarse(p, w0.bh, w0.qb, 1, last, false);
     const uint32_t ck_s = base + WARPS * warp_tiles(1) * kTileBytes;
     cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
   }
   if (active) store_rows<T, D>(a, w, o, row_max, row_sum);
+}
+
+// x[i] += c for i < n (the dense executor's LSE of the coarsest level raised by log(weight)).
+__global__ void add_constant(float* x, int64_t n, float c) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] += c;
+  }
 }
 
 // ---- backward ---------------------------------------------------------------------------------

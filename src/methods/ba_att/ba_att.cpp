@@ -10,6 +10,7 @@
 #include "core/validate.h"
 #include "cpu/parallel.h"
 #include "methods/ba_att/ba_att_impl.h"
+#include "methods/planned_attention.h"
 
 namespace sparsa {
 
@@ -230,34 +231,13 @@ Result<BlockIndexBuffer> ba_att_plan(const Tensor& q, const Tensor& k, const BaA
   return plan;
 }
 
-namespace {
-AttentionOptions executor_options(const BaAttOptions& options) {
-  AttentionOptions attention;
-  attention.scale = options.scale;
-  attention.backend = options.backend;
-  attention.num_threads = options.num_threads;
-  attention.check_finite = options.check_finite;
-  attention.check_index = false;  // the plan was just made by ba_att_plan, on this backend
-  attention.stream = options.stream;
-  attention.mask = options.mask;
-  return attention;
-}
-}  // namespace
-
 Status ba_att(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
               const BaAttOptions& options) {
-  auto plan = ba_att_plan(q, k, options);
-  if (!plan.ok()) return plan.status();
-  return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
+  return detail::attention_over_plan(q, k, v, out, lse, options, [&] { return ba_att_plan(q, k, options); });
 }
 
 Result<AttentionOutput> ba_att(const Tensor& q, const Tensor& k, const Tensor& v, const BaAttOptions& options) {
-  auto plan = ba_att_plan(q, k, options);
-  if (!plan.ok()) return plan.status();
-  if (options.backend != Backend::cuda) return block_sparse(q, k, v, plan->view(), executor_options(options));
-  return detail::device_outputs_to_host(q, options.stream, [&](const Tensor& out, const Tensor& lse) {
-    return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
-  });
+  return detail::attention_over_plan(q, k, v, options, [&] { return ba_att_plan(q, k, options); });
 }
 
 }  // namespace sparsa

@@ -16,6 +16,7 @@
 #include "core/validate.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
+#include "methods/planned_attention.h"
 #include "methods/xattention/xattention_impl.h"
 
 namespace sparsa {
@@ -233,18 +234,6 @@ xattention_cuda::Request cuda_request(const XProblem& p, const XAttentionOptions
   return r;
 }
 
-AttentionOptions executor_options(const XAttentionOptions& options) {
-  AttentionOptions attention;
-  attention.scale = options.scale;
-  attention.backend = options.backend;
-  attention.num_threads = options.num_threads;
-  attention.check_finite = options.check_finite;
-  attention.check_index = false;  // the plan was just made by xattention_plan, on this backend
-  attention.stream = options.stream;
-  attention.mask = options.mask;
-  return attention;
-}
-
 }  // namespace
 
 Result<HostArray> xattention_scores(const Tensor& q, const Tensor& k, const XAttentionOptions& options) {
@@ -313,18 +302,11 @@ Result<BlockIndexBuffer> xattention_plan(const Tensor& q, const Tensor& k, const
 
 Status xattention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                   const XAttentionOptions& options) {
-  auto plan = xattention_plan(q, k, options);
-  if (!plan.ok()) return plan.status();
-  return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
+  return detail::attention_over_plan(q, k, v, out, lse, options, [&] { return xattention_plan(q, k, options); });
 }
 
 Result<AttentionOutput> xattention(const Tensor& q, const Tensor& k, const Tensor& v, const XAttentionOptions& options) {
-  auto plan = xattention_plan(q, k, options);
-  if (!plan.ok()) return plan.status();
-  if (options.backend != Backend::cuda) return block_sparse(q, k, v, plan->view(), executor_options(options));
-  return detail::device_outputs_to_host(q, options.stream, [&](const Tensor& out, const Tensor& lse) {
-    return block_sparse(q, k, v, plan->view(), out, lse, executor_options(options));
-  });
+  return detail::attention_over_plan(q, k, v, options, [&] { return xattention_plan(q, k, options); });
 }
 
 }  // namespace sparsa

@@ -22,6 +22,8 @@ its peak (polled every 0.2 ms by a second thread; sparsa's scratch comes from it
 pool, not torch's allocator), minus what was in use before.
 """
 import argparse
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -35,7 +37,10 @@ import rounds  # interleaved rounds: drift falls on every variant alike
 from bench_attention import time_torch  # the same CUDA-event timing as the executor benchmark
 
 CEILING = 790.0  # bf16 TFLOP/s measured on this H200 kind (8192^3 matmul)
-FLEX_TABLE_LIMIT = 8 * 2**30  # bytes of the fine-block table the flex-fine row may build
+# Bytes of the fine-block table the flex-fine row may build: at 256K (16 heads, block 16) the table
+# has 2^32 entries and FlexAttention's kernel faulted with an illegal address (an H100, torch 2.11),
+# so rows whose table passes 2^31 entries are skipped.
+FLEX_TABLE_LIMIT = 2**31 - 1
 FLEX_TILE = 128  # FlexAttention's tile (its BlockMask's block) for the flex-fine row
 
 
@@ -72,6 +77,51 @@ def flex_fine_mask(index, n, block, heads, device, tile=FLEX_TILE):
     return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(n, n))
 
 
+def child_row(argv, timeout_s):
+    """Runs a peer's measurement in a child process and returns (row, None) from the JSON object
+    its last line of output holds, or (None, why) where the child failed: a kernel that faults
+    (an illegal address poisons the whole CUDA context) takes only its child down, not the
+    benchmark."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"no answer in {timeout_s:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1]), None
+        except json.JSONDecodeError:
+            pass
+    tail = (done.stderr.strip().splitlines() or lines or ["no output"])[-1]
+    return None, f"exit code {done.returncode}: {tail[:200]}"
+
+
+def inputs(n, heads, dim, device):
+    """The benchmark's Q, K, V and dO at N = n: the same tensors in every process."""
+    torch.manual_seed(0)
+    return [torch.randn(1, heads, n, dim, device=device, dtype=torch.bfloat16) for _ in range(4)]
+
+
+def flex_fine_times(n, args, iters):
+    """FlexAttention over the plan's fine-block mask: forward and forward+backward ms."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    dev = torch.device("cuda")
+    q, k, v, do = inputs(n, args.heads, args.dim, dev)
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    plan = sparsa.llsa_plan(q, k, block=args.block, topk=args.topk, levels=args.levels)
+    mask = flex_fine_mask(plan["index"], n, args.block, args.heads, dev)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def f_fwd():
+        flex(q, k, v, block_mask=mask)
+
+    def f_fb():
+        flex(qg, kg, vg, block_mask=mask).backward(do)
+
+    return time_ms(f_fwd, iters), time_ms(f_fb, iters)
+
+
 def time_ms(fn, iters, warmup=2):
     return time_torch(fn, iters, warmup)
 
@@ -95,7 +145,14 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one sparsa forward+backward")
     ap.add_argument("--rounds", type=int, default=3,
                     help="sparsa and the official kernel timed in this many interleaved rounds (median, range)")
+    ap.add_argument("--flex-only", type=int, default=0, metavar="N",
+                    help="(the child process of the flex-fine row) time FlexAttention at N, print one JSON line")
+    ap.add_argument("--iters", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.flex_only:
+        fwd, fb = flex_fine_times(args.flex_only, args, args.iters or 5)
+        print(json.dumps({"fwd": fwd, "fb": fb}))
+        return
     dev = torch.device("cuda")
     H, D, B, K, L = args.heads, args.dim, args.block, args.topk, args.levels
     kw = dict(block=B, topk=K, levels=L)
@@ -112,8 +169,7 @@ def main():
     print(f"{'N':>7} {'row':<10} {'fwd ms':>9} {'fwd+bwd ms':>11} {'x cuDNN fwd':>11} {'x cuDNN f+b':>11} "
           f"{'fwd TFLOP/s':>11} {'f+b TFLOP/s':>11} {'keys/query':>10}")
     for N in args.sizes:
-        torch.manual_seed(0)
-        q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        q, k, v, do = inputs(N, H, D, dev)
         iters = 20 if N <= 65536 else 5
         plan = sparsa.llsa_plan(q, k, **kw)
         kpq = plan["keys_per_query"]
@@ -188,23 +244,18 @@ def main():
         # block-sparse kernel does with this mask. Its lookup table is H x (N / B)^2 bytes.
         table_bytes = H * (-(-N // B)) ** 2
         if not args.no_flex and table_bytes > FLEX_TABLE_LIMIT:
-            print(f"{N:>7} flex-fine: skipped (its fine-block table would take {table_bytes / 2**30:.0f} GiB)")
+            print(f"{N:>7} flex-fine: skipped (its fine-block table would take {table_bytes / 2**30:.0f} GiB, "
+                  f"past 2^31 entries)")
         elif not args.no_flex:
-            try:
-                from torch.nn.attention.flex_attention import flex_attention
-
-                mask = flex_fine_mask(plan["index"], N, B, H, dev)
-                flex = torch.compile(flex_attention, dynamic=False)
-
-                def f_fwd():
-                    flex(q, k, v, block_mask=mask)
-
-                def f_fb():
-                    flex(qg, kg, vg, block_mask=mask).backward(do)
-
-                rows["flex-fine"] = (time_ms(f_fwd, iters), time_ms(f_fb, iters), K * B)
-            except Exception as e:  # noqa: BLE001
-                print(f"{N:>7} flex-fine: failed ({type(e).__name__}: {str(e)[:200]})")
+            # In a child process: a kernel that faults with an illegal address (FlexAttention's did
+            # at 256K) leaves its process's CUDA context unusable for the rows after it.
+            argv = [sys.executable, __file__, "--flex-only", str(N), "--iters", str(iters), "--heads", str(H),
+                    "--dim", str(D), "--block", str(B), "--topk", str(K), "--levels", str(L)]
+            row, why = child_row(argv, timeout_s=900)
+            if row:
+                rows["flex-fine"] = (row["fwd"], row["fb"], K * B)
+            else:
+                print(f"{N:>7} flex-fine: failed in its child process ({why})")
         cf, cb, _ = rows["cudnn"]
         for name in sorted(rows, key=["sparsa", "cudnn", "official", "flex-fine"].index):
             f, b, keys = rows[name]

@@ -53,3 +53,18 @@ def test_flex_peer_attends_exactly_the_fine_blocks(n, block, topk):
             listed[h, qt, idx[h, qt, :int(num[h, qt])].long()] = True
     assert torch.equal(num.long(), want.sum(-1))
     assert torch.equal(listed, want)
+
+
+def test_child_row_reads_the_last_json_line_and_reports_a_failed_child():
+    """The flex-fine row runs in a child process so a faulting kernel cannot poison the
+    benchmark's CUDA context: its answer is the child's last JSON line; a crash, a timeout or
+    output that is not JSON comes back as the reason, never as an exception."""
+    py = sys.executable
+    row, why = bench_llsa.child_row([py, "-c", 'print("compiling"); print(\'{"fwd": 1.5, "fb": 4.0}\')'], 60)
+    assert row == {"fwd": 1.5, "fb": 4.0} and why is None
+    row, why = bench_llsa.child_row([py, "-c", "import sys; sys.stderr.write('illegal address\\n'); sys.exit(3)"], 60)
+    assert row is None and "exit code 3" in why and "illegal address" in why
+    row, why = bench_llsa.child_row([py, "-c", 'print("not json")'], 60)
+    assert row is None and "not json" in why
+    row, why = bench_llsa.child_row([py, "-c", "import time; time.sleep(5)"], 0.5)
+    assert row is None and "no answer" in why

@@ -300,9 +300,9 @@ def main():
         wall = time.perf_counter() - t0
         done.set()
         th.join()
-        inputs = 4 * q.numel() * 2
+        input_bytes = 4 * q.numel() * 2
         print(f"scale: N {N}, heads {Hs}, d {D}, levels auto: forward+backward {wall * 1e3:.1f} ms (first call, wall); "
-              f"peak device memory beyond the inputs {peak[0] / 2**30:.2f} GiB (inputs q,k,v,dO {inputs / 2**30:.2f} GiB), "
+              f"peak device memory beyond the inputs {peak[0] / 2**30:.2f} GiB (inputs q,k,v,dO {input_bytes / 2**30:.2f} GiB), "
               f"finite: {bool(torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all())}")
         fb = time_ms(lambda: sparsa.llsa_backward(q, k, v, o, l_, do, **dict(kw, levels=-1)), 3, warmup=1)
         ff = time_ms(lambda: sparsa.llsa(q, k, v, **dict(kw, levels=-1)), 3, warmup=1)

@@ -23,6 +23,7 @@ pool, not torch's allocator), minus what was in use before.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -122,6 +123,31 @@ def flex_fine_times(n, args, iters):
     return time_ms(f_fwd, iters), time_ms(f_fb, iters)
 
 
+RUNG_VAR = "SPARSA_LLSA_FORWARD_RUNG"
+
+
+def forced_rung_ms(rung, fn, timer):
+    """timer(fn) with sparsa's LLSA forward held to `rung` (SPARSA_LLSA_FORWARD_RUNG, read by the
+    library at every call); the variable's earlier value (or its absence) is restored after."""
+    before = os.environ.get(RUNG_VAR)
+    os.environ[RUNG_VAR] = str(rung)
+    try:
+        return timer(fn)
+    finally:
+        if before is None:
+            del os.environ[RUNG_VAR]
+        else:
+            os.environ[RUNG_VAR] = before
+
+
+def parse_rungs(text):
+    """--forward-rungs: a comma-separated list of the forward's rungs (1, 2, 3), at least two."""
+    rungs = [r.strip() for r in text.split(",") if r.strip()]
+    if len(rungs) < 2 or any(r not in ("1", "2", "3") for r in rungs) or len(set(rungs)) != len(rungs):
+        raise argparse.ArgumentTypeError(f"expected two or more distinct rungs of 1, 2, 3 (e.g. 2,3), got {text!r}")
+    return rungs
+
+
 def time_ms(fn, iters, warmup=2):
     return time_torch(fn, iters, warmup)
 
@@ -145,6 +171,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one sparsa forward+backward")
     ap.add_argument("--rounds", type=int, default=3,
                     help="sparsa and the official kernel timed in this many interleaved rounds (median, range)")
+    ap.add_argument("--forward-rungs", type=parse_rungs, default=None, metavar="R,R",
+                    help="also time sparsa's forward held to each of these rungs (e.g. 2,3) in interleaved rounds: "
+                         "the evidence for the rung-3 threshold")
     ap.add_argument("--flex-only", type=int, default=0, metavar="N",
                     help="(the child process of the flex-fine row) time FlexAttention at N, print one JSON line")
     ap.add_argument("--iters", type=int, default=0, help=argparse.SUPPRESS)
@@ -272,6 +301,16 @@ def main():
                   f"forward+backward {b_['speed']:.2f}x ({b_['speed_min']:.2f}-{b_['speed_max']:.2f}) over "
                   f"{max(1, args.rounds)} interleaved rounds; official fwd {of_['ms_min']:.3f}-{of_['ms_max']:.3f} ms, "
                   f"f+b {ob_['ms_min']:.3f}-{ob_['ms_max']:.3f} ms")
+        if args.forward_rungs:
+            # Which rung is faster moves with N (the coarsest level's length); the rows of one
+            # process differ by a few percent between runs, so they are timed in alternation.
+            n_rounds = max(3, args.rounds)
+            times = rounds.interleaved([(f"rung {r}", r) for r in args.forward_rungs], n_rounds,
+                                       lambda r: forced_rung_ms(r, s_fwd, lambda fn: time_ms(fn, iters)))
+            base = f"rung {args.forward_rungs[0]}"
+            for line in rounds.table(rounds.summarise(times, base), base,
+                                     f"{N:>7} sparsa forward held to each rung ({RUNG_VAR}), {n_rounds} interleaved rounds"):
+                print(line)
         del q, k, v, do, qg, kg, vg, out, lse
         torch.cuda.empty_cache()
 

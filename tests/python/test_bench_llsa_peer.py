@@ -83,3 +83,40 @@ def test_main_shadows_none_of_the_module_functions():
         clash = functions & set(code.co_varnames + code.co_cellvars)
         assert not clash, f"{code.co_name} has locals named like module functions: {sorted(clash)}"
         codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+
+
+def test_forced_rung_holds_the_variable_for_the_call_and_restores_it(monkeypatch):
+    seen = []
+
+    def fn():
+        seen.append(os.environ.get(bench_llsa.RUNG_VAR))
+
+    def timer(f):
+        f()
+        return 1.25
+
+    monkeypatch.delenv(bench_llsa.RUNG_VAR, raising=False)
+    assert bench_llsa.forced_rung_ms("3", fn, timer) == 1.25
+    assert seen == ["3"] and bench_llsa.RUNG_VAR not in os.environ
+    monkeypatch.setenv(bench_llsa.RUNG_VAR, "1")
+
+    def failing(f):
+        f()
+        raise RuntimeError("timer failed")
+
+    with pytest.raises(RuntimeError):
+        bench_llsa.forced_rung_ms("2", fn, failing)
+    assert seen == ["3", "2"] and os.environ[bench_llsa.RUNG_VAR] == "1"
+
+
+@pytest.mark.parametrize("text,want", [("2,3", ["2", "3"]), (" 1, 3 ", ["1", "3"]), ("1,2,3", ["1", "2", "3"])])
+def test_parse_rungs_accepts(text, want):
+    assert bench_llsa.parse_rungs(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "3", "2,2", "2,4", "rung2,3", "0,1"])
+def test_parse_rungs_refuses(text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_llsa.parse_rungs(text)

@@ -217,16 +217,18 @@ def main():
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                s_fb()
-                torch.cuda.synchronize()
-            key = "device_time_total"
-            try:
-                table = prof.key_averages().table(sort_by=key, row_limit=14)
-            except Exception:  # noqa: BLE001 - older torch names it cuda_time_total
-                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
-            print(f"{N:>7} sparsa forward+backward, per kernel:")
-            print("\n".join(line[:160] for line in table.splitlines()))
+            # The forward alone first (its pooling, selection, dense coarsest level and row-wise
+            # kernel), then forward+backward (the backward builds its plan again).
+            for what, fn in (("forward", s_fwd), ("forward+backward", s_fb)):
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    fn()
+                    torch.cuda.synchronize()
+                try:
+                    table = prof.key_averages().table(sort_by="device_time_total", row_limit=14)
+                except Exception:  # noqa: BLE001 - older torch names it cuda_time_total
+                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+                print(f"{N:>7} sparsa {what}, per kernel:")
+                print("\n".join(line[:160] for line in table.splitlines()))
         plan_ms = time_ms(lambda: sparsa.llsa_plan(q, k, **kw), iters)
 
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))

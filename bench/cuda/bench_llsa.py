@@ -10,7 +10,9 @@ top-K 8, two levels. Rows per N:
   cudnn         SDPA with the cuDNN backend, dense;
   flex-fine     FlexAttention (torch.compile) over LLSA's fine-block mask (sparsa's own plan, no
                 enrichment): the block-sparse part alone, at FlexAttention's 128-token tiles (every
-                tile holding a selected block) with a mask_mod keeping the selected blocks' keys.
+                tile holding a selected block) with a mask_mod keeping the selected blocks' keys;
+                timed in a child process of this script (--flex-only N), so a kernel fault there
+                cannot take the other rows' CUDA context with it.
 Every time is the median of CUDA-event-timed calls after warm-ups; sparsa and the official kernel
 are timed in --rounds interleaved rounds (bench/cuda/rounds.py), each ratio the rounds' median.
 TFLOP/s counts the keys each query actually visits (fine and pooled): forward 4 * H * N * keys *
@@ -168,7 +170,8 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--scale", type=int, default=0, help="one forward+backward at this N (0: none)")
     ap.add_argument("--scale-heads", type=int, default=4)
-    ap.add_argument("--profile", action="store_true", help="per-kernel times of one sparsa forward+backward")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel times of one sparsa forward, then of one forward+backward")
     ap.add_argument("--rounds", type=int, default=3,
                     help="sparsa and the official kernel timed in this many interleaved rounds (median, range)")
     ap.add_argument("--forward-rungs", type=parse_rungs, default=None, metavar="R,R",

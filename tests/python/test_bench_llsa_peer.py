@@ -70,21 +70,6 @@ def test_child_row_reads_the_last_json_line_and_reports_a_failed_child():
     assert row is None and "no answer" in why
 
 
-def test_main_shadows_none_of_the_module_functions():
-    """A local of main named like one of the module's functions (it had `inputs`, the byte count of
-    the scale row) makes every earlier call of that function an UnboundLocalError: the benchmark
-    then fails at its first size, on the GPU only. Every code object in main is checked."""
-    import types
-
-    functions = {name for name, value in vars(bench_llsa).items() if isinstance(value, types.FunctionType)}
-    codes = [bench_llsa.main.__code__]
-    while codes:
-        code = codes.pop()
-        clash = functions & set(code.co_varnames + code.co_cellvars)
-        assert not clash, f"{code.co_name} has locals named like module functions: {sorted(clash)}"
-        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-
-
 def test_forced_rung_holds_the_variable_for_the_call_and_restores_it(monkeypatch):
     seen = []
 

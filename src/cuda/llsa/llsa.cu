@@ -118,12 +118,22 @@ struct DevicePlan {
 template <class T>
 Status pool(const Tensor& in, int heads, const std::vector<int64_t>& len, int d, int B, int L, const Scratch& s,
             const std::vector<size_t>& f32, const std::vector<size_t>* b16, cudaStream_t stream) {
+  // 8 channels a thread where every row allows 16-byte loads (the scratch levels always do).
+  const bool vec = d % 8 == 0 && aligned16(in);
   for (int l = 1; l <= L; ++l) {
     const int64_t total = static_cast<int64_t>(in.shape[0]) * heads * len[l] * d;
-    k::pool_level<T><<<blocks_for(total, 256), 256, 0, stream>>>(
-        l == 1 ? static_cast<const T*>(in.data) : nullptr, rows_of(in), l == 1 ? nullptr : s.at<float>(f32[l - 1]),
-        heads, static_cast<int>(len[l - 1]), d, B, s.at<float>(f32[l]), b16 ? s.at<T>((*b16)[l]) : nullptr,
-        static_cast<int>(len[l]), total);
+    const T* src_in = l == 1 ? static_cast<const T*>(in.data) : nullptr;
+    const float* src_f32 = l == 1 ? nullptr : s.at<float>(f32[l - 1]);
+    T* dst16 = b16 ? s.at<T>((*b16)[l]) : nullptr;
+    if (vec) {
+      k::pool_level_vec<T><<<blocks_for(total / 8, 256), 256, 0, stream>>>(
+          src_in, rows_of(in), src_f32, heads, static_cast<int>(len[l - 1]), d, B, s.at<float>(f32[l]), dst16,
+          static_cast<int>(len[l]), total / 8);
+    } else {
+      k::pool_level<T><<<blocks_for(total, 256), 256, 0, stream>>>(
+          src_in, rows_of(in), src_f32, heads, static_cast<int>(len[l - 1]), d, B, s.at<float>(f32[l]), dst16,
+          static_cast<int>(len[l]), total);
+    }
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   return {};
@@ -324,8 +334,9 @@ k::AttnArgs attn_args(const Call& c) {
 // level-L pooled keys, which the flash executor runs on the tensor cores at a fraction of the
 // cost of the row-wise kernel's 64-key stages. Exact when every level-L token carries the same
 // weight (len a multiple of B^L: each token's log-weight bias is then one constant, which moves
-// the part's LSE and not its output) and nothing is left out of the level (no dedupe). The
-// row-wise kernel attends the other levels; the two parts are merged by LSE.
+// the part's LSE and not its output) and nothing is left out of the level (no dedupe). It runs
+// first; the row-wise kernel then attends the other levels starting each row's online softmax
+// from this part's O and LSE (AttnArgs::init_o), so no merge pass follows.
 // SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the coarsest level in the row-wise kernel; =3 takes this
 // path wherever it is exact, whatever the level's length (the tests' short shapes).
 // A coarsest level shorter than this stays in the kernel: on an H100 (bench/RESULTS.md, "LLSA's
@@ -362,7 +373,7 @@ Status coarse_level_dense(const Call& c, const DevicePlan& dp, const Scratch& s,
   k::add_constant<<<static_cast<unsigned>(std::clamp<int64_t>((rows + 255) / 256, 1, 4096)), 256, 0, stream>>>(
       s.at<float>(lse2_at), rows, std::log(static_cast<float>(p.region[p.L])));
   SPARSA_CUDA_CHECK_LAUNCH();
-  return merge(c.out, c.lse, o2, lse2, c.out, c.lse, Backend::cuda, stream);
+  return {};
 }
 
 template <class T, int D>
@@ -379,11 +390,15 @@ Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaS
   fill_plan_view(s, &dp);
   SPARSA_RETURN_IF_ERROR(build<T>(c.q, c.k, &c.v, host_plan, &dp, s, stream));
   k::AttnArgs a = attn_args(c);
-  if (coarse_dense) a.forward_last_level = dp.p.L - 1;
+  if (coarse_dense) {
+    SPARSA_RETURN_IF_ERROR(coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream));
+    a.forward_last_level = dp.p.L - 1;
+    a.init_o = s.at<void>(o2_at);
+    a.init_lse = s.at<float>(lse2_at);
+  }
   SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung));
-  if (!coarse_dense) return {};
-  g_last_forward_rung = 3;
-  return coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream);
+  if (coarse_dense) g_last_forward_rung = 3;
+  return {};
 }
 
 template <class T, int D>

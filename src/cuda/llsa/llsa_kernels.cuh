@@ -101,6 +101,56 @@ __global__ void pool_level(const T* src_in, Rows in, const float* src_f32, int h
   if (dst16 != nullptr) dst16[idx] = static_cast<T>(mean);
 }
 
+// pool_level with 8 channels a thread (16-byte loads of the input, 32-byte loads of an f32 level,
+// 16-byte stores): the same sums in the same child order, so the same values bit for bit. For d a
+// multiple of 8 and level-1 input rows that start on 16 bytes (llsa.cu, aligned16); one thread an
+// element moved 2 bytes a load and ran at about half the memory's speed.
+template <class T>
+__global__ void pool_level_vec(const T* src_in, Rows in, const float* src_f32, int heads, int n_src, int d, int B,
+                               float* dst, T* dst16, int n_dst, int64_t chunks) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= chunks) return;
+  const int per_row = d / 8;
+  const int c = static_cast<int>(idx % per_row) * 8;
+  const int t = static_cast<int>(idx / per_row % n_dst);
+  const int64_t bh = idx / (static_cast<int64_t>(per_row) * n_dst);
+  const int first = t * B, last = min(first + B, n_src);
+  float sum[8] = {};
+  if (src_in != nullptr) {
+    const int64_t b = bh / heads, h = bh % heads;
+    const T* base = src_in + b * in.stride[0] + h * in.stride[1] + c;
+    for (int u = first; u < last; ++u) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(base + u * in.stride[2]);
+      const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum[e] = __fadd_rn(sum[e], static_cast<float>(x[e]));
+    }
+  } else {
+    const float* base = src_f32 + bh * n_src * d + c;
+    for (int u = first; u < last; ++u) {
+      const float4* row = reinterpret_cast<const float4*>(base + static_cast<int64_t>(u) * d);
+      const float4 lo = row[0], hi = row[1];
+      const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum[e] = __fadd_rn(sum[e], x[e]);
+    }
+  }
+  const float inv = 1.0f / static_cast<float>(last - first);
+  float mean[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) mean[e] = __fmul_rn(sum[e], inv);
+  float4* out = reinterpret_cast<float4*>(dst + idx * 8);
+  out[0] = make_float4(mean[0], mean[1], mean[2], mean[3]);
+  out[1] = make_float4(mean[4], mean[5], mean[6], mean[7]);
+  if (dst16 != nullptr) {
+    uint4 packed;
+    T* y = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = static_cast<T>(mean[e]);
+    *reinterpret_cast<uint4*>(dst16 + idx * 8) = packed;
+  }
+}
+
 // ---- selection --------------------------------------------------------------------------------
 
 // (score, token) ordering of the plan: larger score first, ties to the smaller token.
@@ -506,6 +556,11 @@ struct AttnArgs {
   // The forward: the last level its key streams attend (min with p.L). p.L - 1 when the coarsest
   // level goes through the dense executor instead (llsa.cu, coarse_through_executor).
   int forward_last_level = kMaxLevels;
+  // The forward: where set, each row's online softmax starts from that part's state (O in T, LSE
+  // in f32, contiguous [batch * heads_q, len] rows: the dense executor's coarsest level) instead
+  // of from nothing, so the kernel's output is already the two parts merged.
+  const void* init_o = nullptr;
+  const float* init_lse = nullptr;
 };
 
 __device__ __forceinline__ int64_t row_offset(const Rows& r, int b, int h, int t) {
@@ -561,6 +616,29 @@ __device__ __forceinline__ void store_rows(const AttnArgs& a, const WarpRows& w,
     T* out = static_cast<T*>(const_cast<void*>(a.o.data)) + row_offset(a.o, w.b, w.h, t);
     float* lse = a.lse + w.b * a.lse_stride[0] + w.h * a.lse_stride[1] + t * a.lse_stride[2];
     detail::store_row<T, D / 8>(out, lse, o, r, l, row_max[r], a.scale_log2, a.aligned_out);
+  }
+}
+
+// A warp's rows continued from an earlier part's normalised output and LSE (a.init_o, a.init_lse):
+// with the row max at LSE / scale in raw-logit units, that part's probabilities sum to 1 and its
+// accumulator is its output, which is the state its online softmax would have ended with.
+template <class T, int D>
+__device__ __forceinline__ void init_rows(const AttnArgs& a, const Plan& p, const WarpRows& w, float (&o)[D / 8][4],
+                                          float (&row_max)[2], float (&row_sum)[2]) {
+  const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    if (row >= w.rows) continue;
+    const int64_t at = static_cast<int64_t>(w.bh) * p.len + w.row0 + row;
+    const T* src = static_cast<const T*>(a.init_o) + at * D;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][2 * r] = static_cast<float>(src[i * 8 + 2 * c]);
+      o[i][2 * r + 1] = static_cast<float>(src[i * 8 + 2 * c + 1]);
+    }
+    row_max[r] = a.init_lse[at] / a.scale;
+    row_sum[r] = c == 0 ? 1.0f : 0.0f;  // the quad's partial sums add up to the part's 1
   }
 }
 
@@ -701,6 +779,7 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) forward(cons
   auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
     attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2);
   };
+  if (active && a.init_o != nullptr) init_rows<T, D>(a, p, w, o, row_max, row_sum);
   if (active) {
     const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
     warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });

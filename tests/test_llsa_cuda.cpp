@@ -371,22 +371,26 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   Result<LlsaPlan> gp = llsa_plan(dq_in.t, dk_in.t, o);
   ASSERT_TRUE(gp.ok()) << gp.status().to_string();
   check_plan_valid(c, *gp, q, k);
-  // The selection's rung 1 (a warp per query token, candidates from L2) picks the same tokens, bit
-  // for bit, as rung 2 (the default: candidates shared in shared memory), at every level.
-  setenv("SPARSA_LLSA_SELECT_RUNG", "1", 1);
-  Result<LlsaPlan> gp1 = llsa_plan(dq_in.t, dk_in.t, o);
-  unsetenv("SPARSA_LLSA_SELECT_RUNG");
-  ASSERT_TRUE(gp1.ok()) << gp1.status().to_string();
-  for (int l = 1; l <= gp->levels; ++l) {
-    const auto& a = gp->picks[l - 1];
-    const auto& b = gp1->picks[l - 1];
-    ASSERT_EQ(a.numel(), b.numel());
-    EXPECT_TRUE(std::equal(a.ptr<int32_t>(), a.ptr<int32_t>() + a.numel(), b.ptr<int32_t>()))
-        << "level " << l << ": the selection's two rungs pick differently";
-    const auto& ca = gp->pick_counts[l - 1];
-    const auto& cb = gp1->pick_counts[l - 1];
-    EXPECT_TRUE(std::equal(ca.ptr<int32_t>(), ca.ptr<int32_t>() + ca.numel(), cb.ptr<int32_t>()))
-        << "level " << l << ": the selection's two rungs count differently";
+  // The selection's rungs 1 (a warp per query token, candidates from L2) and 2 (a warp per token,
+  // candidates shared in shared memory) pick the same tokens, bit for bit, as the default (rung 3
+  // where it applies: a thread per token and part of its candidates, the query in registers), at
+  // every level.
+  for (const char* select_rung : {"1", "2"}) {
+    setenv("SPARSA_LLSA_SELECT_RUNG", select_rung, 1);
+    Result<LlsaPlan> gp1 = llsa_plan(dq_in.t, dk_in.t, o);
+    unsetenv("SPARSA_LLSA_SELECT_RUNG");
+    ASSERT_TRUE(gp1.ok()) << gp1.status().to_string();
+    for (int l = 1; l <= gp->levels; ++l) {
+      const auto& a = gp->picks[l - 1];
+      const auto& b = gp1->picks[l - 1];
+      ASSERT_EQ(a.numel(), b.numel());
+      EXPECT_TRUE(std::equal(a.ptr<int32_t>(), a.ptr<int32_t>() + a.numel(), b.ptr<int32_t>()))
+          << "level " << l << ": selection rung " << select_rung << " picks otherwise than the default";
+      const auto& ca = gp->pick_counts[l - 1];
+      const auto& cb = gp1->pick_counts[l - 1];
+      EXPECT_TRUE(std::equal(ca.ptr<int32_t>(), ca.ptr<int32_t>() + ca.numel(), cb.ptr<int32_t>()))
+          << "level " << l << ": selection rung " << select_rung << " counts otherwise than the default";
+    }
   }
   LlsaOptions ho = o;
   ho.backend = Backend::cpu;

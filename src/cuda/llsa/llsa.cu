@@ -69,11 +69,15 @@ int forward_rung() {
 thread_local int g_last_forward_rung = 0;
 
 // The selection's rung: SPARSA_LLSA_SELECT_RUNG=1 forces rung 1 (select_level: a warp per query
-// token, candidates from L2); otherwise rung 2 (select_level_shared: the query tokens that share
-// candidates share their rows in shared memory). Both give the same picks bit for bit.
+// token, candidates from L2), =2 rung 2 (select_level_shared: the query tokens that share
+// candidates share their rows in shared memory, a warp per token); otherwise rung 3 where it
+// applies (select_level_lanes: a thread per token and part of its candidates, the query in
+// registers), rung 2 at the other levels. All give the same picks bit for bit.
 int select_rung() {
   const char* env = std::getenv("SPARSA_LLSA_SELECT_RUNG");
-  return env != nullptr && std::string(env) == "1" ? 1 : 2;
+  if (env != nullptr && std::string(env) == "1") return 1;
+  if (env != nullptr && std::string(env) == "2") return 2;
+  return 3;
 }
 
 // Whether the `warps` 16-row groups of every CTA (consecutive groups of one head) have the same
@@ -225,18 +229,29 @@ Status build(const Tensor& q, const Tensor& k_, const Tensor* v, const LlsaPlan*
     }
     return {};
   }
-  // Rung 2: a CTA per group of query tokens sharing their candidates (kSelectWarps tokens at the
-  // coarsest level, one parent's children below it).
+  // Rungs 2 and 3: a CTA per group of query tokens sharing their candidates (rung 2: kSelectWarps
+  // tokens at the coarsest level; rung 3: kSelectTopGroup; one parent's children below it).
   static_assert(k::select_shared_bytes(128) <= 48 * 1024, "head_dim 64 and 128 within the default shared memory");
-  const size_t smem = k::select_shared_bytes(p.d);
-  auto* kernel = kmax == 8 ? k::select_level_shared<8> : kmax == 16 ? k::select_level_shared<16>
-               : kmax == 32 ? k::select_level_shared<32> : k::select_level_shared<64>;
+  static_assert(k::select_lanes_bytes(64, k::kSelectThreads, 16) <= 48 * 1024 &&
+                    k::select_lanes_bytes(128, k::kSelectThreads, 16) <= 48 * 1024,
+                "rung 3 within the default shared memory");
+  auto* shared_kernel = kmax == 8 ? k::select_level_shared<8> : kmax == 16 ? k::select_level_shared<16>
+                      : kmax == 32 ? k::select_level_shared<32> : k::select_level_shared<64>;
+  auto* lanes_kernel = p.d == 64 ? (kmax == 8 ? k::select_level_lanes<64, 8> : k::select_level_lanes<64, 16>)
+                                 : (kmax == 8 ? k::select_level_lanes<128, 8> : k::select_level_lanes<128, 16>);
   for (int l = p.L; l >= 1; --l) {
-    const int64_t groups = l == p.L ? (len[l] + k::kSelectWarps - 1) / k::kSelectWarps : len[l + 1];
+    const bool lanes = select_rung() == 3 && k::select_lanes_fits(p, l);
+    const int per_group = lanes ? k::select_lanes_group(p, l) : k::kSelectWarps;
+    const int64_t groups = l == p.L ? (len[l] + per_group - 1) / per_group : len[l + 1];
     const int64_t blocks = static_cast<int64_t>(p.batch) * p.heads_q * groups;
     if (blocks == 0) continue;
-    kernel<<<static_cast<unsigned>(blocks), 32 * k::kSelectWarps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
-                                                                                  s.at<float>(dp->pk[l]));
+    if (lanes) {
+      lanes_kernel<<<static_cast<unsigned>(blocks), k::kSelectThreads, k::select_lanes_bytes(p.d, per_group, p.K),
+                     stream>>>(p, l, s.at<float>(dp->pq[l]), s.at<float>(dp->pk[l]));
+    } else {
+      shared_kernel<<<static_cast<unsigned>(blocks), 32 * k::kSelectWarps, k::select_shared_bytes(p.d), stream>>>(
+          p, l, s.at<float>(dp->pq[l]), s.at<float>(dp->pk[l]));
+    }
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   return {};

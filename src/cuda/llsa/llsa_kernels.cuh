@@ -3,9 +3,11 @@
 //   pool_level     the pyramid: level l from level l-1, f32 means of up to B children (the
 //                  same child order as the CPU), plus a 16-bit copy of k and v for the tensor
 //                  cores;
-//   select_level   coarse-to-fine top-K, one warp per (head, level-l query token): each lane keeps
-//                  the best K of its share of the candidates, then K rounds of a warp arg-max
-//                  merge them (larger score first, ties to the smaller token, NaN last);
+//   select_level   coarse-to-fine top-K per (head, level-l query token), three rungs (a warp per
+//                  token; a warp per token over candidate rows shared by siblings; a thread per
+//                  token and part of its candidates): each lane keeps the best K of its share of
+//                  the candidates, then K rounds of an arg-max over the lanes merge them (larger
+//                  score first, ties to the smaller token, NaN last);
 //   forward        one warp per 16 query rows of one fine query block, its own key stream
 //                  (KeyStream: the fine blocks, the enrichment candidates, the coarsest level) in
 //                  tiles of 16 tokens, double-buffered with cp.async, the online softmax of the
@@ -337,6 +339,129 @@ __global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const _
     best.write_top(keep, p.K, p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K,
                    p.counts[l] + static_cast<int64_t>(bh) * n + i, chosen);
   }
+}
+
+// Rung 3 of the selection: a thread per (query token, part of its candidates), the query row in
+// registers (head_dim a template argument). A CTA of kSelectThreads threads takes one group of
+// query tokens that share their candidates (one parent's B children at l < L, kSelectTopGroup
+// consecutive tokens at l == L): S tokens, P = kSelectThreads / S threads each, the P threads of a
+// token in consecutive lanes of one warp. The candidates' f32 key rows are staged in shared memory
+// once per CTA (rung 2 staged them once per round of 8 warps) and each row is read by broadcast
+// by the threads of every token that share a part; thread `part` scores candidates part,
+// part + P, ... with the same fmaf column order as candidate_score, keeps its best KMAX in a
+// LaneBest, and K rounds of an arg-max over the P lanes of the token merge them. The picks are
+// the same bit for bit (a top-K under a total order does not depend on who scored what). Applies
+// with head_dim 64 or 128, K <= 16, and at l < L a block size B dividing kSelectThreads with
+// B >= kSelectThreads / 32 (a token's lanes inside one warp); other levels keep rung 2.
+constexpr int kSelectThreads = 128;
+constexpr int kSelectTopGroup = 16;  // query tokens per CTA at the coarsest level
+
+__host__ __device__ constexpr int select_lanes_chunk(int d) { return d == 64 ? 128 : 64; }  // rows staged at a time
+__host__ __device__ constexpr int select_lanes_group(const Plan& p, int l) { return l == p.L ? kSelectTopGroup : p.B; }
+__host__ __device__ constexpr size_t select_lanes_bytes(int d, int group, int K) {
+  return static_cast<size_t>(select_lanes_chunk(d)) * (d + 4) * sizeof(float) +
+         static_cast<size_t>(group) * K * sizeof(int);
+}
+__host__ __device__ constexpr bool select_lanes_fits(const Plan& p, int l) {
+  const int s = select_lanes_group(p, l);
+  return (p.d == 64 || p.d == 128) && p.K <= 16 && s >= kSelectThreads / 32 && kSelectThreads % s == 0;
+}
+
+// candidate_score with the query in registers: the same fmaf chain.
+template <int D>
+__device__ __forceinline__ float candidate_score_regs(const float (&q)[D], const float* k) {
+  float s = 0.0f;
+#pragma unroll
+  for (int e = 0; e < D; e += 4) {
+    const float4 kv = *reinterpret_cast<const float4*>(k + e);
+    s = fmaf(q[e], kv.x, s);
+    s = fmaf(q[e + 1], kv.y, s);
+    s = fmaf(q[e + 2], kv.z, s);
+    s = fmaf(q[e + 3], kv.w, s);
+  }
+  return s != s ? -INFINITY : s;
+}
+
+template <int D, int KMAX>
+__global__ void __launch_bounds__(kSelectThreads) select_level_lanes(const __grid_constant__ Plan p, int l,
+                                                                     const float* pq, const float* pk) {
+  constexpr int kChunk = select_lanes_chunk(D), kStride = D + 4, kV4 = D / 4;
+  extern __shared__ float4 select_smem[];
+  float* ks = reinterpret_cast<float*>(select_smem);  // [kChunk][kStride]
+  const int n = p.level_len[l];
+  const bool top = l == p.L;
+  const int S = select_lanes_group(p, l), P = kSelectThreads / S;
+  const int groups = top ? (n + S - 1) / S : p.level_len[l + 1];
+  const int bh = static_cast<int>(blockIdx.x / groups), g = static_cast<int>(blockIdx.x % groups);
+  const int bh_kv = bh / p.heads_q * p.heads_kv + bh % p.heads_q / p.group;
+  const int32_t* parent_picks = top ? nullptr : p.picks_of(l + 1, bh, g);
+  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;
+  const int keep = min(p.K, total);
+  const int first = g * S, members = min(S, n - first);
+  const int m = threadIdx.x / P, part = threadIdx.x % P;
+  const bool active = m < members;
+  const int i = first + m;
+
+  float q[D];
+  if (active) {
+    const float4* src = reinterpret_cast<const float4*>(pq + (static_cast<int64_t>(bh) * n + i) * D);
+#pragma unroll
+    for (int e = 0; e < kV4; ++e) {
+      const float4 x = src[e];
+      q[4 * e] = x.x, q[4 * e + 1] = x.y, q[4 * e + 2] = x.z, q[4 * e + 3] = x.w;
+    }
+  }
+  const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * D;
+  LaneBest<KMAX> best;
+  for (int c0 = 0; c0 < total; c0 += kChunk) {
+    const int rows = min(kChunk, total - c0);
+    __syncthreads();  // the previous chunk read by every thread
+    for (int e = threadIdx.x; e < rows * kV4; e += kSelectThreads) {
+      const int r = e / kV4, c = c0 + r;
+      const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+      float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (t < n) val = *reinterpret_cast<const float4*>(kbase + static_cast<int64_t>(t) * D + (e % kV4) * 4);
+      *reinterpret_cast<float4*>(ks + r * kStride + (e % kV4) * 4) = val;
+    }
+    __syncthreads();
+    if (!active) continue;
+    for (int r = part; r < rows; r += P) {
+      const int c = c0 + r;
+      const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+      if (t < n) best.insert(candidate_score_regs<D>(q, ks + r * kStride), t);
+    }
+  }
+
+  // Merge: K rounds of an arg-max over the token's P lanes (aligned, consecutive: xor offsets
+  // below P stay inside them); the winner shifts its list.
+  int* chosen = reinterpret_cast<int*>(ks + kChunk * kStride) + m * p.K;
+  for (int r = 0; r < keep; ++r) {
+    float bs = best.s[0];
+    int bt = best.t[0], owner = part;
+    for (int off = P / 2; off > 0; off >>= 1) {
+      const float s2 = __shfl_xor_sync(0xffffffffu, bs, off);
+      const int t2 = __shfl_xor_sync(0xffffffffu, bt, off);
+      const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
+      if (better(s2, t2, bs, bt)) bs = s2, bt = t2, owner = o2;
+    }
+    if (part == owner) {
+#pragma unroll
+      for (int j = 0; j + 1 < KMAX; ++j) best.s[j] = best.s[j + 1], best.t[j] = best.t[j + 1];
+      best.s[KMAX - 1] = -INFINITY, best.t[KMAX - 1] = 0x7fffffff;
+    }
+    if (part == 0) chosen[r] = bt;
+  }
+  __syncwarp();
+  if (!active) return;
+  // Ascending: each slot's rank among the chosen tokens (distinct).
+  int32_t* out = p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K;
+  for (int r = part; r < keep; r += P) {
+    int rank = 0;
+    for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
+    out[rank] = chosen[r];
+  }
+  for (int r = keep + part; r < p.K; r += P) out[r] = -1;
+  if (part == 0) p.counts[l][static_cast<int64_t>(bh) * n + i] = keep;
 }
 
 // ---- the key stream of a fine query block -----------------------------------------------------

@@ -89,6 +89,7 @@ struct Case {
   uint32_t seed = 1;
   int rung = 0;         // forward rung: 0 the library's choice, else forced (SPARSA_LLSA_FORWARD_RUNG=rung)
   int expect_rung = 0;  // the rung the forward must have run (0: unchecked)
+  int expect_fine_keys = 0;  // the keys of the forward's fine softmax steps, 16 or 64 (0: unchecked)
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 
@@ -413,10 +414,11 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   DeviceLse lse(c);
   if (c.rung != 0) setenv("SPARSA_LLSA_FORWARD_RUNG", std::to_string(c.rung).c_str(), 1);
   Status st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, out.t, lse.t, o);
-  const int rung = llsa_cuda::last_forward_rung();
+  const int rung = llsa_cuda::last_forward_rung(), fine_keys = llsa_cuda::last_forward_fine_keys();
   unsetenv("SPARSA_LLSA_FORWARD_RUNG");
   ASSERT_TRUE(st.ok()) << st.to_string();
   if (c.expect_rung) EXPECT_EQ(rung, c.expect_rung);
+  if (c.expect_fine_keys) EXPECT_EQ(fine_keys, c.expect_fine_keys);
   const std::vector<float> o_dev = out.download(c), lse_dev = lse.download();
   // The same with the plan from the host: bit for bit.
   DeviceTensor out2(c, c.heads_q, nullptr, c.dtype);
@@ -446,6 +448,26 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   for (size_t i = 0; i < lse_dev.size(); ++i) {
     ASSERT_NEAR(lse_dev[i], ref_lse.ptr<float>()[i], nv.lse_tol[i]) << "lse row " << i;
   }
+  // Where the fine blocks ran in 64-key steps, the previous rung (16-key steps) within the same
+  // bound: the two differ only in the order of the online softmax's rescales.
+  if (fine_keys == 64) {
+    DeviceTensor out16(c, c.heads_q, nullptr, c.dtype);
+    DeviceLse lse16(c);
+    setenv("SPARSA_LLSA_FINE_STEP", "16", 1);
+    if (c.rung != 0) setenv("SPARSA_LLSA_FORWARD_RUNG", std::to_string(c.rung).c_str(), 1);
+    st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, out16.t, lse16.t, o);
+    const int keys16 = llsa_cuda::last_forward_fine_keys();
+    unsetenv("SPARSA_LLSA_FORWARD_RUNG");
+    unsetenv("SPARSA_LLSA_FINE_STEP");
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    EXPECT_EQ(keys16, 16);
+    const std::vector<float> o16 = out16.download(c), lse16_dev = lse16.download();
+    const double err16 = rel_l2(o16, ref_o);
+    EXPECT_LE(err16, 2.0 * naive_err + 1e-7) << "out, 16-key fine steps: device " << err16 << ", naive " << naive_err;
+    for (size_t i = 0; i < lse16_dev.size(); ++i) {
+      ASSERT_NEAR(lse16_dev[i], ref_lse.ptr<float>()[i], nv.lse_tol[i]) << "lse row " << i << ", 16-key fine steps";
+    }
+  }
   // A negative control: the reference without enrichment is far outside the bound.
   if (c.enrich && c.name.find("control") != std::string::npos) {
     LlsaPlan fine = *gp;
@@ -456,7 +478,8 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
                     .ok());
     EXPECT_GT(rel_l2(o_dev, to_double(f_out)), 4.0 * naive_err) << "the bound cannot tell enrichment from none";
   }
-  std::printf("[ %s ] rung %d, out err %.3g (naive %.3g)", c.name.c_str(), rung, err, naive_err);
+  std::printf("[ %s ] rung %d, fine steps of %d keys, out err %.3g (naive %.3g)", c.name.c_str(), rung, fine_keys, err,
+              naive_err);
   if (!c.backward) {
     std::printf("\n");
     return;
@@ -501,7 +524,7 @@ std::vector<Case> cases() {
   std::vector<Case> v;
   v.push_back({.name = "N1", .len = 1});
   v.push_back({.name = "N17_block4_toy", .len = 17, .block = 4, .topk = 2});
-  v.push_back({.name = "N1000_control", .len = 1000, .expect_rung = 2});
+  v.push_back({.name = "N1000_control", .len = 1000, .expect_rung = 2, .expect_fine_keys = 64});
   v.push_back({.name = "N1000_rung1", .len = 1000, .rung = 1, .expect_rung = 1});
   v.push_back({.name = "N4099_rung1_dedupe_gqa", .heads_q = 4, .heads_kv = 1, .len = 4099, .dedupe = true, .rung = 1,
                .expect_rung = 1});
@@ -513,10 +536,14 @@ std::vector<Case> cases() {
                .head_dim = 128});
   v.push_back({.name = "N4099_gqa_levels3_strided", .batch = 2, .heads_q = 4, .heads_kv = 2, .len = 4099, .topk = 4,
                .levels = 3, .seq_pad = 8});
-  v.push_back({.name = "N4099_block64_d128", .len = 4099, .head_dim = 128, .block = 64, .topk = 4, .levels = 1});
+  v.push_back({.name = "N4099_block64_d128", .len = 4099, .head_dim = 128, .block = 64, .topk = 4, .levels = 1,
+               .expect_fine_keys = 16});
+  // 64-key fine steps over blocks of four tiles each, and over blocks cut into partial tiles.
+  v.push_back({.name = "N4099_block64_wide", .len = 4099, .block = 64, .topk = 3, .levels = 1, .expect_rung = 2,
+               .expect_fine_keys = 64});
   v.push_back({.name = "N4099_topk32_dedupe", .len = 4099, .topk = 32, .levels = 2, .dedupe = true});
   v.push_back({.name = "N2000_block20_peaky", .len = 2000, .block = 20, .topk = 6, .amplitude = 4.0f,
-               .rung = 3, .expect_rung = 3});  // one level of 100 tokens through the dense executor (forced: under 256), peaky logits
+               .rung = 3, .expect_rung = 3, .expect_fine_keys = 64});  // one level of 100 tokens through the dense executor (forced: under 256), peaky logits
   v.push_back({.name = "N300_unaligned_pad", .len = 300, .seq_pad = 3});
   // Rung 3: the coarsest level through the dense executor, merged by LSE (N a multiple of B^L, no
   // dedupe, at least 256 coarsest tokens, or fewer with SPARSA_LLSA_FORWARD_RUNG=3): one level and

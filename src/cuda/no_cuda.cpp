@@ -48,6 +48,7 @@ Status plan(const Tensor&, const Tensor&, const LlsaOptions&, int, LlsaPlan*) { 
 Status forward(const Call&, const LlsaPlan*) { return not_compiled(); }
 Status backward(const Call&, const LlsaPlan*) { return not_compiled(); }
 int last_forward_rung() { return 0; }
+int last_forward_fine_keys() { return 0; }
 }  // namespace sparsa::llsa_cuda
 
 #include "methods/xattention/xattention_impl.h"

@@ -67,6 +67,14 @@ int forward_rung() {
   return env != nullptr && std::string(env) == "1" ? 1 : 2;
 }
 thread_local int g_last_forward_rung = 0;
+thread_local int g_last_forward_fine_keys = 0;
+
+// The forward's fine blocks in 64-key steps (forward<.., WIDE>) where it applies (head_dim 64,
+// rung 2 or 3); SPARSA_LLSA_FINE_STEP=16 keeps 16-key steps (the ladder's previous rung).
+bool fine_wide_allowed() {
+  const char* env = std::getenv("SPARSA_LLSA_FINE_STEP");
+  return env == nullptr || std::string(env) != "16";
+}
 
 // The selection's rung: SPARSA_LLSA_SELECT_RUNG=1 forces rung 1 (select_level: a warp per query
 // token, candidates from L2), =2 rung 2 (select_level_shared: the query tokens that share
@@ -280,13 +288,25 @@ Status with_dtype(DType dtype, F&& f) {
 // keys) where the CTA's query blocks share their level-2 ancestor, with 8 warps where head_dim 64
 // lets two such CTAs share an SM, else 4; rung 1 (per-warp streams) otherwise or when forced.
 // row_tiles: the per-warp row tiles (Q; Q and dO). *rung: the rung that ran.
+// wide (the forward, head_dim 64): pick(4, true) is the wide forward (64-key fine steps), tried
+// first with its own shared memory (k::forward_wide_tiles).
 template <int D, class Pick>
 Status launch_rowwise(Pick pick, int row_tiles, const k::Plan& p, const k::AttnArgs& a, int device,
-                      cudaStream_t stream, int* rung) {
+                      cudaStream_t stream, int* rung, Pick pick_wide = nullptr) {
   const int64_t bhq = static_cast<int64_t>(p.batch) * p.heads_q;
   const int64_t items = static_cast<int64_t>(p.level_len[1]) * p.warps_per_block;
   const size_t tile = static_cast<size_t>(k::kTile) * D * 2;
   if (forward_rung() != 1 && bhq <= 65535) {
+    if (pick_wide != nullptr && shares_coarse_keys(p, 4)) {
+      const void* kernel = pick_wide(4, true);
+      const size_t smem = k::forward_wide_tiles(4) * tile;
+      SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(kernel, device, smem));
+      const dim3 grid(static_cast<unsigned>((items + 3) / 4), static_cast<unsigned>(bhq));
+      void* args[] = {const_cast<k::Plan*>(&p), const_cast<k::AttnArgs*>(&a)};
+      SPARSA_CUDA_CHECK(cudaLaunchKernel(kernel, grid, dim3(32 * 4), args, smem, stream));
+      *rung = 2;
+      return {};
+    }
     for (const int warps : {D == 64 ? 8 : 4, 4}) {
       if (!shares_coarse_keys(p, warps)) continue;
       const void* kernel = pick(warps, true);
@@ -316,6 +336,10 @@ const void* forward_kernel(int warps, bool shared) {
   if (!shared) return reinterpret_cast<const void*>(k::forward<T, D, k::kWarps, false>);
   return warps == 8 ? reinterpret_cast<const void*>(k::forward<T, D, 8, true>)
                     : reinterpret_cast<const void*>(k::forward<T, D, 4, true>);
+}
+template <class T, int D>
+const void* forward_wide_kernel(int, bool) {
+  return reinterpret_cast<const void*>(k::forward<T, D, 4, true, true>);
 }
 template <class T, int D>
 const void* dq_kernel(int warps, bool shared) {
@@ -411,7 +435,15 @@ Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaS
     a.init_o = s.at<void>(o2_at);
     a.init_lse = s.at<float>(lse2_at);
   }
-  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung));
+  bool wide = false;
+  const void* (*pick_wide)(int, bool) = nullptr;
+  if constexpr (D == 64) {  // head_dim 128: the wide stages would leave one CTA an SM
+    wide = fine_wide_allowed();
+    if (wide) pick_wide = forward_wide_kernel<T, D>;
+  }
+  SPARSA_RETURN_IF_ERROR(
+      launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung, pick_wide));
+  g_last_forward_fine_keys = wide && g_last_forward_rung == 2 && shares_coarse_keys(dp.p, 4) ? 64 : 16;
   if (coarse_dense) g_last_forward_rung = 3;
   return {};
 }
@@ -543,6 +575,7 @@ Status with_head_dim(int64_t d, F&& f) {
 }  // namespace
 
 int last_forward_rung() { return g_last_forward_rung; }
+int last_forward_fine_keys() { return g_last_forward_fine_keys; }
 
 Status check(const Tensor& q, const Tensor& k_, int levels, const LlsaOptions& o) {
   if (o.topk > k::kMaxTopk) {

@@ -697,11 +697,18 @@ __device__ __forceinline__ int64_t row_offset(const Rows& r, int b, int h, int t
 // One online-softmax step of a warp's 16 rows over n <= NSUB key tiles of 16 (tile j: K at
 // k_tile(j), V at v_tile(j), tokens tiles[j]): S = Q K^T, masked (-inf off the mask) and raised by
 // the log count in raw-logit units; the softmax over the 16 * NSUB columns; O += P V.
-template <class T, int D, int NSUB, class KTile, class VTile>
+// after_scores() runs once S is in registers (the K tiles are free), before_pv() before the first
+// read of a V tile (the wide fine loop's copy hooks; no-ops elsewhere).
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+
+template <class T, int D, int NSUB, class KTile, class VTile, class AfterScores = NoHook, class BeforePv = NoHook>
 __device__ __forceinline__ void attend_step(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                             const uint32_t (&qf)[D / 16][4], const Plan& p,
                                             const KeyTile (&tiles)[NSUB], int n, KTile k_tile, VTile v_tile,
-                                            float scale_log2) {
+                                            float scale_log2, AfterScores&& after_scores = {},
+                                            BeforePv&& before_pv = {}) {
   const float inv_sl2 = 1.0f / scale_log2;
   float s[2 * NSUB][4];
 #pragma unroll
@@ -717,11 +724,13 @@ __device__ __forceinline__ void attend_step(float (&o)[D / 8][4], float (&row_ma
         s[2 * j + nn][e] = on ? sj[nn][e] + raw_bias(p, tiles[j].level, tiles[j].t0 + col, inv_sl2) : -INFINITY;
       }
   }
+  after_scores();
   uint32_t pf[NSUB][4];
   float alpha[2];
   detail::softmax_scores<2 * NSUB>(s, 2 * NSUB * 8, scale_log2, row_max, row_sum, alpha,
                                    [&](int nn, const float(&prob)[4]) { detail::pack_probs<T, 2 * NSUB>(nn, prob, pf); });
   detail::rescale<D / 8>(o, alpha);
+  before_pv();
 #pragma unroll
   for (int j = 0; j < NSUB; ++j)
     if (j < n) accumulate_16<D, T>(o, pf[j], v_tile(j));
@@ -810,6 +819,69 @@ __device__ __forceinline__ void warp_loop(const Plan& p, const AttnArgs& a, cons
   if (first) prologue();
 }
 
+// warp_loop_wide: the forward's fine blocks in steps of kWide tiles (64 keys: a quarter of the
+//   row max, exponential and rescale rounds of 16-key steps, and four times the independent MMAs
+//   a step). One K stage and one V stage of kWide tiles each (single-buffered: double stages would
+//   not leave room for three CTAs an SM); the next step's K copies are issued once this step's
+//   scores are in registers and its V copies once its P V is done, so each overlaps the other
+//   half of the step. The caller has issued its Q copy, which lands with the first K stage.
+//   step(tiles, n, k_tile, v_tile, after_scores, before_pv) is attend_step's signature.
+constexpr int kWide = 4;
+
+template <int D, class Prologue, class Step>
+__device__ __forceinline__ void warp_loop_wide(const Plan& p, const AttnArgs& a, const WarpRows& w,
+                                               KeyStream& stream, uint32_t k_s, uint32_t v_s, Prologue&& prologue,
+                                               Step&& step) {
+  constexpr int kTileBytes = kTile * D * 2;
+  KeyTile cur[kWide], nxt[kWide];
+  auto gather = [&](KeyTile (&t)[kWide]) {
+    int n = 0;
+    while (n < kWide && stream.next(p, t[n])) ++n;
+    return n;
+  };
+  auto load = [&](const KeyTile (&t)[kWide], int n, bool is_v) {
+    for (int j = 0; j < n; ++j) {
+      const KeyTile& tl = t[j];
+      warp_copy_tile<D>((is_v ? v_s : k_s) + j * kTileBytes, a.aligned || tl.level > 0, a.q.data, [&](int r) {
+        return (tl.mask >> r & 1u) ? level_row(p, is_v ? a.v : a.k, is_v ? p.v16 : p.k16, tl.level, w.b, w.h_kv,
+                                                w.bh_kv, tl.t0 + r)
+                                   : nullptr;
+      });
+    }
+  };
+  int n_cur = gather(cur);
+  load(cur, n_cur, false);
+  detail::cp_async_commit();  // group: Q (the caller's) and K
+  load(cur, n_cur, true);
+  detail::cp_async_commit();  // group: V
+  bool first = true;
+  while (n_cur > 0) {
+    const int n_nxt = gather(nxt);
+    detail::cp_async_wait<1>();  // Q and this step's K (the V copies may still be in flight)
+    __syncwarp();
+    if (first) prologue(), first = false;
+    step(cur, n_cur, [&](int j) { return k_s + j * kTileBytes; }, [&](int j) { return v_s + j * kTileBytes; },
+         [&] {  // S in registers: the K stage is free for the next step's K
+           __syncwarp();
+           load(nxt, n_nxt, false);
+           detail::cp_async_commit();
+         },
+         [&] {
+           detail::cp_async_wait<1>();  // this step's V (the next K may still be in flight)
+           __syncwarp();
+         });
+    __syncwarp();  // P V read the V stage
+    load(nxt, n_nxt, true);
+    detail::cp_async_commit();
+#pragma unroll
+    for (int j = 0; j < kWide; ++j) cur[j] = nxt[j];
+    n_cur = n_nxt;
+  }
+  detail::cp_async_wait<0>();
+  __syncwarp();
+  if (first) prologue();
+}
+
 constexpr int kSharedTiles = 4;  // tiles per stage of the shared loop
 
 template <int D, int WARPS, class Step>
@@ -872,17 +944,29 @@ __host__ __device__ constexpr int shared_tiles() { return 4 * kSharedTiles; }
 // The forward of one warp's rows. SHARED: the fine blocks alone, then the coarse keys with the
 // CTA (rung 2: the CTA's query blocks share their level-2 ancestor, so their keys at levels >= 1
 // are the same; grid x = CTAs per head, y = batch * heads_q); else the whole stream alone (rung 1,
-// any block size; grid x = every warp of every head, WARPS per CTA).
+// any block size; grid x = every warp of every head, WARPS per CTA). WIDE (with SHARED): the fine
+// blocks in 64-key steps (warp_loop_wide), else 16-key steps (warp_loop).
 // CTAs per SM the forward's register allocation must allow: with head_dim 64 two 8-warp CTAs (or
 // four of 4) fit in shared memory, and uncapped (192 registers, one CTA per SM, 12.5% occupancy) it
 // was latency-bound: capped it spills ~100 bytes and runs 1.3x faster (bench/RESULTS.md). dQ holds
 // more live state (Q and dO fragments): capped it spilled 200+ bytes and ran 1.4-1.6x slower, so it
 // stays uncapped, as does dK/dV (capped: no gain). head_dim 128 is held to one CTA by shared memory.
+// WIDE: three 4-warp CTAs an SM (shared memory allows three: forward_wide_tiles).
 template <int D, int WARPS>
 constexpr int kMinBlocks = D == 64 ? 16 / WARPS : 1;
+constexpr int kWideMinBlocks = 3;
 
-template <class T, int D, int WARPS, bool SHARED>
-__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) forward(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+// Shared memory of the wide forward, in tiles: per warp Q and one K and one V stage of kWide tiles;
+// the shared loop's stages reuse the start of it once every warp's fine blocks are done.
+__host__ __device__ constexpr int wide_warp_tiles() { return 1 + 2 * kWide; }
+__host__ __device__ constexpr int forward_wide_tiles(int warps) {
+  return warps * wide_warp_tiles() > shared_tiles() ? warps * wide_warp_tiles() : shared_tiles();
+}
+
+template <class T, int D, int WARPS, bool SHARED, bool WIDE = false>
+__global__ void __launch_bounds__(32 * WARPS, WIDE ? kWideMinBlocks : kMinBlocks<D, WARPS>)
+    forward(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+  static_assert(!WIDE || SHARED, "the wide fine loop is rung 2's");
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32;
@@ -896,24 +980,35 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) forward(cons
     if (!active) return;
   }
   const uint32_t base = detail::smem_addr(smem);
-  const uint32_t q_s = base + warp * warp_tiles(1) * kTileBytes, k_s = q_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
+  constexpr int kWarpTiles = WIDE ? wide_warp_tiles() : warp_tiles(1);
+  constexpr int kStageTiles = WIDE ? kWide : 2;  // the K area before V
+  const uint32_t q_s = base + warp * kWarpTiles * kTileBytes, k_s = q_s + kTileBytes,
+                 v_s = k_s + kStageTiles * kTileBytes;
   float o[kDT][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   uint32_t qf[D / 16][4];
   const int last = min(p.L, a.forward_last_level);
-  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
-    attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2);
+  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile, auto&&... hooks) {
+    attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2, hooks...);
   };
   if (active && a.init_o != nullptr) init_rows<T, D>(a, p, w, o, row_max, row_sum);
   if (active) {
     const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
     warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
     KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : last, true);
-    warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+    if constexpr (WIDE) {
+      warp_loop_wide<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+    } else {
+      warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+    }
   }
   if constexpr (SHARED) {
     KeyStream coarse(p, w0.bh, w0.qb, 1, last, false);
-    const uint32_t ck_s = base + WARPS * warp_tiles(1) * kTileBytes;
+    uint32_t ck_s = base + WARPS * warp_tiles(1) * kTileBytes;
+    if constexpr (WIDE) {
+      ck_s = base;
+      __syncthreads();  // every warp's fine blocks done: the stages take over their area
+    }
     cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
   }
   if (active) store_rows<T, D>(a, w, o, row_max, row_sum);

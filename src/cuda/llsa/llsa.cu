@@ -113,6 +113,13 @@ bool aligned16(const Tensor& t) {
     if (t.strides[d] % 8 != 0) return false;
   return true;
 }
+// 8-byte stores of four 16-bit elements: an 8-byte aligned base and strides of whole 4-element chunks.
+bool aligned8(const Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 8 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if (t.strides[d] % 4 != 0) return false;
+  return true;
+}
 bool aligned4(const Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
   for (int d = 0; d < 3; ++d)
@@ -548,7 +555,9 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
     k::sum_splits<<<blocks_for(split_stride, 256), 256, 0, stream>>>(a.dv_split, splits, split_stride, a.dv_pyr[L]);
     SPARSA_CUDA_CHECK_LAUNCH();
   }
-  for (int l = grad_levels; l >= 1; --l) {
+  // Levels grad_levels .. 2 spread to their children here; level 1's spread is fused into the
+  // store of level 0.
+  for (int l = grad_levels; l >= 2; --l) {
     const int64_t total = bhkv * p.level_len[l - 1] * p.d;
     for (float* const* pyr : {a.dk_pyr, a.dv_pyr}) {
       k::pool_backward<<<blocks_for(total, 256), 256, 0, stream>>>(pyr[l], pyr[l - 1], p.level_len[l - 1],
@@ -556,11 +565,14 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
       SPARSA_CUDA_CHECK_LAUNCH();
     }
   }
-  const int64_t total = bhkv * p.len * p.d;
-  k::store_grad<T><<<blocks_for(total, 256), 256, 0, stream>>>(a.dk_pyr[0], rows_of(c.dk), p.heads_kv, p.len, p.d, total);
-  SPARSA_CUDA_CHECK_LAUNCH();
-  k::store_grad<T><<<blocks_for(total, 256), 256, 0, stream>>>(a.dv_pyr[0], rows_of(c.dv), p.heads_kv, p.len, p.d, total);
-  SPARSA_CUDA_CHECK_LAUNCH();
+  const int64_t rows = bhkv * p.len;
+  const int rows_per_block = 256 / (p.d / 4);
+  for (const auto& [pyr, out] : {std::pair{a.dk_pyr, &c.dk}, std::pair{a.dv_pyr, &c.dv}}) {
+    k::store_grad<T><<<blocks_for(rows, rows_per_block), 256, 0, stream>>>(
+        pyr[0], grad_levels >= 1 ? pyr[1] : nullptr, rows_of(*out), p.heads_kv, p.len, p.level_len[1], p.d, B, rows,
+        aligned8(*out));
+    SPARSA_CUDA_CHECK_LAUNCH();
+  }
   return {};
 }
 

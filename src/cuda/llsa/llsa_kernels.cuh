@@ -1369,17 +1369,38 @@ __global__ void pool_backward(const float* coarse, float* fine, int n_fine, int 
   fine[idx] += coarse[(bh * n_coarse + t) * d + c] * (1.0f / static_cast<float>(children));
 }
 
-// The level-0 gradient (f32, [bh_kv, len, d]) into the caller's dk or dv (T, strided).
+// The level-0 gradient (f32, [bh_kv, len, d]) into the caller's dk or dv (T, strided), with level
+// 1's gradient spread to its children on the way (pool_backward of level 1 fused with the store:
+// one read of the f32 level and one write of T instead of a read, a write, a read and a write):
+// out[t] = fine[t] + coarse[t / B] / children. coarse null: no gradient above level 0. Four
+// channels a thread (d % 4 == 0; the f32 levels are 16-byte aligned); vec_store: one 8-byte
+// store of the four (an 8-byte aligned base, strides of whole 4-element chunks), else four.
 template <class T>
-__global__ void store_grad(const float* src, Rows dst, int heads, int len, int d, int64_t total) {
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= total) return;
-  const int c = static_cast<int>(idx % d);
-  const int t = static_cast<int>(idx / d % len);
-  const int64_t bh = idx / (static_cast<int64_t>(d) * len);
+__global__ void store_grad(const float* fine, const float* coarse, Rows dst, int heads, int len, int n_coarse, int d,
+                           int B, int64_t rows, bool vec_store) {
+  const int chunks = d / 4, per_block = blockDim.x / chunks;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * per_block + threadIdx.x / chunks;
+  if (static_cast<int>(threadIdx.x) >= per_block * chunks || row >= rows) return;
+  const int c = static_cast<int>(threadIdx.x % chunks) * 4;
+  const int t = static_cast<int>(row % len);
+  const int64_t bh = row / len;
+  float4 x = *reinterpret_cast<const float4*>(fine + row * d + c);
+  if (coarse != nullptr) {
+    const int u = t / B;
+    const float inv = 1.0f / static_cast<float>(min(B, len - u * B));
+    const float4 g = *reinterpret_cast<const float4*>(coarse + (bh * n_coarse + u) * d + c);
+    x.x = fmaf(g.x, inv, x.x);
+    x.y = fmaf(g.y, inv, x.y);
+    x.z = fmaf(g.z, inv, x.z);
+    x.w = fmaf(g.w, inv, x.w);
+  }
   T* out = static_cast<T*>(const_cast<void*>(dst.data)) + (bh / heads) * dst.stride[0] + (bh % heads) * dst.stride[1] +
            static_cast<int64_t>(t) * dst.stride[2] + c;
-  *out = static_cast<T>(src[idx]);
+  if (vec_store) {
+    *reinterpret_cast<uint2*>(out) = make_uint2(Pair<T>::pack(x.x, x.y), Pair<T>::pack(x.z, x.w));
+  } else {
+    out[0] = static_cast<T>(x.x), out[1] = static_cast<T>(x.y), out[2] = static_cast<T>(x.z), out[3] = static_cast<T>(x.w);
+  }
 }
 
 // The transposed index of level l < L: for every valid pick of picks[l+1] (bh_q, a, slot), the

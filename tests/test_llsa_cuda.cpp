@@ -539,6 +539,9 @@ std::vector<Case> cases() {
   v.push_back({.name = "N4099_block64_d128", .len = 4099, .head_dim = 128, .block = 64, .topk = 4, .levels = 1,
                .expect_fine_keys = 16});
   // 64-key fine steps over blocks of four tiles each, and over blocks cut into partial tiles.
+  // Two levels of blocks of 64: the selection's rung 3 below the top with 64 sibling tokens of 2
+  // lanes each.
+  v.push_back({.name = "N8192_block64_levels2", .len = 8192, .block = 64, .topk = 4, .levels = 2});
   v.push_back({.name = "N4099_block64_wide", .len = 4099, .block = 64, .topk = 3, .levels = 1, .expect_rung = 2,
                .expect_fine_keys = 64});
   v.push_back({.name = "N4099_topk32_dedupe", .len = 4099, .topk = 32, .levels = 2, .dedupe = true});

@@ -69,8 +69,9 @@ int forward_rung() {
 thread_local int g_last_forward_rung = 0;
 thread_local int g_last_forward_fine_keys = 0;
 
-// The forward's fine blocks in 64-key steps (forward<.., WIDE>) where it applies (head_dim 64,
-// rung 2 or 3); SPARSA_LLSA_FINE_STEP=16 keeps 16-key steps (the ladder's previous rung).
+// The fine blocks of the forward and of dQ in 64-key steps (forward<.., WIDE>, backward_dq<..,
+// WIDE>) where it applies (head_dim 64, rung 2 or 3); SPARSA_LLSA_FINE_STEP=16 keeps 16-key steps
+// (the ladder's previous rung).
 bool fine_wide_allowed() {
   const char* env = std::getenv("SPARSA_LLSA_FINE_STEP");
   return env == nullptr || std::string(env) != "16";
@@ -295,8 +296,8 @@ Status with_dtype(DType dtype, F&& f) {
 // keys) where the CTA's query blocks share their level-2 ancestor, with 8 warps where head_dim 64
 // lets two such CTAs share an SM, else 4; rung 1 (per-warp streams) otherwise or when forced.
 // row_tiles: the per-warp row tiles (Q; Q and dO). *rung: the rung that ran.
-// wide (the forward, head_dim 64): pick(4, true) is the wide forward (64-key fine steps), tried
-// first with its own shared memory (k::forward_wide_tiles).
+// pick_wide (head_dim 64): pick_wide(4, true) is the wide kernel (64-key fine steps), tried first
+// with its own shared memory (k::wide_tiles).
 template <int D, class Pick>
 Status launch_rowwise(Pick pick, int row_tiles, const k::Plan& p, const k::AttnArgs& a, int device,
                       cudaStream_t stream, int* rung, Pick pick_wide = nullptr) {
@@ -306,7 +307,7 @@ Status launch_rowwise(Pick pick, int row_tiles, const k::Plan& p, const k::AttnA
   if (forward_rung() != 1 && bhq <= 65535) {
     if (pick_wide != nullptr && shares_coarse_keys(p, 4)) {
       const void* kernel = pick_wide(4, true);
-      const size_t smem = k::forward_wide_tiles(4) * tile;
+      const size_t smem = k::wide_tiles(4, row_tiles) * tile;
       SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(kernel, device, smem));
       const dim3 grid(static_cast<unsigned>((items + 3) / 4), static_cast<unsigned>(bhq));
       void* args[] = {const_cast<k::Plan*>(&p), const_cast<k::AttnArgs*>(&a)};
@@ -347,6 +348,10 @@ const void* forward_kernel(int warps, bool shared) {
 template <class T, int D>
 const void* forward_wide_kernel(int, bool) {
   return reinterpret_cast<const void*>(k::forward<T, D, 4, true, true>);
+}
+template <class T, int D>
+const void* dq_wide_kernel(int, bool) {
+  return reinterpret_cast<const void*>(k::backward_dq<T, D, 4, true, true>);
 }
 template <class T, int D>
 const void* dq_kernel(int warps, bool shared) {
@@ -538,7 +543,11 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
     a.visit_end[l] = s.at<int32_t>(end_at[l]);
   }
   int dq_rung = 0;
-  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(dq_kernel<T, D>, 2, p, a, device, stream, &dq_rung));
+  const void* (*pick_wide)(int, bool) = nullptr;
+  if constexpr (D == 64) {
+    if (fine_wide_allowed()) pick_wide = dq_wide_kernel<T, D>;
+  }
+  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(dq_kernel<T, D>, 2, p, a, device, stream, &dq_rung, pick_wide));
   const size_t dkv_smem = static_cast<size_t>(k::kWarps) * 6 * k::kTile * D * 2;
   SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(k::backward_dkv<T, D>), device, dkv_smem));
   // Without enrichment only the fine keys are visited: the coarse levels get no gradient.

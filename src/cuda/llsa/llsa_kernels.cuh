@@ -819,16 +819,20 @@ __device__ __forceinline__ void warp_loop(const Plan& p, const AttnArgs& a, cons
   if (first) prologue();
 }
 
-// warp_loop_wide: the forward's fine blocks in steps of kWide tiles (64 keys: a quarter of the
-//   row max, exponential and rescale rounds of 16-key steps, and four times the independent MMAs
-//   a step). One K stage and one V stage of kWide tiles each (single-buffered: double stages would
-//   not leave room for three CTAs an SM); the next step's K copies are issued once this step's
-//   scores are in registers and its V copies once its P V is done, so each overlaps the other
-//   half of the step. The caller has issued its Q copy, which lands with the first K stage.
-//   step(tiles, n, k_tile, v_tile, after_scores, before_pv) is attend_step's signature.
+// warp_loop_wide: the fine blocks in steps of kWide tiles (64 keys: for the forward a quarter of
+//   the row max, exponential and rescale rounds of 16-key steps, and four times the independent
+//   MMAs a step). One K stage and one V stage of kWide tiles each (single-buffered: double stages
+//   would not leave room for the CTAs an SM needs). The caller has issued its row tiles' copies
+//   (Q; Q and dO), which land with the first K stage. FORWARD: only K is waited for at the top of
+//   a step; the next step's K copies are issued once this step's scores are in registers and its
+//   V copies once its P V is done, so each overlaps the other half of the step. dQ: K and V are
+//   both waited for (S and dP come first); the next V copies are issued once dS is in registers,
+//   the next K copies after dQ += dS K.
+//   step(tiles, n, k_tile, v_tile, mid, before_pv): attend_step's and dq_step's signature; mid
+//   runs when the first stage is free (K for the forward, V for dQ).
 constexpr int kWide = 4;
 
-template <int D, class Prologue, class Step>
+template <int D, bool FORWARD, class Prologue, class Step>
 __device__ __forceinline__ void warp_loop_wide(const Plan& p, const AttnArgs& a, const WarpRows& w,
                                                KeyStream& stream, uint32_t k_s, uint32_t v_s, Prologue&& prologue,
                                                Step&& step) {
@@ -851,27 +855,33 @@ __device__ __forceinline__ void warp_loop_wide(const Plan& p, const AttnArgs& a,
   };
   int n_cur = gather(cur);
   load(cur, n_cur, false);
-  detail::cp_async_commit();  // group: Q (the caller's) and K
+  detail::cp_async_commit();  // group: the row tiles (the caller's) and K
   load(cur, n_cur, true);
   detail::cp_async_commit();  // group: V
   bool first = true;
   while (n_cur > 0) {
     const int n_nxt = gather(nxt);
-    detail::cp_async_wait<1>();  // Q and this step's K (the V copies may still be in flight)
+    if constexpr (FORWARD) {
+      detail::cp_async_wait<1>();  // the row tiles and this step's K (V may still be in flight)
+    } else {
+      detail::cp_async_wait<0>();
+    }
     __syncwarp();
     if (first) prologue(), first = false;
     step(cur, n_cur, [&](int j) { return k_s + j * kTileBytes; }, [&](int j) { return v_s + j * kTileBytes; },
-         [&] {  // S in registers: the K stage is free for the next step's K
+         [&] {  // the first stage is free: the next step's copies into it
            __syncwarp();
-           load(nxt, n_nxt, false);
+           load(nxt, n_nxt, !FORWARD);
            detail::cp_async_commit();
          },
          [&] {
-           detail::cp_async_wait<1>();  // this step's V (the next K may still be in flight)
-           __syncwarp();
+           if constexpr (FORWARD) {
+             detail::cp_async_wait<1>();  // this step's V (the next K may still be in flight)
+             __syncwarp();
+           }
          });
-    __syncwarp();  // P V read the V stage
-    load(nxt, n_nxt, true);
+    __syncwarp();  // the step read the second stage
+    load(nxt, n_nxt, FORWARD);
     detail::cp_async_commit();
 #pragma unroll
     for (int j = 0; j < kWide; ++j) cur[j] = nxt[j];
@@ -951,16 +961,17 @@ __host__ __device__ constexpr int shared_tiles() { return 4 * kSharedTiles; }
 // was latency-bound: capped it spills ~100 bytes and runs 1.3x faster (bench/RESULTS.md). dQ holds
 // more live state (Q and dO fragments): capped it spilled 200+ bytes and ran 1.4-1.6x slower, so it
 // stays uncapped, as does dK/dV (capped: no gain). head_dim 128 is held to one CTA by shared memory.
-// WIDE: three 4-warp CTAs an SM (shared memory allows three: forward_wide_tiles).
+// WIDE: three 4-warp CTAs an SM (shared memory allows three: wide_tiles).
 template <int D, int WARPS>
 constexpr int kMinBlocks = D == 64 ? 16 / WARPS : 1;
 constexpr int kWideMinBlocks = 3;
 
-// Shared memory of the wide forward, in tiles: per warp Q and one K and one V stage of kWide tiles;
-// the shared loop's stages reuse the start of it once every warp's fine blocks are done.
-__host__ __device__ constexpr int wide_warp_tiles() { return 1 + 2 * kWide; }
-__host__ __device__ constexpr int forward_wide_tiles(int warps) {
-  return warps * wide_warp_tiles() > shared_tiles() ? warps * wide_warp_tiles() : shared_tiles();
+// Shared memory of the wide kernels, in tiles: per warp `row_tiles` row tiles (Q; Q and dO) and one
+// K and one V stage of kWide tiles; the shared loop's stages reuse the start of it once every
+// warp's fine blocks are done.
+__host__ __device__ constexpr int wide_warp_tiles(int row_tiles) { return row_tiles + 2 * kWide; }
+__host__ __device__ constexpr int wide_tiles(int warps, int row_tiles) {
+  return warps * wide_warp_tiles(row_tiles) > shared_tiles() ? warps * wide_warp_tiles(row_tiles) : shared_tiles();
 }
 
 template <class T, int D, int WARPS, bool SHARED, bool WIDE = false>
@@ -980,7 +991,7 @@ __global__ void __launch_bounds__(32 * WARPS, WIDE ? kWideMinBlocks : kMinBlocks
     if (!active) return;
   }
   const uint32_t base = detail::smem_addr(smem);
-  constexpr int kWarpTiles = WIDE ? wide_warp_tiles() : warp_tiles(1);
+  constexpr int kWarpTiles = WIDE ? wide_warp_tiles(1) : warp_tiles(1);
   constexpr int kStageTiles = WIDE ? kWide : 2;  // the K area before V
   const uint32_t q_s = base + warp * kWarpTiles * kTileBytes, k_s = q_s + kTileBytes,
                  v_s = k_s + kStageTiles * kTileBytes;
@@ -997,7 +1008,7 @@ __global__ void __launch_bounds__(32 * WARPS, WIDE ? kWideMinBlocks : kMinBlocks
     warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
     KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : last, true);
     if constexpr (WIDE) {
-      warp_loop_wide<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+      warp_loop_wide<D, true>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
     } else {
       warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
     }
@@ -1061,12 +1072,17 @@ __device__ __forceinline__ void store_acc(T* base, int64_t row_stride, int rows,
 
 // One dQ step of a warp's 16 rows over n <= NSUB key tiles: P = exp2(S c + bias - LSE), dP = dO V^T,
 // dS = P (dP - delta), dQ += dS K (scaled at the end).
-template <class T, int D, int NSUB, class KTile, class VTile>
+// dS of every tile first, then dQ += dS K tile by tile (the same sums in the same order as
+// interleaved): after_v() runs between, when the V tiles are no longer read (the wide loop's copy
+// hook; the second hook is the forward's and unused here).
+template <class T, int D, int NSUB, class KTile, class VTile, class AfterV = NoHook, class Unused = NoHook>
 __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&qf)[D / 16][4],
                                         const uint32_t (&dof)[D / 16][4], const float (&lse2)[2],
                                         const float (&delta)[2], const Plan& p, const KeyTile (&tiles)[NSUB], int n,
-                                        KTile k_tile, VTile v_tile, float scale_log2) {
+                                        KTile k_tile, VTile v_tile, float scale_log2, AfterV&& after_v = {},
+                                        Unused&& = {}) {
   const float inv_sl2 = 1.0f / scale_log2;
+  uint32_t dsf[NSUB][4];
 #pragma unroll
   for (int j = 0; j < NSUB; ++j) {
     if (j >= n) continue;
@@ -1084,16 +1100,21 @@ __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&
                              : 0.0f;
         s[nn][e] = pr * (dp[nn][e] - delta[e / 2]);  // dS
       }
-    uint32_t dsf[4];
-    pack_a<T>(dsf, s);
-    accumulate_16<D, T>(dq, dsf, k_tile(j));
+    pack_a<T>(dsf[j], s);
   }
+  after_v();
+#pragma unroll
+  for (int j = 0; j < NSUB; ++j)
+    if (j < n) accumulate_16<D, T>(dq, dsf[j], k_tile(j));
 }
 
 // dQ, query-major: each warp's rows over the forward's key stream (the same two loops as the
-// forward: SHARED as rung 2, else rung 1).
-template <class T, int D, int WARPS, bool SHARED>
+// forward: SHARED as rung 2, else rung 1; WIDE with SHARED: the fine blocks in 64-key steps,
+// warp_loop_wide, the shared loop's stages reusing the warps' area as in the forward).
+
+template <class T, int D, int WARPS, bool SHARED, bool WIDE = false>
 __global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+  static_assert(!WIDE || SHARED, "the wide fine loop is rung 2's");
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1107,13 +1128,15 @@ __global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant_
     if (!active) return;
   }
   const uint32_t base = detail::smem_addr(smem);
-  const uint32_t q_s = base + warp * warp_tiles(2) * kTileBytes, do_s = q_s + kTileBytes;
-  const uint32_t k_s = do_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
+  constexpr int kWarpTiles = WIDE ? wide_warp_tiles(2) : warp_tiles(2);
+  constexpr int kStageTiles = WIDE ? kWide : 2;  // the K area before V
+  const uint32_t q_s = base + warp * kWarpTiles * kTileBytes, do_s = q_s + kTileBytes;
+  const uint32_t k_s = do_s + kTileBytes, v_s = k_s + kStageTiles * kTileBytes;
   float dq[kDT][4] = {};
   uint32_t qf[D / 16][4], dof[D / 16][4];
   float lse2[2] = {INFINITY, INFINITY}, delta[2] = {0.0f, 0.0f};
-  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
-    dq_step<T, D>(dq, qf, dof, lse2, delta, p, tiles, n, k_tile, v_tile, a.scale_log2);
+  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile, auto&&... hooks) {
+    dq_step<T, D>(dq, qf, dof, lse2, delta, p, tiles, n, k_tile, v_tile, a.scale_log2, hooks...);
   };
   if (active) {
     const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
@@ -1129,11 +1152,20 @@ __global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant_
       delta[r] = a.delta[static_cast<int64_t>(w.bh) * p.len + t];
     }
     KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : p.L, true);
-    warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s), load_a<D>(dof, do_s); }, step);
+    auto prologue = [&] { load_a<D>(qf, q_s), load_a<D>(dof, do_s); };
+    if constexpr (WIDE) {
+      warp_loop_wide<D, false>(p, a, w, own, k_s, v_s, prologue, step);
+    } else {
+      warp_loop<D>(p, a, w, own, k_s, v_s, prologue, step);
+    }
   }
   if constexpr (SHARED) {
     KeyStream coarse(p, w0.bh, w0.qb, 1, p.L, false);
-    const uint32_t ck_s = base + WARPS * warp_tiles(2) * kTileBytes;
+    uint32_t ck_s = base + WARPS * warp_tiles(2) * kTileBytes;
+    if constexpr (WIDE) {
+      ck_s = base;
+      __syncthreads();  // every warp's fine blocks done: the stages take over their area
+    }
     cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
   }
   if (active) {

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/attention/flash_kernel.cuh"
 #include "cuda/common/mma.cuh"
@@ -158,17 +159,40 @@ __global__ void pool_level_vec(const T* src_in, Rows in, const float* src_f32, i
 // (score, token) ordering of the plan: larger score first, ties to the smaller token.
 __device__ __forceinline__ bool better(float s, int t, float s2, int t2) { return s > s2 || (s == s2 && t < t2); }
 
+// s continued over columns e .. e + 3 of q · k (k: 16-byte aligned), fmaf in column order.
+template <class Q>
+__device__ __forceinline__ float score_columns(const Q& q, const float* k, int e, float s) {
+  const float4 kv = *reinterpret_cast<const float4*>(k + e);
+  s = fmaf(q[e], kv.x, s);
+  s = fmaf(q[e + 1], kv.y, s);
+  s = fmaf(q[e + 2], kv.z, s);
+  return fmaf(q[e + 3], kv.w, s);
+}
+
 // A candidate's score: q · k over d floats (16-byte rows), fmaf in column order; NaN ranks last.
 __device__ __forceinline__ float candidate_score(const float* q, const float* k, int d) {
   float s = 0.0f;
-  for (int e = 0; e < d; e += 4) {
-    const float4 kv = *reinterpret_cast<const float4*>(k + e);
-    s = fmaf(q[e], kv.x, s);
-    s = fmaf(q[e + 1], kv.y, s);
-    s = fmaf(q[e + 2], kv.z, s);
-    s = fmaf(q[e + 3], kv.w, s);
-  }
+  for (int e = 0; e < d; e += 4) s = score_columns(q, k, e, s);
   return s != s ? -INFINITY : s;
+}
+
+// Candidate c of a query token -> its token: the children of the parent's picks below the top
+// level (parent_picks), c itself at the top.
+__device__ __forceinline__ int candidate_token(const int32_t* parent_picks, int B, int c) {
+  return parent_picks ? parent_picks[c / B] * B + c % B : c;
+}
+
+// Candidates c0 .. c0 + rows - 1's f32 key rows (d floats from kbase; zeros for tokens past n)
+// staged into ks, rows `stride` floats apart, by every thread of the CTA.
+__device__ __forceinline__ void stage_candidates(float* ks, int stride, const float* kbase, int d,
+                                                 const int32_t* parent_picks, int B, int n, int c0, int rows) {
+  const int v4 = d / 4;
+  for (int e = threadIdx.x; e < rows * v4; e += blockDim.x) {
+    const int r = e / v4, t = candidate_token(parent_picks, B, c0 + r);
+    float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (t < n) val = *reinterpret_cast<const float4*>(kbase + static_cast<int64_t>(t) * d + (e % v4) * 4);
+    *reinterpret_cast<float4*>(ks + r * stride + (e % v4) * 4) = val;
+  }
 }
 
 // A lane's best KMAX candidates, sorted (a sorted array with static indices: one bubble pass per
@@ -194,38 +218,42 @@ struct LaneBest {
       }
     }
   }
-  // The warp's best `keep` of its lanes' lists (K rounds of a warp arg-max over the list heads;
-  // the winner shifts its list) written ascending to out[0, keep), -1 up to K, and the count.
-  // chosen: this warp's kMaxTopk ints of scratch.
-  __device__ __forceinline__ void write_top(int keep, int K, int32_t* out, int32_t* count, int* chosen) {
-    const int lane = threadIdx.x % 32;
+  // The best `keep` of the lists of `width` consecutive lanes (an aligned power-of-two segment of
+  // the warp: K rounds of an arg-max over the segment's list heads; the winner shifts its list),
+  // written ascending to out[0, keep), -1 up to K, and the count, where `write`. Every lane of
+  // the warp calls it with the same keep and width. chosen: the segment's kMaxTopk ints of scratch.
+  __device__ __forceinline__ void write_top(int keep, int K, int32_t* out, int32_t* count, int* chosen,
+                                            int width = 32, bool write = true) {
+    const int part = threadIdx.x % width;
     for (int r = 0; r < keep; ++r) {
       float bs = s[0];
       int bt = t[0];
-      int owner = lane;
+      int owner = part;
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
+      for (int off = width / 2; off > 0; off >>= 1) {
         const float s2 = __shfl_xor_sync(0xffffffffu, bs, off);
         const int t2 = __shfl_xor_sync(0xffffffffu, bt, off);
         const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
         if (better(s2, t2, bs, bt)) bs = s2, bt = t2, owner = o2;
       }
-      if (lane == owner) {
+      if (part == owner) {
 #pragma unroll
         for (int j = 0; j + 1 < KMAX; ++j) s[j] = s[j + 1], t[j] = t[j + 1];
         s[KMAX - 1] = -INFINITY, t[KMAX - 1] = 0x7fffffff;
       }
-      if (lane == 0) chosen[r] = bt;
+      if (part == 0) chosen[r] = bt;
     }
     __syncwarp();
-    // Ascending: each slot's rank among the chosen tokens (distinct).
-    for (int r = lane; r < keep; r += 32) {
-      int rank = 0;
-      for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
-      out[rank] = chosen[r];
+    if (write) {
+      // Ascending: each slot's rank among the chosen tokens (distinct).
+      for (int r = part; r < keep; r += width) {
+        int rank = 0;
+        for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
+        out[rank] = chosen[r];
+      }
+      for (int r = keep + part; r < K; r += width) out[r] = -1;
+      if (part == 0) *count = keep;
     }
-    for (int r = keep + lane; r < K; r += 32) out[r] = -1;
-    if (lane == 0) *count = keep;
     __syncwarp();  // chosen read by every lane before it is written again
   }
 };
@@ -260,7 +288,7 @@ __global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan
   LaneBest<KMAX> best;
   const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * p.d;
   for (int c = lane; c < total; c += 32) {
-    const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+    const int t = candidate_token(parent_picks, p.B, c);
     if (t >= n) continue;
     best.insert(candidate_score(qs, kbase + static_cast<int64_t>(t) * p.d, p.d), t);
   }
@@ -320,18 +348,11 @@ __global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const _
     for (int c0 = 0; c0 < total; c0 += kSelectChunk) {
       const int rows = min(kSelectChunk, total - c0);
       __syncthreads();  // the previous chunk read by every warp; this round's query rows written
-      for (int e = threadIdx.x; e < rows * v4; e += blockDim.x) {
-        const int r = e / v4, c = c0 + r;
-        const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
-        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t < n) val = *reinterpret_cast<const float4*>(kbase + static_cast<int64_t>(t) * d + (e % v4) * 4);
-        *reinterpret_cast<float4*>(ks + r * stride + (e % v4) * 4) = val;
-      }
+      stage_candidates(ks, stride, kbase, d, parent_picks, p.B, n, c0, rows);
       __syncthreads();
       if (!active) continue;
       for (int r = lane; r < rows; r += 32) {
-        const int c = c0 + r;
-        const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+        const int t = candidate_token(parent_picks, p.B, c0 + r);
         if (t < n) best.insert(candidate_score(qs, ks + r * stride, d), t);
       }
     }
@@ -367,18 +388,12 @@ __host__ __device__ constexpr bool select_lanes_fits(const Plan& p, int l) {
   return (p.d == 64 || p.d == 128) && p.K <= 16 && s >= kSelectThreads / 32 && kSelectThreads % s == 0;
 }
 
-// candidate_score with the query in registers: the same fmaf chain.
+// candidate_score with the query in registers (fully unrolled: static indices): the same fmaf chain.
 template <int D>
 __device__ __forceinline__ float candidate_score_regs(const float (&q)[D], const float* k) {
   float s = 0.0f;
 #pragma unroll
-  for (int e = 0; e < D; e += 4) {
-    const float4 kv = *reinterpret_cast<const float4*>(k + e);
-    s = fmaf(q[e], kv.x, s);
-    s = fmaf(q[e + 1], kv.y, s);
-    s = fmaf(q[e + 2], kv.z, s);
-    s = fmaf(q[e + 3], kv.w, s);
-  }
+  for (int e = 0; e < D; e += 4) s = score_columns(q, k, e, s);
   return s != s ? -INFINITY : s;
 }
 
@@ -416,52 +431,19 @@ __global__ void __launch_bounds__(kSelectThreads) select_level_lanes(const __gri
   for (int c0 = 0; c0 < total; c0 += kChunk) {
     const int rows = min(kChunk, total - c0);
     __syncthreads();  // the previous chunk read by every thread
-    for (int e = threadIdx.x; e < rows * kV4; e += kSelectThreads) {
-      const int r = e / kV4, c = c0 + r;
-      const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
-      float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (t < n) val = *reinterpret_cast<const float4*>(kbase + static_cast<int64_t>(t) * D + (e % kV4) * 4);
-      *reinterpret_cast<float4*>(ks + r * kStride + (e % kV4) * 4) = val;
-    }
+    stage_candidates(ks, kStride, kbase, D, parent_picks, p.B, n, c0, rows);
     __syncthreads();
     if (!active) continue;
     for (int r = part; r < rows; r += P) {
-      const int c = c0 + r;
-      const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+      const int t = candidate_token(parent_picks, p.B, c0 + r);
       if (t < n) best.insert(candidate_score_regs<D>(q, ks + r * kStride), t);
     }
   }
 
-  // Merge: K rounds of an arg-max over the token's P lanes (aligned, consecutive: xor offsets
-  // below P stay inside them); the winner shifts its list.
-  int* chosen = reinterpret_cast<int*>(ks + kChunk * kStride) + m * p.K;
-  for (int r = 0; r < keep; ++r) {
-    float bs = best.s[0];
-    int bt = best.t[0], owner = part;
-    for (int off = P / 2; off > 0; off >>= 1) {
-      const float s2 = __shfl_xor_sync(0xffffffffu, bs, off);
-      const int t2 = __shfl_xor_sync(0xffffffffu, bt, off);
-      const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
-      if (better(s2, t2, bs, bt)) bs = s2, bt = t2, owner = o2;
-    }
-    if (part == owner) {
-#pragma unroll
-      for (int j = 0; j + 1 < KMAX; ++j) best.s[j] = best.s[j + 1], best.t[j] = best.t[j + 1];
-      best.s[KMAX - 1] = -INFINITY, best.t[KMAX - 1] = 0x7fffffff;
-    }
-    if (part == 0) chosen[r] = bt;
-  }
-  __syncwarp();
-  if (!active) return;
-  // Ascending: each slot's rank among the chosen tokens (distinct).
-  int32_t* out = p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K;
-  for (int r = part; r < keep; r += P) {
-    int rank = 0;
-    for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
-    out[rank] = chosen[r];
-  }
-  for (int r = keep + part; r < p.K; r += P) out[r] = -1;
-  if (part == 0) p.counts[l][static_cast<int64_t>(bh) * n + i] = keep;
+  // Merge: K rounds of an arg-max over the token's P lanes (aligned and consecutive).
+  best.write_top(keep, p.K, p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K,
+                 p.counts[l] + static_cast<int64_t>(bh) * n + i,
+                 reinterpret_cast<int*>(ks + kChunk * kStride) + m * p.K, P, active);
 }
 
 // ---- the key stream of a fine query block -----------------------------------------------------
@@ -521,6 +503,14 @@ struct KeyStream {
     } else {
       run_end = p.level_len[level];
     }
+  }
+
+  // Up to N next tiles into t; how many.
+  template <int N>
+  __device__ int next_tiles(const Plan& p, KeyTile (&t)[N]) {
+    int n = 0;
+    while (n < N && next(p, t[n])) ++n;
+    return n;
   }
 
   __device__ bool next(const Plan& p, KeyTile& tile) {
@@ -785,18 +775,27 @@ __device__ __forceinline__ void init_rows(const AttnArgs& a, const Plan& p, cons
 //   each stage loaded once for all warps; active warps run step on it with their own dedupe masks.
 // step(tiles, n, k_tile, v_tile): n tiles of 16 keys, K of tile j at k_tile(j), V at v_tile(j).
 
+// Copies key tile tl's K rows (V rows with is_v) for the kv head of `wr` into dst by the lanes of
+// a warp; rows outside the tile's mask are zeros. The pyramid's rows (levels >= 1) are always
+// 16-byte aligned; the inputs' rows where a.aligned.
+template <int D>
+__device__ __forceinline__ void copy_key_tile(uint32_t dst, const Plan& p, const AttnArgs& a, const WarpRows& wr,
+                                              const KeyTile& tl, bool is_v) {
+  warp_copy_tile<D>(dst, a.aligned || tl.level > 0, a.q.data, [&](int r) {
+    return (tl.mask >> r & 1u)
+               ? level_row(p, is_v ? a.v : a.k, is_v ? p.v16 : p.k16, tl.level, wr.b, wr.h_kv, wr.bh_kv, tl.t0 + r)
+               : nullptr;
+  });
+}
+
 template <int D, class Prologue, class Step>
 __device__ __forceinline__ void warp_loop(const Plan& p, const AttnArgs& a, const WarpRows& w, KeyStream& stream,
                                           uint32_t k_s, uint32_t v_s, Prologue&& prologue, Step&& step) {
   constexpr int kTileBytes = kTile * D * 2;
   KeyTile cur[1], nxt[1];
   auto load = [&](const KeyTile& t, int stage) {
-    warp_copy_tile<D>(k_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
-      return (t.mask >> r & 1u) ? level_row(p, a.k, p.k16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
-    });
-    warp_copy_tile<D>(v_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
-      return (t.mask >> r & 1u) ? level_row(p, a.v, p.v16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
-    });
+    copy_key_tile<D>(k_s + stage * kTileBytes, p, a, w, t, false);
+    copy_key_tile<D>(v_s + stage * kTileBytes, p, a, w, t, true);
   };
   bool have = stream.next(p, cur[0]);
   if (have) load(cur[0], 0);
@@ -838,29 +837,17 @@ __device__ __forceinline__ void warp_loop_wide(const Plan& p, const AttnArgs& a,
                                                Step&& step) {
   constexpr int kTileBytes = kTile * D * 2;
   KeyTile cur[kWide], nxt[kWide];
-  auto gather = [&](KeyTile (&t)[kWide]) {
-    int n = 0;
-    while (n < kWide && stream.next(p, t[n])) ++n;
-    return n;
-  };
   auto load = [&](const KeyTile (&t)[kWide], int n, bool is_v) {
-    for (int j = 0; j < n; ++j) {
-      const KeyTile& tl = t[j];
-      warp_copy_tile<D>((is_v ? v_s : k_s) + j * kTileBytes, a.aligned || tl.level > 0, a.q.data, [&](int r) {
-        return (tl.mask >> r & 1u) ? level_row(p, is_v ? a.v : a.k, is_v ? p.v16 : p.k16, tl.level, w.b, w.h_kv,
-                                                w.bh_kv, tl.t0 + r)
-                                   : nullptr;
-      });
-    }
+    for (int j = 0; j < n; ++j) copy_key_tile<D>((is_v ? v_s : k_s) + j * kTileBytes, p, a, w, t[j], is_v);
   };
-  int n_cur = gather(cur);
+  int n_cur = stream.next_tiles(p, cur);
   load(cur, n_cur, false);
   detail::cp_async_commit();  // group: the row tiles (the caller's) and K
   load(cur, n_cur, true);
   detail::cp_async_commit();  // group: V
   bool first = true;
   while (n_cur > 0) {
-    const int n_nxt = gather(nxt);
+    const int n_nxt = stream.next_tiles(p, nxt);
     if constexpr (FORWARD) {
       detail::cp_async_wait<1>();  // the row tiles and this step's K (V may still be in flight)
     } else {
@@ -900,30 +887,20 @@ __device__ __forceinline__ void cta_loop(const Plan& p, const AttnArgs& a, const
   constexpr int kTileBytes = kTile * D * 2, kSub = kSharedTiles;
   const int warp = threadIdx.x / 32;
   KeyTile cur[kSub], nxt[kSub];
-  auto gather = [&](KeyTile (&t)[kSub]) {
-    int n = 0;
-    while (n < kSub && stream.next(p, t[n])) ++n;
-    return n;
-  };
   // Warp w copies K of tile w and V of tile w - kSub of the stage (WARPS = 4: both of tile w).
   auto load_stage = [&](const KeyTile (&t)[kSub], int n, int stage) {
     for (int j = warp; j < 2 * kSub; j += WARPS) {
       const int sub = j % kSub;
       const bool is_v = j >= kSub;
       if (sub >= n) continue;
-      const KeyTile& tl = t[sub];
-      warp_copy_tile<D>((is_v ? cv_s : ck_s) + (stage * kSub + sub) * kTileBytes, true, a.q.data, [&](int r) {
-        return (tl.mask >> r & 1u) ? level_row(p, is_v ? a.v : a.k, is_v ? p.v16 : p.k16, tl.level, w0.b, w0.h_kv,
-                                                w0.bh_kv, tl.t0 + r)
-                                   : nullptr;
-      });
+      copy_key_tile<D>((is_v ? cv_s : ck_s) + (stage * kSub + sub) * kTileBytes, p, a, w0, t[sub], is_v);
     }
   };
-  int n_cur = gather(cur);
+  int n_cur = stream.next_tiles(p, cur);
   load_stage(cur, n_cur, 0);
   detail::cp_async_commit();
   for (int stage = 0; n_cur > 0; stage ^= 1) {
-    const int n_nxt = gather(nxt);
+    const int n_nxt = stream.next_tiles(p, nxt);
     load_stage(nxt, n_nxt, stage ^ 1);
     detail::cp_async_commit();
     detail::cp_async_wait<1>();
@@ -1072,9 +1049,10 @@ __device__ __forceinline__ void store_acc(T* base, int64_t row_stride, int rows,
 
 // One dQ step of a warp's 16 rows over n <= NSUB key tiles: P = exp2(S c + bias - LSE), dP = dO V^T,
 // dS = P (dP - delta), dQ += dS K (scaled at the end).
-// dS of every tile first, then dQ += dS K tile by tile (the same sums in the same order as
-// interleaved): after_v() runs between, when the V tiles are no longer read (the wide loop's copy
-// hook; the second hook is the forward's and unused here).
+// With after_v (the wide loop's copy hook): dS of every tile first, after_v() once the V tiles are
+// no longer read, then dQ += dS K tile by tile; without (NoHook): tile by tile, dS then dQ, which
+// holds one tile's dS in registers instead of NSUB. The same sums in the same order either way.
+// The second hook is the forward's and unused here.
 template <class T, int D, int NSUB, class KTile, class VTile, class AfterV = NoHook, class Unused = NoHook>
 __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&qf)[D / 16][4],
                                         const uint32_t (&dof)[D / 16][4], const float (&lse2)[2],
@@ -1082,10 +1060,11 @@ __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&
                                         KTile k_tile, VTile v_tile, float scale_log2, AfterV&& after_v = {},
                                         Unused&& = {}) {
   const float inv_sl2 = 1.0f / scale_log2;
-  uint32_t dsf[NSUB][4];
-#pragma unroll
-  for (int j = 0; j < NSUB; ++j) {
-    if (j >= n) continue;
+  // dS of tile j (P = exp2(S c + bias - LSE), dP = dO V^T, dS = P (dP - delta)) as an A fragment.
+  struct Frag {
+    uint32_t x[4];
+  };
+  auto ds_of = [&](int j) {
     float s[2][4] = {}, dp[2][4] = {};
     scores_16<D, T>(s, qf, k_tile(j));
     scores_16<D, T>(dp, dof, v_tile(j));
@@ -1100,12 +1079,27 @@ __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&
                              : 0.0f;
         s[nn][e] = pr * (dp[nn][e] - delta[e / 2]);  // dS
       }
-    pack_a<T>(dsf[j], s);
-  }
-  after_v();
+    Frag f;
+    pack_a<T>(f.x, s);
+    return f;
+  };
+  if constexpr (std::is_same_v<std::decay_t<AfterV>, NoHook>) {
 #pragma unroll
-  for (int j = 0; j < NSUB; ++j)
-    if (j < n) accumulate_16<D, T>(dq, dsf[j], k_tile(j));
+    for (int j = 0; j < NSUB; ++j) {
+      if (j >= n) continue;
+      const Frag f = ds_of(j);
+      accumulate_16<D, T>(dq, f.x, k_tile(j));
+    }
+  } else {
+    Frag dsf[NSUB];
+#pragma unroll
+    for (int j = 0; j < NSUB; ++j)
+      if (j < n) dsf[j] = ds_of(j);
+    after_v();
+#pragma unroll
+    for (int j = 0; j < NSUB; ++j)
+      if (j < n) accumulate_16<D, T>(dq, dsf[j].x, k_tile(j));
+  }
 }
 
 // dQ, query-major: each warp's rows over the forward's key stream (the same two loops as the

@@ -563,6 +563,10 @@ std::vector<Case> cases() {
   v.push_back({.name = "N2000_block20_peaky", .len = 2000, .block = 20, .topk = 6, .amplitude = 4.0f,
                .rung = 3, .expect_rung = 3, .expect_fine_keys = 64});  // one level of 100 tokens through the dense executor (forced: under 256), peaky logits
   v.push_back({.name = "N300_unaligned_pad", .len = 300, .seq_pad = 3});
+  // Fewer valid candidates than K below the top (the level's last block partial): level 2 of
+  // 100/25/7/2 tokens has 7 candidates under two parent picks of 4 children each; counts 7.
+  v.push_back({.name = "N100_block4_topk16_levels3_few_candidates", .len = 100, .block = 4, .topk = 16, .levels = 3});
+  v.push_back({.name = "N100_block2_topk16_few_candidates", .len = 100, .block = 2, .topk = 16});
   // Rung 3: the coarsest level through the dense executor, merged by LSE (N a multiple of B^L, no
   // dedupe, at least 256 coarsest tokens, or fewer with SPARSA_LLSA_FORWARD_RUNG=3): one level and
   // two, GQA, f16 at d 128, strided rows; the same shape with rung 2 forced, one where dedupe keeps

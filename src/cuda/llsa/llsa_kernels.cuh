@@ -68,6 +68,17 @@ struct Plan {
   }
   // Original tokens under token t of level l.
   __device__ int token_count(int l, int t) const { return min(region[l], len - t * region[l]); }
+  // The picks a query token of level l keeps: K, or fewer where it has fewer candidates (all n
+  // at the top; below, the children of its parent's picks, the level's last block counted by its
+  // real size, as the CPU plan counts them).
+  __device__ int keep_of(int l, int bh, int parent) const {
+    const int n = level_len[l];
+    if (l == L) return min(K, n);
+    const int32_t* pp = picks_of(l + 1, bh, parent);
+    int valid = 0;
+    for (int s = 0, c = count_of(l + 1, bh, parent); s < c; ++s) valid += min(B, n - pp[s] * B);
+    return min(K, valid);
+  }
 };
 
 // A [rows, d] view of a 4-d tensor's (b, h) slice.
@@ -284,7 +295,7 @@ __global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan
     parent_picks = p.picks_of(l + 1, bh, parent);
     total = p.count_of(l + 1, bh, parent) * p.B;
   }
-  const int keep = min(p.K, total);
+  const int keep = p.keep_of(l, bh, i / p.B);
   LaneBest<KMAX> best;
   const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * p.d;
   for (int c = lane; c < total; c += 32) {
@@ -332,8 +343,8 @@ __global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const _
   const int bh = static_cast<int>(blockIdx.x / groups), g = static_cast<int>(blockIdx.x % groups);
   const int bh_kv = bh / p.heads_q * p.heads_kv + bh % p.heads_q / p.group;
   const int32_t* parent_picks = top ? nullptr : p.picks_of(l + 1, bh, g);
-  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;
-  const int keep = min(p.K, total);
+  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;  // past n: skipped
+  const int keep = p.keep_of(l, bh, g);
   const int first = top ? g * kSelectWarps : g * p.B;  // the group's first query token
   const int members = min(top ? kSelectWarps : p.B, n - first);
   const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * d;
@@ -410,8 +421,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_level_lanes(const __gri
   const int bh = static_cast<int>(blockIdx.x / groups), g = static_cast<int>(blockIdx.x % groups);
   const int bh_kv = bh / p.heads_q * p.heads_kv + bh % p.heads_q / p.group;
   const int32_t* parent_picks = top ? nullptr : p.picks_of(l + 1, bh, g);
-  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;
-  const int keep = min(p.K, total);
+  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;  // past n: skipped
+  const int keep = p.keep_of(l, bh, g);
   const int first = g * S, members = min(S, n - first);
   const int m = threadIdx.x / P, part = threadIdx.x % P;
   const bool active = m < members;

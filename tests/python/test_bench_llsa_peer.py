@@ -85,8 +85,8 @@ def test_forced_rung_holds_the_variable_for_the_call_and_restores_it(monkeypatch
     assert bench_llsa.forced_rung_ms("3", fn, timer) == 1.25
     assert seen == [("3", None)]
     assert bench_llsa.RUNG_VAR not in os.environ and bench_llsa.FINE_STEP_VAR not in os.environ
-    assert bench_llsa.forced_rung_ms("3:16", fn, timer) == 1.25
-    assert seen[-1] == ("3", "16") and bench_llsa.FINE_STEP_VAR not in os.environ
+    assert bench_llsa.forced_rung_ms("3:64", fn, timer) == 1.25
+    assert seen[-1] == ("3", "64") and bench_llsa.FINE_STEP_VAR not in os.environ
     monkeypatch.setenv(bench_llsa.RUNG_VAR, "1")
     monkeypatch.setenv(bench_llsa.FINE_STEP_VAR, "16")
 
@@ -101,12 +101,12 @@ def test_forced_rung_holds_the_variable_for_the_call_and_restores_it(monkeypatch
 
 
 @pytest.mark.parametrize("text,want", [("2,3", ["2", "3"]), (" 1, 3 ", ["1", "3"]), ("1,2,3", ["1", "2", "3"]),
-                                       ("2,3,3:16", ["2", "3", "3:16"])])
+                                       ("2,3,3:64", ["2", "3", "3:64"])])
 def test_parse_rungs_accepts(text, want):
     assert bench_llsa.parse_rungs(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "3", "2,2", "2,4", "rung2,3", "0,1", "3,3:32", "1:16,2"])
+@pytest.mark.parametrize("text", ["", "3", "2,2", "2,4", "rung2,3", "0,1", "3,3:32", "1:16,2", "3,3:16"])
 def test_parse_rungs_refuses(text):
     import argparse
 

@@ -69,12 +69,13 @@ int forward_rung() {
 thread_local int g_last_forward_rung = 0;
 thread_local int g_last_forward_fine_keys = 0;
 
-// The fine blocks of the forward and of dQ in 64-key steps (forward<.., WIDE>, backward_dq<..,
-// WIDE>) where it applies (head_dim 64, rung 2 or 3); SPARSA_LLSA_FINE_STEP=16 keeps 16-key steps
-// (the ladder's previous rung).
+// The fine blocks of the forward and of dQ in 16-key steps, or with SPARSA_LLSA_FINE_STEP=64 in
+// 64-key steps (forward<.., WIDE>, backward_dq<.., WIDE>) where those apply (head_dim 64, rung 2
+// or 3). The 64-key rung measured slower on an H100 (bench/RESULTS.md, "LLSA's 64-key fine
+// steps measured"), so it is opt-in.
 bool fine_wide_allowed() {
   const char* env = std::getenv("SPARSA_LLSA_FINE_STEP");
-  return env == nullptr || std::string(env) != "16";
+  return env != nullptr && std::string(env) == "64";
 }
 
 // The selection's rung: SPARSA_LLSA_SELECT_RUNG=1 forces rung 1 (select_level: a warp per query

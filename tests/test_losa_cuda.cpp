@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -45,13 +46,16 @@ TEST(LosaCudaConfig, BadCacheConfigsNameTheField) {
     return c;
   };
   std::vector<Bad> bad;
-  for (int i = 0; i < 6; ++i) bad.push_back({good(), ""});
+  for (int i = 0; i < 8; ++i) bad.push_back({good(), ""});
   bad[0].c.heads_kv = 0, bad[0].field = "heads_kv:";
   bad[1].c.head_dim = 96, bad[1].field = "head_dim:";
   bad[2].c.page_size = 0, bad[2].field = "page_size:";
   bad[3].c.page_size = 65, bad[3].field = "page_size:";
   bad[4].c.dtype = DType::f32, bad[4].field = "dtype:";
   bad[5].c.pool_pages = 0, bad[5].field = "pool_pages:";
+  bad[6].c.pool_pages = (int64_t{1} << 31) / 16, bad[6].field = "pool_pages:";  // 2^31 tokens of 16
+  // pool_pages * page_size wraps to 32: the check must not multiply first.
+  bad[7].c.pool_pages = (int64_t{1} << 59) + 1, bad[7].c.page_size = 32, bad[7].field = "pool_pages:";
   for (const Bad& b : bad) {
     auto cache = DevicePagedKVCache::create(b.c);
     ASSERT_FALSE(cache.ok()) << b.field;
@@ -210,6 +214,13 @@ TEST(LosaCudaCache, CapacityAndArgumentErrorsAreClear) {
   ASSERT_TRUE(cache.ok());
   auto s0 = cache->add_sequence(100);  // 7 pages
   ASSERT_TRUE(s0.ok());
+  for (int64_t huge : {int64_t{161}, int64_t{1} << 40, INT64_MAX}) {  // past the pool: never a page count that wraps
+    auto h = cache->add_sequence(huge);
+    ASSERT_FALSE(h.ok()) << huge;
+    EXPECT_EQ(h.status().code(), StatusCode::out_of_memory);
+    EXPECT_EQ(h.status().message().rfind("max_tokens:", 0), 0u) << h.status().to_string();
+  }
+  EXPECT_EQ(cache->free_pages(), 3);
   auto big = cache->add_sequence(100);  // 7 more: only 3 free
   ASSERT_FALSE(big.ok());
   EXPECT_EQ(big.status().code(), StatusCode::out_of_memory);
@@ -569,6 +580,21 @@ TEST(LosaCudaStep, PrefixesOfManyPageTilesSelectInLevels) {
     s.method = PrefixMethod::quest;
     check_against_cpu(s, 2);
   }
+}
+
+// A level of the CTA selection whose last slice holds fewer keys than `keep`: 2875 pages of 4
+// (23 tiles of 128) and keep 28 give 644 candidates, a last slice of 4 keys padded to 28, and a
+// next level whose second slice has 40 entries of which 16 are keys. Counted as 40, the rounds
+// reached the padding and read and wrote past the level (memcheck runs this test).
+TEST(LosaCudaStep, PrefixesOfManyPageTilesWithAShortLastSlice) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.page_size = 4;
+  s.budget = 28 * 4;
+  s.prefix = {11500, 3000};  // 2875 pages (23 tiles), 750 pages (6 tiles)
+  check_against_cpu(s, 2);
+  s.method = PrefixMethod::quest;
+  check_against_cpu(s, 2);
 }
 
 // Budgets far past the prefix, and plans longer than the rows kernel keeps in shared memory

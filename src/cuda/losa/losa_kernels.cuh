@@ -488,8 +488,8 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) quest_candidat
 // Up to kRoundsMaxKeep pages, a CTA's selection of a row's `keep` smallest candidates (the keys
 // re-indexed by position, so every key is distinct and ties go to the lower position = the lower
 // page): the keys in slices of kScorePages, each slice's `keep` smallest kept by one warp's
-// tile_top (keys in registers, `keep` rounds of a warp minimum), level after level until one
-// slice is left, whose `keep` smallest warp 0 writes ascending by position (slices keep their
+// tile_top (keys in registers, `keep` rounds of a warp minimum), level after level (each level
+// counting only the real keys the last held) until one slice is left, whose `keep` smallest warp 0 writes ascending by position (slices keep their
 // keys in position order, so the order survives every level). keys: [n] then scratch of
 // rows_select_bytes; returns (to warp 0) where the chosen keys are.
 constexpr int kRoundsMaxKeep = 32;
@@ -500,7 +500,10 @@ __device__ inline const uint64_t* cta_rounds_select(uint64_t* keys, uint64_t* sc
     const int slices = (n + kScorePages - 1) / kScorePages;
     for (int s = warp; s < slices; s += warps) tile_top(src + s * kScorePages, min(kScorePages, n - s * kScorePages), keep, dst + s * keep);
     __syncthreads();
-    n = slices * keep;
+    // Every slice but the last holds kScorePages > keep keys and gives keep; the last gives
+    // min(keep, its keys) and pads the rest of its keep slots with all-ones keys, which the next
+    // level must not count: tile_top takes distinct keys only.
+    n = (slices - 1) * keep + min(keep, n - (slices - 1) * kScorePages);
     uint64_t* t = src;
     src = dst;
     dst = t;

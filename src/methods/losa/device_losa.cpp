@@ -64,7 +64,7 @@ Result<DevicePagedKVCache> DevicePagedKVCache::create(const DeviceKVCacheConfig&
     return unsupported_dtype(std::string("dtype: the device cache holds bf16 or f16, got ") + dtype_name(c.dtype));
   }
   if (c.pool_pages < 1) return invalid_argument("pool_pages: expected >= 1, got " + str(c.pool_pages));
-  if (c.pool_pages * c.page_size > (int64_t{1} << 31) - 1) {
+  if (c.pool_pages > ((int64_t{1} << 31) - 1) / c.page_size) {  // pool_pages * page_size would overflow first
     return invalid_argument("pool_pages: at most 2^31 - 1 tokens per kv head, got " + str(c.pool_pages) + " pages of " +
                             str(c.page_size));
   }
@@ -91,6 +91,10 @@ int64_t DevicePagedKVCache::free_pages() const {
 Result<int> DevicePagedKVCache::add_sequence(int64_t max_tokens) {
   if (k_.empty()) return invalid_argument("cache: not created (use DevicePagedKVCache::create)");
   if (max_tokens < 1) return invalid_argument("max_tokens: expected >= 1, got " + str(max_tokens));
+  if (max_tokens > config_.pool_pages * config_.page_size) {  // (at most 2^31 - 1: create checks)
+    return Status(StatusCode::out_of_memory, "max_tokens: " + str(max_tokens) + " tokens exceed the pool of " +
+                                                 str(config_.pool_pages) + " pages of " + str(config_.page_size));
+  }
   const int64_t pages = (max_tokens + config_.page_size - 1) / config_.page_size;
   // First fit over the gaps between the live runs, in pool order.
   std::vector<std::pair<int64_t, int64_t>> runs;

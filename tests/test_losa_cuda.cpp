@@ -370,7 +370,7 @@ void check_against_cpu(const Shape& s, int steps) {
   std::vector<PagedKVCache> host_cache;
   std::vector<PrefixAttention> host_state;
   for (int64_t b = 0; b < B; ++b) {
-    auto hc = PagedKVCache::create({s.heads_kv, s.d, s.page_size});
+    auto hc = PagedKVCache::create({s.heads_kv, s.d, static_cast<int>(s.page_size)});
     ASSERT_TRUE(hc.ok());
     if (s.prefix[b] > 0) ASSERT_TRUE(hc->append(tr.prefix_k[b].view(), tr.prefix_v[b].view()).ok());
     host_cache.push_back(std::move(hc).value());
@@ -907,6 +907,14 @@ TEST(LosaCudaStep, BadStepInputsNameTheArgument) {
   ASSERT_FALSE(full.ok());
   EXPECT_EQ(full.code(), StatusCode::out_of_memory);
   EXPECT_EQ(cache->length(small).value(), 10);
+  // A batch of two that names one sequence twice: refused, nothing written.
+  DeviceLosaConfig dc2{2, s.heads_q, s.heads_kv, s.d, s.block};
+  auto pair = DevicePrefixAttention::create(dc2, options_of(s, Backend::cuda));
+  ASSERT_TRUE(pair.ok());
+  const DeviceArray kv2 = to_device(bf16_values({2, 2, 16, 64}, 5));
+  const int64_t before = cache->length(seq).value();
+  expect(pair->commit(*cache, {seq, seq}, kv2.view(), kv2.view()), "seqs[1]:");
+  EXPECT_EQ(cache->length(seq).value(), before);
 }
 
 #endif  // SPARSA_WITH_CUDA

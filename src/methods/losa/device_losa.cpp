@@ -460,8 +460,13 @@ Status DevicePrefixAttention::commit(DevicePagedKVCache& cache, const std::vecto
   const std::initializer_list<int64_t> shape = {B, config_.heads_kv, config_.block_size, config_.head_dim};
   SPARSA_RETURN_IF_ERROR(check_device_tensor("k_block", k_block, device_, dtype_, shape));
   SPARSA_RETURN_IF_ERROR(check_device_tensor("v_block", v_block, device_, dtype_, shape));
-  // Every sequence has room before anything is written.
+  // Every sequence named once and with room before anything is written.
   for (int64_t b = 0; b < B; ++b) {
+    for (int64_t a = 0; a < b; ++a)
+      if (seqs[a] == seqs[b]) {
+        return invalid_argument("seqs[" + str(b) + "]: sequence " + str(seqs[b]) + " is also seqs[" + str(a) +
+                                "]; a commit appends one block to each sequence once");
+      }
     auto len = cache.length(seqs[b]);
     if (!len.ok()) return Status(len.status().code(), "seqs[" + str(b) + "]: " + len.status().message());
     if (*len + config_.block_size > cache.capacity(seqs[b]).value()) {

@@ -489,9 +489,10 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) quest_candidat
 // re-indexed by position, so every key is distinct and ties go to the lower position = the lower
 // page): the keys in slices of kScorePages, each slice's `keep` smallest kept by one warp's
 // tile_top (keys in registers, `keep` rounds of a warp minimum), level after level (each level
-// counting only the real keys the last held) until one slice is left, whose `keep` smallest warp 0 writes ascending by position (slices keep their
-// keys in position order, so the order survives every level). keys: [n] then scratch of
-// rows_select_bytes; returns (to warp 0) where the chosen keys are.
+// counting only the real keys the last one kept) until one slice is left, whose `keep` smallest
+// warp 0 writes ascending by position (slices keep their keys in position order, so the order
+// survives every level). keys: [n] then scratch of rows_select_bytes; returns (to warp 0) where
+// the chosen keys are.
 constexpr int kRoundsMaxKeep = 32;
 __device__ inline const uint64_t* cta_rounds_select(uint64_t* keys, uint64_t* scratch, int n, int keep, int warps) {
   const int warp = threadIdx.x / 32;

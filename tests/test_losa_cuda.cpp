@@ -597,6 +597,41 @@ TEST(LosaCudaStep, PrefixesOfManyPageTilesWithAShortLastSlice) {
   check_against_cpu(s, 2);
 }
 
+// A prefix whose selection needs more shared memory than a block gets (60,000 pages of one token
+// keeping 128 a row: the radix selection's 4 bytes a candidate): refused before any launch, with
+// an error naming seqs, and the outputs untouched.
+TEST(LosaCudaStep, APrefixTooLongForTheSelectionIsRefusedBeforeAnyLaunch) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  constexpr int64_t kTokens = 60000;
+  DeviceKVCacheConfig cc;
+  cc.heads_kv = 2;
+  cc.head_dim = 64;
+  cc.page_size = 1;
+  cc.pool_pages = kTokens + 16;
+  auto cache = DevicePagedKVCache::create(cc);
+  ASSERT_TRUE(cache.ok());
+  const int seq = cache->add_sequence(kTokens + 16).value();
+  const DeviceArray k = to_device(bf16_values({1, 2, kTokens, 64}, 7));
+  ASSERT_TRUE(cache->append(seq, k.view(), k.view()).ok());
+  Shape s;
+  s.page_size = 1;
+  s.budget = 128;
+  s.method = PrefixMethod::quest;
+  auto dev = DevicePrefixAttention::create(DeviceLosaConfig{1, s.heads_q, s.heads_kv, s.d, s.block},
+                                           options_of(s, Backend::cuda));
+  ASSERT_TRUE(dev.ok());
+  const DeviceArray q = to_device(bf16_values({1, 8, 16, 64}, 8)), kv = to_device(bf16_values({1, 2, 16, 64}, 9));
+  const DeviceArray out = to_device(bf16_values({1, 8, 16, 64}, 10));
+  auto lse = DeviceArray::allocate(DType::f32, {1, 8, 16}, {DeviceType::cuda, 0}, /*zero_fill=*/true);
+  ASSERT_TRUE(lse.ok());
+  const std::vector<float> out_before = to_host_f32(out.view());
+  const Status st = dev->step(*cache, {seq}, q.view(), kv.view(), kv.view(), out.view(), lse->view());
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.message().rfind("seqs: the longest prefix, 60000 pages", 0), 0u) << st.to_string();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(to_host_f32(out.view()), out_before) << "a refused step wrote its output";
+}
+
 // Budgets far past the prefix, and plans longer than the rows kernel keeps in shared memory
 // (kPlanSmemPages = 2048 pages): a budget of 2^20 tokens over short prefixes takes every page
 // without a plan in shared memory sized by the budget; a budget of 2100 pages over a 2500-page

@@ -118,6 +118,28 @@ Status dense_rows(const StepArgs& a) {
   return {};
 }
 
+namespace {
+// Dynamic shared memory of sparse_rows_kernel<T, D> over a longest prefix of max_pages pages at
+// `capacity` pages a row: its state, the plan and the selection (which grows with the prefix).
+template <int D>
+size_t rows_smem(int64_t max_pages, int64_t capacity) {
+  const int64_t keep = std::min<int64_t>(capacity, max_pages);
+  return rows_state_bytes<D>() + rows_plan_bytes(keep) +
+         rows_select_bytes(candidate_tiles(max_pages) * tile_keep(capacity), static_cast<int>(keep));
+}
+
+}  // namespace
+
+Status sparse_step_fits(DType dtype, int64_t head_dim, int64_t max_pages, int64_t capacity, int device) {
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(device));
+  return dispatch(dtype, head_dim, [&]<class T, int D>() -> Status {
+    constexpr auto kernel = sparse_rows_kernel<T, D>;
+    return cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device,
+                                            rows_smem<D>(max_pages, capacity));
+  });
+}
+
 Status sparse_step(const StepArgs& a) {
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
@@ -160,8 +182,7 @@ Status sparse_step(const StepArgs& a) {
                                     a.candidates));
     }
     const int64_t keep = std::min<int64_t>(a.capacity, max_pages);
-    const size_t smem = rows_state_bytes<D>() + rows_plan_bytes(keep) +
-                        rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
+    const size_t smem = rows_smem<D>(max_pages, a.capacity);
     constexpr auto kernel = sparse_rows_kernel<T, D>;
     SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
     const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(max_rows + rows_stable_ctas(block, min_rows)),

@@ -74,6 +74,9 @@ struct StepArgs {
   bool force_first = false, force_last = true;
 };
 
+// Whether a sparse step over a longest prefix of max_pages pages at `capacity` pages a row fits
+// the device: its selection's shared memory grows with the prefix. Checked before any launch.
+Status sparse_step_fits(DType dtype, int64_t head_dim, int64_t max_pages, int64_t capacity, int device);
 // A dense step's first launches: every row active (active, active_counts), plan counts zero.
 Status dense_rows(const StepArgs& a);
 // A sparse step, whole (three launches): the active rows (LoSA's query mse against q_ref, top-K

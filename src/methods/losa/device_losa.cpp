@@ -336,6 +336,14 @@ Status DevicePrefixAttention::step_entries(int64_t first, const DevicePagedKVCac
   bool any_sparse = false;
   for (int64_t b = 0; b < n; ++b) any_sparse = any_sparse || !dense_prefix(first + b);
   if (any_sparse) {
+    // The selection's shared memory grows with the prefix: a prefix too long for it is refused
+    // here, before any entry's launches.
+    if (Status fits = losa_cuda::sparse_step_fits(dtype_, D, max_pages, keep, device_); !fits.ok()) {
+      return Status(fits.code(), "seqs: the longest prefix, " + str(max_pages) + " pages of " + str(cc.page_size) +
+                                     " tokens, keeping " + str(keep) + " pages a row, needs more shared memory than " +
+                                     "cuda:" + str(device_) + " gives a block (" + fits.message() +
+                                     "); a larger page_size or a smaller budget fits");
+    }
     if (capacity_ != keep || plan_pages_.empty()) {
       auto pages = DeviceArray::allocate(DType::i32, {B, H, Bb, std::max<int64_t>(keep, 1)},
                                          Device{DeviceType::cuda, device_}, true, stream);

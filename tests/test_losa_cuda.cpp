@@ -78,7 +78,7 @@ TEST(LosaCudaConfig, BadStateConfigsNameTheField) {
     LosaOptions o;
     const char* field;
   };
-  std::vector<Bad> bad(9, Bad{good(), o, ""});
+  std::vector<Bad> bad(11, Bad{good(), o, ""});
   bad[0].c.batch = 0, bad[0].field = "batch:";
   bad[1].c.batch = 65, bad[1].field = "batch:";
   bad[2].c.heads_q = 7, bad[2].field = "heads_q:";
@@ -88,6 +88,8 @@ TEST(LosaCudaConfig, BadStateConfigsNameTheField) {
   bad[6].o.attention.backend = Backend::cpu, bad[6].field = "backend:";
   bad[7].o.active_k = 17, bad[7].field = "active_k:";
   bad[8].o.mse_threshold = -1.0, bad[8].field = "mse_threshold:";
+  bad[9].c.heads_q = 8192, bad[9].field = "heads_q:";  // past the candidates grid's y dimension
+  bad[10].c.heads_kv = 2048, bad[10].c.heads_q = 2048, bad[10].field = "heads_kv:";
   for (const Bad& b : bad) {
     auto state = DevicePrefixAttention::create(b.c, b.o);
     ASSERT_FALSE(state.ok()) << b.field;

@@ -205,9 +205,11 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   if (c.batch < 1 || c.batch > losa_cuda::kMaxBatch) {
     return invalid_argument("batch: expected 1 to " + str(losa_cuda::kMaxBatch) + " sequences, got " + str(c.batch));
   }
-  if (c.heads_kv < 1) return invalid_argument("heads_kv: expected >= 1, got " + str(c.heads_kv));
-  if (c.heads_q < 1 || c.heads_q % c.heads_kv != 0) {
-    return invalid_argument("heads_q: expected a positive multiple of heads_kv (" + str(c.heads_kv) + "), got " +
+  if (c.heads_kv < 1 || c.heads_kv > 1024) return invalid_argument("heads_kv: expected 1 to 1024, got " + str(c.heads_kv));
+  // At most 4096 query heads: the candidates kernel's grid holds heads_kv x (up to 4 x group)
+  // chunks in its y dimension (at most 65535).
+  if (c.heads_q < 1 || c.heads_q > 4096 || c.heads_q % c.heads_kv != 0) {
+    return invalid_argument("heads_q: expected a multiple of heads_kv (" + str(c.heads_kv) + ") from 1 to 4096, got " +
                             str(c.heads_q));
   }
   if (c.head_dim != 64 && c.head_dim != 128) {

@@ -1,8 +1,10 @@
 // Block-diffusion decoding on the device (sparsa/device_losa.h) against the CPU specification
 // (sparsa/losa.h, sparsa/quest.h, cpu_ref backend): the paged cache's contents and page min/max,
 // the active rows, QUEST's page plans (the same pages, ties aside) and the step outputs (within
-// the bf16 bound) for dense, quest and losa; a batch of sequences of different lengths; a step
-// captured in a CUDA graph and replayed equals the eager steps; every bad input is a clear error.
+// the bf16 bound) for dense, quest, losa and reuse, each row over its own pages or over its kv
+// head's union (attend_union); stable rows' state untouched bit for bit; a batch of sequences of
+// different lengths; a step captured in a CUDA graph and replayed equals the eager steps; every
+// bad input is a clear error.
 // Tests that need a device skip without one; the config checks run everywhere.
 #include <gtest/gtest.h>
 
@@ -83,7 +85,7 @@ TEST(LosaCudaConfig, BadStateConfigsNameTheField) {
   bad[1].c.batch = 65, bad[1].field = "batch:";
   bad[2].c.heads_q = 7, bad[2].field = "heads_q:";
   bad[3].c.block_size = 65, bad[3].field = "block_size:";
-  bad[4].o.method = PrefixMethod::reuse, bad[4].field = "method:";
+  bad[4].o.select.group = GroupPolicy::shared, bad[4].field = "group:";
   bad[5].o.select.selector = PageSelector::pooled, bad[5].field = "selector:";
   bad[6].o.attention.backend = Backend::cpu, bad[6].field = "backend:";
   bad[7].o.active_k = 17, bad[7].field = "active_k:";
@@ -257,6 +259,7 @@ struct Shape {
   int active_k = 4;
   std::optional<double> mse_threshold;
   bool padded_q = false;  // q's rows d + 1 elements apart (not on 16 bytes)
+  bool attend_union = false;
 };
 
 // One decode trace per batch entry: the prefix, then per step q (rows drifting slightly, two
@@ -302,6 +305,7 @@ LosaOptions options_of(const Shape& s, Backend backend) {
   o.select.force_last = true;
   o.active_k = s.active_k;
   o.mse_threshold = s.mse_threshold;
+  o.attend_union = s.attend_union;
   o.attention.backend = backend;
   return o;
 }
@@ -384,6 +388,7 @@ void check_against_cpu(const Shape& s, int steps) {
   auto out = DeviceArray::allocate(DType::bf16, {B, s.heads_q, s.block, s.d}, {DeviceType::cuda, 0});
   auto lse = DeviceArray::allocate(DType::f32, {B, s.heads_q, s.block}, {DeviceType::cuda, 0});
   ASSERT_TRUE(out.ok() && lse.ok());
+  HostArray prev_o, prev_l, prev_q;  // the state (O_p, L_p, Q_ref) after the previous step
   for (int step = 0; step < steps; ++step) {
     const DeviceArray k = to_device(tr.k[step]), v = to_device(tr.v[step]);
     DeviceArray q;
@@ -392,6 +397,28 @@ void check_against_cpu(const Shape& s, int steps) {
     ASSERT_TRUE(st.ok()) << st.to_string();
     const std::vector<float> o = to_host_f32(out->view()), l = to_host_f32(lse->view());
     const std::vector<int32_t> active = ints(dev->active_rows()), counts = ints(dev->active_counts());
+    // Stable rows (after a block's first step, losa and reuse): O_p, L_p and Q_ref as they were, bit
+    // for bit.
+    HostArray now_o = dev->o_p().to_host().value(), now_l = dev->l_p().to_host().value(),
+              now_q = dev->q_ref().to_host().value();
+    if (step > 0 && (s.method == PrefixMethod::losa || s.method == PrefixMethod::reuse)) {
+      for (int64_t b = 0; b < B; ++b) {
+        std::vector<char> is_active(s.block, 0);
+        for (int32_t i = 0; i < counts[b]; ++i) is_active[active[b * s.block + i]] = 1;
+        for (int64_t h = 0; h < s.heads_q; ++h)
+          for (int64_t r = 0; r < s.block; ++r) {
+            if (is_active[r]) continue;
+            const int64_t row = (b * s.heads_q + h) * s.block + r;
+            ASSERT_EQ(std::memcmp(now_o.ptr<uint16_t>() + row * s.d, prev_o.ptr<uint16_t>() + row * s.d, s.d * 2), 0)
+                << "O_p of stable row " << r << ", step " << step << " entry " << b;
+            ASSERT_EQ(std::memcmp(now_q.ptr<uint16_t>() + row * s.d, prev_q.ptr<uint16_t>() + row * s.d, s.d * 2), 0)
+                << "Q_ref of stable row " << r << ", step " << step << " entry " << b;
+            ASSERT_EQ(std::memcmp(now_l.ptr<float>() + row, prev_l.ptr<float>() + row, sizeof(float)), 0)
+                << "L_p of stable row " << r << ", step " << step << " entry " << b;
+          }
+      }
+    }
+    prev_o = std::move(now_o), prev_l = std::move(now_l), prev_q = std::move(now_q);
     const bool sparse = s.method == PrefixMethod::quest || (s.method == PrefixMethod::losa && step > 0);
     std::vector<int32_t> plan, plan_counts;
     if (sparse) {
@@ -675,12 +702,83 @@ TEST(LosaCudaStep, AnEmptyPrefixTakesTheBlockAlone) {
   check_against_cpu(s, 2);
 }
 
-// A LoSA step captured in a CUDA graph (the prefix does not change within a block) and replayed
-// on new queries gives the eager steps' outputs bit for bit.
-TEST(LosaCudaStep, AGraphReplayEqualsEagerSteps) {
+// reuse: LoSA's active rows, their prefix dense (the split-KV executor for every row into scratch,
+// the active rows adopting theirs); the stable rows keep their state bit for bit (checked in
+// check_against_cpu). Top-K, none, every row, a threshold; an empty prefix; GQA 8 at d 128.
+TEST(LosaCudaStep, ReuseMatchesTheCpu) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int k : {4, 0, 16}) {
+    SCOPED_TRACE("active_k " + std::to_string(k));
+    Shape s;
+    s.method = PrefixMethod::reuse;
+    s.active_k = k;
+    s.prefix = {1000, 333, 0};
+    check_against_cpu(s, 4);
+  }
   Shape s;
-  s.prefix = {900, 400};
+  s.method = PrefixMethod::reuse;
+  s.mse_threshold = 0.05;
+  s.prefix = {700, 1500};
+  check_against_cpu(s, 4);
+  s = Shape{};
+  s.method = PrefixMethod::reuse;
+  s.d = 128;
+  s.heads_q = 16;
+  s.heads_kv = 2;
+  s.prefix = {2600};
+  check_against_cpu(s, 3);
+}
+
+// attend_union: every active row over the union of the pages its kv head's query heads chose at
+// the entry's active rows (the CPU's paged_attention with attend_union), for losa and quest (every
+// row active: the largest unions); the plans are still each row's own. d 64 and 128; groups of 4
+// and 8; a budget past 32 pages (the radix select) over prefixes of many tiles; budgets covering a
+// prefix (every page); a threshold rule, whose unions change in size step to step; pages of 12.
+TEST(LosaCudaStep, AttendUnionMatchesTheCpu) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int64_t d : {64, 128}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    Shape s;
+    s.d = d;
+    s.attend_union = true;
+    s.prefix = {700, 2100, 40};
+    check_against_cpu(s, 3);
+    s.method = PrefixMethod::quest;
+    check_against_cpu(s, 2);
+  }
+  {
+    SCOPED_TRACE("group 8, budget 1024");
+    Shape s;
+    s.attend_union = true;
+    s.heads_q = 16;
+    s.heads_kv = 2;
+    s.budget = 1024;
+    s.prefix = {5000, 36000};
+    check_against_cpu(s, 3);
+  }
+  {
+    SCOPED_TRACE("threshold");
+    Shape s;
+    s.attend_union = true;
+    s.mse_threshold = 0.05;
+    s.prefix = {700, 1500};
+    check_against_cpu(s, 4);
+  }
+  {
+    SCOPED_TRACE("pages of 12");
+    Shape s;
+    s.attend_union = true;
+    s.page_size = 12;
+    s.budget = 8 * 12;
+    s.prefix = {1003, 250};
+    check_against_cpu(s, 3);
+  }
+}
+
+// A LoSA step captured in a CUDA graph (the prefix does not change within a block) and replayed
+// on new queries gives the eager steps' outputs bit for bit; each row over its own pages, and over
+// its kv head's union.
+void check_graph_replay(const Shape& s) {
   const int steps = 5;
   const Trace tr = make_trace(s, steps, 29);
   const int64_t B = 2;
@@ -749,6 +847,17 @@ TEST(LosaCudaStep, AGraphReplayEqualsEagerSteps) {
   *graphed = DevicePrefixAttention();  // its page plan was allocated on `stream`: freed before it goes
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   cudaStreamDestroy(stream);
+}
+
+TEST(LosaCudaStep, AGraphReplayEqualsEagerSteps) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (bool attend_union : {false, true}) {
+    SCOPED_TRACE(attend_union ? "attend_union" : "own pages");
+    Shape s;
+    s.prefix = {900, 400};
+    s.attend_union = attend_union;
+    check_graph_replay(s);
+  }
 }
 
 // A cache and a state made on the non-blocking stream their appends and steps run on (what the DLM

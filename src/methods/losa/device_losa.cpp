@@ -222,11 +222,9 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   if (dtype != DType::bf16 && dtype != DType::f16) {
     return unsupported_dtype(std::string("dtype: the device path takes bf16 or f16, got ") + dtype_name(dtype));
   }
-  if (o.method == PrefixMethod::reuse) {
-    return Status(StatusCode::unsupported, "method: reuse has no device path yet (dense, quest or losa)");
-  }
-  if (o.method != PrefixMethod::dense && o.method != PrefixMethod::quest && o.method != PrefixMethod::losa) {
-    return invalid_argument("method: expected dense, quest or losa, got " + str(static_cast<int>(o.method)));
+  if (o.method != PrefixMethod::dense && o.method != PrefixMethod::quest && o.method != PrefixMethod::losa &&
+      o.method != PrefixMethod::reuse) {
+    return invalid_argument("method: expected dense, quest, losa or reuse, got " + str(static_cast<int>(o.method)));
   }
   if (o.select.selector != PageSelector::quest) {
     return Status(StatusCode::unsupported, "selector: the device path selects with quest only");
@@ -234,11 +232,10 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   if (o.select.group != GroupPolicy::per_head) {
     return Status(StatusCode::unsupported, "group: the device path selects per_head only");
   }
-  if (o.attend_union) return Status(StatusCode::unsupported, "attend_union: not on the device path");
   if (o.attention.backend != Backend::cuda) {
     return invalid_argument(std::string("backend: the device path runs on cuda, got ") + backend_name(o.attention.backend));
   }
-  if (o.method == PrefixMethod::losa) {
+  if (o.method == PrefixMethod::losa || o.method == PrefixMethod::reuse) {
     if (o.mse_threshold) {
       if (!std::isfinite(*o.mse_threshold) || *o.mse_threshold < 0) {
         return invalid_argument("mse_threshold: expected a finite number >= 0, got " + std::to_string(*o.mse_threshold));
@@ -270,6 +267,13 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
     auto a = DeviceArray::allocate(w.dtype, w.shape, dev, /*zero_fill=*/true, stream);
     if (!a.ok()) return a.status();
     *w.array = std::move(a).value();
+  }
+  if (o.method == PrefixMethod::reuse) {  // every row's dense prefix, before the active rows adopt theirs
+    for (Want w : {Want{&pa.o_new_, dtype, {B, H, Bb, D}}, Want{&pa.l_new_, DType::f32, {B, H, Bb}}}) {
+      auto a = DeviceArray::allocate(w.dtype, w.shape, dev, /*zero_fill=*/true, stream);
+      if (!a.ok()) return a.status();
+      *w.array = std::move(a).value();
+    }
   }
   return pa;
 }
@@ -330,17 +334,22 @@ Status DevicePrefixAttention::step_entries(int64_t first, const DevicePagedKVCac
     max_pages = std::max(max_pages, (s->length + cc.page_size - 1) / cc.page_size);
   }
   const PrefixMethod m = options_.method;
-  auto dense_prefix = [&](int64_t e) { return m == PrefixMethod::dense || (m == PrefixMethod::losa && steps_in_block_[e] == 0); };
+  // An entry's first step of a block is dense for losa and reuse; the later steps of reuse are
+  // dense for the active rows (no pages are selected).
+  auto dense_prefix = [&](int64_t e) {
+    return m == PrefixMethod::dense || ((m == PrefixMethod::losa || m == PrefixMethod::reuse) && steps_in_block_[e] == 0);
+  };
 
   // The page plan and the candidates' scratch (for the whole batch), sized before any launch
   // (grown only when a longer prefix or another page size comes: a step captured in a graph then
   // allocates nothing).
   bool any_sparse = false;
-  for (int64_t b = 0; b < n; ++b) any_sparse = any_sparse || !dense_prefix(first + b);
+  for (int64_t b = 0; b < n; ++b) any_sparse = any_sparse || (!dense_prefix(first + b) && m != PrefixMethod::reuse);
   if (any_sparse) {
     // The selection's shared memory grows with the prefix: a prefix too long for it is refused
     // here, before any entry's launches.
-    if (Status fits = losa_cuda::sparse_step_fits(dtype_, D, max_pages, keep, device_); !fits.ok()) {
+    if (Status fits = losa_cuda::sparse_step_fits(dtype_, D, max_pages, keep, options_.attend_union, device_);
+        !fits.ok()) {
       return Status(fits.code(), "seqs: the longest prefix, " + str(max_pages) + " pages of " + str(cc.page_size) +
                                      " tokens, keeping " + str(keep) + " pages a row, needs more shared memory than " +
                                      "cuda:" + str(device_) + " gives a block (" + fits.message() +
@@ -411,7 +420,8 @@ Status DevicePrefixAttention::run_entries(int64_t first, int64_t count, bool fir
   a.lse = lse;
   a.scale = options_.attention.scale.value_or(1.0f / std::sqrt(static_cast<float>(D)));
   const PrefixMethod m = options_.method;
-  const bool dense_prefix = m == PrefixMethod::dense || (m == PrefixMethod::losa && first_step);
+  const bool dense_prefix =
+      m == PrefixMethod::dense || ((m == PrefixMethod::losa || m == PrefixMethod::reuse) && first_step);
   a.o_p = at(o_p_);
   a.l_p = static_cast<float*>(at(l_p_));
   a.q_ref = at(q_ref_);
@@ -423,16 +433,21 @@ Status DevicePrefixAttention::run_entries(int64_t first, int64_t count, bool fir
   a.candidates = static_cast<uint64_t*>(at(candidates_));
   a.candidate_tiles = candidate_tiles_;
   a.mse = static_cast<double*>(at(mse_));
-  a.all_rows = first_step || m != PrefixMethod::losa;
+  a.all_rows = first_step || (m != PrefixMethod::losa && m != PrefixMethod::reuse);
   a.active_k = options_.active_k;
   a.use_threshold = options_.mse_threshold.has_value();
   a.threshold = options_.mse_threshold.value_or(0.0);
   a.force_first = options_.select.force_first;
   a.force_last = options_.select.force_last;
+  a.attend_union = options_.attend_union;
 
-  if (!dense_prefix) return losa_cuda::sparse_step(a);
-  // Every row, through the dense executor (split-KV for a long prefix), into O_p and L_p.
-  SPARSA_RETURN_IF_ERROR(losa_cuda::dense_rows(a));
+  const bool reuse = !dense_prefix && m == PrefixMethod::reuse;
+  if (!dense_prefix && !reuse) return losa_cuda::sparse_step(a);
+  // Every row, through the dense executor (split-KV for a long prefix), into O_p and L_p; for
+  // reuse into scratch, from which the active rows (chosen first, from Q_ref as it was) adopt theirs.
+  SPARSA_RETURN_IF_ERROR(reuse ? losa_cuda::reuse_rows(a) : losa_cuda::dense_rows(a));
+  const DeviceArray& o_dst = reuse ? o_new_ : o_p_;
+  const DeviceArray& l_dst = reuse ? l_new_ : l_p_;
   AttentionOptions ao;
   ao.backend = Backend::cuda;
   ao.scale = a.scale;
@@ -440,14 +455,15 @@ Status DevicePrefixAttention::run_entries(int64_t first, int64_t count, bool fir
   for (int64_t b = 0; b < count; ++b) {
     if (a.seqs[b].length == 0) continue;  // no prefix: block_merge takes the block alone
     const Tensor qb = entry(q, b);
-    const Tensor ob = entry(o_p_.view(), first + b), lb = entry(l_p_.view(), first + b);
+    const Tensor ob = entry(o_dst.view(), first + b), lb = entry(l_dst.view(), first + b);
     // The prefix read in place: the sequence's run of pages as one strided view.
     auto kb = cache.keys(seqs[b]), vb = cache.values(seqs[b]);
     if (!kb.ok()) return kb.status();
     if (!vb.ok()) return vb.status();
     SPARSA_RETURN_IF_ERROR(dense(qb, kb.value(), vb.value(), ob, lb, ao));
   }
-  return losa_cuda::block_merge(a);
+  if (reuse) SPARSA_RETURN_IF_ERROR(losa_cuda::adopt_rows(a, at(o_new_), static_cast<const float*>(at(l_new_))));
+  return losa_cuda::block_merge(a, /*qref_all=*/!reuse);
 }
 
 void DevicePrefixAttention::begin_block() { std::fill(steps_in_block_.begin(), steps_in_block_.end(), 0); }

@@ -12,11 +12,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "sparsa/decode_trace.h"
 #include "sparsa/device_losa.h"
 #include "sparsa/kv_cache.h"
 #include "sparsa/losa.h"
@@ -100,6 +102,31 @@ TEST(LosaCudaConfig, BadStateConfigsNameTheField) {
   auto dtype = DevicePrefixAttention::create(good(), o, 0, DType::f32);
   ASSERT_FALSE(dtype.ok());
   EXPECT_EQ(dtype.status().message().rfind("dtype:", 0), 0u) << dtype.status().to_string();
+}
+
+// The decode-trace driver: every method on one backend (mixed backends are refused), no kept plans
+// on the device, and without a device a clear error.
+TEST(LosaCudaConfig, TheTraceDriverOnCudaRefusesWhatItCannotDo) {
+  DecodeTraceConfig c;
+  c.prefix_len = 64;
+  auto t = DecodeTrace::generate(c);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  LosaOptions cpu, cuda;
+  cuda.attention.backend = Backend::cuda;
+  auto mixed = run_trace(*t, {cpu, cuda});
+  ASSERT_FALSE(mixed.ok());
+  EXPECT_EQ(mixed.status().message().rfind("methods[1]: backend: expected cpu", 0), 0u) << mixed.status().to_string();
+  TraceRunOptions keep;
+  keep.keep_plans = true;
+  auto plans = run_trace(*t, {cuda}, keep);
+  ASSERT_FALSE(plans.ok());
+  EXPECT_EQ(plans.status().message().rfind("keep_plans:", 0), 0u) << plans.status().to_string();
+  if (!have_device()) {
+    auto none = run_trace(*t, {cuda});
+    ASSERT_FALSE(none.ok());
+    EXPECT_NE(none.status().message().find("the cuda backend is not available in this build"), std::string::npos)
+        << none.status().to_string();
+  }
 }
 
 #if defined(SPARSA_WITH_CUDA)
@@ -700,6 +727,88 @@ TEST(LosaCudaStep, AnEmptyPrefixTakesTheBlockAlone) {
   Shape s;
   s.prefix = {0, 40};
   check_against_cpu(s, 2);
+}
+
+// ---- the decode-trace driver on the device ---------------------------------------------------
+
+// A generated decode trace with every tensor rounded to bf16 (rebuilt as a recorded trace), so the
+// CPU path (f32) and the device path (bf16) read the same values.
+DecodeTrace bf16_trace(const DecodeTraceConfig& c) {
+  auto g = DecodeTrace::generate(c);
+  EXPECT_TRUE(g.ok()) << g.status().to_string();
+  std::deque<HostArray> held;  // the rounded tensors (a deque: views stay valid as it grows)
+  auto rounded = [&](const Tensor& x) {
+    HostArray b = convert(x, DType::bf16).value();
+    held.push_back(convert(b.view(), DType::f32).value());
+    return held.back().view();
+  };
+  std::vector<RecordedTraceBlock> blocks(c.num_blocks);
+  for (int64_t b = 0; b < c.num_blocks; ++b) {
+    for (int64_t s = 0; s < g->steps_per_block(); ++s) {
+      blocks[b].q.push_back(rounded(g->q(b, s)));
+      blocks[b].k.push_back(rounded(g->k(b, s)));
+      blocks[b].v.push_back(rounded(g->v(b, s)));
+      blocks[b].unmasked.push_back(g->unmasked_after(b, s));
+    }
+    blocks[b].final_k = rounded(g->final_k(b));
+    blocks[b].final_v = rounded(g->final_v(b));
+  }
+  const Tensor pk = c.prefix_len > 0 ? rounded(g->prefix_k()) : Tensor{};
+  const Tensor pv = c.prefix_len > 0 ? rounded(g->prefix_v()) : Tensor{};
+  auto t = DecodeTrace::from_recorded(pk, pv, blocks);
+  EXPECT_TRUE(t.ok()) << t.status().to_string();
+  return std::move(t).value();
+}
+
+// `sparsa trace --backend cuda`'s driver against its CPU run on the same bf16 trace (two blocks, a
+// commit between them): dense, quest, losa, reuse and losa over the union recompute the same rows
+// every step, load the same pages (up to pages tied at the selection boundary: 2%), and their
+// errors against their own backend's dense reference agree within the bf16 bound: O_p and the
+// output are rounded to bf16 on the device, each at most 2^-9 relative, in the method and in the
+// reference, so the relative errors differ by at most about 4 x 2^-8 = 0.016 (0.02 written).
+TEST(LosaCudaTrace, TheDriverOnTheDeviceMatchesItsCpuRun) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  DecodeTraceConfig c;
+  c.prefix_len = 1500;
+  c.num_blocks = 2;
+  c.tokens_per_step = 2;  // 8 steps a block
+  const DecodeTrace t = bf16_trace(c);
+  std::vector<LosaOptions> methods;
+  for (PrefixMethod m : {PrefixMethod::dense, PrefixMethod::quest, PrefixMethod::losa, PrefixMethod::reuse}) {
+    LosaOptions o;
+    o.method = m;
+    o.select.budget = 128;
+    o.active_k = 2;
+    methods.push_back(o);
+  }
+  methods.push_back(methods[2]);
+  methods.back().attend_union = true;
+  auto run_on = [&](Backend backend) {
+    std::vector<LosaOptions> ms = methods;
+    for (LosaOptions& o : ms) o.attention.backend = backend;
+    auto r = run_trace(t, ms);
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    return std::move(r).value();
+  };
+  const auto cpu = run_on(Backend::cpu_ref), dev = run_on(Backend::cuda);
+  ASSERT_EQ(dev.size(), cpu.size());
+  for (size_t m = 0; m < methods.size(); ++m) {
+    ASSERT_EQ(dev[m].size(), cpu[m].size());
+    for (size_t i = 0; i < cpu[m].size(); ++i) {
+      SCOPED_TRACE("method " + std::to_string(m) + " step " + std::to_string(i));
+      const TraceStep &d = dev[m][i], &h = cpu[m][i];
+      EXPECT_EQ(d.stats.recomputed, h.stats.recomputed);
+      EXPECT_EQ(d.stats.dense_prefix, h.stats.dense_prefix);
+      EXPECT_EQ(d.stats.prefix_pages, h.stats.prefix_pages);
+      EXPECT_NEAR(d.stats.pages_loaded, h.stats.pages_loaded, 0.02 * h.stats.pages_loaded);
+      EXPECT_NEAR(d.stats.pages_attended, h.stats.pages_attended, 0.02 * h.stats.pages_attended);
+      EXPECT_NEAR(d.err, h.err, 0.02);
+      EXPECT_NEAR(d.err_prefix, h.err_prefix, 0.02);
+      EXPECT_NEAR(d.err_masked, h.err_masked, 0.02);
+      EXPECT_NEAR(d.recall, h.recall, 0.02);
+      if (methods[m].method == PrefixMethod::dense) EXPECT_EQ(d.err, 0.0) << "dense against its own reference";
+    }
+  }
 }
 
 // reuse: LoSA's active rows, their prefix dense (the split-KV executor for every row into scratch,

@@ -60,4 +60,13 @@ Status copy_to_host(int device, const void* src, size_t bytes, void* dst, void* 
   return {};
 }
 
+Status copy_to_device(int device, const void* src, size_t bytes, void* dst, void* stream) {
+  detail::DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(device));
+  const auto s = static_cast<cudaStream_t>(stream);
+  SPARSA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+  SPARSA_CUDA_CHECK(cudaStreamSynchronize(s));
+  return {};
+}
+
 }  // namespace sparsa::cuda

@@ -14,6 +14,9 @@ void free_device(int, void*, void*) {}
 Status copy_to_host(int, const void*, size_t, void*, void*) {
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
 }
+Status copy_to_device(int, const void*, size_t, void*, void*) {
+  return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
+}
 Status attention(const detail::AttentionParams&) {
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
 }

@@ -38,9 +38,11 @@ namespace sparsa::losa_cuda {
 static Status not_compiled() { return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"}; }
 Status append(const Pool&, int64_t, int64_t, const Tensor&, const Tensor&, void*) { return not_compiled(); }
 Status dense_rows(const StepArgs&) { return not_compiled(); }
-Status sparse_step_fits(DType, int64_t, int64_t, int64_t, int) { return not_compiled(); }
+Status sparse_step_fits(DType, int64_t, int64_t, int64_t, bool, int) { return not_compiled(); }
 Status sparse_step(const StepArgs&) { return not_compiled(); }
-Status block_merge(const StepArgs&) { return not_compiled(); }
+Status reuse_rows(const StepArgs&) { return not_compiled(); }
+Status adopt_rows(const StepArgs&, const void*, const float*) { return not_compiled(); }
+Status block_merge(const StepArgs&, bool) { return not_compiled(); }
 }  // namespace sparsa::losa_cuda
 
 #include "methods/llsa/internal.h"

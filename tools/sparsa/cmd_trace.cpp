@@ -113,6 +113,9 @@ Result<LosaOptions> method_options(const Params& p, Backend backend, int threads
 Outcome cmd_trace(const TraceOptions& o) {
   auto backend = parse_backend_flag(o.backend);
   if (!backend.ok()) return usage_error(backend.status());
+  if (*backend == Backend::cuda) {  // before the trace is generated
+    if (Status s = backend_status(Backend::cuda); !s.ok()) return runtime_error(Status(s.code(), "--backend: " + s.message()));
+  }
   if (o.threads < 0) return usage_error(invalid_argument("--threads: expected >= 0, got " + std::to_string(o.threads)));
   if (o.repeats < 1 || o.repeats > 1000) {
     return usage_error(invalid_argument("--repeats: expected 1 to 1000, got " + std::to_string(o.repeats)));

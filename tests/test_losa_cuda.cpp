@@ -781,8 +781,9 @@ TEST(LosaCudaTrace, TheDriverOnTheDeviceMatchesItsCpuRun) {
     o.active_k = 2;
     methods.push_back(o);
   }
-  methods.push_back(methods[2]);
-  methods.back().attend_union = true;
+  LosaOptions over_union = methods[2];
+  over_union.attend_union = true;
+  methods.push_back(over_union);
   auto run_on = [&](Backend backend) {
     std::vector<LosaOptions> ms = methods;
     for (LosaOptions& o : ms) o.attention.backend = backend;

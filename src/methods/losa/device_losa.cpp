@@ -319,7 +319,8 @@ Status DevicePrefixAttention::step_entries(int64_t first, const DevicePagedKVCac
     return invalid_argument("lse: expected a tensor on cuda:" + str(device_) + ", got " + device_name(lse.device));
   }
   const int64_t keep = options_.select.budget / cc.page_size;
-  if (options_.method != PrefixMethod::dense &&
+  // The page budget matters where pages are selected (as the CPU's validate: losa and quest).
+  if ((options_.method == PrefixMethod::losa || options_.method == PrefixMethod::quest) &&
       (options_.select.budget % cc.page_size != 0 ||
        keep < int64_t{options_.select.force_first} + int64_t{options_.select.force_last})) {
     SPARSA_RETURN_IF_ERROR(validate(options_.select, cc.page_size));

@@ -89,6 +89,8 @@ struct Case {
   uint32_t seed = 1;
   int rung = 0;         // forward rung: 0 the library's choice, else forced (SPARSA_LLSA_FORWARD_RUNG=rung)
   int expect_rung = 0;  // the rung the forward must have run (0: unchecked)
+  int expect_fine_keys = 0;  // the keys of the forward's fine softmax steps by default, 16 or 64 (0: unchecked)
+  bool expect_wide = false;  // SPARSA_LLSA_FINE_STEP=64 must run 64-key steps
 };
 std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
 
@@ -371,22 +373,26 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   Result<LlsaPlan> gp = llsa_plan(dq_in.t, dk_in.t, o);
   ASSERT_TRUE(gp.ok()) << gp.status().to_string();
   check_plan_valid(c, *gp, q, k);
-  // The selection's rung 1 (a warp per query token, candidates from L2) picks the same tokens, bit
-  // for bit, as rung 2 (the default: candidates shared in shared memory), at every level.
-  setenv("SPARSA_LLSA_SELECT_RUNG", "1", 1);
-  Result<LlsaPlan> gp1 = llsa_plan(dq_in.t, dk_in.t, o);
-  unsetenv("SPARSA_LLSA_SELECT_RUNG");
-  ASSERT_TRUE(gp1.ok()) << gp1.status().to_string();
-  for (int l = 1; l <= gp->levels; ++l) {
-    const auto& a = gp->picks[l - 1];
-    const auto& b = gp1->picks[l - 1];
-    ASSERT_EQ(a.numel(), b.numel());
-    EXPECT_TRUE(std::equal(a.ptr<int32_t>(), a.ptr<int32_t>() + a.numel(), b.ptr<int32_t>()))
-        << "level " << l << ": the selection's two rungs pick differently";
-    const auto& ca = gp->pick_counts[l - 1];
-    const auto& cb = gp1->pick_counts[l - 1];
-    EXPECT_TRUE(std::equal(ca.ptr<int32_t>(), ca.ptr<int32_t>() + ca.numel(), cb.ptr<int32_t>()))
-        << "level " << l << ": the selection's two rungs count differently";
+  // The selection's rungs 1 (a warp per query token, candidates from L2) and 2 (a warp per token,
+  // candidates shared in shared memory) pick the same tokens, bit for bit, as the default (rung 3
+  // where it applies: a thread per token and part of its candidates, the query in registers), at
+  // every level.
+  for (const char* select_rung : {"1", "2"}) {
+    setenv("SPARSA_LLSA_SELECT_RUNG", select_rung, 1);
+    Result<LlsaPlan> gp1 = llsa_plan(dq_in.t, dk_in.t, o);
+    unsetenv("SPARSA_LLSA_SELECT_RUNG");
+    ASSERT_TRUE(gp1.ok()) << gp1.status().to_string();
+    for (int l = 1; l <= gp->levels; ++l) {
+      const auto& a = gp->picks[l - 1];
+      const auto& b = gp1->picks[l - 1];
+      ASSERT_EQ(a.numel(), b.numel());
+      EXPECT_TRUE(std::equal(a.ptr<int32_t>(), a.ptr<int32_t>() + a.numel(), b.ptr<int32_t>()))
+          << "level " << l << ": selection rung " << select_rung << " picks otherwise than the default";
+      const auto& ca = gp->pick_counts[l - 1];
+      const auto& cb = gp1->pick_counts[l - 1];
+      EXPECT_TRUE(std::equal(ca.ptr<int32_t>(), ca.ptr<int32_t>() + ca.numel(), cb.ptr<int32_t>()))
+          << "level " << l << ": selection rung " << select_rung << " counts otherwise than the default";
+    }
   }
   LlsaOptions ho = o;
   ho.backend = Backend::cpu;
@@ -409,10 +415,11 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   DeviceLse lse(c);
   if (c.rung != 0) setenv("SPARSA_LLSA_FORWARD_RUNG", std::to_string(c.rung).c_str(), 1);
   Status st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, out.t, lse.t, o);
-  const int rung = llsa_cuda::last_forward_rung();
+  const int rung = llsa_cuda::last_forward_rung(), fine_keys = llsa_cuda::last_forward_fine_keys();
   unsetenv("SPARSA_LLSA_FORWARD_RUNG");
   ASSERT_TRUE(st.ok()) << st.to_string();
   if (c.expect_rung) EXPECT_EQ(rung, c.expect_rung);
+  if (c.expect_fine_keys) EXPECT_EQ(fine_keys, c.expect_fine_keys);
   const std::vector<float> o_dev = out.download(c), lse_dev = lse.download();
   // The same with the plan from the host: bit for bit.
   DeviceTensor out2(c, c.heads_q, nullptr, c.dtype);
@@ -442,6 +449,26 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
   for (size_t i = 0; i < lse_dev.size(); ++i) {
     ASSERT_NEAR(lse_dev[i], ref_lse.ptr<float>()[i], nv.lse_tol[i]) << "lse row " << i;
   }
+  // The fine blocks in 64-key steps (SPARSA_LLSA_FINE_STEP=64) where they apply, within the same
+  // bound: the two step sizes differ only in the order of the online softmax's rescales.
+  DeviceTensor out64(c, c.heads_q, nullptr, c.dtype);
+  DeviceLse lse64(c);
+  setenv("SPARSA_LLSA_FINE_STEP", "64", 1);
+  if (c.rung != 0) setenv("SPARSA_LLSA_FORWARD_RUNG", std::to_string(c.rung).c_str(), 1);
+  st = llsa_forward(dq_in.t, dk_in.t, dv_in.t, out64.t, lse64.t, o);
+  const int keys64 = llsa_cuda::last_forward_fine_keys();
+  unsetenv("SPARSA_LLSA_FORWARD_RUNG");
+  unsetenv("SPARSA_LLSA_FINE_STEP");
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  if (c.expect_wide) EXPECT_EQ(keys64, 64);
+  if (keys64 == 64) {
+    const std::vector<float> o64 = out64.download(c), lse64_dev = lse64.download();
+    const double err64 = rel_l2(o64, ref_o);
+    EXPECT_LE(err64, 2.0 * naive_err + 1e-7) << "out, 64-key fine steps: device " << err64 << ", naive " << naive_err;
+    for (size_t i = 0; i < lse64_dev.size(); ++i) {
+      ASSERT_NEAR(lse64_dev[i], ref_lse.ptr<float>()[i], nv.lse_tol[i]) << "lse row " << i << ", 64-key fine steps";
+    }
+  }
   // A negative control: the reference without enrichment is far outside the bound.
   if (c.enrich && c.name.find("control") != std::string::npos) {
     LlsaPlan fine = *gp;
@@ -452,7 +479,8 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
                     .ok());
     EXPECT_GT(rel_l2(o_dev, to_double(f_out)), 4.0 * naive_err) << "the bound cannot tell enrichment from none";
   }
-  std::printf("[ %s ] rung %d, out err %.3g (naive %.3g)", c.name.c_str(), rung, err, naive_err);
+  std::printf("[ %s ] rung %d, fine steps of %d keys, out err %.3g (naive %.3g)", c.name.c_str(), rung, fine_keys, err,
+              naive_err);
   if (!c.backward) {
     std::printf("\n");
     return;
@@ -491,13 +519,28 @@ TEST_P(CudaLlsaCase, MatchesCpuRef) {
     std::printf(", %s err %.3g (naive %.3g)", g.name, e, ne);
   }
   std::printf("\n");
+  // Where the forward ran 64-key steps, dQ in 64-key steps too (SPARSA_LLSA_FINE_STEP=64) within
+  // the same bound; dK and dV come from other kernels and stay the same bit for bit.
+  if (keys64 == 64) {
+    DeviceTensor gq64(c, c.heads_q, nullptr, c.dtype), gk64(c, c.heads_kv, nullptr, c.dtype),
+        gv64(c, c.heads_kv, nullptr, c.dtype);
+    setenv("SPARSA_LLSA_FINE_STEP", "64", 1);
+    st = llsa_backward(dq_in.t, dk_in.t, dv_in.t, out.t, lse.t, ddo.t, gq64.t, gk64.t, gv64.t, o);
+    unsetenv("SPARSA_LLSA_FINE_STEP");
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    EXPECT_EQ(gk64.raw(), gk1) << "dk moved with dQ's fine step";
+    EXPECT_EQ(gv64.raw(), gv1) << "dv moved with dQ's fine step";
+    const double e = rel_l2(gq64.download(c), grads[0].ref);
+    const double ne = rel_l2(std::vector<float>(grads[0].nv.begin(), grads[0].nv.end()), grads[0].ref);
+    EXPECT_LE(e, 2.0 * ne + 1e-7) << "dq, 64-key fine steps: device " << e << ", naive " << ne;
+  }
 }
 
 std::vector<Case> cases() {
   std::vector<Case> v;
   v.push_back({.name = "N1", .len = 1});
   v.push_back({.name = "N17_block4_toy", .len = 17, .block = 4, .topk = 2});
-  v.push_back({.name = "N1000_control", .len = 1000, .expect_rung = 2});
+  v.push_back({.name = "N1000_control", .len = 1000, .expect_rung = 2, .expect_fine_keys = 16, .expect_wide = true});
   v.push_back({.name = "N1000_rung1", .len = 1000, .rung = 1, .expect_rung = 1});
   v.push_back({.name = "N4099_rung1_dedupe_gqa", .heads_q = 4, .heads_kv = 1, .len = 4099, .dedupe = true, .rung = 1,
                .expect_rung = 1});
@@ -509,11 +552,22 @@ std::vector<Case> cases() {
                .head_dim = 128});
   v.push_back({.name = "N4099_gqa_levels3_strided", .batch = 2, .heads_q = 4, .heads_kv = 2, .len = 4099, .topk = 4,
                .levels = 3, .seq_pad = 8});
-  v.push_back({.name = "N4099_block64_d128", .len = 4099, .head_dim = 128, .block = 64, .topk = 4, .levels = 1});
+  v.push_back({.name = "N4099_block64_d128", .len = 4099, .head_dim = 128, .block = 64, .topk = 4, .levels = 1,
+               .expect_fine_keys = 16});
+  // 64-key fine steps over blocks of four tiles each, and over blocks cut into partial tiles.
+  // Two levels of blocks of 64: the selection's rung 3 below the top with 64 sibling tokens of 2
+  // lanes each.
+  v.push_back({.name = "N8192_block64_levels2", .len = 8192, .block = 64, .topk = 4, .levels = 2});
+  v.push_back({.name = "N4099_block64_wide", .len = 4099, .block = 64, .topk = 3, .levels = 1, .expect_rung = 2,
+               .expect_fine_keys = 16, .expect_wide = true});
   v.push_back({.name = "N4099_topk32_dedupe", .len = 4099, .topk = 32, .levels = 2, .dedupe = true});
   v.push_back({.name = "N2000_block20_peaky", .len = 2000, .block = 20, .topk = 6, .amplitude = 4.0f,
-               .rung = 3, .expect_rung = 3});  // one level of 100 tokens through the dense executor (forced: under 256), peaky logits
+               .rung = 3, .expect_rung = 3, .expect_fine_keys = 16, .expect_wide = true});  // one level of 100 tokens through the dense executor (forced: under 256), peaky logits
   v.push_back({.name = "N300_unaligned_pad", .len = 300, .seq_pad = 3});
+  // Fewer valid candidates than K below the top (the level's last block partial): level 2 of
+  // 100/25/7/2 tokens has 7 candidates under two parent picks of 4 children each; counts 7.
+  v.push_back({.name = "N100_block4_topk16_levels3_few_candidates", .len = 100, .block = 4, .topk = 16, .levels = 3});
+  v.push_back({.name = "N100_block2_topk16_few_candidates", .len = 100, .block = 2, .topk = 16});
   // Rung 3: the coarsest level through the dense executor, merged by LSE (N a multiple of B^L, no
   // dedupe, at least 256 coarsest tokens, or fewer with SPARSA_LLSA_FORWARD_RUNG=3): one level and
   // two, GQA, f16 at d 128, strided rows; the same shape with rung 2 forced, one where dedupe keeps

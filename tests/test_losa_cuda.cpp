@@ -1,19 +1,24 @@
 // Block-diffusion decoding on the device (sparsa/device_losa.h) against the CPU specification
 // (sparsa/losa.h, sparsa/quest.h, cpu_ref backend): the paged cache's contents and page min/max,
 // the active rows, QUEST's page plans (the same pages, ties aside) and the step outputs (within
-// the bf16 bound) for dense, quest and losa; a batch of sequences of different lengths; a step
-// captured in a CUDA graph and replayed equals the eager steps; every bad input is a clear error.
+// the bf16 bound) for dense, quest, losa and reuse, each row over its own pages or over its kv
+// head's union (attend_union); stable rows' state untouched bit for bit; a batch of sequences of
+// different lengths; a step captured in a CUDA graph and replayed equals the eager steps; every
+// bad input is a clear error.
 // Tests that need a device skip without one; the config checks run everywhere.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "sparsa/decode_trace.h"
 #include "sparsa/device_losa.h"
 #include "sparsa/kv_cache.h"
 #include "sparsa/losa.h"
@@ -45,13 +50,16 @@ TEST(LosaCudaConfig, BadCacheConfigsNameTheField) {
     return c;
   };
   std::vector<Bad> bad;
-  for (int i = 0; i < 6; ++i) bad.push_back({good(), ""});
+  for (int i = 0; i < 8; ++i) bad.push_back({good(), ""});
   bad[0].c.heads_kv = 0, bad[0].field = "heads_kv:";
   bad[1].c.head_dim = 96, bad[1].field = "head_dim:";
   bad[2].c.page_size = 0, bad[2].field = "page_size:";
   bad[3].c.page_size = 65, bad[3].field = "page_size:";
   bad[4].c.dtype = DType::f32, bad[4].field = "dtype:";
   bad[5].c.pool_pages = 0, bad[5].field = "pool_pages:";
+  bad[6].c.pool_pages = (int64_t{1} << 31) / 16, bad[6].field = "pool_pages:";  // 2^31 tokens of 16
+  // pool_pages * page_size wraps to 32: the check must not multiply first.
+  bad[7].c.pool_pages = (int64_t{1} << 59) + 1, bad[7].c.page_size = 32, bad[7].field = "pool_pages:";
   for (const Bad& b : bad) {
     auto cache = DevicePagedKVCache::create(b.c);
     ASSERT_FALSE(cache.ok()) << b.field;
@@ -74,16 +82,18 @@ TEST(LosaCudaConfig, BadStateConfigsNameTheField) {
     LosaOptions o;
     const char* field;
   };
-  std::vector<Bad> bad(9, Bad{good(), o, ""});
+  std::vector<Bad> bad(11, Bad{good(), o, ""});
   bad[0].c.batch = 0, bad[0].field = "batch:";
   bad[1].c.batch = 65, bad[1].field = "batch:";
   bad[2].c.heads_q = 7, bad[2].field = "heads_q:";
   bad[3].c.block_size = 65, bad[3].field = "block_size:";
-  bad[4].o.method = PrefixMethod::reuse, bad[4].field = "method:";
+  bad[4].o.select.group = GroupPolicy::shared, bad[4].field = "group:";
   bad[5].o.select.selector = PageSelector::pooled, bad[5].field = "selector:";
   bad[6].o.attention.backend = Backend::cpu, bad[6].field = "backend:";
   bad[7].o.active_k = 17, bad[7].field = "active_k:";
   bad[8].o.mse_threshold = -1.0, bad[8].field = "mse_threshold:";
+  bad[9].c.heads_q = 8192, bad[9].field = "heads_q:";  // past the candidates grid's y dimension
+  bad[10].c.heads_kv = 2048, bad[10].c.heads_q = 2048, bad[10].field = "heads_kv:";
   for (const Bad& b : bad) {
     auto state = DevicePrefixAttention::create(b.c, b.o);
     ASSERT_FALSE(state.ok()) << b.field;
@@ -92,6 +102,31 @@ TEST(LosaCudaConfig, BadStateConfigsNameTheField) {
   auto dtype = DevicePrefixAttention::create(good(), o, 0, DType::f32);
   ASSERT_FALSE(dtype.ok());
   EXPECT_EQ(dtype.status().message().rfind("dtype:", 0), 0u) << dtype.status().to_string();
+}
+
+// The decode-trace driver: every method on one backend (mixed backends are refused), no kept plans
+// on the device, and without a device a clear error.
+TEST(LosaCudaConfig, TheTraceDriverOnCudaRefusesWhatItCannotDo) {
+  DecodeTraceConfig c;
+  c.prefix_len = 64;
+  auto t = DecodeTrace::generate(c);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  LosaOptions cpu, cuda;
+  cuda.attention.backend = Backend::cuda;
+  auto mixed = run_trace(*t, {cpu, cuda});
+  ASSERT_FALSE(mixed.ok());
+  EXPECT_EQ(mixed.status().message().rfind("methods[1]: backend: expected cpu", 0), 0u) << mixed.status().to_string();
+  TraceRunOptions keep;
+  keep.keep_plans = true;
+  auto plans = run_trace(*t, {cuda}, keep);
+  ASSERT_FALSE(plans.ok());
+  EXPECT_EQ(plans.status().message().rfind("keep_plans:", 0), 0u) << plans.status().to_string();
+  if (!have_device()) {
+    auto none = run_trace(*t, {cuda});
+    ASSERT_FALSE(none.ok());
+    EXPECT_NE(none.status().message().find("the cuda backend is not available in this build"), std::string::npos)
+        << none.status().to_string();
+  }
 }
 
 #if defined(SPARSA_WITH_CUDA)
@@ -210,6 +245,13 @@ TEST(LosaCudaCache, CapacityAndArgumentErrorsAreClear) {
   ASSERT_TRUE(cache.ok());
   auto s0 = cache->add_sequence(100);  // 7 pages
   ASSERT_TRUE(s0.ok());
+  for (int64_t huge : {int64_t{161}, int64_t{1} << 40, INT64_MAX}) {  // past the pool: never a page count that wraps
+    auto h = cache->add_sequence(huge);
+    ASSERT_FALSE(h.ok()) << huge;
+    EXPECT_EQ(h.status().code(), StatusCode::out_of_memory);
+    EXPECT_EQ(h.status().message().rfind("max_tokens:", 0), 0u) << h.status().to_string();
+  }
+  EXPECT_EQ(cache->free_pages(), 3);
   auto big = cache->add_sequence(100);  // 7 more: only 3 free
   ASSERT_FALSE(big.ok());
   EXPECT_EQ(big.status().code(), StatusCode::out_of_memory);
@@ -244,6 +286,7 @@ struct Shape {
   int active_k = 4;
   std::optional<double> mse_threshold;
   bool padded_q = false;  // q's rows d + 1 elements apart (not on 16 bytes)
+  bool attend_union = false;
 };
 
 // One decode trace per batch entry: the prefix, then per step q (rows drifting slightly, two
@@ -289,6 +332,7 @@ LosaOptions options_of(const Shape& s, Backend backend) {
   o.select.force_last = true;
   o.active_k = s.active_k;
   o.mse_threshold = s.mse_threshold;
+  o.attend_union = s.attend_union;
   o.attention.backend = backend;
   return o;
 }
@@ -359,7 +403,7 @@ void check_against_cpu(const Shape& s, int steps) {
   std::vector<PagedKVCache> host_cache;
   std::vector<PrefixAttention> host_state;
   for (int64_t b = 0; b < B; ++b) {
-    auto hc = PagedKVCache::create({s.heads_kv, s.d, s.page_size});
+    auto hc = PagedKVCache::create({s.heads_kv, s.d, static_cast<int>(s.page_size)});
     ASSERT_TRUE(hc.ok());
     if (s.prefix[b] > 0) ASSERT_TRUE(hc->append(tr.prefix_k[b].view(), tr.prefix_v[b].view()).ok());
     host_cache.push_back(std::move(hc).value());
@@ -371,6 +415,7 @@ void check_against_cpu(const Shape& s, int steps) {
   auto out = DeviceArray::allocate(DType::bf16, {B, s.heads_q, s.block, s.d}, {DeviceType::cuda, 0});
   auto lse = DeviceArray::allocate(DType::f32, {B, s.heads_q, s.block}, {DeviceType::cuda, 0});
   ASSERT_TRUE(out.ok() && lse.ok());
+  HostArray prev_o, prev_l, prev_q;  // the state (O_p, L_p, Q_ref) after the previous step
   for (int step = 0; step < steps; ++step) {
     const DeviceArray k = to_device(tr.k[step]), v = to_device(tr.v[step]);
     DeviceArray q;
@@ -379,6 +424,28 @@ void check_against_cpu(const Shape& s, int steps) {
     ASSERT_TRUE(st.ok()) << st.to_string();
     const std::vector<float> o = to_host_f32(out->view()), l = to_host_f32(lse->view());
     const std::vector<int32_t> active = ints(dev->active_rows()), counts = ints(dev->active_counts());
+    // Stable rows (after a block's first step, losa and reuse): O_p, L_p and Q_ref as they were, bit
+    // for bit.
+    HostArray now_o = dev->o_p().to_host().value(), now_l = dev->l_p().to_host().value(),
+              now_q = dev->q_ref().to_host().value();
+    if (step > 0 && (s.method == PrefixMethod::losa || s.method == PrefixMethod::reuse)) {
+      for (int64_t b = 0; b < B; ++b) {
+        std::vector<char> is_active(s.block, 0);
+        for (int32_t i = 0; i < counts[b]; ++i) is_active[active[b * s.block + i]] = 1;
+        for (int64_t h = 0; h < s.heads_q; ++h)
+          for (int64_t r = 0; r < s.block; ++r) {
+            if (is_active[r]) continue;
+            const int64_t row = (b * s.heads_q + h) * s.block + r;
+            ASSERT_EQ(std::memcmp(now_o.ptr<uint16_t>() + row * s.d, prev_o.ptr<uint16_t>() + row * s.d, s.d * 2), 0)
+                << "O_p of stable row " << r << ", step " << step << " entry " << b;
+            ASSERT_EQ(std::memcmp(now_q.ptr<uint16_t>() + row * s.d, prev_q.ptr<uint16_t>() + row * s.d, s.d * 2), 0)
+                << "Q_ref of stable row " << r << ", step " << step << " entry " << b;
+            ASSERT_EQ(std::memcmp(now_l.ptr<float>() + row, prev_l.ptr<float>() + row, sizeof(float)), 0)
+                << "L_p of stable row " << r << ", step " << step << " entry " << b;
+          }
+      }
+    }
+    prev_o = std::move(now_o), prev_l = std::move(now_l), prev_q = std::move(now_q);
     const bool sparse = s.method == PrefixMethod::quest || (s.method == PrefixMethod::losa && step > 0);
     std::vector<int32_t> plan, plan_counts;
     if (sparse) {
@@ -571,6 +638,56 @@ TEST(LosaCudaStep, PrefixesOfManyPageTilesSelectInLevels) {
   }
 }
 
+// A level of the CTA selection whose last slice holds fewer keys than `keep`: 2875 pages of 4
+// (23 tiles of 128) and keep 28 give 644 candidates, a last slice of 4 keys padded to 28, and a
+// next level whose second slice has 40 entries of which 16 are keys. Counted as 40, the rounds
+// reached the padding and read and wrote past the level (memcheck runs this test).
+TEST(LosaCudaStep, PrefixesOfManyPageTilesWithAShortLastSlice) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.page_size = 4;
+  s.budget = 28 * 4;
+  s.prefix = {11500, 3000};  // 2875 pages (23 tiles), 750 pages (6 tiles)
+  check_against_cpu(s, 2);
+  s.method = PrefixMethod::quest;
+  check_against_cpu(s, 2);
+}
+
+// A prefix whose selection needs more shared memory than a block gets (60,000 pages of one token
+// keeping 128 a row: the radix selection's 4 bytes a candidate): refused before any launch, with
+// an error naming seqs, and the outputs untouched.
+TEST(LosaCudaStep, APrefixTooLongForTheSelectionIsRefusedBeforeAnyLaunch) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  constexpr int64_t kTokens = 60000;
+  DeviceKVCacheConfig cc;
+  cc.heads_kv = 2;
+  cc.head_dim = 64;
+  cc.page_size = 1;
+  cc.pool_pages = kTokens + 16;
+  auto cache = DevicePagedKVCache::create(cc);
+  ASSERT_TRUE(cache.ok());
+  const int seq = cache->add_sequence(kTokens + 16).value();
+  const DeviceArray k = to_device(bf16_values({1, 2, kTokens, 64}, 7));
+  ASSERT_TRUE(cache->append(seq, k.view(), k.view()).ok());
+  Shape s;
+  s.page_size = 1;
+  s.budget = 128;
+  s.method = PrefixMethod::quest;
+  auto dev = DevicePrefixAttention::create(DeviceLosaConfig{1, s.heads_q, s.heads_kv, s.d, s.block},
+                                           options_of(s, Backend::cuda));
+  ASSERT_TRUE(dev.ok());
+  const DeviceArray q = to_device(bf16_values({1, 8, 16, 64}, 8)), kv = to_device(bf16_values({1, 2, 16, 64}, 9));
+  const DeviceArray out = to_device(bf16_values({1, 8, 16, 64}, 10));
+  auto lse = DeviceArray::allocate(DType::f32, {1, 8, 16}, {DeviceType::cuda, 0}, /*zero_fill=*/true);
+  ASSERT_TRUE(lse.ok());
+  const std::vector<float> out_before = to_host_f32(out.view());
+  const Status st = dev->step(*cache, {seq}, q.view(), kv.view(), kv.view(), out.view(), lse->view());
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.message().rfind("seqs: the longest prefix, 60000 pages", 0), 0u) << st.to_string();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(to_host_f32(out.view()), out_before) << "a refused step wrote its output";
+}
+
 // Budgets far past the prefix, and plans longer than the rows kernel keeps in shared memory
 // (kPlanSmemPages = 2048 pages): a budget of 2^20 tokens over short prefixes takes every page
 // without a plan in shared memory sized by the budget; a budget of 2100 pages over a 2500-page
@@ -612,12 +729,166 @@ TEST(LosaCudaStep, AnEmptyPrefixTakesTheBlockAlone) {
   check_against_cpu(s, 2);
 }
 
-// A LoSA step captured in a CUDA graph (the prefix does not change within a block) and replayed
-// on new queries gives the eager steps' outputs bit for bit.
-TEST(LosaCudaStep, AGraphReplayEqualsEagerSteps) {
+// ---- the decode-trace driver on the device ---------------------------------------------------
+
+// A generated decode trace with every tensor rounded to bf16 (rebuilt as a recorded trace), so the
+// CPU path (f32) and the device path (bf16) read the same values.
+DecodeTrace bf16_trace(const DecodeTraceConfig& c) {
+  auto g = DecodeTrace::generate(c);
+  EXPECT_TRUE(g.ok()) << g.status().to_string();
+  std::deque<HostArray> held;  // the rounded tensors (a deque: views stay valid as it grows)
+  auto rounded = [&](const Tensor& x) {
+    HostArray b = convert(x, DType::bf16).value();
+    held.push_back(convert(b.view(), DType::f32).value());
+    return held.back().view();
+  };
+  std::vector<RecordedTraceBlock> blocks(c.num_blocks);
+  for (int64_t b = 0; b < c.num_blocks; ++b) {
+    for (int64_t s = 0; s < g->steps_per_block(); ++s) {
+      blocks[b].q.push_back(rounded(g->q(b, s)));
+      blocks[b].k.push_back(rounded(g->k(b, s)));
+      blocks[b].v.push_back(rounded(g->v(b, s)));
+      blocks[b].unmasked.push_back(g->unmasked_after(b, s));
+    }
+    blocks[b].final_k = rounded(g->final_k(b));
+    blocks[b].final_v = rounded(g->final_v(b));
+  }
+  const Tensor pk = c.prefix_len > 0 ? rounded(g->prefix_k()) : Tensor{};
+  const Tensor pv = c.prefix_len > 0 ? rounded(g->prefix_v()) : Tensor{};
+  auto t = DecodeTrace::from_recorded(pk, pv, blocks);
+  EXPECT_TRUE(t.ok()) << t.status().to_string();
+  return std::move(t).value();
+}
+
+// `sparsa trace --backend cuda`'s driver against its CPU run on the same bf16 trace (two blocks, a
+// commit between them): dense, quest, losa, reuse and losa over the union recompute the same rows
+// every step, load the same pages (up to pages tied at the selection boundary: 2%), and their
+// errors against their own backend's dense reference agree within the bf16 bound: O_p and the
+// output are rounded to bf16 on the device, each at most 2^-9 relative, in the method and in the
+// reference, so the relative errors differ by at most about 4 x 2^-8 = 0.016 (0.02 written).
+TEST(LosaCudaTrace, TheDriverOnTheDeviceMatchesItsCpuRun) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  DecodeTraceConfig c;
+  c.prefix_len = 1500;
+  c.num_blocks = 2;
+  c.tokens_per_step = 2;  // 8 steps a block
+  const DecodeTrace t = bf16_trace(c);
+  std::vector<LosaOptions> methods;
+  for (PrefixMethod m : {PrefixMethod::dense, PrefixMethod::quest, PrefixMethod::losa, PrefixMethod::reuse}) {
+    LosaOptions o;
+    o.method = m;
+    o.select.budget = 128;
+    o.active_k = 2;
+    methods.push_back(o);
+  }
+  LosaOptions over_union = methods[2];
+  over_union.attend_union = true;
+  methods.push_back(over_union);
+  auto run_on = [&](Backend backend) {
+    std::vector<LosaOptions> ms = methods;
+    for (LosaOptions& o : ms) o.attention.backend = backend;
+    auto r = run_trace(t, ms);
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    return std::move(r).value();
+  };
+  const auto cpu = run_on(Backend::cpu_ref), dev = run_on(Backend::cuda);
+  ASSERT_EQ(dev.size(), cpu.size());
+  for (size_t m = 0; m < methods.size(); ++m) {
+    ASSERT_EQ(dev[m].size(), cpu[m].size());
+    for (size_t i = 0; i < cpu[m].size(); ++i) {
+      SCOPED_TRACE("method " + std::to_string(m) + " step " + std::to_string(i));
+      const TraceStep &d = dev[m][i], &h = cpu[m][i];
+      EXPECT_EQ(d.stats.recomputed, h.stats.recomputed);
+      EXPECT_EQ(d.stats.dense_prefix, h.stats.dense_prefix);
+      EXPECT_EQ(d.stats.prefix_pages, h.stats.prefix_pages);
+      EXPECT_NEAR(d.stats.pages_loaded, h.stats.pages_loaded, 0.02 * h.stats.pages_loaded);
+      EXPECT_NEAR(d.stats.pages_attended, h.stats.pages_attended, 0.02 * h.stats.pages_attended);
+      EXPECT_NEAR(d.err, h.err, 0.02);
+      EXPECT_NEAR(d.err_prefix, h.err_prefix, 0.02);
+      EXPECT_NEAR(d.err_masked, h.err_masked, 0.02);
+      EXPECT_NEAR(d.recall, h.recall, 0.02);
+      if (methods[m].method == PrefixMethod::dense) EXPECT_EQ(d.err, 0.0) << "dense against its own reference";
+    }
+  }
+}
+
+// reuse: LoSA's active rows, their prefix dense (the split-KV executor for every row into scratch,
+// the active rows adopting theirs); the stable rows keep their state bit for bit (checked in
+// check_against_cpu). Top-K, none, every row, a threshold; an empty prefix; GQA 8 at d 128.
+TEST(LosaCudaStep, ReuseMatchesTheCpu) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int k : {4, 0, 16}) {
+    SCOPED_TRACE("active_k " + std::to_string(k));
+    Shape s;
+    s.method = PrefixMethod::reuse;
+    s.active_k = k;
+    s.prefix = {1000, 333, 0};
+    check_against_cpu(s, 4);
+  }
   Shape s;
-  s.prefix = {900, 400};
+  s.method = PrefixMethod::reuse;
+  s.mse_threshold = 0.05;
+  s.prefix = {700, 1500};
+  check_against_cpu(s, 4);
+  s = Shape{};
+  s.method = PrefixMethod::reuse;
+  s.d = 128;
+  s.heads_q = 16;
+  s.heads_kv = 2;
+  s.prefix = {2600};
+  check_against_cpu(s, 3);
+}
+
+// attend_union: every active row over the union of the pages its kv head's query heads chose at
+// the entry's active rows (the CPU's paged_attention with attend_union), for losa and quest (every
+// row active: the largest unions); the plans are still each row's own. d 64 and 128; groups of 4
+// and 8; a budget past 32 pages (the radix select) over prefixes of many tiles; budgets covering a
+// prefix (every page); a threshold rule, whose unions change in size step to step; pages of 12.
+TEST(LosaCudaStep, AttendUnionMatchesTheCpu) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (int64_t d : {64, 128}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    Shape s;
+    s.d = d;
+    s.attend_union = true;
+    s.prefix = {700, 2100, 40};
+    check_against_cpu(s, 3);
+    s.method = PrefixMethod::quest;
+    check_against_cpu(s, 2);
+  }
+  {
+    SCOPED_TRACE("group 8, budget 1024");
+    Shape s;
+    s.attend_union = true;
+    s.heads_q = 16;
+    s.heads_kv = 2;
+    s.budget = 1024;
+    s.prefix = {5000, 36000};
+    check_against_cpu(s, 3);
+  }
+  {
+    SCOPED_TRACE("threshold");
+    Shape s;
+    s.attend_union = true;
+    s.mse_threshold = 0.05;
+    s.prefix = {700, 1500};
+    check_against_cpu(s, 4);
+  }
+  {
+    SCOPED_TRACE("pages of 12");
+    Shape s;
+    s.attend_union = true;
+    s.page_size = 12;
+    s.budget = 8 * 12;
+    s.prefix = {1003, 250};
+    check_against_cpu(s, 3);
+  }
+}
+
+// A LoSA step captured in a CUDA graph (the prefix does not change within a block) and replayed
+// on new queries gives the eager steps' outputs bit for bit; each row over its own pages, and over
+// its kv head's union.
+void check_graph_replay(const Shape& s) {
   const int steps = 5;
   const Trace tr = make_trace(s, steps, 29);
   const int64_t B = 2;
@@ -686,6 +957,17 @@ TEST(LosaCudaStep, AGraphReplayEqualsEagerSteps) {
   *graphed = DevicePrefixAttention();  // its page plan was allocated on `stream`: freed before it goes
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   cudaStreamDestroy(stream);
+}
+
+TEST(LosaCudaStep, AGraphReplayEqualsEagerSteps) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  for (bool attend_union : {false, true}) {
+    SCOPED_TRACE(attend_union ? "attend_union" : "own pages");
+    Shape s;
+    s.prefix = {900, 400};
+    s.attend_union = attend_union;
+    check_graph_replay(s);
+  }
 }
 
 // A cache and a state made on the non-blocking stream their appends and steps run on (what the DLM
@@ -881,6 +1163,14 @@ TEST(LosaCudaStep, BadStepInputsNameTheArgument) {
   ASSERT_FALSE(full.ok());
   EXPECT_EQ(full.code(), StatusCode::out_of_memory);
   EXPECT_EQ(cache->length(small).value(), 10);
+  // A batch of two that names one sequence twice: refused, nothing written.
+  DeviceLosaConfig dc2{2, s.heads_q, s.heads_kv, s.d, s.block};
+  auto pair = DevicePrefixAttention::create(dc2, options_of(s, Backend::cuda));
+  ASSERT_TRUE(pair.ok());
+  const DeviceArray kv2 = to_device(bf16_values({2, 2, 16, 64}, 5));
+  const int64_t before = cache->length(seq).value();
+  expect(pair->commit(*cache, {seq, seq}, kv2.view(), kv2.view()), "seqs[1]:");
+  EXPECT_EQ(cache->length(seq).value(), before);
 }
 
 #endif  // SPARSA_WITH_CUDA

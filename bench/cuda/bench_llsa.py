@@ -126,27 +126,39 @@ def flex_fine_times(n, args, iters):
 
 
 RUNG_VAR = "SPARSA_LLSA_FORWARD_RUNG"
+FINE_STEP_VAR = "SPARSA_LLSA_FINE_STEP"
+RUNGS = ("1", "2", "3", "2:64", "3:64")
 
 
 def forced_rung_ms(rung, fn, timer):
     """timer(fn) with sparsa's LLSA forward held to `rung` (SPARSA_LLSA_FORWARD_RUNG, read by the
-    library at every call); the variable's earlier value (or its absence) is restored after."""
-    before = os.environ.get(RUNG_VAR)
-    os.environ[RUNG_VAR] = str(rung)
+    library at every call; "R:64" also takes the fine blocks in 64-key softmax steps,
+    SPARSA_LLSA_FINE_STEP=64); the variables' earlier values (or their absence) are restored after."""
+    number, _, fine = rung.partition(":")
+    wanted = {RUNG_VAR: number, FINE_STEP_VAR: fine or None}
+    before = {name: os.environ.get(name) for name in wanted}
+
+    def put(values):
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    put(wanted)
     try:
         return timer(fn)
     finally:
-        if before is None:
-            del os.environ[RUNG_VAR]
-        else:
-            os.environ[RUNG_VAR] = before
+        put(before)
 
 
 def parse_rungs(text):
-    """--forward-rungs: a comma-separated list of the forward's rungs (1, 2, 3), at least two."""
+    """--forward-rungs: a comma-separated list of the forward's rungs (1, 2, 3; 2:64 and 3:64 with the
+    fine blocks in 64-key steps), at least two."""
     rungs = [r.strip() for r in text.split(",") if r.strip()]
-    if len(rungs) < 2 or any(r not in ("1", "2", "3") for r in rungs) or len(set(rungs)) != len(rungs):
-        raise argparse.ArgumentTypeError(f"expected two or more distinct rungs of 1, 2, 3 (e.g. 2,3), got {text!r}")
+    if len(rungs) < 2 or any(r not in RUNGS for r in rungs) or len(set(rungs)) != len(rungs):
+        raise argparse.ArgumentTypeError(
+            f"expected two or more distinct rungs of {', '.join(RUNGS)} (e.g. 2,3,3:64), got {text!r}")
     return rungs
 
 
@@ -175,8 +187,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3,
                     help="sparsa and the official kernel timed in this many interleaved rounds (median, range)")
     ap.add_argument("--forward-rungs", type=parse_rungs, default=None, metavar="R,R",
-                    help="also time sparsa's forward held to each of these rungs (e.g. 2,3) in interleaved rounds: "
-                         "the evidence for the rung-3 threshold")
+                    help="also time sparsa's forward held to each of these rungs (e.g. 2,3,3:64; R:64 with 64-key "
+                         "fine steps) in interleaved rounds: the evidence for the rung-3 threshold and the fine step")
     ap.add_argument("--flex-only", type=int, default=0, metavar="N",
                     help="(the child process of the flex-fine row) time FlexAttention at N, print one JSON line")
     ap.add_argument("--iters", type=int, default=0, help=argparse.SUPPRESS)

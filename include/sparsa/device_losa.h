@@ -15,8 +15,10 @@
 // sparsa/losa.h) on the device. One step is a fixed sequence of kernel launches on the given
 // stream: the active rows (query MSE against Q_ref, top-K or a threshold, chosen on the device),
 // QUEST page scores and the top budget/page_size pages per (query head, active row), attention
-// of the active rows over their own pages (or, on a first step and for method dense, dense
-// prefix attention through the split-KV executor), then intra-block attention of every row over
+// of the active rows over their own pages or, with attend_union, over the union of the pages
+// their kv head's query heads chose (on a first step, for method dense, and for the active rows
+// of method reuse, dense prefix attention through the split-KV executor), then intra-block
+// attention of every row over
 // the block's own keys merged with (O_p, L_p) by log-sum-exp. Stable rows' O_p, L_p and Q_ref are
 // not touched. No step allocates once the state has seen the largest prefix (the page
 // candidates' scratch grows with it), so a step can be captured in a CUDA graph and replayed while the prefix
@@ -116,7 +118,8 @@ struct DeviceLosaConfig {
 class DevicePrefixAttention {
  public:
   DevicePrefixAttention() = default;
-  // options: method dense, quest or losa; selector quest, group per_head, attend_union false;
+  // options: method dense, quest, losa or reuse; selector quest, group per_head; attend_union as
+  // on the CPU (each active row over its kv head's union of pages);
   // options.attention.backend cuda (the others are the CPU's). The state lives on `device`.
   // `stream` (a cudaStream_t; null: the legacy default stream): the state's arrays are allocated,
   // zeroed and freed there; give the stream the steps run on (DeviceKVCacheConfig::stream says why).
@@ -179,6 +182,7 @@ class DevicePrefixAttention {
   int64_t capacity_ = 0;  // budget / page_size
   DeviceArray o_p_, l_p_, q_ref_, active_, active_counts_, plan_pages_, plan_counts_;
   DeviceArray mse_;         // f64 [batch, Bb] as i32 pairs: the rows' query change
+  DeviceArray o_new_, l_new_;  // reuse: every row's dense prefix [batch, heads_q, Bb, d], [batch, heads_q, Bb]
   DeviceArray candidates_;  // u64 keys as i32 pairs [batch, heads_q, Bb, tiles, tile keep], grown with the prefix
   int64_t candidate_tiles_ = 0;
 };

@@ -126,6 +126,9 @@ class DeviceArray {
   void* stream() const { return stream_; }  // the stream it was allocated on
   // A host copy, ordered on the array's stream (waits for the work queued there).
   Result<HostArray> to_host() const;
+  // A device copy of a host array (same dtype and shape), allocated and copied on `stream`; returns
+  // once the copy is done.
+  static Result<DeviceArray> from_host(const HostArray& host, Device device, void* stream = nullptr);
 
  private:
   DType dtype_ = DType::f32;

@@ -1069,8 +1069,9 @@ class DevicePagedKVCache:
 
 class DeviceLosaState:
     """Per-layer LoSA state on a CUDA device for a batch of sequences (docs/losa.md §10): the
-    semantics of :class:`LosaState` (``method`` ``"losa"``, ``"quest"`` or ``"dense"``; QUEST
-    pages, per-head selection), with O_p, L_p and Q_ref kept on the device and no host
+    semantics of :class:`LosaState` (``method`` ``"losa"``, ``"quest"``, ``"dense"`` or ``"reuse"``;
+    QUEST pages, per-head selection; ``attend_union``: each active row over its kv head's union of
+    pages), with O_p, L_p and Q_ref kept on the device and no host
     synchronisation inside :meth:`step`. Arrays are torch (or cupy) CUDA arrays: q
     ``[batch, heads_q, block_size, head_dim]``, k/v blocks ``[batch, heads_kv, block_size,
     head_dim]`` in ``dtype``. ``stream``: where the state is allocated and zeroed, as
@@ -1078,11 +1079,11 @@ class DeviceLosaState:
 
     def __init__(self, batch: int, heads_q: int, heads_kv: int, head_dim: int, *, block_size: int = 16,
                  method: str = "losa", budget: int = 256, force_first: bool = False, force_last: bool = True,
-                 active_k: int = 4, mse_threshold: Optional[float] = None, scale: Optional[float] = None,
-                 dtype: str = "bfloat16", device: int = 0, stream=None):
+                 active_k: int = 4, mse_threshold: Optional[float] = None, attend_union: bool = False,
+                 scale: Optional[float] = None, dtype: str = "bfloat16", device: int = 0, stream=None):
         self._core = _core.DevicePrefixAttention.create(batch, heads_q, heads_kv, head_dim, block_size, method, budget,
-                                                       force_first, force_last, active_k, mse_threshold, scale, dtype,
-                                                       device, _stream(None, stream))
+                                                       force_first, force_last, active_k, mse_threshold, attend_union,
+                                                       scale, dtype, device, _stream(None, stream))
 
     def step(self, cache: DevicePagedKVCache, seqs, q, k_block, v_block, *, out=None, lse=None, stream=None):
         """One denoising step of every entry's block (entry i's prefix is sequence ``seqs[i]``):

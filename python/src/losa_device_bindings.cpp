@@ -127,8 +127,8 @@ void bind_losa_device(nb::module_& m) {
           "create",
           [](int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t block_size,
              const std::string& method, int64_t budget, bool force_first, bool force_last, int active_k,
-             std::optional<double> mse_threshold, std::optional<float> scale, const std::string& dtype, int device,
-             uintptr_t stream) {
+             std::optional<double> mse_threshold, bool attend_union, std::optional<float> scale,
+             const std::string& dtype, int device, uintptr_t stream) {
             DeviceLosaConfig c{batch, heads_q, heads_kv, head_dim, block_size};
             LosaOptions o;
             o.method = take_value(parse_prefix_method(method));
@@ -137,13 +137,15 @@ void bind_losa_device(nb::module_& m) {
             o.select.force_last = force_last;
             o.active_k = active_k;
             o.mse_threshold = mse_threshold;
+            o.attend_union = attend_union;
             o.attention.scale = scale;
             o.attention.backend = Backend::cuda;
             return take_value(
                 DevicePrefixAttention::create(c, o, device, dtype_named(dtype), reinterpret_cast<void*>(stream)));
           },
           "batch"_a, "heads_q"_a, "heads_kv"_a, "head_dim"_a, "block_size"_a, "method"_a, "budget"_a, "force_first"_a,
-          "force_last"_a, "active_k"_a, "mse_threshold"_a.none(), "scale"_a.none(), "dtype"_a, "device"_a,
+          "force_last"_a, "active_k"_a, "mse_threshold"_a.none(), "attend_union"_a, "scale"_a.none(), "dtype"_a,
+          "device"_a,
           "stream"_a = 0)
       .def(
           "step",

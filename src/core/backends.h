@@ -50,6 +50,9 @@ Status merge(const detail::MergeParams& params, void* stream);
 Status malloc_device(int device, size_t bytes, bool zero_fill, void* stream, void** ptr);
 void free_device(int device, void* ptr, void* stream);
 Status copy_to_host(int device, const void* src, size_t bytes, void* dst, void* stream);
+// Host memory src into device memory dst, ordered on `stream`; returns once the copy is done (src
+// may be freed then).
+Status copy_to_device(int device, const void* src, size_t bytes, void* dst, void* stream);
 // Number of visible CUDA devices (0 when none or not compiled in), and a description.
 int device_count();
 std::string device_description(int device);

@@ -129,6 +129,13 @@ Result<HostArray> DeviceArray::to_host() const {
   return h;
 }
 
+Result<DeviceArray> DeviceArray::from_host(const HostArray& host, Device device, void* stream) {
+  auto a = allocate(host.dtype(), host.shape(), device, /*zero_fill=*/false, stream);
+  if (!a.ok()) return a.status();
+  if (host.nbytes() > 0) SPARSA_RETURN_IF_ERROR(cuda::copy_to_device(device.id, host.data(), host.nbytes(), a->data(), stream));
+  return a;
+}
+
 namespace {
 // Calls f(flat, element_offset) for every element of t in row-major order.
 template <class F>

@@ -51,13 +51,24 @@ void free_device(int device, void* ptr, void* stream) {
   detail::stream_free(device, ptr, static_cast<cudaStream_t>(stream));
 }
 
-Status copy_to_host(int device, const void* src, size_t bytes, void* dst, void* stream) {
+namespace {
+// A copy between host and device memory ordered on `stream`, waited for.
+Status copy_and_wait(int device, const void* src, size_t bytes, void* dst, cudaMemcpyKind kind, void* stream) {
   detail::DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(device));
   const auto s = static_cast<cudaStream_t>(stream);
-  SPARSA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  SPARSA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, s));
   SPARSA_CUDA_CHECK(cudaStreamSynchronize(s));
   return {};
+}
+}  // namespace
+
+Status copy_to_host(int device, const void* src, size_t bytes, void* dst, void* stream) {
+  return copy_and_wait(device, src, bytes, dst, cudaMemcpyDeviceToHost, stream);
+}
+
+Status copy_to_device(int device, const void* src, size_t bytes, void* dst, void* stream) {
+  return copy_and_wait(device, src, bytes, dst, cudaMemcpyHostToDevice, stream);
 }
 
 }  // namespace sparsa::cuda

@@ -14,6 +14,9 @@ void free_device(int, void*, void*) {}
 Status copy_to_host(int, const void*, size_t, void*, void*) {
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
 }
+Status copy_to_device(int, const void*, size_t, void*, void*) {
+  return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
+}
 Status attention(const detail::AttentionParams&) {
   return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"};
 }
@@ -35,8 +38,11 @@ namespace sparsa::losa_cuda {
 static Status not_compiled() { return {StatusCode::unsupported, "backend: 'cuda' is not compiled into this build"}; }
 Status append(const Pool&, int64_t, int64_t, const Tensor&, const Tensor&, void*) { return not_compiled(); }
 Status dense_rows(const StepArgs&) { return not_compiled(); }
+Status sparse_step_fits(DType, int64_t, int64_t, int64_t, bool, int) { return not_compiled(); }
 Status sparse_step(const StepArgs&) { return not_compiled(); }
-Status block_merge(const StepArgs&) { return not_compiled(); }
+Status reuse_rows(const StepArgs&) { return not_compiled(); }
+Status adopt_rows(const StepArgs&, const void*, const float*) { return not_compiled(); }
+Status block_merge(const StepArgs&, bool) { return not_compiled(); }
 }  // namespace sparsa::losa_cuda
 
 #include "methods/llsa/internal.h"
@@ -48,6 +54,7 @@ Status plan(const Tensor&, const Tensor&, const LlsaOptions&, int, LlsaPlan*) { 
 Status forward(const Call&, const LlsaPlan*) { return not_compiled(); }
 Status backward(const Call&, const LlsaPlan*) { return not_compiled(); }
 int last_forward_rung() { return 0; }
+int last_forward_fine_keys() { return 0; }
 }  // namespace sparsa::llsa_cuda
 
 #include "methods/xattention/xattention_impl.h"

@@ -29,6 +29,40 @@ def test_trace_json_counts_pages_rows_and_error(sparsa_bin):
     assert 0 < by["losa"]["err"] < 1 and 0 < by["quest"]["err"] < 1.5
 
 
+def cuda_available(sparsa_bin):
+    info = json.loads(run(sparsa_bin, "info", "--json").stdout)
+    return next(b for b in info["backends"] if b["name"] == "cuda")["available"]
+
+
+def test_trace_on_cuda(sparsa_bin):
+    """`--backend cuda`: every method and the dense reference on the device (bf16). Without a
+    device (CI) a clear error naming the backend; with one, the same counts as on the CPU (the
+    rows each step recomputes), dense exact against its own reference, reuse's error below
+    LoSA's, and the time column named for the device."""
+    args = ["trace", "--prefix", "1024", "--methods", "dense,quest,losa,reuse", "-P", "k=2", "-P", "budget=128",
+            "--backend", "cuda"]
+    r = run(sparsa_bin, *args, "--json")
+    if not cuda_available(sparsa_bin):
+        assert r.returncode != 0
+        assert "--backend: backend: 'cuda'" in r.stderr and "generating" not in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["trace"]["backend"] == "cuda"
+    by = {m["method"]: m for m in d["methods"]}
+    assert by["dense"]["err"] == 0 and by["dense"]["pages_per_kv_head"] == 64
+    losa_rows = [s["recomputed"] for s in by["losa"]["steps"]]
+    assert losa_rows[0] == 16 and all(n == 2 for n in losa_rows[1:])
+    assert [s["recomputed"] for s in by["reuse"]["steps"]] == losa_rows
+    assert all(s["recomputed"] == 16 for s in by["quest"]["steps"])
+    assert by["losa"]["pages_per_kv_head"] < by["quest"]["pages_per_kv_head"] < 64
+    assert 0 <= by["reuse"]["err"] < by["losa"]["err"] < 1
+    assert "device_ms" in by["losa"] and "cpu_ms" not in by["losa"]
+    table = run(sparsa_bin, *args)
+    assert table.returncode == 0, table.stderr
+    assert "device ms/step" in table.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

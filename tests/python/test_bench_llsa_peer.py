@@ -74,16 +74,21 @@ def test_forced_rung_holds_the_variable_for_the_call_and_restores_it(monkeypatch
     seen = []
 
     def fn():
-        seen.append(os.environ.get(bench_llsa.RUNG_VAR))
+        seen.append((os.environ.get(bench_llsa.RUNG_VAR), os.environ.get(bench_llsa.FINE_STEP_VAR)))
 
     def timer(f):
         f()
         return 1.25
 
     monkeypatch.delenv(bench_llsa.RUNG_VAR, raising=False)
+    monkeypatch.delenv(bench_llsa.FINE_STEP_VAR, raising=False)
     assert bench_llsa.forced_rung_ms("3", fn, timer) == 1.25
-    assert seen == ["3"] and bench_llsa.RUNG_VAR not in os.environ
+    assert seen == [("3", None)]
+    assert bench_llsa.RUNG_VAR not in os.environ and bench_llsa.FINE_STEP_VAR not in os.environ
+    assert bench_llsa.forced_rung_ms("3:64", fn, timer) == 1.25
+    assert seen[-1] == ("3", "64") and bench_llsa.FINE_STEP_VAR not in os.environ
     monkeypatch.setenv(bench_llsa.RUNG_VAR, "1")
+    monkeypatch.setenv(bench_llsa.FINE_STEP_VAR, "16")
 
     def failing(f):
         f()
@@ -91,15 +96,17 @@ def test_forced_rung_holds_the_variable_for_the_call_and_restores_it(monkeypatch
 
     with pytest.raises(RuntimeError):
         bench_llsa.forced_rung_ms("2", fn, failing)
-    assert seen == ["3", "2"] and os.environ[bench_llsa.RUNG_VAR] == "1"
+    assert seen[-1] == ("2", None)
+    assert os.environ[bench_llsa.RUNG_VAR] == "1" and os.environ[bench_llsa.FINE_STEP_VAR] == "16"
 
 
-@pytest.mark.parametrize("text,want", [("2,3", ["2", "3"]), (" 1, 3 ", ["1", "3"]), ("1,2,3", ["1", "2", "3"])])
+@pytest.mark.parametrize("text,want", [("2,3", ["2", "3"]), (" 1, 3 ", ["1", "3"]), ("1,2,3", ["1", "2", "3"]),
+                                       ("2,3,3:64", ["2", "3", "3:64"])])
 def test_parse_rungs_accepts(text, want):
     assert bench_llsa.parse_rungs(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "3", "2,2", "2,4", "rung2,3", "0,1"])
+@pytest.mark.parametrize("text", ["", "3", "2,2", "2,4", "rung2,3", "0,1", "3,3:32", "1:16,2", "3,3:16"])
 def test_parse_rungs_refuses(text):
     import argparse
 

@@ -22,8 +22,9 @@ def bf16(x):
 
 
 @needs_cuda
-@pytest.mark.parametrize("method", ["losa", "quest", "dense"])
-def test_steps_match_the_cpu(method):
+@pytest.mark.parametrize("method, union", [("losa", False), ("quest", False), ("dense", False), ("reuse", False),
+                                           ("losa", True), ("quest", True)])
+def test_steps_match_the_cpu(method, union):
     rng = np.random.default_rng(5)
     H, Hkv, D, Bb, N = 8, 2, 64, 16, 600
     k_pre = bf16(rng.standard_normal((1, Hkv, N, D))).float().numpy()
@@ -31,13 +32,13 @@ def test_steps_match_the_cpu(method):
     cpu_cache = sparsa.PagedKVCache(Hkv, D)
     cpu_cache.append(k_pre, v_pre)
     cpu = sparsa.LosaState(H, Hkv, D, block_size=Bb, method=method, budget=64, force_first=True, active_k=4,
-                           backend="cpu_ref")
+                           attend_union=union, backend="cpu_ref")
     dev_cache = sparsa.DevicePagedKVCache(Hkv, D, pool_pages=64)
     seq = dev_cache.add_sequence(N + Bb)
     dev_cache.append(seq, bf16(k_pre).cuda(), bf16(v_pre).cuda())
     assert dev_cache.length(seq) == N
     dev = sparsa.DeviceLosaState(1, H, Hkv, D, block_size=Bb, method=method, budget=64, force_first=True,
-                                 active_k=4)
+                                 active_k=4, attend_union=union)
     q = bf16(rng.standard_normal((1, H, Bb, D))).float().numpy()
     for step in range(3):
         if step:

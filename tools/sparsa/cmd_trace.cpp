@@ -38,9 +38,11 @@ CLI::App* add_trace_command(CLI::App& app, const std::string& name, TraceOptions
                   "budget=256 (tokens per query), k=4 (active tokens), threshold=X (MSE, instead of k), "
                   "selector=quest|pooled, group=per_head|shared, union=false, force_first=false, force_last=true")
       ->allow_extra_args(false);
-  cmd->add_option("--backend", o.backend, "cpu or cpu_ref")->capture_default_str();
+  cmd->add_option("--backend", o.backend,
+                  "cpu, cpu_ref or cuda (every method and the dense reference on device 0, the trace in bf16)")
+      ->capture_default_str();
   cmd->add_option("--threads", o.threads, "CPU threads (0 = all cores)");
-  cmd->add_option("--repeats", o.repeats, "passes; CPU time is the median per step")->capture_default_str();
+  cmd->add_option("--repeats", o.repeats, "passes; the time is the median per step")->capture_default_str();
   cmd->add_option_function<std::string>(
          "--json",
          [&o](const std::string& v) {
@@ -111,6 +113,9 @@ Result<LosaOptions> method_options(const Params& p, Backend backend, int threads
 Outcome cmd_trace(const TraceOptions& o) {
   auto backend = parse_backend_flag(o.backend);
   if (!backend.ok()) return usage_error(backend.status());
+  if (*backend == Backend::cuda) {  // before the trace is generated
+    if (Status s = backend_status(Backend::cuda); !s.ok()) return runtime_error(Status(s.code(), "--backend: " + s.message()));
+  }
   if (o.threads < 0) return usage_error(invalid_argument("--threads: expected >= 0, got " + std::to_string(o.threads)));
   if (o.repeats < 1 || o.repeats > 1000) {
     return usage_error(invalid_argument("--repeats: expected 1 to 1000, got " + std::to_string(o.repeats)));
@@ -174,7 +179,11 @@ Outcome cmd_trace(const TraceOptions& o) {
     if (!m.ok()) return usage_error(invalid_argument("--methods: " + m.status().message()));
     LosaOptions c = *base;
     c.method = *m;
-    if (Status s = validate(LosaConfig{heads, kv_heads, head_dim, block}, c); !s.ok()) {
+    // The checks every backend shares (the device's own, e.g. its head_dim 64 or 128, come from
+    // DevicePrefixAttention::create when the run starts).
+    LosaOptions generic = c;
+    if (generic.attention.backend == Backend::cuda) generic.attention.backend = Backend::cpu;
+    if (Status s = validate(LosaConfig{heads, kv_heads, head_dim, block}, generic); !s.ok()) {
       return usage_error(invalid_argument("params: " + s.message()));
     }
     names.push_back(name);
@@ -201,6 +210,10 @@ Outcome cmd_trace(const TraceOptions& o) {
   if (!runs.ok()) return runtime_error(runs.status());
 
   const int64_t heads_kv = trace->heads_kv();
+  // The time per step: process CPU time on the CPU backends; on cuda the wall time of a step until
+  // its work is done (the stream synchronised), which includes that synchronisation.
+  const bool device = *backend == Backend::cuda;
+  const char* time_key = device ? "device_ms" : "cpu_ms";
   std::vector<TraceSummary> sums;
   for (const auto& steps : *runs) sums.push_back(summarise(steps, heads_kv));
   const double dense_cpu = [&] {
@@ -220,6 +233,7 @@ Outcome cmd_trace(const TraceOptions& o) {
                       {"drift", o.drift}, {"heads", o.heads}, {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim},
                       {"seed", o.seed}};
     }
+    out["trace"]["backend"] = backend_name(*backend);
     out["params"] = *params;
     for (size_t i = 0; i < configs.size(); ++i) {
       const TraceSummary& s = sums[i];
@@ -227,13 +241,13 @@ Outcome cmd_trace(const TraceOptions& o) {
       for (const TraceStep& r : (*runs)[i]) {
         steps.push_back({{"block", r.stats.block}, {"step", r.stats.step}, {"recomputed", r.stats.recomputed.size()},
                          {"pages_loaded", r.stats.pages_loaded}, {"err", r.err}, {"err_prefix", r.err_prefix}, {"err_masked", r.err_masked},
-                         {"mass_kept", r.recall}, {"cpu_ms", r.cpu_ms},
+                         {"mass_kept", r.recall}, {time_key, r.cpu_ms},
                          {"unmasked", trace->unmasked_after(r.stats.block, r.stats.step)}});
       }
       out["methods"].push_back({{"method", names[i]}, {"pages_per_kv_head", s.pages}, {"err", s.err},
                                 {"err_masked", s.err_masked},
-                                {"err_max", s.err_max}, {"mass_kept", s.recall}, {"cpu_ms", s.cpu_ms},
-                                {"block_cpu_ms", s.block_cpu_ms}, {"steps", steps}});
+                                {"err_max", s.err_max}, {"mass_kept", s.recall}, {time_key, s.cpu_ms},
+                                {std::string("block_") + time_key, s.block_cpu_ms}, {"steps", steps}});
     }
     if (o.json) {
       std::cout << json_text(out) << std::endl;
@@ -251,9 +265,14 @@ Outcome cmd_trace(const TraceOptions& o) {
                       heads, kv_heads, head_dim)
             << "params " << params_text(*params) << "\n"
             << "means over the steps after each block's first; err = ||O - O_dense|| / ||O_dense|| of the block "
-               "output (err masked: rows still masked); block CPU = mean over every step\n\n";
+               "output (err masked: rows still masked); block "
+            << (device ? "device" : "CPU") << " = mean over every step"
+            << (device ? "; cuda: bf16 on the device, the dense reference too; ms = wall time of a step to a "
+                         "synchronised stream"
+                       : "")
+            << "\n\n";
   Table table({"method", "pages/step/kv head", "% prefix", "rows/step", "err vs dense", "max err", "err masked", "mass kept",
-               "CPU ms/step", "block CPU ms", "x dense"});
+               device ? "device ms/step" : "CPU ms/step", device ? "block device ms" : "block CPU ms", "x dense"});
   for (size_t i = 0; i < configs.size(); ++i) {
     const TraceSummary& s = sums[i];
     table.add_row({names[i], format("%.1f", s.pages), format("%.2f", 100 * s.pages_frac), format("%.1f", s.recomputed),
@@ -265,7 +284,8 @@ Outcome cmd_trace(const TraceOptions& o) {
     BarChart chart;
     chart.title = format("sparsa trace: prefix %lld, block %lld, %d/%d heads, d %d", prefix, block, heads, kv_heads,
                          head_dim);
-    BarPanel cpu{"CPU ms per step", {}, false}, pages{"% of prefix pages loaded", {}, false},
+    BarPanel cpu{device ? "device ms per step" : "CPU ms per step", {}, false},
+        pages{"% of prefix pages loaded", {}, false},
         err{"error vs dense", {}, false};
     for (size_t i = 0; i < configs.size(); ++i) {
       chart.categories.push_back(names[i]);

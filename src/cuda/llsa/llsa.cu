@@ -67,13 +67,27 @@ int forward_rung() {
   return env != nullptr && std::string(env) == "1" ? 1 : 2;
 }
 thread_local int g_last_forward_rung = 0;
+thread_local int g_last_forward_fine_keys = 0;
+
+// The fine blocks of the forward and of dQ in 16-key steps, or with SPARSA_LLSA_FINE_STEP=64 in
+// 64-key steps (forward<.., WIDE>, backward_dq<.., WIDE>) where those apply (head_dim 64, rung 2
+// or 3). The 64-key rung measured slower on an H100 (bench/RESULTS.md, "LLSA's 64-key fine
+// steps measured"), so it is opt-in.
+bool fine_wide_allowed() {
+  const char* env = std::getenv("SPARSA_LLSA_FINE_STEP");
+  return env != nullptr && std::string(env) == "64";
+}
 
 // The selection's rung: SPARSA_LLSA_SELECT_RUNG=1 forces rung 1 (select_level: a warp per query
-// token, candidates from L2); otherwise rung 2 (select_level_shared: the query tokens that share
-// candidates share their rows in shared memory). Both give the same picks bit for bit.
+// token, candidates from L2), =2 rung 2 (select_level_shared: the query tokens that share
+// candidates share their rows in shared memory, a warp per token); otherwise rung 3 where it
+// applies (select_level_lanes: a thread per token and part of its candidates, the query in
+// registers), rung 2 at the other levels. All give the same picks bit for bit.
 int select_rung() {
   const char* env = std::getenv("SPARSA_LLSA_SELECT_RUNG");
-  return env != nullptr && std::string(env) == "1" ? 1 : 2;
+  if (env != nullptr && std::string(env) == "1") return 1;
+  if (env != nullptr && std::string(env) == "2") return 2;
+  return 3;
 }
 
 // Whether the `warps` 16-row groups of every CTA (consecutive groups of one head) have the same
@@ -101,6 +115,13 @@ bool aligned16(const Tensor& t) {
     if (t.strides[d] % 8 != 0) return false;
   return true;
 }
+// 8-byte stores of four 16-bit elements: an 8-byte aligned base and strides of whole 4-element chunks.
+bool aligned8(const Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 8 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if (t.strides[d] % 4 != 0) return false;
+  return true;
+}
 bool aligned4(const Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
   for (int d = 0; d < 3; ++d)
@@ -118,12 +139,22 @@ struct DevicePlan {
 template <class T>
 Status pool(const Tensor& in, int heads, const std::vector<int64_t>& len, int d, int B, int L, const Scratch& s,
             const std::vector<size_t>& f32, const std::vector<size_t>* b16, cudaStream_t stream) {
+  // 8 channels a thread where every row allows 16-byte loads (the scratch levels always do).
+  const bool vec = d % 8 == 0 && aligned16(in);
   for (int l = 1; l <= L; ++l) {
     const int64_t total = static_cast<int64_t>(in.shape[0]) * heads * len[l] * d;
-    k::pool_level<T><<<blocks_for(total, 256), 256, 0, stream>>>(
-        l == 1 ? static_cast<const T*>(in.data) : nullptr, rows_of(in), l == 1 ? nullptr : s.at<float>(f32[l - 1]),
-        heads, static_cast<int>(len[l - 1]), d, B, s.at<float>(f32[l]), b16 ? s.at<T>((*b16)[l]) : nullptr,
-        static_cast<int>(len[l]), total);
+    const T* src_in = l == 1 ? static_cast<const T*>(in.data) : nullptr;
+    const float* src_f32 = l == 1 ? nullptr : s.at<float>(f32[l - 1]);
+    T* dst16 = b16 ? s.at<T>((*b16)[l]) : nullptr;
+    if (vec) {
+      k::pool_level_vec<T><<<blocks_for(total / 8, 256), 256, 0, stream>>>(
+          src_in, rows_of(in), src_f32, heads, static_cast<int>(len[l - 1]), d, B, s.at<float>(f32[l]), dst16,
+          static_cast<int>(len[l]), total / 8);
+    } else {
+      k::pool_level<T><<<blocks_for(total, 256), 256, 0, stream>>>(
+          src_in, rows_of(in), src_f32, heads, static_cast<int>(len[l - 1]), d, B, s.at<float>(f32[l]), dst16,
+          static_cast<int>(len[l]), total);
+    }
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   return {};
@@ -215,18 +246,29 @@ Status build(const Tensor& q, const Tensor& k_, const Tensor* v, const LlsaPlan*
     }
     return {};
   }
-  // Rung 2: a CTA per group of query tokens sharing their candidates (kSelectWarps tokens at the
-  // coarsest level, one parent's children below it).
+  // Rungs 2 and 3: a CTA per group of query tokens sharing their candidates (rung 2: kSelectWarps
+  // tokens at the coarsest level; rung 3: kSelectTopGroup; one parent's children below it).
   static_assert(k::select_shared_bytes(128) <= 48 * 1024, "head_dim 64 and 128 within the default shared memory");
-  const size_t smem = k::select_shared_bytes(p.d);
-  auto* kernel = kmax == 8 ? k::select_level_shared<8> : kmax == 16 ? k::select_level_shared<16>
-               : kmax == 32 ? k::select_level_shared<32> : k::select_level_shared<64>;
+  static_assert(k::select_lanes_bytes(64, k::kSelectThreads, 16) <= 48 * 1024 &&
+                    k::select_lanes_bytes(128, k::kSelectThreads, 16) <= 48 * 1024,
+                "rung 3 within the default shared memory");
+  auto* shared_kernel = kmax == 8 ? k::select_level_shared<8> : kmax == 16 ? k::select_level_shared<16>
+                      : kmax == 32 ? k::select_level_shared<32> : k::select_level_shared<64>;
+  auto* lanes_kernel = p.d == 64 ? (kmax == 8 ? k::select_level_lanes<64, 8> : k::select_level_lanes<64, 16>)
+                                 : (kmax == 8 ? k::select_level_lanes<128, 8> : k::select_level_lanes<128, 16>);
   for (int l = p.L; l >= 1; --l) {
-    const int64_t groups = l == p.L ? (len[l] + k::kSelectWarps - 1) / k::kSelectWarps : len[l + 1];
+    const bool lanes = select_rung() == 3 && k::select_lanes_fits(p, l);
+    const int per_group = lanes ? k::select_lanes_group(p, l) : k::kSelectWarps;
+    const int64_t groups = l == p.L ? (len[l] + per_group - 1) / per_group : len[l + 1];
     const int64_t blocks = static_cast<int64_t>(p.batch) * p.heads_q * groups;
     if (blocks == 0) continue;
-    kernel<<<static_cast<unsigned>(blocks), 32 * k::kSelectWarps, smem, stream>>>(p, l, s.at<float>(dp->pq[l]),
-                                                                                  s.at<float>(dp->pk[l]));
+    if (lanes) {
+      lanes_kernel<<<static_cast<unsigned>(blocks), k::kSelectThreads, k::select_lanes_bytes(p.d, per_group, p.K),
+                     stream>>>(p, l, s.at<float>(dp->pq[l]), s.at<float>(dp->pk[l]));
+    } else {
+      shared_kernel<<<static_cast<unsigned>(blocks), 32 * k::kSelectWarps, k::select_shared_bytes(p.d), stream>>>(
+          p, l, s.at<float>(dp->pq[l]), s.at<float>(dp->pk[l]));
+    }
     SPARSA_CUDA_CHECK_LAUNCH();
   }
   return {};
@@ -255,13 +297,25 @@ Status with_dtype(DType dtype, F&& f) {
 // keys) where the CTA's query blocks share their level-2 ancestor, with 8 warps where head_dim 64
 // lets two such CTAs share an SM, else 4; rung 1 (per-warp streams) otherwise or when forced.
 // row_tiles: the per-warp row tiles (Q; Q and dO). *rung: the rung that ran.
+// pick_wide (head_dim 64): pick_wide(4, true) is the wide kernel (64-key fine steps), tried first
+// with its own shared memory (k::wide_tiles).
 template <int D, class Pick>
 Status launch_rowwise(Pick pick, int row_tiles, const k::Plan& p, const k::AttnArgs& a, int device,
-                      cudaStream_t stream, int* rung) {
+                      cudaStream_t stream, int* rung, Pick pick_wide = nullptr) {
   const int64_t bhq = static_cast<int64_t>(p.batch) * p.heads_q;
   const int64_t items = static_cast<int64_t>(p.level_len[1]) * p.warps_per_block;
   const size_t tile = static_cast<size_t>(k::kTile) * D * 2;
   if (forward_rung() != 1 && bhq <= 65535) {
+    if (pick_wide != nullptr && shares_coarse_keys(p, 4)) {
+      const void* kernel = pick_wide(4, true);
+      const size_t smem = k::wide_tiles(4, row_tiles) * tile;
+      SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(kernel, device, smem));
+      const dim3 grid(static_cast<unsigned>((items + 3) / 4), static_cast<unsigned>(bhq));
+      void* args[] = {const_cast<k::Plan*>(&p), const_cast<k::AttnArgs*>(&a)};
+      SPARSA_CUDA_CHECK(cudaLaunchKernel(kernel, grid, dim3(32 * 4), args, smem, stream));
+      *rung = 2;
+      return {};
+    }
     for (const int warps : {D == 64 ? 8 : 4, 4}) {
       if (!shares_coarse_keys(p, warps)) continue;
       const void* kernel = pick(warps, true);
@@ -291,6 +345,14 @@ const void* forward_kernel(int warps, bool shared) {
   if (!shared) return reinterpret_cast<const void*>(k::forward<T, D, k::kWarps, false>);
   return warps == 8 ? reinterpret_cast<const void*>(k::forward<T, D, 8, true>)
                     : reinterpret_cast<const void*>(k::forward<T, D, 4, true>);
+}
+template <class T, int D>
+const void* forward_wide_kernel(int, bool) {
+  return reinterpret_cast<const void*>(k::forward<T, D, 4, true, true>);
+}
+template <class T, int D>
+const void* dq_wide_kernel(int, bool) {
+  return reinterpret_cast<const void*>(k::backward_dq<T, D, 4, true, true>);
 }
 template <class T, int D>
 const void* dq_kernel(int warps, bool shared) {
@@ -324,8 +386,9 @@ k::AttnArgs attn_args(const Call& c) {
 // level-L pooled keys, which the flash executor runs on the tensor cores at a fraction of the
 // cost of the row-wise kernel's 64-key stages. Exact when every level-L token carries the same
 // weight (len a multiple of B^L: each token's log-weight bias is then one constant, which moves
-// the part's LSE and not its output) and nothing is left out of the level (no dedupe). The
-// row-wise kernel attends the other levels; the two parts are merged by LSE.
+// the part's LSE and not its output) and nothing is left out of the level (no dedupe). It runs
+// first; the row-wise kernel then attends the other levels starting each row's online softmax
+// from this part's O and LSE (AttnArgs::init_o), so no merge pass follows.
 // SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the coarsest level in the row-wise kernel; =3 takes this
 // path wherever it is exact, whatever the level's length (the tests' short shapes).
 // A coarsest level shorter than this stays in the kernel: on an H100 (bench/RESULTS.md, "LLSA's
@@ -362,7 +425,7 @@ Status coarse_level_dense(const Call& c, const DevicePlan& dp, const Scratch& s,
   k::add_constant<<<static_cast<unsigned>(std::clamp<int64_t>((rows + 255) / 256, 1, 4096)), 256, 0, stream>>>(
       s.at<float>(lse2_at), rows, std::log(static_cast<float>(p.region[p.L])));
   SPARSA_CUDA_CHECK_LAUNCH();
-  return merge(c.out, c.lse, o2, lse2, c.out, c.lse, Backend::cuda, stream);
+  return {};
 }
 
 template <class T, int D>
@@ -379,11 +442,23 @@ Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaS
   fill_plan_view(s, &dp);
   SPARSA_RETURN_IF_ERROR(build<T>(c.q, c.k, &c.v, host_plan, &dp, s, stream));
   k::AttnArgs a = attn_args(c);
-  if (coarse_dense) a.forward_last_level = dp.p.L - 1;
-  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung));
-  if (!coarse_dense) return {};
-  g_last_forward_rung = 3;
-  return coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream);
+  if (coarse_dense) {
+    SPARSA_RETURN_IF_ERROR(coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream));
+    a.forward_last_level = dp.p.L - 1;
+    a.init_o = s.at<void>(o2_at);
+    a.init_lse = s.at<float>(lse2_at);
+  }
+  bool wide = false;
+  const void* (*pick_wide)(int, bool) = nullptr;
+  if constexpr (D == 64) {  // head_dim 128: the wide stages would leave one CTA an SM
+    wide = fine_wide_allowed();
+    if (wide) pick_wide = forward_wide_kernel<T, D>;
+  }
+  SPARSA_RETURN_IF_ERROR(
+      launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung, pick_wide));
+  g_last_forward_fine_keys = wide && g_last_forward_rung == 2 && shares_coarse_keys(dp.p, 4) ? 64 : 16;
+  if (coarse_dense) g_last_forward_rung = 3;
+  return {};
 }
 
 template <class T, int D>
@@ -469,7 +544,11 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
     a.visit_end[l] = s.at<int32_t>(end_at[l]);
   }
   int dq_rung = 0;
-  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(dq_kernel<T, D>, 2, p, a, device, stream, &dq_rung));
+  const void* (*pick_wide)(int, bool) = nullptr;
+  if constexpr (D == 64) {
+    if (fine_wide_allowed()) pick_wide = dq_wide_kernel<T, D>;
+  }
+  SPARSA_RETURN_IF_ERROR(launch_rowwise<D>(dq_kernel<T, D>, 2, p, a, device, stream, &dq_rung, pick_wide));
   const size_t dkv_smem = static_cast<size_t>(k::kWarps) * 6 * k::kTile * D * 2;
   SPARSA_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(k::backward_dkv<T, D>), device, dkv_smem));
   // Without enrichment only the fine keys are visited: the coarse levels get no gradient.
@@ -486,7 +565,9 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
     k::sum_splits<<<blocks_for(split_stride, 256), 256, 0, stream>>>(a.dv_split, splits, split_stride, a.dv_pyr[L]);
     SPARSA_CUDA_CHECK_LAUNCH();
   }
-  for (int l = grad_levels; l >= 1; --l) {
+  // Levels grad_levels .. 2 spread to their children here; level 1's spread is fused into the
+  // store of level 0.
+  for (int l = grad_levels; l >= 2; --l) {
     const int64_t total = bhkv * p.level_len[l - 1] * p.d;
     for (float* const* pyr : {a.dk_pyr, a.dv_pyr}) {
       k::pool_backward<<<blocks_for(total, 256), 256, 0, stream>>>(pyr[l], pyr[l - 1], p.level_len[l - 1],
@@ -494,11 +575,14 @@ Status backward_typed(const Call& c, const LlsaPlan* host_plan, int device, cuda
       SPARSA_CUDA_CHECK_LAUNCH();
     }
   }
-  const int64_t total = bhkv * p.len * p.d;
-  k::store_grad<T><<<blocks_for(total, 256), 256, 0, stream>>>(a.dk_pyr[0], rows_of(c.dk), p.heads_kv, p.len, p.d, total);
-  SPARSA_CUDA_CHECK_LAUNCH();
-  k::store_grad<T><<<blocks_for(total, 256), 256, 0, stream>>>(a.dv_pyr[0], rows_of(c.dv), p.heads_kv, p.len, p.d, total);
-  SPARSA_CUDA_CHECK_LAUNCH();
+  const int64_t rows = bhkv * p.len;
+  const int rows_per_block = 256 / (p.d / 4);
+  for (const auto& [pyr, out] : {std::pair{a.dk_pyr, &c.dk}, std::pair{a.dv_pyr, &c.dv}}) {
+    k::store_grad<T><<<blocks_for(rows, rows_per_block), 256, 0, stream>>>(
+        pyr[0], grad_levels >= 1 ? pyr[1] : nullptr, rows_of(*out), p.heads_kv, p.len, p.level_len[1], p.d, B, rows,
+        aligned8(*out));
+    SPARSA_CUDA_CHECK_LAUNCH();
+  }
   return {};
 }
 
@@ -513,6 +597,7 @@ Status with_head_dim(int64_t d, F&& f) {
 }  // namespace
 
 int last_forward_rung() { return g_last_forward_rung; }
+int last_forward_fine_keys() { return g_last_forward_fine_keys; }
 
 Status check(const Tensor& q, const Tensor& k_, int levels, const LlsaOptions& o) {
   if (o.topk > k::kMaxTopk) {

@@ -3,9 +3,11 @@
 //   pool_level     the pyramid: level l from level l-1, f32 means of up to B children (the
 //                  same child order as the CPU), plus a 16-bit copy of k and v for the tensor
 //                  cores;
-//   select_level   coarse-to-fine top-K, one warp per (head, level-l query token): each lane keeps
-//                  the best K of its share of the candidates, then K rounds of a warp arg-max
-//                  merge them (larger score first, ties to the smaller token, NaN last);
+//   select_level   coarse-to-fine top-K per (head, level-l query token), three rungs (a warp per
+//                  token; a warp per token over candidate rows shared by siblings; a thread per
+//                  token and part of its candidates): each lane keeps the best K of its share of
+//                  the candidates, then K rounds of an arg-max over the lanes merge them (larger
+//                  score first, ties to the smaller token, NaN last);
 //   forward        one warp per 16 query rows of one fine query block, its own key stream
 //                  (KeyStream: the fine blocks, the enrichment candidates, the coarsest level) in
 //                  tiles of 16 tokens, double-buffered with cp.async, the online softmax of the
@@ -24,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/attention/flash_kernel.cuh"
 #include "cuda/common/mma.cuh"
@@ -65,6 +68,17 @@ struct Plan {
   }
   // Original tokens under token t of level l.
   __device__ int token_count(int l, int t) const { return min(region[l], len - t * region[l]); }
+  // The picks a query token of level l keeps: K, or fewer where it has fewer candidates (all n
+  // at the top; below, the children of its parent's picks, the level's last block counted by its
+  // real size, as the CPU plan counts them).
+  __device__ int keep_of(int l, int bh, int parent) const {
+    const int n = level_len[l];
+    if (l == L) return min(K, n);
+    const int32_t* pp = picks_of(l + 1, bh, parent);
+    int valid = 0;
+    for (int s = 0, c = count_of(l + 1, bh, parent); s < c; ++s) valid += min(B, n - pp[s] * B);
+    return min(K, valid);
+  }
 };
 
 // A [rows, d] view of a 4-d tensor's (b, h) slice.
@@ -101,22 +115,95 @@ __global__ void pool_level(const T* src_in, Rows in, const float* src_f32, int h
   if (dst16 != nullptr) dst16[idx] = static_cast<T>(mean);
 }
 
+// pool_level with 8 channels a thread (16-byte loads of the input, 32-byte loads of an f32 level,
+// 16-byte stores): the same sums in the same child order, so the same values bit for bit. For d a
+// multiple of 8 and level-1 input rows that start on 16 bytes (llsa.cu, aligned16); one thread an
+// element moved 2 bytes a load and ran at about half the memory's speed.
+template <class T>
+__global__ void pool_level_vec(const T* src_in, Rows in, const float* src_f32, int heads, int n_src, int d, int B,
+                               float* dst, T* dst16, int n_dst, int64_t chunks) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= chunks) return;
+  const int per_row = d / 8;
+  const int c = static_cast<int>(idx % per_row) * 8;
+  const int t = static_cast<int>(idx / per_row % n_dst);
+  const int64_t bh = idx / (static_cast<int64_t>(per_row) * n_dst);
+  const int first = t * B, last = min(first + B, n_src);
+  float sum[8] = {};
+  if (src_in != nullptr) {
+    const int64_t b = bh / heads, h = bh % heads;
+    const T* base = src_in + b * in.stride[0] + h * in.stride[1] + c;
+    for (int u = first; u < last; ++u) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(base + u * in.stride[2]);
+      const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum[e] = __fadd_rn(sum[e], static_cast<float>(x[e]));
+    }
+  } else {
+    const float* base = src_f32 + bh * n_src * d + c;
+    for (int u = first; u < last; ++u) {
+      const float4* row = reinterpret_cast<const float4*>(base + static_cast<int64_t>(u) * d);
+      const float4 lo = row[0], hi = row[1];
+      const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum[e] = __fadd_rn(sum[e], x[e]);
+    }
+  }
+  const float inv = 1.0f / static_cast<float>(last - first);
+  float mean[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) mean[e] = __fmul_rn(sum[e], inv);
+  float4* out = reinterpret_cast<float4*>(dst + idx * 8);
+  out[0] = make_float4(mean[0], mean[1], mean[2], mean[3]);
+  out[1] = make_float4(mean[4], mean[5], mean[6], mean[7]);
+  if (dst16 != nullptr) {
+    uint4 packed;
+    T* y = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = static_cast<T>(mean[e]);
+    *reinterpret_cast<uint4*>(dst16 + idx * 8) = packed;
+  }
+}
+
 // ---- selection --------------------------------------------------------------------------------
 
 // (score, token) ordering of the plan: larger score first, ties to the smaller token.
 __device__ __forceinline__ bool better(float s, int t, float s2, int t2) { return s > s2 || (s == s2 && t < t2); }
 
+// s continued over columns e .. e + 3 of q · k (k: 16-byte aligned), fmaf in column order.
+template <class Q>
+__device__ __forceinline__ float score_columns(const Q& q, const float* k, int e, float s) {
+  const float4 kv = *reinterpret_cast<const float4*>(k + e);
+  s = fmaf(q[e], kv.x, s);
+  s = fmaf(q[e + 1], kv.y, s);
+  s = fmaf(q[e + 2], kv.z, s);
+  return fmaf(q[e + 3], kv.w, s);
+}
+
 // A candidate's score: q · k over d floats (16-byte rows), fmaf in column order; NaN ranks last.
 __device__ __forceinline__ float candidate_score(const float* q, const float* k, int d) {
   float s = 0.0f;
-  for (int e = 0; e < d; e += 4) {
-    const float4 kv = *reinterpret_cast<const float4*>(k + e);
-    s = fmaf(q[e], kv.x, s);
-    s = fmaf(q[e + 1], kv.y, s);
-    s = fmaf(q[e + 2], kv.z, s);
-    s = fmaf(q[e + 3], kv.w, s);
-  }
+  for (int e = 0; e < d; e += 4) s = score_columns(q, k, e, s);
   return s != s ? -INFINITY : s;
+}
+
+// Candidate c of a query token -> its token: the children of the parent's picks below the top
+// level (parent_picks), c itself at the top.
+__device__ __forceinline__ int candidate_token(const int32_t* parent_picks, int B, int c) {
+  return parent_picks ? parent_picks[c / B] * B + c % B : c;
+}
+
+// Candidates c0 .. c0 + rows - 1's f32 key rows (d floats from kbase; zeros for tokens past n)
+// staged into ks, rows `stride` floats apart, by every thread of the CTA.
+__device__ __forceinline__ void stage_candidates(float* ks, int stride, const float* kbase, int d,
+                                                 const int32_t* parent_picks, int B, int n, int c0, int rows) {
+  const int v4 = d / 4;
+  for (int e = threadIdx.x; e < rows * v4; e += blockDim.x) {
+    const int r = e / v4, t = candidate_token(parent_picks, B, c0 + r);
+    float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (t < n) val = *reinterpret_cast<const float4*>(kbase + static_cast<int64_t>(t) * d + (e % v4) * 4);
+    *reinterpret_cast<float4*>(ks + r * stride + (e % v4) * 4) = val;
+  }
 }
 
 // A lane's best KMAX candidates, sorted (a sorted array with static indices: one bubble pass per
@@ -142,38 +229,42 @@ struct LaneBest {
       }
     }
   }
-  // The warp's best `keep` of its lanes' lists (K rounds of a warp arg-max over the list heads;
-  // the winner shifts its list) written ascending to out[0, keep), -1 up to K, and the count.
-  // chosen: this warp's kMaxTopk ints of scratch.
-  __device__ __forceinline__ void write_top(int keep, int K, int32_t* out, int32_t* count, int* chosen) {
-    const int lane = threadIdx.x % 32;
+  // The best `keep` of the lists of `width` consecutive lanes (an aligned power-of-two segment of
+  // the warp: K rounds of an arg-max over the segment's list heads; the winner shifts its list),
+  // written ascending to out[0, keep), -1 up to K, and the count, where `write`. Every lane of
+  // the warp calls it with the same keep and width. chosen: the segment's kMaxTopk ints of scratch.
+  __device__ __forceinline__ void write_top(int keep, int K, int32_t* out, int32_t* count, int* chosen,
+                                            int width = 32, bool write = true) {
+    const int part = threadIdx.x % width;
     for (int r = 0; r < keep; ++r) {
       float bs = s[0];
       int bt = t[0];
-      int owner = lane;
+      int owner = part;
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
+      for (int off = width / 2; off > 0; off >>= 1) {
         const float s2 = __shfl_xor_sync(0xffffffffu, bs, off);
         const int t2 = __shfl_xor_sync(0xffffffffu, bt, off);
         const int o2 = __shfl_xor_sync(0xffffffffu, owner, off);
         if (better(s2, t2, bs, bt)) bs = s2, bt = t2, owner = o2;
       }
-      if (lane == owner) {
+      if (part == owner) {
 #pragma unroll
         for (int j = 0; j + 1 < KMAX; ++j) s[j] = s[j + 1], t[j] = t[j + 1];
         s[KMAX - 1] = -INFINITY, t[KMAX - 1] = 0x7fffffff;
       }
-      if (lane == 0) chosen[r] = bt;
+      if (part == 0) chosen[r] = bt;
     }
     __syncwarp();
-    // Ascending: each slot's rank among the chosen tokens (distinct).
-    for (int r = lane; r < keep; r += 32) {
-      int rank = 0;
-      for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
-      out[rank] = chosen[r];
+    if (write) {
+      // Ascending: each slot's rank among the chosen tokens (distinct).
+      for (int r = part; r < keep; r += width) {
+        int rank = 0;
+        for (int u = 0; u < keep; ++u) rank += chosen[u] < chosen[r];
+        out[rank] = chosen[r];
+      }
+      for (int r = keep + part; r < K; r += width) out[r] = -1;
+      if (part == 0) *count = keep;
     }
-    for (int r = keep + lane; r < K; r += 32) out[r] = -1;
-    if (lane == 0) *count = keep;
     __syncwarp();  // chosen read by every lane before it is written again
   }
 };
@@ -204,11 +295,11 @@ __global__ void __launch_bounds__(128) select_level(const __grid_constant__ Plan
     parent_picks = p.picks_of(l + 1, bh, parent);
     total = p.count_of(l + 1, bh, parent) * p.B;
   }
-  const int keep = min(p.K, total);
+  const int keep = p.keep_of(l, bh, i / p.B);
   LaneBest<KMAX> best;
   const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * p.d;
   for (int c = lane; c < total; c += 32) {
-    const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+    const int t = candidate_token(parent_picks, p.B, c);
     if (t >= n) continue;
     best.insert(candidate_score(qs, kbase + static_cast<int64_t>(t) * p.d, p.d), t);
   }
@@ -252,8 +343,8 @@ __global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const _
   const int bh = static_cast<int>(blockIdx.x / groups), g = static_cast<int>(blockIdx.x % groups);
   const int bh_kv = bh / p.heads_q * p.heads_kv + bh % p.heads_q / p.group;
   const int32_t* parent_picks = top ? nullptr : p.picks_of(l + 1, bh, g);
-  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;
-  const int keep = min(p.K, total);
+  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;  // past n: skipped
+  const int keep = p.keep_of(l, bh, g);
   const int first = top ? g * kSelectWarps : g * p.B;  // the group's first query token
   const int members = min(top ? kSelectWarps : p.B, n - first);
   const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * d;
@@ -268,18 +359,11 @@ __global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const _
     for (int c0 = 0; c0 < total; c0 += kSelectChunk) {
       const int rows = min(kSelectChunk, total - c0);
       __syncthreads();  // the previous chunk read by every warp; this round's query rows written
-      for (int e = threadIdx.x; e < rows * v4; e += blockDim.x) {
-        const int r = e / v4, c = c0 + r;
-        const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
-        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t < n) val = *reinterpret_cast<const float4*>(kbase + static_cast<int64_t>(t) * d + (e % v4) * 4);
-        *reinterpret_cast<float4*>(ks + r * stride + (e % v4) * 4) = val;
-      }
+      stage_candidates(ks, stride, kbase, d, parent_picks, p.B, n, c0, rows);
       __syncthreads();
       if (!active) continue;
       for (int r = lane; r < rows; r += 32) {
-        const int c = c0 + r;
-        const int t = parent_picks ? parent_picks[c / p.B] * p.B + c % p.B : c;
+        const int t = candidate_token(parent_picks, p.B, c0 + r);
         if (t < n) best.insert(candidate_score(qs, ks + r * stride, d), t);
       }
     }
@@ -287,6 +371,90 @@ __global__ void __launch_bounds__(kSelectWarps * 32) select_level_shared(const _
     best.write_top(keep, p.K, p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K,
                    p.counts[l] + static_cast<int64_t>(bh) * n + i, chosen);
   }
+}
+
+// Rung 3 of the selection: a thread per (query token, part of its candidates), the query row in
+// registers (head_dim a template argument). A CTA of kSelectThreads threads takes one group of
+// query tokens that share their candidates (one parent's B children at l < L, kSelectTopGroup
+// consecutive tokens at l == L): S tokens, P = kSelectThreads / S threads each, the P threads of a
+// token in consecutive lanes of one warp. The candidates' f32 key rows are staged in shared memory
+// once per CTA (rung 2 staged them once per round of 8 warps) and each row is read by broadcast
+// by the threads of every token that share a part; thread `part` scores candidates part,
+// part + P, ... with the same fmaf column order as candidate_score, keeps its best KMAX in a
+// LaneBest, and K rounds of an arg-max over the P lanes of the token merge them. The picks are
+// the same bit for bit (a top-K under a total order does not depend on who scored what). Applies
+// with head_dim 64 or 128, K <= 16, and at l < L a block size B dividing kSelectThreads with
+// B >= kSelectThreads / 32 (a token's lanes inside one warp); other levels keep rung 2.
+constexpr int kSelectThreads = 128;
+constexpr int kSelectTopGroup = 16;  // query tokens per CTA at the coarsest level
+
+__host__ __device__ constexpr int select_lanes_chunk(int d) { return d == 64 ? 128 : 64; }  // rows staged at a time
+__host__ __device__ constexpr int select_lanes_group(const Plan& p, int l) { return l == p.L ? kSelectTopGroup : p.B; }
+__host__ __device__ constexpr size_t select_lanes_bytes(int d, int group, int K) {
+  return static_cast<size_t>(select_lanes_chunk(d)) * (d + 4) * sizeof(float) +
+         static_cast<size_t>(group) * K * sizeof(int);
+}
+__host__ __device__ constexpr bool select_lanes_fits(const Plan& p, int l) {
+  const int s = select_lanes_group(p, l);
+  return (p.d == 64 || p.d == 128) && p.K <= 16 && s >= kSelectThreads / 32 && kSelectThreads % s == 0;
+}
+
+// candidate_score with the query in registers (fully unrolled: static indices): the same fmaf chain.
+template <int D>
+__device__ __forceinline__ float candidate_score_regs(const float (&q)[D], const float* k) {
+  float s = 0.0f;
+#pragma unroll
+  for (int e = 0; e < D; e += 4) s = score_columns(q, k, e, s);
+  return s != s ? -INFINITY : s;
+}
+
+template <int D, int KMAX>
+__global__ void __launch_bounds__(kSelectThreads) select_level_lanes(const __grid_constant__ Plan p, int l,
+                                                                     const float* pq, const float* pk) {
+  constexpr int kChunk = select_lanes_chunk(D), kStride = D + 4, kV4 = D / 4;
+  extern __shared__ float4 select_smem[];
+  float* ks = reinterpret_cast<float*>(select_smem);  // [kChunk][kStride]
+  const int n = p.level_len[l];
+  const bool top = l == p.L;
+  const int S = select_lanes_group(p, l), P = kSelectThreads / S;
+  const int groups = top ? (n + S - 1) / S : p.level_len[l + 1];
+  const int bh = static_cast<int>(blockIdx.x / groups), g = static_cast<int>(blockIdx.x % groups);
+  const int bh_kv = bh / p.heads_q * p.heads_kv + bh % p.heads_q / p.group;
+  const int32_t* parent_picks = top ? nullptr : p.picks_of(l + 1, bh, g);
+  const int total = top ? n : p.count_of(l + 1, bh, g) * p.B;  // past n: skipped
+  const int keep = p.keep_of(l, bh, g);
+  const int first = g * S, members = min(S, n - first);
+  const int m = threadIdx.x / P, part = threadIdx.x % P;
+  const bool active = m < members;
+  const int i = first + m;
+
+  float q[D];
+  if (active) {
+    const float4* src = reinterpret_cast<const float4*>(pq + (static_cast<int64_t>(bh) * n + i) * D);
+#pragma unroll
+    for (int e = 0; e < kV4; ++e) {
+      const float4 x = src[e];
+      q[4 * e] = x.x, q[4 * e + 1] = x.y, q[4 * e + 2] = x.z, q[4 * e + 3] = x.w;
+    }
+  }
+  const float* kbase = pk + static_cast<int64_t>(bh_kv) * n * D;
+  LaneBest<KMAX> best;
+  for (int c0 = 0; c0 < total; c0 += kChunk) {
+    const int rows = min(kChunk, total - c0);
+    __syncthreads();  // the previous chunk read by every thread
+    stage_candidates(ks, kStride, kbase, D, parent_picks, p.B, n, c0, rows);
+    __syncthreads();
+    if (!active) continue;
+    for (int r = part; r < rows; r += P) {
+      const int t = candidate_token(parent_picks, p.B, c0 + r);
+      if (t < n) best.insert(candidate_score_regs<D>(q, ks + r * kStride), t);
+    }
+  }
+
+  // Merge: K rounds of an arg-max over the token's P lanes (aligned and consecutive).
+  best.write_top(keep, p.K, p.picks[l] + (static_cast<int64_t>(bh) * n + i) * p.K,
+                 p.counts[l] + static_cast<int64_t>(bh) * n + i,
+                 reinterpret_cast<int*>(ks + kChunk * kStride) + m * p.K, P, active);
 }
 
 // ---- the key stream of a fine query block -----------------------------------------------------
@@ -346,6 +514,14 @@ struct KeyStream {
     } else {
       run_end = p.level_len[level];
     }
+  }
+
+  // Up to N next tiles into t; how many.
+  template <int N>
+  __device__ int next_tiles(const Plan& p, KeyTile (&t)[N]) {
+    int n = 0;
+    while (n < N && next(p, t[n])) ++n;
+    return n;
   }
 
   __device__ bool next(const Plan& p, KeyTile& tile) {
@@ -506,6 +682,11 @@ struct AttnArgs {
   // The forward: the last level its key streams attend (min with p.L). p.L - 1 when the coarsest
   // level goes through the dense executor instead (llsa.cu, coarse_through_executor).
   int forward_last_level = kMaxLevels;
+  // The forward: where set, each row's online softmax starts from that part's state (O in T, LSE
+  // in f32, contiguous [batch * heads_q, len] rows: the dense executor's coarsest level) instead
+  // of from nothing, so the kernel's output is already the two parts merged.
+  const void* init_o = nullptr;
+  const float* init_lse = nullptr;
 };
 
 __device__ __forceinline__ int64_t row_offset(const Rows& r, int b, int h, int t) {
@@ -517,11 +698,18 @@ __device__ __forceinline__ int64_t row_offset(const Rows& r, int b, int h, int t
 // One online-softmax step of a warp's 16 rows over n <= NSUB key tiles of 16 (tile j: K at
 // k_tile(j), V at v_tile(j), tokens tiles[j]): S = Q K^T, masked (-inf off the mask) and raised by
 // the log count in raw-logit units; the softmax over the 16 * NSUB columns; O += P V.
-template <class T, int D, int NSUB, class KTile, class VTile>
+// after_scores() runs once S is in registers (the K tiles are free), before_pv() before the first
+// read of a V tile (the wide fine loop's copy hooks; no-ops elsewhere).
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+
+template <class T, int D, int NSUB, class KTile, class VTile, class AfterScores = NoHook, class BeforePv = NoHook>
 __device__ __forceinline__ void attend_step(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                             const uint32_t (&qf)[D / 16][4], const Plan& p,
                                             const KeyTile (&tiles)[NSUB], int n, KTile k_tile, VTile v_tile,
-                                            float scale_log2) {
+                                            float scale_log2, AfterScores&& after_scores = {},
+                                            BeforePv&& before_pv = {}) {
   const float inv_sl2 = 1.0f / scale_log2;
   float s[2 * NSUB][4];
 #pragma unroll
@@ -537,11 +725,13 @@ __device__ __forceinline__ void attend_step(float (&o)[D / 8][4], float (&row_ma
         s[2 * j + nn][e] = on ? sj[nn][e] + raw_bias(p, tiles[j].level, tiles[j].t0 + col, inv_sl2) : -INFINITY;
       }
   }
+  after_scores();
   uint32_t pf[NSUB][4];
   float alpha[2];
   detail::softmax_scores<2 * NSUB>(s, 2 * NSUB * 8, scale_log2, row_max, row_sum, alpha,
                                    [&](int nn, const float(&prob)[4]) { detail::pack_probs<T, 2 * NSUB>(nn, prob, pf); });
   detail::rescale<D / 8>(o, alpha);
+  before_pv();
 #pragma unroll
   for (int j = 0; j < NSUB; ++j)
     if (j < n) accumulate_16<D, T>(o, pf[j], v_tile(j));
@@ -564,6 +754,29 @@ __device__ __forceinline__ void store_rows(const AttnArgs& a, const WarpRows& w,
   }
 }
 
+// A warp's rows continued from an earlier part's normalised output and LSE (a.init_o, a.init_lse):
+// with the row max at LSE / scale in raw-logit units, that part's probabilities sum to 1 and its
+// accumulator is its output, which is the state its online softmax would have ended with.
+template <class T, int D>
+__device__ __forceinline__ void init_rows(const AttnArgs& a, const Plan& p, const WarpRows& w, float (&o)[D / 8][4],
+                                          float (&row_max)[2], float (&row_sum)[2]) {
+  const int g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    if (row >= w.rows) continue;
+    const int64_t at = static_cast<int64_t>(w.bh) * p.len + w.row0 + row;
+    const T* src = static_cast<const T*>(a.init_o) + at * D;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][2 * r] = static_cast<float>(src[i * 8 + 2 * c]);
+      o[i][2 * r + 1] = static_cast<float>(src[i * 8 + 2 * c + 1]);
+    }
+    row_max[r] = a.init_lse[at] / a.scale;
+    row_sum[r] = c == 0 ? 1.0f : 0.0f;  // the quad's partial sums add up to the part's 1
+  }
+}
+
 // ---- the two key loops (the mainloop; the kernels differ only in their step hook) ----------------
 //
 // warp_loop: a warp walks its own stream one tile of 16 at a time, double-buffered in its own K/V
@@ -573,18 +786,27 @@ __device__ __forceinline__ void store_rows(const AttnArgs& a, const WarpRows& w,
 //   each stage loaded once for all warps; active warps run step on it with their own dedupe masks.
 // step(tiles, n, k_tile, v_tile): n tiles of 16 keys, K of tile j at k_tile(j), V at v_tile(j).
 
+// Copies key tile tl's K rows (V rows with is_v) for the kv head of `wr` into dst by the lanes of
+// a warp; rows outside the tile's mask are zeros. The pyramid's rows (levels >= 1) are always
+// 16-byte aligned; the inputs' rows where a.aligned.
+template <int D>
+__device__ __forceinline__ void copy_key_tile(uint32_t dst, const Plan& p, const AttnArgs& a, const WarpRows& wr,
+                                              const KeyTile& tl, bool is_v) {
+  warp_copy_tile<D>(dst, a.aligned || tl.level > 0, a.q.data, [&](int r) {
+    return (tl.mask >> r & 1u)
+               ? level_row(p, is_v ? a.v : a.k, is_v ? p.v16 : p.k16, tl.level, wr.b, wr.h_kv, wr.bh_kv, tl.t0 + r)
+               : nullptr;
+  });
+}
+
 template <int D, class Prologue, class Step>
 __device__ __forceinline__ void warp_loop(const Plan& p, const AttnArgs& a, const WarpRows& w, KeyStream& stream,
                                           uint32_t k_s, uint32_t v_s, Prologue&& prologue, Step&& step) {
   constexpr int kTileBytes = kTile * D * 2;
   KeyTile cur[1], nxt[1];
   auto load = [&](const KeyTile& t, int stage) {
-    warp_copy_tile<D>(k_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
-      return (t.mask >> r & 1u) ? level_row(p, a.k, p.k16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
-    });
-    warp_copy_tile<D>(v_s + stage * kTileBytes, a.aligned || t.level > 0, a.q.data, [&](int r) {
-      return (t.mask >> r & 1u) ? level_row(p, a.v, p.v16, t.level, w.b, w.h_kv, w.bh_kv, t.t0 + r) : nullptr;
-    });
+    copy_key_tile<D>(k_s + stage * kTileBytes, p, a, w, t, false);
+    copy_key_tile<D>(v_s + stage * kTileBytes, p, a, w, t, true);
   };
   bool have = stream.next(p, cur[0]);
   if (have) load(cur[0], 0);
@@ -607,6 +829,67 @@ __device__ __forceinline__ void warp_loop(const Plan& p, const AttnArgs& a, cons
   if (first) prologue();
 }
 
+// warp_loop_wide: the fine blocks in steps of kWide tiles (64 keys: for the forward a quarter of
+//   the row max, exponential and rescale rounds of 16-key steps, and four times the independent
+//   MMAs a step). One K stage and one V stage of kWide tiles each (single-buffered: double stages
+//   would not leave room for the CTAs an SM needs). The caller has issued its row tiles' copies
+//   (Q; Q and dO), which land with the first K stage. FORWARD: only K is waited for at the top of
+//   a step; the next step's K copies are issued once this step's scores are in registers and its
+//   V copies once its P V is done, so each overlaps the other half of the step. dQ: K and V are
+//   both waited for (S and dP come first); the next V copies are issued once dS is in registers,
+//   the next K copies after dQ += dS K.
+//   step(tiles, n, k_tile, v_tile, mid, before_pv): attend_step's and dq_step's signature; mid
+//   runs when the first stage is free (K for the forward, V for dQ).
+constexpr int kWide = 4;
+
+template <int D, bool FORWARD, class Prologue, class Step>
+__device__ __forceinline__ void warp_loop_wide(const Plan& p, const AttnArgs& a, const WarpRows& w,
+                                               KeyStream& stream, uint32_t k_s, uint32_t v_s, Prologue&& prologue,
+                                               Step&& step) {
+  constexpr int kTileBytes = kTile * D * 2;
+  KeyTile cur[kWide], nxt[kWide];
+  auto load = [&](const KeyTile (&t)[kWide], int n, bool is_v) {
+    for (int j = 0; j < n; ++j) copy_key_tile<D>((is_v ? v_s : k_s) + j * kTileBytes, p, a, w, t[j], is_v);
+  };
+  int n_cur = stream.next_tiles(p, cur);
+  load(cur, n_cur, false);
+  detail::cp_async_commit();  // group: the row tiles (the caller's) and K
+  load(cur, n_cur, true);
+  detail::cp_async_commit();  // group: V
+  bool first = true;
+  while (n_cur > 0) {
+    const int n_nxt = stream.next_tiles(p, nxt);
+    if constexpr (FORWARD) {
+      detail::cp_async_wait<1>();  // the row tiles and this step's K (V may still be in flight)
+    } else {
+      detail::cp_async_wait<0>();
+    }
+    __syncwarp();
+    if (first) prologue(), first = false;
+    step(cur, n_cur, [&](int j) { return k_s + j * kTileBytes; }, [&](int j) { return v_s + j * kTileBytes; },
+         [&] {  // the first stage is free: the next step's copies into it
+           __syncwarp();
+           load(nxt, n_nxt, !FORWARD);
+           detail::cp_async_commit();
+         },
+         [&] {
+           if constexpr (FORWARD) {
+             detail::cp_async_wait<1>();  // this step's V (the next K may still be in flight)
+             __syncwarp();
+           }
+         });
+    __syncwarp();  // the step read the second stage
+    load(nxt, n_nxt, FORWARD);
+    detail::cp_async_commit();
+#pragma unroll
+    for (int j = 0; j < kWide; ++j) cur[j] = nxt[j];
+    n_cur = n_nxt;
+  }
+  detail::cp_async_wait<0>();
+  __syncwarp();
+  if (first) prologue();
+}
+
 constexpr int kSharedTiles = 4;  // tiles per stage of the shared loop
 
 template <int D, int WARPS, class Step>
@@ -615,30 +898,20 @@ __device__ __forceinline__ void cta_loop(const Plan& p, const AttnArgs& a, const
   constexpr int kTileBytes = kTile * D * 2, kSub = kSharedTiles;
   const int warp = threadIdx.x / 32;
   KeyTile cur[kSub], nxt[kSub];
-  auto gather = [&](KeyTile (&t)[kSub]) {
-    int n = 0;
-    while (n < kSub && stream.next(p, t[n])) ++n;
-    return n;
-  };
   // Warp w copies K of tile w and V of tile w - kSub of the stage (WARPS = 4: both of tile w).
   auto load_stage = [&](const KeyTile (&t)[kSub], int n, int stage) {
     for (int j = warp; j < 2 * kSub; j += WARPS) {
       const int sub = j % kSub;
       const bool is_v = j >= kSub;
       if (sub >= n) continue;
-      const KeyTile& tl = t[sub];
-      warp_copy_tile<D>((is_v ? cv_s : ck_s) + (stage * kSub + sub) * kTileBytes, true, a.q.data, [&](int r) {
-        return (tl.mask >> r & 1u) ? level_row(p, is_v ? a.v : a.k, is_v ? p.v16 : p.k16, tl.level, w0.b, w0.h_kv,
-                                                w0.bh_kv, tl.t0 + r)
-                                   : nullptr;
-      });
+      copy_key_tile<D>((is_v ? cv_s : ck_s) + (stage * kSub + sub) * kTileBytes, p, a, w0, t[sub], is_v);
     }
   };
-  int n_cur = gather(cur);
+  int n_cur = stream.next_tiles(p, cur);
   load_stage(cur, n_cur, 0);
   detail::cp_async_commit();
   for (int stage = 0; n_cur > 0; stage ^= 1) {
-    const int n_nxt = gather(nxt);
+    const int n_nxt = stream.next_tiles(p, nxt);
     load_stage(nxt, n_nxt, stage ^ 1);
     detail::cp_async_commit();
     detail::cp_async_wait<1>();
@@ -669,17 +942,30 @@ __host__ __device__ constexpr int shared_tiles() { return 4 * kSharedTiles; }
 // The forward of one warp's rows. SHARED: the fine blocks alone, then the coarse keys with the
 // CTA (rung 2: the CTA's query blocks share their level-2 ancestor, so their keys at levels >= 1
 // are the same; grid x = CTAs per head, y = batch * heads_q); else the whole stream alone (rung 1,
-// any block size; grid x = every warp of every head, WARPS per CTA).
+// any block size; grid x = every warp of every head, WARPS per CTA). WIDE (with SHARED): the fine
+// blocks in 64-key steps (warp_loop_wide), else 16-key steps (warp_loop).
 // CTAs per SM the forward's register allocation must allow: with head_dim 64 two 8-warp CTAs (or
 // four of 4) fit in shared memory, and uncapped (192 registers, one CTA per SM, 12.5% occupancy) it
 // was latency-bound: capped it spills ~100 bytes and runs 1.3x faster (bench/RESULTS.md). dQ holds
 // more live state (Q and dO fragments): capped it spilled 200+ bytes and ran 1.4-1.6x slower, so it
 // stays uncapped, as does dK/dV (capped: no gain). head_dim 128 is held to one CTA by shared memory.
+// WIDE: three 4-warp CTAs an SM (shared memory allows three: wide_tiles).
 template <int D, int WARPS>
 constexpr int kMinBlocks = D == 64 ? 16 / WARPS : 1;
+constexpr int kWideMinBlocks = 3;
 
-template <class T, int D, int WARPS, bool SHARED>
-__global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) forward(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+// Shared memory of the wide kernels, in tiles: per warp `row_tiles` row tiles (Q; Q and dO) and one
+// K and one V stage of kWide tiles; the shared loop's stages reuse the start of it once every
+// warp's fine blocks are done.
+__host__ __device__ constexpr int wide_warp_tiles(int row_tiles) { return row_tiles + 2 * kWide; }
+__host__ __device__ constexpr int wide_tiles(int warps, int row_tiles) {
+  return warps * wide_warp_tiles(row_tiles) > shared_tiles() ? warps * wide_warp_tiles(row_tiles) : shared_tiles();
+}
+
+template <class T, int D, int WARPS, bool SHARED, bool WIDE = false>
+__global__ void __launch_bounds__(32 * WARPS, WIDE ? kWideMinBlocks : kMinBlocks<D, WARPS>)
+    forward(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+  static_assert(!WIDE || SHARED, "the wide fine loop is rung 2's");
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32;
@@ -693,23 +979,35 @@ __global__ void __launch_bounds__(32 * WARPS, kMinBlocks<D, WARPS>) forward(cons
     if (!active) return;
   }
   const uint32_t base = detail::smem_addr(smem);
-  const uint32_t q_s = base + warp * warp_tiles(1) * kTileBytes, k_s = q_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
+  constexpr int kWarpTiles = WIDE ? wide_warp_tiles(1) : warp_tiles(1);
+  constexpr int kStageTiles = WIDE ? kWide : 2;  // the K area before V
+  const uint32_t q_s = base + warp * kWarpTiles * kTileBytes, k_s = q_s + kTileBytes,
+                 v_s = k_s + kStageTiles * kTileBytes;
   float o[kDT][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   uint32_t qf[D / 16][4];
   const int last = min(p.L, a.forward_last_level);
-  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
-    attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2);
+  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile, auto&&... hooks) {
+    attend_step<T, D>(o, row_max, row_sum, qf, p, tiles, n, k_tile, v_tile, a.scale_log2, hooks...);
   };
+  if (active && a.init_o != nullptr) init_rows<T, D>(a, p, w, o, row_max, row_sum);
   if (active) {
     const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
     warp_copy_tile<D>(q_s, a.aligned, a.q.data, [&](int r) { return r < w.rows ? q_base + r * a.q.stride[2] : nullptr; });
     KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : last, true);
-    warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+    if constexpr (WIDE) {
+      warp_loop_wide<D, true>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+    } else {
+      warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s); }, step);
+    }
   }
   if constexpr (SHARED) {
     KeyStream coarse(p, w0.bh, w0.qb, 1, last, false);
-    const uint32_t ck_s = base + WARPS * warp_tiles(1) * kTileBytes;
+    uint32_t ck_s = base + WARPS * warp_tiles(1) * kTileBytes;
+    if constexpr (WIDE) {
+      ck_s = base;
+      __syncthreads();  // every warp's fine blocks done: the stages take over their area
+    }
     cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
   }
   if (active) store_rows<T, D>(a, w, o, row_max, row_sum);
@@ -762,15 +1060,22 @@ __device__ __forceinline__ void store_acc(T* base, int64_t row_stride, int rows,
 
 // One dQ step of a warp's 16 rows over n <= NSUB key tiles: P = exp2(S c + bias - LSE), dP = dO V^T,
 // dS = P (dP - delta), dQ += dS K (scaled at the end).
-template <class T, int D, int NSUB, class KTile, class VTile>
+// With after_v (the wide loop's copy hook): dS of every tile first, after_v() once the V tiles are
+// no longer read, then dQ += dS K tile by tile; without (NoHook): tile by tile, dS then dQ, which
+// holds one tile's dS in registers instead of NSUB. The same sums in the same order either way.
+// The second hook is the forward's and unused here.
+template <class T, int D, int NSUB, class KTile, class VTile, class AfterV = NoHook, class Unused = NoHook>
 __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&qf)[D / 16][4],
                                         const uint32_t (&dof)[D / 16][4], const float (&lse2)[2],
                                         const float (&delta)[2], const Plan& p, const KeyTile (&tiles)[NSUB], int n,
-                                        KTile k_tile, VTile v_tile, float scale_log2) {
+                                        KTile k_tile, VTile v_tile, float scale_log2, AfterV&& after_v = {},
+                                        Unused&& = {}) {
   const float inv_sl2 = 1.0f / scale_log2;
-#pragma unroll
-  for (int j = 0; j < NSUB; ++j) {
-    if (j >= n) continue;
+  // dS of tile j (P = exp2(S c + bias - LSE), dP = dO V^T, dS = P (dP - delta)) as an A fragment.
+  struct Frag {
+    uint32_t x[4];
+  };
+  auto ds_of = [&](int j) {
     float s[2][4] = {}, dp[2][4] = {};
     scores_16<D, T>(s, qf, k_tile(j));
     scores_16<D, T>(dp, dof, v_tile(j));
@@ -785,16 +1090,36 @@ __device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], const uint32_t (&
                              : 0.0f;
         s[nn][e] = pr * (dp[nn][e] - delta[e / 2]);  // dS
       }
-    uint32_t dsf[4];
-    pack_a<T>(dsf, s);
-    accumulate_16<D, T>(dq, dsf, k_tile(j));
+    Frag f;
+    pack_a<T>(f.x, s);
+    return f;
+  };
+  if constexpr (std::is_same_v<std::decay_t<AfterV>, NoHook>) {
+#pragma unroll
+    for (int j = 0; j < NSUB; ++j) {
+      if (j >= n) continue;
+      const Frag f = ds_of(j);
+      accumulate_16<D, T>(dq, f.x, k_tile(j));
+    }
+  } else {
+    Frag dsf[NSUB];
+#pragma unroll
+    for (int j = 0; j < NSUB; ++j)
+      if (j < n) dsf[j] = ds_of(j);
+    after_v();
+#pragma unroll
+    for (int j = 0; j < NSUB; ++j)
+      if (j < n) accumulate_16<D, T>(dq, dsf[j].x, k_tile(j));
   }
 }
 
 // dQ, query-major: each warp's rows over the forward's key stream (the same two loops as the
-// forward: SHARED as rung 2, else rung 1).
-template <class T, int D, int WARPS, bool SHARED>
+// forward: SHARED as rung 2, else rung 1; WIDE with SHARED: the fine blocks in 64-key steps,
+// warp_loop_wide, the shared loop's stages reusing the warps' area as in the forward).
+
+template <class T, int D, int WARPS, bool SHARED, bool WIDE = false>
 __global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a) {
+  static_assert(!WIDE || SHARED, "the wide fine loop is rung 2's");
   constexpr int kDT = D / 8, kTileBytes = kTile * D * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -808,13 +1133,15 @@ __global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant_
     if (!active) return;
   }
   const uint32_t base = detail::smem_addr(smem);
-  const uint32_t q_s = base + warp * warp_tiles(2) * kTileBytes, do_s = q_s + kTileBytes;
-  const uint32_t k_s = do_s + kTileBytes, v_s = k_s + 2 * kTileBytes;
+  constexpr int kWarpTiles = WIDE ? wide_warp_tiles(2) : warp_tiles(2);
+  constexpr int kStageTiles = WIDE ? kWide : 2;  // the K area before V
+  const uint32_t q_s = base + warp * kWarpTiles * kTileBytes, do_s = q_s + kTileBytes;
+  const uint32_t k_s = do_s + kTileBytes, v_s = k_s + kStageTiles * kTileBytes;
   float dq[kDT][4] = {};
   uint32_t qf[D / 16][4], dof[D / 16][4];
   float lse2[2] = {INFINITY, INFINITY}, delta[2] = {0.0f, 0.0f};
-  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile) {
-    dq_step<T, D>(dq, qf, dof, lse2, delta, p, tiles, n, k_tile, v_tile, a.scale_log2);
+  auto step = [&](const auto& tiles, int n, auto k_tile, auto v_tile, auto&&... hooks) {
+    dq_step<T, D>(dq, qf, dof, lse2, delta, p, tiles, n, k_tile, v_tile, a.scale_log2, hooks...);
   };
   if (active) {
     const uint16_t* q_base = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, w.b, w.h, w.row0);
@@ -830,11 +1157,20 @@ __global__ void __launch_bounds__(32 * WARPS) backward_dq(const __grid_constant_
       delta[r] = a.delta[static_cast<int64_t>(w.bh) * p.len + t];
     }
     KeyStream own(p, w.bh, w.qb, 0, SHARED ? 0 : p.L, true);
-    warp_loop<D>(p, a, w, own, k_s, v_s, [&] { load_a<D>(qf, q_s), load_a<D>(dof, do_s); }, step);
+    auto prologue = [&] { load_a<D>(qf, q_s), load_a<D>(dof, do_s); };
+    if constexpr (WIDE) {
+      warp_loop_wide<D, false>(p, a, w, own, k_s, v_s, prologue, step);
+    } else {
+      warp_loop<D>(p, a, w, own, k_s, v_s, prologue, step);
+    }
   }
   if constexpr (SHARED) {
     KeyStream coarse(p, w0.bh, w0.qb, 1, p.L, false);
-    const uint32_t ck_s = base + WARPS * warp_tiles(2) * kTileBytes;
+    uint32_t ck_s = base + WARPS * warp_tiles(2) * kTileBytes;
+    if constexpr (WIDE) {
+      ck_s = base;
+      __syncthreads();  // every warp's fine blocks done: the stages take over their area
+    }
     cta_loop<D, WARPS>(p, a, w0, w, active, coarse, ck_s, ck_s + 2 * kSharedTiles * kTileBytes, step);
   }
   if (active) {
@@ -1070,17 +1406,38 @@ __global__ void pool_backward(const float* coarse, float* fine, int n_fine, int 
   fine[idx] += coarse[(bh * n_coarse + t) * d + c] * (1.0f / static_cast<float>(children));
 }
 
-// The level-0 gradient (f32, [bh_kv, len, d]) into the caller's dk or dv (T, strided).
+// The level-0 gradient (f32, [bh_kv, len, d]) into the caller's dk or dv (T, strided), with level
+// 1's gradient spread to its children on the way (pool_backward of level 1 fused with the store:
+// one read of the f32 level and one write of T instead of a read, a write, a read and a write):
+// out[t] = fine[t] + coarse[t / B] / children. coarse null: no gradient above level 0. Four
+// channels a thread (d % 4 == 0; the f32 levels are 16-byte aligned); vec_store: one 8-byte
+// store of the four (an 8-byte aligned base, strides of whole 4-element chunks), else four.
 template <class T>
-__global__ void store_grad(const float* src, Rows dst, int heads, int len, int d, int64_t total) {
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= total) return;
-  const int c = static_cast<int>(idx % d);
-  const int t = static_cast<int>(idx / d % len);
-  const int64_t bh = idx / (static_cast<int64_t>(d) * len);
+__global__ void store_grad(const float* fine, const float* coarse, Rows dst, int heads, int len, int n_coarse, int d,
+                           int B, int64_t rows, bool vec_store) {
+  const int chunks = d / 4, per_block = blockDim.x / chunks;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * per_block + threadIdx.x / chunks;
+  if (static_cast<int>(threadIdx.x) >= per_block * chunks || row >= rows) return;
+  const int c = static_cast<int>(threadIdx.x % chunks) * 4;
+  const int t = static_cast<int>(row % len);
+  const int64_t bh = row / len;
+  float4 x = *reinterpret_cast<const float4*>(fine + row * d + c);
+  if (coarse != nullptr) {
+    const int u = t / B;
+    const float inv = 1.0f / static_cast<float>(min(B, len - u * B));
+    const float4 g = *reinterpret_cast<const float4*>(coarse + (bh * n_coarse + u) * d + c);
+    x.x = fmaf(g.x, inv, x.x);
+    x.y = fmaf(g.y, inv, x.y);
+    x.z = fmaf(g.z, inv, x.z);
+    x.w = fmaf(g.w, inv, x.w);
+  }
   T* out = static_cast<T*>(const_cast<void*>(dst.data)) + (bh / heads) * dst.stride[0] + (bh % heads) * dst.stride[1] +
            static_cast<int64_t>(t) * dst.stride[2] + c;
-  *out = static_cast<T>(src[idx]);
+  if (vec_store) {
+    *reinterpret_cast<uint2*>(out) = make_uint2(Pair<T>::pack(x.x, x.y), Pair<T>::pack(x.z, x.w));
+  } else {
+    out[0] = static_cast<T>(x.x), out[1] = static_cast<T>(x.y), out[2] = static_cast<T>(x.z), out[3] = static_cast<T>(x.w);
+  }
 }
 
 // The transposed index of level l < L: for every valid pick of picks[l+1] (bh_q, a, slot), the

@@ -118,6 +118,35 @@ Status dense_rows(const StepArgs& a) {
   return {};
 }
 
+namespace {
+// Dynamic shared memory of sparse_rows_kernel<T, D> over a longest prefix of max_pages pages at
+// `capacity` pages a row: its state, the plan and the selection (which grows with the prefix).
+template <int D>
+size_t rows_smem(int64_t max_pages, int64_t capacity) {
+  const int64_t keep = std::min<int64_t>(capacity, max_pages);
+  return rows_state_bytes<D>() + rows_plan_bytes(keep) +
+         rows_select_bytes(candidate_tiles(max_pages) * tile_keep(capacity), static_cast<int>(keep));
+}
+
+}  // namespace
+
+Status sparse_step_fits(DType dtype, int64_t head_dim, int64_t max_pages, int64_t capacity, bool attend_union,
+                        int device) {
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(device));
+  return dispatch(dtype, head_dim, [&]<class T, int D>() -> Status {
+    if (attend_union) {
+      SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(union_rows_kernel<T, D>),
+                                                              device, union_smem_bytes<D>(max_pages)));
+      return cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(sparse_rows_kernel<T, D, false>), device,
+                                              rows_smem<D>(max_pages, capacity));
+    }
+    constexpr auto kernel = sparse_rows_kernel<T, D>;
+    return cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device,
+                                            rows_smem<D>(max_pages, capacity));
+  });
+}
+
 Status sparse_step(const StepArgs& a) {
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
@@ -160,22 +189,68 @@ Status sparse_step(const StepArgs& a) {
                                     a.candidates));
     }
     const int64_t keep = std::min<int64_t>(a.capacity, max_pages);
-    const size_t smem = rows_state_bytes<D>() + rows_plan_bytes(keep) +
-                        rows_select_bytes(candidate_tiles(max_pages) * keep_tile, static_cast<int>(keep));
-    constexpr auto kernel = sparse_rows_kernel<T, D>;
+    const size_t smem = rows_smem<D>(max_pages, a.capacity);
+    // attend_union: the rows kernel writes the plans only, union_rows_kernel attends.
+    const auto kernel = a.attend_union ? sparse_rows_kernel<T, D, false> : sparse_rows_kernel<T, D>;
     SPARSA_RETURN_IF_ERROR(cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem));
     const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(max_rows + rows_stable_ctas(block, min_rows)),
                     static_cast<unsigned>(a.batch));
     // Dependent of the candidates kernel.
-    return launch(kernel, grid, kRowWarps * 32, smem, s, /*dependent=*/true, pool, rows_of<T>(a.q),
-                  rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
-                  mutable_rows_of<float>(a.lse), a.active, a.active_counts, a.candidates, a.candidate_tiles, keep_tile,
-                  capacity, static_cast<int>(keep), a.plan_pages, a.plan_counts, heads_q, group, block, max_rows,
-                  a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));
+    SPARSA_RETURN_IF_ERROR(launch(kernel, grid, kRowWarps * 32, smem, s, /*dependent=*/true, pool, rows_of<T>(a.q),
+                                  rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
+                                  mutable_rows_of<float>(a.lse), a.active, a.active_counts, a.candidates,
+                                  a.candidate_tiles, keep_tile, capacity, static_cast<int>(keep), a.plan_pages,
+                                  a.plan_counts, heads_q, group, block, max_rows, a.scale * kLog2e,
+                                  static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref)));
+    if (!a.attend_union) return {};
+    const size_t union_smem = union_smem_bytes<D>(max_pages);
+    constexpr auto union_kernel = union_rows_kernel<T, D>;
+    SPARSA_RETURN_IF_ERROR(
+        cuda::detail::allow_dynamic_smem(reinterpret_cast<const void*>(union_kernel), device, union_smem));
+    union_kernel<<<grid, kRowWarps * 32, union_smem, s>>>(
+        pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
+        mutable_rows_of<float>(a.lse), a.active, a.active_counts, capacity, a.plan_pages, a.plan_counts, heads_q, group,
+        block, max_rows, a.scale * kLog2e, static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));
+    SPARSA_CUDA_CHECK_LAUNCH();
+    return {};
   });
 }
 
-Status block_merge(const StepArgs& a) {
+Status reuse_rows(const StepArgs& a) {
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
+  const auto s = static_cast<cudaStream_t>(a.stream);
+  const int heads_q = static_cast<int>(a.heads_q), block = static_cast<int>(a.block);
+  const ActiveRule rule{a.mse, a.all_rows, a.active_k, a.use_threshold, a.threshold};
+  SPARSA_RETURN_IF_ERROR(dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
+    if (!a.all_rows) {
+      row_mse_kernel<T, D><<<dim3(static_cast<unsigned>(a.block), static_cast<unsigned>(a.batch)), kMseWarps * 32, 0, s>>>(
+          rows_of<T>(a.q), static_cast<const T*>(a.q_ref), heads_q, block, a.mse);
+      SPARSA_CUDA_CHECK_LAUNCH();
+    }
+    return {};
+  }));
+  choose_rows_kernel<<<static_cast<unsigned>(a.batch), 32, 0, s>>>(rule, block, a.active, a.active_counts);
+  SPARSA_CUDA_CHECK_LAUNCH();
+  SPARSA_CUDA_CHECK(cudaMemsetAsync(a.plan_counts, 0, static_cast<size_t>(a.batch * a.heads_q * a.block) * sizeof(int32_t), s));
+  return {};
+}
+
+Status adopt_rows(const StepArgs& a, const void* o_new, const float* l_new) {
+  DeviceGuard guard;
+  SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
+  const auto s = static_cast<cudaStream_t>(a.stream);
+  return dispatch(a.pool.dtype, a.pool.head_dim, [&]<class T, int D>() -> Status {
+    const dim3 grid(static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.block), static_cast<unsigned>(a.batch));
+    adopt_rows_kernel<T, D><<<grid, 32, 0, s>>>(rows_of<T>(a.q), a.active, a.active_counts, static_cast<const T*>(o_new),
+                                                l_new, static_cast<int>(a.heads_q), static_cast<int>(a.block),
+                                                static_cast<T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref));
+    SPARSA_CUDA_CHECK_LAUNCH();
+    return {};
+  });
+}
+
+Status block_merge(const StepArgs& a, bool qref_all) {
   DeviceGuard guard;
   SPARSA_RETURN_IF_ERROR(guard.enter(a.pool.device));
   const auto s = static_cast<cudaStream_t>(a.stream);
@@ -186,7 +261,7 @@ Status block_merge(const StepArgs& a) {
     block_merge_kernel<T, D><<<grid, kMergeWarps * 32, 0, s>>>(
         pool, rows_of<T>(a.q), rows_of<T>(a.k_block), rows_of<T>(a.v_block), mutable_rows_of<T>(a.out),
         mutable_rows_of<float>(a.lse), static_cast<const T*>(a.o_p), a.l_p, static_cast<T*>(a.q_ref),
-        static_cast<int>(a.heads_q), group_of(a), static_cast<int>(a.block), a.scale * kLog2e, /*qref_all=*/true);
+        static_cast<int>(a.heads_q), group_of(a), static_cast<int>(a.block), a.scale * kLog2e, qref_all);
     SPARSA_CUDA_CHECK_LAUNCH();
     return {};
   });

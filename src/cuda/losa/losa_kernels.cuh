@@ -1,7 +1,10 @@
 // Internal: the kernels of block-diffusion decoding on the device (losa.cu launches them): the
 // paged cache's append and page min/max, LoSA's query change per row, QUEST's page scores with
 // each tile's best pages, and one kernel that picks a row's pages, attends over them and merges
-// with intra-block attention by LSE. A sparse step is three launches (row mse, candidates, rows).
+// with intra-block attention by LSE. A sparse step is three launches (row mse, candidates, rows);
+// with attend_union four (the rows kernel writes the plans, union_rows_kernel attends over each
+// kv head's union). The reuse method's later steps: row mse, choose_rows_kernel, the split-KV
+// executor for every row into scratch, adopt_rows_kernel, block_merge_kernel.
 //
 // Attention rows are one warp each: lane l holds elements [l * E, (l + 1) * E) of the query, the
 // output accumulator and every key / value row it reads (E = D / 32), a row's logit is a warp
@@ -187,6 +190,20 @@ __device__ inline void choose_active(const ActiveRule& rule, int block, const do
 __global__ void all_rows_kernel(int block, int32_t* active, int32_t* counts) {
   for (int i = threadIdx.x; i < block; i += blockDim.x) active[static_cast<int64_t>(blockIdx.x) * block + i] = i;
   if (threadIdx.x == 0) counts[blockIdx.x] = block;
+}
+
+// Grid (batch), one warp: the entry's active rows from its rows' mse (the reuse method's later
+// steps, whose active rows attend densely: no candidates kernel chooses them).
+__global__ void __launch_bounds__(32) choose_rows_kernel(ActiveRule rule, int block, int32_t* active, int32_t* counts) {
+  __shared__ int32_t rows[65];
+  const int b = blockIdx.x;
+  double mse[2];
+  load_mse(rule, b, block, mse);
+  choose_active(rule, block, mse, rows);
+  __syncwarp();
+  const int count = rows[64];
+  for (int i = threadIdx.x; i < count; i += 32) active[static_cast<int64_t>(b) * block + i] = rows[i];
+  if (threadIdx.x == 0) counts[b] = count;
 }
 
 // ---- QUEST: page scores and each tile's candidates ---------------------------------------------
@@ -488,10 +505,11 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreCtasPerSm) quest_candidat
 // Up to kRoundsMaxKeep pages, a CTA's selection of a row's `keep` smallest candidates (the keys
 // re-indexed by position, so every key is distinct and ties go to the lower position = the lower
 // page): the keys in slices of kScorePages, each slice's `keep` smallest kept by one warp's
-// tile_top (keys in registers, `keep` rounds of a warp minimum), level after level until one
-// slice is left, whose `keep` smallest warp 0 writes ascending by position (slices keep their
-// keys in position order, so the order survives every level). keys: [n] then scratch of
-// rows_select_bytes; returns (to warp 0) where the chosen keys are.
+// tile_top (keys in registers, `keep` rounds of a warp minimum), level after level (each level
+// counting only the real keys the last one kept) until one slice is left, whose `keep` smallest
+// warp 0 writes ascending by position (slices keep their keys in position order, so the order
+// survives every level). keys: [n] then scratch of rows_select_bytes; returns (to warp 0) where
+// the chosen keys are.
 constexpr int kRoundsMaxKeep = 32;
 __device__ inline const uint64_t* cta_rounds_select(uint64_t* keys, uint64_t* scratch, int n, int keep, int warps) {
   const int warp = threadIdx.x / 32;
@@ -500,7 +518,10 @@ __device__ inline const uint64_t* cta_rounds_select(uint64_t* keys, uint64_t* sc
     const int slices = (n + kScorePages - 1) / kScorePages;
     for (int s = warp; s < slices; s += warps) tile_top(src + s * kScorePages, min(kScorePages, n - s * kScorePages), keep, dst + s * keep);
     __syncthreads();
-    n = slices * keep;
+    // Every slice but the last holds kScorePages > keep keys and gives keep; the last gives
+    // min(keep, its keys) and pads the rest of its keep slots with all-ones keys, which the next
+    // level must not count: tile_top takes distinct keys only.
+    n = (slices - 1) * keep + min(keep, n - (slices - 1) * kScorePages);
     uint64_t* t = src;
     src = dst;
     dst = t;
@@ -725,7 +746,8 @@ __device__ __forceinline__ void merge_block_row(const PoolView& pool, const Rows
 }
 
 // Grid (heads_q, batch, row groups of kMergeWarps), a warp per row: merge_block_row (the dense
-// steps' last launch, after the split-KV executor wrote o_p and l_p).
+// steps' last launch, after the split-KV executor wrote o_p and l_p; the reuse method's later
+// steps', after adopt_rows_kernel, without qref_all).
 constexpr int kMergeWarps = 4;
 template <class T, int D>
 __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block,
@@ -749,6 +771,9 @@ __global__ void __launch_bounds__(kMergeWarps * 32) block_merge_kernel(PoolView 
 // in shared memory; O_p (T), L_p and Q_ref are written, and warp 0 merges the block's state with
 // them (merge_out; a stable row's warp: merge_block_row with its kept O_p and
 // L_p). The first stable CTA zeroes the plan counts of the slots from max_rows on.
+// With ATTEND false (attend_union) the kernel only writes the plans and their counts: its slot
+// CTAs stop once the plan is written and its stable CTAs do no more than the zeroing;
+// union_rows_kernel then attends.
 constexpr int kRowWarps = 8;
 // The rows kernel's CTAs for stable rows: enough for every row the rule can leave stable
 // (block - min_rows; min_rows: the fewest it makes active).
@@ -773,7 +798,146 @@ __host__ __device__ constexpr int rows_plan_smem_pages(int64_t plan_slots) {
 __host__ __device__ constexpr size_t rows_plan_bytes(int64_t plan_slots) {
   return (static_cast<size_t>(rows_plan_smem_pages(plan_slots)) * 4 + 15) / 16 * 16;
 }
+
+// A CTA of stable rows (the rows kernels' CTAs at y >= max_rows): warp w takes the ((y -
+// max_rows) * kRowWarps + w)-th row the entry's active rows leave, if there is one, and merges its
+// block state with its kept O_p and L_p (merge_block_row).
 template <class T, int D>
+__device__ __forceinline__ void stable_rows(const PoolView& pool, const Rows4<const T>& q, const Rows4<const T>& k_block,
+                                            const Rows4<const T>& v_block, const Rows4<T>& out,
+                                            const Rows4<float>& lse, const int32_t* active, int count, const T* o_p,
+                                            const float* l_p, T* q_ref, int heads_q, int group, int block,
+                                            int max_rows, float scale_log2, int b, int h, int y) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int want = (y - max_rows) * kRowWarps + warp;
+  if (want >= block - count) return;
+  uint64_t taken = 0;  // (block <= 64)
+  for (int s = 0; s < count; ++s) taken |= uint64_t{1} << active[static_cast<int64_t>(b) * block + s];
+  int r = 0;
+  for (int i = 0, left = want; i < block; ++i) {
+    if (taken >> i & 1) continue;
+    if (left-- == 0) {
+      r = i;
+      break;
+    }
+  }
+  merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
+                           /*qref_all=*/false, b, h, r, lane);
+}
+
+// The shared memory of an active row's CTA: the warps' prefix and block states (rows_state_bytes).
+template <int D>
+struct RowShared {
+  float (*part_acc)[D];
+  float (*block_acc)[D];
+  float *part_m, *part_l, *block_m, *block_l;
+  __device__ explicit RowShared(unsigned char* smem) {
+    part_acc = reinterpret_cast<float(*)[D]>(smem);
+    block_acc = part_acc + kRowWarps;
+    part_m = block_acc[kRowWarps];
+    part_l = part_m + kRowWarps;
+    block_m = part_l + kRowWarps;
+    block_l = block_m + kRowWarps;
+  }
+};
+
+// One active row's CTA, once its pages are known: warp w attends over pages page_of(w),
+// page_of(w + kRowWarps), ... of the `pages` the row attends (pool pages of entry b, relative to
+// its first page) in tiles of 8 keys, each lane's slice one vector load, the next tile's loads
+// issued before the current one is added; the warps' prefix states and their block states (blk,
+// over the block's own keys) are merged by warp 0, which writes O_p (T), L_p and Q_ref of row r
+// and its output: the block state merged with the O_p and L_p as stored (what a stable row reads
+// back on the next step).
+template <class T, int D, class PageOf>
+__device__ __forceinline__ void attend_active_row(const PoolView& pool, const Rows4<const T>& q, const Rows4<T>& out,
+                                                  const Rows4<float>& lse, const RowShared<D>& sh,
+                                                  const float (&qs)[D / 32], RowState<D / 32, 8>& blk, int pages,
+                                                  PageOf&& page_of, int b, int h, int h_kv, int r, int64_t base,
+                                                  T* o_p, float* l_p, T* q_ref) {
+  constexpr int E = D / 32, kTile = 8;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  RowState<E, kTile> st;
+  const int64_t length = pool.length[b];
+  const int tiles_per_page = (pool.page_size + kTile - 1) / kTile;
+  const int warp_pages = pages > warp ? (pages - warp + kRowWarps - 1) / kRowWarps : 0;
+  const int warp_tiles = warp_pages * tiles_per_page;
+  const T* pool_k = static_cast<const T*>(pool.k) + (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size) * D;
+  const T* pool_v = static_cast<const T*>(pool.v) + (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size) * D;
+  auto load_tile = [&](typename RowState<E, kTile>::template Loaded<T>& tile, int j) {
+    const int i = warp + (j / tiles_per_page) * kRowWarps, t0 = (j % tiles_per_page) * kTile;
+    const int64_t begin = static_cast<int64_t>(page_of(i)) * pool.page_size + t0;
+    const int n = static_cast<int>(min(static_cast<int64_t>(min(kTile, pool.page_size - t0)), length - begin));
+    RowState<E, kTile>::template load</*Aligned=*/true>(tile, pool_k + begin * D, D, pool_v + begin * D, D, n, lane);
+  };
+  typename RowState<E, kTile>::template Loaded<T> even, odd;  // two buffers, named (not indexed)
+  if (warp_tiles > 0) load_tile(even, 0);
+  for (int j = 0; j < warp_tiles; j += 2) {
+    if (j + 1 < warp_tiles) load_tile(odd, j + 1);
+    st.add(qs, even);
+    if (j + 1 < warp_tiles) {
+      if (j + 2 < warp_tiles) load_tile(even, j + 2);
+      st.add(qs, odd);
+    }
+  }
+  if (lane == 0) {
+    sh.part_m[warp] = st.m;
+    sh.part_l[warp] = st.l;
+    sh.block_m[warp] = blk.m;
+    sh.block_l[warp] = blk.l;
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    sh.part_acc[warp][lane * E + e] = st.acc[e];
+    sh.block_acc[warp][lane * E + e] = blk.acc[e];
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  for (int w = 1; w < kRowWarps; ++w) {
+    float other[E], other_block[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      other[e] = sh.part_acc[w][lane * E + e];
+      other_block[e] = sh.block_acc[w][lane * E + e];
+    }
+    st.merge(sh.part_m[w], sh.part_l[w], other);
+    blk.merge(sh.block_m[w], sh.block_l[w], other_block);
+  }
+  const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
+  const T* q_row = q.row(b, h, r);
+  T* o = o_p + (base + r) * D;
+  T* qr = q_ref + (base + r) * D;
+  float prefix[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const T stored = from_float<T>(st.acc[e] * inv);
+    o[lane * E + e] = stored;
+    prefix[e] = to_float(stored);
+    qr[lane * E + e] = q_row[lane * E + e];
+  }
+  const float l_stored = st.lse2() * kLn2;
+  if (lane == 0) l_p[base + r] = l_stored;
+  merge_out<T, E, 8>(blk, length > 0 ? l_stored * kLog2e : -INFINITY, [&](int e) { return prefix[e]; },
+                     out.row(b, h, r), lse.row(b, h, r), lane);
+}
+
+// The block's own keys for an active row's CTA, every kRowWarps-th to warp w (one tile: block <=
+// 64).
+template <class T, int D>
+__device__ __forceinline__ RowState<D / 32, 8> active_block_state(const float (&qs)[D / 32],
+                                                                  const Rows4<const T>& k_block,
+                                                                  const Rows4<const T>& v_block, int block, int b,
+                                                                  int h_kv) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  RowState<D / 32, 8> blk;
+  static_assert(kRowWarps * 8 >= 64, "a block of up to 64 keys is one tile a warp");
+  if (warp < block) {
+    blk.add_tile(qs, k_block.row(b, h_kv, warp), k_block.ss * kRowWarps, v_block.row(b, h_kv, warp),
+                 v_block.ss * kRowWarps, (block - warp + kRowWarps - 1) / kRowWarps, lane);
+  }
+  return blk;
+}
+
+template <class T, int D, bool ATTEND = true>
 __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
     Rows4<float> lse, const int32_t* active, const int32_t* counts, const uint64_t* candidates, int64_t tiles,
@@ -781,14 +945,7 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     int block, int max_rows, float scale_log2, T* o_p, float* l_p, T* q_ref) {
   constexpr int E = D / 32;
   extern __shared__ __align__(16) unsigned char row_smem[];
-  // The warps' prefix states [kRowWarps][D], their block states [kRowWarps][D], then the m and l
-  // of each.
-  float(*part_acc)[D] = reinterpret_cast<float(*)[D]>(row_smem);
-  float(*block_acc)[D] = part_acc + kRowWarps;
-  float* part_m = block_acc[kRowWarps];
-  float* part_l = part_m + kRowWarps;
-  float* block_m = part_l + kRowWarps;
-  float* block_l = block_m + kRowWarps;
+  const RowShared<D> sh(row_smem);
   int32_t* plan_smem = reinterpret_cast<int32_t*>(row_smem + rows_state_bytes<D>());  // the row's plan, read back
   uint64_t* rows_smem = reinterpret_cast<uint64_t*>(row_smem + rows_state_bytes<D>() + rows_plan_bytes(plan_slots));  // the selection
   const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
@@ -816,135 +973,175 @@ __global__ void __launch_bounds__(kRowWarps * 32, 2) sparse_rows_kernel(
     if (threadIdx.x == 0) plan_counts[base + y] = 0;
     return;
   }
-  if (!slot_cta) {  // stable rows, kRowWarps a CTA: warp w takes the ((y - max_rows) * kRowWarps + w)-th
+  if (!slot_cta) {
     if (y == max_rows) {
       for (int j = max_rows + static_cast<int>(threadIdx.x); j < block; j += blockDim.x) plan_counts[base + j] = 0;
     }
-    const int want = (y - max_rows) * kRowWarps + warp;
-    if (want >= block - count) return;
-    uint64_t taken = 0;  // (block <= 64)
-    for (int s = 0; s < count; ++s) taken |= uint64_t{1} << active[static_cast<int64_t>(b) * block + s];
-    int r = 0;
-    for (int i = 0, left = want; i < block; ++i) {
-      if (taken >> i & 1) continue;
-      if (left-- == 0) {
-        r = i;
-        break;
-      }
+    if constexpr (ATTEND) {
+      stable_rows<T, D>(pool, q, k_block, v_block, out, lse, active, count, o_p, l_p, q_ref, heads_q, group, block,
+                        max_rows, scale_log2, b, h, y);
     }
-    merge_block_row<T, D, 8>(pool, q, k_block, v_block, out, lse, o_p, l_p, q_ref, heads_q, group, block, scale_log2,
-                             /*qref_all=*/false, b, h, r, lane);
     return;
   }
   const int r = slot_row, slot = y;
   float qs[E];
-  load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
-  constexpr int kTile = 8, kBlockTile = 8;
   const int h_kv = h / group;
-  // The block's own keys, every kRowWarps-th to warp w (one tile: block <= 64), while the
-  // candidates load: no warp waits on them after the pages.
-  RowState<E, kBlockTile> blk;
-  static_assert(kRowWarps * kBlockTile >= 64, "a block of up to 64 keys is one tile a warp");
-  if (warp < block) {
-    blk.add_tile(qs, k_block.row(b, h_kv, warp), k_block.ss * kRowWarps, v_block.row(b, h_kv, warp),
-                 v_block.ss * kRowWarps, (block - warp + kRowWarps - 1) / kRowWarps, lane);
+  // The block's own keys while the candidates load: no warp waits on them after the pages.
+  RowState<E, 8> blk;
+  if constexpr (ATTEND) {
+    load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
+    blk = active_block_state<T, D>(qs, k_block, v_block, block, b, h_kv);
   }
-  {
-    int32_t* plan = plan_pages + (base + slot) * capacity;
-    const bool plan_in_smem = !every_page && keep <= rows_plan_smem_pages(plan_slots);
-    int32_t* plan_copy = plan_in_smem ? plan_smem : plan;  // where the chosen pages are also written
-    if (every_page) {
-      for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = j;
-    } else {
-      if (rounds) {
-        __syncthreads();  // the candidates are in
-        const uint64_t* chosen = cta_rounds_select(rows_smem, rows_smem + nc, nc, keep, kRowWarps);
-        if (warp == 0) {
-          __syncwarp();
-          for (int j = lane; j < keep; j += 32) {
-            plan[j] = plan_copy[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
-          }
+  int32_t* plan = plan_pages + (base + slot) * capacity;
+  const bool plan_in_smem = ATTEND && !every_page && keep <= rows_plan_smem_pages(plan_slots);
+  int32_t* plan_copy = plan_in_smem ? plan_smem : plan;  // where the chosen pages are also written
+  if (every_page) {
+    for (int j = threadIdx.x; j < n; j += blockDim.x) plan[j] = j;
+  } else {
+    if (rounds) {
+      __syncthreads();  // the candidates are in
+      const uint64_t* chosen = cta_rounds_select(rows_smem, rows_smem + nc, nc, keep, kRowWarps);
+      if (warp == 0) {
+        __syncwarp();
+        for (int j = lane; j < keep; j += 32) {
+          plan[j] = plan_copy[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[static_cast<uint32_t>(chosen[j])]));
         }
-      } else if (warp == 0) {
-        uint32_t* hist = reinterpret_cast<uint32_t*>(rows_smem);
-        uint32_t* keys = hist + ba_att::kRadixBins;
-        for (int j = lane; j < nc; j += 32) keys[j] = static_cast<uint32_t>(cand[j] >> 32);
-        __syncwarp();
-        ba_att::warp_top_select(keys, hist, nc, keep, plan);
-        __syncwarp();
-        for (int j = lane; j < keep; j += 32) plan[j] = plan_copy[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
       }
+    } else if (warp == 0) {
+      uint32_t* hist = reinterpret_cast<uint32_t*>(rows_smem);
+      uint32_t* keys = hist + ba_att::kRadixBins;
+      for (int j = lane; j < nc; j += 32) keys[j] = static_cast<uint32_t>(cand[j] >> 32);
+      __syncwarp();
+      ba_att::warp_top_select(keys, hist, nc, keep, plan);
+      __syncwarp();
+      for (int j = lane; j < keep; j += 32) plan[j] = plan_copy[j] = static_cast<int32_t>(static_cast<uint32_t>(cand[plan[j]]));
     }
-    if (threadIdx.x == 0) plan_counts[base + slot] = keep;
-    __syncthreads();  // the plan is written
-    // Tiles of 8 keys, each lane's slice one vector load, two tiles in flight.
-    RowState<E, kTile> st;
-    const int64_t length = pool.length[b];
-    // The warp's tiles (its pages every kRowWarps-th, kTile keys a tile) in a software pipeline:
-    // the next tile's loads are issued before the current one is added.
-    const int tiles_per_page = (pool.page_size + kTile - 1) / kTile;
-    const int warp_pages = keep > warp ? (keep - warp + kRowWarps - 1) / kRowWarps : 0;
-    const int warp_tiles = warp_pages * tiles_per_page;
-    const T* pool_k = static_cast<const T*>(pool.k) + (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size) * D;
-    const T* pool_v = static_cast<const T*>(pool.v) + (h_kv * pool.pool_tokens + pool.first_page[b] * pool.page_size) * D;
-    auto load_tile = [&](typename RowState<E, kTile>::template Loaded<T>& tile, int j) {
-      const int i = warp + (j / tiles_per_page) * kRowWarps, t0 = (j % tiles_per_page) * kTile;
-      const int64_t begin = static_cast<int64_t>(every_page ? i : plan_copy[i]) * pool.page_size + t0;
-      const int n = static_cast<int>(min(static_cast<int64_t>(min(kTile, pool.page_size - t0)), length - begin));
-      RowState<E, kTile>::template load</*Aligned=*/true>(tile, pool_k + begin * D, D, pool_v + begin * D, D, n, lane);
-    };
-    typename RowState<E, kTile>::template Loaded<T> even, odd;  // two buffers, named (not indexed)
-    if (warp_tiles > 0) load_tile(even, 0);
-    for (int j = 0; j < warp_tiles; j += 2) {
-      if (j + 1 < warp_tiles) load_tile(odd, j + 1);
-      st.add(qs, even);
-      if (j + 1 < warp_tiles) {
-        if (j + 2 < warp_tiles) load_tile(even, j + 2);
-        st.add(qs, odd);
-      }
-    }
-    if (lane == 0) {
-      part_m[warp] = st.m;
-      part_l[warp] = st.l;
-      block_m[warp] = blk.m;
-      block_l[warp] = blk.l;
-    }
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      part_acc[warp][lane * E + e] = st.acc[e];
-      block_acc[warp][lane * E + e] = blk.acc[e];
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    for (int w = 1; w < kRowWarps; ++w) {
-      float other[E], other_block[E];
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        other[e] = part_acc[w][lane * E + e];
-        other_block[e] = block_acc[w][lane * E + e];
-      }
-      st.merge(part_m[w], part_l[w], other);
-      blk.merge(block_m[w], block_l[w], other_block);
-    }
-    // O_p (T), L_p and Q_ref of the row; then its output: the block state merged with the O_p
-    // and L_p as stored (what a stable row reads back on the next step).
-    const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
-    const T* q_row = q.row(b, h, r);
-    T* o = o_p + (base + r) * D;
-    T* qr = q_ref + (base + r) * D;
-    float prefix[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const T stored = from_float<T>(st.acc[e] * inv);
-      o[lane * E + e] = stored;
-      prefix[e] = to_float(stored);
-      qr[lane * E + e] = q_row[lane * E + e];
-    }
-    const float l_stored = st.lse2() * kLn2;
-    if (lane == 0) l_p[base + r] = l_stored;
-    merge_out<T, E, kBlockTile>(blk, length > 0 ? l_stored * kLog2e : -INFINITY, [&](int e) { return prefix[e]; },
-                           out.row(b, h, r), lse.row(b, h, r), lane);
   }
+  if (threadIdx.x == 0) plan_counts[base + slot] = keep;
+  if constexpr (ATTEND) {
+    __syncthreads();  // the plan is written
+    attend_active_row<T, D>(pool, q, out, lse, sh, qs, blk, keep,
+                            [&](int i) { return every_page ? i : plan_copy[i]; }, b, h, h_kv, r, base, o_p, l_p,
+                            q_ref);
+  }
+}
+
+// ---- attend_union: every active row over its kv head's union ----------------------------------
+
+// Dynamic shared memory of union_rows_kernel over a longest prefix of max_pages pages: the states,
+// then the union as a bitmap of the pages and, per 32-bit word, the set bits of the words before it
+// (one more entry: the union's size).
+__host__ __device__ constexpr int64_t union_words(int64_t max_pages) { return (max_pages + 31) / 32; }
+template <int D>
+__host__ __device__ constexpr size_t union_smem_bytes(int64_t max_pages) {
+  return rows_state_bytes<D>() + static_cast<size_t>(2 * union_words(max_pages) + 1) * sizeof(uint32_t);
+}
+
+// The attend_union steps' last launch, after sparse_rows_kernel<T, D, false> wrote every (head,
+// active slot)'s plan. Grid and stable CTAs as sparse_rows_kernel's. An active row's CTA gathers
+// the plans of its kv head's query heads (the group) at every active slot of the entry into a
+// bitmap of the entry's pages (shared-memory atomics: the same bits whatever the order), counts
+// each word's set bits before it (warp 0, a scan), and attends over the union ascending by page:
+// union index u is the page of rank u - before[w] in the word w that holds it (a binary search
+// over the counts), warp w taking indices w, w + kRowWarps, ... as sparse_rows_kernel takes its
+// plan's pages. CPU: paged_attention with attend_union, over the union its page_union gives.
+template <class T, int D>
+__global__ void __launch_bounds__(kRowWarps * 32, 2) union_rows_kernel(
+    PoolView pool, Rows4<const T> q, Rows4<const T> k_block, Rows4<const T> v_block, Rows4<T> out,
+    Rows4<float> lse, const int32_t* active, const int32_t* counts, int capacity, const int32_t* plan_pages,
+    const int32_t* plan_counts, int heads_q, int group, int block, int max_rows, float scale_log2, T* o_p, float* l_p,
+    T* q_ref) {
+  constexpr int E = D / 32;
+  extern __shared__ __align__(16) unsigned char row_smem[];
+  const RowShared<D> sh(row_smem);
+  const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t base = (static_cast<int64_t>(b) * heads_q + h) * block;
+  const int count = counts[b];
+  if (y >= max_rows) {
+    stable_rows<T, D>(pool, q, k_block, v_block, out, lse, active, count, o_p, l_p, q_ref, heads_q, group, block,
+                      max_rows, scale_log2, b, h, y);
+    return;
+  }
+  if (y >= count) return;
+  const int r = active[static_cast<int64_t>(b) * block + y], h_kv = h / group;
+  float qs[E];
+  load_query<T, E>(q.row(b, h, r), scale_log2, lane, qs);
+  RowState<E, 8> blk = active_block_state<T, D>(qs, k_block, v_block, block, b, h_kv);
+  const int n = static_cast<int>(pool.pages(b)), words = static_cast<int>(union_words(n));
+  uint32_t* bits = reinterpret_cast<uint32_t*>(row_smem + rows_state_bytes<D>());
+  uint32_t* before = bits + words;  // [words + 1]
+  for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0;
+  __syncthreads();
+  // The group's plans at the active slots: (g, slot, j) flat over the CTA.
+  const int64_t group_base = (static_cast<int64_t>(b) * heads_q + h_kv * group) * block;
+  const int64_t per_head = static_cast<int64_t>(count) * capacity;
+  for (int64_t idx = threadIdx.x; idx < group * per_head; idx += blockDim.x) {
+    const int64_t g = idx / per_head, slot = idx % per_head / capacity, j = idx % capacity;
+    const int64_t row = group_base + g * block + slot;
+    if (j < plan_counts[row]) {
+      const int page = plan_pages[row * capacity + j];
+      atomicOr(&bits[page >> 5], 1u << (page & 31));
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    uint32_t running = 0;
+    for (int w0 = 0; w0 < words; w0 += 32) {
+      const int w = w0 + lane;
+      const uint32_t c = w < words ? __popc(bits[w]) : 0u;
+      uint32_t incl = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+      }
+      if (w < words) before[w] = running + incl - c;
+      running += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) before[words] = running;
+  }
+  __syncthreads();
+  const int pages = static_cast<int>(before[words]);
+  auto page_of = [&](int u) {
+    int lo = 0, hi = words - 1;  // the last word with before[w] <= u holds union index u
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (static_cast<int>(before[mid]) <= u) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    uint32_t word = bits[lo];
+    for (int k = u - static_cast<int>(before[lo]); k > 0; --k) word &= word - 1u;  // drop the lower set bits
+    return lo * 32 + __ffs(static_cast<int>(word)) - 1;
+  };
+  attend_active_row<T, D>(pool, q, out, lse, sh, qs, blk, pages, page_of, b, h, h_kv, r, base, o_p, l_p, q_ref);
+}
+
+// ---- reuse: the active rows' dense prefix adopted --------------------------------------------
+
+// Grid (heads_q, max_rows, batch), one warp: the reuse method's active row of slot y (none past
+// the entry's count) takes its dense prefix output and LSE (o_new, l_new: the split-KV executor's,
+// every row of the block) as its O_p and L_p, and Q_ref = q; stable rows are not touched. Then
+// block_merge_kernel merges every row with its (O_p, L_p).
+template <class T, int D>
+__global__ void __launch_bounds__(32) adopt_rows_kernel(Rows4<const T> q, const int32_t* active, const int32_t* counts,
+                                                        const T* o_new, const float* l_new, int heads_q, int block,
+                                                        T* o_p, float* l_p, T* q_ref) {
+  constexpr int E = D / 32;
+  const int h = blockIdx.x, y = blockIdx.y, b = blockIdx.z, lane = threadIdx.x;
+  if (y >= counts[b]) return;
+  const int r = active[static_cast<int64_t>(b) * block + y];
+  const int64_t at = (static_cast<int64_t>(b) * heads_q + h) * block + r;
+  const T* q_row = q.row(b, h, r);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    o_p[at * D + lane * E + e] = o_new[at * D + lane * E + e];
+    q_ref[at * D + lane * E + e] = q_row[lane * E + e];
+  }
+  if (lane == 0) l_p[at] = l_new[at];
 }
 
 }  // namespace sparsa::cuda::losa

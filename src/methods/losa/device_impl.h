@@ -72,8 +72,15 @@ struct StepArgs {
   bool use_threshold = false;
   double threshold = 0.0;
   bool force_first = false, force_last = true;
+  // Sparse steps: each active row attends over the union of the pages its kv head's query heads
+  // chose at the entry's active rows (LosaOptions::attend_union), not its own pages alone.
+  bool attend_union = false;
 };
 
+// Whether a sparse step over a longest prefix of max_pages pages at `capacity` pages a row fits
+// the device: its selection's shared memory grows with the prefix. Checked before any launch.
+Status sparse_step_fits(DType dtype, int64_t head_dim, int64_t max_pages, int64_t capacity, bool attend_union,
+                        int device);
 // A dense step's first launches: every row active (active, active_counts), plan counts zero.
 Status dense_rows(const StepArgs& a);
 // A sparse step, whole (three launches): the active rows (LoSA's query mse against q_ref, top-K
@@ -81,9 +88,16 @@ Status dense_rows(const StepArgs& a);
 // (forced pages first), attention of each over its pages into o_p, l_p (q_ref of those rows =
 // q), and every row's attention over the block's own keys merged with (o_p, l_p) into out, lse.
 Status sparse_step(const StepArgs& a);
-// A dense step's last launch, after o_p and l_p are written: every row's attention over the
-// block's own keys merged with (o_p, l_p) into out, lse (an entry with an empty prefix takes the
-// block's alone); q_ref = q for every row.
-Status block_merge(const StepArgs& a);
+// The reuse method's later steps, first launches: LoSA's active rows (query mse against q_ref,
+// top-K or threshold) into active, active_counts; plan counts zero.
+Status reuse_rows(const StepArgs& a);
+// Then, once o_new, l_new ([batch, heads_q, block, head_dim] in the pool dtype, f32 [batch,
+// heads_q, block], contiguous) hold every row's dense prefix attention: the active rows' o_p, l_p
+// from them and q_ref = q (stable rows untouched).
+Status adopt_rows(const StepArgs& a, const void* o_new, const float* l_new);
+// A dense or reuse step's last launch, after o_p and l_p are written: every row's attention over
+// the block's own keys merged with (o_p, l_p) into out, lse (an entry with an empty prefix takes
+// the block's alone); with qref_all (dense steps), q_ref = q for every row.
+Status block_merge(const StepArgs& a, bool qref_all);
 
 }  // namespace sparsa::losa_cuda

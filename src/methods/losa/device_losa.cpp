@@ -64,7 +64,7 @@ Result<DevicePagedKVCache> DevicePagedKVCache::create(const DeviceKVCacheConfig&
     return unsupported_dtype(std::string("dtype: the device cache holds bf16 or f16, got ") + dtype_name(c.dtype));
   }
   if (c.pool_pages < 1) return invalid_argument("pool_pages: expected >= 1, got " + str(c.pool_pages));
-  if (c.pool_pages * c.page_size > (int64_t{1} << 31) - 1) {
+  if (c.pool_pages > ((int64_t{1} << 31) - 1) / c.page_size) {  // pool_pages * page_size would overflow first
     return invalid_argument("pool_pages: at most 2^31 - 1 tokens per kv head, got " + str(c.pool_pages) + " pages of " +
                             str(c.page_size));
   }
@@ -91,6 +91,10 @@ int64_t DevicePagedKVCache::free_pages() const {
 Result<int> DevicePagedKVCache::add_sequence(int64_t max_tokens) {
   if (k_.empty()) return invalid_argument("cache: not created (use DevicePagedKVCache::create)");
   if (max_tokens < 1) return invalid_argument("max_tokens: expected >= 1, got " + str(max_tokens));
+  if (max_tokens > config_.pool_pages * config_.page_size) {  // (at most 2^31 - 1: create checks)
+    return Status(StatusCode::out_of_memory, "max_tokens: " + str(max_tokens) + " tokens exceed the pool of " +
+                                                 str(config_.pool_pages) + " pages of " + str(config_.page_size));
+  }
   const int64_t pages = (max_tokens + config_.page_size - 1) / config_.page_size;
   // First fit over the gaps between the live runs, in pool order.
   std::vector<std::pair<int64_t, int64_t>> runs;
@@ -201,9 +205,11 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   if (c.batch < 1 || c.batch > losa_cuda::kMaxBatch) {
     return invalid_argument("batch: expected 1 to " + str(losa_cuda::kMaxBatch) + " sequences, got " + str(c.batch));
   }
-  if (c.heads_kv < 1) return invalid_argument("heads_kv: expected >= 1, got " + str(c.heads_kv));
-  if (c.heads_q < 1 || c.heads_q % c.heads_kv != 0) {
-    return invalid_argument("heads_q: expected a positive multiple of heads_kv (" + str(c.heads_kv) + "), got " +
+  if (c.heads_kv < 1 || c.heads_kv > 1024) return invalid_argument("heads_kv: expected 1 to 1024, got " + str(c.heads_kv));
+  // At most 4096 query heads: the candidates kernel's grid holds heads_kv x (up to 4 x group)
+  // chunks in its y dimension (at most 65535).
+  if (c.heads_q < 1 || c.heads_q > 4096 || c.heads_q % c.heads_kv != 0) {
+    return invalid_argument("heads_q: expected a multiple of heads_kv (" + str(c.heads_kv) + ") from 1 to 4096, got " +
                             str(c.heads_q));
   }
   if (c.head_dim != 64 && c.head_dim != 128) {
@@ -216,11 +222,9 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   if (dtype != DType::bf16 && dtype != DType::f16) {
     return unsupported_dtype(std::string("dtype: the device path takes bf16 or f16, got ") + dtype_name(dtype));
   }
-  if (o.method == PrefixMethod::reuse) {
-    return Status(StatusCode::unsupported, "method: reuse has no device path yet (dense, quest or losa)");
-  }
-  if (o.method != PrefixMethod::dense && o.method != PrefixMethod::quest && o.method != PrefixMethod::losa) {
-    return invalid_argument("method: expected dense, quest or losa, got " + str(static_cast<int>(o.method)));
+  if (o.method != PrefixMethod::dense && o.method != PrefixMethod::quest && o.method != PrefixMethod::losa &&
+      o.method != PrefixMethod::reuse) {
+    return invalid_argument("method: expected dense, quest, losa or reuse, got " + str(static_cast<int>(o.method)));
   }
   if (o.select.selector != PageSelector::quest) {
     return Status(StatusCode::unsupported, "selector: the device path selects with quest only");
@@ -228,11 +232,10 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
   if (o.select.group != GroupPolicy::per_head) {
     return Status(StatusCode::unsupported, "group: the device path selects per_head only");
   }
-  if (o.attend_union) return Status(StatusCode::unsupported, "attend_union: not on the device path");
   if (o.attention.backend != Backend::cuda) {
     return invalid_argument(std::string("backend: the device path runs on cuda, got ") + backend_name(o.attention.backend));
   }
-  if (o.method == PrefixMethod::losa) {
+  if (o.method == PrefixMethod::losa || o.method == PrefixMethod::reuse) {
     if (o.mse_threshold) {
       if (!std::isfinite(*o.mse_threshold) || *o.mse_threshold < 0) {
         return invalid_argument("mse_threshold: expected a finite number >= 0, got " + std::to_string(*o.mse_threshold));
@@ -264,6 +267,13 @@ Result<DevicePrefixAttention> DevicePrefixAttention::create(const DeviceLosaConf
     auto a = DeviceArray::allocate(w.dtype, w.shape, dev, /*zero_fill=*/true, stream);
     if (!a.ok()) return a.status();
     *w.array = std::move(a).value();
+  }
+  if (o.method == PrefixMethod::reuse) {  // every row's dense prefix, before the active rows adopt theirs
+    for (Want w : {Want{&pa.o_new_, dtype, {B, H, Bb, D}}, Want{&pa.l_new_, DType::f32, {B, H, Bb}}}) {
+      auto a = DeviceArray::allocate(w.dtype, w.shape, dev, /*zero_fill=*/true, stream);
+      if (!a.ok()) return a.status();
+      *w.array = std::move(a).value();
+    }
   }
   return pa;
 }
@@ -309,7 +319,8 @@ Status DevicePrefixAttention::step_entries(int64_t first, const DevicePagedKVCac
     return invalid_argument("lse: expected a tensor on cuda:" + str(device_) + ", got " + device_name(lse.device));
   }
   const int64_t keep = options_.select.budget / cc.page_size;
-  if (options_.method != PrefixMethod::dense &&
+  // The page budget matters where pages are selected (as the CPU's validate: losa and quest).
+  if ((options_.method == PrefixMethod::losa || options_.method == PrefixMethod::quest) &&
       (options_.select.budget % cc.page_size != 0 ||
        keep < int64_t{options_.select.force_first} + int64_t{options_.select.force_last})) {
     SPARSA_RETURN_IF_ERROR(validate(options_.select, cc.page_size));
@@ -324,14 +335,27 @@ Status DevicePrefixAttention::step_entries(int64_t first, const DevicePagedKVCac
     max_pages = std::max(max_pages, (s->length + cc.page_size - 1) / cc.page_size);
   }
   const PrefixMethod m = options_.method;
-  auto dense_prefix = [&](int64_t e) { return m == PrefixMethod::dense || (m == PrefixMethod::losa && steps_in_block_[e] == 0); };
+  // An entry's first step of a block is dense for losa and reuse; the later steps of reuse are
+  // dense for the active rows (no pages are selected).
+  auto dense_prefix = [&](int64_t e) {
+    return m == PrefixMethod::dense || ((m == PrefixMethod::losa || m == PrefixMethod::reuse) && steps_in_block_[e] == 0);
+  };
 
   // The page plan and the candidates' scratch (for the whole batch), sized before any launch
   // (grown only when a longer prefix or another page size comes: a step captured in a graph then
   // allocates nothing).
   bool any_sparse = false;
-  for (int64_t b = 0; b < n; ++b) any_sparse = any_sparse || !dense_prefix(first + b);
+  for (int64_t b = 0; b < n; ++b) any_sparse = any_sparse || (!dense_prefix(first + b) && m != PrefixMethod::reuse);
   if (any_sparse) {
+    // The selection's shared memory grows with the prefix: a prefix too long for it is refused
+    // here, before any entry's launches.
+    if (Status fits = losa_cuda::sparse_step_fits(dtype_, D, max_pages, keep, options_.attend_union, device_);
+        !fits.ok()) {
+      return Status(fits.code(), "seqs: the longest prefix, " + str(max_pages) + " pages of " + str(cc.page_size) +
+                                     " tokens, keeping " + str(keep) + " pages a row, needs more shared memory than " +
+                                     "cuda:" + str(device_) + " gives a block (" + fits.message() +
+                                     "); a larger page_size or a smaller budget fits");
+    }
     if (capacity_ != keep || plan_pages_.empty()) {
       auto pages = DeviceArray::allocate(DType::i32, {B, H, Bb, std::max<int64_t>(keep, 1)},
                                          Device{DeviceType::cuda, device_}, true, stream);
@@ -397,7 +421,8 @@ Status DevicePrefixAttention::run_entries(int64_t first, int64_t count, bool fir
   a.lse = lse;
   a.scale = options_.attention.scale.value_or(1.0f / std::sqrt(static_cast<float>(D)));
   const PrefixMethod m = options_.method;
-  const bool dense_prefix = m == PrefixMethod::dense || (m == PrefixMethod::losa && first_step);
+  const bool dense_prefix =
+      m == PrefixMethod::dense || ((m == PrefixMethod::losa || m == PrefixMethod::reuse) && first_step);
   a.o_p = at(o_p_);
   a.l_p = static_cast<float*>(at(l_p_));
   a.q_ref = at(q_ref_);
@@ -409,16 +434,21 @@ Status DevicePrefixAttention::run_entries(int64_t first, int64_t count, bool fir
   a.candidates = static_cast<uint64_t*>(at(candidates_));
   a.candidate_tiles = candidate_tiles_;
   a.mse = static_cast<double*>(at(mse_));
-  a.all_rows = first_step || m != PrefixMethod::losa;
+  a.all_rows = first_step || (m != PrefixMethod::losa && m != PrefixMethod::reuse);
   a.active_k = options_.active_k;
   a.use_threshold = options_.mse_threshold.has_value();
   a.threshold = options_.mse_threshold.value_or(0.0);
   a.force_first = options_.select.force_first;
   a.force_last = options_.select.force_last;
+  a.attend_union = options_.attend_union;
 
-  if (!dense_prefix) return losa_cuda::sparse_step(a);
-  // Every row, through the dense executor (split-KV for a long prefix), into O_p and L_p.
-  SPARSA_RETURN_IF_ERROR(losa_cuda::dense_rows(a));
+  const bool reuse = !dense_prefix && m == PrefixMethod::reuse;
+  if (!dense_prefix && !reuse) return losa_cuda::sparse_step(a);
+  // Every row, through the dense executor (split-KV for a long prefix), into O_p and L_p; for
+  // reuse into scratch, from which the active rows (chosen first, from Q_ref as it was) adopt theirs.
+  SPARSA_RETURN_IF_ERROR(reuse ? losa_cuda::reuse_rows(a) : losa_cuda::dense_rows(a));
+  const DeviceArray& o_dst = reuse ? o_new_ : o_p_;
+  const DeviceArray& l_dst = reuse ? l_new_ : l_p_;
   AttentionOptions ao;
   ao.backend = Backend::cuda;
   ao.scale = a.scale;
@@ -426,14 +456,15 @@ Status DevicePrefixAttention::run_entries(int64_t first, int64_t count, bool fir
   for (int64_t b = 0; b < count; ++b) {
     if (a.seqs[b].length == 0) continue;  // no prefix: block_merge takes the block alone
     const Tensor qb = entry(q, b);
-    const Tensor ob = entry(o_p_.view(), first + b), lb = entry(l_p_.view(), first + b);
+    const Tensor ob = entry(o_dst.view(), first + b), lb = entry(l_dst.view(), first + b);
     // The prefix read in place: the sequence's run of pages as one strided view.
     auto kb = cache.keys(seqs[b]), vb = cache.values(seqs[b]);
     if (!kb.ok()) return kb.status();
     if (!vb.ok()) return vb.status();
     SPARSA_RETURN_IF_ERROR(dense(qb, kb.value(), vb.value(), ob, lb, ao));
   }
-  return losa_cuda::block_merge(a);
+  if (reuse) SPARSA_RETURN_IF_ERROR(losa_cuda::adopt_rows(a, at(o_new_), static_cast<const float*>(at(l_new_))));
+  return losa_cuda::block_merge(a, /*qref_all=*/!reuse);
 }
 
 void DevicePrefixAttention::begin_block() { std::fill(steps_in_block_.begin(), steps_in_block_.end(), 0); }
@@ -456,8 +487,13 @@ Status DevicePrefixAttention::commit(DevicePagedKVCache& cache, const std::vecto
   const std::initializer_list<int64_t> shape = {B, config_.heads_kv, config_.block_size, config_.head_dim};
   SPARSA_RETURN_IF_ERROR(check_device_tensor("k_block", k_block, device_, dtype_, shape));
   SPARSA_RETURN_IF_ERROR(check_device_tensor("v_block", v_block, device_, dtype_, shape));
-  // Every sequence has room before anything is written.
+  // Every sequence named once and with room before anything is written.
   for (int64_t b = 0; b < B; ++b) {
+    for (int64_t a = 0; a < b; ++a)
+      if (seqs[a] == seqs[b]) {
+        return invalid_argument("seqs[" + str(b) + "]: sequence " + str(seqs[b]) + " is also seqs[" + str(a) +
+                                "]; a commit appends one block to each sequence once");
+      }
     auto len = cache.length(seqs[b]);
     if (!len.ok()) return Status(len.status().code(), "seqs[" + str(b) + "]: " + len.status().message());
     if (*len + config_.block_size > cache.capacity(seqs[b]).value()) {

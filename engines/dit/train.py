@@ -11,7 +11,8 @@ Each run (attention x seed) lives in OUT/ATTENTION-seedS/: checkpoint.pt (writte
 train.checkpoint_every steps and at the end; a run that finds one resumes from it), log.csv
 (step, mean training loss since the last row, learning rate, training seconds, held-out loss where
 evaluated), summary.json, samples.png (and samples_ba_att_*.png for full-attention runs). OUT
-gets results.json, results.md (the table) and compare.png (first seed: a row of held-out images,
+gets results.json, results.md (the table, and how many of each run's samples and of as many
+held-out images show a bar, by bars.py) and compare.png (first seed: a row of held-out images,
 then one row per attention, every row from the same starting noise). Default OUT:
 out/dit/NAME.
 
@@ -51,6 +52,7 @@ except ModuleNotFoundError:
     raise SystemExit("engines.dit needs PyTorch (a training-time dependency): pip install torch") from None
 
 from .attention import AttentionSpec, keys_per_query  # noqa: E402
+from .bars import count_bars  # noqa: E402
 from .data import make_images  # noqa: E402
 from .flow import euler_sample, flow_loss, noise_scale  # noqa: E402
 from .model import PixelDiT  # noqa: E402
@@ -448,6 +450,30 @@ def compare_grid(out: Path, cfg: ExperimentConfig, seed: int, kinds: Sequence[st
     return path
 
 
+def bars_drawn(out: Path, cfg: ExperimentConfig, summaries: List[Dict], heldout) -> Dict[str, List[int]]:
+    """Images with a bar (bars.py) among the first sample.images held-out images and among each
+    finished run's samples (the BA-Att samplings of full runs too): name -> [with a bar, images]."""
+    n = cfg.sample.images
+    counts = {"held-out": [count_bars(heldout[0][:n].numpy()), min(n, len(heldout[0]))]}
+    for s in summaries:
+        if not s.get("finished"):
+            continue
+        run_dir = out / f"{s['attention']}-seed{s['seed']}"
+        names = [("", s["label"])] + [(f"_ba_att_d{b['density']:g}" + ("" if b["sort"] else "_unsorted"),
+                                       f"full, sampled with {b['label']}") for b in s.get("ba_att", [])]
+        for suffix, label in names:
+            path = run_dir / f"samples{suffix}.npy"
+            if path.exists():
+                images = np.load(path)
+                counts[f"{label} (seed {s['seed']})"] = [count_bars(images), len(images)]
+    return counts
+
+
+def format_bars(counts: Dict[str, List[int]]) -> str:
+    return ("Images with a bar (engines/dit/bars.py): " +
+            "; ".join(f"{name}: {k} of {n}" for name, (k, n) in counts.items()) + ".")
+
+
 def run_experiment(cfg: ExperimentConfig, seeds: Sequence[int], out: Path, device="cpu", num_threads: int = 0,
                    fresh: bool = False, stop_after: Optional[int] = None, table_only: bool = False,
                    log: Callable[[str], None] = print) -> Dict:
@@ -475,17 +501,18 @@ def run_experiment(cfg: ExperimentConfig, seeds: Sequence[int], out: Path, devic
     table = format_table(rows, cfg.model.tokens)
     finished_seeds = [s["seed"] for s in summaries if s.get("finished")]
     grid = compare_grid(out, cfg, finished_seeds[0], cfg.attention, heldout) if finished_seeds else None
+    bars = bars_drawn(out, cfg, summaries, heldout)
     result = {"config": config_mod.to_dict(cfg), "seeds": list(seeds), "device": str(device),
               "num_threads": num_threads, "wall_seconds": round(time.time() - started, 1), "runs": summaries,
-              "table": rows}
+              "table": rows, "bars": bars}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     how = "".join([f", {cfg.train.steps} steps",
                    ", training steps under bf16 autocast" if any(s.get("autocast_bf16") for s in summaries) else "",
                    f", EMA weights (decay {cfg.train.ema:g}) scored and sampled" if cfg.train.ema else ""])
     (out / "results.md").write_text(f"# {cfg.name}\n\n{cfg.description}\n\nHeld-out flow-matching loss{how}.\n\n"
-                                    f"{table}\n")
+                                    f"{table}\n\n{format_bars(bars)}\n")
     log(f"\n{cfg.name}: held-out flow-matching loss ({len(heldout[0])} held-out images, same noise and "
-        f"timesteps for every model){how}\n{table}")
+        f"timesteps for every model){how}\n{table}\n{format_bars(bars)}")
     if grid is not None:
         log(f"samples side by side: {grid} (rows: {out / 'compare.txt'})")
     return result

@@ -145,6 +145,8 @@ def test_the_stamp_follows_the_sources(tmp_path):
     (tmp_path / "src" / "__pycache__" / "x.pyc").write_text("cache")
     (tmp_path / "src" / "build-x").mkdir()
     (tmp_path / "src" / "build-x" / "o.o").write_text("object")
+    (tmp_path / "src" / "NOTES.md").write_text("no build reads Markdown or PNG files\n")
+    (tmp_path / "src" / "plot.png").write_bytes(b"\x89PNG")
     assert of_tmp() == a
     (tmp_path / "src" / "a.cpp").write_text("int b;\n")
     b = of_tmp()

@@ -126,6 +126,9 @@ TEST(LosaCudaConfig, TheTraceDriverOnCudaRefusesWhatItCannotDo) {
     ASSERT_FALSE(none.ok());
     EXPECT_NE(none.status().message().find("the cuda backend is not available in this build"), std::string::npos)
         << none.status().to_string();
+    // and why: not compiled in, or no device visible (a build without CUDA once said "no CUDA device").
+    EXPECT_NE(none.status().message().find(backend_status(Backend::cuda).message()), std::string::npos)
+        << none.status().to_string();
   }
 }
 

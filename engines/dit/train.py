@@ -341,7 +341,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
                 ba_spec = cfg.spec("ba_att", num_threads, density=density, sort=sort)
                 scored.set_attention(ba_spec)
                 loss = evaluate(scored, heldout, cfg, device)
-                name = f"_ba_att_d{density:g}" + ("" if sort else "_unsorted")
+                name = ba_att_suffix(density, sort)
                 samples[name] = draw_samples(scored, cfg, device)
                 summary["ba_att"].append({"density": density, "sort": sort, "label": ba_spec.label(),
                                           "keys_per_query": keys_per_query(cfg.model.tokens, ba_spec),
@@ -434,7 +434,7 @@ def compare_grid(out: Path, cfg: ExperimentConfig, seed: int, kinds: Sequence[st
     rows, legend = [heldout[0][:cols].numpy()], ["held-out images"]
     for kind in kinds:
         run_dir = out / f"{kind}-seed{seed}"
-        names = [""] + ([f"_ba_att_d{d:g}" + ("" if s else "_unsorted") for s in cfg.ba_att.sort
+        names = [""] + ([ba_att_suffix(d, s) for s in cfg.ba_att.sort
                          for d in cfg.ba_att.densities] if kind == "full" else [])
         for name in names:
             path = run_dir / f"samples{name}.npy"
@@ -450,6 +450,11 @@ def compare_grid(out: Path, cfg: ExperimentConfig, seed: int, kinds: Sequence[st
     return path
 
 
+def ba_att_suffix(density: float, sort: bool) -> str:
+    """The file-name suffix of a full run's samples drawn with BA-Att (samples{suffix}.npy/.png)."""
+    return f"_ba_att_d{density:g}" + ("" if sort else "_unsorted")
+
+
 def bars_drawn(out: Path, cfg: ExperimentConfig, summaries: List[Dict], heldout) -> Dict[str, List[int]]:
     """Images with a bar (bars.py) among the first sample.images held-out images and among each
     finished run's samples (the BA-Att samplings of full runs too): name -> [with a bar, images]."""
@@ -459,8 +464,8 @@ def bars_drawn(out: Path, cfg: ExperimentConfig, summaries: List[Dict], heldout)
         if not s.get("finished"):
             continue
         run_dir = out / f"{s['attention']}-seed{s['seed']}"
-        names = [("", s["label"])] + [(f"_ba_att_d{b['density']:g}" + ("" if b["sort"] else "_unsorted"),
-                                       f"full, sampled with {b['label']}") for b in s.get("ba_att", [])]
+        names = [("", s["label"])] + [(ba_att_suffix(b["density"], b["sort"]), f"full, sampled with {b['label']}")
+                                      for b in s.get("ba_att", [])]
         for suffix, label in names:
             path = run_dir / f"samples{suffix}.npy"
             if path.exists():

@@ -19,10 +19,9 @@ namespace {
 std::string str(int64_t x) { return std::to_string(x); }
 
 Status check_device(const char* name, int device) {
-  // Why not: not compiled in, or compiled in with no device visible (backend_status says which).
+  // Not compiled in, or compiled in with no device visible: backend_status says which.
   if (const Status why = backend_status(Backend::cuda); !why.ok()) {
-    return Status(why.code(), std::string(name) + ": the cuda backend is not available in this build (" + why.message() +
-                                  ")");
+    return Status(why.code(), std::string(name) + ": " + why.message());
   }
   if (device < 0 || device >= cuda::device_count()) {
     return invalid_argument(std::string(name) + ": expected a cuda device id in [0, " + str(cuda::device_count()) +

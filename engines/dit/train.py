@@ -122,9 +122,19 @@ def save_grid(path: Path, images: np.ndarray, cfg: ExperimentConfig) -> None:
     write_png(path, image_grid(images, cfg.sample.columns, upscale=cfg.sample.upscale))
 
 
+def progress_samples(model, cfg: ExperimentConfig, device, run_dir: Path, step: int) -> int:
+    """Samples of ``model`` at training step ``step`` (the noise of the final samples), written
+    as samples_step{step}.npy/.png in ``run_dir``; returns how many show a bar (bars.py)."""
+    model.eval()
+    images = draw_samples(model, cfg, device)
+    np.save(run_dir / f"samples_step{step}.npy", images)
+    save_grid(run_dir / f"samples_step{step}.png", images, cfg)
+    return count_bars(images)
+
+
 # ---- one run ---------------------------------------------------------------------------------
 
-LOG_FIELDS = ["step", "train_loss", "lr", "train_seconds", "heldout_loss"]
+LOG_FIELDS = ["step", "train_loss", "lr", "train_seconds", "heldout_loss", "sample_bars"]
 
 
 def fingerprint(cfg: ExperimentConfig, kind: str, seed: int) -> Dict:
@@ -304,12 +314,17 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
         at_eval = step == steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
         if step == target or at_eval or (cfg.train.log_every and step % cfg.train.log_every == 0):
             heldout_loss = evaluate(scored, heldout, cfg, device) if at_eval else None
+            # A mid-run evaluation also samples (the final samples come after the loop), so a
+            # run cut short still shows what its model draws, and its bar count over time.
+            bars = progress_samples(scored, cfg, device, run_dir, step) if at_eval and step < steps else None
             model.train()
             rows.append({"step": step, "train_loss": sum(window) / len(window), "lr": lr,
-                         "train_seconds": round(train_seconds, 3), "heldout_loss": heldout_loss})
+                         "train_seconds": round(train_seconds, 3), "heldout_loss": heldout_loss,
+                         "sample_bars": bars})
             rate = session_seconds / session_steps
             eta = rate * (target - step)
             extra = f"  held-out {heldout_loss:.4f}" if heldout_loss is not None else ""
+            extra += f"  bars {bars}/{cfg.sample.images}" if bars is not None else ""
             log(f"{tag} step {step}/{steps}  loss {rows[-1]['train_loss']:.4f}  lr {lr:.2e}  "
                 f"{rate:.3f} s/step  eta {eta / 60:.1f} min{extra}")
             window = []

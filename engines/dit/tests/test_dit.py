@@ -369,6 +369,13 @@ def test_tiny_trains_and_its_loss_decreases(tmp_path, capsys):
         assert heldout[-1] < 0.67 * heldout[0], (kind, heldout)
         assert (run / "samples.png").read_bytes()[:4] == b"\x89PNG"
         assert (run / "checkpoint.pt").exists()
+        # The mid-run evaluation (step 20 of 40) sampled too and counted the bars; the last did not.
+        assert (run / "samples_step20.png").read_bytes()[:4] == b"\x89PNG"
+        progress = np.load(run / "samples_step20.npy")
+        assert progress.shape == np.load(run / "samples.npy").shape and np.isfinite(progress).all()
+        bars = {int(r["step"]): r["sample_bars"] for r in rows}
+        assert bars[20] == str(train_mod.count_bars(progress)) and bars[40] == ""
+        assert not (run / "samples_step40.npy").exists()
     assert (out / "full-seed0" / "samples_ba_att_d0.5.png").exists()
     assert (out / "compare.png").exists()
     assert "| llsa (block 4, top-K 2) |" in printed and "held-out" in printed

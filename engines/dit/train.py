@@ -122,13 +122,18 @@ def save_grid(path: Path, images: np.ndarray, cfg: ExperimentConfig) -> None:
     write_png(path, image_grid(images, cfg.sample.columns, upscale=cfg.sample.upscale))
 
 
+def save_samples(run_dir: Path, suffix: str, images: np.ndarray, cfg: ExperimentConfig) -> None:
+    """A run's samples as samples{suffix}.npy (the values) and samples{suffix}.png (the grid)."""
+    np.save(run_dir / f"samples{suffix}.npy", images)
+    save_grid(run_dir / f"samples{suffix}.png", images, cfg)
+
+
 def progress_samples(model, cfg: ExperimentConfig, device, run_dir: Path, step: int) -> int:
     """Samples of ``model`` at training step ``step`` (the noise of the final samples), written
     as samples_step{step}.npy/.png in ``run_dir``; returns how many show a bar (bars.py)."""
     model.eval()
     images = draw_samples(model, cfg, device)
-    np.save(run_dir / f"samples_step{step}.npy", images)
-    save_grid(run_dir / f"samples_step{step}.png", images, cfg)
+    save_samples(run_dir, f"_step{step}", images, cfg)
     return count_bars(images)
 
 
@@ -364,8 +369,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
                 log(f"{tag} sampled with {ba_spec.label()}: held-out {loss:.4f}")
         scored.set_attention(spec)
     for name, images in samples.items():
-        np.save(run_dir / f"samples{name}.npy", images)
-        save_grid(run_dir / f"samples{name}.png", images, cfg)
+        save_samples(run_dir, name, images, cfg)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"{tag} done: held-out {summary['heldout_loss']:.4f}, {summary['seconds_per_step']} s/step"
         f"{' (compiled, the first step compiling)' if cfg.train.compile else ''}")

@@ -568,16 +568,31 @@ std::vector<Case> cases() {
   // 100/25/7/2 tokens has 7 candidates under two parent picks of 4 children each; counts 7.
   v.push_back({.name = "N100_block4_topk16_levels3_few_candidates", .len = 100, .block = 4, .topk = 16, .levels = 3});
   v.push_back({.name = "N100_block2_topk16_few_candidates", .len = 100, .block = 2, .topk = 16});
-  // Rung 3: the coarsest level through the dense executor, merged by LSE (N a multiple of B^L, no
-  // dedupe, at least 256 coarsest tokens, or fewer with SPARSA_LLSA_FORWARD_RUNG=3): one level and
-  // two, GQA, f16 at d 128, strided rows; the same shape with rung 2 forced, one where dedupe keeps
-  // the level in the kernel, and one whose coarsest level is too short to leave it.
-  v.push_back({.name = "N4096_rung3_levels1", .len = 4096, .levels = 1, .expect_rung = 3});
+  // Rungs 3 and 4: the coarsest level ahead of the row-wise kernel, merged by LSE (N a multiple of
+  // B^L, no dedupe, at least 256 coarsest tokens, or fewer when forced), through the dense executor
+  // (rung 3) or with its keys resident in shared memory (rung 4, the default where they fit): one
+  // level and two, GQA, a batch, f16 at d 128, strided and unaligned rows, a partial 64-key step;
+  // each with rung 3 beside it; one where dedupe keeps the level in the kernel, one whose coarsest
+  // level is too short to leave it, and one too long for shared memory (the executor by default).
+  v.push_back({.name = "N4096_rung4_levels1", .len = 4096, .levels = 1, .expect_rung = 4});
+  v.push_back({.name = "N4096_rung3_levels1", .len = 4096, .levels = 1, .rung = 3, .expect_rung = 3});
+  v.push_back({.name = "N4096_rung4_batch3_gqa", .batch = 3, .heads_q = 4, .heads_kv = 2, .len = 4096, .levels = 1,
+               .backward = false, .expect_rung = 4});
+  v.push_back({.name = "N16384_rung4_levels2_gqa", .heads_q = 2, .heads_kv = 1, .len = 16384, .levels = 2,
+               .rung = 4, .expect_rung = 4});
   v.push_back({.name = "N16384_rung3_levels2_gqa", .heads_q = 2, .heads_kv = 1, .len = 16384, .levels = 2,
                .rung = 3, .expect_rung = 3});
   v.push_back({.name = "N4096_levels2_short_coarsest_keeps_rung2", .len = 4096, .levels = 2, .expect_rung = 2});
+  v.push_back({.name = "N4096_rung4_f16_d128_strided", .dtype = DType::f16, .len = 4096, .head_dim = 128,
+               .levels = 1, .seq_pad = 8, .expect_rung = 4});
   v.push_back({.name = "N4096_rung3_f16_d128_strided", .dtype = DType::f16, .len = 4096, .head_dim = 128,
-               .levels = 1, .seq_pad = 8, .expect_rung = 3});
+               .levels = 1, .seq_pad = 8, .rung = 3, .expect_rung = 3});
+  v.push_back({.name = "N4096_rung4_unaligned", .len = 4096, .levels = 1, .backward = false, .seq_pad = 3, .rung = 4,
+               .expect_rung = 4});
+  v.push_back({.name = "N2000_block20_peaky_rung4", .len = 2000, .block = 20, .topk = 6, .backward = false,
+               .amplitude = 4.0f, .rung = 4, .expect_rung = 4});  // 100 tokens: one whole 64-key step, one partial
+  v.push_back({.name = "N8192_block8_coarsest_too_big_takes_rung3", .len = 8192, .block = 8, .levels = 1,
+               .backward = false, .expect_rung = 3});  // 1,024 tokens: 288 KiB of K and V at d 64
   v.push_back({.name = "N4096_rung2_forced", .len = 4096, .levels = 1, .rung = 2, .expect_rung = 2});
   v.push_back({.name = "N4096_dedupe_keeps_rung2", .len = 4096, .levels = 1, .dedupe = true, .expect_rung = 2});
   return v;

@@ -127,7 +127,7 @@ def flex_fine_times(n, args, iters):
 
 RUNG_VAR = "SPARSA_LLSA_FORWARD_RUNG"
 FINE_STEP_VAR = "SPARSA_LLSA_FINE_STEP"
-RUNGS = ("1", "2", "3", "2:64", "3:64")
+RUNGS = ("1", "2", "3", "4", "2:64", "3:64", "4:64")
 
 
 def forced_rung_ms(rung, fn, timer):
@@ -153,8 +153,8 @@ def forced_rung_ms(rung, fn, timer):
 
 
 def parse_rungs(text):
-    """--forward-rungs: a comma-separated list of the forward's rungs (1, 2, 3; 2:64 and 3:64 with the
-    fine blocks in 64-key steps), at least two."""
+    """--forward-rungs: a comma-separated list of the forward's rungs (1, 2, 3, 4; 2:64, 3:64 and 4:64
+    with the fine blocks in 64-key steps), at least two."""
     rungs = [r.strip() for r in text.split(",") if r.strip()]
     if len(rungs) < 2 or any(r not in RUNGS for r in rungs) or len(set(rungs)) != len(rungs):
         raise argparse.ArgumentTypeError(
@@ -188,7 +188,7 @@ def main():
                     help="sparsa and the official kernel timed in this many interleaved rounds (median, range)")
     ap.add_argument("--forward-rungs", type=parse_rungs, default=None, metavar="R,R",
                     help="also time sparsa's forward held to each of these rungs (e.g. 2,3,3:64; R:64 with 64-key "
-                         "fine steps) in interleaved rounds: the evidence for the rung-3 threshold and the fine step")
+                         "fine steps) in interleaved rounds: the evidence for the coarsest level's path and the fine step")
     ap.add_argument("--flex-only", type=int, default=0, metavar="N",
                     help="(the child process of the flex-fine row) time FlexAttention at N, print one JSON line")
     ap.add_argument("--iters", type=int, default=0, help=argparse.SUPPRESS)

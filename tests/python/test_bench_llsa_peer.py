@@ -101,12 +101,12 @@ def test_forced_rung_holds_the_variable_for_the_call_and_restores_it(monkeypatch
 
 
 @pytest.mark.parametrize("text,want", [("2,3", ["2", "3"]), (" 1, 3 ", ["1", "3"]), ("1,2,3", ["1", "2", "3"]),
-                                       ("2,3,3:64", ["2", "3", "3:64"])])
+                                       ("2,3,3:64", ["2", "3", "3:64"]), ("3,4,4:64", ["3", "4", "4:64"])])
 def test_parse_rungs_accepts(text, want):
     assert bench_llsa.parse_rungs(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "3", "2,2", "2,4", "rung2,3", "0,1", "3,3:32", "1:16,2", "3,3:16"])
+@pytest.mark.parametrize("text", ["", "3", "2,2", "2,5", "rung2,3", "0,1", "3,3:32", "1:16,2", "3,3:16"])
 def test_parse_rungs_refuses(text):
     import argparse
 

@@ -381,27 +381,66 @@ k::AttnArgs attn_args(const Call& c) {
   return a;
 }
 
-// The forward's coarsest level through the dense executor (rung 3 of the forward): every query
-// attends to every level-L token, so that part is dense attention of the queries over the
-// level-L pooled keys, which the flash executor runs on the tensor cores at a fraction of the
-// cost of the row-wise kernel's 64-key stages. Exact when every level-L token carries the same
-// weight (len a multiple of B^L: each token's log-weight bias is then one constant, which moves
-// the part's LSE and not its output) and nothing is left out of the level (no dedupe). It runs
-// first; the row-wise kernel then attends the other levels starting each row's online softmax
-// from this part's O and LSE (AttnArgs::init_o), so no merge pass follows.
-// SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the coarsest level in the row-wise kernel; =3 takes this
-// path wherever it is exact, whatever the level's length (the tests' short shapes).
-// A coarsest level shorter than this stays in the kernel: on an H100 (bench/RESULTS.md, "LLSA's
-// forward, rung 3") the extra dense call and merge cost more than they saved at 64 tokens (16K, 0.80x
-// rung 2) and less at 256 (64K, 1.04x) and 1,024 (256K, 1.77x).
+// The forward's coarsest level, where it leaves the row-wise kernel: every query attends to every
+// level-L token, so that part is dense attention of the queries over the level-L pooled keys. Exact
+// when every level-L token carries the same weight (len a multiple of B^L: each token's log-weight
+// bias is then one constant, which moves the part's LSE and not its output) and nothing is left
+// out of the level (no dedupe). It runs first; the row-wise kernel then attends the other levels
+// starting each row's online softmax from this part's O and LSE (AttnArgs::init_o), so no merge
+// pass follows. Two ways:
+//   executor  (rung 3) the dense flash executor, then the LSE raised by log(region);
+//   resident  (rung 4) k::coarse_resident: the level's K and V loaded once per CTA into shared
+//             memory, 16-row query tiles streamed past them; where K and V fit in shared memory.
+// A coarsest level shorter than kCoarseDenseMinTokens stays in the row-wise kernel: on an H100
+// (bench/RESULTS.md, "LLSA's forward, rung 3") the executor's extra call and merge cost more than
+// they saved at 64 tokens (16K, 0.80x rung 2) and less at 256 (64K, 1.04x) and 1,024 (256K, 1.77x).
+// SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the level in the row-wise kernel; =3 takes the executor and
+// =4 the resident kernel wherever exact (and, for 4, where it fits), whatever the level's length
+// (the tests' short shapes); otherwise the resident kernel where it fits, else the executor.
 constexpr int kCoarseDenseMinTokens = 256;
 
-bool coarse_through_executor(const k::Plan& p) {
+enum class Coarse { in_rowwise, executor, resident };
+
+template <int D>
+Status coarse_path(const k::Plan& p, int device, Coarse* path) {
+  *path = Coarse::in_rowwise;
   const char* env = std::getenv("SPARSA_LLSA_FORWARD_RUNG");
   const std::string forced = env != nullptr ? env : "";
-  if (forced == "1" || forced == "2") return false;
+  if (forced == "1" || forced == "2") return {};
   const bool exact = p.enrich && !p.dedupe && p.len % p.region[p.L] == 0;
-  return exact && (forced == "3" || p.level_len[p.L] >= kCoarseDenseMinTokens);
+  if (!exact || (forced.empty() && p.level_len[p.L] < kCoarseDenseMinTokens)) return {};
+  *path = Coarse::executor;
+  if (forced == "3") return {};
+  int optin = 0;
+  SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const bool fits = k::resident_bytes(D, p.level_len[p.L]) <= static_cast<size_t>(optin) &&
+                    static_cast<int64_t>(p.batch) * p.heads_q <= 65535;
+  if (fits) *path = Coarse::resident;
+  return {};
+}
+
+// Rung 4: the coarsest level by k::coarse_resident into o2/lse2. One wave of CTAs, rounded down:
+// each (batch, q head) gets wave / (batch * heads_q) CTAs (at least one, at most one per 8 query
+// tiles), which share its query tiles.
+template <class T, int D>
+Status coarse_level_resident(const k::AttnArgs& a, const DevicePlan& dp, const Scratch& s, size_t o2_at,
+                             size_t lse2_at, int device, cudaStream_t stream) {
+  const k::Plan& p = dp.p;
+  const auto* kernel = k::coarse_resident<T, D>;
+  const size_t smem = k::resident_bytes(D, p.level_len[p.L]);
+  const int threads = 32 * k::kResidentWarps;
+  int sms = 0, per_sm = 0;
+  SPARSA_RETURN_IF_ERROR(cuda::detail::sm_count(device, &sms));
+  SPARSA_RETURN_IF_ERROR(
+      cuda::detail::resident_ctas(reinterpret_cast<const void*>(kernel), device, threads, smem, &per_sm));
+  const int64_t bhq = static_cast<int64_t>(p.batch) * p.heads_q;
+  const int64_t tiles = (p.len + k::kTile - 1) / k::kTile;
+  const int64_t splits = std::clamp<int64_t>(static_cast<int64_t>(sms) * per_sm / bhq, 1,
+                                             (tiles + k::kResidentWarps - 1) / k::kResidentWarps);
+  kernel<<<dim3(static_cast<unsigned>(splits), static_cast<unsigned>(bhq)), threads, smem, stream>>>(
+      p, a, s.at<void>(o2_at), s.at<float>(lse2_at), std::log(static_cast<float>(p.region[p.L])));
+  SPARSA_CUDA_CHECK_LAUNCH();
+  return {};
 }
 
 template <class T>
@@ -434,7 +473,9 @@ Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaS
   init_plan(c.q, c.k, c.levels, c.options, &dp);
   Scratch s(device, stream);
   size_plan(c.q, c.k, c.levels, dp.p.K, true, host_plan == nullptr, &dp, s);
-  const bool coarse_dense = coarse_through_executor(dp.p);
+  Coarse coarse = Coarse::in_rowwise;
+  SPARSA_RETURN_IF_ERROR(coarse_path<D>(dp.p, device, &coarse));
+  const bool coarse_dense = coarse != Coarse::in_rowwise;
   const int64_t rows = static_cast<int64_t>(dp.p.batch) * dp.p.heads_q * dp.p.len;
   const size_t o2_at = coarse_dense ? s.add(static_cast<size_t>(rows) * dp.p.d * 2) : 0;
   const size_t lse2_at = coarse_dense ? s.add(static_cast<size_t>(rows) * 4) : 0;
@@ -443,7 +484,11 @@ Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaS
   SPARSA_RETURN_IF_ERROR(build<T>(c.q, c.k, &c.v, host_plan, &dp, s, stream));
   k::AttnArgs a = attn_args(c);
   if (coarse_dense) {
-    SPARSA_RETURN_IF_ERROR(coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream));
+    if (coarse == Coarse::resident) {
+      SPARSA_RETURN_IF_ERROR(coarse_level_resident<T, D>(a, dp, s, o2_at, lse2_at, device, stream));
+    } else {
+      SPARSA_RETURN_IF_ERROR(coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream));
+    }
     a.forward_last_level = dp.p.L - 1;
     a.init_o = s.at<void>(o2_at);
     a.init_lse = s.at<float>(lse2_at);
@@ -457,7 +502,7 @@ Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaS
   SPARSA_RETURN_IF_ERROR(
       launch_rowwise<D>(forward_kernel<T, D>, 1, dp.p, a, device, stream, &g_last_forward_rung, pick_wide));
   g_last_forward_fine_keys = wide && g_last_forward_rung == 2 && shares_coarse_keys(dp.p, 4) ? 64 : 16;
-  if (coarse_dense) g_last_forward_rung = 3;
+  if (coarse_dense) g_last_forward_rung = coarse == Coarse::resident ? 4 : 3;
   return {};
 }
 

@@ -1021,6 +1021,111 @@ __global__ void add_constant(float* x, int64_t n, float c) {
   }
 }
 
+// ---- the coarsest level with its keys resident (the forward's rung 4) ---------------------------
+//
+// Every query attends to every token of the coarsest level L, so that part is dense attention over
+// few keys (256 at 64K, block 16, two levels). coarse_resident loads those keys and values of one
+// (batch, kv head) into shared memory once per CTA; its warps then stream 16-row query tiles past
+// them, each warp copying its next tile while it computes the current one, in 64-key softmax
+// steps made of the row-wise kernels' pieces. Exact where every level-L token stands for the same
+// number of tokens (llsa.cu, coarse_path): the +log(count) bias is then one constant, which leaves
+// the softmax alone and raises the LSE by log(region), added here. Writes O (T) and the LSE (f32)
+// contiguous [batch * heads_q, len] rows: the state the row-wise kernel's other levels start from
+// (AttnArgs::init_o, init_lse). Grid: x = CTAs per (batch, q head) sharing its query tiles, y =
+// batch * heads_q.
+constexpr int kResidentWarps = 8;
+constexpr int kResidentStep = 4;  // key tiles per softmax step (64 keys)
+
+// Shared memory: the level's K and V rounded up to whole steps, then two query tiles a warp.
+__host__ __device__ constexpr size_t resident_bytes(int d, int n) {
+  const int padded = (n + kResidentStep * kTile - 1) / (kResidentStep * kTile) * (kResidentStep * kTile);
+  return (2 * static_cast<size_t>(padded) + 2 * kResidentWarps * kTile) * d * 2;
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(32 * kResidentWarps, D == 64 ? 2 : 1)
+    coarse_resident(const __grid_constant__ Plan p, const __grid_constant__ AttnArgs a, void* out, float* lse,
+                    float ln_region) {
+  constexpr int kDT = D / 8, kChunks = D / 8, kTileBytes = kTile * D * 2, kStep = kResidentStep * kTile;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int n = p.level_len[p.L];
+  const int padded = (n + kStep - 1) / kStep * kStep;
+  const int bh = blockIdx.y, b = bh / p.heads_q, h = bh % p.heads_q, bh_kv = b * p.heads_kv + h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t k_s = detail::smem_addr(smem), v_s = k_s + padded * D * 2;
+  const uint32_t q_s = v_s + padded * D * 2 + warp * 2 * kTileBytes;
+
+  // The level's rows of this kv head: one swizzled [padded][D] array each (tile j's rows are rows
+  // 16 j .. 16 j + 15, the layout the 16-row pieces read); rows past n are zeros.
+  const uint16_t* kg = static_cast<const uint16_t*>(p.k16[p.L]) + static_cast<int64_t>(bh_kv) * n * D;
+  const uint16_t* vg = static_cast<const uint16_t*>(p.v16[p.L]) + static_cast<int64_t>(bh_kv) * n * D;
+  for (int idx = threadIdx.x; idx < padded * kChunks; idx += blockDim.x) {
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    const bool in = row < n;
+    const int64_t at = static_cast<int64_t>(in ? row : 0) * D + chunk * 8;
+    detail::cp_async_16(k_s + swizzle<D>(row, chunk), kg + at, in ? 16 : 0);
+    detail::cp_async_16(v_s + swizzle<D>(row, chunk), vg + at, in ? 16 : 0);
+  }
+
+  const int tiles = (p.len + kTile - 1) / kTile;
+  const int stride = gridDim.x * kResidentWarps;
+  auto copy_q = [&](int tile, uint32_t dst) {
+    const int row0 = tile * kTile, rows = min(kTile, p.len - row0);
+    const uint16_t* q0 = static_cast<const uint16_t*>(a.q.data) + row_offset(a.q, b, h, row0);
+    warp_copy_tile<D>(dst, a.aligned, a.q.data, [&](int r) { return r < rows ? q0 + r * a.q.stride[2] : nullptr; });
+  };
+  int tile = blockIdx.x * kResidentWarps + warp;
+  if (tile < tiles) copy_q(tile, q_s);
+  detail::cp_async_commit();
+  detail::cp_async_wait<0>();
+  __syncthreads();  // K and V in place; from here each warp runs alone
+
+  const float scale_log2 = a.scale_log2;
+  for (int buf = 0; tile < tiles; tile += stride, buf ^= 1) {
+    const int next = tile + stride;
+    if (next < tiles) copy_q(next, q_s + (buf ^ 1) * kTileBytes);
+    detail::cp_async_commit();
+    detail::cp_async_wait<1>();  // this tile's rows (the next tile's may still be in flight)
+    __syncwarp();
+    uint32_t qf[D / 16][4];
+    load_a<D>(qf, q_s + buf * kTileBytes);
+    float o[kDT][4] = {};
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    for (int key0 = 0; key0 < n; key0 += kStep) {
+      float s[2 * kResidentStep][4];
+#pragma unroll
+      for (int j = 0; j < kResidentStep; ++j) {
+        float sj[2][4] = {};
+        scores_16<D, T>(sj, qf, k_s + (key0 / kTile + j) * kTileBytes);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[2 * j][e] = sj[0][e], s[2 * j + 1][e] = sj[1][e];
+      }
+      uint32_t pf[kResidentStep][4];
+      float alpha[2];
+      detail::softmax_scores<2 * kResidentStep>(
+          s, n - key0, scale_log2, row_max, row_sum, alpha,
+          [&](int nn, const float(&prob)[4]) { detail::pack_probs<T, 2 * kResidentStep>(nn, prob, pf); });
+      detail::rescale<kDT>(o, alpha);
+#pragma unroll
+      for (int j = 0; j < kResidentStep; ++j) accumulate_16<D, T>(o, pf[j], v_s + (key0 / kTile + j) * kTileBytes);
+    }
+    // O / l and LSE + log(region), rows [tile * 16, +16) of head bh, contiguous.
+    const int g = lane / 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const int t = tile * kTile + g + 8 * r;
+      if (t >= p.len) continue;
+      const int64_t at = static_cast<int64_t>(bh) * p.len + t;
+      float row_lse = 0.0f;
+      detail::store_row<T, kDT>(static_cast<T*>(out) + at * D, &row_lse, o, r, l, row_max[r], scale_log2, true);
+      if (lane % 4 == 0) lse[at] = row_lse + ln_region;
+    }
+    __syncwarp();  // this buffer is the prefetch target after the next
+  }
+  detail::cp_async_wait<0>();
+}
+
 // ---- backward ---------------------------------------------------------------------------------
 
 // delta[bh, i] = sum_c dO[i, c] O[i, c] (f32), one warp per row.

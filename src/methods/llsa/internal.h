@@ -163,8 +163,9 @@ Status plan(const Tensor& q, const Tensor& k, const LlsaOptions& options, int le
 Status forward(const Call& call, const LlsaPlan* host_plan);
 Status backward(const Call& call, const LlsaPlan* host_plan);
 // The forward rung this thread's last cuda forward ran (1: per-warp streams, 2: shared coarse
-// keys, 3: the coarsest level through the dense executor; 0: none yet).
-// SPARSA_LLSA_FORWARD_RUNG=1, 2 or 3 in the environment forces a rung.
+// keys, 3: the coarsest level through the dense executor, 4: the coarsest level in a kernel with
+// its keys resident in shared memory; 0: none yet).
+// SPARSA_LLSA_FORWARD_RUNG=1, 2, 3 or 4 in the environment forces a rung (3 and 4 where exact).
 int last_forward_rung();
 // The keys a softmax step of that forward's fine blocks took: 64 (head_dim 64 with rung 2 or 3,
 // unless SPARSA_LLSA_FINE_STEP=16 forces 16-key steps) or 16; 0: none yet.

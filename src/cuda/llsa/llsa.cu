@@ -426,7 +426,7 @@ template <class T, int D>
 Status coarse_level_resident(const k::AttnArgs& a, const DevicePlan& dp, const Scratch& s, size_t o2_at,
                              size_t lse2_at, int device, cudaStream_t stream) {
   const k::Plan& p = dp.p;
-  const auto* kernel = k::coarse_resident<T, D>;
+  auto* const kernel = &k::coarse_resident<T, D>;
   const size_t smem = k::resident_bytes(D, p.level_len[p.L]);
   const int threads = 32 * k::kResidentWarps;
   int sms = 0, per_sm = 0;
@@ -485,7 +485,7 @@ Status forward_typed(const Call& c, const LlsaPlan* host_plan, int device, cudaS
   k::AttnArgs a = attn_args(c);
   if (coarse_dense) {
     if (coarse == Coarse::resident) {
-      SPARSA_RETURN_IF_ERROR(coarse_level_resident<T, D>(a, dp, s, o2_at, lse2_at, device, stream));
+      SPARSA_RETURN_IF_ERROR((coarse_level_resident<T, D>(a, dp, s, o2_at, lse2_at, device, stream)));
     } else {
       SPARSA_RETURN_IF_ERROR(coarse_level_dense<T>(c, dp, s, o2_at, lse2_at, device, stream));
     }

@@ -569,17 +569,18 @@ std::vector<Case> cases() {
   v.push_back({.name = "N100_block4_topk16_levels3_few_candidates", .len = 100, .block = 4, .topk = 16, .levels = 3});
   v.push_back({.name = "N100_block2_topk16_few_candidates", .len = 100, .block = 2, .topk = 16});
   // Rungs 3 and 4: the coarsest level ahead of the row-wise kernel, merged by LSE (N a multiple of
-  // B^L, no dedupe, at least 256 coarsest tokens, or fewer when forced), through the dense executor
-  // (rung 3) or with its keys resident in shared memory (rung 4, the default where they fit): one
-  // level and two, GQA, a batch, f16 at d 128, strided and unaligned rows, a partial 64-key step;
-  // each with rung 3 beside it; one where dedupe keeps the level in the kernel, one whose coarsest
-  // level is too short to leave it, and one too long for shared memory (the executor by default).
+  // B^L, no dedupe), through the dense executor (rung 3: by default from 256 coarsest tokens) or
+  // with its keys resident in shared memory (rung 4: by default from 64 tokens where they fit;
+  // either forced at any length): one level and two, GQA, a batch, f16 at d 128, strided and
+  // unaligned rows, a partial 64-key step; each with rung 3 beside it; one where dedupe keeps the
+  // level in the kernel, one whose coarsest level is too short to leave it, and one too long for
+  // shared memory (the executor by default).
   v.push_back({.name = "N4096_rung4_levels1", .len = 4096, .levels = 1, .expect_rung = 4});
   v.push_back({.name = "N4096_rung3_levels1", .len = 4096, .levels = 1, .rung = 3, .expect_rung = 3});
   v.push_back({.name = "N4096_rung4_batch3_gqa", .batch = 3, .heads_q = 4, .heads_kv = 2, .len = 4096, .levels = 1,
                .backward = false, .expect_rung = 4});
   v.push_back({.name = "N16384_rung4_levels2_gqa", .heads_q = 2, .heads_kv = 1, .len = 16384, .levels = 2,
-               .rung = 4, .expect_rung = 4});
+               .expect_rung = 4});  // 64 coarsest tokens: the resident kernel's shortest default
   v.push_back({.name = "N16384_rung3_levels2_gqa", .heads_q = 2, .heads_kv = 1, .len = 16384, .levels = 2,
                .rung = 3, .expect_rung = 3});
   v.push_back({.name = "N4096_levels2_short_coarsest_keeps_rung2", .len = 4096, .levels = 2, .expect_rung = 2});

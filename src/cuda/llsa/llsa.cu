@@ -391,13 +391,18 @@ k::AttnArgs attn_args(const Call& c) {
 //   executor  (rung 3) the dense flash executor, then the LSE raised by log(region);
 //   resident  (rung 4) k::coarse_resident: the level's K and V loaded once per CTA into shared
 //             memory, 16-row query tiles streamed past them; where K and V fit in shared memory.
-// A coarsest level shorter than kCoarseDenseMinTokens stays in the row-wise kernel: on an H100
-// (bench/RESULTS.md, "LLSA's forward, rung 3") the executor's extra call and merge cost more than
-// they saved at 64 tokens (16K, 0.80x rung 2) and less at 256 (64K, 1.04x) and 1,024 (256K, 1.77x).
+// Where each applies by default, from H100 runs (bench/RESULTS.md): the executor's extra call cost
+// more than it saved at 64 tokens (16K, two levels: 0.80x rung 2, later 0.92x) and less at 256 (64K,
+// 1.04x) and 1,024 (256K, 1.77x), so it takes levels of kCoarseDenseMinTokens or more; the resident
+// kernel has no pipeline to fill per 128 rows and was 1.01x rung 2 at 64 tokens (16K), 1.10x at
+// 128 (32K) and 1.07x rung 3 at 256 (64K), so it takes levels of kCoarseResidentMinTokens or more
+// whose K and V fit in shared memory (at d 64 up to 768 tokens; not 256K's 1,024, where the
+// executor runs). Shorter levels stay in the row-wise kernel.
 // SPARSA_LLSA_FORWARD_RUNG=1 or 2 keeps the level in the row-wise kernel; =3 takes the executor and
-// =4 the resident kernel wherever exact (and, for 4, where it fits), whatever the level's length
-// (the tests' short shapes); otherwise the resident kernel where it fits, else the executor.
+// =4 the resident kernel (the executor where it does not fit) wherever exact, whatever the level's
+// length (the tests' short shapes).
 constexpr int kCoarseDenseMinTokens = 256;
+constexpr int kCoarseResidentMinTokens = 64;
 
 enum class Coarse { in_rowwise, executor, resident };
 
@@ -406,16 +411,24 @@ Status coarse_path(const k::Plan& p, int device, Coarse* path) {
   *path = Coarse::in_rowwise;
   const char* env = std::getenv("SPARSA_LLSA_FORWARD_RUNG");
   const std::string forced = env != nullptr ? env : "";
-  if (forced == "1" || forced == "2") return {};
   const bool exact = p.enrich && !p.dedupe && p.len % p.region[p.L] == 0;
-  if (!exact || (forced.empty() && p.level_len[p.L] < kCoarseDenseMinTokens)) return {};
-  *path = Coarse::executor;
-  if (forced == "3") return {};
+  if (forced == "1" || forced == "2" || !exact) return {};
+  if (forced == "3") {
+    *path = Coarse::executor;
+    return {};
+  }
+  const int n = p.level_len[p.L];
   int optin = 0;
   SPARSA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const bool fits = k::resident_bytes(D, p.level_len[p.L]) <= static_cast<size_t>(optin) &&
+  const bool fits = k::resident_bytes(D, n) <= static_cast<size_t>(optin) &&
                     static_cast<int64_t>(p.batch) * p.heads_q <= 65535;
-  if (fits) *path = Coarse::resident;
+  if (forced == "4") {
+    *path = fits ? Coarse::resident : Coarse::executor;
+  } else if (fits && n >= kCoarseResidentMinTokens) {
+    *path = Coarse::resident;
+  } else if (n >= kCoarseDenseMinTokens) {
+    *path = Coarse::executor;
+  }
   return {};
 }
 

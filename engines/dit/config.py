@@ -50,6 +50,7 @@ class TrainSection:
     autocast_bf16: bool = False  # on CUDA only: the training steps under bf16 autocast (evaluation stays f32)
     ema: float = 0.0  # decay of an exponential moving average of the weights (lower in the first steps:
     #                   train.py's ema_decay), which is then evaluated and sampled (0: off, the trained weights)
+    timesteps: str = "uniform"  # the training times: uniform (the seed's) or logit_normal (flow.sample_times)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class EvalSection:
     images: int = 256
     batch_size: int = 64
     stream: int = 7  # held-out images; their noise and timesteps come from the same number
+    # At every evaluation that samples: the first sample.images held-out images noised to each of
+    # these times with their held-out noise, integrated back to 0 (flow.euler_from) and counted
+    # for bars against the originals' bars: whether a model can finish a bar it is shown, apart
+    # from whether it starts one from pure noise. Empty: none.
+    reconstruct_from: Tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,14 @@ class ExperimentConfig:
             raise ValueError("train.weight_decay/grad_clip: expected non-negative values")
         for name in ("images", "batch_size"):
             _positive(f"eval.{name}", getattr(self.eval, name))
+        for t0 in self.eval.reconstruct_from:
+            if not 0 < t0 <= 1:
+                raise ValueError(f"eval.reconstruct_from: expected times in (0, 1], got {t0}")
+        if self.eval.images < self.sample.images and self.eval.reconstruct_from:
+            raise ValueError(f"eval.reconstruct_from: reconstructs the first sample.images ({self.sample.images}) "
+                             f"held-out images, but eval.images is {self.eval.images}")
+        if self.train.timesteps not in ("uniform", "logit_normal"):
+            raise ValueError(f"train.timesteps: expected uniform or logit_normal, got {self.train.timesteps!r}")
         for name in ("images", "steps", "columns", "upscale"):
             _positive(f"sample.{name}", getattr(self.sample, name))
         for name in ("batch_size", "steps"):
@@ -186,7 +200,8 @@ def _convert(name: str, kind: Any, default: Any, value: Any) -> Any:
     if isinstance(default, tuple):
         if not isinstance(value, list):
             raise ValueError(f"{name}: expected a list, got {value!r}")
-        element = default[0] if default else 0
+        # The elements' type: the default's, or for an empty default the annotation's (a string).
+        element = default[0] if default else 0.0 if "float" in str(kind) else 0
         return tuple(_convert(f"{name}[{i}]", None, element, v) for i, v in enumerate(value))
     if isinstance(default, dict):
         if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)

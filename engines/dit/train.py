@@ -10,7 +10,10 @@ sample them (the full-attention models also with BA-Att, training-free), and pri
 Each run (attention x seed) lives in OUT/ATTENTION-seedS/: checkpoint.pt (written every
 train.checkpoint_every steps and at the end; a run that finds one resumes from it), log.csv
 (step, mean training loss since the last row, learning rate, training seconds, held-out loss where
-evaluated), summary.json, samples.png (and samples_ba_att_*.png for full-attention runs). OUT
+evaluated), summary.json, samples.png (and samples_ba_att_*.png for full-attention runs; with
+eval.reconstruct_from, samples_reconstruct_t{t0}.png of held-out images noised to t0 and
+integrated back, and how many of their bars were kept, in the summary and in log.csv at each
+evaluation). OUT
 gets results.json, results.md (the table, and how many of each run's samples and of as many
 held-out images show a bar, by bars.py) and compare.png (first seed: a row of held-out images,
 then one row per attention, every row from the same starting noise). Default OUT:
@@ -18,7 +21,7 @@ out/dit/NAME.
 
 Reproducibility: the model of seed S is initialised from torch.manual_seed(S); the images of
 training step i are images [i*batch, (i+1)*batch) of stream data.stream + S, and their noise and
-timesteps come from a generator seeded by (S, i); so a resumed run repeats an uninterrupted one
+timesteps (train.timesteps: uniform, or logit_normal) come from a generator seeded by (S, i); so a resumed run repeats an uninterrupted one
 exactly (on the same machine and thread count). The held-out images, noise and timesteps depend
 on eval.stream alone: every model of every seed is scored on the same ones.
 
@@ -52,9 +55,9 @@ except ModuleNotFoundError:
     raise SystemExit("engines.dit needs PyTorch (a training-time dependency): pip install torch") from None
 
 from .attention import AttentionSpec, keys_per_query  # noqa: E402
-from .bars import count_bars  # noqa: E402
+from .bars import count_bars, has_bar  # noqa: E402
 from .data import make_images  # noqa: E402
-from .flow import euler_sample, flow_loss, noise_scale  # noqa: E402
+from .flow import euler_from, euler_sample, flow_loss, noise_scale, noisy, sample_times  # noqa: E402
 from .model import PixelDiT  # noqa: E402
 from .png import image_grid, write_png  # noqa: E402
 
@@ -72,7 +75,7 @@ def train_batch(cfg: ExperimentConfig, seed: int, step: int):
     m, b = cfg.model, cfg.train.batch_size
     x0 = torch.from_numpy(make_images(cfg.data.stream + seed, step * b, b, m.image_size, m.channels, cfg.data.scene))
     g = step_generator(seed, step)
-    t = torch.rand(b, generator=g)
+    t = sample_times(b, cfg.train.timesteps, g)
     eps = torch.randn(x0.shape, generator=g)
     return x0, eps, t
 
@@ -137,9 +140,37 @@ def progress_samples(model, cfg: ExperimentConfig, device, run_dir: Path, step: 
     return count_bars(images)
 
 
+def reconstruct(model, cfg: ExperimentConfig, device, heldout, run_dir: Path, suffix: str) -> List[Dict]:
+    """eval.reconstruct_from: for each time t0, the first sample.images held-out images noised to
+    x_t0 with their held-out noise and integrated back to 0 in round(sample.steps * t0) Euler steps
+    (the sampler's step size), written as samples_reconstruct_t{t0}{suffix}.npy/.png in ``run_dir``.
+    Returns per t0 how many of the originals with a bar (bars.py) still show one."""
+    if not cfg.eval.reconstruct_from:
+        return []
+    model.eval()
+    n = cfg.sample.images
+    x0, eps = heldout[0][:n], heldout[1][:n]
+    with_bar = [i for i in range(n) if has_bar(x0[i].numpy())]
+    s = noise_scale(cfg.model.image_size)
+    out = []
+    for t0 in cfg.eval.reconstruct_from:
+        x_t, _ = noisy(x0, eps, torch.full((n,), t0, dtype=x0.dtype), s)
+        steps = max(1, round(cfg.sample.steps * t0))
+        images = euler_from(model, x_t.to(device), t0, steps).float().cpu().numpy()
+        save_samples(run_dir, f"_reconstruct_t{t0:g}{suffix}", images, cfg)
+        kept = sum(has_bar(images[i]) for i in with_bar)
+        out.append({"t0": t0, "bars_kept": kept, "bars_shown": len(with_bar)})
+    return out
+
+
+def format_reconstruct(rows: List[Dict]) -> str:
+    """'t0.5 7/9 t0.9 1/9': bars kept of the bars shown, per time."""
+    return " ".join(f"t{r['t0']:g} {r['bars_kept']}/{r['bars_shown']}" for r in rows)
+
+
 # ---- one run ---------------------------------------------------------------------------------
 
-LOG_FIELDS = ["step", "train_loss", "lr", "train_seconds", "heldout_loss", "sample_bars"]
+LOG_FIELDS = ["step", "train_loss", "lr", "train_seconds", "heldout_loss", "sample_bars", "reconstruct_bars"]
 
 
 def fingerprint(cfg: ExperimentConfig, kind: str, seed: int) -> Dict:
@@ -322,14 +353,17 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
             # A mid-run evaluation also samples (the final samples come after the loop), so a
             # run cut short still shows what its model draws, and its bar count over time.
             bars = progress_samples(scored, cfg, device, run_dir, step) if at_eval and step < steps else None
+            kept = (format_reconstruct(reconstruct(scored, cfg, device, heldout, run_dir, f"_step{step}"))
+                    if bars is not None and cfg.eval.reconstruct_from else None)
             model.train()
             rows.append({"step": step, "train_loss": sum(window) / len(window), "lr": lr,
                          "train_seconds": round(train_seconds, 3), "heldout_loss": heldout_loss,
-                         "sample_bars": bars})
+                         "sample_bars": bars, "reconstruct_bars": kept})
             rate = session_seconds / session_steps
             eta = rate * (target - step)
             extra = f"  held-out {heldout_loss:.4f}" if heldout_loss is not None else ""
             extra += f"  bars {bars}/{cfg.sample.images}" if bars is not None else ""
+            extra += f"  bars kept from {kept}" if kept else ""
             log(f"{tag} step {step}/{steps}  loss {rows[-1]['train_loss']:.4f}  lr {lr:.2e}  "
                 f"{rate:.3f} s/step  eta {eta / 60:.1f} min{extra}")
             window = []
@@ -354,6 +388,10 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
 
     model.eval()
     samples = {"": draw_samples(scored, cfg, device)}
+    summary["reconstruct"] = reconstruct(scored, cfg, device, heldout, run_dir, "")
+    if summary["reconstruct"]:
+        log(f"{tag} held-out images with a bar, noised and reconstructed, bars kept from "
+            f"{format_reconstruct(summary['reconstruct'])}")
     if kind == "full":
         summary["ba_att"] = []
         for sort in cfg.ba_att.sort:

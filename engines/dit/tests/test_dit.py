@@ -22,7 +22,7 @@ from engines.dit import train as train_mod  # noqa: E402
 from engines.dit.attention import AttentionSpec  # noqa: E402
 from engines.dit.bars import THRESHOLD, bar_score, count_bars  # noqa: E402
 from engines.dit.data import make_images  # noqa: E402
-from engines.dit.flow import euler_sample, noise_scale, noisy  # noqa: E402
+from engines.dit.flow import euler_from, euler_sample, noise_scale, noisy, sample_times  # noqa: E402
 from engines.dit.model import DiTConfig, PixelDiT, token_order  # noqa: E402
 from engines.dit.png import encode_png, image_grid  # noqa: E402
 
@@ -280,6 +280,68 @@ def test_noise_scale_and_euler_sampler():
     for s in (1.0, 4.0):
         out = euler_sample(oracle, torch.randn(2, 3, 4, 4, dtype=torch.float64), steps=7, s=s)
         assert float((out - x0).abs().max()) < 1e-9
+    # The same from a point of the path at t0 < 1 (a reconstruction), and a bad start is refused.
+    x_half, _ = noisy(x0, torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.full((2,), 0.4, dtype=torch.float64), 1.0)
+    assert float((euler_from(oracle, x_half, 0.4, steps=3) - x0).abs().max()) < 1e-9
+    for t0, steps, field in ((0.0, 3, "t0"), (1.5, 3, "t0"), (0.5, 0, "steps")):
+        with pytest.raises(ValueError, match=field):
+            euler_from(oracle, x_half, t0, steps)
+
+
+def test_training_times_uniform_or_logit_normal():
+    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    uniform, ln = sample_times(20000, "uniform", g()), sample_times(20000, "logit_normal", g())
+    assert torch.equal(uniform, sample_times(20000, "uniform", g()))  # deterministic per generator
+    assert torch.equal(ln, sample_times(20000, "logit_normal", g()))
+    assert 0 < float(ln.min()) and float(ln.max()) < 1
+    # P(t < 0.1): 0.1 for uniform, P(u < logit 0.1 = -2.197) = 0.014 for logit-normal; the
+    # medians are both 0.5. The bounds leave about ten standard errors of 20000 draws.
+    assert abs(float((uniform < 0.1).float().mean()) - 0.1) < 0.02
+    assert abs(float((ln < 0.1).float().mean()) - 0.014) < 0.01
+    assert abs(float(ln.median()) - 0.5) < 0.02
+    with pytest.raises(ValueError, match="train.timesteps"):
+        sample_times(4, "cosine", g())
+    # The training batches take the configured kind.
+    cfg = config_mod.override(config_mod.load(CONFIGS / "tiny.json"),
+                              **{"train.timesteps": "logit_normal", "train.batch_size": 4096})
+    _, _, t = train_mod.train_batch(cfg, 0, 0)
+    assert abs(float((t < 0.1).float().mean()) - 0.014) < 0.012
+
+
+class _Oracle(torch.nn.Module):
+    """The exact velocity towards fixed images ``target`` [B, C, H, W]: (x - target) / t."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    def forward(self, x, t):
+        return (x - self.target) / t.view(-1, 1, 1, 1)
+
+
+def test_reconstructions_keep_the_bars_a_model_finishes(tmp_path):
+    cfg = config_mod.override(config_mod.load(CONFIGS / "tiny.json"),
+                              **{"model.image_size": 64, "eval.images": 8, "sample.images": 8,
+                                 "sample.steps": 10, "eval.reconstruct_from": [0.5, 1.0]})
+    heldout = train_mod.heldout_set(cfg)
+    x0 = heldout[0]
+    shown = count_bars(x0.numpy())
+    assert 0 < shown < 8  # the held-out images have bars and bar-free scenes
+    # A model that finishes every image it is shown keeps every bar, from any time.
+    kept = train_mod.reconstruct(_Oracle(x0.double()), cfg, "cpu", (x0.double(), heldout[1].double()), tmp_path,
+                                 "_exact")
+    assert kept == [{"t0": 0.5, "bars_kept": shown, "bars_shown": shown},
+                    {"t0": 1.0, "bars_kept": shown, "bars_shown": shown}]
+    images = np.load(tmp_path / "samples_reconstruct_t0.5_exact.npy")
+    assert np.allclose(images, x0.numpy(), atol=1e-6)
+    assert (tmp_path / "samples_reconstruct_t1_exact.png").read_bytes()[:4] == b"\x89PNG"
+    assert train_mod.format_reconstruct(kept) == f"t0.5 {shown}/{shown} t1 {shown}/{shown}"
+    # One that draws flat images keeps none.
+    flat = train_mod.reconstruct(_Oracle(torch.zeros_like(x0)), cfg, "cpu", heldout, tmp_path, "_flat")
+    assert [r["bars_kept"] for r in flat] == [0, 0]
+    # Without eval.reconstruct_from nothing runs.
+    none = config_mod.override(cfg, **{"eval.reconstruct_from": []})
+    assert train_mod.reconstruct(_Oracle(x0), none, "cpu", heldout, tmp_path, "_none") == []
 
 
 def test_png_is_valid_and_lossless():
@@ -340,7 +402,13 @@ def test_config_errors_name_the_field(tmp_path):
              ({"eval": {"stream": 1000}}, "eval.stream"),
              ({"train": {"compile": "yes"}}, "train.compile: expected true or false, got 'yes'"),
              ({"throughput": {"compile": 1}}, "throughput.compile: expected true or false, got 1"),
-             ({"throughput": {"compile": True, "warmup": 0}}, "throughput.warmup: throughput.compile needs")]
+             ({"throughput": {"compile": True, "warmup": 0}}, "throughput.warmup: throughput.compile needs"),
+             ({"train": {"timesteps": "cosine"}}, "train.timesteps: expected uniform or logit_normal"),
+             ({"eval": {"reconstruct_from": [0]}}, r"eval.reconstruct_from: expected times in \(0, 1\]"),
+             ({"eval": {"reconstruct_from": [1.5]}}, "eval.reconstruct_from: expected times"),
+             ({"eval": {"reconstruct_from": 0.5}}, "eval.reconstruct_from: expected a list"),
+             ({"eval": {"reconstruct_from": ["half"]}}, r"eval.reconstruct_from\[0\]: expected a number"),
+             ({"eval": {"images": 4, "reconstruct_from": [0.5]}}, "eval.reconstruct_from: reconstructs the first")]
     for change, message in cases:
         bad = json.loads(json.dumps(raw))
         for section, value in change.items():
@@ -399,7 +467,7 @@ def test_tiny_trains_and_its_loss_decreases(tmp_path, capsys):
 def test_resume_equals_uninterrupted(tmp_path, kind, ema):
     cfg = config_mod.override(config_mod.load(CONFIGS / "tiny.json"),
                               **{"train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 3,
-                                 "train.ema": ema})
+                                 "train.ema": ema, "eval.reconstruct_from": [0.5]})
     torch.set_num_threads(1)
     quiet = lambda message: None  # noqa: E731
     whole = train_mod.train_run(cfg, kind, 0, tmp_path / "whole", num_threads=1, log=quiet)
@@ -415,6 +483,11 @@ def test_resume_equals_uninterrupted(tmp_path, kind, ema):
             assert torch.equal(tensor, b[part][name]), (part, name)
     strip = lambda rows: [{k: v for k, v in r.items() if k != "train_seconds"} for r in rows]  # noqa: E731
     assert strip(a["log"]) == strip(b["log"])
+    # eval.reconstruct_from: the mid-run evaluation reconstructed too (its bars kept in the log),
+    # and so did the end (in the summary).
+    mid = next(r for r in a["log"] if r["step"] == 3)
+    assert mid["reconstruct_bars"].startswith("t0.5 ") and (tmp_path / "whole" / "samples_reconstruct_t0.5_step3.npy").exists()
+    assert [r["t0"] for r in whole["reconstruct"]] == [0.5] and (tmp_path / "whole" / "samples_reconstruct_t0.5.png").exists()
     # A checkpoint of another configuration is refused, naming what differs.
     other = config_mod.override(cfg, **{"train.lr": 0.01})
     with pytest.raises(ValueError, match="train differ"):

@@ -21,8 +21,8 @@ out/dit/NAME.
 
 Reproducibility: the model of seed S is initialised from torch.manual_seed(S); the images of
 training step i are images [i*batch, (i+1)*batch) of stream data.stream + S, and their noise and
-timesteps (train.timesteps: uniform, or logit_normal) come from a generator seeded by (S, i); so a resumed run repeats an uninterrupted one
-exactly (on the same machine and thread count). The held-out images, noise and timesteps depend
+timesteps (train.timesteps: uniform, or logit_normal) come from a generator seeded by (S, i); so
+a resumed run repeats an uninterrupted one exactly (on the same machine and thread count). The held-out images, noise and timesteps depend
 on eval.stream alone: every model of every seed is scored on the same ones.
 
 --compile (train.compile, or throughput.compile with --throughput) runs the model's forward in

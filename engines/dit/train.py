@@ -22,8 +22,9 @@ out/dit/NAME.
 Reproducibility: the model of seed S is initialised from torch.manual_seed(S); the images of
 training step i are images [i*batch, (i+1)*batch) of stream data.stream + S, and their noise and
 timesteps (train.timesteps: uniform, or logit_normal) come from a generator seeded by (S, i); so
-a resumed run repeats an uninterrupted one exactly (on the same machine and thread count). The held-out images, noise and timesteps depend
-on eval.stream alone: every model of every seed is scored on the same ones.
+a resumed run repeats an uninterrupted one exactly (on the same machine and thread count). The
+held-out images, noise and timesteps depend on eval.stream alone: every model of every seed is
+scored on the same ones.
 
 --compile (train.compile, or throughput.compile with --throughput) runs the model's forward in
 the training steps through torch.compile (compiled_forward); evaluation and sampling stay eager.
@@ -140,17 +141,24 @@ def progress_samples(model, cfg: ExperimentConfig, device, run_dir: Path, step: 
     return count_bars(images)
 
 
-def reconstruct(model, cfg: ExperimentConfig, device, heldout, run_dir: Path, suffix: str) -> List[Dict]:
+def bars_shown(cfg: ExperimentConfig, heldout) -> List[int]:
+    """Which of the first sample.images held-out images show a bar (bars.py)."""
+    return [i for i in range(cfg.sample.images) if has_bar(heldout[0][i].numpy())]
+
+
+def reconstruct(model, cfg: ExperimentConfig, device, heldout, run_dir: Path, suffix: str,
+                with_bar: Optional[List[int]] = None) -> List[Dict]:
     """eval.reconstruct_from: for each time t0, the first sample.images held-out images noised to
     x_t0 with their held-out noise and integrated back to 0 in round(sample.steps * t0) Euler steps
     (the sampler's step size), written as samples_reconstruct_t{t0}{suffix}.npy/.png in ``run_dir``.
-    Returns per t0 how many of the originals with a bar (bars.py) still show one."""
+    Returns per t0 how many of the originals with a bar (``with_bar``, from bars_shown unless
+    given) still show one."""
     if not cfg.eval.reconstruct_from:
         return []
     model.eval()
     n = cfg.sample.images
     x0, eps = heldout[0][:n], heldout[1][:n]
-    with_bar = [i for i in range(n) if has_bar(x0[i].numpy())]
+    with_bar = bars_shown(cfg, heldout) if with_bar is None else with_bar
     s = noise_scale(cfg.model.image_size)
     out = []
     for t0 in cfg.eval.reconstruct_from:
@@ -294,6 +302,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
     ema = make_ema(cfg, model)
     scored = ema if ema is not None else model  # what is evaluated and sampled
     heldout = heldout if heldout is not None else heldout_set(cfg)
+    with_bar = bars_shown(cfg, heldout) if cfg.eval.reconstruct_from else []  # scored once, not per evaluation
     tag = f"[{kind} seed {seed}]"
     want = fingerprint(cfg, kind, seed)
 
@@ -353,7 +362,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
             # A mid-run evaluation also samples (the final samples come after the loop), so a
             # run cut short still shows what its model draws, and its bar count over time.
             bars = progress_samples(scored, cfg, device, run_dir, step) if at_eval and step < steps else None
-            kept = (format_reconstruct(reconstruct(scored, cfg, device, heldout, run_dir, f"_step{step}"))
+            kept = (format_reconstruct(reconstruct(scored, cfg, device, heldout, run_dir, f"_step{step}", with_bar))
                     if bars is not None and cfg.eval.reconstruct_from else None)
             model.train()
             rows.append({"step": step, "train_loss": sum(window) / len(window), "lr": lr,
@@ -388,7 +397,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
 
     model.eval()
     samples = {"": draw_samples(scored, cfg, device)}
-    summary["reconstruct"] = reconstruct(scored, cfg, device, heldout, run_dir, "")
+    summary["reconstruct"] = reconstruct(scored, cfg, device, heldout, run_dir, "", with_bar)
     if summary["reconstruct"]:
         log(f"{tag} held-out images with a bar, noised and reconstructed, bars kept from "
             f"{format_reconstruct(summary['reconstruct'])}")

@@ -12,9 +12,6 @@
 //                  (KeyStream: the fine blocks, the enrichment candidates, the coarsest level) in
 //                  tiles of 16 tokens, double-buffered with cp.async, the online softmax of the
 //                  flash executor (flash_kernel.cuh's pieces) with the +log(count) bias;
-//                  where exact, the coarsest level runs ahead of it, through the dense executor
-//                  or coarse_resident (its keys resident in shared memory), and the forward
-//                  starts each row's softmax from that part's output and LSE;
 //   backward_dq    query-major: the forward's stream again, dS K;
 //   backward_dkv   key-major: one warp per tile of 16 key tokens of one level, over the query
 //                  blocks that visit it (a transposed index sorted by CUB's stable radix sort,
@@ -683,11 +680,11 @@ struct AttnArgs {
   const int32_t* visit_end[kMaxLevels + 1] = {};
   const int32_t* visitors[kMaxLevels + 1] = {};     // l < L: bh_q * n_{l+1} + a, sorted by key group
   // The forward: the last level its key streams attend (min with p.L). p.L - 1 when the coarsest
-  // level runs ahead of it instead (llsa.cu, coarse_path: the dense executor or coarse_resident).
+  // level goes through the dense executor instead (llsa.cu, coarse_through_executor).
   int forward_last_level = kMaxLevels;
   // The forward: where set, each row's online softmax starts from that part's state (O in T, LSE
-  // in f32, contiguous [batch * heads_q, len] rows: the coarsest level's part) instead of from
-  // nothing, so the kernel's output is already the two parts merged.
+  // in f32, contiguous [batch * heads_q, len] rows: the dense executor's coarsest level) instead
+  // of from nothing, so the kernel's output is already the two parts merged.
   const void* init_o = nullptr;
   const float* init_lse = nullptr;
 };

@@ -167,7 +167,7 @@ Status backward(const Call& call, const LlsaPlan* host_plan);
 // its keys resident in shared memory; 0: none yet).
 // SPARSA_LLSA_FORWARD_RUNG=1, 2, 3 or 4 in the environment forces a rung (3 and 4 where exact).
 int last_forward_rung();
-// The keys a softmax step of that forward's fine blocks took: 64 (head_dim 64 with rung 2 or 3,
-// unless SPARSA_LLSA_FINE_STEP=16 forces 16-key steps) or 16; 0: none yet.
+// The keys a softmax step of that forward's fine blocks took: 16, or 64 with
+// SPARSA_LLSA_FINE_STEP=64 (head_dim 64, rung 2 or more); 0: none yet.
 int last_forward_fine_keys();
 }  // namespace sparsa::llsa_cuda

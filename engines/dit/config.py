@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Tuple
@@ -14,6 +15,10 @@ from typing import Any, Dict, Tuple
 from .attention import AttentionSpec
 from .data import SceneParams
 from .model import DiTConfig
+
+INT64_LIMIT = 2 ** 63
+# The held-out set (images and their noise, float32) is made whole before training starts.
+HELDOUT_BYTES_LIMIT = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,8 @@ class ExperimentConfig:
                 raise ValueError(f"attention: a trained model runs full or llsa (ba_att is evaluated on the full "
                                  f"models), got {kind!r}")
         self.spec("llsa").validate()
+        if "llsa" in self.attention:
+            _check_llsa(self.spec("llsa"), self.model.tokens)
         for d in self.ba_att.densities:
             self.spec("ba_att", density=d).validate()
         for name in ("steps", "batch_size"):
@@ -140,6 +147,12 @@ class ExperimentConfig:
             raise ValueError("train.weight_decay/grad_clip: expected non-negative values")
         for name in ("images", "batch_size"):
             _positive(f"eval.{name}", getattr(self.eval, name))
+        heldout_bytes = 2 * 4 * self.eval.images * self.model.channels * self.model.tokens
+        if heldout_bytes > HELDOUT_BYTES_LIMIT:
+            raise ValueError(f"eval.images: {self.eval.images} held-out images and their noise take "
+                             f"{heldout_bytes / 2**30:.1f} GiB, more than the {HELDOUT_BYTES_LIMIT >> 30} GiB allowed")
+        _non_negative("data.stream", self.data.stream)
+        _non_negative("eval.stream", self.eval.stream)
         for t0 in self.eval.reconstruct_from:
             if not 0 < t0 <= 1:
                 raise ValueError(f"eval.reconstruct_from: expected times in (0, 1], got {t0}")
@@ -165,6 +178,20 @@ class ExperimentConfig:
                                  f"(data.stream + seed); the held-out images must be unseen")
 
 
+def _check_llsa(spec: AttentionSpec, tokens: int) -> None:
+    """LLSA's own checks of block, top-K and levels for this many tokens (a plan over zeros), with
+    the section's name on the argument's: ``llsa.levels: ...``."""
+    import numpy as np
+    import sparsa
+
+    probe = np.zeros((1, 1, tokens, 4), dtype=np.float32)
+    try:
+        sparsa.llsa_plan(probe, probe, block=spec.block, topk=spec.topk, levels=spec.levels, dedupe=spec.dedupe,
+                         max_rows=0)
+    except ValueError as e:
+        raise ValueError(f"llsa.{e}") from None
+
+
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value}")
@@ -188,10 +215,15 @@ def _convert(name: str, kind: Any, default: Any, value: Any) -> Any:
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name}: expected an integer, got {value!r}")
+        if not -INT64_LIMIT <= value < INT64_LIMIT:  # seeds and streams go to torch and numpy as int64
+            raise ValueError(f"{name}: expected an integer of at most 63 bits, got {value}")
         return value
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name}: expected a number, got {value!r}")
+        # Python's json reads NaN and Infinity; no field means anything by them.
+        if not math.isfinite(value):
+            raise ValueError(f"{name}: expected a finite number, got {value!r}")
         return float(value)
     if isinstance(default, str):
         if not isinstance(value, str):
@@ -205,8 +237,8 @@ def _convert(name: str, kind: Any, default: Any, value: Any) -> Any:
         return tuple(_convert(f"{name}[{i}]", None, element, v) for i, v in enumerate(value))
     if isinstance(default, dict):
         if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                  for v in value.values()):
-            raise ValueError(f"{name}: expected an object of numbers, got {value!r}")
+                                                  and math.isfinite(v) and v > 0 for v in value.values()):
+            raise ValueError(f"{name}: expected an object of positive numbers, got {value!r}")
         return {str(k): float(v) for k, v in value.items()}
     raise ValueError(f"{name}: unsupported field")
 
@@ -245,15 +277,21 @@ def _read(path: Path, seen: Tuple[Path, ...] = ()) -> Dict[str, Any]:
     """The JSON object of a config file; with ``"extends": "NAME"`` the fields of NAME.json (in the
     same folder, itself possibly extending another) under this file's own."""
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"--config: no file {path}") from None
+    except (OSError, UnicodeDecodeError) as e:  # a folder, no permission, not UTF-8
+        raise ValueError(f"--config: cannot read {path} ({e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--config: {path} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or "extends" not in raw:
+    except RecursionError:
+        raise ValueError(f"--config: {path} nests its values too deeply") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"config: {path} holds a JSON {type(raw).__name__}, expected an object")
+    if "extends" not in raw:
         return raw
     base = raw.pop("extends")
-    if not isinstance(base, str) or not base or "/" in base:
+    if not isinstance(base, str) or not base or "/" in base or "\\" in base:
         raise ValueError(f"extends: expected the name of a config in the same folder, got {base!r} ({path})")
     base_path = path.parent / f"{base}.json"
     if base_path.resolve() in seen + (path.resolve(),):

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+MAX_BLOBS = 64  # each blob is drawn over the whole image
+
+
 @dataclass(frozen=True)
 class SceneParams:
     """What a scene may contain (defaults: the seed's "a few Gaussian blobs and sometimes a bar")."""
@@ -32,19 +35,19 @@ class SceneParams:
 
     def validate(self) -> None:
         if not 0 <= self.background <= 1:
-            raise ValueError(f"data.background: expected a value in [0, 1], got {self.background}")
-        if not 0 <= self.blobs_min <= self.blobs_max:
-            raise ValueError(f"data.blobs_min/blobs_max: expected 0 <= min <= max, got {self.blobs_min}, "
-                             f"{self.blobs_max}")
+            raise ValueError(f"data.scene.background: expected a value in [0, 1], got {self.background}")
+        if not 0 <= self.blobs_min <= self.blobs_max <= MAX_BLOBS:
+            raise ValueError(f"data.scene.blobs_min/blobs_max: expected 0 <= min <= max <= {MAX_BLOBS}, got "
+                             f"{self.blobs_min}, {self.blobs_max}")
         if not 0 < self.sigma_min <= self.sigma_max:
-            raise ValueError(f"data.sigma_min/sigma_max: expected 0 < min <= max, got {self.sigma_min}, "
+            raise ValueError(f"data.scene.sigma_min/sigma_max: expected 0 < min <= max, got {self.sigma_min}, "
                              f"{self.sigma_max}")
         if not 0 <= self.bar_prob <= 1:
-            raise ValueError(f"data.bar_prob: expected a probability in [0, 1], got {self.bar_prob}")
+            raise ValueError(f"data.scene.bar_prob: expected a probability in [0, 1], got {self.bar_prob}")
         if not 0 < self.bar_length_min <= self.bar_length_max:
-            raise ValueError("data.bar_length_min/bar_length_max: expected 0 < min <= max")
+            raise ValueError("data.scene.bar_length_min/bar_length_max: expected 0 < min <= max")
         if not 0 < self.bar_width_min <= self.bar_width_max:
-            raise ValueError("data.bar_width_min/bar_width_max: expected 0 < min <= max")
+            raise ValueError("data.scene.bar_width_min/bar_width_max: expected 0 < min <= max")
 
 
 def render_image(rng: np.random.Generator, size: int, channels: int, scene: SceneParams) -> np.ndarray:

@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, attend
 
 LAYOUTS = ("z_order", "hilbert", "row_major")
+MAX_IMAGE_SIZE = 1024  # 1,048,576 pixel tokens, the largest LLSA is tested at
+MAX_MLP_RATIO = 64.0
+MAX_PARAMETERS = 2 ** 31  # 8 GiB of float32 weights, and as much again for each of Adam's moments
 
 
 @dataclass(frozen=True)
@@ -59,16 +62,25 @@ class DiTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name}: expected a positive integer, got {value!r}")
+        if self.image_size > MAX_IMAGE_SIZE:
+            raise ValueError(f"model.image_size: expected at most {MAX_IMAGE_SIZE} pixels a side "
+                             f"({MAX_IMAGE_SIZE ** 2} tokens), got {self.image_size}")
         if self.width % self.heads:
             raise ValueError(f"model.width: expected a multiple of model.heads ({self.heads}), got {self.width}")
         if self.head_dim % 4:
             raise ValueError(f"model.width/heads: 2-D RoPE needs head_dim divisible by 4, got {self.head_dim}")
-        if not self.mlp_ratio > 0:
-            raise ValueError(f"model.mlp_ratio: expected a positive number, got {self.mlp_ratio}")
+        if not (self.mlp_ratio <= MAX_MLP_RATIO and round(self.width * self.mlp_ratio) >= 1):
+            raise ValueError(f"model.mlp_ratio: expected an MLP of at least one unit (width x mlp_ratio >= 0.5) "
+                             f"and a ratio of at most {MAX_MLP_RATIO}, got {self.mlp_ratio}")
+        # per block: qkv and proj (4 w^2), the MLP (2 ratio w^2), AdaLN's six modulations (6 w^2)
+        parameters = self.depth * (10 + 2 * self.mlp_ratio) * self.width ** 2
+        if parameters > MAX_PARAMETERS:
+            raise ValueError(f"model.width/depth: {self.width} wide and {self.depth} deep is about "
+                             f"{parameters:.3g} parameters, more than the {MAX_PARAMETERS:.3g} allowed")
         if not self.rope_theta > 1:
             raise ValueError(f"model.rope_theta: expected a number above 1, got {self.rope_theta}")
         if self.layout not in LAYOUTS:
-            raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+            raise ValueError(f"model.layout: expected one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
 
 def token_order(size: int, layout: str) -> np.ndarray:

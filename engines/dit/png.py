@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import struct
 import zlib
-from pathlib import Path
 
 import numpy as np
 
@@ -55,6 +54,3 @@ def image_grid(images: np.ndarray, columns: int, pad: int = 2, upscale: int = 1)
         grid[y:y + h, x:x + w] = pixels[i]
     return grid
 
-
-def write_png(path, pixels: np.ndarray) -> None:
-    Path(path).write_bytes(encode_png(pixels))

@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import copy
 import csv
+import io
 import json
 import math
 import os
@@ -60,7 +61,7 @@ from .bars import count_bars, has_bar  # noqa: E402
 from .data import make_images  # noqa: E402
 from .flow import euler_from, euler_sample, flow_loss, noise_scale, noisy, sample_times  # noqa: E402
 from .model import PixelDiT  # noqa: E402
-from .png import image_grid, write_png  # noqa: E402
+from .png import encode_png, image_grid  # noqa: E402
 
 
 # ---- data, schedule, evaluation ------------------------------------------------------------
@@ -123,12 +124,14 @@ def draw_samples(model, cfg: ExperimentConfig, device) -> np.ndarray:
 
 
 def save_grid(path: Path, images: np.ndarray, cfg: ExperimentConfig) -> None:
-    write_png(path, image_grid(images, cfg.sample.columns, upscale=cfg.sample.upscale))
+    _write_atomic(Path(path), encode_png(image_grid(images, cfg.sample.columns, upscale=cfg.sample.upscale)))
 
 
 def save_samples(run_dir: Path, suffix: str, images: np.ndarray, cfg: ExperimentConfig) -> None:
     """A run's samples as samples{suffix}.npy (the values) and samples{suffix}.png (the grid)."""
-    np.save(run_dir / f"samples{suffix}.npy", images)
+    npy = io.BytesIO()
+    np.save(npy, images)
+    _write_atomic(run_dir / f"samples{suffix}.npy", npy.getvalue())
     save_grid(run_dir / f"samples{suffix}.png", images, cfg)
 
 
@@ -192,19 +195,88 @@ def fingerprint(cfg: ExperimentConfig, kind: str, seed: int) -> Dict:
 
 
 def _save_atomic(obj, path: Path) -> None:
+    """Every file a run writes goes to a temporary name first and then replaces the old one, so
+    an interrupted write leaves the previous file whole."""
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
-def _write_log(path: Path, rows: List[Dict]) -> None:
+def _write_atomic(path: Path, data) -> None:
+    """``data`` (str, UTF-8, or bytes) into ``path`` by a temporary file and a rename."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=LOG_FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in LOG_FIELDS})
+    tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     os.replace(tmp, path)
+
+
+CHECKPOINT_KEYS = {"fingerprint": dict, "step": int, "model": dict, "optimizer": dict, "log": list,
+                   "train_seconds": (int, float)}
+
+
+def _unusable(path: Path, why: str) -> ValueError:
+    return ValueError(f"{path}: {why}; pass --fresh to start over (the file is replaced at the next checkpoint) "
+                      f"or --out for another directory")
+
+
+def load_checkpoint(path: Path, device="cpu") -> Dict:
+    """A run's checkpoint, read as data only (``weights_only``: tensors, numbers, strings, lists
+    and dicts, never code from the file), or a ValueError naming the file and what is wrong."""
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # a truncated or foreign file fails in the zip, pickle or tensor reader
+        raise _unusable(path, f"not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(ckpt, dict):
+        raise _unusable(path, f"not a checkpoint of this trainer (it holds a {type(ckpt).__name__})")
+    for key, kind in CHECKPOINT_KEYS.items():
+        if not isinstance(ckpt.get(key), kind) or isinstance(ckpt.get(key), bool):
+            raise _unusable(path, f"not a checkpoint of this trainer ({key!r} is missing or a "
+                                  f"{type(ckpt.get(key)).__name__})")
+    return ckpt
+
+
+def _log_row(row) -> bool:
+    """Whether ``row`` has the shape of the rows train_run logs (the numbers it formats later)."""
+    def number_or_none(v):
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    return (isinstance(row, dict) and set(row) <= set(LOG_FIELDS) and type(row.get("step")) is int
+            and all(number_or_none(row.get(k)) for k in ("train_loss", "lr", "train_seconds", "heldout_loss"))
+            and (row.get("sample_bars") is None or type(row.get("sample_bars")) is int)
+            and (row.get("reconstruct_bars") is None or isinstance(row.get("reconstruct_bars"), str)))
+
+
+def resume(path: Path, want: Dict, model, optimizer, ema, device="cpu"):
+    """Load the checkpoint at ``path`` into the model, its optimiser and EMA; (step, log rows,
+    training seconds). A checkpoint of another configuration (``want``: train.py's fingerprint),
+    or one whose contents do not fit, is a ValueError naming the file; nothing is half loaded
+    that the caller goes on with."""
+    ckpt = load_checkpoint(path, device)
+    try:
+        diff = [k for k in want if ckpt["fingerprint"].get(k) != want[k]]
+    except Exception:  # a fingerprint holding tensors cannot be compared: it is not one of ours
+        diff = list(want)
+    if diff or len(ckpt["fingerprint"]) != len(want):
+        raise _unusable(path, f"written for a different configuration ({', '.join(diff) or 'its fields'} differ)")
+    rows = ckpt["log"]
+    if ckpt["step"] < 0 or not rows or not all(_log_row(r) for r in rows):
+        raise _unusable(path, "its step or its log rows are malformed")
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if ema is not None:
+            ema.load_state_dict(ckpt["ema"])
+    except Exception as e:  # torch raises a different type for each way a state can fail to fit
+        raise _unusable(path, f"its weights do not fit this model ({type(e).__name__}: {str(e)[:200]})") from None
+    return ckpt["step"], rows, ckpt["train_seconds"]
+
+
+def _write_log(path: Path, rows: List[Dict]) -> None:
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=LOG_FIELDS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in LOG_FIELDS})
+    _write_atomic(path, text.getvalue())
 
 
 def compiled_forward(model: "PixelDiT") -> Callable:
@@ -308,16 +380,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
 
     step, rows, train_seconds = 0, [], 0.0
     if ckpt_path.exists() and not fresh:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ckpt["fingerprint"] != want:
-            diff = [k for k in want if ckpt["fingerprint"].get(k) != want[k]]
-            raise ValueError(f"{ckpt_path}: written for a different configuration ({', '.join(diff)} differ); "
-                             f"pass --fresh to start over or --out for another directory")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if ema is not None:
-            ema.load_state_dict(ckpt["ema"])
-        step, rows, train_seconds = ckpt["step"], ckpt["log"], ckpt["train_seconds"]
+        step, rows, train_seconds = resume(ckpt_path, want, model, optimizer, ema, device)
         log(f"{tag} resuming from step {step} ({ckpt_path})")
 
     def checkpoint():
@@ -391,7 +454,7 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
                "heldout_loss": rows[-1]["heldout_loss"] if rows[-1]["heldout_loss"] is not None
                else evaluate(scored, heldout, cfg, device)}
     if not summary["finished"]:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         log(f"{tag} stopped at step {step} (checkpointed; run again to resume)")
         return summary
 
@@ -417,9 +480,44 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
         scored.set_attention(spec)
     for name, images in samples.items():
         save_samples(run_dir, name, images, cfg)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     log(f"{tag} done: held-out {summary['heldout_loss']:.4f}, {summary['seconds_per_step']} s/step"
         f"{' (compiled, the first step compiling)' if cfg.train.compile else ''}")
+    return summary
+
+
+SUMMARY_KEYS = {"label": str, "attention": str, "seed": int, "steps": int, "keys_per_query": (int, float),
+                "heldout_loss": (int, float), "seconds_per_step": (int, float, type(None)), "compiled": bool}
+BA_ATT_SUMMARY_KEYS = {"label": str, "density": (int, float), "sort": bool, "keys_per_query": (int, float),
+                       "heldout_loss": (int, float)}
+
+
+def _read_summary(path: Path) -> Dict:
+    """A finished run's summary.json, or a ValueError naming the file: the table and the bar
+    counts read these fields, so a summary without them is refused rather than half used."""
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"{path}: {why}; delete it to have the run evaluated again from its checkpoint")
+
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise refuse(f"not a readable summary ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(summary, dict):
+        raise refuse(f"not a summary of this trainer (it holds a JSON {type(summary).__name__})")
+    if not summary.get("finished"):
+        return summary
+    records = [("", summary, SUMMARY_KEYS)]
+    if not isinstance(summary.get("ba_att", []), list):
+        raise refuse("its 'ba_att' is not a list")
+    records += [(f"ba_att[{i}].", b, BA_ATT_SUMMARY_KEYS) for i, b in enumerate(summary.get("ba_att", []))]
+    for prefix, record, keys in records:
+        if not isinstance(record, dict):
+            raise refuse(f"its {prefix[:-1]} is not an object")
+        for key, kind in keys.items():
+            value = record.get(key, False) if key == "compiled" else record.get(key)  # older runs lack it
+            if (key not in record and key != "compiled") or not isinstance(value, kind) or \
+                    (isinstance(value, bool) and kind is not bool):
+                raise refuse(f"its {prefix}{key!r} is missing or a {type(value).__name__}")
     return summary
 
 
@@ -428,15 +526,15 @@ def finished_summary(run_dir: Path, cfg: ExperimentConfig, kind: str, seed: int)
     path, ckpt_path = run_dir / "summary.json", run_dir / "checkpoint.pt"
     if not (path.exists() and ckpt_path.exists()):
         return None
-    summary = json.loads(path.read_text())
-    if not summary.get("finished") or summary.get("steps") != cfg.train.steps:
+    summary = _read_summary(path)
+    if (not summary.get("finished") or summary.get("steps") != cfg.train.steps or summary.get("attention") != kind
+            or summary.get("seed") != seed):
         return None
     if kind == "full":
         want = [(d, s) for s in cfg.ba_att.sort for d in cfg.ba_att.densities]
         if [(b["density"], b["sort"]) for b in summary.get("ba_att", [])] != want:
             return None
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    return summary if ckpt["fingerprint"] == fingerprint(cfg, kind, seed) else None
+    return summary if load_checkpoint(ckpt_path)["fingerprint"] == fingerprint(cfg, kind, seed) else None
 
 
 # ---- the experiment ----------------------------------------------------------------------------
@@ -511,7 +609,7 @@ def compare_grid(out: Path, cfg: ExperimentConfig, seed: int, kinds: Sequence[st
         return None
     path = out / "compare.png"
     save_grid(path, np.concatenate(rows), cfg)
-    (out / "compare.txt").write_text("rows of compare.png, top to bottom:\n" +
+    _write_atomic(out / "compare.txt", "rows of compare.png, top to bottom:\n" +
                                      "\n".join(f"{i + 1}. {name}" for i, name in enumerate(legend)) + "\n")
     return path
 
@@ -576,11 +674,11 @@ def run_experiment(cfg: ExperimentConfig, seeds: Sequence[int], out: Path, devic
     result = {"config": config_mod.to_dict(cfg), "seeds": list(seeds), "device": str(device),
               "num_threads": num_threads, "wall_seconds": round(time.time() - started, 1), "runs": summaries,
               "table": rows, "bars": bars}
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    _write_atomic(out / "results.json", json.dumps(result, indent=2) + "\n")
     how = "".join([f", {cfg.train.steps} steps",
                    ", training steps under bf16 autocast" if any(s.get("autocast_bf16") for s in summaries) else "",
                    f", EMA weights (decay {cfg.train.ema:g}) scored and sampled" if cfg.train.ema else ""])
-    (out / "results.md").write_text(f"# {cfg.name}\n\n{cfg.description}\n\nHeld-out flow-matching loss{how}.\n\n"
+    _write_atomic(out / "results.md", f"# {cfg.name}\n\n{cfg.description}\n\nHeld-out flow-matching loss{how}.\n\n"
                                     f"{table}\n\n{format_bars(bars)}\n")
     log(f"\n{cfg.name}: held-out flow-matching loss ({len(heldout[0])} held-out images, same noise and "
         f"timesteps for every model){how}\n{table}\n{format_bars(bars)}")
@@ -678,7 +776,7 @@ def throughput(cfg: ExperimentConfig, device="cpu", num_threads: int = 0, batch_
     result = {"config": cfg.name, "device": str(device), "compiled": tp.compile, "rows": rows, "table": table}
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+        _write_atomic(Path(out) / "throughput.json", json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -99,7 +99,7 @@ def test_training_lowers_the_loss_and_resumes(trained, sparsa_bin, capsys):
     capsys.readouterr()
     train(trained, sparsa_bin, 3)
     assert "resumed" in capsys.readouterr().out
-    ck = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=False)
+    ck = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)  # data only, as the trainer reads it
     assert ck["state"]["step"] == STEPS + 3 and len(ck["state"]["stages"]) == 2
 
 
@@ -983,3 +983,110 @@ def test_convert_makes_an_engine_llada_model_from_an_sdar_export(trained, sparsa
         T.main(["convert", "--run", trained, "--weights", str(sdar_export), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="--weights: .*no tensor"):
         T.main(["convert", "--run", str(run), "--weights", str(out), "--out", str(tmp_path / "y")])
+
+
+# ---- damaged and hostile files: run.json and the checkpoint ---------------------------------
+# Fuzzed with fixed seeds (SPARSA_FUZZ_CASES cases each; a longer campaign sets it higher): the
+# reader returns what the file describes or exits with the file's name, never another exception
+# or code run from the file.
+
+FUZZ_CASES = int(os.environ.get("SPARSA_FUZZ_CASES", "300"))
+ODD_VALUES = [None, True, 0, -1, 3, 2 ** 40, 0.5, float("nan"), float("inf"), "", "sdar", "llada", [], {}, [1]]
+
+
+def test_run_json_fuzz(run_dir, tmp_path):
+    original = json.loads((open(os.path.join(run_dir, "run.json")).read()))
+    path = tmp_path / "run.json"
+    rng = random.Random(3)
+    accepted = 0
+    for case in range(FUZZ_CASES):
+        raw = json.loads(json.dumps(original))
+        model = raw["model"]
+        for _ in range(rng.randint(1, 3)):
+            key = rng.choice(sorted(model) + ["zz"])
+            if rng.random() < 0.2:
+                model.pop(key, None)
+            else:
+                model[key] = rng.choice(ODD_VALUES)
+        text = json.dumps(raw if rng.random() < 0.9 else rng.choice([[], model, {"model": []}]))
+        path.write_text(text[:rng.randrange(len(text) + 1)] if rng.random() < 0.1 else text)
+        try:
+            c = T.load_run(str(tmp_path))
+        except SystemExit as e:
+            assert str(e).startswith(f"train_sdar: {path}: "), str(e)
+            continue
+        if T.run_parameters(c) < 2e6 and c.max_len * c.head_dim < 2e6:  # larger ones are accepted, not built here
+            S.Sdar(c)
+        accepted += 1
+    assert 0 < accepted < FUZZ_CASES
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the unpickler's notes on the damaged bytes it reads
+def test_checkpoint_fuzz(trained, tmp_path):
+    """Mutated bytes of a real checkpoint: it loads (a change inside a tensor's bytes cannot be
+    seen: the file has no checksum of its values), or it is one exit naming the file."""
+    original = open(os.path.join(trained, "ckpt.pt"), "rb").read()
+    c = T.load_run(trained)
+    path = str(tmp_path / "ckpt.pt")
+    rng = random.Random(5)
+    refused = 0
+    for case in range(max(FUZZ_CASES // 4, 20)):
+        data = bytearray(original)
+        op = rng.randrange(3)
+        if op == 0:
+            data = data[:rng.randrange(len(data))]
+        elif op == 1:
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        else:
+            data = bytearray(rng.randbytes(len(data)))
+        open(path, "wb").write(bytes(data))
+        model = S.Sdar(c)
+        opt = torch.optim.AdamW(T.param_groups(model, 0.1), lr=1e-3)
+        try:
+            T.restore(model, T.load_ckpt(path), path, opt)
+        except SystemExit as e:
+            assert str(e).startswith(f"train_sdar: {path}: "), str(e)
+            refused += 1
+    assert refused > 0
+
+
+class _Payload:
+    """A pickle that creates a file when it is unpickled: the code a hostile checkpoint carries."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (os.mkdir, (self.target,))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_a_checkpoint_never_runs_code(tmp_path):
+    import pickle
+    target = str(tmp_path / "ran")
+    for write in (lambda p: torch.save({"model": _Payload(target)}, p),
+                  lambda p: open(p, "wb").write(pickle.dumps(_Payload(target)))):
+        path = str(tmp_path / "ckpt.pt")
+        write(path)
+        with pytest.raises(SystemExit, match="not a readable checkpoint"):
+            T.load_ckpt(path)
+        assert not os.path.exists(target)
+
+
+@pytest.mark.parametrize("content", ["not a dict", "no state", "state without step", "foreign weights"])
+def test_checkpoint_contents_that_do_not_fit(trained, tmp_path, content):
+    ck = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)
+    if content == "not a dict":
+        ck = [ck]
+    elif content == "no state":
+        del ck["state"]
+    elif content == "state without step":
+        del ck["state"]["step"]
+    else:
+        ck["model"] = {"weight": torch.zeros(2)}
+    path = str(tmp_path / "ckpt.pt")
+    torch.save(ck, path)
+    model = S.Sdar(T.load_run(trained))
+    with pytest.raises(SystemExit, match=f"train_sdar: {path}: "):
+        T.restore(model, T.load_ckpt(path), path)

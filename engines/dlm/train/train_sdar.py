@@ -550,12 +550,88 @@ def run_files(run):
             "tokenizer": os.path.join(run, "tokenizer.json"), "log": os.path.join(run, "log.jsonl")}
 
 
+MAX_PARAMETERS = 2 ** 31  # 8 GiB of f32 weights, twice that again in AdamW's moments
+MAX_ROPE_ENTRIES = 2 ** 28
+
+
+def run_parameters(c):
+    """About how many parameters the model of ``c`` has: the tied embedding, then per layer the
+    attention's projections and the SwiGLU MLP."""
+    attention = c.dim * (c.heads + 2 * c.kv_heads) * c.head_dim + c.heads * c.head_dim * c.dim
+    return c.vocab_size * c.dim + c.layers * (attention + 3 * c.dim * c.hidden)
+
+
 def load_run(run):
+    """The model configuration of run.json; a file that is damaged, or whose model fields are
+    missing, unknown, mistyped or out of range, exits with the file and the field named."""
     f = run_files(run)
     if not os.path.exists(f["config"]):
         sys.exit(f"train_sdar: {run}: no run.json (run `train_sdar.py tokenizer --run {run}` first)")
-    with open(f["config"]) as fh:
-        return SdarConfig(**json.load(fh)["model"])
+    try:
+        with open(f["config"], encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        sys.exit(f"train_sdar: {f['config']}: not readable JSON ({type(e).__name__}: {str(e)[:200]})")
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(model, dict):
+        sys.exit(f"train_sdar: {f['config']}: model: expected an object of the model's fields")
+    defaults = SdarConfig()
+    for key, value in model.items():
+        if not hasattr(defaults, key):
+            sys.exit(f"train_sdar: {f['config']}: model.{key}: unknown field")
+        want = type(getattr(defaults, key))
+        ok = isinstance(value, (int, float)) and math.isfinite(value) if want is float else isinstance(value, want)
+        if isinstance(value, bool) or not ok:
+            sys.exit(f"train_sdar: {f['config']}: model.{key}: expected {want.__name__}, got {value!r}")
+    c = SdarConfig(**model)
+    problems = [f"model.{k}: expected a positive integer, got {getattr(c, k)}"
+                for k in ("vocab_size", "dim", "layers", "heads", "kv_heads", "head_dim", "hidden", "block_size",
+                          "max_len") if getattr(c, k) < 1]
+    problems += [f"model.heads: expected a multiple of kv_heads ({c.kv_heads}), got {c.heads}"] \
+        if not problems and c.heads % c.kv_heads else []
+    problems += [f"model.{k}: expected a token id below vocab_size ({c.vocab_size}), got {getattr(c, k)}"
+                 for k in ("mask_id", "eos_id") if not 0 <= getattr(c, k) < c.vocab_size]
+    problems += ["model.head_dim: expected an even number (RoPE turns pairs)"] if c.head_dim % 2 else []
+    problems += [f"model.rope_theta: expected a number above 1, got {c.rope_theta}"] if not c.rope_theta > 1 else []
+    problems += [f"model.eps: expected a positive number, got {c.eps}"] if not c.eps > 0 else []
+    problems += [f"model.arch: expected sdar or llada, got {c.arch!r}"] if c.arch not in ("sdar", "llada") else []
+    if not problems and run_parameters(c) > MAX_PARAMETERS:
+        problems.append(f"model: about {run_parameters(c):.3g} parameters, more than the {MAX_PARAMETERS:.3g} "
+                        "this trainer allows")
+    if not problems and c.max_len * c.head_dim > MAX_ROPE_ENTRIES:
+        problems.append(f"model.max_len: its RoPE table of max_len x head_dim entries would exceed {MAX_ROPE_ENTRIES}")
+    if problems:
+        sys.exit(f"train_sdar: {f['config']}: {problems[0]}")
+    return c
+
+
+def load_ckpt(path, device="cpu"):
+    """A run's checkpoint, read as data only (``weights_only``: tensors, numbers, strings, lists
+    and dicts, never code from the file); a damaged or foreign file exits with its name."""
+    try:
+        ck = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # a truncated or foreign file fails in the zip, pickle or tensor reader
+        sys.exit(f"train_sdar: {path}: not a readable checkpoint ({type(e).__name__}: {str(e)[:200]}); "
+                 "start a new run, or --init it from an export")
+    state = ck.get("state") if isinstance(ck, dict) else None
+    if not (isinstance(ck, dict) and isinstance(ck.get("model"), dict) and isinstance(ck.get("opt"), dict)
+            and isinstance(state, dict) and type(state.get("step")) is int and type(state.get("tokens")) is int
+            and isinstance(state.get("stages"), list) and isinstance(state.get("history"), list)):
+        sys.exit(f"train_sdar: {path}: not a checkpoint of train_sdar (model, opt and state with step, tokens, "
+                 "stages and history)")
+    return ck
+
+
+def restore(model, ck, path, opt=None):
+    """The checkpoint's weights (and optimizer state) into ``model`` (and ``opt``), or an exit
+    naming the file when they do not fit."""
+    try:
+        model.load_state_dict(ck["model"])
+        if opt is not None:
+            opt.load_state_dict(ck["opt"])
+    except Exception as e:  # torch raises a different type for each way a state can fail to fit
+        sys.exit(f"train_sdar: {path}: its weights do not fit this run's model ({type(e).__name__}: "
+                 f"{str(e)[:200]})")
 
 
 def save_ckpt(run, model, opt, state):
@@ -720,13 +796,13 @@ def cmd_train(a):
                             fused=device.type == "cuda")
     state = {"step": 0, "tokens": 0, "stages": [], "history": []}
     if os.path.exists(f["ckpt"]):
-        ck = torch.load(f["ckpt"], map_location=device, weights_only=False)
-        model.load_state_dict(ck["model"])
-        if len(ck["opt"]["param_groups"]) != len(opt.param_groups):
-            sys.exit(f"train_sdar: {f['ckpt']}: its optimizer has {len(ck['opt']['param_groups'])} parameter "
+        ck = load_ckpt(f["ckpt"], device)
+        groups = ck["opt"].get("param_groups")
+        if isinstance(groups, list) and len(groups) != len(opt.param_groups):
+            sys.exit(f"train_sdar: {f['ckpt']}: its optimizer has {len(groups)} parameter "
                      f"group(s), this version {len(opt.param_groups)} (matrices decayed, norm gains not); "
                      "start a new run")
-        opt.load_state_dict(ck["opt"])
+        restore(model, ck, f["ckpt"], opt)
         state = ck["state"]
         log(f"resumed {f['ckpt']} at step {state['step']}")
     elif a.init:
@@ -1231,7 +1307,7 @@ def cmd_probe(a):
     elif not os.path.exists(f["ckpt"]):
         sys.exit(f"train_sdar: {a.run}: no checkpoint to probe (train first, or give --weights EXPORT)")
     else:
-        model.load_state_dict(torch.load(f["ckpt"], map_location="cpu", weights_only=False)["model"])
+        restore(model, load_ckpt(f["ckpt"]), f["ckpt"])
     model.eval()
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(f["tokenizer"])
@@ -1269,8 +1345,10 @@ def cmd_export(a):
     c = load_run(a.run)
     f = run_files(a.run)
     model = Sdar(c)
-    ck = torch.load(f["ckpt"], map_location="cpu", weights_only=False)
-    model.load_state_dict(ck["model"])
+    if not os.path.exists(f["ckpt"]):
+        sys.exit(f"train_sdar: {a.run}: no checkpoint to export (train first)")
+    ck = load_ckpt(f["ckpt"])
+    restore(model, ck, f["ckpt"])
     export_run(a.run, model, ck["state"], a.out, a.dtype, a.shard_mb)
 
 

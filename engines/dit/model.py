@@ -11,6 +11,16 @@
           q, k = RoPE2d(q), RoPE2d(k); o = attend(q, k, v); W_o o
     out     = W_out (LN(h) * (1 + b) + a), (a, b) = W_f SiLU(c)  (W_out zero-initialised)
     v_pred  = out restored to row-major pixel order                              [B, C, H, W]
+              (prediction "x0": out is the clean image's estimate x0_pred, and
+               v_pred = (x_t - x0_pred) / max(t, T_MIN), the velocity it implies)
+
+Prediction. The network's output is the velocity itself (``velocity``, the seed's), or the clean
+image (``x0``): on the path x_t = (1 - t) x0 + s t eps the velocity is s eps - x0 = (x_t - x0) / t,
+so an estimate of x0 gives one of the velocity, and the loss, the sampler and the held-out score
+stay in velocity space for both. Predicting the clean image, which lies near a low-dimensional
+set where the noise does not, is the fix Li & He (2025, "Back to Basics: Let Denoising Generative
+Models Denoise") give for pixel-space transformers; their v-loss with x-prediction divides by t
+clipped at 0.05 (T_MIN), as here.
 
 RoPE 2-D: the first half of each head's dimensions rotates with the pixel's row, the second half
 with its column; in each half the pairs (2j, 2j+1) turn by pos * theta^(-2j / half). RoPE is
@@ -33,6 +43,8 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, attend
 
 LAYOUTS = ("z_order", "hilbert", "row_major")
+PREDICTIONS = ("velocity", "x0")
+T_MIN = 0.05  # x0 prediction: the velocity's divisor t is clipped here
 MAX_IMAGE_SIZE = 1024  # 1,048,576 pixel tokens, the largest LLSA is tested at
 MAX_MLP_RATIO = 64.0
 MAX_PARAMETERS = 2 ** 31  # 8 GiB of float32 weights, and as much again for each of Adam's moments
@@ -48,6 +60,7 @@ class DiTConfig:
     mlp_ratio: float = 4.0
     rope_theta: float = 10000.0
     layout: str = "z_order"
+    prediction: str = "velocity"  # or "x0" (the header's "Prediction")
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +94,8 @@ class DiTConfig:
             raise ValueError(f"model.rope_theta: expected a number above 1, got {self.rope_theta}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"model.layout: expected one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"model.prediction: expected one of {', '.join(PREDICTIONS)}, got {self.prediction!r}")
 
 
 def token_order(size: int, layout: str) -> np.ndarray:
@@ -220,4 +235,7 @@ class PixelDiT(nn.Module):
             h = block(h, c, self.rope_cos, self.rope_sin)
         shift, scale = self.final_ada(F.silu(c)).chunk(2, dim=-1)
         out = self.out(modulate(self.final_norm(h), shift, scale))[:, self.inverse_perm]
-        return out.transpose(1, 2).reshape(x.shape)
+        out = out.transpose(1, 2).reshape(x.shape)
+        if cfg.prediction == "x0":
+            return (x - out) / t.clamp(min=T_MIN).view(-1, 1, 1, 1).to(x.dtype)
+        return out

@@ -137,6 +137,35 @@ def test_forward_matches_reference():
     assert err < 1e-5, err
 
 
+def test_x0_prediction_is_the_velocity_it_implies():
+    """model.prediction x0: the same network's output read as the clean image, turned into the
+    velocity (x_t - x0_pred) / max(t, T_MIN); the velocity model's output is that raw output."""
+    from engines.dit.model import T_MIN
+
+    velocity = randomised(PixelDiT(small_config())).double()
+    x0 = PixelDiT(small_config(prediction="x0")).double()
+    x0.load_state_dict(velocity.state_dict())
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    t = torch.tensor([0.01, 0.05, 0.7], dtype=torch.float64)
+    with torch.no_grad():
+        raw, got = velocity(x, t), x0(x, t)
+    want = (x - raw) / t.clamp(min=T_MIN).view(-1, 1, 1, 1)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert T_MIN == 0.05 and not torch.allclose(got, raw)
+    # The identity it rests on: (x_t - x0) / t is the velocity, so Euler steps with the exact clean
+    # image land on it.
+    target, noise = torch.rand(1, 3, 8, 8, dtype=torch.float64), torch.randn(1, 3, 8, 8, dtype=torch.float64)
+
+    class Exact(torch.nn.Module):
+        def forward(self, x, t):
+            return (x - target) / t.view(-1, 1, 1, 1)
+
+    landed = euler_from(Exact(), noise, 1.0, 10)  # from pure noise at t = 1 to t = 0 in 10 steps
+    assert torch.allclose(landed, target, atol=1e-12)
+    with pytest.raises(ValueError, match="model.prediction"):
+        small_config(prediction="eps").validate()
+
+
 def test_zorder_layout_round_trip_and_equivariance():
     perm = token_order(8, "z_order")
     assert sorted(perm.tolist()) == list(range(64))

@@ -386,6 +386,13 @@ def dense_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, scale: Optional[float]
     return _finish(q, out), _finish(q, lse)
 
 
+# The entries of an index file and their dimensions (the reader of `sparsa run --index` takes the same).
+_INDEX_DIMS = {"counts": ("batch", "heads_q", "num_q_blocks"),
+               "indices": ("batch", "heads_q", "num_q_blocks", "capacity"),
+               "perm_q": ("batch", "heads_q", "len_q"), "perm_kv": ("batch", "heads_kv", "len_kv")}
+_MAX_INDEX_BLOCK = 1 << 20
+
+
 @dataclass
 class BlockIndex:
     """The plan of every block-sparse method (the core of FlexAttention's BlockMask).
@@ -443,41 +450,45 @@ class BlockIndex:
     @staticmethod
     def load(path: str, block_q: Optional[int] = None, block_kv: Optional[int] = None) -> "BlockIndex":
         """Read an index file (``BlockIndex.save``, ``sparsa plan --index``) as numpy arrays.
-        Block sizes come from the arguments, else from the header's ``__metadata__``."""
-        with open(path, "rb") as f:
-            data = f.read()
-        if len(data) < 8:
-            raise ValueError(f"path: {path}: shorter than the 8-byte safetensors header length")
-        (n,) = struct.unpack("<Q", data[:8])
-        if n > len(data) - 8:
-            raise ValueError(f"path: {path}: header length {n} exceeds the file ({len(data)} bytes)")
+        Block sizes come from the arguments, else from the header's ``__metadata__``. The file
+        is read by the library's safetensors reader (the one ``sparsa run --index`` uses) and
+        checked as that command checks it; a broken file is a ValueError naming it."""
         try:
-            header = json.loads(data[8:8 + n])
-        except ValueError as e:
-            raise ValueError(f"path: {path}: the header is not JSON ({e})") from None
-        meta = header.pop("__metadata__", {}) or {}
-        entries = {}
-        for name, e in header.items():
-            if name not in ("counts", "indices", "perm_q", "perm_kv"):
+            arrays, meta = _core.read_safetensors(str(path))
+        except (ValueError, TypeError) as e:  # malformed, or a dtype sparsa does not read (a missing file: RuntimeError)
+            raise ValueError(f"path: {e}") from None
+        for name, a in arrays.items():
+            if name not in _INDEX_DIMS:
                 raise ValueError(f"path: {path}: unknown entry '{name}' (expected counts, indices, perm_q, perm_kv)")
-            if e.get("dtype") != "I32":
-                raise ValueError(f"index.{name}: expected dtype I32, got {e.get('dtype')}")
-            begin, end = e["data_offsets"]
-            count = int(np.prod(e["shape"], dtype=np.int64))
-            if not 0 <= begin <= end <= len(data) - 8 - n or end - begin != 4 * count:
-                raise ValueError(f"index.{name}: data_offsets {e['data_offsets']} do not fit shape {e['shape']}")
-            entries[name] = np.frombuffer(data, dtype="<i4", count=count, offset=8 + n + begin) \
-                .reshape(e["shape"]).astype(np.int32)
+            if a.dtype != np.int32:
+                raise ValueError(f"index.{name}: expected dtype I32, got {a.dtype}")
+            if a.ndim != len(_INDEX_DIMS[name]):
+                raise ValueError(f"index.{name}: expected {len(_INDEX_DIMS[name])} dimensions "
+                                 f"[{', '.join(_INDEX_DIMS[name])}], got {a.ndim}")
         for name in ("counts", "indices"):
-            if name not in entries:
+            if name not in arrays:
                 raise ValueError(f"path: {path}: missing entry '{name}'")
-        bq = block_q if block_q is not None else meta.get("block_q")
-        bkv = block_kv if block_kv is not None else meta.get("block_kv")
+        counts, indices = arrays["counts"], arrays["indices"]
+        if counts.shape != indices.shape[:3]:
+            raise ValueError(f"index.indices: its first three dimensions {list(indices.shape[:3])} are not "
+                             f"index.counts' {list(counts.shape)}")
+
+        def block(name, given):
+            if given is not None:
+                return given
+            text = meta.get(name)
+            if text is None:
+                return None
+            if not (text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_INDEX_BLOCK):
+                raise ValueError(f"path: {path}: __metadata__ {name} must be an integer in "
+                                 f"[1, {_MAX_INDEX_BLOCK}], got {text[:80]!r}")
+            return int(text)
+
+        bq, bkv = block("block_q", block_q), block("block_kv", block_kv)
         if bq is None or bkv is None:
             raise ValueError(f"path: {path}: block sizes unknown; pass block_q and block_kv "
                              "or store them in the header's __metadata__")
-        return BlockIndex(int(bq), int(bkv), entries["counts"], entries["indices"],
-                          entries.get("perm_q"), entries.get("perm_kv"))
+        return BlockIndex(int(bq), int(bkv), counts, indices, arrays.get("perm_q"), arrays.get("perm_kv"))
 
     @staticmethod
     def full(batch: int, heads_q: int, len_q: int, len_kv: int, block_q: int, block_kv: int,

@@ -887,6 +887,17 @@ NB_MODULE(_sparsa, m) {
       "read_tensor", [](const std::string& path) { return to_numpy(take(read_tensor(path))); }, "path"_a,
       "Read a .npy or .safetensors[:name] file into a numpy array.");
   m.def(
+      "read_safetensors",
+      [](const std::string& path) {
+        // The library's reader (fuzzed: tests/fuzz/fuzz_safetensors) checks the whole file first.
+        std::vector<NamedArray> entries = take(read_safetensors(path));
+        nb::dict arrays, metadata;
+        for (NamedArray& entry : entries) arrays[entry.name.c_str()] = to_numpy(std::move(entry.array));
+        for (const auto& [key, value] : take(read_safetensors_metadata(path))) metadata[key.c_str()] = value;
+        return nb::make_tuple(arrays, metadata);
+      },
+      "path"_a, "Every entry of a .safetensors file ({name: numpy array}) and its __metadata__ ({key: string}).");
+  m.def(
       "write_tensor",
       [](const std::string& path, InArray a) { check(write_tensor(path, to_tensor(a, "array"))); }, "path"_a,
       "array"_a, "Write a CPU array to .npy or .safetensors.");

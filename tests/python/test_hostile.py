@@ -219,3 +219,93 @@ def test_read_tensor_refuses_hostile_headers(tmp_path, header, pattern):
     p.write_bytes(_safetensors(header) + b"\x00" * 4)
     with pytest.raises(ValueError, match=pattern):
         sparsa.read_tensor(str(p))
+
+
+# ---- BlockIndex.load, fuzzed ----------------------------------------------------------------
+# The index file's reader is the library's safetensors reader (fuzzed in C++ by fuzz_safetensors
+# and fuzz_index) plus BlockIndex.load's checks of entries, dtypes, dimensions and block sizes.
+# A real plan's file, its header's values mutated (the length prefix kept right, so the reader
+# gets past it) or its bytes damaged: load gives a well-formed BlockIndex or a ValueError naming
+# the file or the entry. SPARSA_FUZZ_CASES cases (default 400; a longer campaign sets it higher).
+
+def _index_file(tmp_path):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 40, 8), dtype=np.float32)
+    plan = sparsa.ba_att_plan(q, q, block_q=8, block_kv=8, density=0.5)
+    plan.save(tmp_path / "plan.safetensors")
+    return plan, (tmp_path / "plan.safetensors").read_bytes()
+
+
+_ODD = [None, True, 0, -1, 1, 3, 2 ** 40, 2 ** 64, 0.5, float("nan"), "", "8", "0", "-8", "1048577", " 8", "I32",
+        "F32", "I64", "BF16", "counts", "perm_q", [], [1], [0, 4], [4, 0], [0, 2 ** 63], [-1, 4], [2, 3, 4],
+        [1, 2, 5], [1, 2, 5, 3], {}, {"block_q": "8"}]
+
+
+def test_block_index_load_fuzz(tmp_path):
+    import json
+    import os
+    import random
+
+    plan, original = _index_file(tmp_path)
+    (n,) = struct.unpack("<Q", original[:8])
+    header, data = json.loads(original[8:8 + n]), original[8 + n:]
+    path = tmp_path / "case.safetensors"
+    rng = random.Random(17)
+    cases = int(os.environ.get("SPARSA_FUZZ_CASES", "400"))
+    loaded = 0
+    for case in range(cases):
+        if rng.random() < 0.75:  # the header's values
+            h = json.loads(json.dumps(header))
+            for _ in range(rng.randint(1, 3)):
+                entry = rng.choice(sorted(h))
+                if rng.random() < 0.15:
+                    h[rng.choice(["perm_kv", "zz", entry + "x"])] = h.pop(entry)
+                    continue
+                field = rng.choice(sorted(h[entry]) + ["zz"])
+                h[entry][field] = json.loads(json.dumps(rng.choice(_ODD)))
+            text = json.dumps(h).encode()
+            path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+        else:  # the bytes
+            raw = bytearray(original)
+            if rng.random() < 0.5:
+                raw = raw[:rng.randrange(len(raw))]
+            else:
+                for _ in range(rng.randint(1, 6)):
+                    raw[rng.randrange(len(raw))] = rng.randrange(256)
+            path.write_bytes(bytes(raw))
+        try:
+            back = sparsa.BlockIndex.load(path)
+        except ValueError as e:
+            assert str(e).startswith((f"path: {path}", "index.")), str(e)
+            continue
+        loaded += 1
+        assert back.counts.dtype == np.int32 and back.counts.ndim == 3 and back.indices.ndim == 4
+        assert back.indices.shape[:3] == back.counts.shape and 1 <= back.block_q <= 1 << 20
+        back.save(tmp_path / "again.safetensors")
+        again = sparsa.BlockIndex.load(tmp_path / "again.safetensors")
+        for name in ("counts", "indices", "perm_q", "perm_kv"):
+            a, b = getattr(back, name), getattr(again, name)
+            assert (a is None and b is None) or np.array_equal(a, b)
+    assert 0 < loaded < cases
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (lambda h: h["counts"].update(dtype="F32"), r"^index\.counts: expected dtype I32"),
+    (lambda h: h["counts"].update(shape=[2, 5], data_offsets=[0, 40]), r"^index\.counts: expected 3 dimensions"),
+    (lambda h: h.__setitem__("extra", h.pop("perm_kv")), r"unknown entry 'extra'"),
+    (lambda h: h.pop("indices"), r"missing entry 'indices'"),
+    (lambda h: h["__metadata__"].update(block_q="8x"), r"__metadata__ block_q must be an integer"),
+    (lambda h: h["__metadata__"].update(block_kv="0"), r"__metadata__ block_kv must be an integer"),
+    (lambda h: h["counts"].update(shape=[1, 2, 3, 0]), r"do not fit|expected 3 dimensions|data_offsets"),
+], ids=["dtype", "dims", "unknown", "missing", "block text", "block zero", "shape"])
+def test_block_index_load_names_what_is_wrong(tmp_path, change, pattern):
+    import json
+
+    _, original = _index_file(tmp_path)
+    (n,) = struct.unpack("<Q", original[:8])
+    header, data = json.loads(original[8:8 + n]), original[8 + n:]
+    change(header)
+    text = json.dumps(header).encode()
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data)
+    with pytest.raises(ValueError, match=pattern):
+        sparsa.BlockIndex.load(tmp_path / "bad.safetensors")

@@ -471,7 +471,7 @@ def test_train_init_continues_from_an_export(trained, sparsa_bin, tmp_path, caps
             "--steps", "1", "--batch-tokens", "2048", "--device", "cpu", "--attention", "sdpa", "--val-samples", "0",
             "--gen-threads", "1", "--chunk", "4", "--sparsa", sparsa_bin, "--log-seconds", "0"])
     assert f"initialised from the export {out} at step {steps0}" in capsys.readouterr().out
-    ck = torch.load(run / "ckpt.pt", weights_only=False)
+    ck = torch.load(run / "ckpt.pt", weights_only=True)
     assert ck["state"]["step"] == steps0 + 1
     run2 = tmp_path / "run2"
     run2.mkdir()
@@ -479,6 +479,12 @@ def test_train_init_continues_from_an_export(trained, sparsa_bin, tmp_path, caps
     with pytest.raises(SystemExit, match="--init: .*No such file"):
         T.main(["train", "--run", str(run2), "--init", str(tmp_path / "nowhere"), "--stage", "1",
                 "--steps", "1", "--device", "cpu", "--sparsa", sparsa_bin])
+    # an export whose training record is damaged or of the wrong shape: one exit naming it
+    for record in ('{"steps": "many"}', '{"steps": 3, "stages": {}}', '[1, 2]', '{"steps": '):
+        (out / "training.json").write_text(record)
+        with pytest.raises(SystemExit, match=f"train_sdar: {out / 'training.json'}: "):
+            T.main(["train", "--run", str(run2), "--init", str(out), "--stage", "1", "--steps", "1",
+                    "--device", "cpu", "--sparsa", sparsa_bin])
 
 
 def test_key_value_samples_ask_back_what_the_prompt_lists(run_dir, sparsa_bin):
@@ -1090,3 +1096,49 @@ def test_checkpoint_contents_that_do_not_fit(trained, tmp_path, content):
     model = S.Sdar(T.load_run(trained))
     with pytest.raises(SystemExit, match=f"train_sdar: {path}: "):
         T.restore(model, T.load_ckpt(path), path)
+
+
+def test_import_fuzz(trained, tmp_path):
+    """An export's safetensors header mutated (values of other types and sizes, entries renamed),
+    its bytes damaged, or its shard index mutated: import_hf loads it or raises one ValueError
+    naming the file (what train --init, probe --weights and convert turn into an exit)."""
+    model = load_model(trained)
+    out = tmp_path / "model"
+    S.export_hf(model, str(out), "f32", 120_000)  # sharded, with model.safetensors.index.json
+    shard = sorted(p for p in out.iterdir() if p.suffix == ".safetensors")[0]
+    original, index_text = shard.read_bytes(), (out / "model.safetensors.index.json").read_text()
+    n = int.from_bytes(original[:8], "little")
+    header, data = json.loads(original[8:8 + n]), original[8 + n:]
+    rng = random.Random(9)
+    fresh = S.Sdar(model.c)
+    for case in range(FUZZ_CASES):
+        shard.write_bytes(original)
+        (out / "model.safetensors.index.json").write_text(index_text)
+        op = rng.random()
+        if op < 0.6:
+            h = json.loads(json.dumps(header))
+            name = rng.choice(sorted(h))
+            if rng.random() < 0.2:
+                h[name + "x"] = h.pop(name)
+            else:
+                field = rng.choice(["dtype", "shape", "data_offsets", "zz"])
+                value = rng.choice(ODD_VALUES + [[0, 2 ** 70], [-4, 4], [3], [5, 1], ["F32"], [1.5, 2]])
+                h[name] = value if rng.random() < 0.1 else {**h[name], field: value}
+            text = json.dumps(h).encode()
+            shard.write_bytes(len(text).to_bytes(8, "little") + text + data)
+        elif op < 0.8:
+            raw = bytearray(original)
+            for _ in range(rng.randint(1, 6)):
+                raw[rng.randrange(min(len(raw), 8 + n + 64))] = rng.randrange(256)
+            shard.write_bytes(bytes(raw))
+        else:
+            index = json.loads(index_text)
+            key = rng.choice(sorted(index["weight_map"]))
+            index["weight_map"][key] = rng.choice(ODD_VALUES + ["../x.safetensors", "/etc/passwd", "missing"])
+            if rng.random() < 0.2:
+                index = rng.choice([[], {"weight_map": []}, {"weight_map": None}])
+            (out / "model.safetensors.index.json").write_text(json.dumps(index))
+        try:
+            S.import_hf(fresh, str(out))
+        except (ValueError, OSError) as e:  # OSError: a shard the index names is missing
+            assert str(e).startswith(str(out)) or str(out) in str(e), str(e)

@@ -339,17 +339,32 @@ def read_safetensors(path):
     (n,) = struct.unpack("<Q", raw[:8])
     if n > len(raw) - 8:
         raise ValueError(f"{path}: header length {n} exceeds the file")
-    header = json.loads(raw[8:8 + n])
+    try:
+        header = json.loads(raw[8:8 + n])
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deeply
+        raise ValueError(f"{path}: the header is not JSON ({str(e)[:200]})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is a JSON {type(header).__name__}, expected an object")
     base, out = 8 + n, {}
+
+    def whole(x):
+        return type(x) is int and x >= 0
+
     for name, e in header.items():
         if name == "__metadata__":
             continue
-        if e.get("dtype") not in dtypes:
-            raise ValueError(f"{path}: {name}: dtype {e.get('dtype')} (expected BF16, F16 or F32)")
-        lo, hi = e["data_offsets"]
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in dtypes:
+            dtype = e.get("dtype") if isinstance(e, dict) else e
+            raise ValueError(f"{path}: {name}: dtype {dtype} (expected BF16, F16 or F32)")
+        offsets, shape = e.get("data_offsets"), e.get("shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(whole, offsets))):
+            raise ValueError(f"{path}: {name}: data_offsets {offsets} (expected two byte offsets)")
+        if not (isinstance(shape, list) and all(map(whole, shape))):
+            raise ValueError(f"{path}: {name}: shape {shape} (expected a list of non-negative integers)")
+        lo, hi = offsets
         if not 0 <= lo <= hi <= len(raw) - base:
             raise ValueError(f"{path}: {name}: data_offsets {lo}..{hi} outside the file")
-        if hi - lo != math.prod(e["shape"]) * dtypes[e["dtype"]].itemsize:
+        if hi - lo != math.prod(shape) * dtypes[e["dtype"]].itemsize:
             raise ValueError(f"{path}: {name}: data_offsets {lo}..{hi} do not fit shape {e['shape']}")
         t = torch.frombuffer(bytearray(raw[base + lo:base + hi]), dtype=dtypes[e["dtype"]])
         out[name] = t.reshape(e["shape"]).clone()
@@ -361,8 +376,16 @@ def import_hf(model: Sdar, out_dir):
     inverse of export_hf, so training can continue from a shipped or exported model."""
     index = os.path.join(out_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{index}: not JSON ({str(e)[:200]})") from None
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and f and os.path.basename(f) == f for f in weight_map.values()):
+            raise ValueError(f"{index}: weight_map: expected an object of tensor names to file names in its folder")
+        files = sorted(set(weight_map.values()))
     else:
         files = ["model.safetensors"]
     tensors = {}

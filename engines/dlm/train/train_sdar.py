@@ -814,10 +814,19 @@ def cmd_train(a):
             sys.exit(f"train_sdar: --init: {e}")
         rec = os.path.join(a.init, "training.json")
         if os.path.exists(rec):
-            with open(rec) as fh:
-                r = json.load(fh)
-            state.update(step=r.get("steps", 0), tokens=r.get("tokens", 0), stages=r.get("stages", []),
-                         history=r.get("history", []))
+            try:
+                with open(rec, encoding="utf-8") as fh:
+                    r = json.load(fh)
+            except (OSError, ValueError, RecursionError) as e:
+                sys.exit(f"train_sdar: {rec}: not readable JSON ({type(e).__name__}: {str(e)[:200]})")
+            if not isinstance(r, dict):
+                sys.exit(f"train_sdar: {rec}: expected a JSON object, got a {type(r).__name__}")
+            record = {"step": r.get("steps", 0), "tokens": r.get("tokens", 0), "stages": r.get("stages", []),
+                      "history": r.get("history", [])}
+            if not (type(record["step"]) is int and type(record["tokens"]) is int
+                    and isinstance(record["stages"], list) and isinstance(record["history"], list)):
+                sys.exit(f"train_sdar: {rec}: expected steps and tokens (integers), stages and history (lists)")
+            state.update(record)
         log(f"initialised from the export {a.init} at step {state['step']} (new optimizer state)")
     compiled_flex = None
     if device.type == "cuda" and attention == "flex":

@@ -194,19 +194,18 @@ def fingerprint(cfg: ExperimentConfig, kind: str, seed: int) -> Dict:
             "train": train, "data": d["data"], "seed": seed}
 
 
-def _save_atomic(obj, path: Path) -> None:
-    """Every file a run writes goes to a temporary name first and then replaces the old one, so
-    an interrupted write leaves the previous file whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _write_atomic(path: Path, data) -> None:
-    """``data`` (str, UTF-8, or bytes) into ``path`` by a temporary file and a rename."""
+    """``data`` (str, UTF-8, or bytes) into ``path`` by a temporary file and a rename. Every file
+    a run writes goes this way, so an interrupted write leaves the previous file whole."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     os.replace(tmp, path)
+
+
+def _save_atomic(obj, path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _write_atomic(path, buffer.getvalue())
 
 
 CHECKPOINT_KEYS = {"fingerprint": dict, "step": int, "model": dict, "optimizer": dict, "log": list,
@@ -610,7 +609,7 @@ def compare_grid(out: Path, cfg: ExperimentConfig, seed: int, kinds: Sequence[st
     path = out / "compare.png"
     save_grid(path, np.concatenate(rows), cfg)
     _write_atomic(out / "compare.txt", "rows of compare.png, top to bottom:\n" +
-                                     "\n".join(f"{i + 1}. {name}" for i, name in enumerate(legend)) + "\n")
+                  "\n".join(f"{i + 1}. {name}" for i, name in enumerate(legend)) + "\n")
     return path
 
 
@@ -679,7 +678,7 @@ def run_experiment(cfg: ExperimentConfig, seeds: Sequence[int], out: Path, devic
                    ", training steps under bf16 autocast" if any(s.get("autocast_bf16") for s in summaries) else "",
                    f", EMA weights (decay {cfg.train.ema:g}) scored and sampled" if cfg.train.ema else ""])
     _write_atomic(out / "results.md", f"# {cfg.name}\n\n{cfg.description}\n\nHeld-out flow-matching loss{how}.\n\n"
-                                    f"{table}\n\n{format_bars(bars)}\n")
+                  f"{table}\n\n{format_bars(bars)}\n")
     log(f"\n{cfg.name}: held-out flow-matching loss ({len(heldout[0])} held-out images, same noise and "
         f"timesteps for every model){how}\n{table}\n{format_bars(bars)}")
     if grid is not None:

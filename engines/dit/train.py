@@ -13,7 +13,8 @@ train.checkpoint_every steps and at the end; a run that finds one resumes from i
 evaluated), summary.json, samples.png (and samples_ba_att_*.png for full-attention runs; with
 eval.reconstruct_from, samples_reconstruct_t{t0}.png of held-out images noised to t0 and
 integrated back, and how many of their bars were kept, in the summary and in log.csv at each
-evaluation). OUT
+evaluation; with sample.more_steps, samples_steps{N}.png of the same noise in N Euler steps, and
+their bar counts, the same way). OUT
 gets results.json, results.md (the table, and how many of each run's samples and of as many
 held-out images show a bar, by bars.py) and compare.png (first seed: a row of held-out images,
 then one row per attention, every row from the same starting noise). Default OUT:
@@ -118,9 +119,27 @@ def sample_noise(cfg: ExperimentConfig):
     return torch.randn(cfg.sample.images, m.channels, m.image_size, m.image_size, generator=g)
 
 
-def draw_samples(model, cfg: ExperimentConfig, device) -> np.ndarray:
+def draw_samples(model, cfg: ExperimentConfig, device, steps: Optional[int] = None) -> np.ndarray:
+    """Samples from the fixed noise of sample.seed in ``steps`` Euler steps (default sample.steps)."""
     noise = sample_noise(cfg).to(device)
-    return euler_sample(model, noise, cfg.sample.steps, noise_scale(cfg.model.image_size)).float().cpu().numpy()
+    steps = cfg.sample.steps if steps is None else steps
+    return euler_sample(model, noise, steps, noise_scale(cfg.model.image_size)).float().cpu().numpy()
+
+
+def more_steps_samples(model, cfg: ExperimentConfig, device, run_dir: Path, suffix: str) -> List[Dict]:
+    """sample.more_steps: the samples again from the same noise in each of those numbers of steps,
+    written as samples_steps{N}{suffix}.npy/.png; per count, how many show a bar (bars.py)."""
+    out = []
+    for steps in cfg.sample.more_steps:
+        images = draw_samples(model, cfg, device, steps)
+        save_samples(run_dir, f"_steps{steps}{suffix}", images, cfg)
+        out.append({"steps": steps, "bars": count_bars(images), "images": len(images)})
+    return out
+
+
+def format_more_steps(rows: List[Dict]) -> str:
+    """'100 steps 3/16, 200 steps 5/16': bars drawn per number of sampling steps."""
+    return ", ".join(f"{r['steps']} steps {r['bars']}/{r['images']}" for r in rows)
 
 
 def save_grid(path: Path, images: np.ndarray, cfg: ExperimentConfig) -> None:
@@ -181,7 +200,8 @@ def format_reconstruct(rows: List[Dict]) -> str:
 
 # ---- one run ---------------------------------------------------------------------------------
 
-LOG_FIELDS = ["step", "train_loss", "lr", "train_seconds", "heldout_loss", "sample_bars", "reconstruct_bars"]
+LOG_FIELDS = ["step", "train_loss", "lr", "train_seconds", "heldout_loss", "sample_bars", "reconstruct_bars",
+              "more_steps_bars"]
 
 
 def fingerprint(cfg: ExperimentConfig, kind: str, seed: int) -> Dict:
@@ -241,7 +261,7 @@ def _log_row(row) -> bool:
     return (isinstance(row, dict) and set(row) <= set(LOG_FIELDS) and type(row.get("step")) is int
             and all(number_or_none(row.get(k)) for k in ("train_loss", "lr", "train_seconds", "heldout_loss"))
             and (row.get("sample_bars") is None or type(row.get("sample_bars")) is int)
-            and (row.get("reconstruct_bars") is None or isinstance(row.get("reconstruct_bars"), str)))
+            and all(row.get(k) is None or isinstance(row.get(k), str) for k in ("reconstruct_bars", "more_steps_bars")))
 
 
 def resume(path: Path, want: Dict, model, optimizer, ema, device="cpu"):
@@ -426,15 +446,18 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
             bars = progress_samples(scored, cfg, device, run_dir, step) if at_eval and step < steps else None
             kept = (format_reconstruct(reconstruct(scored, cfg, device, heldout, run_dir, f"_step{step}", with_bar))
                     if bars is not None and cfg.eval.reconstruct_from else None)
+            finer = (format_more_steps(more_steps_samples(scored, cfg, device, run_dir, f"_step{step}"))
+                     if bars is not None and cfg.sample.more_steps else None)
             model.train()
             rows.append({"step": step, "train_loss": sum(window) / len(window), "lr": lr,
                          "train_seconds": round(train_seconds, 3), "heldout_loss": heldout_loss,
-                         "sample_bars": bars, "reconstruct_bars": kept})
+                         "sample_bars": bars, "reconstruct_bars": kept, "more_steps_bars": finer})
             rate = session_seconds / session_steps
             eta = rate * (target - step)
             extra = f"  held-out {heldout_loss:.4f}" if heldout_loss is not None else ""
             extra += f"  bars {bars}/{cfg.sample.images}" if bars is not None else ""
             extra += f"  bars kept from {kept}" if kept else ""
+            extra += f"  bars with {finer}" if finer else ""
             log(f"{tag} step {step}/{steps}  loss {rows[-1]['train_loss']:.4f}  lr {lr:.2e}  "
                 f"{rate:.3f} s/step  eta {eta / 60:.1f} min{extra}")
             window = []
@@ -463,6 +486,9 @@ def train_run(cfg: ExperimentConfig, kind: str, seed: int, run_dir: Path, device
     if summary["reconstruct"]:
         log(f"{tag} held-out images with a bar, noised and reconstructed, bars kept from "
             f"{format_reconstruct(summary['reconstruct'])}")
+    summary["more_steps"] = more_steps_samples(scored, cfg, device, run_dir, "")
+    if summary["more_steps"]:
+        log(f"{tag} samples with a bar, from the same noise in more steps: {format_more_steps(summary['more_steps'])}")
     if kind == "full":
         summary["ba_att"] = []
         for sort in cfg.ba_att.sort:

@@ -496,7 +496,7 @@ def test_tiny_trains_and_its_loss_decreases(tmp_path, capsys):
 def test_resume_equals_uninterrupted(tmp_path, kind, ema):
     cfg = config_mod.override(config_mod.load(CONFIGS / "tiny.json"),
                               **{"train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 3,
-                                 "train.ema": ema, "eval.reconstruct_from": [0.5]})
+                                 "train.ema": ema, "eval.reconstruct_from": [0.5], "sample.more_steps": [2, 9]})
     torch.set_num_threads(1)
     quiet = lambda message: None  # noqa: E731
     whole = train_mod.train_run(cfg, kind, 0, tmp_path / "whole", num_threads=1, log=quiet)
@@ -517,6 +517,14 @@ def test_resume_equals_uninterrupted(tmp_path, kind, ema):
     mid = next(r for r in a["log"] if r["step"] == 3)
     assert mid["reconstruct_bars"].startswith("t0.5 ") and (tmp_path / "whole" / "samples_reconstruct_t0.5_step3.npy").exists()
     assert [r["t0"] for r in whole["reconstruct"]] == [0.5] and (tmp_path / "whole" / "samples_reconstruct_t0.5.png").exists()
+    # sample.more_steps: the same noise again in 2 and 9 steps, mid-run and at the end; counted in
+    # the log, the summary and the progress line. The default sampler (4 steps) is neither.
+    assert mid["more_steps_bars"].startswith("2 steps ") and ", 9 steps " in mid["more_steps_bars"]
+    assert [(r["steps"], r["images"]) for r in whole["more_steps"]] == [(2, 8), (9, 8)]
+    default = np.load(tmp_path / "whole" / "samples.npy")
+    finer = np.load(tmp_path / "whole" / "samples_steps9.npy")
+    assert (tmp_path / "whole" / "samples_steps2_step3.png").exists() and finer.shape == default.shape
+    assert not np.array_equal(finer, default) and np.array_equal(finer, np.load(tmp_path / "split" / "samples_steps9.npy"))
     # A checkpoint of another configuration is refused, naming what differs.
     other = config_mod.override(cfg, **{"train.lr": 0.01})
     with pytest.raises(ValueError, match="train differ"):

@@ -15,7 +15,6 @@ message, which names the argument: ``ValueError`` for bad arguments, ``TypeError
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -431,21 +430,13 @@ class BlockIndex:
     def save(self, path: str) -> None:
         """Write the plan as the .safetensors index file that ``sparsa run --index`` reads
         (entries counts, indices and the present permutations, int32; block sizes in the
-        header's ``__metadata__``). Device arrays are copied to the host."""
-        header = {"__metadata__": {"block_q": str(int(self.block_q)), "block_kv": str(int(self.block_kv))}}
-        blobs, offset = [], 0
-        for name in ("counts", "indices", "perm_q", "perm_kv"):
-            a = getattr(self, name)
-            if a is None:
-                continue
-            a = np.ascontiguousarray(_to_host(a), dtype=np.int32)
-            header[name] = {"dtype": "I32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-            blobs.append(a.astype("<i4", copy=False).tobytes())
-            offset += a.nbytes
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+        header's ``__metadata__``). Device arrays are copied to the host. The library's writer
+        writes it: to a temporary file, then renamed over ``path``, so a failed write leaves an
+        earlier file whole."""
+        names = [name for name in _INDEX_DIMS if getattr(self, name) is not None]
+        arrays = [np.ascontiguousarray(_to_host(getattr(self, name)), dtype=np.int32) for name in names]
+        _core.write_safetensors(str(path), names, arrays, ["block_q", "block_kv"],
+                                [str(int(self.block_q)), str(int(self.block_kv))])
 
     @staticmethod
     def load(path: str, block_q: Optional[int] = None, block_kv: Optional[int] = None) -> "BlockIndex":

@@ -898,6 +898,22 @@ NB_MODULE(_sparsa, m) {
       },
       "path"_a, "Every entry of a .safetensors file ({name: numpy array}) and its __metadata__ ({key: string}).");
   m.def(
+      "write_safetensors",
+      [](const std::string& path, const std::vector<std::string>& names, const std::vector<InArray>& arrays,
+         const std::vector<std::string>& metadata_keys, const std::vector<std::string>& metadata_values) {
+        if (names.size() != arrays.size() || metadata_keys.size() != metadata_values.size()) {
+          throw nb::value_error("write_safetensors: names and arrays (and metadata keys and values) pair up");
+        }
+        std::vector<std::pair<std::string, Tensor>> entries;
+        for (size_t i = 0; i < names.size(); ++i) entries.emplace_back(names[i], to_tensor(arrays[i], "array"));
+        std::vector<std::pair<std::string, std::string>> metadata;
+        for (size_t i = 0; i < metadata_keys.size(); ++i) metadata.emplace_back(metadata_keys[i], metadata_values[i]);
+        // The library's writer: a temporary file, then a rename (a failed write leaves the path as it was).
+        check(write_safetensors(path, entries, metadata));
+      },
+      "path"_a, "names"_a, "arrays"_a, "metadata_keys"_a, "metadata_values"_a,
+      "Write CPU arrays as the entries of a .safetensors file, with __metadata__ strings.");
+  m.def(
       "write_tensor",
       [](const std::string& path, InArray a) { check(write_tensor(path, to_tensor(a, "array"))); }, "path"_a,
       "array"_a, "Write a CPU array to .npy or .safetensors.");

@@ -23,6 +23,13 @@ def test_block_index_save_load_round_trip(tmp_path, rng):
     assert (back.block_q, back.block_kv) == (32, 32)
     for name in ("counts", "indices", "perm_q", "perm_kv"):
         np.testing.assert_array_equal(getattr(back, name), np.asarray(getattr(plan, name)))
+    # The library's writer: a folder that is not there is an error naming the path, and saving
+    # over the file replaces it whole (the same bytes again).
+    with pytest.raises(RuntimeError, match="nowhere/plan.safetensors"):
+        plan.save(tmp_path / "nowhere" / "plan.safetensors")
+    first = (tmp_path / "plan.safetensors").read_bytes()
+    back.save(tmp_path / "plan.safetensors")
+    assert (tmp_path / "plan.safetensors").read_bytes() == first
     out, lse = sparsa.block_sparse(q, k, v, plan)
     out2, lse2 = sparsa.block_sparse(q, k, v, back)
     np.testing.assert_array_equal(out, out2)

@@ -20,7 +20,9 @@ so an estimate of x0 gives one of the velocity, and the loss, the sampler and th
 stay in velocity space for both. Predicting the clean image, which lies near a low-dimensional
 set where the noise does not, is the fix Li & He (2025, "Back to Basics: Let Denoising Generative
 Models Denoise") give for pixel-space transformers; their v-loss with x-prediction divides by t
-clipped at 0.05 (T_MIN), as here.
+clipped at 0.05 (T_MIN), as here. On the seed's experiment it did worse than predicting the
+velocity (docs/dit.md, "What the network predicts"): their tokens are patches of many values, ours
+single pixels.
 
 RoPE 2-D: the first half of each head's dimensions rotates with the pixel's row, the second half
 with its column; in each half the pairs (2j, 2j+1) turn by pos * theta^(-2j / half). RoPE is

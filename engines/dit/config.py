@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
-from .attention import AttentionSpec
+from .attention import AttentionSpec, keys_per_query
 from .data import SceneParams
 from .model import DiTConfig
 
@@ -188,15 +188,10 @@ class ExperimentConfig:
 
 
 def _check_llsa(spec: AttentionSpec, tokens: int) -> None:
-    """LLSA's own checks of block, top-K and levels for this many tokens (a plan over zeros), with
-    the section's name on the argument's: ``llsa.levels: ...``."""
-    import numpy as np
-    import sparsa
-
-    probe = np.zeros((1, 1, tokens, 4), dtype=np.float32)
+    """LLSA's own checks of block, top-K and levels for this many tokens (keys_per_query plans
+    over zeros), with the section's name on the argument's: ``llsa.levels: ...``."""
     try:
-        sparsa.llsa_plan(probe, probe, block=spec.block, topk=spec.topk, levels=spec.levels, dedupe=spec.dedupe,
-                         max_rows=0)
+        keys_per_query(tokens, spec)
     except ValueError as e:
         raise ValueError(f"llsa.{e}") from None
 

@@ -274,6 +274,7 @@ def test_summary_fuzz(trained, tmp_path):
     assert train_mod.finished_summary(run_dir, cfg, "full", 0) == original
     (tmp_path / "checkpoint.pt").write_bytes((run_dir / "checkpoint.pt").read_bytes())
     rng = random.Random(11)
+    used = refused = 0
     for case in range(CASES):
         raw = _mutate(rng, json.loads(json.dumps(original)))
         text = json.dumps(raw)
@@ -284,6 +285,9 @@ def test_summary_fuzz(trained, tmp_path):
             summary = train_mod.finished_summary(tmp_path, cfg, "full", 0)
         except ValueError as e:
             assert str(e).startswith(f"{tmp_path / 'summary.json'}: "), str(e)
+            refused += 1
             continue
         if summary is not None:
             train_mod.format_table(train_mod.results_table([summary]), cfg.model.tokens)
+            used += 1
+    assert used > 0 and refused > 0

@@ -359,15 +359,28 @@ def test_reconstructions_keep_the_bars_a_model_finishes(tmp_path):
     # A model that finishes every image it is shown keeps every bar, from any time.
     kept = train_mod.reconstruct(_Oracle(x0.double()), cfg, "cpu", (x0.double(), heldout[1].double()), tmp_path,
                                  "_exact")
-    assert kept == [{"t0": 0.5, "bars_kept": shown, "bars_shown": shown},
-                    {"t0": 1.0, "bars_kept": shown, "bars_shown": shown}]
+    assert kept == [{"t0": 0.5, "bars_kept": shown, "one_step_kept": shown, "bars_shown": shown},
+                    {"t0": 1.0, "bars_kept": shown, "one_step_kept": shown, "bars_shown": shown}]
     images = np.load(tmp_path / "samples_reconstruct_t0.5_exact.npy")
     assert np.allclose(images, x0.numpy(), atol=1e-6)
     assert (tmp_path / "samples_reconstruct_t1_exact.png").read_bytes()[:4] == b"\x89PNG"
-    assert train_mod.format_reconstruct(kept) == f"t0.5 {shown}/{shown} t1 {shown}/{shown}"
+    assert train_mod.format_reconstruct(kept) == (f"t0.5 {shown}/{shown} (one step {shown}/{shown}) "
+                                                  f"t1 {shown}/{shown} (one step {shown}/{shown})")
     # One that draws flat images keeps none.
     flat = train_mod.reconstruct(_Oracle(torch.zeros_like(x0)), cfg, "cpu", heldout, tmp_path, "_flat")
-    assert [r["bars_kept"] for r in flat] == [0, 0]
+    assert [(r["bars_kept"], r["one_step_kept"]) for r in flat] == [(0, 0), (0, 0)]
+
+    # One that denoises its input in one step but not along the path: its one-step estimate is
+    # the clean image (the velocity towards x0 at t0 exactly), and at every later time it aims
+    # at flat images. The one-step count keeps the bars and the integration loses them, which is
+    # the split the two counts exist to show.
+    class _FirstStepOnly(torch.nn.Module):
+        def forward(self, x, t):
+            target = x0.double() if float(t[0]) in (0.5, 1.0) else torch.zeros_like(x)
+            return (x - target) / t.view(-1, 1, 1, 1)
+
+    split = train_mod.reconstruct(_FirstStepOnly(), cfg, "cpu", (x0.double(), heldout[1].double()), tmp_path, "_split")
+    assert [(r["bars_kept"], r["one_step_kept"]) for r in split] == [(0, shown), (0, shown)]
     # Without eval.reconstruct_from nothing runs.
     none = config_mod.override(cfg, **{"eval.reconstruct_from": []})
     assert train_mod.reconstruct(_Oracle(x0), none, "cpu", heldout, tmp_path, "_none") == []
